@@ -1,0 +1,104 @@
+"""The experiment config: every field with its default, and validation before anything compiles.
+
+Config files in `configs/` start from `base_config()` and change what they need. ml_collections
+locks the dict, so a typo'd override (`--config.train.stepz=3`) fails at parse time and a value
+of the wrong type is rejected; `validate` then checks values and cross-field consistency.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import ml_collections as mlc
+
+from jaxscale.errors import ConfigError, paragraph
+
+# Default rules: a batch sharded over data+fsdp, FSDP on the embed dimension of weights
+# (falling back to the mlp/vocab dimension), tensor parallelism over heads, kv and mlp.
+DEFAULT_RULES: list[tuple[str, Any]] = [
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv", "tensor"),
+    ("mlp", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "fsdp"),
+    ("vocab", "fsdp"),
+    ("head_dim", None),
+    ("norm", None),
+    ("layers", None),
+]
+
+
+def base_config() -> mlc.ConfigDict:
+    c = mlc.ConfigDict()
+    c.seed = 0
+    c.init_from = ""
+    c.mesh = mlc.ConfigDict(dict(data=-1, pipeline=1, fsdp=1, tensor=1,
+                                 dcn_data=1, dcn_pipeline=1, dcn_fsdp=1, dcn_tensor=1))
+    c.rules = [tuple(r) for r in DEFAULT_RULES]
+    c.rules_strict = False
+    c.rules_indivisible = "error"
+    c.precision = "32-true"
+    c.model = mlc.ConfigDict(dict(
+        name="llama", vocab_size=256, embed=128, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=32, mlp=512, max_len=2048, rope_theta=10000.0, norm_eps=1e-5,
+        tie_embeddings=False, remat="none", attention="einsum"))
+    c.data = mlc.ConfigDict(dict(corpus="stdlib", max_bytes=4_000_000, seq_len=128,
+                                 batch_size=32, eval_batches=4, part="all"))
+    c.optim = mlc.ConfigDict(dict(name="adamw", lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
+                                  weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
+                                  clip_norm=1.0, momentum=0.9))
+    c.train = mlc.ConfigDict(dict(steps=200, log_every=10, eval_every=100, grad_accum=1,
+                                  skip_nonfinite=False))
+    c.pipeline = mlc.ConfigDict(dict(microbatches=1, repeats=1, schedule="gpipe"))
+    c.checkpoint = mlc.ConfigDict(dict(every=0, keep=3))
+    return c
+
+
+def _require(ok: bool, *sentences: str) -> None:
+    if not ok:
+        raise ConfigError(paragraph(*sentences))
+
+
+def validate(c: mlc.ConfigDict) -> None:
+    """Checks values and cross-field consistency; raises one-paragraph ConfigErrors."""
+    m, d, t = c.model, c.data, c.train
+    _require(m.num_heads % m.num_kv_heads == 0,
+             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads="
+             f"{m.num_kv_heads} (grouped-query attention shares each kv head among a group).")
+    _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings.")
+    _require(d.seq_len <= m.max_len, f"data.seq_len={d.seq_len} exceeds model.max_len={m.max_len}.")
+    _require(t.steps > 0 and t.log_every > 0, "train.steps and train.log_every must be positive.")
+    _require(t.grad_accum >= 1 and d.batch_size % t.grad_accum == 0,
+             f"data.batch_size={d.batch_size} must be divisible by train.grad_accum="
+             f"{t.grad_accum}: each accumulation step takes batch_size/grad_accum rows.")
+    micro = c.pipeline.microbatches
+    _require(micro >= 1 and (d.batch_size // t.grad_accum) % micro == 0,
+             f"The per-step batch {d.batch_size // t.grad_accum} is not divisible by "
+             f"pipeline.microbatches={micro}; choose a batch that the microbatches divide.")
+    _require(c.rules_indivisible in ("error", "replicate"),
+             f"rules_indivisible={c.rules_indivisible!r}: use 'error' or 'replicate'.")
+    _require(d.part in ("all", "a", "b"),
+             f"data.part={d.part!r}: use 'all', or 'a'/'b' for the two disjoint halves.")
+
+
+def save_config(c: mlc.ConfigDict, workdir: str) -> str:
+    """Writes the resolved config as JSON (tuples become lists) and returns its path."""
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "config.json")
+    with open(path, "w") as f:
+        json.dump(c.to_dict(), f, indent=2, sort_keys=True, default=str)
+    return path
+
+
+def tokens_per_step(c: mlc.ConfigDict) -> int:
+    return c.data.batch_size * c.data.seq_len
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and math.log2(n).is_integer()

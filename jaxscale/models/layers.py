@@ -1,0 +1,130 @@
+"""Llama building blocks in Flax NNX: every parameter and key activation has logical axis names.
+
+Parameters are created by `param`, which records `logical_axes` as NNX variable metadata; the
+rules module resolves them to PartitionSpecs. Layers can be created *stacked* (`stack=L`): every
+parameter gets a leading `layers` dimension so the decoder can `scan` over depth (compile time
+independent of depth) and the pipeline can split that axis into stages.
+Shape suffixes: B batch, T length, E embed, H heads, K kv heads, G heads per kv head,
+D head dim, F mlp hidden, V vocab, S source length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxscale.precision import Policy
+from jaxscale.rules import constrain
+
+
+def param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None], *,
+          init: str = "normal", fan_in: int = 1, stack: int | None = None,
+          dtype=jnp.float32) -> nnx.Param:
+    """A parameter with logical axes; `stack` prepends a `layers` dimension."""
+    shape, axes = tuple(shape), tuple(axes)
+    if stack is not None:
+        shape, axes = (stack,) + shape, ("layers",) + axes
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:  # fan-in scaled normal, computed on the unstacked shape
+        value = (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in))
+        value = value.astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, policy: Policy, *, stack: int | None = None):
+        self.scale = param(None, (dim,), ("norm",), init="ones", stack=stack, dtype=policy.param)
+        self.eps, self.policy = eps, policy
+
+    def __call__(self, x_BTE: jax.Array) -> jax.Array:
+        dtype = self.policy.dtype_for("norm")
+        x = x_BTE.astype(dtype)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(dtype)).astype(self.policy.compute)
+
+
+def rotary(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding in the "rotate half" layout (the Hugging Face Llama convention)."""
+    d = x_BTHD.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles_BTd = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    angles_BTD = jnp.concatenate([angles_BTd, angles_BTd], axis=-1)[:, :, None, :]
+    x = x_BTHD.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x * jnp.cos(angles_BTD) + rotated * jnp.sin(angles_BTD)).astype(x_BTHD.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal attention; shards over `batch`, `heads` and `kv`."""
+
+    def __init__(self, embed: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float,
+                 policy: Policy, impl: str, rngs: nnx.Rngs, *, stack: int | None = None):
+        if heads % kv_heads:
+            raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}.")
+        kw = dict(stack=stack, dtype=policy.param)
+        self.wq = param(rngs, (embed, heads, head_dim), ("embed", "heads", "head_dim"),
+                        fan_in=embed, **kw)
+        self.wk = param(rngs, (embed, kv_heads, head_dim), ("embed", "kv", "head_dim"),
+                        fan_in=embed, **kw)
+        self.wv = param(rngs, (embed, kv_heads, head_dim), ("embed", "kv", "head_dim"),
+                        fan_in=embed, **kw)
+        self.wo = param(rngs, (heads, head_dim, embed), ("heads", "head_dim", "embed"),
+                        fan_in=heads * head_dim, **kw)
+        self.rope_theta, self.policy, self.impl = rope_theta, policy, impl
+
+    def __call__(self, x_BTE: jax.Array, positions_BT: jax.Array) -> jax.Array:
+        c = self.policy.compute
+        q_BTHD = jnp.einsum("bte,ehd->bthd", x_BTE, self.wq[...].astype(c))
+        k_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, self.wk[...].astype(c))
+        v_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, self.wv[...].astype(c))
+        q_BTHD = constrain(rotary(q_BTHD, positions_BT, self.rope_theta),
+                           "batch", "length", "heads", "head_dim")
+        k_BTKD = constrain(rotary(k_BTKD, positions_BT, self.rope_theta),
+                           "batch", "length", "kv", "head_dim")
+        v_BTKD = constrain(v_BTKD, "batch", "length", "kv", "head_dim")
+        out_BTHD = self._attend(q_BTHD, k_BTKD, v_BTKD)
+        out_BTHD = constrain(out_BTHD, "batch", "length", "heads", "head_dim")
+        out_BTE = jnp.einsum("bthd,hde->bte", out_BTHD, self.wo[...].astype(c))
+        return constrain(out_BTE, "batch", "length", "embed")
+
+    def _attend(self, q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array) -> jax.Array:
+        if self.impl == "dot_product_attention":  # fused (cuDNN flash attention on GPUs)
+            return jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, is_causal=True)
+        b, t, h, d = q_BTHD.shape
+        k = k_BSKD.shape[2]
+        q_BTKGD = q_BTHD.reshape(b, t, k, h // k, d)
+        scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD)
+        scores_BKGTS = scores_BKGTS.astype(self.policy.dtype_for("softmax")) / math.sqrt(d)
+        causal_TS = jnp.tril(jnp.ones((t, k_BSKD.shape[1]), dtype=bool))
+        scores_BKGTS = jnp.where(causal_TS, scores_BKGTS, jnp.finfo(scores_BKGTS.dtype).min)
+        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKD.dtype)
+        out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKD)
+        return out_BTKGD.reshape(b, t, h, d)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: column-parallel gate/up over `mlp`, row-parallel down back to `embed`."""
+
+    def __init__(self, embed: int, hidden: int, policy: Policy, rngs: nnx.Rngs, *,
+                 stack: int | None = None):
+        kw = dict(stack=stack, dtype=policy.param)
+        self.w_gate = param(rngs, (embed, hidden), ("embed", "mlp"), fan_in=embed, **kw)
+        self.w_up = param(rngs, (embed, hidden), ("embed", "mlp"), fan_in=embed, **kw)
+        self.w_down = param(rngs, (hidden, embed), ("mlp", "embed"), fan_in=hidden, **kw)
+        self.policy = policy
+
+    def __call__(self, x_BTE: jax.Array) -> jax.Array:
+        c = self.policy.compute
+        gate_BTF = jnp.einsum("bte,ef->btf", x_BTE, self.w_gate[...].astype(c))
+        up_BTF = jnp.einsum("bte,ef->btf", x_BTE, self.w_up[...].astype(c))
+        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, "batch", "length", "mlp")
+        out_BTE = jnp.einsum("btf,fe->bte", h_BTF, self.w_down[...].astype(c))
+        return constrain(out_BTE, "batch", "length", "embed")

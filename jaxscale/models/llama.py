@@ -1,0 +1,128 @@
+"""A Llama-style decoder-only LM in Flax NNX with a scanned (stacked) layer stack.
+
+The model knows nothing of meshes, training or checkpoints: it declares logical axes and calls
+`constrain` on key activations. The layer stack is one `Block` whose parameters carry a leading
+`layers` dimension; `__call__` scans over it, and `embed` / `run_layers` / `head` are exposed so a
+pipeline schedule can drive the same stack stage by stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxscale.models.layers import MLP, Attention, RMSNorm, param
+from jaxscale.precision import Policy, get_policy
+from jaxscale.rules import constrain
+
+# `jax.checkpoint` policies by config name: which intermediates the backward pass may keep.
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256
+    embed: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    mlp: int = 512
+    max_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    remat: str = "none"
+    attention: str = "einsum"  # or "dot_product_attention" (fused; cuDNN flash on GPUs)
+
+    @classmethod
+    def from_config(cls, model_cfg: Mapping[str, Any]) -> "LlamaConfig":
+        fields = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in dict(model_cfg).items() if k in fields})
+
+    def num_params(self) -> int:
+        e, f, l = self.embed, self.mlp, self.num_layers
+        attn = e * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * e * f + 2 * e
+        head = 0 if self.tie_embeddings else e * self.vocab_size
+        return self.vocab_size * e + l * per_layer + e + head
+
+
+class Block(nnx.Module):
+    """One pre-norm transformer block (created stacked: every parameter has a `layers` dim)."""
+
+    def __init__(self, cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs, stack: int):
+        self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
+        self.attn = Attention(cfg.embed, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                              cfg.rope_theta, policy, cfg.attention, rngs, stack=stack)
+        self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
+        self.mlp = MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack)
+
+    def __call__(self, h_BTE: jax.Array, positions_BT: jax.Array) -> jax.Array:
+        h_BTE = h_BTE + self.attn(self.attn_norm(h_BTE), positions_BT)
+        h_BTE = h_BTE + self.mlp(self.mlp_norm(h_BTE))
+        return constrain(h_BTE, "batch", "length", "embed")
+
+
+def scan_layers(block: Block, h_BTE: jax.Array, positions_BT: jax.Array,
+                remat: str = "none") -> jax.Array:
+    """Applies a stacked `block` layer by layer with `lax.scan` (optionally rematerialised)."""
+    graphdef, state = nnx.split(block)
+
+    def apply_one(h, layer_state):
+        return nnx.merge(graphdef, layer_state)(h, positions_BT), None
+
+    if remat != "none":
+        apply_one = jax.checkpoint(apply_one, policy=REMAT_POLICIES[remat])
+    h_BTE, _ = jax.lax.scan(apply_one, h_BTE, state)
+    return h_BTE
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, policy: Policy | None = None):
+        policy = policy or get_policy("32-true")
+        if cfg.remat not in REMAT_POLICIES:
+            raise ValueError(f"Unknown remat policy {cfg.remat!r}; use one of {list(REMAT_POLICIES)}.")
+        self.cfg, self.policy = cfg, policy
+        self.embedding = param(rngs, (cfg.vocab_size, cfg.embed), ("vocab", "embed"),
+                               fan_in=1, dtype=policy.param)
+        self.layers = Block(cfg, policy, rngs, stack=cfg.num_layers)
+        self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"),
+                                 fan_in=cfg.embed, dtype=policy.param)
+
+    def embed(self, tokens_BT: jax.Array) -> jax.Array:
+        h_BTE = jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.policy.compute)
+        return constrain(h_BTE, "batch", "length", "embed")
+
+    def head(self, h_BTE: jax.Array) -> jax.Array:
+        dtype = self.policy.dtype_for("logits")
+        h_BTE = self.final_norm(h_BTE).astype(dtype)
+        if self.cfg.tie_embeddings:
+            logits_BTV = jnp.einsum("bte,ve->btv", h_BTE, self.embedding[...].astype(dtype))
+        else:
+            logits_BTV = jnp.einsum("bte,ev->btv", h_BTE, self.lm_head[...].astype(dtype))
+        return constrain(logits_BTV, "batch", "length", "vocab")
+
+    def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
+                 run_layers: Callable[..., jax.Array] | None = None) -> jax.Array:
+        """Logits for `tokens_BT`; `run_layers(block, h, positions)` may replace the scan."""
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+        h_BTE = self.embed(tokens_BT)
+        if run_layers is None:
+            h_BTE = scan_layers(self.layers, h_BTE, positions_BT, self.cfg.remat)
+        else:
+            h_BTE = run_layers(self.layers, h_BTE, positions_BT)
+        return self.head(h_BTE)

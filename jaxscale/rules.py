@@ -1,0 +1,188 @@
+"""Ordered logical-axis rules -> PartitionSpecs, for parameters and activations.
+
+Rules are an ordered list of `(logical_name, mesh_axis | tuple_of_mesh_axes | None)`. Resolution
+follows flax linen's `logical_to_mesh_axes`: rules are visited in order and a rule assigns its
+mesh axes to the dimension carrying its logical name only if that dimension is still unassigned
+and none of the rule's mesh axes is already used by this array. Unmatched names are replicated.
+This lets MaxText-style fallbacks work: `('embed', ('fsdp', 'tensor'))` then `('embed', 'fsdp')`.
+jaxscale owns this resolver (flax NNX's turns rules into a dict, so the last rule would win) and
+only hands NNX finished PartitionSpecs. This module is the one place that knows how parameters
+and activations are sharded: models call `constrain(x, 'batch', 'length', 'embed')` and declare
+`logical_axes` on parameters, nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxscale.errors import RulesError, paragraph
+
+MeshAxes = str | tuple[str, ...] | None
+Rule = tuple[str, MeshAxes]
+
+
+def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+    if mesh_axes is None:
+        return ()
+    return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+
+
+def normalize_rules(rules: Sequence[Sequence[Any]]) -> tuple[Rule, ...]:
+    """Validates the rules' shape (pairs of name and mesh axes) and freezes them into tuples."""
+    out = []
+    for i, rule in enumerate(rules):
+        if len(rule) != 2 or not isinstance(rule[0], str):
+            raise RulesError(paragraph(
+                f"Rule #{i} {rule!r} is malformed. Each rule is a pair",
+                "(logical_name, mesh_axis | (mesh_axis, ...) | None), e.g. ('embed', 'fsdp').",
+            ))
+        axes = rule[1]
+        if isinstance(axes, list):
+            axes = tuple(axes)
+        if axes is not None and not isinstance(axes, (str, tuple)):
+            raise RulesError(f"Rule #{i} {rule!r}: mesh axes must be a name, a tuple or None.")
+        out.append((rule[0], axes))
+    return tuple(out)
+
+
+def logical_to_mesh_axes(logical: Sequence[str | None], rules: Sequence[Rule]) -> list[MeshAxes]:
+    """Pure flax-linen semantics: per dimension, the mesh axes (or None) of its first free rule."""
+    names = [n for n in logical if n is not None]
+    if len(set(names)) != len(names):
+        raise RulesError(f"Logical axes {tuple(logical)} repeat a name; each must be unique.")
+    result: list[Any] = ["?" if n is not None else None for n in logical]
+    used: set[str] = set()
+    for name, mesh_axes in rules:
+        if name not in names:
+            continue
+        pos = list(logical).index(name)
+        wanted = set(_as_tuple(mesh_axes))
+        if result[pos] == "?" and not (wanted & used):
+            result[pos] = mesh_axes
+            used |= wanted
+    return [None if r == "?" else r for r in result]
+
+
+@dataclass(frozen=True)
+class AxisRules:
+    """Rules plus the policies that apply them: strictness and indivisible dimensions."""
+
+    rules: tuple[Rule, ...]
+    strict: bool = False
+    indivisible: str = "error"  # or "replicate"
+
+    @classmethod
+    def from_config(cls, config: Any) -> "AxisRules":
+        mode = config.get("rules_indivisible", "error")
+        if mode not in ("error", "replicate"):
+            raise RulesError(paragraph(
+                f"config.rules_indivisible={mode!r} is not valid; use 'error' (default) or",
+                "'replicate' (drop mesh axes that do not divide a dimension, with a warning).",
+            ))
+        return cls(normalize_rules(config.rules), bool(config.get("rules_strict", False)), mode)
+
+    def spec(self, logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+             path: str = "<array>", warn: bool = True) -> PartitionSpec:
+        """Resolves one array's logical axes to a PartitionSpec valid on `mesh`, or raises."""
+        if len(logical) != len(shape):
+            raise RulesError(paragraph(
+                f"{path}: logical axes {tuple(logical)} have {len(logical)} names but the array",
+                f"has shape {tuple(shape)}. Give exactly one logical name (or None) per dimension.",
+            ))
+        self._check_covered(logical, shape, path)
+        resolved = logical_to_mesh_axes(logical, self.rules)
+        dims = [self._fit(path, shape, logical, i, axes, mesh, warn)
+                for i, axes in enumerate(resolved)]
+        return PartitionSpec(*dims)
+
+    def _check_covered(self, logical: Sequence[str | None], shape: Sequence[int], path: str):
+        if not self.strict:
+            return
+        known = {name for name, _ in self.rules}
+        missing = [n for n in logical if n is not None and n not in known]
+        if missing:
+            raise RulesError(paragraph(
+                f"{path} (shape {tuple(shape)}, logical axes {tuple(logical)}): no rule covers",
+                f"the logical name(s) {missing} and config.rules_strict=True.",
+                f"Add a rule such as ('{missing[0]}', None) to replicate it, or a mesh axis to",
+                "shard it, or set rules_strict=False to replicate unmatched names silently.",
+            ))
+
+    def _fit(self, path: str, shape: Sequence[int], logical: Sequence[str | None], dim: int,
+             mesh_axes: MeshAxes, mesh: Mesh, warn: bool) -> MeshAxes:
+        axes = _as_tuple(mesh_axes)
+        unknown = [a for a in axes if a not in mesh.shape]
+        if unknown:
+            raise RulesError(paragraph(
+                f"{path} (shape {tuple(shape)}, logical axes {tuple(logical)}): the rule for",
+                f"'{logical[dim]}' names mesh axis {unknown[0]!r}, which the mesh does not have",
+                f"(mesh axes: {tuple(mesh.shape)}). Fix the rule to use one of those names.",
+            ))
+        size = math.prod(mesh.shape[a] for a in axes)
+        if shape[dim] % size == 0:
+            return mesh_axes if axes else None
+        kept = tuple(a for a in axes if shape[dim] % mesh.shape[a] == 0 and mesh.shape[a] > 1)
+        while kept and shape[dim] % math.prod(mesh.shape[a] for a in kept):
+            kept = kept[:-1]
+        if self.indivisible == "error":
+            raise RulesError(paragraph(
+                f"{path}: dimension {dim} ('{logical[dim]}') of shape {tuple(shape)} has size",
+                f"{shape[dim]}, which is not divisible by {size}, the product of its mesh axes",
+                f"{axes} ({', '.join(f'{a}={mesh.shape[a]}' for a in axes)}).",
+                "Change the model dimension or the mesh, change the rule for",
+                f"'{logical[dim]}', or set config.rules_indivisible='replicate'.",
+            ))
+        if warn:
+            warnings.warn(paragraph(
+                f"{path}: dimension {dim} ('{logical[dim]}', size {shape[dim]}) is not divisible",
+                f"by mesh axes {axes}; sharding it over {kept or 'nothing'} instead",
+                "(config.rules_indivisible='replicate').",
+            ), stacklevel=2)
+        return kept if len(kept) > 1 else (kept[0] if kept else None)
+
+    def sharding(self, logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                 path: str = "<array>") -> NamedSharding:
+        return NamedSharding(mesh, self.spec(logical, shape, mesh, path))
+
+
+# ----------------------------------------------------------------------------- activations
+_ACTIVE: contextvars.ContextVar[tuple[AxisRules, Mesh] | None] = contextvars.ContextVar(
+    "jaxscale_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules: AxisRules, mesh: Mesh) -> Iterator[None]:
+    """Activates rules + mesh for `constrain` while a function is traced."""
+    token = _ACTIVE.set((rules, mesh))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_rules() -> tuple[AxisRules, Mesh] | None:
+    return _ACTIVE.get()
+
+
+def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
+    """Sharding constraint on an activation by logical names; identity when no rules are active.
+
+    Mesh axes that do not divide a dimension are dropped (activations are transient: a smaller
+    eval batch must not fail), so only parameters are held to `rules_indivisible`.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    rules, mesh = active
+    lenient = AxisRules(rules.rules, strict=False, indivisible="replicate")
+    spec = lenient.spec(logical, x.shape, mesh, path="<activation>", warn=False)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,0 +1,152 @@
+"""The training loop: build everything from the config, run steps, call hooks, log metrics.
+
+`Trainer.build(config, workdir)` performs the visible set-up (mesh, rules, policy, model
+definition, optimizer, sharded state, jitted steps, data); `Trainer.run()` loops. Periodic work
+(evaluation, checkpoints, Lo-Fi pushes) are `Hook`s called after each step; a hook may return a
+replacement state (e.g. after loading an average). Only process 0 logs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import ml_collections as mlc
+import numpy as np
+
+from jaxscale import config as config_lib
+from jaxscale.data import Batches, eval_batches, load_corpus
+from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.mesh import make_mesh, mesh_summary
+from jaxscale.metrics import MetricsWriter, ProgressBar, llama_flops_per_token, mfu
+from jaxscale.precision import get_policy
+from jaxscale.rules import AxisRules
+from jaxscale.train.optim import make_optimizer
+from jaxscale.train.state import ModelDef, TrainState, init_state
+from jaxscale.train.step import StepContext, batch_sharding, jit_steps
+
+
+class Hook(Protocol):
+    def after_step(self, trainer: "Trainer", state: TrainState, step: int) -> TrainState | None:
+        """Called after every step with the host-side step number."""
+
+    def at_end(self, trainer: "Trainer", state: TrainState) -> None:
+        """Called once after the last step."""
+
+
+class NonFiniteError(JaxscaleError):
+    """Training produced a non-finite loss or gradient norm."""
+
+
+@dataclass
+class Trainer:
+    config: mlc.ConfigDict
+    workdir: str
+    ctx: StepContext
+    state: TrainState
+    shardings: TrainState
+    train_fn: Any
+    eval_fn: Any
+    batches: Batches
+    eval_data: list[np.ndarray]
+    hooks: list[Hook] = field(default_factory=list)
+    data_state: dict | None = None
+
+    @classmethod
+    def build(cls, config: mlc.ConfigDict, workdir: str) -> "Trainer":
+        config_lib.validate(config)
+        if jax.process_index() == 0:
+            config_lib.save_config(config, workdir)
+        mesh = make_mesh(config.mesh)
+        rules = AxisRules.from_config(config)
+        policy = get_policy(config.precision)
+        model_def = ModelDef.build(config.model, policy)
+        optimizer, lr = make_optimizer(config.optim, config.train.steps)
+        state, shardings = init_state(model_def, optimizer, rules, mesh, config.seed)
+        ctx = StepContext(model_def, optimizer, lr, policy, rules, mesh,
+                          config.train.grad_accum, config.train.skip_nonfinite)
+        d = config.data
+        train_fn, eval_fn = jit_steps(ctx, shardings, (d.batch_size, d.seq_len + 1))
+        train_tokens, eval_tokens = load_corpus(d.max_bytes, d.part)
+        pi, pc = jax.process_index(), jax.process_count()
+        batches = Batches(train_tokens, d.seq_len, d.batch_size, pi, pc, seed=config.seed)
+        evals = eval_batches(eval_tokens, d.seq_len, d.batch_size, d.eval_batches, pi, pc)
+        return cls(config, workdir, ctx, state, shardings, train_fn, eval_fn, batches, evals)
+
+    @property
+    def is_primary(self) -> bool:
+        return jax.process_index() == 0
+
+    def to_global(self, local: np.ndarray) -> jax.Array:
+        """Assembles the global batch from this host's rows."""
+        shape = (self.config.data.batch_size, local.shape[1])
+        sharding = batch_sharding(self.ctx.rules, self.ctx.mesh, shape)
+        return jax.make_array_from_process_local_data(sharding, local, shape)
+
+    def evaluate(self, state: TrainState) -> float:
+        losses = [self.eval_fn(state, self.to_global(b)) for b in self.eval_data]
+        return float(np.mean(jax.device_get(losses)))
+
+    def flops_per_token(self) -> float:
+        m, d = self.config.model, self.config.data
+        return llama_flops_per_token(m.num_layers, m.embed, m.num_heads, m.num_kv_heads,
+                                     m.head_dim, m.mlp, m.vocab_size, d.seq_len)
+
+    def run(self) -> TrainState:
+        cfg, state = self.config.train, self.state
+        start = int(jax.device_get(state.step))
+        it = self.batches.iterator(self.data_state)
+        writer = MetricsWriter(self.workdir, enabled=self.is_primary)
+        bar = ProgressBar(cfg.steps, initial=start, enabled=self.is_primary)
+        if self.is_primary:
+            print(f"jaxscale: mesh {mesh_summary(self.ctx.mesh)}, "
+                  f"{self.ctx.model_def.num_params():,} parameters, steps {start}->{cfg.steps}")
+        tokens = self.config.data.batch_size * self.config.data.seq_len
+        last_time, last_step = time.perf_counter(), start
+        for step in range(start + 1, cfg.steps + 1):
+            state, metrics = self.train_fn(state, self.to_global(next(it)))
+            self.data_state = it.get_state()
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                self.check_finite(state)
+                now = time.perf_counter()
+                host["step_time_s"] = (now - last_time) / (step - last_step)
+                host["tokens_per_s"] = tokens / host["step_time_s"]
+                util = mfu(self.flops_per_token(), host["tokens_per_s"], jax.device_count(),
+                           jax.devices()[0].device_kind)
+                if util is not None:
+                    host["mfu"] = util
+                if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                    host["eval_loss"] = self.evaluate(state)
+                writer.write(step, host)
+                bar.update(step, host)
+                last_time, last_step = time.perf_counter(), step
+            for hook in self.hooks:
+                state = hook.after_step(self, state, step) or state
+        for hook in self.hooks:
+            hook.at_end(self, state)
+        bar.close()
+        writer.close()
+        self.state = state
+        return state
+
+    def check_finite(self, state: TrainState) -> None:
+        """Raises if any step so far was non-finite (unless such steps are skipped)."""
+        first = int(jax.device_get(state.extra["first_nonfinite"]))
+        if first >= 0 and not self.config.train.skip_nonfinite:
+            raise NonFiniteError(paragraph(
+                f"Non-finite loss or gradient norm at step {first}. Training stopped",
+                "before saving anything from that step; the last good checkpoint was kept. Lower",
+                "optim.lr, use a float32 / bf16-mixed precision policy, or set",
+                "config.train.skip_nonfinite=True to skip such updates and count them.",
+            ))
+
+
+def train(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> TrainState:
+    trainer = Trainer.build(config, workdir)
+    trainer.hooks.extend(hooks)
+    return trainer.run()

@@ -1,0 +1,172 @@
+"""Sharded initialisation in four visible steps: shapes -> shardings -> jitted init -> donate.
+
+1. `ModelDef.build` traces the model abstractly (`nnx.eval_shape`): shapes and logical axes, no
+   memory. 2. `param_shardings` resolves every parameter's logical axes through the rules.
+3. `init_state` jits the real initialisation with those `out_shardings`, so each device only ever
+   materialises its own shards (a full copy never exists on one device). 4. The train step
+   donates the state. Parameters are held as plain nested dicts (the NNX state's pure form):
+   easy to checkpoint, average and convert, and merged back into the NNX module inside jit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxscale.models.llama import Llama, LlamaConfig
+from jaxscale.precision import Policy
+from jaxscale.rules import AxisRules
+
+Tree = Any
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array            # int32 scalar
+    params: Tree               # trainable parameters (nested dict)
+    frozen: Tree               # parameters without gradients or optimizer state (e.g. LoRA base)
+    opt_state: Tree
+    rng: jax.Array
+    extra: dict                # policy state such as the dynamic loss scale
+
+
+def flatten(tree: Mapping) -> dict[str, Any]:
+    """Nested dict -> {'a/b/c': leaf}."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update({f"{key}/{k}": v for k, v in flatten(value).items()})
+        else:
+            out[str(key)] = value
+    return out
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        *parents, leaf = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def merge_trees(a: Mapping, b: Mapping) -> dict:
+    """Union of two nested dicts with disjoint leaves (trainable + frozen)."""
+    return unflatten({**flatten(a), **flatten(b)})
+
+
+@dataclass(frozen=True)
+class ModelDef:
+    """The model's static structure: NNX graph definition plus abstract state with metadata."""
+
+    graphdef: Any
+    abstract: nnx.State
+    make: Callable[[jax.Array], nnx.Module]
+
+    @classmethod
+    def build(cls, model_cfg: Mapping, policy: Policy) -> "ModelDef":
+        cfg = LlamaConfig.from_config(model_cfg)
+        make = lambda rng: Llama(cfg, nnx.Rngs(rng), policy)
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0))))
+        return cls(graphdef, abstract, make)
+
+    def module(self, params: Mapping) -> nnx.Module:
+        """An NNX module bound to `params` (call inside jit; the abstract state is copied)."""
+        state = jax.tree.map(lambda x: x, self.abstract)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)
+
+    def logical_axes(self) -> dict[str, tuple]:
+        """{'layers/attn/wq': ('layers', 'embed', 'heads', 'head_dim'), ...}."""
+        return {"/".join(map(str, path)): tuple(var.get_metadata()["logical_axes"])
+                for path, var in nnx.to_flat_state(self.abstract)}
+
+    def shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        return {"/".join(map(str, path)): jax.ShapeDtypeStruct(var.shape, var.dtype)
+                for path, var in nnx.to_flat_state(self.abstract)}
+
+    def num_params(self) -> int:
+        return sum(int(np.prod(s.shape)) for s in self.shapes().values())
+
+    def init_params(self, rng: jax.Array) -> dict:
+        return nnx.to_pure_dict(nnx.state(self.make(rng)))
+
+
+def param_specs(model_def: ModelDef, rules: AxisRules, mesh: Mesh) -> dict[str, PartitionSpec]:
+    """Flat {path: PartitionSpec} for every parameter, resolved through the rules."""
+    shapes = model_def.shapes()
+    return {path: rules.spec(axes, shapes[path].shape, mesh, path)
+            for path, axes in model_def.logical_axes().items()}
+
+
+def _opt_state_shardings(abstract_opt: Tree, flat_param_sh: Mapping[str, NamedSharding],
+                         flat_shapes: Mapping[str, Any], mesh: Mesh) -> Tree:
+    """Optimizer-state leaves shaped like a parameter are sharded like it; others replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def pick(keypath, leaf):
+        names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in keypath]
+        for start in range(len(names)):
+            path = "/".join(names[start:])
+            if path in flat_param_sh and tuple(flat_shapes[path].shape) == tuple(leaf.shape):
+                return flat_param_sh[path]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, abstract_opt)
+
+
+def split_trainable(params: Mapping, is_trainable: Callable[[str], bool]) -> tuple[dict, dict]:
+    flat = flatten(params)
+    return (unflatten({k: v for k, v in flat.items() if is_trainable(k)}),
+            unflatten({k: v for k, v in flat.items() if not is_trainable(k)}))
+
+
+def all_trainable(path: str) -> bool:
+    return True
+
+
+def base_extra() -> dict:
+    """Counters every run keeps: non-finite steps seen, and the first one (-1: none)."""
+    return {"nonfinite_steps": jnp.zeros((), jnp.int32),
+            "first_nonfinite": jnp.full((), -1, jnp.int32)}
+
+
+def init_state(model_def: ModelDef, optimizer: optax.GradientTransformation, rules: AxisRules,
+               mesh: Mesh, seed: int, is_trainable: Callable[[str], bool] = all_trainable,
+               init_extra: Callable[[], dict] = dict) -> tuple[TrainState, TrainState]:
+    """Creates the TrainState already sharded; returns (state, its shardings)."""
+
+    def init(rng: jax.Array) -> TrainState:
+        params_rng, state_rng = jax.random.split(rng)
+        trainable, frozen = split_trainable(model_def.init_params(params_rng), is_trainable)
+        return TrainState(jnp.zeros((), jnp.int32), trainable, frozen,
+                          optimizer.init(trainable), state_rng, {**base_extra(), **init_extra()})
+
+    rng = jax.random.key(seed)
+    abstract = jax.eval_shape(init, rng)
+    shardings = state_shardings(abstract, model_def, rules, mesh)
+    return jax.jit(init, out_shardings=shardings)(rng), shardings
+
+
+def state_shardings(abstract: TrainState, model_def: ModelDef, rules: AxisRules,
+                    mesh: Mesh) -> TrainState:
+    """NamedShardings for every leaf of an (abstract) TrainState."""
+    flat_sh = {p: NamedSharding(mesh, s) for p, s in param_specs(model_def, rules, mesh).items()}
+    shapes = model_def.shapes()
+    replicated = NamedSharding(mesh, PartitionSpec())
+    by_path = lambda tree: unflatten({p: flat_sh[p] for p in flatten(tree)}) if tree else {}
+    return TrainState(
+        step=replicated, params=by_path(abstract.params), frozen=by_path(abstract.frozen),
+        opt_state=_opt_state_shardings(abstract.opt_state, flat_sh, shapes, mesh),
+        rng=replicated, extra=jax.tree.map(lambda _: replicated, abstract.extra))

@@ -1,0 +1,118 @@
+"""The pure train and eval steps: `train_step(state, batch) -> (state, metrics)`.
+
+Built once per run by `make_train_step`, which closes over the static pieces (model definition,
+optimizer, schedule, policy, rules and mesh) and returns a jitted function with explicit in/out
+shardings and a donated state. Gradient accumulation scans over microbatches inside the step.
+Periodic work (eval, checkpoints, Lo-Fi pushes) is not here: it hangs off the loop as hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from jaxscale.precision import Policy
+from jaxscale.rules import AxisRules, constrain, use_rules
+from jaxscale.train.state import ModelDef, TrainState, merge_trees
+
+Batch = jax.Array  # int32 tokens (B, T + 1): inputs are [:, :-1], targets [:, 1:]
+RunLayers = Callable[..., jax.Array] | None
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy, reduced in float32 whatever the compute dtype."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BTV.astype(jnp.float32), targets_BT)
+    return jnp.mean(losses)
+
+
+def loss_fn(params: Any, frozen: Any, tokens_BT1: Batch, model_def: ModelDef,
+            run_layers: RunLayers = None) -> jax.Array:
+    model = model_def.module(merge_trees(params, frozen) if frozen else params)
+    tokens_BT1 = constrain(tokens_BT1, "batch", "length")
+    logits_BTV = model(tokens_BT1[:, :-1], run_layers=run_layers)
+    return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
+
+
+def accumulate_grads(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
+                     grad_accum: int, run_layers: RunLayers = None) -> tuple[jax.Array, Any]:
+    """Mean loss and gradients over `grad_accum` microbatches (equal to the large batch)."""
+    grad_fn = jax.value_and_grad(loss_fn)
+    if grad_accum == 1:
+        return grad_fn(params, frozen, batch, model_def, run_layers)
+    micro = batch.reshape(grad_accum, batch.shape[0] // grad_accum, *batch.shape[1:])
+
+    def body(carry, mb):
+        loss, grads = grad_fn(params, frozen, mb, model_def, run_layers)
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(body, zeros, micro)
+    return jax.tree.map(lambda x: x / grad_accum, (loss, grads))
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Everything static a step needs; built once per run."""
+
+    model_def: ModelDef
+    optimizer: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    policy: Policy
+    rules: AxisRules
+    mesh: Mesh
+    grad_accum: int = 1
+    skip_nonfinite: bool = False
+    run_layers: RunLayers = None
+
+
+def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    """One optimizer step. Non-finite loss/gradients skip the update when configured."""
+    with use_rules(ctx.rules, ctx.mesh):
+        loss, grads = accumulate_grads(state.params, state.frozen, batch, ctx.model_def,
+                                       ctx.grad_accum, ctx.run_layers)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = ctx.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    step = state.step + 1
+    bad = (~finite).astype(jnp.int32)
+    extra = {**state.extra, "nonfinite_steps": state.extra["nonfinite_steps"] + bad,
+             "first_nonfinite": jnp.where((state.extra["first_nonfinite"] < 0) & ~finite,
+                                          step, state.extra["first_nonfinite"])}
+    new = state.replace(step=step, params=params, opt_state=opt_state, extra=extra)
+    if ctx.skip_nonfinite:
+        keep = lambda n, o: jnp.where(finite, n, o)
+        new = new.replace(params=jax.tree.map(keep, params, state.params),
+                          opt_state=jax.tree.map(keep, opt_state, state.opt_state))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": ctx.lr_schedule(state.step),
+               "nonfinite_steps": extra["nonfinite_steps"]}
+    return new, metrics
+
+
+def eval_step(ctx: StepContext, state: TrainState, batch: Batch) -> jax.Array:
+    with use_rules(ctx.rules, ctx.mesh):
+        return loss_fn(state.params, state.frozen, batch, ctx.model_def, ctx.run_layers)
+
+
+def batch_sharding(ctx_rules: AxisRules, mesh: Mesh, batch_shape: tuple[int, ...]) -> NamedSharding:
+    """Tokens are sharded by the rules for ('batch', 'length')."""
+    spec = AxisRules(ctx_rules.rules, indivisible="replicate").spec(
+        ("batch", "length"), batch_shape, mesh, "<batch>", warn=False)
+    return NamedSharding(mesh, spec)
+
+
+def jit_steps(ctx: StepContext, shardings: TrainState,
+              batch_shape: tuple[int, ...]) -> tuple[Callable, Callable]:
+    """Jitted (train_step, eval_step) with explicit shardings and a donated state."""
+    batch_sh = batch_sharding(ctx.rules, ctx.mesh, batch_shape)
+    train = jax.jit(lambda s, b: train_step(ctx, s, b), in_shardings=(shardings, batch_sh),
+                    out_shardings=(shardings, None), donate_argnums=0)
+    evaluate = jax.jit(lambda s, b: eval_step(ctx, s, b), in_shardings=(shardings, batch_sh))
+    return train, evaluate

@@ -1,0 +1,27 @@
+"""Train from a config file: `python -m launch.train --config=configs/tiny_lm.py --workdir=DIR`.
+
+Any config field can be overridden (`--config.mesh.fsdp=4 --config.train.steps=20`);
+`--cpu_devices=N` simulates N CPU devices (applied before JAX initialises its backends).
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from jaxscale import runtime
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_lm.py", "Experiment config.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics, checkpoints.",
+                               required=True)
+runtime.define_flags()
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    runtime.setup()
+    from jaxscale.train.loop import train  # after the devices are configured
+    train(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+    app.run(main)
