@@ -13,8 +13,9 @@ import functools
 import hashlib
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grain
 import numpy as np
@@ -90,9 +91,10 @@ class Batches:
         return (windows.repeat(None).batch(self.global_batch, drop_remainder=True)
                 .map(lambda idx: self._gather(np.asarray(idx)[lo:lo + local])))
 
-    def _gather(self, window_ids: np.ndarray) -> np.ndarray:
+    def _gather(self, window_ids: np.ndarray) -> dict[str, np.ndarray]:
         starts = window_ids * self.seq_len
-        return np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int32)
+        rows = [self.tokens[s:s + self.seq_len + 1] for s in starts]
+        return {"tokens": np.stack(rows).astype(np.int32)}
 
     def iterator(self, state: dict | None = None) -> grain.DatasetIterator:
         """An iterator whose `get_state()` is JSON and is saved in checkpoints."""
@@ -103,12 +105,39 @@ class Batches:
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, count: int,
-                 process_index: int = 0, process_count: int = 1) -> list[np.ndarray]:
+                 process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
     """The first `count` unshuffled held-out batches: the same for every run and mesh."""
     ds = Batches(tokens, seq_len, global_batch, process_index, process_count,
                  shuffle=False).dataset()
     return [ds[i] for i in range(count)]
 
 
-def take(it: Iterator[np.ndarray], n: int) -> list[np.ndarray]:
-    return [next(it) for _ in range(n)]
+def stdlib_data(config: Any, process_index: int, process_count: int,
+                shard_index: int = 0, shard_count: int = 1) -> tuple[Batches, list]:
+    """(training batches, held-out batches) of byte tokens for `config.data`."""
+    d = config.data
+    train, heldout = load_corpus(d.max_bytes, d.part)
+    batches = Batches(train, d.seq_len, d.batch_size, process_index, process_count,
+                      shard_index, shard_count, seed=config.seed)
+    evals = eval_batches(heldout, d.seq_len, d.batch_size, d.eval_batches,
+                         process_index, process_count)
+    return batches, evals
+
+
+# `config.data.corpus` -> builder(config, process_index, process_count, shard_index, shard_count)
+# returning (an object with `.iterator(state)`, a list of held-out batches). Each batch is a
+# dict of per-host numpy arrays sharing the leading batch dimension.
+DATASETS: dict[str, Callable[..., tuple[Any, list]]] = {"stdlib": stdlib_data}
+
+
+def build_data(config: Any, process_index: int, process_count: int,
+               shard_index: int = 0, shard_count: int = 1) -> tuple[Any, list]:
+    name = config.data.corpus
+    if name not in DATASETS:
+        try:  # image datasets live beside their models
+            import jaxscale.vision_data  # noqa: F401
+        except ImportError:
+            pass
+    if name not in DATASETS:
+        raise ConfigError(f"Unknown data.corpus={name!r}; available: {sorted(DATASETS)}.")
+    return DATASETS[name](config, process_index, process_count, shard_index, shard_count)

@@ -126,3 +126,11 @@ class Llama(nnx.Module):
         else:
             h_BTE = run_layers(self.layers, h_BTE, positions_BT)
         return self.head(h_BTE)
+
+
+def _register() -> None:
+    from jaxscale.models import register
+    register("llama", LlamaConfig, Llama)
+
+
+_register()

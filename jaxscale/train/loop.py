@@ -19,7 +19,7 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxscale import config as config_lib
-from jaxscale.data import Batches, eval_batches, load_corpus
+from jaxscale.data import build_data
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.mesh import make_mesh, mesh_summary
 from jaxscale.metrics import MetricsWriter, ProgressBar, llama_flops_per_token, mfu
@@ -51,8 +51,8 @@ class Trainer:
     shardings: TrainState
     train_fn: Any
     eval_fn: Any
-    batches: Batches
-    eval_data: list[np.ndarray]
+    batches: Any
+    eval_data: list[dict[str, np.ndarray]]
     hooks: list[Hook] = field(default_factory=list)
     data_state: dict | None = None
 
@@ -68,24 +68,23 @@ class Trainer:
         optimizer, lr = make_optimizer(config.optim, config.train.steps)
         state, shardings = init_state(model_def, optimizer, rules, mesh, config.seed)
         ctx = StepContext(model_def, optimizer, lr, policy, rules, mesh,
-                          config.train.grad_accum, config.train.skip_nonfinite)
-        d = config.data
-        train_fn, eval_fn = jit_steps(ctx, shardings, (d.batch_size, d.seq_len + 1))
-        train_tokens, eval_tokens = load_corpus(d.max_bytes, d.part)
-        pi, pc = jax.process_index(), jax.process_count()
-        batches = Batches(train_tokens, d.seq_len, d.batch_size, pi, pc, seed=config.seed)
-        evals = eval_batches(eval_tokens, d.seq_len, d.batch_size, d.eval_batches, pi, pc)
+                          config.train.grad_accum, config.train.skip_nonfinite,
+                          task=config.model.get("task", "lm"))
+        batches, evals = build_data(config, jax.process_index(), jax.process_count())
+        shapes = {k: (config.data.batch_size,) + v.shape[1:] for k, v in evals[0].items()}
+        train_fn, eval_fn = jit_steps(ctx, shardings, shapes)
         return cls(config, workdir, ctx, state, shardings, train_fn, eval_fn, batches, evals)
 
     @property
     def is_primary(self) -> bool:
         return jax.process_index() == 0
 
-    def to_global(self, local: np.ndarray) -> jax.Array:
+    def to_global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Assembles the global batch from this host's rows."""
-        shape = (self.config.data.batch_size, local.shape[1])
-        sharding = batch_sharding(self.ctx.rules, self.ctx.mesh, shape)
-        return jax.make_array_from_process_local_data(sharding, local, shape)
+        shapes = {k: (self.config.data.batch_size,) + v.shape[1:] for k, v in local.items()}
+        sharding = batch_sharding(self.ctx.rules, self.ctx.mesh, shapes)
+        return {k: jax.make_array_from_process_local_data(sharding[k], v, shapes[k])
+                for k, v in local.items()}
 
     def evaluate(self, state: TrainState) -> float:
         losses = [self.eval_fn(state, self.to_global(b)) for b in self.eval_data]

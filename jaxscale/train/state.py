@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale.models.llama import Llama, LlamaConfig
+from jaxscale.models import lookup
 from jaxscale.precision import Policy
 from jaxscale.rules import AxisRules
 
@@ -76,8 +76,9 @@ class ModelDef:
 
     @classmethod
     def build(cls, model_cfg: Mapping, policy: Policy) -> "ModelDef":
-        cfg = LlamaConfig.from_config(model_cfg)
-        make = lambda rng: Llama(cfg, nnx.Rngs(rng), policy)
+        config_cls, module_cls = lookup(model_cfg.get("name", "llama"))
+        cfg = config_cls.from_config(model_cfg)
+        make = lambda rng: module_cls(cfg, nnx.Rngs(rng), policy)
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0))))
         return cls(graphdef, abstract, make)
 

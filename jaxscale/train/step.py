@@ -21,7 +21,9 @@ from jaxscale.precision import Policy
 from jaxscale.rules import AxisRules, constrain, use_rules
 from jaxscale.train.state import ModelDef, TrainState, merge_trees
 
-Batch = jax.Array  # int32 tokens (B, T + 1): inputs are [:, :-1], targets [:, 1:]
+# A batch is a dict of arrays sharing the leading `batch` dimension, e.g. {'tokens': (B, T+1)}
+# int32 for language models (inputs [:, :-1], targets [:, 1:]) or {'images', 'labels'}.
+Batch = dict[str, jax.Array]
 RunLayers = Callable[..., jax.Array] | None
 
 
@@ -32,24 +34,35 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return jnp.mean(losses)
 
 
-def loss_fn(params: Any, frozen: Any, tokens_BT1: Batch, model_def: ModelDef,
-            run_layers: RunLayers = None) -> jax.Array:
-    model = model_def.module(merge_trees(params, frozen) if frozen else params)
-    tokens_BT1 = constrain(tokens_BT1, "batch", "length")
+def lm_loss(model: Any, batch: Batch, run_layers: RunLayers = None) -> jax.Array:
+    """Next-token loss of a decoder LM on `batch['tokens']`."""
+    tokens_BT1 = constrain(batch["tokens"], "batch", "length")
     logits_BTV = model(tokens_BT1[:, :-1], run_layers=run_layers)
     return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
 
 
+# Task losses by name (`config.model.task`, default from the model): (model, batch, runner).
+LOSSES: dict[str, Callable[..., jax.Array]] = {"lm": lm_loss}
+
+
+def loss_fn(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
+            run_layers: RunLayers = None, task: str = "lm") -> jax.Array:
+    model = model_def.module(merge_trees(params, frozen) if frozen else params)
+    return LOSSES[task](model, batch, run_layers)
+
+
 def accumulate_grads(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
-                     grad_accum: int, run_layers: RunLayers = None) -> tuple[jax.Array, Any]:
+                     grad_accum: int, run_layers: RunLayers = None,
+                     task: str = "lm") -> tuple[jax.Array, Any]:
     """Mean loss and gradients over `grad_accum` microbatches (equal to the large batch)."""
     grad_fn = jax.value_and_grad(loss_fn)
     if grad_accum == 1:
-        return grad_fn(params, frozen, batch, model_def, run_layers)
-    micro = batch.reshape(grad_accum, batch.shape[0] // grad_accum, *batch.shape[1:])
+        return grad_fn(params, frozen, batch, model_def, run_layers, task)
+    micro = jax.tree.map(
+        lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
 
     def body(carry, mb):
-        loss, grads = grad_fn(params, frozen, mb, model_def, run_layers)
+        loss, grads = grad_fn(params, frozen, mb, model_def, run_layers, task)
         return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
@@ -70,13 +83,14 @@ class StepContext:
     grad_accum: int = 1
     skip_nonfinite: bool = False
     run_layers: RunLayers = None
+    task: str = "lm"
 
 
 def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     """One optimizer step. Non-finite loss/gradients skip the update when configured."""
     with use_rules(ctx.rules, ctx.mesh):
         loss, grads = accumulate_grads(state.params, state.frozen, batch, ctx.model_def,
-                                       ctx.grad_accum, ctx.run_layers)
+                                       ctx.grad_accum, ctx.run_layers, ctx.task)
     grad_norm = optax.global_norm(grads)
     updates, opt_state = ctx.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -98,20 +112,23 @@ def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[Train
 
 def eval_step(ctx: StepContext, state: TrainState, batch: Batch) -> jax.Array:
     with use_rules(ctx.rules, ctx.mesh):
-        return loss_fn(state.params, state.frozen, batch, ctx.model_def, ctx.run_layers)
+        return loss_fn(state.params, state.frozen, batch, ctx.model_def, ctx.run_layers,
+                       ctx.task)
 
 
-def batch_sharding(ctx_rules: AxisRules, mesh: Mesh, batch_shape: tuple[int, ...]) -> NamedSharding:
-    """Tokens are sharded by the rules for ('batch', 'length')."""
-    spec = AxisRules(ctx_rules.rules, indivisible="replicate").spec(
-        ("batch", "length"), batch_shape, mesh, "<batch>", warn=False)
-    return NamedSharding(mesh, spec)
+def batch_sharding(rules: AxisRules, mesh: Mesh, shapes: dict[str, tuple[int, ...]]
+                   ) -> dict[str, NamedSharding]:
+    """Every batch array is sharded along its leading dimension by the rule for `batch`."""
+    lenient = AxisRules(rules.rules, indivisible="replicate")
+    return {k: NamedSharding(mesh, lenient.spec(("batch",) + (None,) * (len(s) - 1), s, mesh,
+                                                f"<batch:{k}>", warn=False))
+            for k, s in shapes.items()}
 
 
 def jit_steps(ctx: StepContext, shardings: TrainState,
-              batch_shape: tuple[int, ...]) -> tuple[Callable, Callable]:
+              batch_shapes: dict[str, tuple[int, ...]]) -> tuple[Callable, Callable]:
     """Jitted (train_step, eval_step) with explicit shardings and a donated state."""
-    batch_sh = batch_sharding(ctx.rules, ctx.mesh, batch_shape)
+    batch_sh = batch_sharding(ctx.rules, ctx.mesh, batch_shapes)
     train = jax.jit(lambda s, b: train_step(ctx, s, b), in_shardings=(shardings, batch_sh),
                     out_shardings=(shardings, None), donate_argnums=0)
     evaluate = jax.jit(lambda s, b: eval_step(ctx, s, b), in_shardings=(shardings, batch_sh))
