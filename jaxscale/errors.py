@@ -22,3 +22,19 @@ class ConfigError(JaxscaleError):
 def paragraph(*sentences: str) -> str:
     """Joins sentences into one readable paragraph (errors are read in terminals and logs)."""
     return " ".join(s.strip() for s in sentences if s and s.strip())
+
+
+def exit_on_user_error(fn):
+    """Decorator for entry points: a JaxscaleError exits with its paragraph, not a traceback."""
+    import functools
+    import sys
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except JaxscaleError as e:
+            print(f"jaxscale: error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper

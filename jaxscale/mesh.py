@@ -114,7 +114,8 @@ def device_grid(ici: Mapping[str, int], dcn: Mapping[str, int],
         try:
             grid = mesh_utils.create_device_mesh(ici_shape, slice_devices,
                                                  allow_split_physical_axes=True)
-        except (ValueError, NotImplementedError, AssertionError):
+        except (ValueError, NotImplementedError, AssertionError, AttributeError):
+            # Devices without a known physical topology (CPU, simulated): keep given order.
             grid = np.asarray(slice_devices, dtype=object).reshape(ici_shape)
         slice_grids.append(grid)
     # Slice s sits at block index unravel(s, dcn_shape); within it, the ICI grid.

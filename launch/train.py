@@ -8,6 +8,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from jaxscale import runtime
+from jaxscale.errors import exit_on_user_error
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_lm.py", "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics, checkpoints.",
@@ -15,6 +16,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metr
 runtime.define_flags()
 
 
+@exit_on_user_error
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")

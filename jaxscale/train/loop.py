@@ -57,11 +57,12 @@ class Trainer:
     data_state: dict | None = None
 
     @classmethod
-    def build(cls, config: mlc.ConfigDict, workdir: str) -> "Trainer":
+    def build(cls, config: mlc.ConfigDict, workdir: str,
+              devices: Sequence[Any] | None = None) -> "Trainer":
         config_lib.validate(config)
-        if jax.process_index() == 0:
+        if workdir and jax.process_index() == 0:
             config_lib.save_config(config, workdir)
-        mesh = make_mesh(config.mesh)
+        mesh = make_mesh(config.mesh, devices)
         rules = AxisRules.from_config(config)
         policy = get_policy(config.precision)
         model_def = ModelDef.build(config.model, policy)

@@ -143,21 +143,35 @@ def base_extra() -> dict:
             "first_nonfinite": jnp.full((), -1, jnp.int32)}
 
 
-def init_state(model_def: ModelDef, optimizer: optax.GradientTransformation, rules: AxisRules,
-               mesh: Mesh, seed: int, is_trainable: Callable[[str], bool] = all_trainable,
-               init_extra: Callable[[], dict] = dict) -> tuple[TrainState, TrainState]:
-    """Creates the TrainState already sharded; returns (state, its shardings)."""
-
+def _initializer(model_def: ModelDef, optimizer: optax.GradientTransformation,
+                 is_trainable: Callable[[str], bool], init_extra: Callable[[], dict]):
     def init(rng: jax.Array) -> TrainState:
         params_rng, state_rng = jax.random.split(rng)
         trainable, frozen = split_trainable(model_def.init_params(params_rng), is_trainable)
         return TrainState(jnp.zeros((), jnp.int32), trainable, frozen,
                           optimizer.init(trainable), state_rng, {**base_extra(), **init_extra()})
+    return init
 
-    rng = jax.random.key(seed)
-    abstract = jax.eval_shape(init, rng)
-    shardings = state_shardings(abstract, model_def, rules, mesh)
-    return jax.jit(init, out_shardings=shardings)(rng), shardings
+
+def abstract_state(model_def: ModelDef, optimizer: optax.GradientTransformation,
+                   rules: AxisRules, mesh: Mesh, is_trainable: Callable[[str], bool] = all_trainable,
+                   init_extra: Callable[[], dict] = dict) -> tuple[TrainState, TrainState]:
+    """(ShapeDtypeStructs carrying their shardings, shardings) without allocating anything."""
+    init = _initializer(model_def, optimizer, is_trainable, init_extra)
+    shapes = jax.eval_shape(init, jax.random.key(0))
+    shardings = state_shardings(shapes, model_def, rules, mesh)
+    with_sharding = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    return with_sharding, shardings
+
+
+def init_state(model_def: ModelDef, optimizer: optax.GradientTransformation, rules: AxisRules,
+               mesh: Mesh, seed: int, is_trainable: Callable[[str], bool] = all_trainable,
+               init_extra: Callable[[], dict] = dict) -> tuple[TrainState, TrainState]:
+    """Creates the TrainState already sharded; returns (state, its shardings)."""
+    init = _initializer(model_def, optimizer, is_trainable, init_extra)
+    _, shardings = abstract_state(model_def, optimizer, rules, mesh, is_trainable, init_extra)
+    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed)), shardings
 
 
 def state_shardings(abstract: TrainState, model_def: ModelDef, rules: AxisRules,

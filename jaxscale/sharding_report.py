@@ -1,0 +1,119 @@
+"""The sharding inspector: where every parameter lives, what each device holds, what the step needs.
+
+Used by `python -m launch.inspect`. Nothing is allocated: shapes come from `jax.eval_shape`, and
+the train step is lowered and compiled against abstract arrays for its memory analysis.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import ml_collections as mlc
+from jax.sharding import NamedSharding
+
+from jaxscale import config as config_lib
+from jaxscale.mesh import make_mesh, mesh_summary
+from jaxscale.precision import get_policy
+from jaxscale.rules import AxisRules
+from jaxscale.train.optim import make_optimizer
+from jaxscale.train.state import ModelDef, abstract_state, flatten
+from jaxscale.train.step import StepContext, jit_steps
+
+REPLICATED_WARN_FRACTION = 0.02
+
+
+@dataclass(frozen=True)
+class ParamRow:
+    path: str
+    shape: tuple[int, ...]
+    logical: tuple
+    spec: Any
+    bytes_total: int
+    bytes_per_device: int
+
+    @property
+    def replicated(self) -> bool:
+        return self.bytes_per_device == self.bytes_total
+
+
+def per_device_bytes(x: jax.ShapeDtypeStruct) -> int:
+    shard = x.sharding.shard_shape(x.shape) if isinstance(x.sharding, NamedSharding) else x.shape
+    return math.prod(shard) * x.dtype.itemsize
+
+
+@dataclass
+class Report:
+    mesh: Any
+    rows: list[ParamRow]
+    opt_bytes_per_device: int
+    compiled_memory: Any
+
+    @property
+    def params_bytes_per_device(self) -> int:
+        return sum(r.bytes_per_device for r in self.rows)
+
+    def replicated_warning(self) -> str | None:
+        """Names replicated tensors when they exceed 2% of parameter bytes on an fsdp/tp mesh."""
+        if self.mesh.shape["fsdp"] == 1 and self.mesh.shape["tensor"] == 1:
+            return None
+        total = sum(r.bytes_total for r in self.rows)
+        repl = [r for r in self.rows if r.replicated]
+        frac = sum(r.bytes_total for r in repl) / max(total, 1)
+        if frac <= REPLICATED_WARN_FRACTION:
+            return None
+        names = ", ".join(r.path for r in sorted(repl, key=lambda r: -r.bytes_total)[:10])
+        return (f"WARNING: {frac:.1%} of parameter bytes are replicated on every device although "
+                f"the mesh has fsdp={self.mesh.shape['fsdp']} tensor={self.mesh.shape['tensor']}: "
+                f"{names}. Add rules that map their logical axes onto 'fsdp' or 'tensor'.")
+
+
+def build_report(config: mlc.ConfigDict, compile_step: bool = True) -> Report:
+    config_lib.validate(config)
+    mesh = make_mesh(config.mesh)
+    rules = AxisRules.from_config(config)
+    policy = get_policy(config.precision)
+    model_def = ModelDef.build(config.model, policy)
+    optimizer, lr = make_optimizer(config.optim, config.train.steps)
+    abstract, shardings = abstract_state(model_def, optimizer, rules, mesh)
+    logical = model_def.logical_axes()
+    rows = []
+    for path, x in flatten({**abstract.params, **abstract.frozen}).items():
+        rows.append(ParamRow(path, tuple(x.shape), logical[path], x.sharding.spec,
+                             math.prod(x.shape) * x.dtype.itemsize, per_device_bytes(x)))
+    opt_bytes = sum(per_device_bytes(x) for x in jax.tree.leaves(abstract.opt_state))
+    memory = None
+    if compile_step:
+        ctx = StepContext(model_def, optimizer, lr, policy, rules, mesh, config.train.grad_accum)
+        d = config.data
+        shapes = {"tokens": (d.batch_size, d.seq_len + 1)}
+        train_fn, _ = jit_steps(ctx, shardings, shapes)
+        batch = {"tokens": jax.ShapeDtypeStruct(shapes["tokens"], jax.numpy.int32)}
+        memory = train_fn.lower(abstract, batch).compile().memory_analysis()
+    return Report(mesh, rows, opt_bytes, memory)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def format_report(report: Report) -> str:
+    lines = [f"mesh: {mesh_summary(report.mesh)}", ""]
+    header = f"{'parameter':<28} {'shape':<20} {'logical axes':<40} {'spec':<34} {'per device':>12}"
+    lines += [header, "-" * len(header)]
+    for r in report.rows:
+        lines.append(f"{r.path:<28} {str(r.shape):<20} {str(r.logical):<40} "
+                     f"{str(tuple(r.spec)):<34} {_mb(r.bytes_per_device):>12}")
+    lines += ["", f"params per device:          {_mb(report.params_bytes_per_device)}",
+              f"optimizer state per device: {_mb(report.opt_bytes_per_device)}"]
+    m = report.compiled_memory
+    if m is not None:
+        lines += [f"compiled train step (per device): arguments {_mb(m.argument_size_in_bytes)}, "
+                  f"outputs {_mb(m.output_size_in_bytes)}, temporaries {_mb(m.temp_size_in_bytes)}, "
+                  f"aliased {_mb(m.alias_size_in_bytes)}"]
+    warning = report.replicated_warning()
+    if warning:
+        lines += ["", warning]
+    return "\n".join(lines)

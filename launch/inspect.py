@@ -1,0 +1,24 @@
+"""Print where every parameter lives: `python -m launch.inspect --config=... [--cpu_devices=N]`."""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from jaxscale import runtime
+from jaxscale.errors import exit_on_user_error
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_lm.py", "Experiment config.")
+_COMPILE = flags.DEFINE_bool("compile", True, "Compile the train step for its memory analysis.")
+runtime.define_flags()
+
+
+@exit_on_user_error
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    runtime.setup()
+    from jaxscale.sharding_report import build_report, format_report
+    print(format_report(build_report(_CONFIG.value, _COMPILE.value)))
+
+
+if __name__ == "__main__":
+    app.run(main)
