@@ -15,7 +15,10 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
+# torch is a test-only dependency (Hugging Face parity tests). Pinned and installed first so
+# the CPU build is used and transformers does not pull a CUDA build.
 $(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 

@@ -57,6 +57,22 @@ def base_config() -> mlc.ConfigDict:
                                   skip_nonfinite=False))
     c.pipeline = mlc.ConfigDict(dict(microbatches=1, repeats=1, schedule="gpipe"))
     c.checkpoint = mlc.ConfigDict(dict(every=0, keep=3))
+    c.lofi = mlc.ConfigDict(dict(
+        enabled=False,
+        store="",                  # local path, file://, gs://bucket/prefix, s3://..., memory://
+        worker_id=0,
+        num_workers=1,
+        push_every="100",          # steps ("100") or minutes ("30m")
+        sync="end",                # end | periodic | diloco
+        sync_every=100,            # H: steps between averages for periodic / diloco
+        reset_optimizer_on_sync=False,
+        push_ema=0.0,              # > 0: push an EMA of the weights with this decay
+        allowed_workers="",        # comma-separated ids; empty = 0..num_workers-1
+        min_workers=1,             # quorum for a round
+        max_staleness=0,           # rounds; 0 = no limit
+        compress=False,            # push 8-bit block-quantized deltas from the last average
+        sync_timeout_s=600.0,      # how long a worker waits for an average at a sync point
+    ))
     return c
 
 
@@ -83,8 +99,24 @@ def validate(c: mlc.ConfigDict) -> None:
              f"pipeline.microbatches={micro}; choose a batch that the microbatches divide.")
     _require(c.rules_indivisible in ("error", "replicate"),
              f"rules_indivisible={c.rules_indivisible!r}: use 'error' or 'replicate'.")
+    _validate_lofi(c.lofi)
     _require(d.part in ("all", "a", "b"),
              f"data.part={d.part!r}: use 'all', or 'a'/'b' for the two disjoint halves.")
+
+
+def _validate_lofi(lofi: mlc.ConfigDict) -> None:
+    if not lofi.enabled:
+        return
+    _require(bool(lofi.store), "lofi.enabled=True needs lofi.store, e.g. --config.lofi.store="
+             "gs://bucket/run1 or a shared local directory.")
+    _require(0 <= lofi.worker_id < lofi.num_workers,
+             f"lofi.worker_id={lofi.worker_id} must be in [0, lofi.num_workers={lofi.num_workers}).")
+    _require(lofi.sync in ("end", "periodic", "diloco"),
+             f"lofi.sync={lofi.sync!r}: use 'end' (one average at the end), 'periodic' "
+             "(average every lofi.sync_every steps) or 'diloco' (periodic + outer optimizer).")
+    text = str(lofi.push_every)
+    _require(text.rstrip("m").isdigit() and int(text.rstrip("m")) > 0,
+             f"lofi.push_every={text!r}: give a number of steps ('100') or minutes ('30m').")
 
 
 def save_config(c: mlc.ConfigDict, workdir: str) -> str:

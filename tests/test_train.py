@@ -36,7 +36,7 @@ def test_sharded_init_matches_rules():
         assert arr.sharding == NamedSharding(mesh, specs[path]), path
     # The FSDP/TP-sharded weight really is split: each device holds 1/4 of wq.
     wq = params["layers/attn/wq"]
-    assert specs["layers/attn/wq"] == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert specs["layers/attn/wq"] == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
     assert wq.addressable_shards[0].data.size * 4 == wq.size
     # Adam moments are sharded like their parameters.
     mu = flatten(state.opt_state[1][0].mu)["layers/attn/wq"]

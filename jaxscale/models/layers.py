@@ -47,14 +47,15 @@ class RMSNorm(nnx.Module):
         dtype = self.policy.dtype_for("norm")
         x = x_BTE.astype(dtype)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...].astype(dtype)).astype(self.policy.compute)
+        scale_11E = self.scale[...].astype(dtype)[None, None, :]
+        return (x * scale_11E).astype(self.policy.compute)
 
 
 def rotary(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
     """Rotary embedding in the "rotate half" layout (the Hugging Face Llama convention)."""
     d = x_BTHD.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles_BTd = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    angles_BTd = positions_BT[..., None].astype(jnp.float32) * inv_freq[None, None, :]
     angles_BTD = jnp.concatenate([angles_BTd, angles_BTd], axis=-1)[:, :, None, :]
     x = x_BTHD.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)
