@@ -104,11 +104,27 @@ class ModelDef:
         return nnx.to_pure_dict(nnx.state(self.make(rng)))
 
 
+# Flax's keyword for a variable's sharding (renamed from `sharding_names` in flax 0.12.4); the
+# only place jaxscale spells it.
+FLAX_SHARDING_KEY = "out_sharding"
+
+
+def sharded_abstract(model_def: ModelDef, rules: AxisRules, mesh: Mesh) -> nnx.State:
+    """A copy of the abstract NNX state whose variables carry their resolved PartitionSpecs in
+    Flax's sharding metadata, so `nnx.get_partition_spec` and NNX tooling see jaxscale's rules."""
+    state = jax.tree.map(lambda x: x, model_def.abstract)
+    for path, var in nnx.to_flat_state(state):
+        name = "/".join(map(str, path))
+        spec = rules.spec(var.get_metadata()["logical_axes"], var.shape, mesh, name)
+        var.set_metadata(**{FLAX_SHARDING_KEY: tuple(spec)})
+    return state
+
+
 def param_specs(model_def: ModelDef, rules: AxisRules, mesh: Mesh) -> dict[str, PartitionSpec]:
     """Flat {path: PartitionSpec} for every parameter, resolved through the rules."""
-    shapes = model_def.shapes()
-    return {path: rules.spec(axes, shapes[path].shape, mesh, path)
-            for path, axes in model_def.logical_axes().items()}
+    specs = nnx.get_partition_spec(sharded_abstract(model_def, rules, mesh))
+    return {"/".join(map(str, path)): var.get_value()
+            for path, var in nnx.to_flat_state(specs)}
 
 
 def _opt_state_shardings(abstract_opt: Tree, flat_param_sh: Mapping[str, NamedSharding],
