@@ -26,7 +26,7 @@ from jaxscale.metrics import MetricsWriter, ProgressBar, llama_flops_per_token, 
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.optim import make_optimizer
-from jaxscale.train.state import ModelDef, TrainState, init_state
+from jaxscale.train.state import ModelDef, TrainState, flatten, init_state
 from jaxscale.train.step import StepContext, batch_sharding, jit_steps
 
 
@@ -68,10 +68,14 @@ class Trainer:
         model_def = ModelDef.build(config.model, policy)
         optimizer, lr = make_optimizer(config.optim, config.train.steps)
         state, shardings = init_state(model_def, optimizer, rules, mesh, config.seed)
+        if config.init_from:
+            state = _init_from(config.init_from, state, shardings)
         ctx = StepContext(model_def, optimizer, lr, policy, rules, mesh,
                           config.train.grad_accum, config.train.skip_nonfinite,
                           task=config.model.get("task", "lm"))
-        batches, evals = build_data(config, jax.process_index(), jax.process_count())
+        lofi = config.lofi
+        shard = (lofi.worker_id, lofi.num_workers) if lofi.enabled else (0, 1)
+        batches, evals = build_data(config, jax.process_index(), jax.process_count(), *shard)
         shapes = {k: (config.data.batch_size,) + v.shape[1:] for k, v in evals[0].items()}
         train_fn, eval_fn = jit_steps(ctx, shardings, shapes)
         return cls(config, workdir, ctx, state, shardings, train_fn, eval_fn, batches, evals)
@@ -146,7 +150,22 @@ class Trainer:
             ))
 
 
+def _init_from(path: str, state: TrainState, shardings: TrainState) -> TrainState:
+    """Replaces the freshly initialised parameters with saved ones, placed by the rules."""
+    from jaxscale.init_from import check_matches, load_flat_params
+    from jaxscale.lofi.worker import place_flat
+
+    flat = load_flat_params(path)
+    check_matches(flat, flatten(state.params), path)
+    return state.replace(params=place_flat(flat, shardings.params, state.params))
+
+
 def train(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> TrainState:
     trainer = Trainer.build(config, workdir)
     trainer.hooks.extend(hooks)
+    if config.lofi.enabled:
+        from jaxscale.lofi.worker import LofiWorker
+        worker = LofiWorker(config.lofi, config.train.steps, config.data.batch_size)
+        trainer.state = worker.start(trainer, trainer.state)
+        trainer.hooks.append(worker)
     return trainer.run()

@@ -1,0 +1,31 @@
+"""Lo-Fi on one machine: `python -m launch.lofi_local --num_workers=4 --devices_per_worker=2
+--store=DIR -- <train flags>` runs N independent workers plus the averager."""
+
+import os
+
+from absl import app, flags
+
+from jaxscale.lofi.local import LofiJob, lofi_vm_commands, run_local
+
+_N = flags.DEFINE_integer("num_workers", 4, "Worker processes, each with its own mesh.")
+_DEV = flags.DEFINE_integer("devices_per_worker", 2, "Simulated CPU devices per worker.")
+_STORE = flags.DEFINE_string("store", None, "Shared store (path, gs://, s3://).", required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Per-worker workdirs (default: STORE/runs).")
+_SYNC = flags.DEFINE_enum("sync", "end", ["end", "periodic", "diloco"], "Lo-Fi schedule.")
+_AGG = flags.DEFINE_string("aggregator", "mean", "mean | median | trimmed_mean | centered_clip")
+_DRY = flags.DEFINE_bool("dry_run", False, "Print one worker command per TPU VM and exit.")
+
+
+def main(argv):
+    train_flags = tuple(argv[1:]) + (f"--config.lofi.sync={_SYNC.value}",)
+    if _DRY.value:
+        print("\n".join(lofi_vm_commands(_STORE.value, _N.value, train_flags)))
+        return
+    job = LofiJob(_STORE.value, _N.value, _DEV.value, train_flags,
+                  _WORKDIR.value or os.path.join(_STORE.value, "runs"), _AGG.value,
+                  "diloco" if _SYNC.value == "diloco" else "none")
+    raise SystemExit(run_local(job, periodic=_SYNC.value != "end"))
+
+
+if __name__ == "__main__":
+    app.run(main)
