@@ -21,7 +21,7 @@ import numpy as np
 from jaxscale.errors import paragraph
 from jaxscale.lofi import aggregate
 from jaxscale.lofi.store import (CHUNK, Checkpoint, Store, StoreError, _sha, _write_leaf,
-                                 average_prefix, average_rounds, load_checkpoint,
+                                 average_prefix, load_checkpoint,
                                  latest_average_checkpoint, read_params, read_range,
                                  worker_checkpoints, worker_prefix, write_checkpoint)
 from jaxscale import __version__
@@ -41,6 +41,7 @@ class AveragerConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     chunk_budget_bytes: int = 64 << 20
+    claim_timeout_s: float = 900.0                    # a dead averager's claim expires after
 
 
 @dataclass
@@ -116,6 +117,27 @@ def _candidates(store: Store, cfg: AveragerConfig, base: Checkpoint,
     return found
 
 
+def _claim(store: Store, round_: int, timeout_s: float) -> bool:
+    """Claims the round after the newest average, so racing averagers publish it only once.
+
+    The claim is a create-if-absent key holding its time; a claim older than `timeout_s` whose
+    round never committed (its averager died) is taken over by compare-and-swap.
+    """
+    key = f"{average_prefix(round_)}/CLAIM"
+    if store.write(key, str(time.time()).encode(), if_absent=True):
+        return True
+    value, generation = store.read_stamped(key)
+    try:
+        age = time.time() - float(value or b"0")
+    except ValueError:
+        age = float("inf")
+    committed = store.read(f"{average_prefix(round_)}/COMMIT") is not None
+    if committed or age < timeout_s:
+        return False
+    log.warning("taking over round %d from an averager that stopped %.0fs ago", round_, age)
+    return store.write(key, str(time.time()).encode(), if_generation=generation)
+
+
 def _block_size(n_workers: int, budget: int) -> int:
     per_value = 4 * (2 * n_workers + 4)  # f32 inputs, deltas, base, output, momentum
     return max(CHUNK, (budget // per_value) // CHUNK * CHUNK)
@@ -185,28 +207,31 @@ def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
         report.note = "no initial average (round 0) yet: start a worker first"
         return report
     workers = _candidates(store, cfg, base, report)
+    round_ = int(base.manifest["round"]) + 1
+    claimed = False
     while True:
         if len(workers) < cfg.min_workers:
             report.note = (f"only {len(workers)} new complete contribution(s), fewer than "
                            f"min_workers={cfg.min_workers}; nothing published")
             break
-        try:
-            _publish(store, base, workers, cfg, report)
+        if not claimed and not _claim(store, round_, cfg.claim_timeout_s):
+            report.note = f"round {round_} is being written by another averager"
             break
-        except _Drop as drop:
+        claimed = True
+        try:
+            _publish(store, round_, base, workers, cfg, report)
+            break
+        except _Drop as drop:  # corrupt or non-finite data found while streaming
             report.skipped[drop.worker] = drop.reason
             del workers[drop.worker]
+    if claimed and not report.published:
+        store.kv.write(f"{average_prefix(round_)}/CLAIM", None).result()  # release
     report.bytes_read, report.bytes_written = store.bytes_read, store.bytes_written
     return report
 
 
-def _publish(store: Store, base: Checkpoint, workers: dict[int, Checkpoint],
+def _publish(store: Store, round_: int, base: Checkpoint, workers: dict[int, Checkpoint],
              cfg: AveragerConfig, report: RoundReport) -> None:
-    taken = {int(k.split("/")[1]) for k in store.keys("average/") if k.count("/") >= 2}
-    round_ = max(taken | set(average_rounds(store))) + 1
-    if not store.write(f"{average_prefix(round_)}/CLAIM", b"claim", if_absent=True):
-        report.note = f"round {round_} was claimed by another averager"
-        return
     prefix = average_prefix(round_)
     leaves = {leaf: _reduce_leaf(store, leaf, base, workers, cfg, prefix, e["dtype"])
               for leaf, e in base.leaves.items()}

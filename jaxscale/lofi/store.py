@@ -87,9 +87,17 @@ class Store:
         self.bytes_read += len(result.value)
         return bytes(result.value)
 
-    def write(self, key: str, data: bytes, if_absent: bool = False) -> bool:
-        """Writes `data`; with `if_absent`, only if the key does not exist (returns success)."""
-        stamp = self.kv.write(key, data, if_equal=NO_VALUE if if_absent else None).result()
+    def read_stamped(self, key: str) -> tuple[bytes | None, bytes]:
+        """(value or None, storage generation) for conditional overwrites."""
+        result = self.kv.read(key).result()
+        return (bytes(result.value) if result.state == "value" else None), result.stamp.generation
+
+    def write(self, key: str, data: bytes, if_absent: bool = False,
+              if_generation: bytes | None = None) -> bool:
+        """Writes `data`; with `if_absent` only if the key does not exist, with `if_generation`
+        only if it is unchanged since read (compare-and-swap). Returns success."""
+        condition = NO_VALUE if if_absent else if_generation
+        stamp = self.kv.write(key, data, if_equal=condition).result()
         ok = stamp.generation != b""
         self.bytes_written += len(data) if ok else 0
         return ok

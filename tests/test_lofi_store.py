@@ -1,0 +1,201 @@
+"""Lo-Fi store and averager: exact aggregates, faults and hostile input leave the store sane."""
+
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxscale.lofi import aggregate
+from jaxscale.lofi import store as S
+from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
+from jaxscale.quant import dequantize_blockwise, quantize_blockwise
+
+BIG = S.CHUNK * 3 + 123  # a leaf spanning several chunks and larger than the test budget
+TINY_BUDGET = AveragerConfig(chunk_budget_bytes=1)
+
+
+def _params(seed, scale=1.0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return {"layers/w": (rng.normal(size=(BIG,)) * scale).astype(dtype).reshape(-1, 1),
+            "b": (rng.normal(size=(7,)) * scale).astype(dtype)}
+
+
+@pytest.fixture
+def store(tmp_path):
+    st = S.Store(str(tmp_path / "store"))
+    publish_initial(st, _params(0))
+    return st
+
+
+def _push(st, worker, step, params, samples=100):
+    return S.push(st, worker, step, params, samples_seen=samples)
+
+
+def test_mean_equals_numpy_reference_for_leaves_larger_than_budget(store):
+    base = _params(0)
+    ws = {w: _params(w + 1) for w in range(3)}
+    samples = {0: 100, 1: 300, 2: 600}
+    for w, p in ws.items():
+        _push(store, w, 10, p, samples[w])
+    report = run_round(store, AveragerConfig(chunk_budget_bytes=1, min_workers=3))
+    assert report.published and report.used == {0: 10, 1: 10, 2: 10}
+    avg = latest_average(store)
+    wts = np.array([samples[w] for w in range(3)], np.float64) / 1000
+    for leaf in base:
+        deltas = np.stack([ws[w][leaf].astype(np.float32) - base[leaf] for w in range(3)])
+        expected = base[leaf] + np.tensordot(wts.astype(np.float32), deltas, axes=1)
+        np.testing.assert_allclose(avg.params[leaf], expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["median", "trimmed_mean", "centered_clip"])
+def test_robust_aggregators_match_numpy_and_resist_a_hostile_worker(tmp_path, name):
+    st = S.Store(str(tmp_path / name))
+    publish_initial(st, _params(0))
+    base = _params(0)
+    honest = {w: {k: v + 0.01 * (w + 1) for k, v in base.items()} for w in range(4)}
+    for w, p in honest.items():
+        _push(st, w, 5, p)
+    _push(st, 4, 5, {k: v + 1e6 for k, v in base.items()})  # huge but finite
+    cfg = AveragerConfig(aggregator=name, chunk_budget_bytes=1, tau=0.05, trim=0.2)
+    assert run_round(st, cfg).published
+    got = latest_average(st).params["b"]
+    deltas = np.stack([honest[w]["b"] - base["b"] for w in range(4)] + [np.full(7, 1e6, np.float32)])
+    ref = aggregate.AGGREGATORS[name](deltas, np.ones(5), trim=0.2, tau=0.05) + base["b"]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    honest_mean = np.mean([honest[w]["b"] for w in range(4)], axis=0)
+    assert np.abs(got - honest_mean).max() < 0.05
+
+
+def test_mean_is_not_robust(store):
+    _push(store, 0, 5, _params(0))
+    _push(store, 1, 5, {k: v + 1e6 for k, v in _params(0).items()})
+    run_round(store, TINY_BUDGET)
+    assert np.abs(latest_average(store).params["b"] - _params(0)["b"]).min() > 1e5
+
+
+def test_bfloat16_pushes_are_reduced_in_float32(tmp_path):
+    st = S.Store(str(tmp_path / "bf16"))
+    base = _params(0, dtype=ml_dtypes.bfloat16)
+    publish_initial(st, base)
+    a = {k: (v.astype(np.float32) + 1).astype(ml_dtypes.bfloat16) for k, v in base.items()}
+    b = {k: (v.astype(np.float32) + 2).astype(ml_dtypes.bfloat16) for k, v in base.items()}
+    _push(st, 0, 1, a)
+    _push(st, 1, 1, b)
+    run_round(st, TINY_BUDGET)
+    got = latest_average(st).params["b"]
+    ref = (base["b"].astype(np.float32) + ((a["b"].astype(np.float32) - base["b"].astype(np.float32))
+           + (b["b"].astype(np.float32) - base["b"].astype(np.float32))) / 2)
+    assert got.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got, ref.astype(ml_dtypes.bfloat16))
+
+
+def test_partial_push_is_ignored(store):
+    _push(store, 0, 5, _params(1))
+    _push(store, 1, 5, _params(2))
+    store.kv.write("workers/1/5/COMMIT", None).result()  # killed before the marker
+    report = run_round(store, TINY_BUDGET)
+    assert report.used == {0: 5} and 1 not in report.used
+
+
+def test_corrupt_chunk_on_disk_is_detected_and_worker_skipped(store, tmp_path):
+    _push(store, 0, 5, _params(1))
+    _push(store, 1, 5, _params(2))
+    chunk = tmp_path / "store" / "workers" / "1" / "5" / "arrays" / "layers" / "w" / "c" / "1"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    report = run_round(store, TINY_BUDGET)
+    assert report.used == {0: 5}
+    assert "checksum mismatch" in report.skipped[1] and "layers/w" in report.skipped[1]
+
+
+def test_nonfinite_push_rejected(store):
+    bad = _params(2)
+    bad["layers/w"][5] = np.nan
+    _push(store, 0, 5, _params(1))
+    _push(store, 1, 5, bad)
+    report = run_round(store, TINY_BUDGET)
+    assert report.used == {0: 5} and "non-finite" in report.skipped[1]
+    assert np.isfinite(latest_average(store).params["layers/w"]).all()
+
+
+def test_allowed_workers_quorum_and_wrong_structure(store):
+    _push(store, 0, 5, _params(1))
+    _push(store, 7, 5, _params(2))
+    wrong = _params(3)
+    wrong["b"] = np.zeros(8, np.float32)
+    _push(store, 2, 5, wrong)
+    report = run_round(store, AveragerConfig(allowed_workers=(0, 2), min_workers=2,
+                                             chunk_budget_bytes=1))
+    assert not report.published and "min_workers=2" in report.note
+    assert report.skipped[7] == "not in allowed_workers"
+    assert "leaf b" in report.skipped[2] and "[8]" in report.skipped[2]
+    assert S.average_rounds(store) == [0]
+
+
+def test_late_joiner_and_leaver(store):
+    _push(store, 0, 5, _params(1))
+    assert run_round(store, TINY_BUDGET).used == {0: 5}
+    _push(store, 1, 10, _params(2))  # joins late; worker 0 has left
+    report = run_round(store, TINY_BUDGET)
+    assert report.used == {1: 10}
+    assert not run_round(store, TINY_BUDGET).published  # nothing new: no duplicate round
+
+
+def test_manifest_escaping_the_store_is_rejected(store):
+    _push(store, 0, 5, _params(1))
+    manifest = json.loads(store.read("workers/0/5/manifest.json"))
+    manifest["leaves"]["../../outside"] = manifest["leaves"].pop("b")
+    data = json.dumps(manifest, sort_keys=True).encode()
+    store.write("workers/0/5/manifest.json", data)
+    store.write("workers/0/5/COMMIT", S._sha(data).encode())
+    with pytest.raises(S.StoreError, match="escape the store"):
+        S.load_checkpoint(store, "workers/0/5")
+    assert "escape" in run_round(store, TINY_BUDGET).skipped[0]
+
+
+def test_killed_averager_leaves_previous_average_newest_and_racers_publish_once(store):
+    _push(store, 0, 5, _params(1))
+    assert run_round(store, TINY_BUDGET).round == 1
+    _push(store, 0, 10, _params(2))
+    store.write("average/2/CLAIM", b"9999999999")  # another averager is writing round 2
+    report = run_round(store, TINY_BUDGET)
+    assert not report.published and "another averager" in report.note
+    assert latest_average(store).round == 1  # a reader still gets the complete round 1
+    store.write("average/2/CLAIM", b"0")  # that averager died long ago: take over
+    assert run_round(store, TINY_BUDGET).round == 2
+
+
+def test_diloco_momentum_persisted_and_restart_idempotent(store):
+    cfg = AveragerConfig(outer="diloco", outer_lr=0.7, outer_momentum=0.9, chunk_budget_bytes=1)
+    base = _params(0)
+    _push(store, 0, 5, {k: v + 1 for k, v in base.items()})
+    run_round(store, cfg)
+    first = latest_average(store).params["b"].copy()
+    np.testing.assert_allclose(first, base["b"] + 0.7 * (1 + 0.9 * 1), rtol=1e-6)
+    _push(store, 0, 10, {k: v + 1 for k, v in latest_average(store).params.items()})
+    run_round(store, cfg)
+    second = latest_average(store).params["b"].copy()
+    m2 = 0.9 * 1 + 1  # momentum carried over from round 1
+    np.testing.assert_allclose(second, first + 0.7 * (1 + 0.9 * m2), rtol=1e-5)
+    for key in store.keys("average/2/"):  # the averager "restarts" and redoes round 2
+        store.kv.write(key, None).result()
+    run_round(store, cfg)
+    np.testing.assert_array_equal(latest_average(store).params["b"], second)
+
+
+def test_quantization_error_bound_and_compressed_push(store):
+    x = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    q, scale = quantize_blockwise(x)
+    err = np.abs(dequantize_blockwise(q, scale, x.shape) - x)
+    assert (err <= np.repeat(scale, 256)[:1000] / 2 + 1e-7).all()
+    run_round(store, TINY_BUDGET)
+    pushed = {k: v + np.float32(0.01) * np.sin(np.arange(v.size)).reshape(v.shape).astype(np.float32)
+              for k, v in _params(0).items()}
+    report = S.push(store, 0, 5, pushed, 1, compress=True)
+    assert report.bytes_written < 0.3 * report.raw_bytes
+    back = S.read_params(store, S.load_checkpoint(store, "workers/0/5"))
+    for k in pushed:
+        np.testing.assert_allclose(back[k], pushed[k], atol=0.01 / 127)
