@@ -27,4 +27,7 @@ def set_cpu_devices(n: int | None) -> None:
 
 
 def setup() -> None:
+    # absl INFO lines from orbax/grain would drown the progress bar; warnings still show.
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)
     set_cpu_devices(FLAGS.cpu_devices)

@@ -105,6 +105,7 @@ class Trainer:
         start = int(jax.device_get(state.step))
         it = self.batches.iterator(self.data_state)
         writer = MetricsWriter(self.workdir, enabled=self.is_primary)
+        writer.truncate_after(start)  # a resumed run re-logs the steps after its checkpoint
         bar = ProgressBar(cfg.steps, initial=start, enabled=self.is_primary)
         if self.is_primary:
             print(f"jaxscale: mesh {mesh_summary(self.ctx.mesh)}, "
@@ -160,8 +161,23 @@ def _init_from(path: str, state: TrainState, shardings: TrainState) -> TrainStat
     return state.replace(params=place_flat(flat, shardings.params, state.params))
 
 
+def _attach_checkpoints(trainer: Trainer) -> None:
+    """Resumes from the newest complete checkpoint in the workdir and saves periodically."""
+    from jaxscale.checkpoint import CheckpointHook, Checkpointer
+
+    c = trainer.config.checkpoint
+    checkpointer = Checkpointer(trainer.workdir, c.every, c.keep)
+    if checkpointer.latest_step() is not None:
+        trainer.state, trainer.data_state = checkpointer.restore(trainer.state, trainer.shardings)
+        if trainer.is_primary:
+            print(f"jaxscale: resumed from {checkpointer.directory}/{checkpointer.latest_step()}")
+    trainer.hooks.append(CheckpointHook(checkpointer))
+
+
 def train(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> TrainState:
     trainer = Trainer.build(config, workdir)
+    if workdir and config.checkpoint.every:
+        _attach_checkpoints(trainer)
     trainer.hooks.extend(hooks)
     if config.lofi.enabled:
         from jaxscale.lofi.worker import LofiWorker

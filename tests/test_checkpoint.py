@@ -1,0 +1,109 @@
+"""Checkpoints: bit-exact resume after SIGKILL, re-sharding onto another mesh, NaN safety."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs.tiny_lm import get_config
+from jaxscale.checkpoint import Checkpointer
+from jaxscale.train.loop import NonFiniteError, Trainer, _attach_checkpoints, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+
+
+def _metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _config(steps, every):
+    c = get_config("test")
+    c.train.update(steps=steps, log_every=1, eval_every=0)
+    c.checkpoint.every = every
+    return c
+
+
+def test_restore_on_another_mesh_continues_with_the_same_loss(tmp_path):
+    c = _config(4, 4)
+    c.mesh.update(data=8)
+    train(c, str(tmp_path / "a"))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    c.train.steps = 6
+    train(c, str(tmp_path / "a"))                       # continue on data=8
+    c.mesh.update(data=1, fsdp=4, tensor=2)
+    train(c, str(tmp_path / "b"))                       # continue on fsdp=4, tensor=2
+    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([m["loss"] for m in b], [m["loss"] for m in a], rtol=1e-5)
+
+
+def test_nonfinite_stops_naming_the_step_and_keeps_the_good_checkpoint(tmp_path):
+    c = _config(6, 2)
+    trainer = Trainer.build(c, str(tmp_path))
+    _attach_checkpoints(trainer)
+    bad = jax.tree.map(lambda x: x * np.nan, trainer.state.params)
+    trainer.state = trainer.state.replace(params=bad)
+    with pytest.raises(NonFiniteError, match="at step 1"):
+        trainer.run()
+    checkpointer = Checkpointer(str(tmp_path), 2, 3)
+    assert checkpointer.latest_step() is None  # nothing saved from a non-finite state
+
+
+def test_skip_nonfinite_counts_and_keeps_training(tmp_path):
+    c = _config(2, 0)
+    c.train.skip_nonfinite = True
+    trainer = Trainer.build(c, str(tmp_path))
+    good = trainer.state.params
+    it = trainer.batches.iterator()
+    poisoned = trainer.state.replace(params=jax.tree.map(lambda x: x * np.nan, good))
+    state, m = trainer.train_fn(poisoned, trainer.to_global(next(it)))
+    assert int(m["nonfinite_steps"]) == 1
+
+
+def test_interrupted_save_is_never_picked_up_and_no_pickle(tmp_path):
+    train(_config(2, 2), str(tmp_path))
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / "7.orbax-checkpoint-tmp-1234").mkdir()  # a save killed before its rename
+    assert Checkpointer(str(tmp_path), 2, 3).latest_step() == 2
+    for root, _, files in os.walk(ckpts):
+        for name in files:
+            assert not name.endswith((".pkl", ".pickle"))
+            with open(os.path.join(root, name), "rb") as f:
+                assert not f.read(2).startswith(b"\x80\x04"), name  # pickle protocol 4 magic
+
+
+@pytest.mark.slow
+def test_sigkill_mid_training_then_resume_matches_uninterrupted(tmp_path):
+    args = [sys.executable, "-m", "launch.train", "--config=configs/tiny_lm.py:test",
+            "--cpu_devices=8", "--config.train.steps=14", "--config.train.log_every=1",
+            "--config.train.eval_every=0", "--config.checkpoint.every=3"]
+    full = subprocess.run(args + [f"--workdir={tmp_path / 'full'}"], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert full.returncode == 0, full.stderr[-2000:]
+    workdir = tmp_path / "killed"
+    proc = subprocess.Popen(args + [f"--workdir={workdir}"], env=ENV, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if os.path.exists(workdir / "metrics.jsonl") and len(_metrics(workdir)) >= 8:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(_metrics(workdir)) < 14  # really interrupted
+    resumed = subprocess.run(args + [f"--workdir={workdir}"], env=ENV, cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
+    got, want = _metrics(workdir), _metrics(tmp_path / "full")
+    assert [m["step"] for m in got] == list(range(1, 15))
+    assert [m["loss"] for m in got] == [m["loss"] for m in want]
