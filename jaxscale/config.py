@@ -31,6 +31,7 @@ DEFAULT_RULES: list[tuple[str, Any]] = [
     ("head_dim", None),
     ("norm", None),
     ("layers", None),
+    ("lora_rank", None),
 ]
 
 
@@ -41,9 +42,14 @@ def base_config() -> mlc.ConfigDict:
     c.mesh = mlc.ConfigDict(dict(data=-1, pipeline=1, fsdp=1, tensor=1,
                                  dcn_data=1, dcn_pipeline=1, dcn_fsdp=1, dcn_tensor=1))
     c.rules = [tuple(r) for r in DEFAULT_RULES]
+    c.rules_preset = ""  # a name in jaxscale.presets.PRESETS replaces `rules` (dp, fsdp, pp, ...)
     c.rules_strict = False
     c.rules_indivisible = "error"
     c.precision = "32-true"
+    c.loss_scale = mlc.ConfigDict(dict(init=2.0 ** 15, growth_interval=2000))  # 16-mixed only
+    # LoRA: rank 0 = off; targets are regular expressions searched in '/'-joined parameter paths.
+    c.lora = mlc.ConfigDict(dict(rank=0, alpha=16.0, targets=("attn/w[qv]$",), dropout=0.0,
+                                 save_adapters_only=True))
     c.model = mlc.ConfigDict(dict(
         name="llama", vocab_size=256, embed=128, num_layers=4, num_heads=4, num_kv_heads=2,
         head_dim=32, mlp=512, max_len=2048, rope_theta=10000.0, norm_eps=1e-5,

@@ -1,4 +1,9 @@
-"""Metrics: metrics.jsonl + TensorBoard, model FLOPs utilisation, and a terminal progress bar."""
+"""Metrics: metrics.jsonl + TensorBoard, model FLOPs utilisation, and a terminal progress bar.
+
+`metrics.jsonl` is the source of truth (tests, `launch.plot` and resume all read it); TensorBoard
+is a convenience view of the same numbers. Only process 0 writes either (`enabled=False`
+elsewhere), so a multi-host run produces one file, not one per host.
+"""
 
 from __future__ import annotations
 
@@ -6,48 +11,86 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TextIO
 
-# Dense bf16 peak FLOP/s per chip, from the vendors' data sheets.
+# Dense (no sparsity) bf16 peak FLOP/s per device, i.e. per chip for TPUs and per GPU.
+# Sources:
+#   TPU v4   275e12  https://cloud.google.com/tpu/docs/v4
+#   TPU v5e  197e12  https://cloud.google.com/tpu/docs/v5e        (device_kind 'TPU v5 lite')
+#   TPU v5p  459e12  https://cloud.google.com/tpu/docs/v5p        (device_kind 'TPU v5p' / 'TPU v5')
+#   TPU v6e  918e12  https://cloud.google.com/tpu/docs/v6e        (Trillium, 'TPU v6 lite')
+#   A100     312e12  NVIDIA A100 datasheet, BF16 Tensor Core dense (SXM and PCIe alike)
+#   H100 SXM 989e12  NVIDIA H100 datasheet, BF16 Tensor Core 1,979 TFLOPS *with sparsity* / 2
+#   H100 PCIe 756e12 same datasheet, PCIe column (1,513 with sparsity / 2)
+#   H200     989e12  NVIDIA H200 datasheet: same compute as H100 SXM (more/faster HBM only)
 PEAK_FLOPS: dict[str, float] = {
     "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,   # v5e
+    "TPU v5 lite": 197e12,
     "TPU v5e": 197e12,
     "TPU v5p": 459e12,
     "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,   # v6e (Trillium)
+    "TPU v6 lite": 918e12,
     "TPU v6e": 918e12,
     "A100": 312e12,
-    "H100": 989e12,          # SXM, dense
+    "H100": 989e12,
+    "H100 PCIe": 756e12,
     "H200": 989e12,
 }
 
 
 def peak_flops(device_kind: str) -> float | None:
-    """Peak bf16 FLOP/s for a `device.device_kind` string; None for CPUs and unknown kinds."""
+    """Peak bf16 FLOP/s for a jax `device.device_kind` string; None for CPUs and unknown kinds.
+
+    Matching is by case-insensitive substring, longest key first, so 'TPU v5 lite' wins over
+    'TPU v5' and 'NVIDIA H100 PCIe' over 'H100', while vendor strings such as
+    'NVIDIA H100 80GB HBM3' or 'NVIDIA A100-SXM4-80GB' need no entry of their own. Returning
+    None (rather than guessing) keeps a bogus MFU out of the logs on hardware we do not know.
+    """
+    kind = device_kind.lower()
     for name in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if name.lower() in device_kind.lower():
+        if name.lower() in kind:
             return PEAK_FLOPS[name]
     return None
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, num_devices: int,
         device_kind: str) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the devices' combined peak.
+
+    `tokens_per_s` is the global throughput (all devices), hence the `num_devices` factor in the
+    peak. None when the device kind has no known peak (CPU), so callers can simply skip it.
+    """
     peak = peak_flops(device_kind)
-    return None if peak is None else flops_per_token * tokens_per_s / (peak * num_devices)
+    if peak is None or num_devices <= 0:
+        return None
+    return flops_per_token * tokens_per_s / (peak * num_devices)
 
 
 def llama_flops_per_token(num_layers: int, embed: int, heads: int, kv_heads: int, head_dim: int,
                           mlp: int, vocab: int, seq_len: int) -> float:
-    """Training FLOPs per token, PaLM appendix B convention: 6·N_matmul + 12·L·H·D·T."""
-    attn = embed * head_dim * (2 * heads + 2 * kv_heads)
-    matmul_params = num_layers * (attn + 3 * embed * mlp) + embed * vocab
+    """Training FLOPs per token of a Llama-style decoder (forward + backward).
+
+    Convention of PaLM (Chowdhery et al. 2022), appendix B: 6·N + 12·L·H·Q·T, where N counts
+    the parameters that take part in matmuls (q/k/v/o projections with grouped kv heads, the
+    three SwiGLU matrices, and the output projection onto the vocabulary; embeddings lookups and
+    norms are excluded), L layers, H query heads, Q head_dim, T sequence length. The factor 6 is
+    2 (multiply-add) × 3 (forward + two backward matmuls); the attention term counts QK^T and
+    AV without exploiting the causal mask, as PaLM and MaxText do, so numbers are comparable.
+    """
+    attn_params = embed * head_dim * (2 * heads + 2 * kv_heads)  # wq, wo, wk, wv
+    mlp_params = 3 * embed * mlp                                  # gate, up, down
+    matmul_params = num_layers * (attn_params + mlp_params) + embed * vocab
     return 6.0 * matmul_params + 12.0 * num_layers * heads * head_dim * seq_len
 
 
 def _plain(value: Any) -> Any:
-    """JSON-safe scalar: numpy/jax scalars to Python; non-finite floats become null."""
+    """A JSON-safe scalar: numpy/jax scalars become Python numbers, non-finite floats null.
+
+    Python's json would write NaN/Infinity, which is not valid JSON and breaks other readers
+    (jq, pandas with strict parsers); null says "no finite value" and stays parseable.
+    """
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
@@ -56,84 +99,146 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON line per logged step (flushed, so a killed run leaves whole lines)."""
+    """Appends one JSON object per `write` to WORKDIR/metrics.jsonl, plus TensorBoard scalars.
+
+    Line format: `{"step": <int>, "<name>": <float|int|null>, ...}` with `step` first, metrics in
+    the order given, and non-finite floats written as null. Each line is flushed at once so a
+    killed process leaves only complete lines. Disabled (non-primary processes) it does nothing.
+    """
 
     def __init__(self, workdir: str | None, enabled: bool = True, tensorboard: bool = True):
         self.enabled = bool(enabled and workdir)
+        self.workdir = workdir
         self.path = os.path.join(workdir, "metrics.jsonl") if workdir else None
-        self._tb = None
+        self._tensorboard = tensorboard
+        self._tb: Any = None
+        self._purge_step: int | None = None
+        self._file: TextIO | None = None
         if self.enabled:
             os.makedirs(workdir, exist_ok=True)
             self._file = open(self.path, "a")
-            if tensorboard:
-                from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def _tb_writer(self) -> Any:
+        """Created lazily so a resume can first tell TensorBoard which steps to purge."""
+        if self._tb is None and self._tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"),
+                                     purge_step=self._purge_step)
+        return self._tb
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Logs `metrics` at `step` (numpy/jax scalars accepted)."""
         if not self.enabled:
             return
-        record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+        values = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
+        record = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, step)
+        tb = self._tb_writer()
+        if tb is not None:
+            for k, v in values.items():  # TensorBoard takes NaN/inf, so log the raw value
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    tb.add_scalar(k, float(v), int(step))
+            tb.flush()
 
     def truncate_after(self, step: int) -> None:
-        """Drops lines logged after `step` (a resumed run re-logs them)."""
+        """Drops lines with step > `step`, so a run resumed from the checkpoint at `step`
+        re-logs those steps and ends with the same file as an uninterrupted run. TensorBoard
+        events after `step` are purged too (tensorboardX `purge_step`)."""
         if not self.enabled:
             return
+        self._purge_step = int(step) + 1
+        kept = [r for r in read_metrics_file(self.path) if r["step"] <= step]
         self._file.close()
-        kept = [l for l in read_metrics_file(self.path) if l["step"] <= step]
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(l) + "\n" for l in kept)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(tmp, self.path)  # atomic: a kill here leaves the old or the new file
         self._file = open(self.path, "a")
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self._file is not None:
             self._file.close()
+            self._file = None
             if self._tb is not None:
                 self._tb.close()
+                self._tb = None
 
 
 def read_metrics_file(path: str) -> list[dict]:
+    """Parses a metrics.jsonl; a missing file is empty and an unparseable last line (a write
+    cut short by a crash on a filesystem without line-atomic appends) is ignored."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not valid JSON: {line[:80]!r}. "
+                                 "Only the last line may be cut short; fix or delete the file.")
+    return records
 
 
 def read_metrics(workdir: str) -> list[dict]:
+    """All records of WORKDIR/metrics.jsonl, in file order."""
     return read_metrics_file(os.path.join(workdir, "metrics.jsonl"))
 
 
 class ProgressBar:
-    """tqdm bar on a terminal; a plain line per update otherwise (CI logs stay readable)."""
+    """A tqdm bar on a terminal; without a TTY (CI logs) a plain line every `print_every` steps.
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
+    Shows step/total, loss, tokens/s, and the latest eval loss once one is known.
+    """
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True,
+                 print_every: int | None = None, stream: TextIO | None = None):
         self.enabled, self.total = enabled, total
-        self._bar = None
-        if enabled and sys.stdout.isatty():
-            from tqdm import tqdm
-            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+        self._stream = stream or sys.stdout
+        self._bar: Any = None
         self._last = initial
+        self._printed = initial
+        self._print_every = print_every or max(1, total // 20)
+        self._eval_loss: float | None = None
+        self._start = time.perf_counter()
+        if enabled and self._stream.isatty():
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                             file=self._stream)
+
+    def _fields(self, metrics: Mapping[str, Any]) -> dict[str, str]:
+        shown = {}
+        if metrics.get("loss") is not None:
+            shown["loss"] = f"{float(metrics['loss']):.4f}"
+        if metrics.get("tokens_per_s") is not None:
+            shown["tok/s"] = f"{float(metrics['tokens_per_s']):,.0f}"
+        if metrics.get("eval_loss") is not None:
+            self._eval_loss = float(metrics["eval_loss"])
+        if self._eval_loss is not None:
+            shown["eval"] = f"{self._eval_loss:.4f}"
+        return shown
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Advances to `step` (absolute, not a delta) and shows `metrics`."""
         if not self.enabled:
             return
-        shown = {"loss": f"{metrics['loss']:.4f}",
-                 "tok/s": f"{metrics.get('tokens_per_s', 0):,.0f}"}
-        if "eval_loss" in metrics:
-            shown["eval"] = f"{metrics['eval_loss']:.4f}"
+        shown = self._fields(metrics)
         if self._bar is not None:
             self._bar.update(step - self._last)
             self._bar.set_postfix(shown)
-        else:
-            print(f"step {step}/{self.total} " + " ".join(f"{k}={v}" for k, v in shown.items()),
+        elif (step - self._printed >= self._print_every or step >= self.total
+              or "eval_loss" in metrics):
+            elapsed = time.perf_counter() - self._start
+            text = " ".join(f"{k}={v}" for k, v in shown.items())
+            print(f"step {step}/{self.total} {text} ({elapsed:.0f}s)", file=self._stream,
                   flush=True)
+            self._printed = step
         self._last = step
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+            self._bar = None

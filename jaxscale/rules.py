@@ -88,7 +88,17 @@ class AxisRules:
                 f"config.rules_indivisible={mode!r} is not valid; use 'error' (default) or",
                 "'replicate' (drop mesh axes that do not divide a dimension, with a warning).",
             ))
-        return cls(normalize_rules(config.rules), bool(config.get("rules_strict", False)), mode)
+        rules = config.rules
+        preset = config.get("rules_preset", "")
+        if preset:
+            from jaxscale.presets import PRESETS
+            if preset not in PRESETS:
+                raise RulesError(paragraph(
+                    f"Unknown config.rules_preset={preset!r}. Valid presets: {', '.join(PRESETS)}",
+                    "(see jaxscale/presets.py), or leave it empty to use config.rules.",
+                ))
+            rules = PRESETS[preset]
+        return cls(normalize_rules(rules), bool(config.get("rules_strict", False)), mode)
 
     def spec(self, logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
              path: str = "<array>", warn: bool = True) -> PartitionSpec:

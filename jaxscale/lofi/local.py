@@ -55,6 +55,20 @@ def _start(argv: Sequence[str], prefix: str, env: dict) -> tuple[subprocess.Pope
     return proc, thread
 
 
+def run_prefixed(commands: dict[str, Sequence[str]]) -> int:
+    """Runs commands in parallel with prefixed output; non-zero if any fails."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)
+    procs = {name: _start(argv, name, env) for name, argv in commands.items()}
+    codes = {name: p.wait() for name, (p, _) in procs.items()}
+    for _, t in procs.values():
+        t.join()
+    failed = {n: c for n, c in codes.items() if c}
+    if failed:
+        print(f"failed processes (exit codes): {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def run_local(job: LofiJob, periodic: bool) -> int:
     """Starts the workers (and, for periodic sync, a watching averager); returns an exit code.
 

@@ -38,6 +38,25 @@ def param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None
     return nnx.Param(value, logical_axes=axes)
 
 
+def lora_delta(a: jax.Array, b: jax.Array, scale: float, ndim: int) -> jax.Array:
+    """scale * A.B for adapters A (lead.., in.., r) and B (lead.., r, out..) of an ndim weight."""
+    lead = a.ndim + b.ndim - 2 - ndim
+    n_in = a.ndim - 1 - lead
+    letters = "abcdefghijklmnopq"
+    l, i, o = letters[:lead], letters[lead:lead + n_in], letters[lead + n_in:ndim]
+    return scale * jnp.einsum(f"{l}{i}z,{l}z{o}->{l}{i}{o}", a, b)
+
+
+def weight(module: nnx.Module, name: str) -> jax.Array:
+    """`module.<name>`, plus its low-rank delta when `models/lora.py` attached adapters to it."""
+    w = getattr(module, name)[...]
+    a = getattr(module, f"{name}_lora_a", None)
+    if a is None:
+        return w
+    b, scale = getattr(module, f"{name}_lora_b")[...], getattr(module, f"{name}_lora_scale")
+    return w + lora_delta(a[...], b, scale, w.ndim).astype(w.dtype)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, policy: Policy, *, stack: int | None = None):
         self.scale = param(None, (dim,), ("norm",), init="ones", stack=stack, dtype=policy.param)
@@ -83,9 +102,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTE: jax.Array, positions_BT: jax.Array) -> jax.Array:
         c = self.policy.compute
-        q_BTHD = jnp.einsum("bte,ehd->bthd", x_BTE, self.wq[...].astype(c))
-        k_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, self.wk[...].astype(c))
-        v_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, self.wv[...].astype(c))
+        q_BTHD = jnp.einsum("bte,ehd->bthd", x_BTE, weight(self, "wq").astype(c))
+        k_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, weight(self, "wk").astype(c))
+        v_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, weight(self, "wv").astype(c))
         q_BTHD = constrain(rotary(q_BTHD, positions_BT, self.rope_theta),
                            "batch", "length", "heads", "head_dim")
         k_BTKD = constrain(rotary(k_BTKD, positions_BT, self.rope_theta),
@@ -93,7 +112,7 @@ class Attention(nnx.Module):
         v_BTKD = constrain(v_BTKD, "batch", "length", "kv", "head_dim")
         out_BTHD = self._attend(q_BTHD, k_BTKD, v_BTKD)
         out_BTHD = constrain(out_BTHD, "batch", "length", "heads", "head_dim")
-        out_BTE = jnp.einsum("bthd,hde->bte", out_BTHD, self.wo[...].astype(c))
+        out_BTE = jnp.einsum("bthd,hde->bte", out_BTHD, weight(self, "wo").astype(c))
         return constrain(out_BTE, "batch", "length", "embed")
 
     def _attend(self, q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array) -> jax.Array:
@@ -124,8 +143,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         c = self.policy.compute
-        gate_BTF = jnp.einsum("bte,ef->btf", x_BTE, self.w_gate[...].astype(c))
-        up_BTF = jnp.einsum("bte,ef->btf", x_BTE, self.w_up[...].astype(c))
+        gate_BTF = jnp.einsum("bte,ef->btf", x_BTE, weight(self, "w_gate").astype(c))
+        up_BTF = jnp.einsum("bte,ef->btf", x_BTE, weight(self, "w_up").astype(c))
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, "batch", "length", "mlp")
-        out_BTE = jnp.einsum("btf,fe->bte", h_BTF, self.w_down[...].astype(c))
+        out_BTE = jnp.einsum("btf,fe->bte", h_BTF, weight(self, "w_down").astype(c))
         return constrain(out_BTE, "batch", "length", "embed")

@@ -23,7 +23,9 @@ from jaxscale.data import build_data
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.mesh import make_mesh, mesh_summary
 from jaxscale.metrics import MetricsWriter, ProgressBar, llama_flops_per_token, mfu
-from jaxscale.precision import get_policy
+from jaxscale.models import lora
+from jaxscale.parallel.pipeline import make_layer_runner
+from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.optim import make_optimizer
 from jaxscale.train.state import ModelDef, TrainState, flatten, init_state
@@ -65,14 +67,18 @@ class Trainer:
         mesh = make_mesh(config.mesh, devices)
         rules = AxisRules.from_config(config)
         policy = get_policy(config.precision)
-        model_def = ModelDef.build(config.model, policy)
+        model_def = lora.with_adapters(ModelDef.build(config.model, policy), config.lora)
         optimizer, lr = make_optimizer(config.optim, config.train.steps)
-        state, shardings = init_state(model_def, optimizer, rules, mesh, config.seed)
+        scaler = DynamicLossScale.from_config(config.loss_scale) if policy.loss_scaling else None
+        state, shardings = init_state(model_def, optimizer, rules, mesh, config.seed,
+                                      lora.trainable(config.lora), scaler.init if scaler else dict)
         if config.init_from:
             state = _init_from(config.init_from, state, shardings)
         ctx = StepContext(model_def, optimizer, lr, policy, rules, mesh,
                           config.train.grad_accum, config.train.skip_nonfinite,
-                          task=config.model.get("task", "lm"))
+                          run_layers=make_layer_runner(config.pipeline, mesh, config.model.remat,
+                                                       config.model.get("num_layers")),
+                          task=config.model.get("task", "lm"), loss_scale=scaler)
         lofi = config.lofi
         shard = (lofi.worker_id, lofi.num_workers) if lofi.enabled else (0, 1)
         batches, evals = build_data(config, jax.process_index(), jax.process_count(), *shard)
@@ -95,8 +101,10 @@ class Trainer:
         losses = [self.eval_fn(state, self.to_global(b)) for b in self.eval_data]
         return float(np.mean(jax.device_get(losses)))
 
-    def flops_per_token(self) -> float:
+    def flops_per_token(self) -> float | None:
         m, d = self.config.model, self.config.data
+        if m.get("name", "llama") != "llama":  # the FLOP count below is the Llama's
+            return None
         return llama_flops_per_token(m.num_layers, m.embed, m.num_heads, m.num_kv_heads,
                                      m.head_dim, m.mlp, m.vocab_size, d.seq_len)
 
@@ -121,8 +129,9 @@ class Trainer:
                 now = time.perf_counter()
                 host["step_time_s"] = (now - last_time) / (step - last_step)
                 host["tokens_per_s"] = tokens / host["step_time_s"]
-                util = mfu(self.flops_per_token(), host["tokens_per_s"], jax.device_count(),
-                           jax.devices()[0].device_kind)
+                fpt = self.flops_per_token()
+                util = fpt and mfu(fpt, host["tokens_per_s"], jax.device_count(),
+                                   jax.devices()[0].device_kind)
                 if util is not None:
                     host["mfu"] = util
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
@@ -157,6 +166,10 @@ def _init_from(path: str, state: TrainState, shardings: TrainState) -> TrainStat
     from jaxscale.lofi.worker import place_flat
 
     flat = load_flat_params(path)
+    if state.frozen:  # LoRA: the saved weights are the frozen base; adapters start fresh
+        flat = {k: v for k, v in flat.items() if not lora.is_adapter(k)}
+        check_matches(flat, flatten(state.frozen), path)
+        return state.replace(frozen=place_flat(flat, shardings.frozen, state.frozen))
     check_matches(flat, flatten(state.params), path)
     return state.replace(params=place_flat(flat, shardings.params, state.params))
 

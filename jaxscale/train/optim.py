@@ -8,8 +8,10 @@ uses a linear-warmup + cosine-decay schedule.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from jaxscale.errors import ConfigError, paragraph
@@ -38,8 +40,102 @@ def _sgd(c: Any, lr: optax.Schedule) -> optax.GradientTransformation:
     return optax.sgd(lr, momentum=c.momentum or None, nesterov=bool(c.momentum))
 
 
+# ---- 8-bit Adam ------------------------------------------------------------------------------
+# Moments are stored as int8 arrays of the parameter's own shape (so state.py shards them exactly
+# like the parameter) plus one float32 absmax scale per block of QBLOCK consecutive values along
+# the LAST axis: scales have shape param.shape[:-1] + (ceil(last / QBLOCK),), i.e. they keep the
+# parameter's leading dimensions and are sharded along them (state.py shards a leaf whose shape
+# matches a parameter's except in the last dimension with the parameter's spec minus that
+# dimension). Blocks along the last axis (not over the flattened array, as jaxscale/quant.py does)
+# never straddle the leading dimensions, which is what keeps the int8 array parameter-shaped.
+# First moment: signed linear absmax, round to nearest (error <= scale/2 per value).
+# Second moment: stored as sqrt(v) (halves the dynamic range in log space, so small v survive
+# 8 bits), rounded to nearest but never to 0 for v > 0 (at least one step): the denominator
+# sqrt(v)+eps cannot collapse to eps while its first moment survives, so updates stay bounded
+# (|m| <= sqrt(v) in Adam). Always rounding up would also be safe but biases every step smaller.
+QBLOCK = 256
+
+
+class Adam8bitState(NamedTuple):
+    count: jax.Array
+    mu_q: Any     # int8, param-shaped
+    mu_scale: Any   # float32, param.shape[:-1] + (blocks,)
+    nu_q: Any     # int8 of sqrt(v), param-shaped
+    nu_scale: Any
+
+
+def _blocks(x: jax.Array) -> tuple[jax.Array, int]:
+    """x as (..., blocks, QBLOCK) zero-padded along the last axis; returns (blocks, pad)."""
+    if x.ndim == 0:
+        x = x[None]
+    last = x.shape[-1]
+    size = min(QBLOCK, last)
+    pad = (-last) % size
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    return x.reshape(*x.shape[:-1], x.shape[-1] // size, size), pad
+
+
+def quantize_lastaxis(x: jax.Array, nonzero: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(int8 of x's shape, float32 absmax/127 per block of the last axis)."""
+    blocks, pad = _blocks(x.astype(jnp.float32))
+    scale = jnp.max(jnp.abs(blocks), axis=-1) / 127.0
+    ratio = blocks / jnp.where(scale > 0, scale, 1.0)[..., None]
+    q = jnp.round(ratio)
+    if nonzero:  # a positive value never becomes 0 (the second moment is a denominator)
+        q = jnp.where(ratio > 0, jnp.maximum(q, 1.0), q)
+    q = jnp.clip(q, -127, 127).astype(jnp.int8)
+    q = q.reshape(*q.shape[:-2], -1)
+    q = q[..., :q.shape[-1] - pad] if pad else q
+    return q.reshape(x.shape), scale
+
+
+def dequantize_lastaxis(q: jax.Array, scale: jax.Array) -> jax.Array:
+    blocks, pad = _blocks(q.astype(jnp.float32))
+    x = (blocks * scale[..., None]).reshape(*blocks.shape[:-2], -1)
+    x = x[..., :x.shape[-1] - pad] if pad else x
+    return x.reshape(q.shape)
+
+
+def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+                      ) -> optax.GradientTransformation:
+    """Adam's direction m_hat / (sqrt(v_hat) + eps) with both moments held in 8 bits."""
+
+    def init(params):
+        zeros = jax.tree.map(lambda p: quantize_lastaxis(jnp.zeros(p.shape, jnp.float32)), params)
+        q = jax.tree.map(lambda z: z[0], zeros, is_leaf=lambda z: isinstance(z, tuple))
+        s = jax.tree.map(lambda z: z[1], zeros, is_leaf=lambda z: isinstance(z, tuple))
+        return Adam8bitState(jnp.zeros((), jnp.int32), q, s, q, s)
+
+    def update(grads, state, params=None):
+        del params
+        count = state.count + 1
+        t = count.astype(jnp.float32)
+
+        def one(g, mq, ms, nq, ns):
+            g = g.astype(jnp.float32)
+            m = b1 * dequantize_lastaxis(mq, ms) + (1 - b1) * g
+            v = b2 * jnp.square(dequantize_lastaxis(nq, ns)) + (1 - b2) * jnp.square(g)
+            mq, ms = quantize_lastaxis(m)
+            nq, ns = quantize_lastaxis(jnp.sqrt(v), nonzero=True)
+            u = (m / (1 - b1 ** t)) / (jnp.sqrt(v / (1 - b2 ** t)) + eps)
+            return u.astype(g.dtype), mq, ms, nq, ns
+
+        out = jax.tree.map(one, grads, state.mu_q, state.mu_scale, state.nu_q, state.nu_scale)
+        pick = lambda i: jax.tree.map(lambda o: o[i], out, is_leaf=lambda o: isinstance(o, tuple))
+        updates = jax.tree.map(lambda o, g: o[0].astype(g.dtype), out, grads,
+                               is_leaf=lambda o: isinstance(o, tuple))
+        return updates, Adam8bitState(count, pick(1), pick(2), pick(3), pick(4))
+
+    return optax.GradientTransformation(init, update)
+
+
+def _adam8bit(c: Any, lr: optax.Schedule) -> optax.GradientTransformation:
+    return optax.chain(scale_by_adam8bit(c.b1, c.b2, c.eps),
+                       optax.add_decayed_weights(c.weight_decay), optax.scale_by_learning_rate(lr))
+
+
 OPTIMIZERS: dict[str, Callable[[Any, optax.Schedule], optax.GradientTransformation]] = {
-    "adamw": _adamw, "lamb": _lamb, "adafactor": _adafactor, "sgd": _sgd,
+    "adamw": _adamw, "lamb": _lamb, "adafactor": _adafactor, "sgd": _sgd, "adam8bit": _adam8bit,
 }
 
 

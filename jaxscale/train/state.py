@@ -138,6 +138,12 @@ def _opt_state_shardings(abstract_opt: Tree, flat_param_sh: Mapping[str, NamedSh
             path = "/".join(names[start:])
             if path in flat_param_sh and tuple(flat_shapes[path].shape) == tuple(leaf.shape):
                 return flat_param_sh[path]
+            shape = tuple(flat_shapes[path].shape) if path in flat_param_sh else ()
+            if shape and len(shape) == len(leaf.shape) and shape[:-1] == tuple(leaf.shape[:-1]):
+                # Per-block statistics along the last axis (8-bit Adam scales): like the param,
+                # with the last dimension replicated.
+                spec = tuple(flat_param_sh[path].spec) + (None,) * len(shape)
+                return NamedSharding(mesh, PartitionSpec(*spec[:len(shape) - 1], None))
         return replicated
 
     return jax.tree_util.tree_map_with_path(pick, abstract_opt)

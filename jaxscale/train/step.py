@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxscale.precision import Policy
+from jaxscale.parallel.accumulate import accumulate_per_replica
+from jaxscale.precision import DynamicLossScale, Policy
 from jaxscale.rules import AxisRules, constrain, use_rules
 from jaxscale.train.state import ModelDef, TrainState, merge_trees
 
@@ -46,16 +47,25 @@ LOSSES: dict[str, Callable[..., jax.Array]] = {"lm": lm_loss}
 
 
 def loss_fn(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
-            run_layers: RunLayers = None, task: str = "lm") -> jax.Array:
+            run_layers: RunLayers = None, task: str = "lm",
+            loss_scale: jax.Array | None = None) -> jax.Array:
     model = model_def.module(merge_trees(params, frozen) if frozen else params)
-    return LOSSES[task](model, batch, run_layers)
+    loss = LOSSES[task](model, batch, run_layers)
+    return loss if loss_scale is None else loss * loss_scale  # float16: see DynamicLossScale
 
 
 def accumulate_grads(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
                      grad_accum: int, run_layers: RunLayers = None,
-                     task: str = "lm") -> tuple[jax.Array, Any]:
+                     task: str = "lm", loss_scale: jax.Array | None = None
+                     ) -> tuple[jax.Array, Any]:
     """Mean loss and gradients over `grad_accum` microbatches (equal to the large batch)."""
-    grad_fn = jax.value_and_grad(loss_fn)
+    grad_fn = lambda *a: jax.value_and_grad(loss_fn)(*a, loss_scale=loss_scale)
+    if grad_accum > 1 or run_layers is not None:  # microbatch loops: reduce over data once
+        once = accumulate_per_replica(
+            lambda mb: grad_fn(params, frozen, mb, model_def, run_layers, task), params, batch,
+            grad_accum, getattr(run_layers, "microbatches", 1))
+        if once is not None:
+            return once
     if grad_accum == 1:
         return grad_fn(params, frozen, batch, model_def, run_layers, task)
     micro = jax.tree.map(
@@ -84,29 +94,39 @@ class StepContext:
     skip_nonfinite: bool = False
     run_layers: RunLayers = None
     task: str = "lm"
+    loss_scale: DynamicLossScale | None = None  # set when the policy asks for loss scaling
 
 
 def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     """One optimizer step. Non-finite loss/gradients skip the update when configured."""
+    scaler = ctx.loss_scale
     with use_rules(ctx.rules, ctx.mesh):
-        loss, grads = accumulate_grads(state.params, state.frozen, batch, ctx.model_def,
-                                       ctx.grad_accum, ctx.run_layers, ctx.task)
+        loss, grads = accumulate_grads(
+            state.params, state.frozen, batch, ctx.model_def, ctx.grad_accum, ctx.run_layers,
+            ctx.task, None if scaler is None else state.extra["loss_scale"])
+    if scaler is not None:
+        loss, grads = scaler.unscale(state.extra, (loss, grads))
     grad_norm = optax.global_norm(grads)
     updates, opt_state = ctx.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite = applied = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if scaler is not None:  # an overflowed gradient is expected now and then: skip, not fail
+        state = state.replace(extra={**state.extra, **scaler.update(state.extra, applied)})
+        finite = jnp.isfinite(loss)  # only a non-finite loss counts as a real divergence
     step = state.step + 1
     bad = (~finite).astype(jnp.int32)
     extra = {**state.extra, "nonfinite_steps": state.extra["nonfinite_steps"] + bad,
              "first_nonfinite": jnp.where((state.extra["first_nonfinite"] < 0) & ~finite,
                                           step, state.extra["first_nonfinite"])}
     new = state.replace(step=step, params=params, opt_state=opt_state, extra=extra)
-    if ctx.skip_nonfinite:
-        keep = lambda n, o: jnp.where(finite, n, o)
+    if ctx.skip_nonfinite or scaler is not None:
+        keep = lambda n, o: jnp.where(applied, n, o)
         new = new.replace(params=jax.tree.map(keep, params, state.params),
                           opt_state=jax.tree.map(keep, opt_state, state.opt_state))
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": ctx.lr_schedule(state.step),
                "nonfinite_steps": extra["nonfinite_steps"]}
+    if scaler is not None:
+        metrics.update(loss_scale=extra["loss_scale"], skipped_steps=extra["skipped_steps"])
     return new, metrics
 
 

@@ -1,0 +1,106 @@
+"""Lo-Fi vs data-parallel fine-tuning: held-out loss and bytes communicated.
+
+Pre-trains the tiny LM briefly on half `a` of the corpus, then fine-tunes it on half `b` three
+ways with the same total samples and hyper-parameters:
+  (a) data parallel: one run, global batch = workers x per-worker batch, over `data=4`;
+  (b) Lo-Fi, `sync=end`: 4 independent workers (own shard, own batch), one average at the end;
+  (c) Lo-Fi, `sync=diloco`: average every H steps with the outer Nesterov optimizer.
+Workers are real `launch.train` processes driven by `launch.lofi_local`.
+
+    python bench/lofi_vs_ddp.py [--pretrain_steps=200] [--steps=200] [--sync_every=50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+WORKERS, BATCH = 4, 16
+
+
+def sh(args: list[str]) -> str:
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
+    out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"failed: {' '.join(args)}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    return out.stdout
+
+
+def train_flags(steps: int, batch: int, init_from: str | None, part: str) -> list[str]:
+    flags = ["--config=configs/tiny_lm.py", f"--config.train.steps={steps}",
+             f"--config.data.batch_size={batch}", f"--config.data.part={part}",
+             "--config.train.log_every=25", "--config.train.eval_every=0",
+             "--config.optim.warmup_steps=10", "--config.optim.lr=1e-3"]
+    return flags + ([f"--config.init_from={init_from}"] if init_from else [])
+
+
+def heldout_loss(init_from: str) -> float:
+    from configs.tiny_lm import get_config
+    from jaxscale.train.loop import Trainer
+    c = get_config()
+    c.update(init_from=init_from)
+    c.mesh.data = -1
+    c.data.eval_batches = 16
+    trainer = Trainer.build(c, workdir=None)
+    return trainer.evaluate(trainer.state)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--pretrain_steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--sync_every", type=int, default=50)
+    args = p.parse_args()
+    tmp = tempfile.mkdtemp(prefix="lofi_bench_")
+    py = sys.executable
+    pre = os.path.join(tmp, "pretrain")
+    sh([py, "-m", "launch.train", *train_flags(args.pretrain_steps, 32, None, "a"),
+        f"--workdir={pre}", "--cpu_devices=4", f"--config.lofi.enabled=True",
+        f"--config.lofi.store={pre}/store", "--config.lofi.push_every=100000"])
+    sh([py, "-m", "launch.lofi_average", f"--store={pre}/store", f"--final={pre}/final"])
+    base = f"{pre}/final"
+    from jaxscale.lofi.accounting import store_totals
+    from jaxscale.metrics import read_metrics
+    rows = [("pretrained (no fine-tuning)", heldout_loss(base), 0.0)]
+
+    ddp = os.path.join(tmp, "ddp")
+    sh([py, "-m", "launch.train", *train_flags(args.steps, WORKERS * BATCH, base, "b"),
+        f"--workdir={ddp}", "--cpu_devices=4", "--config.mesh.data=4",
+        "--config.lofi.enabled=True", f"--config.lofi.store={ddp}/store",
+        "--config.lofi.push_every=100000"])
+    sh([py, "-m", "launch.lofi_average", f"--store={ddp}/store", f"--final={ddp}/final"])
+    param_bytes = store_totals(f"{ddp}/store")["averaged"] / 2  # round 0 + final
+    ddp_bytes = 2 * (WORKERS - 1) / WORKERS * param_bytes * args.steps * WORKERS
+    rows.append(("data parallel, 4 shards", heldout_loss(f"{ddp}/final"), ddp_bytes))
+
+    for sync in ("end", "diloco"):
+        store = os.path.join(tmp, sync)
+        extra = [f"--config.lofi.sync_every={args.sync_every}"] if sync != "end" else []
+        sh([py, "-m", "launch.lofi_local", f"--num_workers={WORKERS}", "--devices_per_worker=1",
+            f"--store={store}", f"--sync={sync}", "--",
+            *train_flags(args.steps, BATCH, base, "b"), *extra])
+        t = store_totals(store)
+        moved = t["pushed"] + t["averaged"] * WORKERS
+        rows.append((f"Lo-Fi sync={sync}" + (f" (H={args.sync_every})" if extra else ""),
+                     heldout_loss(os.path.join(store, "runs", "final")), moved))
+
+    ddp_loss = rows[1][1]
+    print(f"\n{'run':<34} {'held-out loss':>13} {'vs DDP':>8} {'bytes moved':>14} {'DDP/this':>10}")
+    for name, loss, moved in rows:
+        ratio = f"{ddp_bytes / moved:,.0f}x" if moved else "-"
+        print(f"{name:<34} {loss:>13.4f} {100 * (loss / ddp_loss - 1):>+7.2f}% "
+              f"{moved / 2**20:>11.2f} MiB {ratio:>10}")
+    print(f"\n{WORKERS} workers x batch {BATCH}, {args.steps} fine-tuning steps each; DDP uses "
+          f"global batch {WORKERS * BATCH}. Lo-Fi bytes = pushes + averages read by every worker;"
+          f" DDP bytes = ring all-reduce 2(N-1)/N x gradient bytes per step per worker.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Held-out evaluation of a workdir's newest weights: loss, perplexity and accuracy.
+
+Rebuilds the run from `WORKDIR/config.json` (mesh, rules, precision, model, data), loads the
+newest checkpoint's parameters (LoRA adapters folded in) onto the mesh by the rules, and
+evaluates the held-out batches the run itself used. Metrics are summed per example/token and
+divided once at the end, so they do not depend on the batch split or the mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections as mlc
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+
+from jaxscale.data import build_data
+from jaxscale.errors import JaxscaleError
+from jaxscale.mesh import make_mesh
+from jaxscale.precision import get_policy
+from jaxscale.rules import AxisRules, constrain, use_rules
+from jaxscale.train.state import ModelDef, flatten, param_specs, unflatten
+from jaxscale.train.step import batch_sharding
+
+
+def _sums(model: Any, batch: Mapping[str, jax.Array], task: str) -> dict[str, jax.Array]:
+    """Summed loss, correct predictions and count for one batch."""
+    if task == "classify":
+        logits, targets = model(batch["images"]), batch["labels"]
+    else:
+        tokens = constrain(batch["tokens"], "batch", "length")
+        logits, targets = model(tokens[:, :-1]), tokens[:, 1:]
+    logits = logits.astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    return {"loss": losses.sum(), "correct": correct.sum(),
+            "count": jnp.asarray(targets.size, jnp.float32)}
+
+
+def read_config(workdir: str) -> mlc.ConfigDict:
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise JaxscaleError(f"{workdir} has no config.json; evaluate a directory written by "
+                            "launch.train (--workdir).")
+    with open(path) as f:
+        return mlc.ConfigDict(json.load(f))
+
+
+def place(flat: Mapping[str, np.ndarray], model_def: ModelDef, rules: AxisRules,
+          mesh: Any, dtype: Any) -> dict:
+    """Host arrays -> jax.Arrays sharded by the rules, in the parameter dtype."""
+    specs = param_specs(model_def, rules, mesh)
+    out = {}
+    for path, spec in specs.items():
+        arr = np.asarray(flat[path]).astype(dtype)
+        out[path] = jax.make_array_from_callback(arr.shape, NamedSharding(mesh, spec),
+                                                 lambda idx, a=arr: a[idx])
+    return unflatten(out)
+
+
+def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 0
+                    ) -> dict[str, float]:
+    """Metrics of `params` (flat or nested, host or device) on the config's held-out data."""
+    mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
+    policy = get_policy(config.precision)
+    model_def = ModelDef.build(config.model, policy)
+    task = config.model.get("task", "lm")
+    placed = place(flatten(params), model_def, rules, mesh, policy.param)
+    _, evals = build_data(config, jax.process_index(), jax.process_count())
+    if max_batches:
+        evals = evals[:max_batches]
+    shapes = {k: (config.data.batch_size,) + v.shape[1:] for k, v in evals[0].items()}
+    sharding = batch_sharding(rules, mesh, shapes)
+
+    @jax.jit
+    def sums(p, batch):
+        with use_rules(rules, mesh):
+            return _sums(model_def.module(p), batch, task)
+
+    total = {"loss": 0.0, "correct": 0.0, "count": 0.0}
+    for local in evals:
+        batch = {k: jax.make_array_from_process_local_data(sharding[k], v, shapes[k])
+                 for k, v in local.items()}
+        for k, v in jax.device_get(sums(placed, batch)).items():
+            total[k] += float(v)
+    loss = total["loss"] / total["count"]
+    out = {"loss": loss, "accuracy": total["correct"] / total["count"],
+           "examples": total["count"]}
+    if task == "lm":
+        out["perplexity"] = math.exp(loss)
+    return out
+
+
+def evaluate_workdir(workdir: str, max_batches: int = 0) -> dict[str, float]:
+    """Metrics of the newest checkpoint (or params export) in `workdir`."""
+    from jaxscale.interop.convert import workdir_params
+    config = read_config(workdir)
+    params = workdir_params(workdir, config.get("lora"))
+    return evaluate_params(config, params, max_batches)

@@ -1,0 +1,163 @@
+"""Autoregressive generation for the Llama with a KV cache: greedy or temperature sampling.
+
+The cached forward pass lives here rather than in the model: it reuses the model's own modules
+(norms, MLP, the LoRA-aware `weight` accessor and `rotary`) layer by layer and only re-does the
+attention so keys/values are read from and written to a cache of shape
+(layers, batch, max_len, kv, head_dim). The cache carries logical names, so the same rules that
+shard the parameters shard it (`batch` over data/fsdp, `kv` over tensor). Prompts in a batch have
+equal length; one jitted call runs the prefill and a `lax.scan` over the new tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxscale.models.layers import rotary, weight
+from jaxscale.rules import AxisRules, constrain, use_rules
+from jaxscale.train.state import ModelDef
+
+Cache = dict[str, jax.Array]
+CACHE_AXES = ("layers", "batch", "length", "kv", "head_dim")
+
+
+def init_cache(cfg: Any, batch: int, max_len: int, dtype: Any) -> Cache:
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    zeros = lambda: constrain(jnp.zeros(shape, dtype), *CACHE_AXES)
+    return {"k": zeros(), "v": zeros()}
+
+
+def _attend_cached(attn: Any, x_BTE: jax.Array, positions_BT: jax.Array, start: jax.Array,
+                   k_BSKD: jax.Array, v_BSKD: jax.Array) -> tuple[jax.Array, ...]:
+    """One layer's attention for new tokens at `start`; returns (out, updated k, updated v)."""
+    c = attn.policy.compute
+    q_BTHD = jnp.einsum("bte,ehd->bthd", x_BTE, weight(attn, "wq").astype(c))
+    k_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, weight(attn, "wk").astype(c))
+    v_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, weight(attn, "wv").astype(c))
+    q_BTHD = rotary(q_BTHD, positions_BT, attn.rope_theta)
+    k_BTKD = rotary(k_BTKD, positions_BT, attn.rope_theta)
+    k_BSKD = jax.lax.dynamic_update_slice(k_BSKD, k_BTKD.astype(k_BSKD.dtype), (0, start, 0, 0))
+    v_BSKD = jax.lax.dynamic_update_slice(v_BSKD, v_BTKD.astype(v_BSKD.dtype), (0, start, 0, 0))
+    b, t, h, d = q_BTHD.shape
+    s, kv = k_BSKD.shape[1], k_BSKD.shape[2]
+    q_BTKGD = q_BTHD.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD.astype(c))
+    scores = scores.astype(attn.policy.dtype_for("softmax")) / math.sqrt(d)
+    visible_TS = jnp.arange(s)[None, :] <= (start + jnp.arange(t))[:, None]  # causal + filled
+    scores = jnp.where(visible_TS, scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(c)
+    out_BTHD = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD.astype(c)).reshape(b, t, h, d)
+    out_BTE = jnp.einsum("bthd,hde->bte", out_BTHD, weight(attn, "wo").astype(c))
+    return constrain(out_BTE, "batch", "length", "embed"), k_BSKD, v_BSKD
+
+
+def forward_cached(model: nnx.Module, tokens_BT: jax.Array, start: jax.Array,
+                   cache: Cache) -> tuple[jax.Array, Cache]:
+    """Logits of `tokens_BT` placed at positions start.. given the cache; the updated cache."""
+    b, t = tokens_BT.shape
+    positions_BT = jnp.broadcast_to(start + jnp.arange(t), (b, t))
+    h_BTE = model.embed(tokens_BT)
+    graphdef, layer_state = nnx.split(model.layers)
+
+    def one_layer(h, xs):
+        layer, k, v = xs
+        block = nnx.merge(graphdef, layer)
+        attn_out, k, v = _attend_cached(block.attn, block.attn_norm(h), positions_BT, start, k, v)
+        h = h + attn_out
+        h = h + block.mlp(block.mlp_norm(h))
+        return constrain(h, "batch", "length", "embed"), (k, v)
+
+    h_BTE, (k, v) = jax.lax.scan(one_layer, h_BTE, (layer_state, cache["k"], cache["v"]))
+    cache = {"k": constrain(k, *CACHE_AXES), "v": constrain(v, *CACHE_AXES)}
+    return model.head(h_BTE), cache
+
+
+def sample(logits_BV: jax.Array, rng: jax.Array, temperature: float) -> jax.Array:
+    """Greedy (temperature 0) or softmax sampling at `temperature`."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    if temperature == 0.0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(rng, logits_BV / temperature, axis=-1).astype(jnp.int32)
+
+
+def make_generate(model_def: ModelDef, steps: int, temperature: float = 0.0,
+                  rules: AxisRules | None = None, mesh: Mesh | None = None):
+    """A jitted `fn(params, prompt_BT, rng) -> tokens (B, T + steps)` (prompt included)."""
+    if steps < 1:
+        raise ValueError(f"steps={steps}: generate at least one token.")
+
+    def generate(params: Mapping, prompt_BT: jax.Array, rng: jax.Array) -> jax.Array:
+        model = model_def.module(params)
+        b, t = prompt_BT.shape
+        cache = init_cache(model.cfg, b, t + steps, model.policy.compute)
+        logits_BTV, cache = forward_cached(model, prompt_BT, jnp.int32(0), cache)
+        rngs = jax.random.split(rng, steps)
+        first = sample(logits_BTV[:, -1], rngs[0], temperature)
+
+        def step(carry, xs):
+            token_B, cache = carry
+            pos, key = xs
+            logits, cache = forward_cached(model, token_B[:, None], pos, cache)
+            nxt = sample(logits[:, -1], key, temperature)
+            return (nxt, cache), token_B
+
+        positions = t + jnp.arange(steps - 1, dtype=jnp.int32)
+        (last, _), tokens_NB = jax.lax.scan(step, (first, cache), (positions, rngs[1:]))
+        new_BN = jnp.concatenate([tokens_NB.T, last[:, None]], axis=1)
+        return jnp.concatenate([prompt_BT.astype(jnp.int32), new_BN], axis=1)
+
+    def run(params: Mapping, prompt_BT: jax.Array, rng: jax.Array) -> jax.Array:
+        if rules is None or mesh is None:
+            return generate(params, prompt_BT, rng)
+        with use_rules(rules, mesh):
+            return generate(params, prompt_BT, rng)
+
+    return jax.jit(run)
+
+
+def load_source(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
+    """(run config, host params) from a training workdir, a launch.convert output or a HF dir.
+
+    A training workdir brings its own mesh, rules and precision; the other two use the
+    defaults of `base_config()` with the model fields they carry.
+    """
+    from jaxscale.config import base_config
+    from jaxscale.interop import convert, hf
+
+    if hf_dir:
+        model_cfg, params = hf.load_llama(hf_dir)
+        config = base_config()
+    else:
+        model_cfg, lora_cfg = convert.read_model_config(workdir)
+        params = convert.workdir_params(workdir, lora_cfg)
+        config = base_config()
+        if os.path.exists(os.path.join(workdir, "config.json")):
+            from jaxscale.evaluate import read_config
+            config = read_config(workdir)
+    config.model.update(model_cfg)
+    if config.model.get("name", "llama") != "llama":
+        raise ValueError(f"model.name={config.model.name!r}: generation needs a decoder LM.")
+    return config, params
+
+
+def generate_from_config(config: Any, params: Mapping, prompt_BT: np.ndarray, steps: int,
+                         temperature: float = 0.0, seed: int = 0) -> np.ndarray:
+    """Places `params` on the config's mesh by its rules and generates `steps` tokens."""
+    from jaxscale.evaluate import place
+    from jaxscale.mesh import make_mesh
+    from jaxscale.precision import get_policy
+    from jaxscale.train.state import flatten
+
+    mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
+    model_def = ModelDef.build(config.model, get_policy(config.precision))
+    placed = place(flatten(params), model_def, rules, mesh, model_def.shapes()["embedding"].dtype)
+    fn = make_generate(model_def, steps, temperature, rules, mesh)
+    return np.asarray(fn(placed, jnp.asarray(prompt_BT, jnp.int32), jax.random.key(seed)))

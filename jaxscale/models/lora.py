@@ -1,0 +1,135 @@
+"""LoRA: low-rank adapters on the linear weights whose paths match `config.lora.targets`.
+
+For a matched weight W the model uses W + (alpha / rank) * A.B (`layers.weight`), where A and B
+are ordinary NNX parameters living next to W (`wq` -> `wq_lora_a`, `wq_lora_b`). They carry
+logical axes built from W's own (`lora_rank` for the new dimension, replicated by the default
+rules), so the same rules shard them: an FSDP-sharded `embed` input dimension stays sharded in A,
+a tensor-parallel `heads` output dimension in B. B starts at zero, so a fresh adapter leaves the
+model unchanged. Which dimensions of W are inputs: a weight whose last axis is `embed` projects
+back into the residual stream, so its last dimension is the output (`wo`, `w_down`); for every
+other weight the first (non-`layers`) dimension is the input (`wq`, `wk`, `wv`, `w_gate`, `w_up`).
+
+The model knows nothing of training: `with_adapters(model_def, lora_cfg)` returns a ModelDef whose
+modules have adapters, `trainable(lora_cfg)` says which parameters the optimizer sees (adapters
+only: base weights go to `TrainState.frozen`, which has no optimizer state), `merge` folds the
+adapters into the base weights for export, and `adapter_params` picks the adapter leaves to save.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models.layers import MLP, Attention, lora_delta
+from jaxscale.train.state import ModelDef, all_trainable, flatten, unflatten
+
+ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
+# Modules whose weights are read through `layers.weight`, i.e. that can carry adapters.
+ADAPTABLE = (Attention, MLP)
+
+
+def is_adapter(path: str) -> bool:
+    return path.endswith(ADAPTER_SUFFIXES)
+
+
+def _check(lora_cfg: Any) -> None:
+    if lora_cfg.rank < 0 or lora_cfg.alpha <= 0:
+        raise ConfigError(paragraph(
+            f"lora.rank={lora_cfg.rank} / lora.alpha={lora_cfg.alpha}: rank must be >= 0",
+            "(0 turns LoRA off) and alpha positive; the update is scaled by alpha / rank."))
+    if lora_cfg.dropout:
+        raise ConfigError(paragraph(
+            f"lora.dropout={lora_cfg.dropout} is not supported: adapters are applied as a weight",
+            "delta W + A.B (one matmul per layer, sharded by the rules), which has no per-example",
+            "input to drop. Set --config.lora.dropout=0.0."))
+
+
+def _split_axes(axes: tuple, shape: tuple) -> tuple[int, int]:
+    """(number of leading `layers` dims, number of input dims) of a weight."""
+    lead = 1 if axes and axes[0] == "layers" else 0
+    n_in = len(shape) - lead - 1 if axes[-1] == "embed" else 1
+    return lead, n_in
+
+
+def add_adapters(model: nnx.Module, lora_cfg: Any, rngs: nnx.Rngs) -> nnx.Module:
+    """Attaches A (normal / sqrt(fan_in)) and B (zeros) to every matched weight, in place."""
+    patterns = [re.compile(t) for t in lora_cfg.targets]
+    rank, scale = int(lora_cfg.rank), float(lora_cfg.alpha) / int(lora_cfg.rank)
+    matched, unsupported = [], []
+    for path, module in list(nnx.iter_modules(model)):
+        for name, var in list(vars(module).items()):
+            if not isinstance(var, nnx.Param) or is_adapter(name):
+                continue
+            full = "/".join(map(str, (*path, name)))
+            if not any(p.search(full) for p in patterns):
+                continue
+            if not isinstance(module, ADAPTABLE) or len(var.shape) < 2:
+                unsupported.append(full)
+                continue
+            axes, shape = tuple(var.get_metadata()["logical_axes"]), tuple(var.shape)
+            lead, n_in = _split_axes(axes, shape)
+            a_shape = shape[:lead + n_in] + (rank,)
+            b_shape = shape[:lead] + (rank,) + shape[lead + n_in:]
+            fan_in = math.prod(shape[lead:lead + n_in])
+            a = jax.random.normal(rngs.params(), a_shape, var.dtype) / math.sqrt(fan_in)
+            setattr(module, f"{name}_lora_a", nnx.Param(
+                a.astype(var.dtype), logical_axes=axes[:lead + n_in] + ("lora_rank",)))
+            setattr(module, f"{name}_lora_b", nnx.Param(
+                jax.numpy.zeros(b_shape, var.dtype),
+                logical_axes=axes[:lead] + ("lora_rank",) + axes[lead + n_in:]))
+            setattr(module, f"{name}_lora_scale", scale)
+            matched.append(full)
+    if unsupported or not matched:
+        raise ConfigError(paragraph(
+            f"lora.targets matched {unsupported}, which cannot take adapters" if unsupported
+            else f"lora.targets={tuple(lora_cfg.targets)} matched no adaptable weight",
+            "(LoRA wraps the attention and MLP projections, e.g. 'attn/w[qkvo]$', 'mlp/w_',",
+            "not embeddings, norms or the LM head). Fix the regular expressions in",
+            "--config.lora.targets."))
+    return model
+
+
+def with_adapters(model_def: ModelDef, lora_cfg: Any) -> ModelDef:
+    """The ModelDef with adapters attached (unchanged when lora.rank == 0). Base weights are
+    initialised exactly as without LoRA (same seed), adapters from a derived key."""
+    _check(lora_cfg)
+    if not lora_cfg.rank:
+        return model_def
+    base_make = model_def.make
+
+    def make(rng: jax.Array) -> nnx.Module:
+        return add_adapters(base_make(rng), lora_cfg, nnx.Rngs(jax.random.fold_in(rng, 7)))
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0))))
+    return ModelDef(graphdef, abstract, make)
+
+
+def trainable(lora_cfg: Any) -> Callable[[str], bool]:
+    """`is_trainable` for `init_state`: adapters only under LoRA, everything otherwise."""
+    return is_adapter if lora_cfg.rank else all_trainable
+
+
+def adapter_params(params: Mapping) -> dict:
+    """Only the adapter leaves of a nested params dict (what a LoRA checkpoint needs to save)."""
+    return unflatten({k: v for k, v in flatten(params).items() if is_adapter(k)})
+
+
+def merge(params: Mapping, lora_cfg: Any) -> dict:
+    """Base weights with the adapters folded in (W + alpha/rank A.B) and the adapters removed:
+    a plain parameter dict for the model without LoRA (export, serving, conversion)."""
+    flat = flatten(params)
+    scale = float(lora_cfg.alpha) / int(lora_cfg.rank)
+    out = {k: v for k, v in flat.items() if not is_adapter(k)}
+    for key in flat:
+        if key.endswith("_lora_a"):
+            base = key[: -len("_lora_a")]
+            w = flat[base]
+            delta = lora_delta(flat[key], flat[base + "_lora_b"], scale, w.ndim)
+            out[base] = (w + delta.astype(w.dtype)).astype(w.dtype)
+    return unflatten(out)

@@ -1,0 +1,204 @@
+"""A Vision Transformer classifier (ViT, Dosovitskiy et al. 2021) in Flax NNX, HF-ViT compatible.
+
+Patch embedding (a strided convolution written as an einsum over patches), a class token and
+learned position embeddings, a pre-norm encoder (LayerNorm with bias, multi-head attention with
+biases, GELU MLP) stacked along a leading `layers` dimension and scanned like the Llama's, a final
+LayerNorm and a linear head on the class token. Every parameter carries logical axes, so the same
+rules shard it. The `classify` task loss (integer labels, mean cross entropy) registers here.
+Shape suffixes: B batch, H/W image height/width, C channels, P patch size, N patches + 1,
+E embed, A heads, D head dim, F mlp hidden, K classes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxscale.models.layers import param, weight
+from jaxscale.models.llama import REMAT_POLICIES, scan_layers
+from jaxscale.precision import Policy, get_policy
+from jaxscale.rules import constrain
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    image_size: int = 8
+    patch_size: int = 2
+    channels: int = 1
+    num_classes: int = 10
+    embed: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    head_dim: int = 16
+    mlp: int = 128
+    norm_eps: float = 1e-12
+    remat: str = "none"
+
+    @classmethod
+    def from_config(cls, model_cfg: Mapping[str, Any]) -> "ViTConfig":
+        fields = cls.__dataclass_fields__
+        cfg = cls(**{k: v for k, v in dict(model_cfg).items() if k in fields})
+        if cfg.image_size % cfg.patch_size:
+            raise ValueError(f"image_size={cfg.image_size} is not a multiple of patch_size="
+                             f"{cfg.patch_size}; choose a patch size that tiles the image.")
+        return cfg
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, policy: Policy, *, stack: int | None = None):
+        self.scale = param(None, (dim,), ("norm",), init="ones", stack=stack, dtype=policy.param)
+        self.bias = param(None, (dim,), ("norm",), init="zeros", stack=stack, dtype=policy.param)
+        self.eps, self.policy = eps, policy
+
+    def __call__(self, x_BNE: jax.Array) -> jax.Array:
+        dtype = self.policy.dtype_for("norm")
+        x = x_BNE.astype(dtype)
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        x = (x - mean) * jax.lax.rsqrt(var + self.eps)
+        scale_11E = self.scale[...].astype(dtype)[None, None]
+        out = x * scale_11E + self.bias[...].astype(dtype)[None, None]
+        return out.astype(self.policy.compute)
+
+
+class SelfAttention(nnx.Module):
+    """Bidirectional multi-head attention with biases on every projection (as HF ViT)."""
+
+    def __init__(self, embed: int, heads: int, head_dim: int, policy: Policy, rngs: nnx.Rngs,
+                 *, stack: int | None = None):
+        kw = dict(stack=stack, dtype=policy.param)
+        for name in ("wq", "wk", "wv"):
+            setattr(self, name, param(rngs, (embed, heads, head_dim),
+                                      ("embed", "heads", "head_dim"), fan_in=embed, **kw))
+            setattr(self, "b" + name[1], param(None, (heads, head_dim), ("heads", "head_dim"),
+                                               init="zeros", **kw))
+        self.wo = param(rngs, (heads, head_dim, embed), ("heads", "head_dim", "embed"),
+                        fan_in=heads * head_dim, **kw)
+        self.bo = param(None, (embed,), ("embed",), init="zeros", **kw)
+        self.policy = policy
+
+    def __call__(self, x_BNE: jax.Array) -> jax.Array:
+        c = self.policy.compute
+        proj = lambda n: (jnp.einsum("bne,ead->bnad", x_BNE, weight(self, "w" + n).astype(c))
+                          + getattr(self, "b" + n)[...].astype(c)[None, None])
+        q_BNAD = constrain(proj("q"), "batch", "length", "heads", "head_dim")
+        k_BNAD = constrain(proj("k"), "batch", "length", "heads", "head_dim")
+        v_BNAD = constrain(proj("v"), "batch", "length", "heads", "head_dim")
+        scores = jnp.einsum("bnad,bmad->banm", q_BNAD, k_BNAD)
+        scores = scores.astype(self.policy.dtype_for("softmax")) / math.sqrt(q_BNAD.shape[-1])
+        probs = jax.nn.softmax(scores, axis=-1).astype(c)
+        out_BNAD = jnp.einsum("banm,bmad->bnad", probs, v_BNAD)
+        out_BNE = (jnp.einsum("bnad,ade->bne", out_BNAD, weight(self, "wo").astype(c))
+                   + self.bo[...].astype(c)[None, None])
+        return constrain(out_BNE, "batch", "length", "embed")
+
+
+class GeluMLP(nnx.Module):
+    def __init__(self, embed: int, hidden: int, policy: Policy, rngs: nnx.Rngs, *,
+                 stack: int | None = None):
+        kw = dict(stack=stack, dtype=policy.param)
+        self.w_in = param(rngs, (embed, hidden), ("embed", "mlp"), fan_in=embed, **kw)
+        self.b_in = param(None, (hidden,), ("mlp",), init="zeros", **kw)
+        self.w_out = param(rngs, (hidden, embed), ("mlp", "embed"), fan_in=hidden, **kw)
+        self.b_out = param(None, (embed,), ("embed",), init="zeros", **kw)
+        self.policy = policy
+
+    def __call__(self, x_BNE: jax.Array) -> jax.Array:
+        c = self.policy.compute
+        h_BNF = jnp.einsum("bne,ef->bnf", x_BNE, weight(self, "w_in").astype(c))
+        h_BNF = jax.nn.gelu(h_BNF + self.b_in[...].astype(c)[None, None], approximate=False)
+        h_BNF = constrain(h_BNF, "batch", "length", "mlp")
+        out_BNE = jnp.einsum("bnf,fe->bne", h_BNF, weight(self, "w_out").astype(c))
+        out_BNE = out_BNE + self.b_out[...].astype(c)[None, None]
+        return constrain(out_BNE, "batch", "length", "embed")
+
+
+class EncoderBlock(nnx.Module):
+    def __init__(self, cfg: ViTConfig, policy: Policy, rngs: nnx.Rngs, stack: int):
+        self.attn_norm = LayerNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
+        self.attn = SelfAttention(cfg.embed, cfg.num_heads, cfg.head_dim, policy, rngs,
+                                  stack=stack)
+        self.mlp_norm = LayerNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
+        self.mlp = GeluMLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack)
+
+    def __call__(self, h_BNE: jax.Array, positions: Any = None) -> jax.Array:
+        h_BNE = h_BNE + self.attn(self.attn_norm(h_BNE))
+        h_BNE = h_BNE + self.mlp(self.mlp_norm(h_BNE))
+        return constrain(h_BNE, "batch", "length", "embed")
+
+
+class ViT(nnx.Module):
+    def __init__(self, cfg: ViTConfig, rngs: nnx.Rngs, policy: Policy | None = None):
+        policy = policy or get_policy("32-true")
+        if cfg.remat not in REMAT_POLICIES:
+            raise ValueError(f"Unknown remat policy {cfg.remat!r}; "
+                             f"use one of {list(REMAT_POLICIES)}.")
+        self.cfg, self.policy = cfg, policy
+        p, e, dt = cfg.patch_size, cfg.embed, policy.param
+        self.patch_kernel = param(rngs, (p, p, cfg.channels, e), (None, None, None, "embed"),
+                                  fan_in=p * p * cfg.channels, dtype=dt)
+        self.patch_bias = param(None, (e,), ("embed",), init="zeros", dtype=dt)
+        self.cls_token = param(rngs, (e,), ("embed",), fan_in=50, dtype=dt)
+        self.pos_embedding = param(rngs, (cfg.num_patches + 1, e), (None, "embed"),
+                                   fan_in=50, dtype=dt)
+        self.layers = EncoderBlock(cfg, policy, rngs, stack=cfg.num_layers)
+        self.final_norm = LayerNorm(e, cfg.norm_eps, policy)
+        self.head_kernel = param(rngs, (e, cfg.num_classes), ("embed", None), fan_in=e, dtype=dt)
+        self.head_bias = param(None, (cfg.num_classes,), (None,), init="zeros", dtype=dt)
+
+    def embed(self, images_BHWC: jax.Array) -> jax.Array:
+        c, p = self.policy.compute, self.cfg.patch_size
+        b, h, w, ch = images_BHWC.shape
+        x = images_BHWC.astype(c).reshape(b, h // p, p, w // p, p, ch)
+        patches_BNE = jnp.einsum("bipjqc,pqce->bije", x, self.patch_kernel[...].astype(c))
+        patches_BNE = patches_BNE.reshape(b, -1, self.cfg.embed)
+        patches_BNE = patches_BNE + self.patch_bias[...].astype(c)[None, None]
+        cls_B1E = jnp.broadcast_to(self.cls_token[...].astype(c), (b, 1, self.cfg.embed))
+        h_BNE = jnp.concatenate([cls_B1E, patches_BNE], axis=1)
+        h_BNE = h_BNE + self.pos_embedding[...].astype(c)[None]
+        return constrain(h_BNE, "batch", "length", "embed")
+
+    def head(self, h_BNE: jax.Array) -> jax.Array:
+        dtype = self.policy.dtype_for("logits")
+        cls_BE = self.final_norm(h_BNE)[:, 0].astype(dtype)
+        logits_BK = cls_BE @ self.head_kernel[...].astype(dtype)
+        return logits_BK + self.head_bias[...].astype(dtype)[None]
+
+    def __call__(self, images_BHWC: jax.Array,
+                 run_layers: Callable[..., jax.Array] | None = None) -> jax.Array:
+        """Class logits (B, num_classes) for images (B, H, W, C)."""
+        h_BNE = self.embed(images_BHWC)
+        if run_layers is None:
+            h_BNE = scan_layers(self.layers, h_BNE, None, self.cfg.remat)
+        else:
+            h_BNE = run_layers(self.layers, h_BNE, None)
+        return self.head(h_BNE)
+
+
+def classify_loss(model: Any, batch: Mapping[str, jax.Array], run_layers: Any = None
+                  ) -> jax.Array:
+    """Mean cross entropy of `model(batch['images'])` against integer `batch['labels']`."""
+    images = constrain(batch["images"], "batch", None, None, None)
+    logits_BK = model(images, run_layers=run_layers).astype(jnp.float32)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["labels"]))
+
+
+def _register() -> None:
+    from jaxscale.models import register
+    from jaxscale.train import step
+    register("vit", ViTConfig, ViT)
+    step.LOSSES.setdefault("classify", classify_loss)
+
+
+_register()

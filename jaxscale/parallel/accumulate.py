@@ -1,0 +1,94 @@
+"""Gradient accumulation whose cross-replica reduction happens once per step, not per microbatch.
+
+The same holds for the pipeline's microbatch loop (`grad_accum` = 1 with a pipeline runner).
+
+A plain `lax.scan` over microbatches accumulates into a carry that the SPMD partitioner keeps
+replicated over `data`, so every microbatch's gradient is all-reduced inside the loop
+(`grad_accum` all-reduces per step). Here each `data` replica's rows are a separate vmapped
+"shard" (`spmd_axis_name='data'`): its gradient lives in slot d of a carry (data, ...) sharded
+over `data`, so accumulation is local, and one sum over that dimension after the loop is the
+step's single all-reduce. Within a replica `fsdp` still reduce-scatters each microbatch's
+gradient, as ZeRO-3 does: an unreduced accumulator would cost a full copy of the gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxscale.rules import AxisRules, active_rules, use_rules
+
+GradFn = Callable[[dict[str, jax.Array]], tuple[jax.Array, Any]]
+
+
+def _without(axes: Any, axis: str) -> Any:
+    if axes is None or isinstance(axes, str):
+        return None if axes == axis else axes
+    kept = tuple(a for a in axes if a != axis)
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
+
+
+def _replica_rules(rules: AxisRules) -> AxisRules:
+    """The rules inside one replica: `data` is the vmapped dimension, not a batch axis."""
+    return AxisRules(tuple((name, _without(axes, "data")) for name, axes in rules.rules),
+                     rules.strict, rules.indivisible)
+
+
+def _applies(batch: dict[str, jax.Array], grad_accum: int, row_multiple: int) -> bool:
+    """Only when `data` > 1 shards nothing but the batch, and every replica gets whole rows."""
+    active = active_rules()
+    if active is None:
+        return False
+    rules, mesh = active
+    replicas = mesh.shape.get("data", 1)
+    data_elsewhere = any(name != "batch" and "data" in ((axes,) if isinstance(axes, str)
+                                                       else tuple(axes or ()))
+                         for name, axes in rules.rules)
+    rows = {x.shape[0] for x in jax.tree.leaves(batch)}
+    return (replicas > 1 and not data_elsewhere and len(rows) == 1
+            and rows.pop() % (replicas * grad_accum * row_multiple) == 0)
+
+
+def accumulate_per_replica(grad_fn: GradFn, params: Any, batch: dict[str, jax.Array],
+                           grad_accum: int, row_multiple: int = 1
+                           ) -> tuple[jax.Array, Any] | None:
+    """Mean (loss, grads) over `grad_accum` microbatches with one all-reduce over `data`.
+
+    `grad_fn(microbatch) -> (mean loss, grads)`. Returns None where the scheme does not apply
+    (no `data` axis, `data` used by a parameter rule, or a replica's microbatch would not hold a
+    multiple of `row_multiple` rows, e.g. the pipeline's microbatches), so the caller keeps its
+    plain scan. Replica d's microbatch a holds rows d*n*A + i*A + a (i < n), so each device
+    keeps its own rows.
+    """
+    if not _applies(batch, grad_accum, row_multiple):
+        return None
+    rules, mesh = active_rules()
+    replicas = mesh.shape["data"]
+    inner = _replica_rules(rules)
+
+    def split(x: jax.Array) -> jax.Array:  # (B, ...) -> (A, data, n, ...)
+        n = x.shape[0] // (replicas * grad_accum)
+        return jnp.moveaxis(x.reshape(replicas, n, grad_accum, *x.shape[1:]), 2, 0)
+
+    def replica_grads(mb: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+        with use_rules(inner, mesh):
+            return grad_fn(mb)
+
+    per_replica = jax.vmap(replica_grads, spmd_axis_name="data")
+    on_data = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(
+        "data", *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))))
+
+    def body(carry, mb):
+        loss_D, grads_D = per_replica(mb)
+        return jax.tree.map(lambda c, g: on_data(c + g), carry, (loss_D, grads_D)), None
+
+    zeros = (jnp.zeros((replicas,), jnp.float32),
+             jax.tree.map(lambda p: jnp.zeros((replicas,) + p.shape, p.dtype), params))
+    (loss_D, grads_D), _ = jax.lax.scan(body, jax.tree.map(on_data, zeros),
+                                        jax.tree.map(split, batch))
+    total = replicas * grad_accum
+    return jnp.sum(loss_D) / total, jax.tree.map(lambda g: jnp.sum(g, axis=0) / total, grads_D)

@@ -1,0 +1,30 @@
+"""Evaluate a workdir's newest weights on its held-out split.
+
+    python -m launch.evaluate --workdir=DIR [--cpu_devices=8] [--max_batches=N]
+
+Prints loss, perplexity (language models) and accuracy as one JSON line.
+"""
+
+import json
+
+from absl import app, flags
+
+from jaxscale import runtime
+from jaxscale.errors import exit_on_user_error
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "A launch.train workdir.", required=True)
+_MAX_BATCHES = flags.DEFINE_integer("max_batches", 0, "Evaluate at most N batches (0: all).")
+runtime.define_flags()
+
+
+@exit_on_user_error
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    runtime.setup()
+    from jaxscale.evaluate import evaluate_workdir  # after the devices are configured
+    print(json.dumps(evaluate_workdir(_WORKDIR.value, _MAX_BATCHES.value)))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,47 @@
+"""Generate text with a KV cache from a workdir, a launch.convert output or a HF directory.
+
+    python -m launch.generate --workdir=DIR --prompt="def main(" --steps=64 [--temperature=0.8]
+    python -m launch.generate --from_hf=HF_DIR --prompt_ids=1,15043 --steps=16
+
+Byte-level models (vocab 256) take `--prompt` text; others take `--prompt_ids` (no tokenizer
+is bundled). Temperature 0 is greedy; sampling is reproducible with `--seed`.
+"""
+
+from absl import app, flags
+
+from jaxscale import runtime
+from jaxscale.errors import exit_on_user_error
+
+_WORKDIR = flags.DEFINE_string("workdir", "", "Training workdir or launch.convert output.")
+_FROM_HF = flags.DEFINE_string("from_hf", "", "Hugging Face Llama directory.")
+_PROMPT = flags.DEFINE_string("prompt", "", "Prompt text (byte-level models).")
+_PROMPT_IDS = flags.DEFINE_list("prompt_ids", [], "Prompt token ids, comma-separated.")
+_STEPS = flags.DEFINE_integer("steps", 64, "Tokens to generate.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; >0: sampling temperature.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+runtime.define_flags()
+
+
+@exit_on_user_error
+def main(argv):
+    if len(argv) > 1 or not (_WORKDIR.value or _FROM_HF.value):
+        raise app.UsageError("Give --workdir or --from_hf (and --prompt or --prompt_ids).")
+    runtime.setup()
+    import numpy as np
+    from jaxscale.generate import generate_from_config, load_source
+
+    config, params = load_source(_WORKDIR.value, _FROM_HF.value)
+    byte_level = config.model.vocab_size == 256 and not _PROMPT_IDS.value
+    ids = list(_PROMPT.value.encode()) if byte_level else [int(i) for i in _PROMPT_IDS.value]
+    if not ids:
+        raise app.UsageError("The prompt is empty: give --prompt (byte models) or --prompt_ids.")
+    out = generate_from_config(config, params, np.asarray([ids]), _STEPS.value,
+                               _TEMPERATURE.value, _SEED.value)[0]
+    if byte_level:
+        print(bytes(int(t) for t in out).decode("utf-8", errors="replace"))
+    else:
+        print(",".join(str(int(t)) for t in out))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,97 @@
+"""LoRA: only adapters train (base bit-identical, no optimizer state for it), merge == base +
+adapters, adapters sharded by the same rules on an 8-device mesh."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from configs.tiny_lm import get_config
+from jaxscale.errors import ConfigError
+from jaxscale.models import lora
+from jaxscale.precision import get_policy
+from jaxscale.train.loop import Trainer
+from jaxscale.train.state import ModelDef, flatten, merge_trees, param_specs
+
+TARGETS = ("attn/w[qo]$", "mlp/w_down")
+
+
+@pytest.fixture(scope="module")
+def trained():
+    c = get_config("test")
+    c.mesh.update(data=1, fsdp=4, tensor=2)
+    c.lora.update(rank=4, alpha=8.0, targets=TARGETS)
+    c.optim.warmup_steps = 0
+    trainer = Trainer.build(c, workdir=None)
+    initial = jax.device_get((trainer.state.params, trainer.state.frozen))
+    it = trainer.batches.iterator()
+    state = trainer.state
+    for _ in range(3):
+        state, _ = trainer.train_fn(state, trainer.to_global(next(it)))
+    return c, trainer, initial, state
+
+
+def test_only_adapters_train(trained):
+    c, trainer, (params0, frozen0), state = trained
+    adapters = flatten(state.params)
+    assert set(adapters) == {f"layers/{m}_lora_{ab}" for m in ("attn/wq", "attn/wo", "mlp/w_down")
+                             for ab in "ab"}
+    for path, base in flatten(frozen0).items():  # base weights bit-identical after training
+        np.testing.assert_array_equal(np.asarray(flatten(state.frozen)[path]), base, err_msg=path)
+    for path, before in flatten(params0).items():
+        assert not np.array_equal(np.asarray(adapters[path]), before), path
+    assert not np.any(flatten(params0)["layers/attn/wq_lora_b"])  # B starts at zero
+    # The optimizer state holds moments for the adapters only.
+    opt_paths = set()
+    for keypath, _ in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
+        names = [str(getattr(k, "key", "")) for k in keypath if hasattr(k, "key")]
+        if names:
+            opt_paths.add("/".join(names))
+    assert opt_paths and opt_paths <= set(adapters)
+
+
+def test_adapter_shardings_follow_rules(trained):
+    c, trainer, _, state = trained
+    specs = param_specs(trainer.ctx.model_def, trainer.ctx.rules, trainer.ctx.mesh)
+    P = jax.sharding.PartitionSpec
+    assert specs["layers/attn/wq_lora_a"] == P(None, "fsdp", None)            # (L, embed, r)
+    assert specs["layers/attn/wq_lora_b"] == P(None, None, "tensor", None)    # (L, r, heads, D)
+    assert specs["layers/attn/wo_lora_a"] == P(None, "tensor", None, None)    # (L, heads, D, r)
+    assert specs["layers/attn/wo_lora_b"] == P(None, None, "fsdp")            # (L, r, embed)
+    mesh = trainer.ctx.mesh
+    for path, arr in flatten(state.params).items():
+        assert arr.sharding == NamedSharding(mesh, specs[path]), path
+    mu = flatten(state.opt_state[1][0].mu)
+    assert mu["layers/attn/wq_lora_a"].sharding == NamedSharding(mesh, specs[
+        "layers/attn/wq_lora_a"])
+
+
+def test_merged_model_matches_base_plus_adapters(trained):
+    c, trainer, _, state = trained
+    full = jax.device_get(merge_trees(state.params, state.frozen))
+    merged = lora.merge(full, c.lora)
+    assert not any(lora.is_adapter(k) for k in flatten(merged))
+    base_def = ModelDef.build(c.model, get_policy(c.precision))
+    assert set(flatten(merged)) == set(base_def.shapes())
+    tokens = jnp.asarray(np.arange(2 * 16).reshape(2, 16) % 256, jnp.int32)
+    with_adapters = trainer.ctx.model_def.module(full)(tokens)
+    folded = base_def.module(merged)(tokens)
+    np.testing.assert_allclose(np.asarray(folded), np.asarray(with_adapters), atol=1e-5)
+    assert np.abs(np.asarray(folded - base_def.module(dict(jax.device_get(state.frozen)))(
+        tokens))).max() > 1e-4  # the trained adapters do change the model
+    assert set(flatten(lora.adapter_params(full))) == set(flatten(state.params))
+
+
+def test_bad_targets_and_dropout_are_config_errors():
+    c = get_config("test")
+    model_def = ModelDef.build(c.model, get_policy(c.precision))
+    c.lora.update(rank=2, targets=("nothing_matches",))
+    with pytest.raises(ConfigError, match="matched no adaptable weight"):
+        lora.with_adapters(model_def, c.lora)
+    c.lora.targets = ("embedding",)
+    with pytest.raises(ConfigError, match="cannot take adapters"):
+        lora.with_adapters(model_def, c.lora)
+    c.lora.update(targets=("attn/wq",), dropout=0.1)
+    with pytest.raises(ConfigError, match="dropout"):
+        lora.with_adapters(model_def, c.lora)

@@ -1,0 +1,108 @@
+"""metrics.py: peak table, MFU arithmetic, metrics.jsonl writer, progress bar fallback."""
+
+import io
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from jaxscale import metrics
+from jaxscale.metrics import (MetricsWriter, ProgressBar, llama_flops_per_token, mfu, peak_flops,
+                              read_metrics)
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5p", 459e12), ("TPU v6 lite", 918e12),
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA H100 PCIe", 756e12),
+    ("cpu", None), ("Intel Xeon", None), ("", None),
+])
+def test_peak_flops(kind, expected):
+    assert peak_flops(kind) == expected
+
+
+def test_mfu_by_hand():
+    # 1e9 FLOPs/token × 1e5 tokens/s = 1e14 FLOP/s over 4 × 275e12 = 1.1e15 peak.
+    assert mfu(1e9, 1e5, 4, "TPU v4") == pytest.approx(1e14 / 1.1e15)
+    assert mfu(1e9, 1e5, 4, "cpu") is None
+
+
+def test_llama_flops_by_hand():
+    # L=2, D=8, H=2, KV=1, Q=4, F=16, V=32, T=10.
+    attn = 8 * 4 * (2 * 2 + 2 * 1)           # 192
+    n = 2 * (attn + 3 * 8 * 16) + 8 * 32     # 2·(192+384)+256 = 1408
+    expected = 6 * n + 12 * 2 * 2 * 4 * 10   # 8448 + 1920
+    assert llama_flops_per_token(2, 8, 2, 1, 4, 16, 32, 10) == expected == 10368
+
+
+def test_writer_lines(tmp_path):
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    w.write(np.int64(1), {"loss": np.float32(2.5), "tokens": 7, "bad": float("nan")})
+    w.write(2, {"loss": 2.0, "eval_loss": float("inf")})
+    w.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    assert list(first) == ["step", "loss", "tokens", "bad"]
+    assert first == {"step": 1, "loss": 2.5, "tokens": 7, "bad": None}
+    assert type(first["step"]) is int and type(first["tokens"]) is int
+    assert "NaN" not in lines[0] and "Infinity" not in lines[1]
+    assert read_metrics(str(tmp_path))[1] == {"step": 2, "loss": 2.0, "eval_loss": None}
+
+
+def test_writer_disabled(tmp_path):
+    w = MetricsWriter(str(tmp_path / "run"), enabled=False)
+    w.write(1, {"loss": 1.0})
+    w.truncate_after(0)
+    w.close()
+    assert not (tmp_path / "run").exists()
+
+
+def test_truncate_after_and_append(tmp_path):
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    for step in range(1, 6):
+        w.write(step, {"loss": float(step)})
+    w.close()
+    resumed = MetricsWriter(str(tmp_path), tensorboard=False)
+    resumed.truncate_after(3)
+    resumed.write(4, {"loss": 40.0})
+    resumed.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(str(tmp_path))] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+
+
+def test_read_skips_cut_last_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+    assert read_metrics(str(tmp_path)) == [{"step": 1, "loss": 1.0}]
+    assert read_metrics(str(tmp_path / "missing")) == []
+
+
+def test_tensorboard_event_file(tmp_path):
+    w = MetricsWriter(str(tmp_path))
+    w.write(1, {"loss": 1.5})
+    w.close()
+    files = os.listdir(tmp_path / "tensorboard")
+    assert any(f.startswith("events.out.tfevents") for f in files), files
+
+
+def test_progress_bar_plain_lines():
+    out = io.StringIO()  # not a TTY: plain lines every print_every steps
+    bar = ProgressBar(10, enabled=True, print_every=5, stream=out)
+    for step in range(1, 11):
+        m = {"loss": 1.0 / step, "tokens_per_s": 1234.0}
+        if step == 6:
+            m["eval_loss"] = 0.5
+        bar.update(step, m)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["5/10", "6/10", "10/10"]
+    assert "eval=0.5000" in lines[-1] and "tok/s=1,234" in lines[0]
+    silent = io.StringIO()
+    ProgressBar(10, enabled=False, stream=silent).update(5, {"loss": 1.0})
+    assert silent.getvalue() == ""
+
+
+def test_peak_table_covers_issue_hardware():
+    for kind in ("TPU v4", "TPU v5e", "TPU v5p", "TPU v6e", "A100", "H100", "H200"):
+        assert kind in metrics.PEAK_FLOPS and math.isfinite(metrics.PEAK_FLOPS[kind])

@@ -1,0 +1,107 @@
+"""The pipeline runner computes the plain layer scan; schedules' bubble math; clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs.tiny_lm import get_config
+from jaxscale.errors import ConfigError, JaxscaleError
+from jaxscale.mesh import make_mesh
+from jaxscale.models.llama import scan_layers
+from jaxscale.parallel.pipeline import SCHEDULES, get_schedule, make_layer_runner
+from jaxscale.precision import get_policy
+from jaxscale.presets import PRESETS
+from jaxscale.rules import AxisRules, use_rules
+from jaxscale.train.state import ModelDef
+
+B, T, E = 16, 8, 64
+
+
+def _model_def(num_layers=4):
+    c = get_config("test")
+    c.model.update(num_layers=num_layers, num_kv_heads=4)
+    return ModelDef.build(c.model, get_policy("32-true"))
+
+
+def _layers_fn(model_def, mesh, runner):
+    """(params, h) -> output of the layer stack, under the `pp` preset's rules."""
+    rules = AxisRules(tuple(PRESETS["pp"]))
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+
+    def f(params, h_BTE):
+        with use_rules(rules, mesh):
+            block = model_def.module(params).layers
+            if runner is None:
+                return scan_layers(block, h_BTE, positions)
+            return runner(block, h_BTE, positions)
+    return f
+
+
+@pytest.mark.parametrize("mesh_cfg, pipeline, remat", [
+    ({"pipeline": 4, "data": 2}, dict(microbatches=4), "dots"),
+    ({"pipeline": 2, "fsdp": 2, "tensor": 2},
+     dict(microbatches=4, repeats=2, schedule="circular"), "full"),
+])
+def test_runner_equals_plain_scan(mesh_cfg, pipeline, remat):
+    mesh = make_mesh(mesh_cfg)
+    model_def = _model_def()
+    params = model_def.init_params(jax.random.key(0))
+    h_BTE = jax.random.normal(jax.random.key(1), (B, T, E))
+    runner = make_layer_runner(pipeline, mesh, remat, num_layers=4)
+    want = _layers_fn(model_def, mesh, None)
+    got = _layers_fn(model_def, mesh, runner)
+    # Forward and gradients (w.r.t. the layer weights and the input) both match the scan.
+    loss = lambda f: jax.jit(jax.value_and_grad(lambda p, h: jnp.sum(f(p, h) ** 2),
+                                                argnums=(0, 1)))
+    (v_want, g_want), (v_got, g_got) = loss(want)(params, h_BTE), loss(got)(params, h_BTE)
+    np.testing.assert_allclose(v_got, v_want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-12
+    # The remat policy is honoured inside the stages.
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(got(p, h_BTE))))(params))
+    assert "checkpoint" in jaxpr or "remat" in jaxpr
+
+
+def test_no_runner_without_pipeline_axis():
+    assert make_layer_runner({"microbatches": 4}, make_mesh({"data": 8}), "none") is None
+
+
+def test_bubble_fractions():
+    gpipe, circular = SCHEDULES["gpipe"], SCHEDULES["circular"]
+    assert gpipe.bubble_fraction(4, 4, 1) == pytest.approx(3 / 7)
+    assert gpipe.iterations(4, 4, 1) == 7
+    # Two repeats: twice the iterations of half the size each, the same S-1 idle ones.
+    assert circular.bubble_fraction(2, 2, 2) == pytest.approx(1 / 5)
+    assert circular.bubble_fraction(4, 8, 2) < gpipe.bubble_fraction(4, 8, 1)
+    assert circular.bubble_fraction(1, 4, 1) == 0
+
+
+@pytest.mark.parametrize("pipeline, num_layers, message", [
+    (dict(microbatches=2, repeats=2, schedule="circular"), 6, "num_layers=6 is not divisible"),
+    (dict(microbatches=2, repeats=2), 8, "schedule=circular"),
+    (dict(microbatches=1, repeats=2, schedule="circular"), 8, "microbatches >= the number"),
+    (dict(microbatches=2, schedule="1f1b?"), 8, "Valid schedules: gpipe, circular"),
+])
+def test_clear_config_errors(pipeline, num_layers, message):
+    with pytest.raises(ConfigError, match=message.replace("?", r"\?")):
+        make_layer_runner(pipeline, make_mesh({"pipeline": 2, "data": 4}), "none", num_layers)
+
+
+def test_batch_not_divisible_by_microbatches():
+    mesh = make_mesh({"pipeline": 2, "data": 4})
+    model_def = _model_def()
+    runner = make_layer_runner(dict(microbatches=3), mesh, "none", 4)
+    f = _layers_fn(model_def, mesh, runner)
+    with pytest.raises(ConfigError, match="not divisible by pipeline.microbatches=3"):
+        jax.eval_shape(f, model_def.init_params(jax.random.key(0)), jnp.zeros((B, T, E)))
+
+
+def test_schedule_registry_and_unknown_preset():
+    assert get_schedule("gpipe") is SCHEDULES["gpipe"]
+    c = get_config("test")
+    c.rules_preset = "zero3"
+    with pytest.raises(JaxscaleError, match="Valid presets: dp, fsdp, tp, fsdp_tp, pp"):
+        AxisRules.from_config(c)
+    c.rules_preset = "pp"
+    assert ("layers", "pipeline") in AxisRules.from_config(c).rules
