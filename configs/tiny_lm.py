@@ -6,6 +6,9 @@ loss ln(256) = 5.55.
 """
 
 from jaxscale.config import base_config
+from jaxscale.errors import ConfigError
+
+VARIANTS = ("", "test")  # "": no argument
 
 
 def get_config(arg: str | None = None):
@@ -19,5 +22,5 @@ def get_config(arg: str | None = None):
         c.data.update(seq_len=32, batch_size=16, max_bytes=400_000, eval_batches=2)
         c.train.update(steps=10, log_every=1, eval_every=5)
     elif arg not in (None, ""):
-        raise ValueError(f"configs/tiny_lm.py takes no argument or 'test', not {arg!r}.")
+        raise ConfigError(f"configs/tiny_lm.py takes no argument or 'test', not {arg!r}.")
     return c

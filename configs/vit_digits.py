@@ -9,6 +9,9 @@ set `--config.init_from=CONVERTED` and the `--config.model.*` flags `launch.conv
 import ml_collections as mlc
 
 from jaxscale.config import base_config
+from jaxscale.errors import ConfigError
+
+VARIANTS = ("", "test")  # "": no argument
 
 
 def get_config(arg: str | None = None):
@@ -32,5 +35,5 @@ def get_config(arg: str | None = None):
         c.optim.warmup_steps = 5
         c.checkpoint.every = 0
     elif arg not in (None, ""):
-        raise ValueError(f"configs/vit_digits.py takes no argument or 'test', not {arg!r}.")
+        raise ConfigError(f"configs/vit_digits.py takes no argument or 'test', not {arg!r}.")
     return c

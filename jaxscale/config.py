@@ -2,11 +2,15 @@
 
 Config files in `configs/` start from `base_config()` and change what they need. ml_collections
 locks the dict, so a typo'd override (`--config.train.stepz=3`) fails at parse time and a value
-of the wrong type is rejected; `validate` then checks values and cross-field consistency.
+of the wrong type is rejected (`jaxscale.cli` words both as one paragraph). `validate` then
+checks the same for the config file itself (`check_fields`: it may only change existing fields,
+keeping their types), names that would fail deep inside the build (precision, optimizer, remat,
+rules preset), and values and cross-field consistency, all before anything compiles.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -88,7 +92,8 @@ def _require(ok: bool, *sentences: str) -> None:
 
 
 def validate(c: mlc.ConfigDict) -> None:
-    """Checks values and cross-field consistency; raises one-paragraph ConfigErrors."""
+    """Checks fields, values and cross-field consistency; raises one-paragraph ConfigErrors."""
+    check_fields(c)
     m, d, t = c.model, c.data, c.train
     _require(m.num_heads % m.num_kv_heads == 0,
              f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads="
@@ -108,6 +113,109 @@ def validate(c: mlc.ConfigDict) -> None:
     _validate_lofi(c.lofi)
     _require(d.part in ("all", "a", "b"),
              f"data.part={d.part!r}: use 'all', or 'a'/'b' for the two disjoint halves.")
+    _validate_choices(c)
+
+
+def _validate_choices(c: mlc.ConfigDict) -> None:
+    """Names that would otherwise only fail deep inside model or optimizer construction."""
+    from jaxscale.models.llama import REMAT_POLICIES  # lazy: keeps `import config` light
+    from jaxscale.precision import get_policy
+    from jaxscale.presets import PRESETS
+    from jaxscale.train.optim import OPTIMIZERS
+
+    m, d = c.model, c.data
+    get_policy(c.precision)  # raises a ConfigError listing the valid policies
+    _require(c.rules_preset in ("", *PRESETS),
+             f"rules_preset={c.rules_preset!r}: use one of {', '.join(PRESETS)} (see",
+             "jaxscale/presets.py), or '' to use config.rules.")
+    _require(c.optim.name in OPTIMIZERS,
+             f"optim.name={c.optim.name!r}: use one of {', '.join(OPTIMIZERS)}.")
+    _require(m.get("remat", "none") in REMAT_POLICIES,
+             f"model.remat={m.get('remat')!r}: use one of {', '.join(REMAT_POLICIES)}.")
+    _require(m.get("attention", "einsum") in ATTENTION_IMPLS,
+             f"model.attention={m.get('attention')!r}: use one of {', '.join(ATTENTION_IMPLS)}.")
+    _require(d.seq_len > 0 and d.batch_size > 0,
+             f"data.seq_len={d.seq_len} and data.batch_size={d.batch_size} must be positive.")
+    if d.corpus == "stdlib" and "vocab_size" in m:
+        _require(m.vocab_size >= BYTE_VOCAB,
+                 f"model.vocab_size={m.vocab_size} is smaller than the {BYTE_VOCAB} byte tokens",
+                 f"of data.corpus='stdlib'; use a vocab_size of at least {BYTE_VOCAB}.")
+    _require(c.checkpoint.every >= 0 and c.checkpoint.keep >= 1,
+             f"checkpoint.every={c.checkpoint.every} must be >= 0 (0: no checkpoints) and",
+             f"checkpoint.keep={c.checkpoint.keep} >= 1.")
+    path = c.init_from
+    _require(not path or "://" in path or os.path.exists(path),
+             f"config.init_from={path!r} does not exist. Point it at a `launch.convert` output,",
+             "a training workdir, a params export or a Lo-Fi store (remote stores as URLs).")
+
+
+BYTE_VOCAB = 256  # the stdlib corpus is byte-level: token ids 0..255
+ATTENTION_IMPLS = ("einsum", "dot_product_attention")
+# Fields every model config may carry besides its dataclass's: the validation reads them.
+_MODEL_COMMON = dict(name="llama", task="lm", num_heads=1, num_kv_heads=1, head_dim=2, max_len=1)
+# How a required field without a value (an ml_collections placeholder) is explained.
+_REQUIRED_HINTS = {"init_from": "a `launch.convert` output, a training workdir or a params export"}
+
+
+def check_fields(c: mlc.ConfigDict) -> None:
+    """Every field known and of the right type, against `base_config()` and the model's dataclass.
+
+    Command-line overrides are checked by ml_collections at parse time; this catches the same
+    mistakes made inside a config file (`c.train.stepz = 3` silently adds a field) or in a config
+    built in Python, before anything is built.
+    """
+    reference = base_config()
+    from jaxscale.models import lookup  # lazy: importing the models pulls in jax
+    config_cls, _ = lookup(c.model.get("name", "llama"))
+    reference.model = mlc.ConfigDict({**_MODEL_COMMON, **{
+        k: f.default for k, f in config_cls.__dataclass_fields__.items()}})
+    _check_group(c, reference, "config", model_path="config.model")
+
+
+def _check_group(node: mlc.ConfigDict, ref: mlc.ConfigDict, path: str, model_path: str) -> None:
+    unknown = sorted(set(node.keys()) - set(ref.keys()))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(ref.keys()), n=1)
+        raise ConfigError(paragraph(
+            f"{path} has no field '{unknown[0]}'" + (f" (did you mean '{close[0]}'?)." if close
+                                                     else "."),
+            f"Its fields: {', '.join(sorted(ref.keys()))}.",
+            "Config files start from jaxscale.config.base_config() and may only change fields.",
+        ))
+    missing = sorted(set(ref.keys()) - set(node.keys()))
+    if missing and path != model_path:  # model fields default to the dataclass's
+        raise ConfigError(paragraph(
+            f"{path} lacks the field(s) {', '.join(missing)}. Start config files from",
+            "jaxscale.config.base_config() so that every field has a value.",
+        ))
+    for key in node.keys():
+        value, expected, where = node[key], ref[key], f"{path}.{key}"
+        if isinstance(expected, mlc.ConfigDict):
+            _require(isinstance(value, mlc.ConfigDict),
+                     f"{where} must be a group of fields (a ConfigDict), not {value!r}.")
+            _check_group(value, expected, where, model_path)
+        elif value is None and expected is not None:
+            hint = _REQUIRED_HINTS.get(key, "a value")
+            raise ConfigError(paragraph(
+                f"{where} is required by this config but not set: pass",
+                f"--{where}=VALUE ({hint}).",
+            ))
+        elif expected is not None and not _same_kind(value, expected):
+            raise ConfigError(paragraph(
+                f"{where}={value!r} has type {type(value).__name__}, but the field holds",
+                f"{type(expected).__name__} values (default {expected!r}).",
+            ))
+
+
+def _same_kind(value: Any, expected: Any) -> bool:
+    """Type compatibility as ml_collections allows it: int for float, list for tuple."""
+    if isinstance(expected, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(expected, bool)
+    if isinstance(expected, float):
+        return isinstance(value, (int, float))
+    if isinstance(expected, (tuple, list)):
+        return isinstance(value, (tuple, list))
+    return isinstance(value, type(expected))
 
 
 def _validate_lofi(lofi: mlc.ConfigDict) -> None:

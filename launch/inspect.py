@@ -1,12 +1,11 @@
 """Print where every parameter lives: `python -m launch.inspect --config=... [--cpu_devices=N]`."""
 
 from absl import app, flags
-from ml_collections import config_flags
 
-from jaxscale import runtime
+from jaxscale import cli, runtime
 from jaxscale.errors import exit_on_user_error
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_lm.py", "Experiment config.")
+_CONFIG = cli.define_config_file("config", "configs/tiny_lm.py", "Experiment config.")
 _COMPILE = flags.DEFINE_bool("compile", True, "Compile the train step for its memory analysis.")
 runtime.define_flags()
 
@@ -21,4 +20,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -2,18 +2,30 @@
 multi-host behaviour on one machine:
 
     python -m launch.local_multihost --num_processes=2 --devices_per_process=4 -- <train flags>
+
+Every process gets the same flags plus `--coordinator_address`, `--num_processes`,
+`--process_id` and `--cpu_devices`; their output is interleaved under `[p0]`, `[p1]`, ...
+prefixes. Only process 0 writes logs and metrics, so all may share one `--workdir`.
 """
 
+from __future__ import annotations
+
+import os
 import socket
+import subprocess
 import sys
+import threading
+import time
+from collections.abc import Sequence
 
 from absl import app, flags
-
-from jaxscale.lofi.local import run_prefixed
 
 _N = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _DEV = flags.DEFINE_integer("devices_per_process", 4, "Simulated CPU devices per process.")
 _MODULE = flags.DEFINE_string("module", "launch.train", "Entry point every process runs.")
+_GRACE = flags.DEFINE_float(
+    "grace_s", 15.0, "After one process fails, seconds the others get to finish before they "
+    "are stopped (they usually fail the same way and print why).")
 
 
 def _free_port() -> int:
@@ -22,13 +34,59 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv):
+def _pump(prefix: str, proc: subprocess.Popen) -> None:
+    for line in proc.stdout:
+        sys.stdout.write(f"[{prefix}] {line}")
+        sys.stdout.flush()
+
+
+def run_group(commands: dict[str, Sequence[str]], grace_s: float) -> int:
+    """Runs `commands` in parallel with prefixed output; 0 if all succeed, else 1.
+
+    Once one fails, the others are stopped after `grace_s`: a survivor would otherwise sit in
+    the join or in a collective waiting for its dead peer until JAX's timeouts (minutes).
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)  # each process sets its own device count via --cpu_devices
+    procs = {name: subprocess.Popen(list(argv), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, env=env)
+             for name, argv in commands.items()}
+    pumps = [threading.Thread(target=_pump, args=(name, p), daemon=True)
+             for name, p in procs.items()]
+    for t in pumps:
+        t.start()
+    deadline, stopped = None, []
+    try:
+        while None in (polled := [p.poll() for p in procs.values()]):  # poll all: reaps
+            if deadline is None and any(polled):
+                deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() > deadline:
+                stopped = [n for n, p in procs.items() if p.poll() is None]
+                break
+            time.sleep(0.1)
+    finally:  # also on Ctrl-C: never leave processes behind
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            p.wait()
+        for t in pumps:
+            t.join()
+    codes = {n: p.returncode for n, p in procs.items() if n not in stopped}
+    failed = {n: c for n, c in codes.items() if c}
+    if failed:
+        print(f"local_multihost: failed processes (exit codes): {failed}"
+              + (f"; stopped {stopped} {grace_s:g}s later" if stopped else ""), file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv: list[str]) -> None:
     address = f"localhost:{_free_port()}"
     commands = {f"p{i}": [sys.executable, "-m", _MODULE.value, *argv[1:],
                           f"--coordinator_address={address}",
                           f"--num_processes={_N.value}", f"--process_id={i}",
                           f"--cpu_devices={_DEV.value}"] for i in range(_N.value)}
-    raise SystemExit(run_prefixed(commands))
+    raise SystemExit(run_group(commands, _GRACE.value))
 
 
 if __name__ == "__main__":

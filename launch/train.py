@@ -5,12 +5,11 @@ Any config field can be overridden (`--config.mesh.fsdp=4 --config.train.steps=2
 """
 
 from absl import app, flags
-from ml_collections import config_flags
 
-from jaxscale import runtime
+from jaxscale import cli, runtime
 from jaxscale.errors import exit_on_user_error
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_lm.py", "Experiment config.")
+_CONFIG = cli.define_config_file("config", "configs/tiny_lm.py", "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics, checkpoints.",
                                required=True)
 runtime.define_flags()
@@ -26,4 +25,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,246 @@
+"""Llama-style presets at about 125M, 1B and 7B parameters, sized for a hardware target.
+
+    --config=configs/llama.py:SIZE[,TARGET]     e.g. :1b   :1b,v5e-16   :7b,h100x8   :tiny
+
+SIZE (dims; RMSNorm, SwiGLU, RoPE, untied embeddings; params from `LlamaConfig.num_params()`):
+
+    tiny   embed 64, 2 layers, 4 heads (2 kv), mlp 128, vocab 256: the small-run mode, a
+           CPU run of seconds (`32-true`, 10 steps)                                 0.11M
+    125m   embed 768, 12 layers, 12 heads, mlp 2048, vocab 32000 (GPT-3-Small-shaped)  134.1M
+    1b     embed 2048, 16 layers, 32 heads (8 kv), mlp 8192, vocab 32000, rope 5e5
+           (Llama-3.2-1B-like; its 128k vocabulary is smaller here)                  1,104.2M
+    7b     embed 4096, 32 layers, 32 heads, mlp 11008, vocab 32000 (Llama-2-7B)      6,738.4M
+
+TARGET (one slice or host; data-parallel across the `Nx` hosts of a multi-host target):
+
+    v4-8, v4-32                 TPU v4, 4 / 16 chips of 32 GiB (the suffix counts TensorCores)
+    v5e-8, v5e-16, v5e-64, v5e-256   TPU v5e, that many chips of 16 GiB
+    h100x8, 2xh100x8            one / two hosts of 8 H100 80 GB GPUs (cuDNN fused attention)
+
+A target sets the mesh, the rules preset, `bf16-mixed` precision, and the micro-batch and
+gradient accumulation: the global batch (sequences x seq_len) is a property of the SIZE (125m:
+256 x 1024, 1b: 256 x 2048, 7b: 512 x 2048), so results are comparable across hardware, and the
+target only decides how many sequences a device processes at once. 125m is data-parallel (`dp`:
+its whole Adam state fits every device); tiny, 1b and 7b use FSDP (`fsdp`) over the slice/host,
+and data parallelism across hosts (`mesh.dcn_data`). The micro-batch is the largest power of two
+whose estimated memory (`memory_estimate`: 22 bytes of state per parameter over the FSDP shards,
+one gathered layer, and activations under the size's remat policy) stays under 80% of a device's
+HBM. With accumulation, periodic evaluation is off (`train.eval_every=0`): the eval step runs
+the whole global batch at once. These are starting points from that estimate, not measured
+optima (for 1b,v5e-16 it says 10.2 GiB; XLA's CPU compiler reports 0.8 GiB of arguments + 5.5
+GiB of temporaries for that step, so it errs on the safe side). Combinations that cannot work
+(7b on v4-8, v5e-8 and v5e-16: not even one sequence fits; tiny on v5e-256: 64-wide embed over
+256 shards) are refused with the list of targets that do; `VARIANTS` lists those that work, and
+`python configs/llama.py` prints each one's mesh, micro-batch, accumulation and estimate.
+Without a TARGET, sizes use all local devices (`data=-1` for 125m, `fsdp=-1` otherwise) and no
+accumulation. Tensor parallelism is not needed at these sizes; for larger meshes try
+`--config.rules_preset=fsdp_tp --config.mesh.tensor=4`.
+
+Data stays the byte-level stdlib corpus: bytes are token ids 0..255, a subset of the 32000-entry
+vocabulary, so the initial loss is ln(32000) = 10.4 rather than ln(256). Every field can still be
+overridden on the command line.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import ml_collections as mlc
+
+from jaxscale.config import base_config
+from jaxscale.errors import ConfigError, paragraph
+
+
+@dataclass(frozen=True)
+class Size:
+    """A model size with its pre-training recipe (batch in sequences of `seq_len` tokens)."""
+
+    model: dict[str, Any]
+    strategy: str          # rules preset on hardware targets: 'dp' or 'fsdp'
+    remat: str
+    seq_len: int
+    batch: int
+    lr: float
+    warmup: int
+    steps: int
+    precision: str = "bf16-mixed"
+    max_bytes: int = 100_000_000  # enough held-out text (a tenth) for a few global batches
+
+
+@dataclass(frozen=True)
+class Target:
+    """Hardware: devices per slice (or host), slices (hosts) over DCN, memory per device."""
+
+    devices: int
+    slices: int
+    hbm_gib: float
+    gpu: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.devices * self.slices
+
+
+_LLAMA2 = dict(vocab_size=32000, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
+SIZES: dict[str, Size] = {
+    "tiny": Size(dict(vocab_size=256, embed=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, mlp=128, max_len=256),
+                 "fsdp", "none", seq_len=64, batch=16, lr=3e-3, warmup=2, steps=10,
+                 precision="32-true", max_bytes=400_000),
+    "125m": Size(dict(_LLAMA2, embed=768, num_layers=12, num_heads=12, num_kv_heads=12,
+                      head_dim=64, mlp=2048, max_len=2048),
+                 "dp", "none", seq_len=1024, batch=256, lr=6e-4, warmup=1000, steps=20_000),
+    "1b": Size(dict(_LLAMA2, embed=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                    head_dim=64, mlp=8192, max_len=2048, rope_theta=500000.0),
+               "fsdp", "full", seq_len=2048, batch=256, lr=3e-4, warmup=2000, steps=50_000),
+    "7b": Size(dict(_LLAMA2, embed=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+                    head_dim=128, mlp=11008, max_len=4096),
+               "fsdp", "full", seq_len=2048, batch=512, lr=3e-4, warmup=2000, steps=100_000),
+}
+TARGETS: dict[str, Target] = {
+    "v4-8": Target(4, 1, 32.0), "v4-32": Target(16, 1, 32.0),
+    "v5e-8": Target(8, 1, 16.0), "v5e-16": Target(16, 1, 16.0),
+    "v5e-64": Target(64, 1, 16.0), "v5e-256": Target(256, 1, 16.0),
+    "h100x8": Target(8, 1, 80.0, gpu=True), "2xh100x8": Target(8, 2, 80.0, gpu=True),
+}
+STATE_BYTES_PER_PARAM = 22  # f32 weights, Adam mu/nu, gradient, accumulator; bf16 copy
+HBM_FRACTION = 0.8          # headroom for XLA's own buffers, collectives and fragmentation
+
+
+def num_params(size: str) -> int:
+    from jaxscale.models.llama import LlamaConfig  # lazy: loading a config stays light
+    return LlamaConfig(**SIZES[size].model).num_params()
+
+
+def memory_estimate(size: str, target: Target, micro_batch: int) -> int:
+    """Estimated peak bytes per device: sharded state + one gathered layer + activations.
+
+    Activations per sequence: with `remat='full'` the scan saves each layer's bf16 input and
+    recomputes one layer at a time; otherwise every layer's intermediates are kept. The f32
+    attention scores (t x t per head) vanish with fused attention (GPUs); the f32 logits and their
+    gradient (t x vocab) are there in both cases.
+    """
+    s, m = SIZES[size], SIZES[size].model
+    t, e, n = s.seq_len, m["embed"], num_params(size)
+    shards = target.devices if s.strategy == "fsdp" else 1
+    state = n * STATE_BYTES_PER_PARAM // shards
+    gathered = 2 * 2 * (n // m["num_layers"]) if shards > 1 else 0  # bf16, one layer prefetched
+    scores = 0 if target.gpu else 3 * m["num_heads"] * t * t * 4
+    layer = t * (10 * e + 4 * m["mlp"]) * 2 + scores  # ~10 embed-wide, 4 mlp-wide bf16 tensors
+    logits = 3 * t * m["vocab_size"] * 4
+    per_seq = (m["num_layers"] * t * e * 2 + 2 * layer if s.remat == "full"
+               else m["num_layers"] * layer) + logits
+    return state + gathered + micro_batch * per_seq
+
+
+def micro_batch(size: str, target: Target) -> int:
+    """Largest power-of-two sequences per device that fit, at most the device's share of the
+    global batch (0: not even one fits)."""
+    limit = SIZES[size].batch // min(target.total, SIZES[size].batch)
+    budget = HBM_FRACTION * target.hbm_gib * 2**30
+    b = 1 << int(math.log2(limit))
+    while b and memory_estimate(size, target, b) > budget:
+        b //= 2
+    return b
+
+
+def why_not(size: str, target: str) -> str | None:
+    """Why SIZE cannot train on TARGET (memory, or FSDP shards that do not divide), or None."""
+    s, t = SIZES[size], TARGETS[target]
+    if s.strategy == "fsdp" and s.model["embed"] % t.devices:
+        return (f"FSDP over its {t.devices} devices would split the {s.model['embed']}-wide embed "
+                "dimension unevenly")
+    if micro_batch(size, t) == 0:
+        return (f"its training state and one sequence need about "
+                f"{memory_estimate(size, t, 1) / 2**30:.0f} GiB per device, more than "
+                f"{HBM_FRACTION:.0%} of the {t.hbm_gib:.0f} GiB of HBM")
+    return None
+
+
+def _fits(size: str, target: str) -> bool:
+    return why_not(size, target) is None
+
+
+VARIANTS: tuple[str, ...] = tuple(SIZES) + tuple(
+    f"{s},{t}" for s in SIZES for t in TARGETS if _fits(s, t))
+
+
+def parse_arg(arg: str | None) -> tuple[str, str | None]:
+    """'1b,v5e-16' -> ('1b', 'v5e-16'); None / '' -> ('tiny', None). Raises on unknown names."""
+    parts = [p.strip() for p in (arg or "tiny").split(",")]
+    size, target = parts[0], (parts[1] if len(parts) > 1 else None)
+    if size not in SIZES or len(parts) > 2 or (target is not None and target not in TARGETS):
+        raise ConfigError(paragraph(
+            f"configs/llama.py: cannot read the argument {arg!r}. Use SIZE or SIZE,TARGET",
+            f"with SIZE in {', '.join(SIZES)} and TARGET in {', '.join(TARGETS)},",
+            "e.g. --config=configs/llama.py:1b,v5e-16.",
+        ))
+    if target is not None and not _fits(size, target):
+        fits = [t for t in TARGETS if _fits(size, t)]
+        raise ConfigError(paragraph(
+            f"configs/llama.py:{size},{target}: the {size} model does not fit {target}:",
+            f"{why_not(size, target)}. Targets that fit {size}: {', '.join(fits)}.",
+        ))
+    return size, target
+
+
+def get_config(arg: str | None = None) -> mlc.ConfigDict:
+    size_name, target_name = parse_arg(arg)
+    s = SIZES[size_name]
+    c = base_config()
+    c.model.update(s.model, remat=s.remat)
+    c.precision = s.precision
+    c.rules_preset = s.strategy
+    c.data.update(seq_len=s.seq_len, batch_size=s.batch, max_bytes=s.max_bytes, eval_batches=4)
+    c.optim.update(lr=s.lr, warmup_steps=s.warmup, min_lr_ratio=0.1, weight_decay=0.1)
+    c.train.update(steps=s.steps, log_every=10, eval_every=1000)
+    c.checkpoint.update(every=1000, keep=3)
+    if s.strategy == "dp":
+        c.mesh.update(data=-1, fsdp=1)
+    else:
+        c.mesh.update(data=1, fsdp=-1)
+    if size_name == "tiny":  # the small-run mode: seconds on CPU, nothing written but metrics
+        c.train.update(log_every=1, eval_every=5)
+        c.checkpoint.every = 0
+        c.data.eval_batches = 2
+    if target_name is not None:
+        t = TARGETS[target_name]
+        b = micro_batch(size_name, t)
+        batch = max(s.batch, t.total)
+        axis = "data" if s.strategy == "dp" else "fsdp"
+        c.mesh.update(data=1, fsdp=1, dcn_data=t.slices)
+        c.mesh[axis] = t.devices
+        c.data.batch_size = batch
+        c.train.grad_accum = batch // (b * t.total)
+        if c.train.grad_accum > 1:
+            # The eval step runs the whole global batch in one forward pass (it does not
+            # accumulate), i.e. grad_accum times a micro-batch's logits and attention scores:
+            # off by default here; lower data.batch_size to evaluate.
+            c.train.eval_every = 0
+        c.precision = "bf16-mixed"
+        if t.gpu:
+            c.model.attention = "dot_product_attention"
+    return c
+
+
+def plan_table() -> str:
+    """One line per SIZE,TARGET: what the target sets, and the memory estimate behind it."""
+    lines = []
+    for v in VARIANTS:
+        size, target = parse_arg(v)
+        if target is None:
+            continue
+        c, t = get_config(v), TARGETS[target]
+        b = micro_batch(size, t)
+        mesh = " ".join(f"{k}={c.mesh[k]}" for k in ("data", "fsdp", "dcn_data") if c.mesh[k] > 1)
+        lines.append(f"{v:<16} {c.rules_preset:<5} {mesh:<22} micro-batch {b:>2} x "
+                     f"{c.train.grad_accum:>2} accumulation = {c.data.batch_size:>3} x "
+                     f"{c.data.seq_len}  ~{memory_estimate(size, t, b) / 2**30:5.1f} of "
+                     f"{t.hbm_gib:.0f} GiB")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(plan_table())

@@ -1,0 +1,173 @@
+"""Command-line parsing for entry points with a config flag: mistakes exit with one paragraph.
+
+ml_collections checks `--config.*` overrides while absl parses flags, before `main` runs, and
+reports them its own way: a typo'd field is a raw AttributeError with a long traceback, a wrong
+type is "FATAL Flags parsing error", and an error raised by a config file's `get_config` arrives
+wrapped around that file's whole traceback. `parse_flags` is an absl `flags_parser`
+(`app.run(main, flags_parser=cli.parse_flags)`) that turns all of these into one
+`jaxscale: error:` paragraph naming the field, its type and the valid fields, and exits 2 like
+`errors.exit_on_user_error` does for errors raised later.
+"""
+
+from __future__ import annotations
+
+import difflib
+import glob
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from absl import flags
+
+from jaxscale.errors import paragraph
+
+FLAGS = flags.FLAGS
+EXIT_CODE = 2
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+    """Parses `argv` into absl FLAGS; on a mistake prints one paragraph and exits."""
+    try:
+        rest = FLAGS(list(argv))
+        for name in _config_flag_names():
+            _touch(FLAGS[name].value)  # a missing config file only raises when first read
+        return rest
+    except (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError) as e:
+        fail(describe(e, argv))
+
+
+def define_config_file(name: str, default: str, help_string: str) -> Any:
+    """`config_flags.DEFINE_config_file`, whose overrides of the default config are checked at
+    definition time when the command line has no `--NAME=`: those mistakes exit cleanly too."""
+    from ml_collections import config_flags
+    try:
+        return config_flags.DEFINE_config_file(name, default, help_string)
+    except (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError) as e:
+        fail(describe(e, sys.argv, {name: default}))
+
+
+def fail(message: str) -> NoReturn:
+    print(f"jaxscale: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_CODE)
+
+
+def _config_flag_names() -> list[str]:
+    """Names of the defined config-file flags (they alone have a `config_filename`)."""
+    return [name for name in FLAGS
+            if name == FLAGS[name].name and hasattr(type(FLAGS[name]), "config_filename")]
+
+
+def _touch(config: Any) -> None:
+    """Reads an attribute: ml_collections' stand-in for an unloadable config raises OSError."""
+    getattr(config, "keys", None)
+
+
+def describe(error: BaseException, argv: Sequence[str],
+             defaults: dict[str, str] | None = None) -> str:
+    """One paragraph for a flag-parsing error: the culprit override, else the error's own text.
+
+    `defaults` maps config flag names to their default config files (default: the defined ones).
+    """
+    if defaults is None:
+        defaults = {n: FLAGS[n].default_as_str.strip("'") for n in _config_flag_names()}
+    for name, default in defaults.items():
+        path = _spec(argv, name, default).split(":", 1)[0]
+        if not os.path.isfile(path):
+            found = sorted(f for f in glob.glob(os.path.join(os.path.dirname(path) or ".", "*.py"))
+                           if not f.endswith("__init__.py"))
+            return paragraph(f"--{name}={path}: no such config file.",
+                             f"Config files there: {', '.join(found) or 'none'}." if found else "")
+        overrides = _overrides(argv, name)
+        config = _load(argv, name, default)
+        if config is None:
+            continue
+        for path, value in overrides:
+            problem = _unknown_field(config, path, name)
+            if problem:
+                return paragraph(f"--{name}.{path}: {problem}")
+        culprit = re.search(rf"--{re.escape(name)}\.([\w.]+)=", str(error))
+        if culprit:
+            return _wrong_type(name, culprit.group(1), dict(overrides).get(culprit.group(1)),
+                               config)
+    return _last_line(error)
+
+
+def _overrides(argv: Sequence[str], name: str) -> list[tuple[str, str | None]]:
+    """[(field path, value or None)] of `--NAME.a.b=value` / `--NAME.a.b value` arguments."""
+    out, prefix = [], f"--{name}."
+    for i, arg in enumerate(argv):
+        if arg.startswith(prefix):
+            path, eq, value = arg[len(prefix):].partition("=")
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            out.append((path, value if eq else (nxt if nxt and not nxt.startswith("-") else None)))
+    return out
+
+
+def _spec(argv: Sequence[str], name: str, default: str) -> str:
+    """The `file.py[:arg]` given by `--NAME=...` / `--NAME ...`, else the default."""
+    spec = default
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            spec = arg.split("=", 1)[1]
+        elif arg == f"--{name}" and i + 1 < len(argv):
+            spec = argv[i + 1]
+    return spec
+
+
+def _load(argv: Sequence[str], name: str, default: str) -> Any:
+    """The config the flag names (or its default), loaded again; None if that fails too."""
+    try:
+        path, *arg = _spec(argv, name, default).split(":", 1)
+        module_spec = importlib.util.spec_from_file_location(f"_jaxscale_cli_{name}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = module  # dataclasses look it up while it executes
+        module_spec.loader.exec_module(module)
+        config = module.get_config(*arg)
+        return config if hasattr(config, "keys") else None
+    except Exception:  # the config itself is broken: fall back to the original error
+        return None
+
+
+def _unknown_field(config: Any, path: str, name: str = "config") -> str | None:
+    """Why `path` names no field of `config`, with the closest valid names; None if it does."""
+    node, walked = config, []
+    for part in path.split("."):
+        keys = list(node.keys()) if hasattr(node, "keys") else None
+        if keys is None:
+            return (f"config.{'.'.join(walked)} is a value of type {type(node).__name__}, not a "
+                    f"group of fields, so it has no field '{part}'.")
+        if part not in keys:
+            where = f"config.{'.'.join(walked)}" if walked else "the config"
+            close = difflib.get_close_matches(part, keys, n=1)
+            hint = f" Did you mean --{'.'.join([name] + walked + close)}?" if close else ""
+            return (f"{where} has no field '{part}'.{hint} Its fields: {', '.join(sorted(keys))}.")
+        node = node[part]
+        walked.append(part)
+    return None
+
+
+def _wrong_type(name: str, path: str, value: str | None, config: Any) -> str:
+    node = config
+    for part in path.split("."):
+        node = node[part]
+    kind = type(node).__name__
+    hint = " (use true or false)" if isinstance(node, bool) else ""
+    return paragraph(
+        f"--{name}.{path}={value if value is not None else ''}: config.{path} has type {kind}",
+        f"(currently {node!r}), and {value!r} does not parse as {kind}{hint}.",
+    )
+
+
+def _last_line(error: BaseException) -> str:
+    """The error's message without an embedded traceback (ml_collections wraps config-file
+    errors in one), and without the 'module.ErrorType: ' prefix of its last line."""
+    text = str(error).strip()
+    if text[:1] in "'\"" and text[-1:] == text[:1]:  # a KeyError's repr-quoted message
+        text = text[1:-1]
+    if "Traceback (most recent call last)" in text:
+        text = text.strip().splitlines()[-1]
+        text = re.sub(r"^[\w.]+(Error|Exception): ", "", text)
+    return paragraph(*text.replace("\\n", "\n").splitlines())

@@ -1,0 +1,198 @@
+"""Every shipped config and variant validates and shards on its intended mesh, without allocating;
+config mistakes on the command line fail with one paragraph; the fine-tuning preset runs."""
+
+import functools
+import glob
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import ml_collections as mlc
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh
+
+from jaxscale import config as config_lib
+from jaxscale.errors import ConfigError
+from jaxscale.mesh import MESH_AXES, resolve_mesh_shape
+from jaxscale.models import lora
+from jaxscale.models.llama import LlamaConfig
+from jaxscale.precision import get_policy
+from jaxscale.rules import AxisRules
+from jaxscale.train.state import ModelDef, flatten, param_specs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+                      if not p.endswith("__init__.py"))
+DEFAULT_DEVICES = 8  # a variant whose mesh has a -1 axis is checked on the test's 8 devices
+
+
+def load(path: str):
+    """Loads a config file by path, as ml_collections does for --config."""
+    name = "_test_configs_" + os.path.basename(path)[:-3]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+MODULES = {os.path.basename(p): load(p) for p in CONFIG_FILES}
+CASES = [(f, v) for f, m in MODULES.items() for v in m.VARIANTS]
+
+
+def test_every_config_file_advertises_its_variants():
+    assert {"tiny_lm.py", "llama.py", "finetune_lm.py", "vit_digits.py"} <= set(MODULES)
+    for name, module in MODULES.items():
+        assert isinstance(module.VARIANTS, tuple) and module.VARIANTS, name
+    assert {"tiny", "125m", "1b", "7b", "1b,v5e-16", "7b,h100x8", "125m,v4-8"} <= set(
+        MODULES["llama.py"].VARIANTS)
+    assert {"test", "test,lora", "1b,lora", "7b,lora,h100x8"} <= set(
+        MODULES["finetune_lm.py"].VARIANTS)
+
+
+@functools.lru_cache(maxsize=None)
+def _model_def(model_json: str, precision: str, lora_json: str) -> ModelDef:
+    """Abstract model (shapes + logical axes only; `nnx.eval_shape`), shared by variants."""
+    policy = get_policy(precision)
+    return lora.with_adapters(ModelDef.build(json.loads(model_json), policy),
+                              mlc.ConfigDict(json.loads(lora_json)))
+
+
+def intended_mesh(config) -> AbstractMesh:
+    """The mesh a variant asks for: its explicit sizes, or DEFAULT_DEVICES if one axis is -1."""
+    sizes = [config.mesh[a] * config.mesh[f"dcn_{a}"] for a in MESH_AXES]
+    devices = DEFAULT_DEVICES if -1 in sizes else math.prod(sizes)
+    ici, dcn = resolve_mesh_shape(config.mesh, devices)
+    return AbstractMesh(tuple(ici[a] * dcn[a] for a in MESH_AXES), MESH_AXES)
+
+
+@pytest.mark.parametrize("filename,variant", CASES, ids=[f"{f}:{v}" for f, v in CASES])
+def test_variant_validates_and_shards_abstractly(filename, variant, tmp_path):
+    config = MODULES[filename].get_config(variant)
+    if config.init_from is None:  # a required field (fine-tuning): refused until it is set
+        with pytest.raises(ConfigError, match="init_from is required"):
+            config_lib.validate(config)
+        config.init_from = str(tmp_path)
+    config_lib.validate(config)
+    mesh = intended_mesh(config)
+    rules = AxisRules.from_config(config)
+    model_def = _model_def(json.dumps(config.model.to_dict(), sort_keys=True), config.precision,
+                           json.dumps(config.lora.to_dict()))
+    specs = param_specs(model_def, rules, mesh)  # raises if a rule does not fit the mesh
+    assert set(specs) == set(model_def.shapes())
+    # Each accumulation step's rows split evenly over the batch's mesh axes.
+    batch_axes = rules.spec(("batch", "length"), (config.data.batch_size, 1), mesh)[0] or ()
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+    rows = config.data.batch_size // config.train.grad_accum
+    assert rows % math.prod(mesh.shape[a] for a in batch_axes) == 0
+
+
+def test_llama_parameter_counts():
+    llama = MODULES["llama.py"]
+    expected = {"125m": (120e6, 140e6), "1b": (1.0e9, 1.25e9), "7b": (6.6e9, 6.9e9)}
+    for size, (lo, hi) in expected.items():
+        n = LlamaConfig(**llama.SIZES[size].model).num_params()
+        assert lo <= n <= hi, (size, n)
+        model_def = _model_def(json.dumps(llama.get_config(size).model.to_dict(), sort_keys=True),
+                               "bf16-mixed",
+                               json.dumps(config_lib.base_config().lora.to_dict()))
+        assert model_def.num_params() == n == llama.num_params(size)
+
+
+def test_hardware_targets_set_what_they_promise():
+    llama = MODULES["llama.py"]
+    c = llama.get_config("7b,h100x8")
+    assert c.model.attention == "dot_product_attention" and c.precision == "bf16-mixed"
+    assert (c.mesh.fsdp, c.rules_preset, c.model.remat) == (8, "fsdp", "full")
+    c = llama.get_config("1b,v5e-16")
+    assert (c.mesh.fsdp, c.model.attention, c.data.batch_size) == (16, "einsum", 256)
+    assert llama.get_config("125m,v4-8").mesh.data == 4
+    assert llama.get_config("1b,2xh100x8").mesh.dcn_data == 2
+    with pytest.raises(ConfigError, match="does not fit v5e-16.*Targets that fit 7b: v4-32"):
+        llama.get_config("7b,v5e-16")
+    with pytest.raises(ConfigError, match="SIZE in tiny, 125m, 1b, 7b"):
+        llama.get_config("2b")
+
+
+def _run(*args, timeout=300):
+    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("--config.train.stepz=3", "config.train has no field 'stepz'. Did you mean "
+                               "--config.train.steps?"),
+    ("--config.trian.steps=3", "the config has no field 'trian'. Did you mean --config.train?"),
+    ("--config.train.steps=abc", "config.train.steps has type int (currently 10), and 'abc' "
+                                 "does not parse as int"),
+    ("--config.optim.lr=fast", "config.optim.lr has type float"),
+    ("--config.train.grad_accum=5", "data.batch_size=16 must be divisible by "
+                                    "train.grad_accum=5"),
+])
+def test_cli_config_mistakes_are_one_paragraph(tmp_path, override, expected):
+    out = _run("launch.train", "--config=configs/tiny_lm.py:test", f"--workdir={tmp_path}",
+               "--cpu_devices=8", override)
+    assert out.returncode != 0
+    assert expected in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    error_lines = [l for l in out.stderr.splitlines() if l.startswith("jaxscale: error:")]
+    assert len(error_lines) == 1
+
+
+def test_cli_unknown_variant_and_default_config_typo(tmp_path):
+    out = _run("launch.train", "--config=configs/llama.py:2b", f"--workdir={tmp_path}")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "SIZE in tiny, 125m, 1b, 7b and TARGET in v4-8" in out.stderr
+    # Without --config=, ml_collections checks the overrides when the flag is defined.
+    out = _run("launch.train", f"--workdir={tmp_path}", "--config.train.stepz=3")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "no field 'stepz'" in out.stderr
+
+
+def test_inspect_a_preset_without_allocating():
+    out = _run("launch.inspect", "--config=configs/llama.py:1b,v5e-16", "--cpu_devices=16",
+               "--compile=false")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "data=1 pipeline=1 fsdp=16 tensor=1 (16 cpu devices)" in out.stdout
+    assert "('fsdp', None)" in out.stdout  # lm_head sharded on embed
+
+
+def test_large_vocab_on_byte_data():
+    """The presets' 32000-entry vocabulary trains on byte tokens (a subset of its ids)."""
+    from jaxscale.train.loop import Trainer
+    c = MODULES["llama.py"].get_config("tiny")
+    c.model.vocab_size = 32000
+    trainer = Trainer.build(c, workdir=None)
+    batch = trainer.to_global(next(trainer.batches.iterator()))
+    _, metrics = trainer.train_fn(trainer.state, batch)
+    assert abs(float(metrics["loss"]) - math.log(32000)) < 0.5
+
+
+def test_finetune_from_a_pretraining_run(tmp_path):
+    """llama.py:tiny pre-trains on part a; finetune_lm.py:test starts from its checkpoint and
+    trains; the LoRA variant loads the same weights as its frozen base."""
+    from jaxscale.train import loop
+    pre = MODULES["llama.py"].get_config("tiny")
+    pre.data.part = "a"
+    pre.train.update(steps=2, eval_every=0)
+    pre.checkpoint.every = 2
+    pretrained = flatten(loop.train(pre, str(tmp_path / "pre")).params)
+    for variant in ("test", "test,lora"):
+        c = MODULES["finetune_lm.py"].get_config(variant)
+        c.init_from = str(tmp_path / "pre")
+        c.train.update(steps=2, eval_every=0)
+        workdir = tmp_path / variant.replace(",", "_")
+        trainer = loop.Trainer.build(c, str(workdir))
+        start = flatten(trainer.state.frozen if variant.endswith("lora") else trainer.state.params)
+        for path, value in pretrained.items():
+            np.testing.assert_array_equal(np.asarray(start[path]), np.asarray(value))
+        saved = json.loads((workdir / "config.json").read_text())
+        assert saved["init_from"] == str(tmp_path / "pre") and saved["data"]["part"] == "b"
+    trainer.run()  # the LoRA variant, for a couple of steps
+    lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == [1, 2] and all(np.isfinite(l["loss"]) for l in lines)

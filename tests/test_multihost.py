@@ -1,0 +1,147 @@
+"""Multi-host runs on one machine: 2 processes x 4 CPU devices (gloo collectives) train exactly
+like 1 process x 8 devices, only process 0 logs, and missing hosts or a mesh sized for one host
+fail with one clear paragraph instead of hanging, aborting or training independent copies."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxscale import runtime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = ["--config=configs/tiny_lm.py:test", "--config.train.steps=3"]
+MULTIHOST = [sys.executable, "-m", "launch.local_multihost", "--num_processes=2",
+             "--devices_per_process=4", "--"]
+
+
+def _run(cmd: list[str], timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT, **env}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(workdir) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_and_only_process_0_logs(tmp_path):
+    single = _run([sys.executable, "-m", "launch.train", *TRAIN,
+                   f"--workdir={tmp_path / 'single'}", "--cpu_devices=8"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    multi = _run([*MULTIHOST, *TRAIN, f"--workdir={tmp_path / 'multi'}"])
+    assert multi.returncode == 0, (multi.stdout + multi.stderr)[-3000:]
+
+    one, two = _metrics(tmp_path / "single"), _metrics(tmp_path / "multi")
+    # One file, one line per step: process 1 wrote nothing (no duplicated or interleaved lines).
+    assert [m["step"] for m in two] == [1, 2, 3]
+    assert [p.name for p in (tmp_path / "multi").rglob("metrics.jsonl")] == ["metrics.jsonl"]
+    assert len(list((tmp_path / "multi" / "tensorboard").iterdir())) == 1
+    for a, b in zip(one, two):
+        for key in ("loss", "grad_norm", "eval_loss"):
+            if key in a or key in b:
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+    assert "eval_loss" in two[-1]
+    # One global 8-device mesh; the banner and progress come from process 0 only.
+    out = multi.stdout
+    assert "[p0] jaxscale: mesh data=8 pipeline=1 fsdp=1 tensor=1 (8 cpu devices)" in out
+    assert "[p1] jaxscale: mesh" not in out and "[p1] step" not in out
+
+
+@pytest.mark.slow
+def test_missing_peer_fails_clearly_within_the_timeout(tmp_path):
+    """Process 0 whose peer never comes, and process 1 whose coordinator never comes, both
+    stop after --initialization_timeout with one paragraph naming the missing process."""
+    def start(pid: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "launch.train", *TRAIN, f"--workdir={tmp_path / str(pid)}",
+               "--cpu_devices=4", "--num_processes=2", f"--process_id={pid}",
+               f"--coordinator_address=localhost:{_free_port()}",
+               "--initialization_timeout=8"]
+        env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    start_time = time.monotonic()
+    alone = {pid: start(pid) for pid in (0, 1)}  # separate ports: neither finds the other
+    outs = {pid: p.communicate(timeout=90) for pid, p in alone.items()}
+    assert time.monotonic() - start_time < 60
+    for pid, p in alone.items():
+        stderr = outs[pid][1]
+        assert p.returncode == 2, stderr[-3000:]
+        assert "Traceback" not in stderr and "Check failure" not in stderr, stderr[-3000:]
+        errors = [l for l in stderr.splitlines() if l.startswith("jaxscale: error:")]
+        assert len(errors) == 1, stderr[-3000:]
+        assert f"process {pid} of 2" in errors[0], errors[0]
+    assert "waited 8s at localhost:" in outs[0][1] and "but process 1 never joined" in outs[0][1]
+    assert "could not reach the coordinator, process 0, at localhost:" in outs[1][1]
+    assert not (tmp_path / "0" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_mesh_sized_for_one_host_gives_the_mesh_error(tmp_path):
+    """data=4 fits one host's 4 devices but not the global 8: every process says so."""
+    out = _run([*MULTIHOST, *TRAIN, f"--workdir={tmp_path}", "--config.mesh.data=4"])
+    assert out.returncode != 0
+    for pid in (0, 1):
+        assert f"[p{pid}] jaxscale: error: The ICI (per-slice) mesh" in out.stdout
+    assert "has 4 devices but 8 are available" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_launcher_stops_the_others_when_one_process_fails(tmp_path):
+    """A survivor would wait minutes for its dead peer; the launcher stops it after --grace_s."""
+    (tmp_path / "fail_or_hang.py").write_text(
+        "import sys, time\n"
+        "if '--process_id=1' in sys.argv:\n"
+        "    print('process 1 failing'); sys.exit(3)\n"
+        "time.sleep(300)\n")
+    start = time.monotonic()
+    out = _run([sys.executable, "-m", "launch.local_multihost", "--num_processes=2",
+                "--module=fail_or_hang", "--grace_s=1"],
+               PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    assert time.monotonic() - start < 30
+    assert out.returncode == 1
+    assert "[p1] process 1 failing" in out.stdout
+    assert "failed processes (exit codes): {'p1': 3}; stopped ['p0']" in out.stderr
+
+
+def test_incomplete_flags_are_refused_before_jax_starts(monkeypatch):
+    for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(runtime.DistributedError, match="Incomplete multi-host flags"):
+        runtime.init_distributed(None, 2, 0)
+    with pytest.raises(runtime.DistributedError, match="Incomplete multi-host flags"):
+        runtime.init_distributed("localhost:1", 2, 2)
+
+
+def test_join_timeout_messages_name_the_missing_processes():
+    msg = runtime.join_timeout_message
+    assert "but process 1 never joined" in msg("h:1", 2, 0, 10, None)
+    assert "one or more of processes [1, 2, 3] never joined" in msg("h:1", 4, 0, 10, None)
+    assert "one or more of processes [1, 3] never joined" in msg("h:1", 4, 2, 10, True)
+    assert "could not reach the coordinator, process 0, at h:1 within 10s" in msg(
+        "h:1", 4, 2, 10, False)
+    for m in (msg("h:1", 2, 0, 10, None), msg(None, None, None, 5, None)):
+        assert "\n" not in m and "--initialization_timeout" in m
+
+
+def test_lone_process_of_a_detected_cluster_is_refused(monkeypatch):
+    """Under SLURM with 4 tasks, a process that ends up alone must not train a copy."""
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert runtime.detected_num_processes() == 4
+    with pytest.raises(runtime.DistributedError, match="4 processes were expected"):
+        runtime.check_not_alone(None)
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    runtime.check_not_alone(None)
