@@ -50,7 +50,9 @@ def base_config() -> mlc.ConfigDict:
     c.rules_strict = False
     c.rules_indivisible = "error"
     c.precision = "32-true"
-    c.loss_scale = mlc.ConfigDict(dict(init=2.0 ** 15, growth_interval=2000))  # 16-mixed only
+    # 16-mixed only: dynamic loss scaling (see precision.DynamicLossScale).
+    c.loss_scale = mlc.ConfigDict(dict(init=2.0 ** 15, growth_interval=2000, min_scale=1.0,
+                                       max_skips_at_min=20))
     # LoRA: rank 0 = off; targets are regular expressions searched in '/'-joined parameter paths.
     c.lora = mlc.ConfigDict(dict(rank=0, alpha=16.0, targets=("attn/w[qv]$",), dropout=0.0,
                                  save_adapters_only=True))

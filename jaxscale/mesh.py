@@ -52,8 +52,9 @@ def _fill(sizes: dict[str, int], total: int, what: str) -> dict[str, int]:
         raise MeshError(paragraph(
             f"The {what} mesh {sizes} has {math.prod(sizes.values())} devices but {total} are",
             "available. Make the product of the axis sizes equal the device count, or set one",
-            "axis to -1 to absorb the rest (for example --config.mesh.data=-1); to simulate more",
-            "CPU devices pass --cpu_devices=N.",
+            "axis to -1 to absorb the rest (for example --config.mesh.data=-1). In a multi-host",
+            "run the count is global: every process's devices together. To simulate CPU",
+            "devices pass --cpu_devices=N (per process).",
         ))
     return sizes
 

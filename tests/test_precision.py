@@ -169,3 +169,48 @@ def test_bf16_true_trains_end_to_end():
     losses, state = _losses(c, 6)
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert {x.dtype for x in flatten(state.params).values()} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_explicit_form_errors_name_the_problem():
+    for text, culprit in [("params=float32,compute=bf17", "'bf17'"),
+                          ("params=float32,kompute=bfloat16", "'kompute'"),
+                          ("params=float32,compute", "'compute'"),
+                          ("params=float32,params=bfloat16", "twice")]:
+        with pytest.raises(ConfigError) as e:
+            get_policy(text)
+        assert culprit in str(e.value) and "norm" in str(e.value), text
+    with pytest.raises(ConfigError, match="logits=bfloat16"):  # a low-precision loss is refused
+        get_policy("params=float32,compute=bfloat16,output=bfloat16")
+
+
+def test_per_module_overrides_reach_the_model():
+    policy = get_policy("params=float32,compute=bfloat16,logits=bfloat16,softmax=float32")
+    assert policy.dtype_for("logits") == jnp.bfloat16
+    assert policy.dtype_for("softmax") == jnp.float32 and policy.dtype_for("norm") == jnp.float32
+    assert policy.output == jnp.float32
+    model_def = ModelDef.build(get_config("test").model, policy)
+    params = jax.eval_shape(model_def.init_params, jax.random.key(0))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    logits = jax.eval_shape(lambda p: model_def.module(p)(tokens), params)
+    assert logits.dtype == jnp.bfloat16  # the override, not the float32 default of mixed policies
+    batch = {"tokens": jnp.zeros((2, 9), jnp.int32)}
+    loss = jax.eval_shape(lambda p: step_lib.loss_fn(p, {}, batch, model_def), params)
+    assert loss.dtype == jnp.float32  # the loss still reduces in float32
+    assert get_policy("params=float32,compute=float32,logits=float16").loss_scaling
+
+
+def test_persistent_overflow_at_min_scale_is_a_clear_error():
+    ls = DynamicLossScale(init_scale=4.0, min_scale=1.0, max_skips_at_min=3)
+    e = ls.init()
+    for _ in range(4):  # 4 -> 2 -> 1 -> 1 (at min) ...
+        ls.check(e)
+        e = ls.update(e, jnp.asarray(False))
+    assert int(e["skips_at_min"]) == 2
+    ls.check(e)
+    e = ls.update(e, jnp.asarray(False))
+    with pytest.raises(Exception, match="minimum loss scale") as err:
+        ls.check(e)
+    assert "bf16-mixed" in str(err.value)
+    e = ls.update(e, jnp.asarray(True))  # one finite step resets the count
+    assert int(e["skips_at_min"]) == 0
+    ls.check(e)

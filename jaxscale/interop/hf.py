@@ -39,9 +39,35 @@ class ConversionError(JaxscaleError):
 
 # ----------------------------------------------------------------------------- safetensors I/O
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
-           "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
-           "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+           "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+           "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32, "I16": np.int16,
+           "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
+           "BOOL": np.bool_}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+# `--dtype` spellings -> numpy dtype names (the export / storage dtypes that make sense).
+DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
+                 "f16": "float16", "half": "float16", "float16": "float16", "fp32": "float32",
+                 "f32": "float32", "float": "float32", "float32": "float32"}
+
+
+def parse_dtype(name: Any) -> np.dtype | None:
+    """A dtype from a user's spelling ('bf16', 'fp16', 'float32', a numpy dtype); None -> None.
+
+    Raises a ConversionError listing the accepted names, rather than numpy's bare TypeError.
+    """
+    if name is None or name == "":
+        return None
+    if not isinstance(name, str):
+        return np.dtype(name)
+    key = name.strip().lower()
+    if key not in DTYPE_ALIASES:
+        raise ConversionError(paragraph(
+            f"dtype {name!r} is not supported for checkpoints. Use one of",
+            f"{', '.join(sorted(DTYPE_ALIASES))} (e.g. --dtype=bf16), or leave it unset to keep",
+            "the stored dtype.",
+        ))
+    return np.dtype(ml_dtypes.bfloat16) if DTYPE_ALIASES[key] == "bfloat16" else np.dtype(
+        DTYPE_ALIASES[key])
 
 
 class SafetensorsReader:
@@ -86,6 +112,13 @@ class SafetensorsReader:
                 "config.json, or it is not a Llama checkpoint.",
             ))
         path, base, info = self.entries[key]
+        if info.get("dtype") not in _DTYPES:
+            raise ConversionError(paragraph(
+                f"Tensor {key!r} in {path} has safetensors dtype {info.get('dtype')!r}, which",
+                f"this reader does not know (it reads {', '.join(_DTYPES)}). Re-save the",
+                "checkpoint in float32, float16 or bfloat16 (e.g. `model.to(torch.bfloat16)",
+                ".save_pretrained(DIR)`).",
+            ))
         dtype = np.dtype(_DTYPES[info["dtype"]]).newbyteorder("<")
         start, end = info["data_offsets"]
         shape = tuple(info["shape"])
@@ -118,6 +151,21 @@ def write_safetensors(path: str, specs: list[tuple[str, tuple[int, ...], np.dtyp
 
 
 # ----------------------------------------------------------------------------- configs
+LLAMA_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads")
+
+
+def require_keys(hf: Mapping[str, Any], keys: tuple[str, ...], where: str, family: str) -> None:
+    """Names every field the conversion cannot do without (a KeyError would name only one)."""
+    missing = [k for k in keys if hf.get(k) is None]
+    if missing:
+        raise ConversionError(paragraph(
+            f"{where} lacks the field(s) {', '.join(missing)}, which a {family} conversion needs",
+            f"(it reads {', '.join(keys)}). The file is truncated or not a {family} config:",
+            "re-save the model with `save_pretrained`, or add the missing values.",
+        ))
+
+
 _REJECTED = {
     "attention_bias": "attention projections with biases",
     "mlp_bias": "MLP projections with biases",
@@ -151,8 +199,11 @@ def llama_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> d
             "logits. Use a checkpoint without rope_scaling (or rope_type='default').",
         ))
     if hf.get("sliding_window") not in (None, 0):
-        raise ConversionError(f"{where}: sliding_window={hf['sliding_window']} attention is "
-                              "not supported; jaxscale's Llama attends to the full context.")
+        raise ConversionError(paragraph(
+            f"{where}: sliding_window={hf['sliding_window']} (local attention) is not supported:",
+            "jaxscale's Llama attends to the full context, so the converted model would compute",
+            "different logits. Convert a checkpoint with sliding_window=null.",
+        ))
     heads = int(hf["num_attention_heads"])
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     return dict(

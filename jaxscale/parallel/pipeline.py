@@ -15,6 +15,10 @@ non-contiguous groups; since parameters are stored in natural layer order (shard
 by the rule ('layers', 'pipeline')), the step re-lays the layer dimension out as (R, S, P) with
 one all-to-all of the block weights per step (and back for the gradients): the price of keeping
 checkpoints and the 1-device model identical whatever the schedule.
+
+The 1F1B schedule (`schedule='1f1b'`, onef1b.py) reuses this module's layout and stage vmap but
+runs each stage's backward inside the schedule, so it fuses the head and loss and is returned
+by `make_layer_runner` as a runner with `fused_loss` (see `train/step.py::lm_loss`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Schedule:
 
     name: str
     circular: bool
+    note: str = ""  # why a non-circular schedule has no repeats, for the error message
 
     def iterations(self, stages: int, microbatches: int, repeats: int) -> int:
         return microbatches * repeats + stages - 1
@@ -57,7 +62,7 @@ class Schedule:
                 "be at least 1."))
         if repeats > 1 and not self.circular:
             raise ConfigError(paragraph(
-                f"pipeline.schedule={self.name!r} runs each stage's layers once, but",
+                f"pipeline.schedule={self.name!r} runs each stage's layers once{self.note}, but",
                 f"pipeline.repeats={repeats}. Use --config.pipeline.schedule=circular for",
                 "several non-contiguous layer groups per stage, or set pipeline.repeats=1."))
         if repeats > 1 and microbatches < stages:
@@ -72,6 +77,9 @@ class Schedule:
 SCHEDULES: dict[str, Schedule] = {
     "gpipe": Schedule("gpipe", circular=False),
     "circular": Schedule("circular", circular=True),
+    # Same bubble as GPipe, counted in forward+backward units: the steady phase runs one forward
+    # and one backward per iteration (jaxscale/parallel/onef1b.py).
+    "1f1b": Schedule("1f1b", circular=False, note=" (an interleaved 1F1B is not implemented)"),
 }
 
 
@@ -80,7 +88,8 @@ def get_schedule(name: str) -> Schedule:
         raise ConfigError(paragraph(
             f"Unknown pipeline.schedule={name!r}. Valid schedules: {', '.join(SCHEDULES)}",
             "('gpipe': one contiguous layer block per stage; 'circular': pipeline.repeats",
-            "non-contiguous blocks per stage, a smaller bubble)."))
+            "non-contiguous blocks per stage, a smaller bubble; '1f1b': GPipe's stages with",
+            "each stage's backward interleaved, activations bounded by the stages)."))
     return SCHEDULES[name]
 
 
@@ -103,20 +112,30 @@ def check_batch(batch: int, microbatches: int) -> None:
 
 
 # ----------------------------------------------------------------------------- the runner
+def rules_axes(var: nnx.Variable, mesh: Mesh) -> list:
+    """The mesh axes of each dimension of `var` under the active rules, `pipeline` dropped.
+
+    Inside the schedule the stage dimension is the only one on `pipeline`, so a parameter's own
+    spec (e.g. its `layers` dimension under the `pp` preset) must not claim that axis again.
+    """
+    shape = var[...].shape
+    active = active_rules()
+    logical = var.get_metadata().get("logical_axes")
+    if active is None or logical is None:
+        return [None] * len(shape)
+    rules = AxisRules(active[0].rules, indivisible="replicate")
+    spec = rules.spec(tuple(logical), shape, mesh, "<pipeline weights>", warn=False)
+    return [None if ax == "pipeline" or (isinstance(ax, tuple) and "pipeline" in ax) else ax
+            for ax in tuple(spec)]
+
+
 def _layout(state: nnx.State, mesh: Mesh, repeats: int, stages: int) -> nnx.State:
     """(L, ...) leaves -> (R, S, P, ...) with S on `pipeline` and the rest as the rules say."""
-    active = active_rules()
-    rules = AxisRules(active[0].rules, indivisible="replicate") if active else None
 
     def one(var: nnx.Variable) -> nnx.Variable:
         value = var[...]
         shape = value.shape
-        inner: list = [None] * (len(shape) - 1)
-        logical = var.get_metadata().get("logical_axes")
-        if rules is not None and logical is not None:
-            spec = rules.spec(tuple(logical), shape, mesh, "<pipeline weights>", warn=False)
-            inner = [None if ax == "pipeline" or (isinstance(ax, tuple) and "pipeline" in ax)
-                     else ax for ax in tuple(spec)[1:]]
+        inner = rules_axes(var, mesh)[1:]
         value = value.reshape(repeats, stages, shape[0] // (repeats * stages), *shape[1:])
         sharding = NamedSharding(mesh, PartitionSpec(None, "pipeline", None, *inner))
         return var.replace(jax.lax.with_sharding_constraint(value, sharding))
@@ -211,6 +230,9 @@ def make_layer_runner(pipeline_cfg: Mapping[str, Any], mesh: Mesh, remat: str = 
     schedule.check(stages, microbatches, repeats)
     if num_layers is not None:
         check_layers(num_layers, stages, repeats)
+    if schedule.name == "1f1b":  # the loss runs inside the schedule: see onef1b.py
+        from jaxscale.parallel.onef1b import OneFOneB  # onef1b imports this module
+        return OneFOneB(mesh, stages, microbatches, remat)
 
     def run_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array) -> jax.Array:
         return pipeline_layers(block, h_BTE, positions_BT, mesh=mesh, stages=stages,

@@ -126,6 +126,8 @@ class Trainer:
             if step % cfg.log_every == 0 or step == cfg.steps:
                 host = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 self.check_finite(state)
+                if self.ctx.loss_scale is not None:
+                    self.ctx.loss_scale.check(state.extra)
                 now = time.perf_counter()
                 host["step_time_s"] = (now - last_time) / (step - last_step)
                 host["tokens_per_s"] = tokens / host["step_time_s"]

@@ -38,6 +38,8 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 def lm_loss(model: Any, batch: Batch, run_layers: RunLayers = None) -> jax.Array:
     """Next-token loss of a decoder LM on `batch['tokens']`."""
     tokens_BT1 = constrain(batch["tokens"], "batch", "length")
+    if hasattr(run_layers, "fused_loss"):  # 1F1B: the loss runs inside the pipeline schedule
+        return run_layers.fused_loss(model, tokens_BT1[:, :-1], tokens_BT1[:, 1:], cross_entropy)
     logits_BTV = model(tokens_BT1[:, :-1], run_layers=run_layers)
     return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
 
@@ -50,6 +52,8 @@ def loss_fn(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
             run_layers: RunLayers = None, task: str = "lm",
             loss_scale: jax.Array | None = None) -> jax.Array:
     model = model_def.module(merge_trees(params, frozen) if frozen else params)
+    if loss_scale is not None and hasattr(run_layers, "scaled"):
+        run_layers = run_layers.scaled(loss_scale)  # 1F1B starts its backward from the scale
     loss = LOSSES[task](model, batch, run_layers)
     return loss if loss_scale is None else loss * loss_scale  # float16: see DynamicLossScale
 

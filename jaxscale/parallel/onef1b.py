@@ -1,0 +1,319 @@
+"""The 1F1B pipeline schedule in one SPMD program: each stage interleaves forwards and backwards.
+
+Why: under GPipe (pipeline.py) every stage runs all M microbatches forward and autodiff then
+runs them all backward, so a stage holds the activations of all M microbatches at once: stored
+activations grow with M. Under 1F1B a stage starts a microbatch's backward as soon as its
+cotangent arrives, so at most 2S-1 microbatches are ever in flight on a stage, whatever M.
+
+How, still in lockstep with every stage vmapped over `pipeline` (`spmd_axis_name`) as in
+pipeline.py: stage s runs the forward of microbatch m at iteration t = m + s and its backward at
+t = m + 2S-2-s. The last stage runs the forward, the head + loss and their vjp, then the backward
+of the same microbatch in one iteration; every other stage gets its cotangent one iteration after
+the stage behind it produced it (`jnp.roll` by -1, the mirror of the forward's roll by +1). A
+stage stashes only its *input* for microbatches in flight, in a ring of K = 2S-1 slots (slot
+m mod K: stage 0 has 2S-2 microbatches between forward and backward, plus the one written this
+iteration), and its backward recomputes the stage forward from that input under `jax.vjp`:
+rematerialisation per stage, as GPipe with remat='full' per layer. The iterations run as three
+scans -- warmup (forward only, t < S-1), steady (forward + backward), cooldown (backward only) --
+so each device computes M+S-1 forwards and M+S-1 backwards, as GPipe does: the same bubble.
+
+Because the loss, where the backward starts, is inside the schedule, 1F1B cannot replace
+`run_layers`: `OneFOneB.fused_loss` is "layers + head + loss" as one `jax.custom_vjp` function
+whose forward rule runs the schedule, returns the loss and keeps every gradient (layers, head,
+input) as residuals; the backward rule scales them by the incoming cotangent. The embedding,
+LoRA's frozen/trainable split, gradient accumulation and loss scaling stay ordinary autodiff in
+train/step.py. Undifferentiated calls (evaluation) run the GPipe forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.custom_derivatives import (CustomVJPPrimal, SymbolicZero,
+                                     custom_vjp_primal_tree_values)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models.llama import scan_layers
+from jaxscale.parallel.pipeline import (_constrain, _layout, check_batch, check_layers,
+                                        pipeline_layers, rules_axes)
+
+LossFn = Callable[[jax.Array, jax.Array], jax.Array]  # (logits, targets) -> mean loss
+Leaves = list[Any]  # flat parameter leaves; None where a leaf gets no gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What the schedule needs that is fixed at trace time."""
+
+    mesh: Mesh
+    stages: int
+    microbatches: int
+    stage_fn: Callable[[Leaves, jax.Array, jax.Array], jax.Array]  # (w (P, ...), x, pos) -> y
+    head_loss: Callable[[Leaves, jax.Array, jax.Array], jax.Array]  # (head, y, targets) -> loss
+    layout: Callable[[Leaves], Leaves]  # (L, ...) layer leaves -> (S, P, ...) on `pipeline`
+    layer_specs: tuple[PartitionSpec, ...]  # of the (S, P, ...) weight-gradient accumulators
+    head_specs: tuple[PartitionSpec, ...]  # of the (S, ...) per-stage head-gradient accumulators
+    layer_diff: tuple[bool, ...] = ()  # which leaves get gradients (set by the forward rule)
+    head_diff: tuple[bool, ...] = ()
+    want_dx: bool = True
+
+    @property
+    def slots(self) -> int:
+        return 2 * self.stages - 1
+
+
+class _Carry(NamedTuple):
+    """The scans' state; every array has a leading stage dimension on `pipeline`."""
+
+    fwd: jax.Array  # (S, b, T, E) activation arriving at each stage
+    bwd: jax.Array  # (S, b, T, E) cotangent arriving at each stage
+    stash: jax.Array  # (S, K, b, T, E) inputs of the microbatches in flight
+    dx: jax.Array | None  # (S, M, b, T, E) input gradients, written by stage 0 only
+    gw: Leaves  # (S, P, ...) weight-gradient sums
+    gh: Leaves  # (S, ...) head-gradient sums (only the last stage's are nonzero)
+    loss: jax.Array  # (S,) sum of microbatch losses (idem)
+
+
+# ----------------------------------------------------------------------------- small helpers
+def _pick(leaves: Leaves, mask: tuple[bool, ...]) -> Leaves:
+    return [x if m else None for x, m in zip(leaves, mask)]
+
+
+def _join(diff: Leaves, full: Leaves, mask: tuple[bool, ...]) -> Leaves:
+    return [d if m else f for d, f, m in zip(diff, full, mask)]
+
+
+def _accumulate(acc: Leaves, new: Leaves, ok: jax.Array) -> Leaves:
+    """acc + new where this stage's work item is real; `where` so a bubble's garbage never
+    leaks in (not even as 0 * inf)."""
+    return [a if a is None else a + jnp.where(ok, g, jnp.zeros_like(g)).astype(a.dtype)
+            for a, g in zip(acc, new)]
+
+
+def _write(buf: jax.Array, i: jax.Array, value: jax.Array, ok: jax.Array) -> jax.Array:
+    old = jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(ok, value, old), i, 0)
+
+
+def _read_by(fn: Callable, *args: Any) -> list[bool]:
+    """Which leaves of `args` the traced `fn` reads: an untied LM's head never reads the
+    embedding, which must then get no (all-zero, vocabulary-sized) gradient buffer."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    jaxpr = jax.make_jaxpr(fn)(*shapes).jaxpr
+    read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    return [id(v) in read for v in jaxpr.invars]
+
+
+# ----------------------------------------------------------------------------- the schedule
+def _stage_step(plan: _Plan, do_fwd: bool, do_head: bool, do_bwd: bool) -> Callable:
+    """One iteration's work on one stage (vmapped over stages by the caller)."""
+    S, M, K = plan.stages, plan.microbatches, plan.slots
+
+    def step(c: _Carry, w: Leaves, s: jax.Array, t: jax.Array, head: Leaves, seed_mb: jax.Array,
+             x_M: jax.Array, pos_M: jax.Array, tgt_M: jax.Array) -> _Carry:
+        m_f, m_b = t - s, t - (2 * S - 2) + s  # microbatches of this stage's forward, backward
+        ok_f, ok_b = (m_f >= 0) & (m_f < M), (m_b >= 0) & (m_b < M)
+        y, ct, stash, gh, loss = c.fwd, c.bwd, c.stash, c.gh, c.loss
+        if do_fwd:
+            x = jnp.where(s == 0, x_M[m_f % M], c.fwd)
+            y = plan.stage_fn(w, x, pos_M[m_f % M])
+            stash = _write(stash, m_f % K, x, ok_f)
+        if do_head:  # computed by every stage (lockstep), counted on the last only
+            ok = (s == S - 1) & ok_f
+            f = lambda d, y: plan.head_loss(_join(d, head, plan.head_diff), y, tgt_M[m_f % M])
+            loss_m, pull = jax.vjp(f, _pick(head, plan.head_diff), y)
+            d_head, d_y = pull(seed_mb.astype(loss_m.dtype))
+            gh = _accumulate(gh, d_head, ok)
+            loss = loss + jnp.where(ok, loss_m, 0).astype(loss.dtype)
+            ct = jnp.where(s == S - 1, d_y, ct)
+        if not do_bwd:
+            return c._replace(fwd=y, stash=stash, gh=gh, loss=loss)
+        x_b = jax.lax.dynamic_index_in_dim(stash, m_b % K, 0, keepdims=False)
+        f = lambda d, x: plan.stage_fn(_join(d, w, plan.layer_diff), x, pos_M[m_b % M])
+        _, pull = jax.vjp(f, _pick(w, plan.layer_diff), x_b)
+        d_w, dx = pull(ct)
+        buf = c.dx if c.dx is None else _write(c.dx, m_b % M, dx, (s == 0) & ok_b)
+        return _Carry(y, dx, stash, buf, _accumulate(c.gw, d_w, ok_b), gh, loss)
+
+    return step
+
+
+def _constrain_carry(plan: _Plan, c: _Carry) -> _Carry:
+    mesh = plan.mesh
+    on = lambda specs, leaves: [x if x is None else jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, spec)) for x, spec in zip(leaves, specs)]
+    return _Carry(_constrain(c.fwd, mesh, "pipeline"), _constrain(c.bwd, mesh, "pipeline"),
+                  _constrain(c.stash, mesh, "pipeline", None),
+                  c.dx if c.dx is None else _constrain(c.dx, mesh, "pipeline", None),
+                  on(plan.layer_specs, c.gw), on(plan.head_specs, c.gh),
+                  jax.lax.with_sharding_constraint(
+                      c.loss, NamedSharding(mesh, PartitionSpec("pipeline"))))
+
+
+def _init_carry(plan: _Plan, w_SP: Leaves, head: Leaves, x_MbTE: jax.Array) -> _Carry:
+    S, (M, b, T, E) = plan.stages, x_MbTE.shape
+    zeros = lambda *shape: jnp.zeros(shape + (b, T, E), x_MbTE.dtype)
+    return _constrain_carry(plan, _Carry(
+        zeros(S), zeros(S), zeros(S, plan.slots), zeros(S, M) if plan.want_dx else None,
+        [jnp.zeros_like(w) if d else None for w, d in zip(w_SP, plan.layer_diff)],
+        [jnp.zeros((S,) + h.shape, h.dtype) if d else None for h, d in zip(head, plan.head_diff)],
+        jnp.zeros((S,), jnp.float32)))
+
+
+def _run(plan: _Plan, w_SP: Leaves, head: Leaves, x_MbTE: jax.Array, pos_MbT: jax.Array,
+         tgt_MbT: jax.Array, seed: jax.Array) -> _Carry:
+    """The three scans: warmup (forward only), steady (1F1B + head), cooldown (backward only)."""
+    S, M = plan.stages, plan.microbatches
+    stage_ids = jnp.arange(S)
+    phases = ((True, False, False, 0, S - 1), (True, True, True, S - 1, M + S - 1),
+              (False, False, True, M + S - 1, M + 2 * S - 2))
+    c = _init_carry(plan, w_SP, head, x_MbTE)
+    for do_fwd, do_head, do_bwd, start, stop in phases:
+        step = jax.vmap(_stage_step(plan, do_fwd, do_head, do_bwd), spmd_axis_name="pipeline",
+                        in_axes=(0, 0, 0, None, None, None, None, None, None))
+
+        def body(c: _Carry, t: jax.Array, step=step, do_fwd=do_fwd, do_bwd=do_bwd):
+            c = step(c, w_SP, stage_ids, t, head, seed / M, x_MbTE, pos_MbT, tgt_MbT)
+            fwd = jnp.roll(c.fwd, 1, axis=0) if do_fwd else c.fwd  # to the next stage
+            bwd = jnp.roll(c.bwd, -1, axis=0) if do_bwd else c.bwd  # to the previous stage
+            return _constrain_carry(plan, c._replace(fwd=fwd, bwd=bwd)), None
+
+        c, _ = jax.lax.scan(body, c, jnp.arange(start, stop))
+    return c
+
+
+def _gradients(plan: _Plan, layers: Leaves, head: Leaves, h_BTE: jax.Array,
+               pos_BT: jax.Array, tgt_BT: jax.Array, seed: jax.Array
+               ) -> tuple[jax.Array, Leaves, Leaves, jax.Array | None]:
+    """(loss, layer grads, head grads, input grad), all scaled by `seed`; None: no gradient."""
+    M, mesh = plan.microbatches, plan.mesh
+    B, T, E = h_BTE.shape
+    b = B // M
+    # Microbatch m takes rows m, m+M, ... (as in pipeline.py): every device keeps its rows.
+    split = lambda x: _constrain(x.reshape(b, M, *x.shape[1:]).swapaxes(0, 1), mesh, None)
+    c = _run(plan, plan.layout(layers), head, split(h_BTE), split(pos_BT), split(tgt_BT), seed)
+    gw = [g if g is None else g.reshape((-1,) + g.shape[2:]) for g in c.gw]  # (S, P) -> L
+    gh = [g if g is None else jnp.sum(g, axis=0) for g in c.gh]  # one reduce over `pipeline`
+    dx = None if c.dx is None else _constrain(c.dx[0].swapaxes(0, 1).reshape(B, T, E), mesh)
+    return jnp.sum(c.loss) / M, gw, gh, dx
+
+
+def _head_diff(plan: _Plan, head: list[CustomVJPPrimal], h_BTE: jax.Array,
+               tgt_BT: jax.Array) -> tuple[bool, ...]:
+    """The head leaves to differentiate: those being differentiated that the head reads."""
+    b = h_BTE.shape[0] // plan.microbatches
+    read = _read_by(plan.head_loss, [x.value for x in head],
+                    jax.ShapeDtypeStruct((b,) + h_BTE.shape[1:], h_BTE.dtype),
+                    jax.ShapeDtypeStruct((b,) + tgt_BT.shape[1:], tgt_BT.dtype))
+    return tuple(x.perturbed and r for x, r in zip(head, read))
+
+
+def _fused(plan: _Plan, primal: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """(layers, head, h, positions, targets, seed) -> loss, differentiated by the schedule."""
+
+    @jax.custom_vjp
+    def fused(layers, head, h_BTE, pos_BT, tgt_BT, seed):
+        return primal(layers, head, h_BTE, pos_BT, tgt_BT)
+
+    def fwd(layers, head, h_BTE, pos_BT, tgt_BT, seed):
+        # Only differentiated leaves get gradients: LoRA's frozen base weights and a frozen
+        # embedding's input gradient cost nothing; nor does a head parameter the head never reads.
+        v = custom_vjp_primal_tree_values
+        p = dataclasses.replace(
+            plan, layer_diff=tuple(x.perturbed for x in layers), want_dx=h_BTE.perturbed,
+            head_diff=_head_diff(plan, head, h_BTE.value, tgt_BT.value))
+        loss, gw, gh, dx = _gradients(p, v(layers), v(head), h_BTE.value, pos_BT.value,
+                                      tgt_BT.value, seed.value)
+        return loss, (gw, gh, dx, seed.value)
+
+    def bwd(res, ct):
+        gw, gh, dx, seed = res
+        if isinstance(ct, SymbolicZero):
+            return None, None, None, None, None, None
+        k = ct / seed  # 1 under loss scaling (the seed was the scale), else the cotangent
+        scale = lambda g: g if g is None else g * k.astype(g.dtype)
+        return [scale(g) for g in gw], [scale(g) for g in gh], scale(dx), None, None, None
+
+    fused.defvjp(fwd, bwd, symbolic_zeros=True)
+    return fused
+
+
+# ----------------------------------------------------------------------------- the runner
+@dataclasses.dataclass(frozen=True, eq=False)
+class OneFOneB:
+    """The 1F1B runner for `config.pipeline.schedule='1f1b'` (see the module docstring).
+
+    `lm_loss` calls `fused_loss` in place of the model's forward; `loss_fn` calls `scaled` under
+    float16 loss scaling, so the backward inside the schedule starts from the scaled loss and
+    float16 cotangents do not underflow.
+    """
+
+    mesh: Mesh
+    stages: int
+    microbatches: int
+    remat: str = "none"
+    seed: jax.Array | None = None  # the loss scale, set per trace by `scaled`
+
+    def scaled(self, loss_scale: jax.Array) -> "OneFOneB":
+        return dataclasses.replace(self, seed=loss_scale)
+
+    def __call__(self, block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array):
+        raise ConfigError(paragraph(
+            "pipeline.schedule='1f1b' runs the loss inside the pipeline schedule, which only the",
+            "language-model loss (model.task='lm') supports. Use --config.pipeline.schedule=gpipe",
+            "(with --config.model.remat=full to save activation memory) for this model."))
+
+    def fused_loss(self, model: nnx.Module, tokens_BT: jax.Array, targets_BT: jax.Array,
+                   loss_fn: LossFn) -> jax.Array:
+        """`loss_fn(model.head(layers(model.embed(tokens))), targets)` with the layers run as
+        a 1F1B pipeline. The model must expose `embed`, `layers` (a stacked block) and `head`.
+        """
+        B, T = tokens_BT.shape
+        check_batch(B, self.microbatches)
+        positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        h_BTE = model.embed(tokens_BT)
+        plan, primal, layers, head = self._plan(model, loss_fn)
+        check_layers(layers[0].shape[0], self.stages, 1)
+        seed = jnp.ones((), jnp.float32) if self.seed is None else self.seed
+        return _fused(plan, primal)(layers, head, h_BTE, positions_BT, targets_BT,
+                                    jnp.asarray(seed, jnp.float32))
+
+    def _plan(self, model: nnx.Module, loss_fn: LossFn
+              ) -> tuple[_Plan, Callable[..., jax.Array], Leaves, Leaves]:
+        """The static plan, the undifferentiated (GPipe) loss, and the flat parameter leaves."""
+        S, mesh = self.stages, self.mesh
+        graphdef, layers, rest = nnx.split(model, nnx.PathContains("layers"), ...)
+        block_def, layer_vars = nnx.graphdef(model.layers), layers["layers"]
+        layer_tree, head_tree = jax.tree.structure(layer_vars), jax.tree.structure(rest)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), layers)
+        variables = lambda s: jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+        def stage_fn(w: Leaves, x_bTE: jax.Array, pos_bT: jax.Array) -> jax.Array:
+            block = nnx.merge(block_def, layer_tree.unflatten(w))
+            return scan_layers(block, x_bTE, pos_bT, self.remat)
+
+        def head_loss(head: Leaves, y_bTE: jax.Array, tgt_bT: jax.Array) -> jax.Array:
+            m = nnx.merge(graphdef, abstract, head_tree.unflatten(head))
+            return loss_fn(m.head(y_bTE), tgt_bT)
+
+        def layout(w: Leaves) -> Leaves:
+            return [a[0] for a in jax.tree.leaves(_layout(layer_tree.unflatten(w), mesh, 1, S))]
+
+        def primal(w: Leaves, head: Leaves, h_BTE, pos_BT, tgt_BT) -> jax.Array:
+            y_BTE = pipeline_layers(nnx.merge(block_def, layer_tree.unflatten(w)), h_BTE, pos_BT,
+                                    mesh=mesh, stages=S, microbatches=self.microbatches,
+                                    repeats=1, remat=self.remat)
+            return head_loss(head, y_BTE, tgt_BT)
+
+        plan = _Plan(mesh, S, self.microbatches, stage_fn, head_loss, layout,
+                     tuple(PartitionSpec("pipeline", None, *rules_axes(v, mesh)[1:])
+                           for v in variables(layer_vars)),
+                     tuple(PartitionSpec("pipeline", *rules_axes(v, mesh))
+                           for v in variables(rest)))
+        return plan, primal, jax.tree.leaves(layer_vars), jax.tree.leaves(rest)
