@@ -21,7 +21,9 @@ import ml_collections as mlc
 from jaxscale.errors import ConfigError, paragraph
 
 # Default rules: a batch sharded over data+fsdp, FSDP on the embed dimension of weights
-# (falling back to the mlp/vocab dimension), tensor parallelism over heads, kv and mlp.
+# (falling back to the mlp/vocab dimension), tensor parallelism over heads, kv and mlp, and the
+# stacked layer dimension over pipeline stages (free when mesh.pipeline is 1). Equal to the
+# `fsdp_tp` preset; every mesh shape works with them.
 DEFAULT_RULES: list[tuple[str, Any]] = [
     ("batch", ("data", "fsdp")),
     ("length", None),
@@ -34,7 +36,7 @@ DEFAULT_RULES: list[tuple[str, Any]] = [
     ("vocab", "fsdp"),
     ("head_dim", None),
     ("norm", None),
-    ("layers", None),
+    ("layers", "pipeline"),
     ("lora_rank", None),
 ]
 
@@ -64,7 +66,7 @@ def base_config() -> mlc.ConfigDict:
                                  batch_size=32, eval_batches=4, part="all"))
     c.optim = mlc.ConfigDict(dict(name="adamw", lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                                   weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
-                                  clip_norm=1.0, momentum=0.9))
+                                  clip_norm=1.0, momentum=0.9, nesterov=False))
     c.train = mlc.ConfigDict(dict(steps=200, log_every=10, eval_every=100, grad_accum=1,
                                   skip_nonfinite=False))
     c.pipeline = mlc.ConfigDict(dict(microbatches=1, repeats=1, schedule="gpipe"))
@@ -81,7 +83,7 @@ def base_config() -> mlc.ConfigDict:
         push_ema=0.0,              # > 0: push an EMA of the weights with this decay
         allowed_workers="",        # comma-separated ids; empty = 0..num_workers-1
         min_workers=1,             # quorum for a round
-        max_staleness=0,           # rounds; 0 = no limit
+        max_staleness=0,           # rounds behind the base average; 0 = no limit
         compress=False,            # push 8-bit block-quantized deltas from the last average
         sync_timeout_s=600.0,      # how long a worker waits for an average at a sync point
     ))
@@ -233,6 +235,20 @@ def _validate_lofi(lofi: mlc.ConfigDict) -> None:
     text = str(lofi.push_every)
     _require(text.rstrip("m").isdigit() and int(text.rstrip("m")) > 0,
              f"lofi.push_every={text!r}: give a number of steps ('100') or minutes ('30m').")
+    allowed = [w.strip() for w in str(lofi.allowed_workers).split(",") if w.strip()]
+    _require(all(w.isdigit() for w in allowed),
+             f"lofi.allowed_workers={lofi.allowed_workers!r}: give comma-separated worker ids "
+             "('0,1,3'), or leave it empty to allow 0..num_workers-1.")
+    _require(not allowed or str(lofi.worker_id) in allowed,
+             f"lofi.worker_id={lofi.worker_id} is not in lofi.allowed_workers="
+             f"{lofi.allowed_workers!r}: the averager would ignore every push of this worker.")
+    _require(lofi.min_workers >= 1 and lofi.max_staleness >= 0 and lofi.sync_every >= 1,
+             f"lofi.min_workers={lofi.min_workers} must be >= 1, lofi.max_staleness="
+             f"{lofi.max_staleness} >= 0 (rounds; 0 = no limit), lofi.sync_every="
+             f"{lofi.sync_every} >= 1.")
+    _require(0.0 <= lofi.push_ema < 1.0,
+             f"lofi.push_ema={lofi.push_ema}: use 0 (push the raw weights) or an EMA decay in "
+             "(0, 1), e.g. 0.999.")
 
 
 def save_config(c: mlc.ConfigDict, workdir: str) -> str:

@@ -2,14 +2,17 @@
 
 A preset replaces `config.rules` (see `AxisRules.from_config`); model code never changes. Every
 preset is valid on every mesh (an axis of size 1 costs nothing), so a preset says which mesh
-axes are *allowed* to shard what, and `config.mesh` says how large they are:
+axes are *allowed* to shard what, and `config.mesh` says how large they are. Every preset puts
+the stacked `layers` dimension on `pipeline`, so any of them runs pipeline stages when
+`mesh.pipeline` > 1 (each stage stores only its own layers):
 
 - `dp`: parameters replicated, batch split over `data` (and `fsdp`, if that axis is > 1).
 - `fsdp`: ZeRO-3, parameters/gradients/optimizer state split over `fsdp` on their embed
   dimension (mlp/vocab as fallbacks), gathered layer by layer inside the scanned stack.
 - `tp`: Megatron tensor parallelism: heads, kv heads, the mlp hidden and vocab dims over `tensor`.
 - `fsdp_tp`: both (the default rules, `config.DEFAULT_RULES`).
-- `pp`: pipeline stages over `pipeline` (the stacked `layers` dimension), FSDP and TP inside.
+- `pp`: pipeline stages over `pipeline` with FSDP and TP inside them (the same rules as
+  `fsdp_tp`; the name says what the mesh is for).
 """
 
 from __future__ import annotations
@@ -17,18 +20,18 @@ from __future__ import annotations
 from typing import Any
 
 _BATCH = ("batch", ("data", "fsdp"))
-_REPLICATED = [("length", None), ("head_dim", None), ("norm", None), ("lora_rank", None),
-               ("layers", None)]
+_REPLICATED = [("length", None), ("head_dim", None), ("norm", None), ("lora_rank", None)]
+_STAGES = [("layers", "pipeline")]
 _TP = [("vocab", "tensor"), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor")]
 _FSDP = [("embed", "fsdp"), ("mlp", "fsdp"), ("vocab", "fsdp")]
 
 PRESETS: dict[str, list[tuple[str, Any]]] = {
     "dp": [_BATCH, ("vocab", None), ("heads", None), ("kv", None), ("mlp", None),
-           ("embed", None)] + _REPLICATED,
-    "fsdp": [_BATCH] + _FSDP + [("heads", None), ("kv", None)] + _REPLICATED,
-    "tp": [_BATCH] + _TP + [("embed", None)] + _REPLICATED,
-    "fsdp_tp": [_BATCH] + _TP + _FSDP + _REPLICATED,
-    "pp": [_BATCH, ("layers", "pipeline")] + _TP + _FSDP + _REPLICATED[:-1],
+           ("embed", None)] + _REPLICATED + _STAGES,
+    "fsdp": [_BATCH] + _FSDP + [("heads", None), ("kv", None)] + _REPLICATED + _STAGES,
+    "tp": [_BATCH] + _TP + [("embed", None)] + _REPLICATED + _STAGES,
+    "fsdp_tp": [_BATCH] + _TP + _FSDP + _REPLICATED + _STAGES,
+    "pp": [_BATCH] + _TP + _FSDP + _REPLICATED + _STAGES,
 }
 
 

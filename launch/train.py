@@ -7,7 +7,7 @@ Any config field can be overridden (`--config.mesh.fsdp=4 --config.train.steps=2
 from absl import app, flags
 
 from jaxscale import cli, runtime
-from jaxscale.errors import exit_on_user_error
+from jaxscale.errors import ConfigError, exit_on_user_error, paragraph
 
 _CONFIG = cli.define_config_file("config", "configs/tiny_lm.py", "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics, checkpoints.",
@@ -19,6 +19,13 @@ runtime.define_flags()
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if "://" in _WORKDIR.value:
+        raise ConfigError(paragraph(
+            f"--workdir={_WORKDIR.value} is a URL; the workdir (config.json, metrics.jsonl,",
+            "TensorBoard events, checkpoints) must be a filesystem path. On several hosts use",
+            "one that every host sees at the same path: NFS / Filestore, or a bucket mounted",
+            "with gcsfuse (e.g. --workdir=/mnt/bucket/runs/1b). Lo-Fi stores may be URLs",
+            "(config.lofi.store=gs://...)."))
     runtime.setup()
     from jaxscale.train.loop import train  # after the devices are configured
     train(_CONFIG.value, _WORKDIR.value)

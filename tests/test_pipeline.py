@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from configs.tiny_lm import get_config
@@ -105,3 +106,73 @@ def test_schedule_registry_and_unknown_preset():
         AxisRules.from_config(c)
     c.rules_preset = "pp"
     assert ("layers", "pipeline") in AxisRules.from_config(c).rules
+
+
+def test_default_rules_put_layer_stages_on_pipeline():
+    """No preset needed: every rule set shards the stacked layers over `pipeline`."""
+    from jaxscale.train.state import param_specs
+
+    c = get_config("test")
+    mesh = make_mesh({"pipeline": 2, "data": 4})
+    specs = param_specs(_model_def(), AxisRules.from_config(c), mesh)
+    stacked = {p: s for p, s in specs.items() if p.startswith("layers/")}
+    assert stacked and all(tuple(s)[0] == "pipeline" for s in stacked.values()), stacked
+    assert tuple(specs["embedding"])[0] != "pipeline"  # only the layer stack is staged
+    for name, rules in PRESETS.items():
+        assert ("layers", "pipeline") in rules, name
+
+
+def test_vit_runs_through_the_pipeline():
+    """Models without positions (ViT) pipeline too, and equal their plain scan."""
+    from configs.vit_digits import get_config as vit_config
+    from jaxscale.models.vit import scan_layers as vit_scan
+
+    c = vit_config("test")
+    model_def = ModelDef.build(c.model, get_policy("32-true"))
+    mesh = make_mesh({"pipeline": 2, "data": 4})
+    runner = make_layer_runner(dict(microbatches=2), mesh, "full", c.model.num_layers)
+    params = model_def.init_params(jax.random.key(0))
+    h = jax.random.normal(jax.random.key(1), (8, 17, c.model.embed))
+
+    def run(p, h, pipelined):
+        with use_rules(AxisRules.from_config(c), mesh):
+            block = model_def.module(p).layers
+            out = runner(block, h, None) if pipelined else vit_scan(block, h, None)
+            return jnp.sum(out ** 2)
+
+    want = jax.jit(jax.value_and_grad(lambda p, h: run(p, h, False)))(params, h)
+    got = jax.jit(jax.value_and_grad(lambda p, h: run(p, h, True)))(params, h)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    # Relative to the whole gradient: the key bias's gradient is 0 up to rounding (softmax is
+    # shift invariant), so its own relative error is noise over noise.
+    scale = optax.global_norm(want[1])
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        assert np.linalg.norm(a - b) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
+def test_remat_on_the_plain_scan_keeps_the_math(remat):
+    model_def = _model_def()
+    params = model_def.init_params(jax.random.key(0))
+    h_BTE = jax.random.normal(jax.random.key(1), (B, T, E))
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+
+    def loss(p, policy):
+        return jnp.sum(scan_layers(model_def.module(p).layers, h_BTE, positions, policy) ** 2)
+
+    want = jax.grad(loss)(params, "none")
+    got = jax.grad(loss)(params, remat)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # recomputation reorders sums
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
+    traced = lambda policy: str(jax.make_jaxpr(loss, static_argnums=1)(params, policy))
+    assert "remat" in traced(remat) and "remat" not in traced("none")  # the remat2 primitive
+
+
+def test_accumulation_fallback_warns_why():
+    from jaxscale.parallel.accumulate import accumulate_per_replica
+
+    mesh = make_mesh({"data": 2, "fsdp": 4})
+    batch = {"tokens": jnp.zeros((6, 9), jnp.int32)}  # 6 rows: not a multiple of 2 x 2
+    with use_rules(AxisRules(tuple(PRESETS["dp"])), mesh):
+        with pytest.warns(UserWarning, match=r"not a multiple of data\(2\) x grad_accum\(2\)"):
+            assert accumulate_per_replica(lambda mb: None, {}, batch, 2) is None

@@ -14,6 +14,7 @@ gradient, as ZeRO-3 does: an unreduced accumulator would cost a full copy of the
 from __future__ import annotations
 
 from collections.abc import Callable
+import warnings
 from typing import Any
 
 import jax
@@ -38,19 +39,30 @@ def _replica_rules(rules: AxisRules) -> AxisRules:
                      rules.strict, rules.indivisible)
 
 
-def _applies(batch: dict[str, jax.Array], grad_accum: int, row_multiple: int) -> bool:
-    """Only when `data` > 1 shards nothing but the batch, and every replica gets whole rows."""
+def _fallback_reason(batch: dict[str, jax.Array], grad_accum: int, row_multiple: int
+                     ) -> str | None:
+    """Why the per-replica scheme cannot run here (None: it can).
+
+    It needs `data` > 1 sharding nothing but the batch, and whole rows for every replica.
+    "" means there is nothing to warn about (no rules, or no `data` axis to reduce over).
+    """
     active = active_rules()
     if active is None:
-        return False
+        return ""
     rules, mesh = active
     replicas = mesh.shape.get("data", 1)
-    data_elsewhere = any(name != "batch" and "data" in ((axes,) if isinstance(axes, str)
-                                                       else tuple(axes or ()))
-                         for name, axes in rules.rules)
+    if replicas == 1:
+        return ""
+    used = [name for name, axes in rules.rules if name != "batch" and "data" in (
+        (axes,) if isinstance(axes, str) else tuple(axes or ()))]
+    if used:
+        return f"the rules shard {used} over `data`, so it is not a pure replica axis"
     rows = {x.shape[0] for x in jax.tree.leaves(batch)}
-    return (replicas > 1 and not data_elsewhere and len(rows) == 1
-            and rows.pop() % (replicas * grad_accum * row_multiple) == 0)
+    need = replicas * grad_accum * row_multiple
+    if len(rows) != 1 or rows.pop() % need:
+        return (f"the batch rows are not a multiple of data({replicas}) x grad_accum"
+                f"({grad_accum}) x pipeline microbatches({row_multiple}) = {need}")
+    return None
 
 
 def accumulate_per_replica(grad_fn: GradFn, params: Any, batch: dict[str, jax.Array],
@@ -64,7 +76,13 @@ def accumulate_per_replica(grad_fn: GradFn, params: Any, batch: dict[str, jax.Ar
     plain scan. Replica d's microbatch a holds rows d*n*A + i*A + a (i < n), so each device
     keeps its own rows.
     """
-    if not _applies(batch, grad_accum, row_multiple):
+    reason = _fallback_reason(batch, grad_accum, row_multiple)
+    if reason is not None:
+        if reason:  # traced once per compile, so this warns once per step function
+            warnings.warn(
+                f"Gradient accumulation falls back to a plain microbatch scan because {reason};"
+                " its gradients are reduced across `data` once per microbatch instead of once "
+                "per step (same result, more communication).", stacklevel=2)
         return None
     rules, mesh = active_rules()
     replicas = mesh.shape["data"]

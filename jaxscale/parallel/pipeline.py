@@ -170,6 +170,8 @@ def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array
     check_batch(h_BTE.shape[0], M)
     B, T, E = h_BTE.shape
     mb = B // M
+    if positions_BT is None:  # a model without positions (ViT): a stand-in its blocks ignore
+        positions_BT = jnp.zeros((B, T), jnp.int32)
     # Microbatch m takes rows m, m+M, m+2M, ...: every device keeps its own rows (no shuffle).
     x_MbTE = _constrain(h_BTE.reshape(mb, M, T, E).swapaxes(0, 1), mesh, None)
     pos_MbT = _constrain(positions_BT.reshape(mb, M, T).swapaxes(0, 1), mesh, None)
