@@ -1,10 +1,10 @@
 """Per-device bytes of parameters + optimizer state for precision / LoRA / 8-bit Adam variants.
 
-A ~1.1B-parameter Llama shape on an 8-device CPU mesh with fsdp=8, evaluated abstractly: the
-state's shapes and shardings come from `jax.eval_shape` (nothing allocated), the per-device
-bytes from each leaf's shard shape, and the compiled train step's `memory_analysis()` from
-`jax.jit(...).lower(abstract args).compile()` (compiled, never run). Analytic bytes per
-parameter are printed next to the measured ones.
+The ~1.1B-parameter Llama of `configs/llama.py:1b` on an 8-device CPU mesh with fsdp=8,
+evaluated abstractly: the state's shapes and shardings come from `jax.eval_shape` (nothing
+allocated), the per-device bytes from each leaf's shard shape, and the compiled train step's
+`memory_analysis()` from `jax.jit(...).lower(abstract args).compile()` (compiled, never run).
+Analytic bytes per parameter are printed next to the measured ones.
 
     python bench/memory.py [--layers=16]
 """
@@ -35,44 +35,67 @@ from jaxscale.train.optim import make_optimizer  # noqa: E402
 from jaxscale.train.state import ModelDef, abstract_state  # noqa: E402
 from jaxscale.train.step import StepContext, jit_steps  # noqa: E402
 
-# name: (precision, lora rank, optimizer, analytic bytes/param of params + optimizer state)
-# AdamW keeps two moments in the parameter dtype; 8-bit Adam two int8 moments plus one f32
-# scale per block of min(256, last dim) (head_dim 64 -> 8/64 for the attention weights, about
-# 0.05 B/param averaged); LoRA keeps the frozen base in the parameter dtype and (params + two
-# moments) only for the adapters.
+# name: (precision, lora rank, optimizer). The analytic bytes per parameter (`analytic`) are
+# computed from the shapes alone: AdamW keeps two moments in the parameter dtype; 8-bit Adam two
+# int8 moments plus one float32 scale each per block of min(256, last dim) values (head_dim 64:
+# 8/64 B for the attention weights); LoRA keeps the frozen base in the parameter dtype and
+# (params + two moments) only for the adapters. All per parameter of the model without adapters.
 VARIANTS = {
-    "32-true adamw": ("32-true", 0, "adamw", 4 + 8),
-    "bf16-mixed adamw": ("bf16-mixed", 0, "adamw", 4 + 8),
-    "bf16-true adamw": ("bf16-true", 0, "adamw", 2 + 4),
-    "16-mixed adamw": ("16-mixed", 0, "adamw", 4 + 8),
-    "lora r8 (bf16-true base)": ("bf16-true", 8, "adamw", 2),
-    "32-true adam8bit": ("32-true", 0, "adam8bit", 4 + 2),
+    "32-true adamw": ("32-true", 0, "adamw"),
+    "bf16-mixed adamw": ("bf16-mixed", 0, "adamw"),
+    "bf16-true adamw": ("bf16-true", 0, "adamw"),
+    "16-mixed adamw": ("16-mixed", 0, "adamw"),
+    "lora r8 (bf16-true base)": ("bf16-true", 8, "adamw"),
+    "32-true adam8bit": ("32-true", 0, "adam8bit"),
 }
 
 
+def analytic_bytes(shapes: dict, optim: str, lora_on: bool) -> int:
+    """Total bytes of params + optimizer state from the parameter shapes and dtypes alone."""
+    total = 0
+    for path, s in shapes.items():
+        n, item = math.prod(s.shape), s.dtype.itemsize
+        total += n * item
+        if lora_on and not lora.is_adapter(path):
+            continue  # frozen base: no optimizer state
+        if optim == "adam8bit":
+            last = s.shape[-1] if s.shape else 1
+            blocks = math.prod(s.shape[:-1]) * math.ceil(last / min(256, last))
+            total += 2 * n + 2 * 4 * blocks
+        else:
+            total += 2 * n * item
+    return total
+
+
 def config_1b(layers: int):
+    """The model of `configs/llama.py:1b` (remat full) on fsdp=8, with a small batch: the
+    bench compares stored state, which the batch does not change."""
+    from configs.llama import SIZES
     c = base_config()
-    c.model.update(vocab_size=32000, embed=2048, num_layers=layers, num_heads=32,
-                   num_kv_heads=8, head_dim=64, mlp=8192, remat="full")
+    c.model.update(SIZES["1b"].model, num_layers=layers, remat="full")
     c.mesh.update(data=1, fsdp=8)
     c.data.update(batch_size=8, seq_len=512)
     c.lora.targets = ("attn/w[qkvo]$", "mlp/w_")
     return c
 
 
-def device_bytes(tree) -> int:
-    """Bytes one device holds of an abstract tree whose leaves carry shardings."""
-    total = 0
+def device_bytes(tree) -> tuple[int, int]:
+    """(bytes one device holds, of which in fully replicated leaves) of an abstract tree whose
+    leaves carry shardings."""
+    total = replicated = 0
     for leaf in jax.tree.leaves(tree):
         shard = leaf.sharding.shard_shape(leaf.shape)
-        total += math.prod(shard) * leaf.dtype.itemsize
-    return total
+        nbytes = math.prod(shard) * leaf.dtype.itemsize
+        total += nbytes
+        replicated += nbytes if tuple(shard) == tuple(leaf.shape) and leaf.size > 1 else 0
+    return total, replicated
 
 
 def measure(c, precision: str, rank: int, optim: str) -> dict:
     c.precision, c.lora.rank, c.optim.name = precision, rank, optim
     mesh, rules, policy = make_mesh(c.mesh), AxisRules.from_config(c), get_policy(precision)
-    model_def = lora.with_adapters(ModelDef.build(c.model, policy), c.lora)
+    base_def = ModelDef.build(c.model, policy)
+    model_def = lora.with_adapters(base_def, c.lora)
     optimizer, lr = make_optimizer(c.optim, 1000)
     scaler = DynamicLossScale.from_config(c.loss_scale) if policy.loss_scaling else None
     abstract, shardings = abstract_state(model_def, optimizer, rules, mesh, lora.trainable(c.lora),
@@ -83,9 +106,13 @@ def measure(c, precision: str, rank: int, optim: str) -> dict:
     batch = {"tokens": jax.ShapeDtypeStruct(shapes["tokens"], jax.numpy.int32)}
     start = time.perf_counter()
     memory = train.lower(abstract, batch).compile().memory_analysis()
-    return {"n": model_def.num_params(), "params": device_bytes((abstract.params, abstract.frozen)),
-            "opt": device_bytes(abstract.opt_state), "args": memory.argument_size_in_bytes,
-            "temp": memory.temp_size_in_bytes, "compile_s": time.perf_counter() - start}
+    params, params_repl = device_bytes((abstract.params, abstract.frozen))
+    opt, opt_repl = device_bytes(abstract.opt_state)
+    n = base_def.num_params()
+    return {"n": n, "params": params, "opt": opt, "repl": params_repl + opt_repl,
+            "analytic": analytic_bytes(model_def.shapes(), optim, bool(rank)) / n,
+            "args": memory.argument_size_in_bytes, "temp": memory.temp_size_in_bytes,
+            "compile_s": time.perf_counter() - start}
 
 
 def main() -> None:
@@ -93,18 +120,22 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     args = parser.parse_args()
     gib = lambda b: f"{b / 2**30:7.3f}"
-    print(f"~1B Llama (embed 2048, {args.layers} layers, mlp 8192, vocab 32000), mesh fsdp=8; "
-          "per-device GiB")
-    print(f"{'variant':26s} {'params':>7s} {'opt':>7s} {'p+opt':>7s} {'B/param':>8s} "
-          f"{'analytic':>8s} {'compiled args':>13s} {'temp':>7s}")
-    for name, (precision, rank, optim, analytic) in VARIANTS.items():
+    devices = jax.device_count()
+    print(f"configs/llama.py:1b Llama (embed 2048, {args.layers} layers, mlp 8192, vocab 32000), "
+          f"mesh fsdp={devices}; per-device GiB")
+    print(f"| {'variant':26s} | {'params':>7s} | {'opt':>7s} | {'p+opt':>7s} | {'B/param':>8s} | "
+          f"{'analytic':>8s} | {'replicated':>10s} | {'compiled args':>13s} | {'temp':>7s} |")
+    print("|" + "|".join("-" * w for w in (28, 9, 9, 9, 10, 10, 12, 15, 9)) + "|")
+    for name, (precision, rank, optim) in VARIANTS.items():
         r = measure(config_1b(args.layers), precision, rank, optim)
-        per_param = (r["params"] + r["opt"]) * 8 / r["n"]
-        print(f"{name:26s} {gib(r['params'])} {gib(r['opt'])} {gib(r['params'] + r['opt'])} "
-              f"{per_param:8.3f} {analytic:8.3f} {gib(r['args']):>13s} {gib(r['temp'])}",
-              flush=True)
-    print(f"({r['n']:,} parameters without adapters; B/param = per-device "
-          "bytes x 8 devices / parameters; compiled args include the batch)")
+        per_param = (r["params"] + r["opt"]) * devices / r["n"]
+        print(f"| {name:26s} | {gib(r['params'])} | {gib(r['opt'])} | "
+              f"{gib(r['params'] + r['opt'])} | {per_param:8.3f} | {r['analytic']:8.3f} | "
+              f"{gib(r['repl']):>10s} | {gib(r['args']):>13s} | {gib(r['temp'])} |", flush=True)
+    print(f"\n{r['n']:,} parameters without adapters. B/param = per-device bytes x {devices} "
+          "devices / parameters (equals `analytic` when everything is sharded 1/8); "
+          "replicated = per-device bytes in leaves every device holds whole; compiled args = "
+          "the step's inputs (state + batch) from memory_analysis(); temp = its temporaries.")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ state, step, RNG key data, policy state) as orbax arrays and the grain data-iter
 JSON. Orbax writes each step into a temporary directory and renames it only when complete, so
 an interrupted save is never listed. Restoring uses the *current* run's shardings as the
 target, which re-shards a checkpoint saved on another mesh.
+
+LoRA runs with `lora.save_adapters_only` save no frozen base weights, only a fingerprint of
+them (`base_fingerprint`): the base is what the run rebuilds anyway (from `config.init_from` or
+the seed), so on resume the freshly built base is checked against the fingerprint and the
+adapters, optimizer state and step are restored on top of it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.train.state import TrainState, flatten
@@ -23,20 +31,55 @@ class CheckpointError(JaxscaleError):
     """A checkpoint directory cannot be restored."""
 
 
-def _to_saveable(state: TrainState) -> dict:
-    """Typed PRNG keys are stored as their raw key data (plain uint32 arrays)."""
-    return {"step": state.step, "params": state.params, "frozen": state.frozen,
-            "opt_state": state.opt_state, "rng": jax.random.key_data(state.rng),
-            "extra": state.extra}
+@jax.jit
+def base_fingerprint(frozen: Any) -> jax.Array:
+    """(leaves, 3) float32 per frozen leaf (sorted by path): sum, sum of squares and a
+    position-weighted sum. Identical weights agree up to reduction-order rounding on any mesh;
+    independently drawn or different weights differ by about sqrt(sum of squares) per leaf."""
+    rows = []
+    for _, x in sorted(flatten(frozen).items()):
+        x = x.astype(jnp.float32)
+        ramp = sum((k + 1) * jax.lax.broadcasted_iota(jnp.float32, x.shape, k)
+                   for k in range(x.ndim)) if x.ndim else jnp.ones((), jnp.float32)
+        rows.append(jnp.stack([jnp.sum(x), jnp.sum(x * x), jnp.sum(x * jnp.cos(ramp))]))
+    return jnp.stack(rows) if rows else jnp.zeros((0, 3), jnp.float32)
 
 
-def _target(state: TrainState, shardings: TrainState) -> dict:
+def fingerprints_match(saved: np.ndarray, current: np.ndarray) -> bool:
+    """Sums within 1% of sqrt(sum of squares), sums of squares within 1e-4 relative."""
+    if saved.shape != current.shape:
+        return False
+    norm = np.sqrt(np.maximum(saved[:, 1], 0.0)) + 1e-12
+    close = lambda i: np.abs(saved[:, i] - current[:, i]) <= 1e-2 * norm
+    squares = np.abs(saved[:, 1] - current[:, 1]) <= 1e-4 * np.abs(saved[:, 1]) + 1e-12
+    return bool(np.all(close(0)) and np.all(close(2)) and np.all(squares))
+
+
+def _to_saveable(state: TrainState, adapters_only: bool = False) -> dict:
+    """Typed PRNG keys are stored as their raw key data (plain uint32 arrays). Adapters-only:
+    the frozen base is replaced by its fingerprint."""
+    out = {"step": state.step, "params": state.params, "frozen": state.frozen,
+           "opt_state": state.opt_state, "rng": jax.random.key_data(state.rng),
+           "extra": state.extra}
+    if adapters_only:
+        del out["frozen"]
+        out["base_fingerprint"] = base_fingerprint(state.frozen)
+    return out
+
+
+def _target(state: TrainState, shardings: TrainState, adapters_only: bool) -> dict:
     """Abstract arrays carrying the current run's shardings: the restore target."""
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             state, shardings)
     rng = jax.eval_shape(jax.random.key_data, state.rng)
-    out = _to_saveable(abstract.replace(rng=state.rng))
-    out["rng"] = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=shardings.rng)
+    out = {"step": abstract.step, "params": abstract.params, "frozen": abstract.frozen,
+           "opt_state": abstract.opt_state, "extra": abstract.extra,
+           "rng": jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=shardings.rng)}
+    if adapters_only:
+        del out["frozen"]
+        fp = jax.eval_shape(base_fingerprint, abstract.frozen)
+        out["base_fingerprint"] = jax.ShapeDtypeStruct(fp.shape, fp.dtype,
+                                                       sharding=shardings.rng)
     return out
 
 
@@ -53,15 +96,28 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state: TrainState, data_state: dict | None) -> None:
-        args = ocp.args.Composite(state=ocp.args.StandardSave(_to_saveable(state)),
+    def save(self, step: int, state: TrainState, data_state: dict | None,
+             adapters_only: bool = False) -> None:
+        """`adapters_only` (LoRA): the frozen base is not written, only its fingerprint."""
+        saveable = _to_saveable(state, adapters_only and bool(state.frozen))
+        args = ocp.args.Composite(state=ocp.args.StandardSave(saveable),
                                   data=ocp.args.JsonSave(data_state or {}))
         self.manager.save(step, args=args, force=True)
 
+    def saved_keys(self, step: int) -> set[str]:
+        """Top-level entries of a saved state ('frozen' or 'base_fingerprint', 'params', ...)."""
+        path = epath.Path(self.directory) / str(step) / "state"
+        meta = ocp.StandardCheckpointHandler().metadata(path)
+        return set(meta.tree if hasattr(meta, "tree") else meta)
+
     def restore(self, state: TrainState, shardings: TrainState,
                 step: int | None = None) -> tuple[TrainState, dict]:
+        """Restores onto this run's shardings. An adapters-only checkpoint keeps the run's own
+        frozen base (from init_from / the seed) after checking it against the fingerprint."""
         step = self.latest_step() if step is None else step
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(_target(state, shardings)),
+        adapters_only = "base_fingerprint" in self.saved_keys(step)
+        target = _target(state, shardings, adapters_only)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                   data=ocp.args.JsonRestore())
         try:
             restored = self.manager.restore(step, args=args)
@@ -72,10 +128,23 @@ class Checkpointer:
                 "the same config, or start a fresh workdir (use config.init_from for weights).",
             )) from None
         s = restored["state"]
-        new = state.replace(step=s["step"], params=s["params"], frozen=s["frozen"],
+        if adapters_only:
+            self._check_base(step, s["base_fingerprint"], state.frozen)
+        new = state.replace(step=s["step"], params=s["params"],
+                            frozen=state.frozen if adapters_only else s["frozen"],
                             opt_state=s["opt_state"], rng=jax.random.wrap_key_data(s["rng"]),
                             extra=s["extra"])
         return new, dict(restored["data"] or {}) or None
+
+    def _check_base(self, step: int, saved: jax.Array, frozen: Any) -> None:
+        current = np.asarray(jax.device_get(base_fingerprint(frozen)))
+        if not fingerprints_match(np.asarray(jax.device_get(saved)), current):
+            raise CheckpointError(paragraph(
+                f"Checkpoint step {step} in {self.directory} holds LoRA adapters only",
+                "(lora.save_adapters_only), and the base weights this run built do not match the",
+                "ones they were trained on. Resume with the same config.init_from and seed as the",
+                "run that wrote it (the base is rebuilt from them, not saved), or start a fresh",
+                "workdir."))
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -94,14 +163,40 @@ class CheckpointHook:
     def after_step(self, trainer: Any, state: TrainState, step: int) -> None:
         if self.checkpointer.every and step % self.checkpointer.every == 0:
             trainer.check_finite(state)
-            self.checkpointer.save(step, state, trainer.data_state)
+            self.checkpointer.save(step, state, trainer.data_state, _adapters_only(trainer))
 
     def at_end(self, trainer: Any, state: TrainState) -> None:
         step = int(jax.device_get(state.step))
         if self.checkpointer.every and self.checkpointer.latest_step() != step:
             trainer.check_finite(state)
-            self.checkpointer.save(step, state, trainer.data_state)
+            self.checkpointer.save(step, state, trainer.data_state, _adapters_only(trainer))
         self.checkpointer.close()
+
+
+def _adapters_only(trainer: Any) -> bool:
+    lora = trainer.config.get("lora")
+    return bool(lora and lora.rank and lora.get("save_adapters_only", False))
+
+
+def rebuild_base(config: Any) -> dict:
+    """The frozen LoRA base of a run, rebuilt as the run built it (on one device): its
+    `init_from` weights, or the seed's initialisation. What an adapters-only checkpoint needs
+    to be exported or evaluated (merge it with the restored adapters, then `lora.merge`)."""
+    from jaxscale.models import lora
+    from jaxscale.precision import get_policy
+    from jaxscale.train.state import ModelDef, split_trainable
+
+    model_def = lora.with_adapters(ModelDef.build(config.model, get_policy(config.precision)),
+                                   config.lora)
+    params_rng, _ = jax.random.split(jax.random.key(config.seed))  # as train.state._initializer
+    params = jax.jit(model_def.init_params)(params_rng)
+    _, frozen = split_trainable(params, lora.trainable(config.lora))
+    flat = {k: np.asarray(v) for k, v in flatten(frozen).items()}
+    if config.get("init_from"):
+        from jaxscale.init_from import load_flat_params as load_init
+        saved = load_init(config.init_from)
+        flat.update({k: np.asarray(v, flat[k].dtype) for k, v in saved.items() if k in flat})
+    return flat
 
 
 def load_flat_params(workdir_or_checkpoints: str) -> dict:

@@ -16,7 +16,8 @@ from jax.sharding import NamedSharding
 
 from jaxscale import config as config_lib
 from jaxscale.mesh import make_mesh, mesh_summary
-from jaxscale.precision import get_policy
+from jaxscale.models import lora
+from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.optim import make_optimizer
 from jaxscale.train.state import ModelDef, abstract_state, flatten
@@ -33,6 +34,7 @@ class ParamRow:
     spec: Any
     bytes_total: int
     bytes_per_device: int
+    trainable: bool = True  # False: frozen (a LoRA base weight: no gradients, no optimizer state)
 
     @property
     def replicated(self) -> bool:
@@ -75,18 +77,24 @@ def build_report(config: mlc.ConfigDict, compile_step: bool = True) -> Report:
     mesh = make_mesh(config.mesh)
     rules = AxisRules.from_config(config)
     policy = get_policy(config.precision)
-    model_def = ModelDef.build(config.model, policy)
+    model_def = lora.with_adapters(ModelDef.build(config.model, policy), config.lora)
     optimizer, lr = make_optimizer(config.optim, config.train.steps)
-    abstract, shardings = abstract_state(model_def, optimizer, rules, mesh)
+    scaler = DynamicLossScale.from_config(config.loss_scale) if policy.loss_scaling else None
+    abstract, shardings = abstract_state(model_def, optimizer, rules, mesh,
+                                         lora.trainable(config.lora),
+                                         scaler.init if scaler else dict)
     logical = model_def.logical_axes()
+    trainable = set(flatten(abstract.params))
     rows = []
-    for path, x in flatten({**abstract.params, **abstract.frozen}).items():
+    for path, x in sorted({**flatten(abstract.params), **flatten(abstract.frozen)}.items()):
         rows.append(ParamRow(path, tuple(x.shape), logical[path], x.sharding.spec,
-                             math.prod(x.shape) * x.dtype.itemsize, per_device_bytes(x)))
+                             math.prod(x.shape) * x.dtype.itemsize, per_device_bytes(x),
+                             path in trainable))
     opt_bytes = sum(per_device_bytes(x) for x in jax.tree.leaves(abstract.opt_state))
     memory = None
     if compile_step:
-        ctx = StepContext(model_def, optimizer, lr, policy, rules, mesh, config.train.grad_accum)
+        ctx = StepContext(model_def, optimizer, lr, policy, rules, mesh, config.train.grad_accum,
+                          loss_scale=scaler)
         d = config.data
         shapes = {"tokens": (d.batch_size, d.seq_len + 1)}
         train_fn, _ = jit_steps(ctx, shardings, shapes)
@@ -101,12 +109,17 @@ def _mb(n: float) -> str:
 
 def format_report(report: Report) -> str:
     lines = [f"mesh: {mesh_summary(report.mesh)}", ""]
-    header = f"{'parameter':<28} {'shape':<20} {'logical axes':<40} {'spec':<34} {'per device':>12}"
+    header = (f"{'parameter':<32} {'shape':<20} {'logical axes':<44} {'spec':<40} "
+              f"{'per device':>12}  trains")
     lines += [header, "-" * len(header)]
     for r in report.rows:
-        lines.append(f"{r.path:<28} {str(r.shape):<20} {str(r.logical):<40} "
-                     f"{str(tuple(r.spec)):<34} {_mb(r.bytes_per_device):>12}")
-    lines += ["", f"params per device:          {_mb(report.params_bytes_per_device)}",
+        lines.append(f"{r.path:<32} {str(r.shape):<20} {str(r.logical):<44} "
+                     f"{str(tuple(r.spec)):<40} {_mb(r.bytes_per_device):>12}  "
+                     f"{'yes' if r.trainable else 'frozen'}")
+    trained = [r for r in report.rows if r.trainable]
+    lines += ["", f"params per device:          {_mb(report.params_bytes_per_device)}"
+              f" ({len(trained)} of {len(report.rows)} tensors trainable, "
+              f"{_mb(sum(r.bytes_per_device for r in trained))})",
               f"optimizer state per device: {_mb(report.opt_bytes_per_device)}"]
     m = report.compiled_memory
     if m is not None:

@@ -95,6 +95,87 @@ def test_adam8bit_tracks_adamw_and_is_sharded_like_params():
     wq_scale = flatten(opt.mu_scale)["layers/attn/wq"]
     P = jax.sharding.PartitionSpec
     # Per-block scales keep the parameter's sharding on every dimension but the (blocked) last.
-    assert params["layers/attn/wq"].sharding.spec == P(None, "fsdp", "tensor", None)
-    assert wq_scale.sharding == NamedSharding(trainer.ctx.mesh, P(None, "fsdp", "tensor", None))
+    wq_spec = tuple(params["layers/attn/wq"].sharding.spec)
+    assert wq_spec[1:3] == ("fsdp", "tensor")  # (L, embed, heads, head_dim)
+    assert wq_scale.sharding == NamedSharding(trainer.ctx.mesh, P(*wq_spec[:3], None))
     assert wq_scale.shape == params["layers/attn/wq"].shape[:-1] + (1,)
+
+
+def test_sgd_nesterov_option():
+    """One step from zero momentum with gradient g: heavy ball moves by lr*g, Nesterov's
+    look-ahead by lr*(1 + momentum)*g; nesterov without momentum is a config error."""
+    c = get_config("test").optim
+    c.update(name="sgd", lr=0.1, warmup_steps=0, min_lr_ratio=1.0, clip_norm=0.0, momentum=0.9)
+    g = {"w": jnp.ones((3,))}
+    moves = {}
+    for nesterov in (False, True):
+        c.nesterov = nesterov
+        optimizer, _ = make_optimizer(c, 10)
+        updates, _ = optimizer.update(g, optimizer.init(g), g)
+        moves[nesterov] = float(-updates["w"][0])
+    np.testing.assert_allclose([moves[False], moves[True]], [0.1, 0.19], rtol=1e-6)
+    c.momentum = 0.0
+    with pytest.raises(ConfigError, match="nesterov"):
+        make_optimizer(c, 10)
+
+
+def test_lamb_scales_each_update_to_the_weight_norm():
+    """LAMB's layer-wise trust ratio: the first update of each tensor has norm lr * ||w||,
+    whatever the gradient's scale (what makes very large batches trainable)."""
+    c = get_config("test").optim
+    c.update(name="lamb", lr=0.01, warmup_steps=0, min_lr_ratio=1.0, clip_norm=0.0,
+             weight_decay=0.0)
+    optimizer, _ = make_optimizer(c, 10)
+    params = {"a": jnp.full((4, 4), 2.0), "b": jnp.linspace(-3.0, 3.0, 8)}
+    for gscale in (1e-3, 1e3):
+        grads = jax.tree.map(lambda p: gscale * jnp.cos(p), params)
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
+        for k in params:
+            np.testing.assert_allclose(float(jnp.linalg.norm(updates[k])),
+                                       0.01 * float(jnp.linalg.norm(params[k])), rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_state_is_sharded_like_the_parameters(name):
+    """On an 8-device mesh every optimizer statistic derived from a parameter is sharded like
+    it: moments, Adafactor's factored row/column statistics (the dimension they reduce away is
+    dropped from the spec), 8-bit Adam's int8 moments and per-block scales. The state is
+    really created with those shardings (so they are valid), and per device it holds about
+    1/8 of the full state."""
+    from jaxscale.mesh import make_mesh
+    from jaxscale.precision import get_policy
+    from jaxscale.rules import AxisRules
+    from jaxscale.sharding_report import per_device_bytes
+    from jaxscale.train.state import ModelDef, abstract_state, derived_spec, init_state
+
+    c = get_config("test")
+    c.model.update(embed=128, mlp=256, head_dim=32)  # dims >= 128 so Adafactor factors
+    c.mesh.update(data=1, fsdp=4, tensor=2)
+    c.optim.name = name
+    mesh, rules = make_mesh(c.mesh), AxisRules.from_config(c)
+    model_def = ModelDef.build(c.model, get_policy(c.precision))
+    optimizer, _ = make_optimizer(c.optim, 10)
+    abstract, _ = abstract_state(model_def, optimizer, rules, mesh)
+    params = flatten(abstract.params)
+    derived, kinds = 0, set()
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(abstract.opt_state)[0]:
+        names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in keypath]
+        path = next(("/".join(names[i:]) for i in range(len(names))
+                     if "/".join(names[i:]) in params), None)
+        if path is None or leaf.size <= 1:
+            continue
+        p = params[path]
+        spec = derived_spec(p.shape, p.sharding.spec, leaf.shape, mesh)
+        assert spec is not None, (name, keypath, leaf.shape, p.shape)
+        assert leaf.sharding.spec == spec, (name, path, leaf.shape)
+        derived += 1
+        kinds.add(len(p.shape) - len(leaf.shape) if leaf.shape != p.shape else "same")
+    assert derived
+    if name == "adafactor":
+        assert 1 in kinds  # factored statistics were present and sharded
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract.opt_state))
+    per_device = sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(abstract.opt_state))
+    assert per_device < total / 8 * 1.25 + 4096, (per_device, total)
+    state, _ = init_state(model_def, optimizer, rules, mesh, seed=0)
+    for got, want in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(abstract.opt_state)):
+        assert got.sharding.spec == want.sharding.spec

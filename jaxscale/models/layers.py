@@ -10,8 +10,11 @@ D head dim, F mlp hidden, V vocab, S source length.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +60,53 @@ def weight(module: nnx.Module, name: str) -> jax.Array:
     return w + lora_delta(a[...], b, scale, w.ndim).astype(w.dtype)
 
 
+# The key for LoRA dropout, set by the train step only (`adapter_dropout`): evaluation, export
+# and generation never set it, so dropout can only ever act while training.
+_DROPOUT_KEY: contextvars.ContextVar = contextvars.ContextVar("lora_dropout_key", default=None)
+
+
+@contextlib.contextmanager
+def adapter_dropout(key: jax.Array) -> Iterator[None]:
+    """Enables LoRA dropout (modules with `<name>_lora_dropout` > 0) while a step is traced."""
+    token = _DROPOUT_KEY.set(key)
+    try:
+        yield
+    finally:
+        _DROPOUT_KEY.reset(token)
+
+
+def project(module: nnx.Module, name: str, eq: str, x: jax.Array, dtype) -> jax.Array:
+    """`einsum(eq, x, module.<name>)` in `dtype`, LoRA adapters included.
+
+    Normally the adapters are folded into the weight (`weight`: one matmul, sharded like W).
+    While training with lora.dropout > 0 they act on a dropped-out copy of the input instead,
+    x.W + scale * (drop(x).A).B as in the LoRA paper, so each example gets its own mask.
+    """
+    rate = getattr(module, f"{name}_lora_dropout", 0.0)
+    key = _DROPOUT_KEY.get()
+    if not rate or key is None or not hasattr(module, f"{name}_lora_a"):
+        return jnp.einsum(eq, x, weight(module, name).astype(dtype))
+    w = getattr(module, name)[...]
+    a, b = getattr(module, f"{name}_lora_a")[...], getattr(module, f"{name}_lora_b")[...]
+    if a.ndim + b.ndim - 2 != w.ndim:  # a stacked (unscanned) weight: no per-layer path here
+        return jnp.einsum(eq, x, weight(module, name).astype(dtype))
+    (xs, ws), out = eq.split("->")[0].split(","), eq.split("->")[1]
+    ins, outs = ws[:a.ndim - 1], ws[a.ndim - 1:]
+    batch = "".join(ch for ch in xs if ch not in ins)
+    z = next(ch for ch in "zyxwvu" if ch not in eq)
+    # Distinct masks per projection (its name) and per layer of a scanned stack (the layer's
+    # own adapter values differ), without threading keys through the layer scan.
+    tag = jax.lax.bitcast_convert_type(
+        jax.lax.stop_gradient(a.reshape(-1)[0]).astype(jnp.float32), jnp.uint32)
+    key = jax.random.fold_in(jax.random.fold_in(key, zlib.crc32(name.encode())), tag)
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    dropped = jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))
+    h = jnp.einsum(f"{xs},{ins}{z}->{batch}{z}", dropped, a.astype(dtype))
+    delta = jnp.einsum(f"{batch}{z},{z}{outs}->{out}", h, b.astype(dtype))
+    y = jnp.einsum(eq, x, w.astype(dtype))
+    return y + (getattr(module, f"{name}_lora_scale") * delta).astype(y.dtype)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, policy: Policy, *, stack: int | None = None):
         self.scale = param(None, (dim,), ("norm",), init="ones", stack=stack, dtype=policy.param)
@@ -85,6 +135,8 @@ def rotary(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Arra
 class Attention(nnx.Module):
     """Grouped-query causal attention; shards over `batch`, `heads` and `kv`."""
 
+    LORA_WEIGHTS = ("wq", "wk", "wv", "wo")  # read through `project`: may carry LoRA adapters
+
     def __init__(self, embed: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float,
                  policy: Policy, impl: str, rngs: nnx.Rngs, *, stack: int | None = None):
         if heads % kv_heads:
@@ -102,9 +154,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTE: jax.Array, positions_BT: jax.Array) -> jax.Array:
         c = self.policy.compute
-        q_BTHD = jnp.einsum("bte,ehd->bthd", x_BTE, weight(self, "wq").astype(c))
-        k_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, weight(self, "wk").astype(c))
-        v_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, weight(self, "wv").astype(c))
+        q_BTHD = project(self, "wq", "bte,ehd->bthd", x_BTE, c)
+        k_BTKD = project(self, "wk", "bte,ekd->btkd", x_BTE, c)
+        v_BTKD = project(self, "wv", "bte,ekd->btkd", x_BTE, c)
         q_BTHD = constrain(rotary(q_BTHD, positions_BT, self.rope_theta),
                            "batch", "length", "heads", "head_dim")
         k_BTKD = constrain(rotary(k_BTKD, positions_BT, self.rope_theta),
@@ -112,7 +164,7 @@ class Attention(nnx.Module):
         v_BTKD = constrain(v_BTKD, "batch", "length", "kv", "head_dim")
         out_BTHD = self._attend(q_BTHD, k_BTKD, v_BTKD)
         out_BTHD = constrain(out_BTHD, "batch", "length", "heads", "head_dim")
-        out_BTE = jnp.einsum("bthd,hde->bte", out_BTHD, weight(self, "wo").astype(c))
+        out_BTE = project(self, "wo", "bthd,hde->bte", out_BTHD, c)
         return constrain(out_BTE, "batch", "length", "embed")
 
     def _attend(self, q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array) -> jax.Array:
@@ -133,6 +185,8 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: column-parallel gate/up over `mlp`, row-parallel down back to `embed`."""
 
+    LORA_WEIGHTS = ("w_gate", "w_up", "w_down")
+
     def __init__(self, embed: int, hidden: int, policy: Policy, rngs: nnx.Rngs, *,
                  stack: int | None = None):
         kw = dict(stack=stack, dtype=policy.param)
@@ -143,8 +197,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         c = self.policy.compute
-        gate_BTF = jnp.einsum("bte,ef->btf", x_BTE, weight(self, "w_gate").astype(c))
-        up_BTF = jnp.einsum("bte,ef->btf", x_BTE, weight(self, "w_up").astype(c))
+        gate_BTF = project(self, "w_gate", "bte,ef->btf", x_BTE, c)
+        up_BTF = project(self, "w_up", "bte,ef->btf", x_BTE, c)
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, "batch", "length", "mlp")
-        out_BTE = jnp.einsum("btf,fe->bte", h_BTF, weight(self, "w_down").astype(c))
+        out_BTE = project(self, "w_down", "btf,fe->bte", h_BTF, c)
         return constrain(out_BTE, "batch", "length", "embed")

@@ -8,6 +8,12 @@ a tensor-parallel `heads` output dimension in B. B starts at zero, so a fresh ad
 model unchanged. Which dimensions of W are inputs: a weight whose last axis is `embed` projects
 back into the residual stream, so its last dimension is the output (`wo`, `w_down`); for every
 other weight the first (non-`layers`) dimension is the input (`wq`, `wk`, `wv`, `w_gate`, `w_up`).
+Any module listing a weight in its `LORA_WEIGHTS` (it reads it through `layers.project`) can
+take adapters: the Llama's `Attention` / `MLP` and the ViT's `SelfAttention` / `GeluMLP`.
+
+`lora.dropout` drops the adapter's *input* (x.W + scale * (drop(x).A).B, per example, as in the
+LoRA paper) while training only: the train step enables it with `adapter_dropout(key)`;
+evaluation, merging and export never do, so they see the deterministic model.
 
 The model knows nothing of training: `with_adapters(model_def, lora_cfg)` returns a ModelDef whose
 modules have adapters, `trainable(lora_cfg)` says which parameters the optimizer sees (adapters
@@ -26,12 +32,12 @@ import jax
 from flax import nnx
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.layers import MLP, Attention, lora_delta
+from jaxscale.models.layers import adapter_dropout, lora_delta
 from jaxscale.train.state import ModelDef, all_trainable, flatten, unflatten
 
+__all__ = ["adapter_dropout", "add_adapters", "adapter_params", "is_adapter", "merge",
+           "trainable", "with_adapters"]
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
-# Modules whose weights are read through `layers.weight`, i.e. that can carry adapters.
-ADAPTABLE = (Attention, MLP)
 
 
 def is_adapter(path: str) -> bool:
@@ -43,11 +49,10 @@ def _check(lora_cfg: Any) -> None:
         raise ConfigError(paragraph(
             f"lora.rank={lora_cfg.rank} / lora.alpha={lora_cfg.alpha}: rank must be >= 0",
             "(0 turns LoRA off) and alpha positive; the update is scaled by alpha / rank."))
-    if lora_cfg.dropout:
+    if not 0.0 <= lora_cfg.dropout < 1.0:
         raise ConfigError(paragraph(
-            f"lora.dropout={lora_cfg.dropout} is not supported: adapters are applied as a weight",
-            "delta W + A.B (one matmul per layer, sharded by the rules), which has no per-example",
-            "input to drop. Set --config.lora.dropout=0.0."))
+            f"lora.dropout={lora_cfg.dropout} must be in [0, 1): the probability of zeroing each",
+            "input feature of an adapter while training (0 = no dropout)."))
 
 
 def _split_axes(axes: tuple, shape: tuple) -> tuple[int, int]:
@@ -69,7 +74,7 @@ def add_adapters(model: nnx.Module, lora_cfg: Any, rngs: nnx.Rngs) -> nnx.Module
             full = "/".join(map(str, (*path, name)))
             if not any(p.search(full) for p in patterns):
                 continue
-            if not isinstance(module, ADAPTABLE) or len(var.shape) < 2:
+            if name not in getattr(type(module), "LORA_WEIGHTS", ()) or len(var.shape) < 2:
                 unsupported.append(full)
                 continue
             axes, shape = tuple(var.get_metadata()["logical_axes"]), tuple(var.shape)
@@ -84,14 +89,15 @@ def add_adapters(model: nnx.Module, lora_cfg: Any, rngs: nnx.Rngs) -> nnx.Module
                 jax.numpy.zeros(b_shape, var.dtype),
                 logical_axes=axes[:lead] + ("lora_rank",) + axes[lead + n_in:]))
             setattr(module, f"{name}_lora_scale", scale)
+            setattr(module, f"{name}_lora_dropout", float(lora_cfg.dropout))
             matched.append(full)
     if unsupported or not matched:
         raise ConfigError(paragraph(
             f"lora.targets matched {unsupported}, which cannot take adapters" if unsupported
             else f"lora.targets={tuple(lora_cfg.targets)} matched no adaptable weight",
             "(LoRA wraps the attention and MLP projections, e.g. 'attn/w[qkvo]$', 'mlp/w_',",
-            "not embeddings, norms or the LM head). Fix the regular expressions in",
-            "--config.lora.targets."))
+            "not embeddings, norms, biases or the LM / classifier head). Fix the regular",
+            "expressions in --config.lora.targets."))
     return model
 
 
@@ -129,6 +135,12 @@ def merge(params: Mapping, lora_cfg: Any) -> dict:
     for key in flat:
         if key.endswith("_lora_a"):
             base = key[: -len("_lora_a")]
+            if base not in flat:
+                raise ConfigError(paragraph(
+                    f"lora.merge: the adapter {key} has no base weight {base} to fold into. The",
+                    "parameters hold adapters only (lora.save_adapters_only checkpoints do):",
+                    "rebuild the base from the run's config.init_from or seed first, e.g. with",
+                    "merge_trees(adapters, base), then merge."))
             w = flat[base]
             delta = lora_delta(flat[key], flat[base + "_lora_b"], scale, w.ndim)
             out[base] = (w + delta.astype(w.dtype)).astype(w.dtype)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxscale.models.layers import param, weight
+from jaxscale.models.layers import param, project
 from jaxscale.models.llama import REMAT_POLICIES, scan_layers
 from jaxscale.precision import Policy, get_policy
 from jaxscale.rules import constrain
@@ -75,6 +75,8 @@ class LayerNorm(nnx.Module):
 class SelfAttention(nnx.Module):
     """Bidirectional multi-head attention with biases on every projection (as HF ViT)."""
 
+    LORA_WEIGHTS = ("wq", "wk", "wv", "wo")  # read through `project`: may carry LoRA adapters
+
     def __init__(self, embed: int, heads: int, head_dim: int, policy: Policy, rngs: nnx.Rngs,
                  *, stack: int | None = None):
         kw = dict(stack=stack, dtype=policy.param)
@@ -90,7 +92,7 @@ class SelfAttention(nnx.Module):
 
     def __call__(self, x_BNE: jax.Array) -> jax.Array:
         c = self.policy.compute
-        proj = lambda n: (jnp.einsum("bne,ead->bnad", x_BNE, weight(self, "w" + n).astype(c))
+        proj = lambda n: (project(self, "w" + n, "bne,ead->bnad", x_BNE, c)
                           + getattr(self, "b" + n)[...].astype(c)[None, None])
         q_BNAD = constrain(proj("q"), "batch", "length", "heads", "head_dim")
         k_BNAD = constrain(proj("k"), "batch", "length", "heads", "head_dim")
@@ -99,12 +101,14 @@ class SelfAttention(nnx.Module):
         scores = scores.astype(self.policy.dtype_for("softmax")) / math.sqrt(q_BNAD.shape[-1])
         probs = jax.nn.softmax(scores, axis=-1).astype(c)
         out_BNAD = jnp.einsum("banm,bmad->bnad", probs, v_BNAD)
-        out_BNE = (jnp.einsum("bnad,ade->bne", out_BNAD, weight(self, "wo").astype(c))
+        out_BNE = (project(self, "wo", "bnad,ade->bne", out_BNAD, c)
                    + self.bo[...].astype(c)[None, None])
         return constrain(out_BNE, "batch", "length", "embed")
 
 
 class GeluMLP(nnx.Module):
+    LORA_WEIGHTS = ("w_in", "w_out")
+
     def __init__(self, embed: int, hidden: int, policy: Policy, rngs: nnx.Rngs, *,
                  stack: int | None = None):
         kw = dict(stack=stack, dtype=policy.param)
@@ -116,10 +120,10 @@ class GeluMLP(nnx.Module):
 
     def __call__(self, x_BNE: jax.Array) -> jax.Array:
         c = self.policy.compute
-        h_BNF = jnp.einsum("bne,ef->bnf", x_BNE, weight(self, "w_in").astype(c))
+        h_BNF = project(self, "w_in", "bne,ef->bnf", x_BNE, c)
         h_BNF = jax.nn.gelu(h_BNF + self.b_in[...].astype(c)[None, None], approximate=False)
         h_BNF = constrain(h_BNF, "batch", "length", "mlp")
-        out_BNE = jnp.einsum("bnf,fe->bne", h_BNF, weight(self, "w_out").astype(c))
+        out_BNE = project(self, "w_out", "bnf,fe->bne", h_BNF, c)
         out_BNE = out_BNE + self.b_out[...].astype(c)[None, None]
         return constrain(out_BNE, "batch", "length", "embed")
 

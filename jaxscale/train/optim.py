@@ -37,7 +37,14 @@ def _adafactor(c: Any, lr: optax.Schedule) -> optax.GradientTransformation:
 
 
 def _sgd(c: Any, lr: optax.Schedule) -> optax.GradientTransformation:
-    return optax.sgd(lr, momentum=c.momentum or None, nesterov=bool(c.momentum))
+    """SGD with heavy-ball momentum (`optim.momentum`; 0 = plain SGD) or, with
+    `optim.nesterov=True`, Nesterov's look-ahead variant of it."""
+    nesterov = bool(c.get("nesterov", False))
+    if nesterov and not c.momentum:
+        raise ConfigError(paragraph(
+            f"optim.nesterov=True needs momentum but optim.momentum={c.momentum}: set",
+            "optim.momentum (e.g. 0.9) or optim.nesterov=False."))
+    return optax.sgd(lr, momentum=c.momentum or None, nesterov=nesterov)
 
 
 # ---- 8-bit Adam ------------------------------------------------------------------------------

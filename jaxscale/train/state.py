@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -127,23 +128,47 @@ def param_specs(model_def: ModelDef, rules: AxisRules, mesh: Mesh) -> dict[str, 
             for path, var in nnx.to_flat_state(specs)}
 
 
+def derived_spec(param_shape: tuple, spec: PartitionSpec, leaf_shape: tuple,
+                 mesh: Mesh | None = None) -> PartitionSpec | None:
+    """The sharding of an optimizer statistic derived from a parameter, or None if unrelated.
+
+    Same shape: the parameter's spec (Adam / LAMB / SGD moments, 8-bit Adam's int8 moments).
+    One dimension fewer (Adafactor's factored row / column statistics): the spec without that
+    dimension. Same rank, only the last dimension differs (8-bit Adam's per-block scales along
+    the last axis): the spec, the last dimension keeping its mesh axes only when they divide
+    the number of blocks (with `mesh` given; replicated otherwise).
+    """
+    axes = tuple(spec) + (None,) * (len(param_shape) - len(spec))
+    if tuple(leaf_shape) == tuple(param_shape):
+        return PartitionSpec(*axes)
+    if len(leaf_shape) == len(param_shape) - 1:
+        for k in range(len(param_shape)):
+            if param_shape[:k] + param_shape[k + 1:] == tuple(leaf_shape):
+                return PartitionSpec(*(axes[:k] + axes[k + 1:]))
+    if (len(leaf_shape) == len(param_shape) > 0
+            and tuple(leaf_shape[:-1]) == tuple(param_shape[:-1])):
+        last = axes[-1]
+        names = () if last is None else (last,) if isinstance(last, str) else tuple(last)
+        size = math.prod(mesh.shape[a] for a in names) if mesh is not None and names else 0
+        keep = size and leaf_shape[-1] % size == 0
+        return PartitionSpec(*axes[:-1], last if keep else None)
+    return None
+
+
 def _opt_state_shardings(abstract_opt: Tree, flat_param_sh: Mapping[str, NamedSharding],
                          flat_shapes: Mapping[str, Any], mesh: Mesh) -> Tree:
-    """Optimizer-state leaves shaped like a parameter are sharded like it; others replicated."""
+    """Optimizer-state leaves derived from a parameter (found by the parameter's path at the
+    end of the leaf's key path) are sharded like it (`derived_spec`); others replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def pick(keypath, leaf):
         names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in keypath]
         for start in range(len(names)):
             path = "/".join(names[start:])
-            if path in flat_param_sh and tuple(flat_shapes[path].shape) == tuple(leaf.shape):
-                return flat_param_sh[path]
-            shape = tuple(flat_shapes[path].shape) if path in flat_param_sh else ()
-            if shape and len(shape) == len(leaf.shape) and shape[:-1] == tuple(leaf.shape[:-1]):
-                # Per-block statistics along the last axis (8-bit Adam scales): like the param,
-                # with the last dimension replicated.
-                spec = tuple(flat_param_sh[path].spec) + (None,) * len(shape)
-                return NamedSharding(mesh, PartitionSpec(*spec[:len(shape) - 1], None))
+            if path in flat_param_sh:
+                shape = tuple(flat_shapes[path].shape)
+                spec = derived_spec(shape, flat_param_sh[path].spec, tuple(leaf.shape), mesh)
+                return NamedSharding(mesh, spec) if spec is not None else replicated
         return replicated
 
     return jax.tree_util.tree_map_with_path(pick, abstract_opt)

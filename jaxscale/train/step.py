@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from jaxscale.models.layers import adapter_dropout
 from jaxscale.parallel.accumulate import accumulate_per_replica
 from jaxscale.precision import DynamicLossScale, Policy
 from jaxscale.rules import AxisRules, constrain, use_rules
@@ -104,7 +105,8 @@ class StepContext:
 def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     """One optimizer step. Non-finite loss/gradients skip the update when configured."""
     scaler = ctx.loss_scale
-    with use_rules(ctx.rules, ctx.mesh):
+    dropout_key = jax.random.fold_in(state.rng, state.step)  # LoRA dropout: training only
+    with use_rules(ctx.rules, ctx.mesh), adapter_dropout(dropout_key):
         loss, grads = accumulate_grads(
             state.params, state.frozen, batch, ctx.model_def, ctx.grad_accum, ctx.run_layers,
             ctx.task, None if scaler is None else state.extra["loss_scale"])
