@@ -10,10 +10,10 @@ from jax.sharding import NamedSharding
 
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
-from jaxscale.train.loop import Trainer
 from jaxscale.train.optim import (OPTIMIZERS, QBLOCK, dequantize_lastaxis, make_optimizer,
                                   quantize_lastaxis)
 from jaxscale.train.state import flatten
+from tests.helpers import train_steps
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -63,16 +63,6 @@ def test_blockwise_quantization_error_is_bounded():
     assert np.all(np.asarray(dequantize_lastaxis(qv, sv))[np.asarray(v) > 0] > 0)
 
 
-def _run(config, steps):
-    trainer = Trainer.build(config, workdir=None)
-    it = trainer.batches.iterator()
-    state, losses = trainer.state, []
-    for _ in range(steps):
-        state, m = trainer.train_fn(state, trainer.to_global(next(it)))
-        losses.append(float(m["loss"]))
-    return np.array(losses), state, trainer
-
-
 @pytest.mark.slow
 def test_adam8bit_tracks_adamw_and_is_sharded_like_params():
     """Tolerance: over 20 steps of the tiny LM the 8-bit loss stays within 0.1 nats of float32
@@ -80,9 +70,9 @@ def test_adam8bit_tracks_adamw_and_is_sharded_like_params():
     c = get_config("test")
     c.mesh.update(data=2, fsdp=4)
     c.train.steps = 20
-    ref, _, _ = _run(c, 20)
+    ref, _, _ = train_steps(c, 20)
     c.optim.name = "adam8bit"
-    q8, state, trainer = _run(c, 20)
+    q8, state, trainer = train_steps(c, 20)
     print("max |loss(adam8bit) - loss(adamw)|:", np.abs(q8 - ref).max())
     np.testing.assert_allclose(q8, ref, atol=0.1)
     assert q8[-1] < q8[0] - 1.0

@@ -15,6 +15,7 @@ from jaxscale.train import step as step_lib
 from jaxscale.train.loop import Trainer
 from jaxscale.train.optim import make_optimizer
 from jaxscale.train.state import ModelDef, flatten
+from tests.helpers import train_steps
 
 # (policy, param dtype, matmul compute dtype)
 CASES = [("32-true", jnp.float32, jnp.float32), ("bf16-mixed", jnp.float32, jnp.bfloat16),
@@ -65,25 +66,15 @@ def test_unknown_policy_lists_valid_names():
     assert all(name in str(e.value) for name in POLICIES)
 
 
-def _losses(config, steps):
-    trainer = Trainer.build(config, workdir=None)
-    it = trainer.batches.iterator()
-    state, losses = trainer.state, []
-    for _ in range(steps):
-        state, m = trainer.train_fn(state, trainer.to_global(next(it)))
-        losses.append(float(m["loss"]))
-    return np.array(losses), state
-
-
 @pytest.mark.slow
 def test_bf16_mixed_tracks_float32():
     """Tolerance: 20 steps of the tiny LM; bf16 matmuls shift each loss by well under 0.05 nats
     (measured max 0.0007) while the loss itself falls by ~2 nats over these steps."""
     c = get_config("test")
     c.train.steps = 20
-    f32, _ = _losses(c, 20)
+    f32, _ = train_steps(c, 20)[:2]
     c.precision = "bf16-mixed"
-    bf16, state = _losses(c, 20)
+    bf16, state = train_steps(c, 20)[:2]
     print("max |loss(bf16-mixed) - loss(32-true)|:", np.abs(bf16 - f32).max())
     np.testing.assert_allclose(bf16, f32, atol=0.05)
     assert bf16[-1] < bf16[0] - 1.0
@@ -166,7 +157,7 @@ def test_float16_loss_scaling_skips_overflow_and_recovers():
 def test_bf16_true_trains_end_to_end():
     c = get_config("test")
     c.precision = "bf16-true"
-    losses, state = _losses(c, 6)
+    losses, state = train_steps(c, 6)[:2]
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert {x.dtype for x in flatten(state.params).values()} == {jnp.dtype(jnp.bfloat16)}
 
