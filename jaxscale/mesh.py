@@ -70,7 +70,7 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, Any], num_devices: int) -> tuple[d
     dcn = {a: mesh_cfg.get(f"dcn_{a}", 1) for a in MESH_AXES}
     if any(not isinstance(v, int) or v < 1 for v in dcn.values()):
         raise MeshError(paragraph(
-            f"DCN mesh factors must be positive integers (-1 is only allowed on ICI axes);",
+            "DCN mesh factors must be positive integers (-1 is only allowed on ICI axes);",
             f"got {dcn}. Set each dcn_<axis> to the number of slices along that axis.",
         ))
     num_slices = math.prod(dcn.values())

@@ -67,7 +67,7 @@ class Schedule:
                 "several non-contiguous layer groups per stage, or set pipeline.repeats=1."))
         if repeats > 1 and microbatches < stages:
             raise ConfigError(paragraph(
-                f"The circular schedule needs pipeline.microbatches >= the number of stages",
+                "The circular schedule needs pipeline.microbatches >= the number of stages",
                 f"(mesh.pipeline={stages}), got microbatches={microbatches}: a microbatch must",
                 "leave the last stage before it re-enters the first for its next repeat.",
                 f"Set --config.pipeline.microbatches={stages} (or a larger value dividing the",
