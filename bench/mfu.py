@@ -58,7 +58,9 @@ def measure(config, warmup: int, steps: int) -> dict:
     from jaxscale.train.state import ModelDef, init_state
     from jaxscale.train.step import StepContext, jit_steps
 
-    mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
+    one = config.mesh.data == 1  # --smoke: one device even where several are simulated
+    mesh = make_mesh(config.mesh, jax.devices()[:1] if one else None)
+    rules = AxisRules.from_config(config)
     policy = get_policy(config.precision)
     model_def = ModelDef.build(config.model, policy)
     optimizer, lr = make_optimizer(config.optim, config.train.steps)
@@ -83,12 +85,21 @@ def measure(config, warmup: int, steps: int) -> dict:
     fpt = llama_flops_per_token(m.num_layers, m.embed, m.num_heads, m.num_kv_heads, m.head_dim,
                                 m.mlp, m.vocab_size, t)
     device = jax.devices()[0]
-    return {"device": device.device_kind, "num_devices": jax.device_count(),
+    n = mesh.devices.size
+    return {"device": device.device_kind, "num_devices": n,
             "params": model_def.num_params(), "precision": config.precision,
             "attention": m.attention, "remat": m.remat, "batch": b, "seq_len": t,
             "step_time_s": step_time, "tokens_per_s": tokens_per_s,
-            "mfu": mfu(fpt, tokens_per_s, jax.device_count(), device.device_kind),
+            "mfu": mfu(fpt, tokens_per_s, n, device.device_kind),
             "loss": float(metrics["loss"])}
+
+
+def skip_message(devices: list) -> str:
+    """Why nothing was measured: a CPU (or TPU) number would not be the GPU figure asked for."""
+    kinds = sorted({f"{d.platform}:{d.device_kind}" for d in devices})
+    return (f"bench.mfu: skipped: no GPU found (devices: {', '.join(kinds)}). The ~1B Llama "
+            "bf16-mixed benchmark needs one GPU; run it on a GPU machine, or pass --smoke to "
+            "check the script on this one.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import jax
     if not args.smoke and jax.devices()[0].platform != "gpu":
-        print(f"bench.mfu: skipped: no GPU (backend {jax.default_backend()!r}); the 1B "
-              "benchmark needs one. Use --smoke to check the script on this machine.")
+        print(skip_message(jax.devices()))
         return 0
     if args.smoke:  # one device: the benchmark is a single-accelerator number
         config = build_config(args)

@@ -2,8 +2,10 @@
 
 Rebuilds the run from `WORKDIR/config.json` (mesh, rules, precision, model, data), loads the
 newest checkpoint's parameters (LoRA adapters folded in) onto the mesh by the rules, and
-evaluates the held-out batches the run itself used. Metrics are summed per example/token and
-divided once at the end, so they do not depend on the batch split or the mesh.
+evaluates the held-out split: every test image for image datasets (the last, partial batch is
+padded and masked; see `HELDOUT`), the run's own held-out batches for text. Metrics are summed
+per example/token and divided once at the end, so they do not depend on the batch split or the
+mesh.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -30,8 +32,14 @@ from jaxscale.train.state import ModelDef, flatten, param_specs, unflatten
 from jaxscale.train.step import batch_sharding
 
 
+# data.corpus -> fn(config, process_index, process_count) giving every held-out example in
+# padded batches with a `mask` (image test splits; registered by jaxscale.vision_data). Other
+# corpora are evaluated on the held-out batches the training loop uses.
+HELDOUT: dict[str, Callable[..., list]] = {}
+
+
 def _sums(model: Any, batch: Mapping[str, jax.Array], task: str) -> dict[str, jax.Array]:
-    """Summed loss, correct predictions and count for one batch."""
+    """Summed loss, correct predictions and count for one batch (masked rows excluded)."""
     if task == "classify":
         logits, targets = model(batch["images"]), batch["labels"]
     else:
@@ -40,8 +48,26 @@ def _sums(model: Any, batch: Mapping[str, jax.Array], task: str) -> dict[str, ja
     logits = logits.astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-    return {"loss": losses.sum(), "correct": correct.sum(),
-            "count": jnp.asarray(targets.size, jnp.float32)}
+    mask = batch.get("mask")
+    if mask is None:
+        mask = jnp.ones(targets.shape, jnp.float32)
+    elif mask.ndim < targets.ndim:  # one mask value per example
+        mask = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (targets.ndim - mask.ndim)),
+                                targets.shape)
+    return {"loss": (losses * mask).sum(), "correct": (correct * mask).sum(),
+            "count": mask.sum()}
+
+
+def heldout_batches(config: mlc.ConfigDict, process_index: int, process_count: int) -> list:
+    """Every held-out example of the config's corpus, as this host's rows of global batches."""
+    if config.data.corpus not in HELDOUT:
+        try:  # image datasets register their full test splits on import
+            import jaxscale.vision_data  # noqa: F401
+        except ImportError:
+            pass
+    if config.data.corpus in HELDOUT:
+        return HELDOUT[config.data.corpus](config, process_index, process_count)
+    return build_data(config, process_index, process_count)[1]
 
 
 def read_config(workdir: str) -> mlc.ConfigDict:
@@ -55,11 +81,19 @@ def read_config(workdir: str) -> mlc.ConfigDict:
 
 def place(flat: Mapping[str, np.ndarray], model_def: ModelDef, rules: AxisRules,
           mesh: Any, dtype: Any) -> dict:
-    """Host arrays -> jax.Arrays sharded by the rules, in the parameter dtype."""
+    """Host arrays -> jax.Arrays sharded by the rules, in the parameter dtype.
+
+    Arrays already placed that way (e.g. by `load_llama(..., mesh=...)`) are kept as they are.
+    """
     specs = param_specs(model_def, rules, mesh)
     out = {}
     for path, spec in specs.items():
-        arr = np.asarray(flat[path]).astype(dtype)
+        value = flat[path]
+        if (isinstance(value, jax.Array) and value.dtype == dtype
+                and value.sharding.is_equivalent_to(NamedSharding(mesh, spec), value.ndim)):
+            out[path] = value
+            continue
+        arr = np.asarray(value).astype(dtype)
         out[path] = jax.make_array_from_callback(arr.shape, NamedSharding(mesh, spec),
                                                  lambda idx, a=arr: a[idx])
     return unflatten(out)
@@ -73,7 +107,7 @@ def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 
     model_def = ModelDef.build(config.model, policy)
     task = config.model.get("task", "lm")
     placed = place(flatten(params), model_def, rules, mesh, policy.param)
-    _, evals = build_data(config, jax.process_index(), jax.process_count())
+    evals = heldout_batches(config, jax.process_index(), jax.process_count())
     if max_batches:
         evals = evals[:max_batches]
     shapes = {k: (config.data.batch_size,) + v.shape[1:] for k, v in evals[0].items()}
@@ -91,11 +125,11 @@ def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 
         for k, v in jax.device_get(sums(placed, batch)).items():
             total[k] += float(v)
     loss = total["loss"] / total["count"]
-    out = {"loss": loss, "accuracy": total["correct"] / total["count"],
-           "examples": total["count"]}
-    if task == "lm":
-        out["perplexity"] = math.exp(loss)
-    return out
+    if task == "lm":  # accuracy: of next-token predictions
+        return {"loss": loss, "perplexity": math.exp(loss),
+                "accuracy": total["correct"] / total["count"], "tokens": int(total["count"])}
+    return {"loss": loss, "accuracy": total["correct"] / total["count"],
+            "examples": int(total["count"])}
 
 
 def evaluate_workdir(workdir: str, max_batches: int = 0) -> dict[str, float]:

@@ -21,11 +21,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.models.layers import rotary, weight
 from jaxscale.rules import AxisRules, constrain, use_rules
 from jaxscale.train.state import ModelDef
 
 Cache = dict[str, jax.Array]
+
+
+class GenerateError(JaxscaleError):
+    """A generation request the model cannot serve (bad prompt, length or temperature)."""
+
 CACHE_AXES = ("layers", "batch", "length", "kv", "head_dim")
 
 
@@ -91,8 +97,7 @@ def sample(logits_BV: jax.Array, rng: jax.Array, temperature: float) -> jax.Arra
 def make_generate(model_def: ModelDef, steps: int, temperature: float = 0.0,
                   rules: AxisRules | None = None, mesh: Mesh | None = None):
     """A jitted `fn(params, prompt_BT, rng) -> tokens (B, T + steps)` (prompt included)."""
-    if steps < 1:
-        raise ValueError(f"steps={steps}: generate at least one token.")
+    check_request(1, steps, temperature, max_len=0)
 
     def generate(params: Mapping, prompt_BT: jax.Array, rng: jax.Array) -> jax.Array:
         model = model_def.module(params)
@@ -123,8 +128,56 @@ def make_generate(model_def: ModelDef, steps: int, temperature: float = 0.0,
     return jax.jit(run)
 
 
+def parse_prompt(text: str, ids: list[str], vocab_size: int) -> list[int]:
+    """Prompt token ids from `--prompt` text (byte-level models) or `--prompt_ids`, checked."""
+    if ids:
+        try:
+            tokens = [int(str(i).strip()) for i in ids]
+        except ValueError:
+            raise GenerateError(paragraph(
+                f"--prompt_ids={','.join(map(str, ids))!r} is not a comma-separated list of",
+                "integers. Give token ids such as --prompt_ids=1,15043,29892 (no tokenizer is",
+                "bundled: tokenize with the model's own tokenizer).",
+            )) from None
+        bad = [t for t in tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise GenerateError(paragraph(
+                f"--prompt_ids holds {bad[:5]}, outside the model's vocabulary [0, {vocab_size}).",
+                "Use ids from the tokenizer the model was trained with.",
+            ))
+        return tokens
+    if vocab_size != 256:
+        raise GenerateError(paragraph(
+            "--prompt text works only for byte-level models (vocab_size 256); this model has",
+            f"vocab_size={vocab_size}. Tokenize the prompt with the model's tokenizer and pass",
+            "--prompt_ids=ID,ID,...",
+        ))
+    tokens = list(text.encode())
+    if not tokens:
+        raise GenerateError("The prompt is empty: give --prompt text (byte-level models) or "
+                            "--prompt_ids=ID,ID,...")
+    return tokens
+
+
+def check_request(prompt_len: int, steps: int, temperature: float, max_len: int) -> None:
+    """Rejects a non-positive step count, a negative temperature or an over-long context."""
+    if steps < 1:
+        raise GenerateError(f"--steps (or --max_new_tokens) = {steps}: generate at least one "
+                            "token, e.g. --steps=32.")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise GenerateError(f"--temperature={temperature}: use 0 for greedy decoding or a "
+                            "positive value (e.g. 0.8) for sampling.")
+    if max_len and prompt_len + steps > max_len:
+        raise GenerateError(paragraph(
+            f"The prompt ({prompt_len} tokens) plus {steps} new tokens is {prompt_len + steps}",
+            f"positions, more than model.max_len={max_len} (the longest context the model was",
+            f"trained for). Generate at most {max(max_len - prompt_len, 0)} tokens or shorten",
+            "the prompt.",
+        ))
+
+
 def load_source(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
-    """(run config, host params) from a training workdir, a launch.convert output or a HF dir.
+    """(run config, params) from a training workdir, a launch.convert output or a HF dir.
 
     A training workdir brings its own mesh, rules and precision; the other two use the
     defaults of `base_config()` with the model fields they carry.
@@ -132,19 +185,25 @@ def load_source(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
     from jaxscale.config import base_config
     from jaxscale.interop import convert, hf
 
-    if hf_dir:
-        model_cfg, params = hf.load_llama(hf_dir)
+    if hf_dir:  # loaded straight onto the default mesh, one parameter at a time
+        from jaxscale.mesh import make_mesh
+        from jaxscale.precision import get_policy
+        source = hf.open_llama(hf_dir)
         config = base_config()
-    else:
-        model_cfg, lora_cfg = convert.read_model_config(workdir)
-        params = convert.workdir_params(workdir, lora_cfg)
-        config = base_config()
-        if os.path.exists(os.path.join(workdir, "config.json")):
-            from jaxscale.evaluate import read_config
-            config = read_config(workdir)
+        config.model.update(source.model_cfg)
+        params = hf.load_source(source, make_mesh(config.mesh), AxisRules.from_config(config),
+                                get_policy(config.precision).param).params
+        return config, params
+    model_cfg, lora_cfg = convert.read_model_config(workdir)
+    params = convert.workdir_params(workdir, lora_cfg)
+    config = base_config()
+    if os.path.exists(os.path.join(workdir, "config.json")):
+        from jaxscale.evaluate import read_config
+        config = read_config(workdir)
     config.model.update(model_cfg)
     if config.model.get("name", "llama") != "llama":
-        raise ValueError(f"model.name={config.model.name!r}: generation needs a decoder LM.")
+        raise GenerateError(f"model.name={config.model.name!r}: generation needs a decoder LM "
+                            "(a Llama); image classifiers have nothing to generate.")
     return config, params
 
 
@@ -156,6 +215,7 @@ def generate_from_config(config: Any, params: Mapping, prompt_BT: np.ndarray, st
     from jaxscale.precision import get_policy
     from jaxscale.train.state import flatten
 
+    check_request(np.shape(prompt_BT)[1], steps, temperature, config.model.get("max_len", 0))
     mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
     model_def = ModelDef.build(config.model, get_policy(config.precision))
     placed = place(flatten(params), model_def, rules, mesh, model_def.shapes()["embedding"].dtype)

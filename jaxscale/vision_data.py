@@ -18,6 +18,7 @@ import grain
 import numpy as np
 
 from jaxscale.data import DATASETS
+from jaxscale.evaluate import HELDOUT
 from jaxscale.errors import ConfigError, paragraph
 
 TEST_FRACTION = 0.2
@@ -80,15 +81,39 @@ class ImageBatches:
 
 
 def test_batches(images: np.ndarray, labels: np.ndarray, global_batch: int,
-                 process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
-    """Every full global batch of the test split, unshuffled (this host's rows of each)."""
+                 process_index: int = 0, process_count: int = 1, pad: bool = False
+                 ) -> list[dict[str, np.ndarray]]:
+    """The test split in global batches, unshuffled (this host's rows of each).
+
+    Without `pad`, only whole batches (the training loop's fixed-shape eval step). With `pad`,
+    every image: the last batch is filled with blank images and each batch carries a float32
+    `mask` (1 for real images), so `launch.evaluate` counts all of them exactly once.
+    """
+    n = len(labels)
+    mask = np.ones(n, np.float32)
+    if pad and n % global_batch:
+        extra = global_batch - n % global_batch
+        images = np.concatenate([images, np.zeros((extra,) + images.shape[1:], images.dtype)])
+        labels = np.concatenate([labels, np.zeros(extra, labels.dtype)])
+        mask = np.concatenate([mask, np.zeros(extra, np.float32)])
     local = global_batch // process_count
     lo = process_index * local
     out = []
     for start in range(0, len(labels) - global_batch + 1, global_batch):
         rows = slice(start + lo, start + lo + local)
-        out.append({"images": images[rows], "labels": labels[rows]})
+        batch = {"images": images[rows], "labels": labels[rows]}
+        if pad:
+            batch["mask"] = mask[rows]
+        out.append(batch)
     return out
+
+
+def digits_test_batches(config: Any, process_index: int, process_count: int
+                        ) -> list[dict[str, np.ndarray]]:
+    """All 359 test images in padded, masked batches (for `jaxscale.evaluate`)."""
+    _, (test_x, test_y) = load_digits()
+    return test_batches(test_x, test_y, config.data.batch_size, process_index, process_count,
+                        pad=True)
 
 
 def digits_data(config: Any, process_index: int, process_count: int,
@@ -105,3 +130,4 @@ def digits_data(config: Any, process_index: int, process_count: int,
 
 
 DATASETS["digits"] = digits_data
+HELDOUT["digits"] = digits_test_batches

@@ -1,10 +1,11 @@
 """Generate text with a KV cache from a workdir, a launch.convert output or a HF directory.
 
     python -m launch.generate --workdir=DIR --prompt="def main(" --steps=64 [--temperature=0.8]
-    python -m launch.generate --from_hf=HF_DIR --prompt_ids=1,15043 --steps=16
+    python -m launch.generate --from_hf=HF_DIR --prompt_ids=1,15043 --max_new_tokens=16
 
 Byte-level models (vocab 256) take `--prompt` text; others take `--prompt_ids` (no tokenizer
-is bundled). Temperature 0 is greedy; sampling is reproducible with `--seed`.
+is bundled). Temperature 0 is greedy; sampling is reproducible with `--seed`. The parameters
+and the KV cache are sharded by the run's rules over `--cpu_devices` (or the accelerators).
 """
 
 from absl import app, flags
@@ -17,6 +18,7 @@ _FROM_HF = flags.DEFINE_string("from_hf", "", "Hugging Face Llama directory.")
 _PROMPT = flags.DEFINE_string("prompt", "", "Prompt text (byte-level models).")
 _PROMPT_IDS = flags.DEFINE_list("prompt_ids", [], "Prompt token ids, comma-separated.")
 _STEPS = flags.DEFINE_integer("steps", 64, "Tokens to generate.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Alias of --steps (HF's name).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; >0: sampling temperature.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 runtime.define_flags()
@@ -28,16 +30,15 @@ def main(argv):
         raise app.UsageError("Give --workdir or --from_hf (and --prompt or --prompt_ids).")
     runtime.setup()
     import numpy as np
-    from jaxscale.generate import generate_from_config, load_source
+    from jaxscale.generate import check_request, generate_from_config, load_source, parse_prompt
 
+    steps = _STEPS.value if _MAX_NEW.value is None else _MAX_NEW.value
+    check_request(1, steps, _TEMPERATURE.value, max_len=0)  # before loading any weights
     config, params = load_source(_WORKDIR.value, _FROM_HF.value)
-    byte_level = config.model.vocab_size == 256 and not _PROMPT_IDS.value
-    ids = list(_PROMPT.value.encode()) if byte_level else [int(i) for i in _PROMPT_IDS.value]
-    if not ids:
-        raise app.UsageError("The prompt is empty: give --prompt (byte models) or --prompt_ids.")
-    out = generate_from_config(config, params, np.asarray([ids]), _STEPS.value,
+    ids = parse_prompt(_PROMPT.value, _PROMPT_IDS.value, config.model.vocab_size)
+    out = generate_from_config(config, params, np.asarray([ids]), steps,
                                _TEMPERATURE.value, _SEED.value)[0]
-    if byte_level:
+    if config.model.vocab_size == 256 and not _PROMPT_IDS.value:
         print(bytes(int(t) for t in out).decode("utf-8", errors="replace"))
     else:
         print(",".join(str(int(t)) for t in out))

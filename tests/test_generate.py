@@ -10,7 +10,9 @@ from configs import tiny_lm
 from jaxscale import generate as gen
 from jaxscale.mesh import make_mesh
 from jaxscale.precision import get_policy
-from jaxscale.rules import AxisRules
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxscale.rules import AxisRules, use_rules
 from jaxscale.train.state import ModelDef, init_state
 
 
@@ -85,3 +87,69 @@ def test_sharded_generation_matches_single_device():
     host = jax.device_get(state.params)
     single = gen.make_generate(model_def, 5)(host, prompt, jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(sharded), np.asarray(single))
+
+
+def test_kv_cache_is_sharded_by_the_rules():
+    """The cache (layers, batch, length, kv, head_dim) gets the spec the rules give its names:
+    batch over data x fsdp, kv heads over tensor."""
+    c = tiny_lm.get_config("test")
+    c.mesh.update(data=2, fsdp=2, tensor=2)
+    mesh, rules = make_mesh(c.mesh), AxisRules.from_config(c)
+    model_def, params = tiny()
+
+    @jax.jit
+    def prefill(p, tokens):
+        with use_rules(rules, mesh):
+            model = model_def.module(p)
+            cache = gen.init_cache(model.cfg, 4, 8, jnp.float32)
+            return gen.forward_cached(model, tokens, jnp.int32(0), cache)[1]
+
+    cache = prefill(params, np.zeros((4, 3), np.int32))
+    expected = rules.spec(gen.CACHE_AXES, cache["k"].shape, mesh)
+    assert expected == PartitionSpec("pipeline", ("data", "fsdp"), None, "tensor", None)
+    for name in ("k", "v"):
+        assert cache[name].sharding.is_equivalent_to(NamedSharding(mesh, expected), 5), name
+        assert cache[name].addressable_shards[0].data.shape == (2, 1, 8, 1, 16)
+
+
+def test_greedy_equals_transformers_generate(tmp_path):
+    """Greedy decoding of a converted HF Llama equals `transformers` greedy `generate`."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from jaxscale.interop import hf
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rope_theta=20000.0, bos_token_id=None, eos_token_id=None, pad_token_id=0)).eval()
+    model.save_pretrained(str(tmp_path / "hf"))
+    prompt = np.random.default_rng(0).integers(0, 96, (2, 6)).astype(np.int32)
+    with torch.no_grad():
+        ref = model.generate(torch.from_numpy(prompt).long(), max_new_tokens=10, do_sample=False,
+                             attention_mask=torch.ones(2, 6, dtype=torch.long)).numpy()
+    config, params = gen.load_source(hf_dir=str(tmp_path / "hf"))
+    got = gen.generate_from_config(config, params, prompt, steps=10)
+    np.testing.assert_array_equal(got, ref)
+    model_cfg, host = hf.load_llama(str(tmp_path / "hf"))
+    model_def = ModelDef.build(model_cfg, get_policy("32-true"))
+    np.testing.assert_array_equal(
+        np.asarray(gen.make_generate(model_def, 10)(host, prompt, jax.random.key(0))), ref)
+
+
+@pytest.mark.parametrize("call, culprit", [
+    (lambda: gen.parse_prompt("", ["1", "x"], 96), "not a comma-separated list"),
+    (lambda: gen.parse_prompt("", ["1", "96"], 96), r"\[96\], outside .* \[0, 96\)"),
+    (lambda: gen.parse_prompt("", ["-1"], 96), "outside"),
+    (lambda: gen.parse_prompt("hello", [], 96), "byte-level"),
+    (lambda: gen.parse_prompt("", [], 256), "empty"),
+    (lambda: gen.check_request(4, 0, 0.0, 64), "at least one"),
+    (lambda: gen.check_request(4, -3, 0.0, 64), "at least one"),
+    (lambda: gen.check_request(4, 8, -1.0, 64), "temperature"),
+    (lambda: gen.check_request(60, 8, 0.0, 64), "max_len=64.*at most 4"),
+])
+def test_bad_requests_are_clear_errors(call, culprit):
+    with pytest.raises(gen.GenerateError, match=culprit):
+        call()
+    assert gen.parse_prompt("hi", [], 256) == [104, 105]
+    assert gen.parse_prompt("", [" 3", "5"], 96) == [3, 5]

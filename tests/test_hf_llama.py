@@ -6,6 +6,7 @@ import os
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -63,7 +64,7 @@ def test_logits_match_transformers(tmp_path, name):
 def test_round_trip_is_exact_and_loads_in_transformers(tmp_path, name):
     model, path = make_hf(tmp_path, name)
     model_cfg, params = hf.load_llama(path)
-    out = hf.save_llama(params, model_cfg, str(tmp_path / "export"))
+    out = hf.save_llama((model_cfg, params), str(tmp_path / "export"))
     original = {k: v.numpy() for k, v in model.state_dict().items()}
     exported = hf.SafetensorsReader(out)
     assert set(exported.entries) == set(original) - {"model.rotary_emb.inv_freq"}
@@ -108,6 +109,8 @@ def test_sharded_index_checkpoint(tmp_path):
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(hidden_act="gelu"), "gelu"),
+    (dict(sliding_window=16), "sliding_window"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3"),
 ])
 def test_unsupported_configs_are_rejected(tmp_path, change, culprit):
     _, path = make_hf(tmp_path, "gqa_untied")
@@ -120,6 +123,102 @@ def test_unsupported_configs_are_rejected(tmp_path, change, culprit):
         json.dump(cfg, f)
     with pytest.raises(hf.ConversionError, match=culprit):
         hf.load_llama(path)
+
+
+def test_missing_config_keys_are_all_named(tmp_path):
+    _, path = make_hf(tmp_path, "gqa_untied")
+    cfg_path = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_path))
+    del cfg["hidden_size"], cfg["num_hidden_layers"]
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(hf.ConversionError, match="hidden_size, num_hidden_layers"):
+        hf.load_llama(path)
+
+
+def test_dtype_is_parsed_and_unsupported_rejected(tmp_path):
+    _, path = make_hf(tmp_path, "gqa_untied")
+    model = hf.load_llama(path, dtype="bf16")
+    assert all(v.dtype.name == "bfloat16" for v in flatten(model.params).values())
+    with pytest.raises(hf.ConversionError, match="'int3' is not supported.*bf16"):
+        hf.load_llama(path, dtype="int3")
+    with pytest.raises(hf.ConversionError, match="float64"):
+        hf.save_llama(model, str(tmp_path / "out"), dtype="float64")
+    out = hf.save_llama(hf.load_llama(path), str(tmp_path / "bf16"), dtype="bf16")
+    assert {info["dtype"] for _, _, info in hf.SafetensorsReader(out).entries.values()} == {"BF16"}
+    assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "bfloat16"
+
+
+def test_sharded_export_writes_index_and_loads(tmp_path):
+    """save_llama past max_shard_size: shard files + index that transformers and we read back."""
+    model, path = make_hf(tmp_path, "gqa_untied")
+    loaded = hf.load_llama(path)
+    out = str(tmp_path / "export")
+    hf.save_llama(loaded, out, max_shard_size="30KB")
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and not os.path.exists(os.path.join(out, "model.safetensors"))
+    assert all(os.path.getsize(os.path.join(out, f)) < 40_000 for f in files)
+    again = hf.load_llama(out)
+    for k, v in flatten(loaded.params).items():
+        np.testing.assert_array_equal(flatten(again.params)[k], v)
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    tokens = torch.arange(12).reshape(1, 12)
+    with torch.no_grad():
+        np.testing.assert_array_equal(reloaded(tokens).logits.numpy(),
+                                      model(tokens).logits.numpy())
+
+
+def test_mesh_load_reads_only_each_devices_shard(tmp_path, monkeypatch):
+    """With a mesh, no parameter is read whole when its rules shard it: each read is one
+    device's block, so the model never exists as a full host copy."""
+    _, path = make_hf(tmp_path, "gqa_untied")
+    reads = []
+    original = hf.Source.read
+
+    def spy(self, leaf, shape, dtype, index=None):
+        out = original(self, leaf, shape, dtype, index)
+        reads.append((leaf, shape, out.shape))
+        return out
+
+    monkeypatch.setattr(hf.Source, "read", spy)
+    mesh = make_mesh(dict(data=1, pipeline=1, fsdp=8, tensor=1))
+    model_cfg, params = hf.load_llama(path, mesh=mesh)
+    specs = param_specs(ModelDef.build(model_cfg, get_policy("32-true")), hf.default_rules(), mesh)
+    blocks = {}
+    for leaf, shape, got in reads:
+        assert got == NamedSharding(mesh, specs[leaf]).shard_shape(shape), leaf
+        blocks[leaf] = blocks.get(leaf, 0) + 1
+    for leaf, shape, got in reads:  # one read per distinct block; replicas share it
+        assert blocks[leaf] == np.prod(shape) // np.prod(got), leaf
+    assert sum(n == 8 for n in blocks.values()) >= 8  # embedding, lm_head, projections
+
+
+def test_convert_streams_one_leaf_at_a_time(tmp_path, monkeypatch):
+    """launch.convert's export reads each leaf lazily; when a leaf is read, every leaf before
+    the previous one has already been freed (the writer may still hold the previous one)."""
+    import gc
+    import weakref
+
+    from jaxscale.interop import convert
+
+    _, path = make_hf(tmp_path, "gqa_untied")
+    alive: list = []
+    original = convert.LazyLeaf.__array__
+
+    def spy(self, dtype=None, copy=None):
+        gc.collect()
+        assert sum(ref() is not None for ref in alive) <= 1, "more than one leaf on the host"
+        out = original(self, dtype, copy)
+        alive.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(convert.LazyLeaf, "__array__", spy)
+    convert.hf_to_workdir(path, str(tmp_path / "converted"))
+    assert len(alive) == len(hf.llama_leaves(hf.open_llama(path).model_cfg))
+    flat = flatten(hf.load_llama(path).params)  # and the export holds exactly the HF weights
+    from jaxscale.init_from import load_flat_params
+    for k, v in load_flat_params(str(tmp_path / "converted")).items():
+        np.testing.assert_array_equal(v, flat[k])
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
@@ -156,3 +255,46 @@ def test_convert_finetune_export(tmp_path):
     trained = jax.device_get(state.params)
     assert np.max(np.abs(jax_logits(model_cfg, trained, tokens) - ref)) < 1e-4
     assert not np.array_equal(flatten(trained)["lm_head"], flatten(expected)["lm_head"])
+
+
+def test_init_from_refuses_a_model_config_that_differs(tmp_path):
+    """Equal shapes but another norm_eps / rope_theta would silently compute a different model:
+    a converted workdir names the flags to add."""
+    from jaxscale.init_from import InitFromError, check_model_config
+    from jaxscale.interop import convert
+
+    _, path = make_hf(tmp_path, "gqa_theta")
+    converted = str(tmp_path / "converted")
+    model_cfg = convert.hf_to_workdir(path, converted)
+    check_model_config(converted, dict(model_cfg, max_len=4096))  # a longer context is fine
+    with pytest.raises(InitFromError, match=r"--config.model.rope_theta=500000.0 "
+                                            r"--config.model.norm_eps=1e-05"):
+        check_model_config(converted, dict(model_cfg, rope_theta=1e4, norm_eps=1e-6))
+
+
+def test_init_from_reads_and_places_one_leaf_at_a_time(tmp_path, monkeypatch):
+    """config.init_from never loads the whole params export: each leaf is read from the store,
+    placed into its sharding and dropped before the next is read."""
+    from jaxscale.init_from import LeafSource, place_leaves
+    from jaxscale.interop import convert
+    from jaxscale.lofi import store as store_lib
+
+    _, path = make_hf(tmp_path, "gqa_untied")
+    converted = str(tmp_path / "converted")
+    model_cfg = convert.hf_to_workdir(path, converted)
+    monkeypatch.setattr(store_lib, "read_params", lambda *a: pytest.fail("whole-model read"))
+    events, read, make = [], store_lib.read_leaf, jax.make_array_from_callback
+    monkeypatch.setattr(store_lib, "read_leaf", lambda s, c, leaf: (
+        events.append("read"), read(s, c, leaf))[1])
+    monkeypatch.setattr(jax, "make_array_from_callback", lambda *a: (
+        events.append("place"), make(*a))[1])
+    mesh = make_mesh(dict(data=1, pipeline=1, fsdp=4, tensor=2))
+    specs = param_specs(ModelDef.build(model_cfg, get_policy("32-true")), hf.default_rules(), mesh)
+    shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+    like = {k: np.zeros((), np.float32) for k in specs}
+    placed = place_leaves(LeafSource(converted), shardings, like)
+    assert events == ["read", "place"] * len(specs)
+    expected = flatten(hf.load_llama(path).params)
+    for k, arr in placed.items():
+        assert arr.sharding == shardings[k]
+        np.testing.assert_array_equal(np.asarray(arr), expected[k])

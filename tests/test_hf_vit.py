@@ -52,7 +52,7 @@ def test_logits_match_transformers(tmp_path, channels, image, patch):
 def test_round_trip_is_exact(tmp_path):
     model, path = make_hf(tmp_path)
     model_cfg, params = hf_vit.load_vit(path)
-    out = hf_vit.save_vit(params, model_cfg, str(tmp_path / "export"))
+    out = hf_vit.save_vit(hf_vit.load_vit(path), str(tmp_path / "export"))
     exported = hf.SafetensorsReader(out)
     original = {k: v.numpy() for k, v in model.state_dict().items()}
     assert set(exported.entries) == set(original)
@@ -78,11 +78,16 @@ def test_sharded_load_follows_rules(tmp_path):
     assert specs["layers/attn/wq"][2] == "tensor" and specs["layers/mlp/w_in"][1] == "fsdp"
 
 
-def test_rejects_unsupported(tmp_path):
+@pytest.mark.parametrize("change, culprit", [
+    (dict(hidden_act="relu"), "relu"),
+    (dict(qkv_bias=False), "qkv_bias"),
+    (dict(image_size=None, patch_size=None), "image_size, patch_size"),
+])
+def test_rejects_unsupported(tmp_path, change, culprit):
     _, path = make_hf(tmp_path)
     cfg_path = os.path.join(path, "config.json")
     cfg = json.load(open(cfg_path))
-    cfg["hidden_act"] = "relu"
+    cfg.update(change)
     json.dump(cfg, open(cfg_path, "w"))
-    with pytest.raises(hf.ConversionError, match="relu"):
+    with pytest.raises(hf.ConversionError, match=culprit):
         hf_vit.load_vit(path)

@@ -1,17 +1,23 @@
-"""Hugging Face Llama checkpoints <-> jaxscale Llama parameters (safetensors, no torch needed).
+"""Hugging Face Llama checkpoints <-> jaxscale parameters (safetensors, no torch needed).
 
-`load_llama(hf_dir, mesh, rules)` reads `config.json` and `model.safetensors` (or a sharded
-`model.safetensors.index.json`) and returns `(model_cfg, params)`: the dict to put in
-`config.model` and the nested parameter dict that `ModelDef.module` binds. The safetensors files
-are memory-mapped and read one tensor (one layer) at a time; with a mesh, each parameter is
-assembled only for the shards this process holds and placed straight into the NamedSharding its
-logical axes resolve to, so at most one parameter's host copy exists at any time and a model
-larger than one device loads onto a mesh. `save_llama` writes the same layout back; a round
-trip reproduces the original tensors bit for bit.
+    model = load_llama(hf_dir, mesh=None, rules=None, dtype=None)   # Pretrained(config, params)
+    save_llama(model, out_dir, dtype=None, max_shard_size=None)
+
+`load_llama` reads `config.json` and `model.safetensors` (or a sharded
+`model.safetensors.index.json`) and returns `Pretrained(config, params)` (a named tuple, so
+`model_cfg, params = load_llama(...)` also works): the fields to put in `config.model` and the
+nested parameter dict that `ModelDef.module` binds. Tensors are memory-mapped and read one
+parameter at a time; with a mesh, each parameter is assembled only for the shards this process
+holds and placed straight into the NamedSharding its logical axes resolve to, so at most one
+parameter's host copy exists at any time and a model larger than one device loads onto a mesh.
+`save_llama` streams the same layout back (sharded files past `max_shard_size`); a round trip
+reproduces the original tensors bit for bit. The machinery here (`Leaf`, `Source`,
+`load_source`, `save_tensors`) is shared with the ViT converter, `hf_vit.py`.
 
 jaxscale's Llama uses the Hugging Face "rotate half" rotary layout, so q/k need no permutation:
 every weight is only transposed and reshaped. Configurations the model cannot reproduce
-(rope scaling, attention or MLP biases, another activation) are rejected, never approximated.
+(rope scaling, sliding windows, attention or MLP biases, another activation) are rejected,
+never approximated.
 """
 
 from __future__ import annotations
@@ -21,133 +27,27 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
-import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.errors import paragraph
+from jaxscale.interop.safetensors_io import (ConversionError, SafetensorsReader, parse_dtype,
+                                             write_checkpoint_files)
 from jaxscale.rules import AxisRules, normalize_rules
 from jaxscale.train.state import flatten, unflatten
 
-
-class ConversionError(JaxscaleError):
-    """A Hugging Face checkpoint cannot be converted faithfully."""
-
-
-# ----------------------------------------------------------------------------- safetensors I/O
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
-           "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
-           "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32, "I16": np.int16,
-           "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
-           "BOOL": np.bool_}
-_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-# `--dtype` spellings -> numpy dtype names (the export / storage dtypes that make sense).
-DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
-                 "f16": "float16", "half": "float16", "float16": "float16", "fp32": "float32",
-                 "f32": "float32", "float": "float32", "float32": "float32"}
+__all__ = ["ConversionError", "Pretrained", "SafetensorsReader", "load_llama", "save_llama",
+           "open_llama", "parse_dtype"]
 
 
-def parse_dtype(name: Any) -> np.dtype | None:
-    """A dtype from a user's spelling ('bf16', 'fp16', 'float32', a numpy dtype); None -> None.
+class Pretrained(NamedTuple):
+    """A converted model: its `config.model` fields and its nested parameters."""
 
-    Raises a ConversionError listing the accepted names, rather than numpy's bare TypeError.
-    """
-    if name is None or name == "":
-        return None
-    if not isinstance(name, str):
-        return np.dtype(name)
-    key = name.strip().lower()
-    if key not in DTYPE_ALIASES:
-        raise ConversionError(paragraph(
-            f"dtype {name!r} is not supported for checkpoints. Use one of",
-            f"{', '.join(sorted(DTYPE_ALIASES))} (e.g. --dtype=bf16), or leave it unset to keep",
-            "the stored dtype.",
-        ))
-    return np.dtype(ml_dtypes.bfloat16) if DTYPE_ALIASES[key] == "bfloat16" else np.dtype(
-        DTYPE_ALIASES[key])
-
-
-class SafetensorsReader:
-    """Lazy reader over one checkpoint directory: tensors are memory-mapped, read on demand.
-
-    Implements the safetensors layout directly (8-byte little-endian header size, JSON header,
-    raw little-endian data) so bfloat16 checkpoints load as `ml_dtypes.bfloat16` without torch.
-    """
-
-    def __init__(self, directory: str):
-        index = os.path.join(directory, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-        elif os.path.exists(os.path.join(directory, "model.safetensors")):
-            files = ["model.safetensors"]
-        else:
-            raise ConversionError(paragraph(
-                f"{directory} holds neither model.safetensors nor model.safetensors.index.json.",
-                "Point at a Hugging Face model directory saved with `save_pretrained`",
-                "(safetensors; PyTorch .bin files are not read because they are pickles).",
-            ))
-        self.entries: dict[str, tuple[str, int, dict]] = {}
-        for name in files:
-            path = os.path.join(directory, name)
-            with open(path, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size))
-            header.pop("__metadata__", None)
-            for key, info in header.items():
-                self.entries[key] = (path, 8 + size, info)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.entries
-
-    def get(self, key: str) -> np.ndarray:
-        if key not in self.entries:
-            raise ConversionError(paragraph(
-                f"Tensor {key!r} is missing from the checkpoint (it has {len(self.entries)}",
-                f"tensors, e.g. {sorted(self.entries)[:3]}). The checkpoint does not match its",
-                "config.json, or it is not a Llama checkpoint.",
-            ))
-        path, base, info = self.entries[key]
-        if info.get("dtype") not in _DTYPES:
-            raise ConversionError(paragraph(
-                f"Tensor {key!r} in {path} has safetensors dtype {info.get('dtype')!r}, which",
-                f"this reader does not know (it reads {', '.join(_DTYPES)}). Re-save the",
-                "checkpoint in float32, float16 or bfloat16 (e.g. `model.to(torch.bfloat16)",
-                ".save_pretrained(DIR)`).",
-            ))
-        dtype = np.dtype(_DTYPES[info["dtype"]]).newbyteorder("<")
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if end == start:
-            return np.zeros(shape, dtype)
-        return np.memmap(path, dtype=dtype, mode="r", offset=base + start, shape=shape)
-
-
-def write_safetensors(path: str, specs: list[tuple[str, tuple[int, ...], np.dtype]],
-                      arrays: Iterator[np.ndarray]) -> None:
-    """Writes the safetensors layout from (name, shape, dtype) specs and a stream of arrays in
-    the same order, so only one array is on the host at a time."""
-    header, offset = {}, 0
-    for key, shape, dtype in specs:
-        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-        header[key] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape),
-                       "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for (key, shape, dtype), arr in zip(specs, arrays, strict=True):
-            if tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype(dtype):
-                raise ConversionError(f"{key}: expected {shape} {dtype}, got {arr.shape} "
-                                      f"{arr.dtype} while writing {path}.")
-            f.write(np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<")).tobytes())
+    config: dict
+    params: dict
 
 
 # ----------------------------------------------------------------------------- configs
@@ -204,6 +104,7 @@ def llama_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> d
             "jaxscale's Llama attends to the full context, so the converted model would compute",
             "different logits. Convert a checkpoint with sliding_window=null.",
         ))
+    require_keys(hf, LLAMA_REQUIRED, where, "Llama")
     heads = int(hf["num_attention_heads"])
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     return dict(
@@ -285,29 +186,42 @@ def _heads_in(n: int, e: int, d: int) -> tuple[Callable, Callable]:
 
 
 # ----------------------------------------------------------------------------- loading
-def _layer_tensors(reader: SafetensorsReader, leaf: Leaf, layers: range) -> Iterator[np.ndarray]:
-    for i in layers:
-        yield leaf.to_jax(reader.get(leaf.hf_name.format(i=i)))
+@dataclass(frozen=True)
+class Source:
+    """An opened HF checkpoint: model config, lazy tensor reader, and the leaf mapping."""
 
+    model_cfg: dict
+    reader: SafetensorsReader
+    leaves: dict[str, Leaf]
 
-def _host_shard(reader: SafetensorsReader, leaf: Leaf, index: tuple[slice, ...],
-                shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """The part `index` of one parameter, reading only the layers it covers."""
-    if not leaf.stacked:
-        return np.asarray(leaf.to_jax(reader.get(leaf.hf_name))[index], dtype=dtype)
-    layers = range(*index[0].indices(shape[0]))
-    return np.stack([np.asarray(w[index[1:]], dtype=dtype)
-                     for w in _layer_tensors(reader, leaf, layers)])
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """jaxscale shape of every leaf, from the model definition (no tensor is read)."""
+        shapes = {k: tuple(v.shape) for k, v in _model_def(self.model_cfg).shapes().items()}
+        if set(shapes) != set(self.leaves):
+            raise ConversionError(f"Internal mapping mismatch: model leaves {sorted(shapes)} vs "
+                                  f"converted leaves {sorted(self.leaves)}.")
+        return shapes
 
+    def read(self, path: str, shape: tuple[int, ...], dtype: Any,
+             index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """The part `index` (default: all) of leaf `path`, reading only the layers it covers."""
+        leaf = self.leaves[path]
+        index = index or (slice(None),) * len(shape)
+        if not leaf.stacked:
+            return np.asarray(leaf.to_jax(self.reader.get(leaf.hf_name))[index], dtype=dtype)
+        layers = range(*index[0].indices(shape[0]))
+        return np.stack([np.asarray(leaf.to_jax(self.reader.get(leaf.hf_name.format(i=i)))
+                                    [index[1:]], dtype=dtype) for i in layers])
 
-def _check_shape(path: str, leaf: Leaf, reader: SafetensorsReader, expected: tuple) -> None:
-    name = leaf.hf_name.format(i=0)
-    got = tuple(leaf.to_jax(reader.get(name)).shape)
-    if got != tuple(expected[1:] if leaf.stacked else expected):
-        raise ConversionError(paragraph(
-            f"Tensor {name} converts to shape {got} for jaxscale leaf {path}, but config.json",
-            f"implies {tuple(expected)}. The checkpoint and its config.json disagree.",
-        ))
+    def check_shape(self, path: str, expected: tuple[int, ...]) -> None:
+        leaf = self.leaves[path]
+        name = leaf.hf_name.format(i=0)
+        got = tuple(leaf.to_jax(self.reader.get(name)).shape)
+        if got != tuple(expected[1:] if leaf.stacked else expected):
+            raise ConversionError(paragraph(
+                f"Tensor {name} converts to shape {got} for jaxscale leaf {path}, but config.json",
+                f"implies {tuple(expected)}. The checkpoint and its config.json disagree.",
+            ))
 
 
 def _model_def(model_cfg: Mapping[str, Any]):
@@ -316,46 +230,36 @@ def _model_def(model_cfg: Mapping[str, Any]):
     return ModelDef.build(model_cfg, get_policy("32-true"))
 
 
-def load_params(reader: SafetensorsReader, leaves: Mapping[str, Leaf],
-                model_cfg: Mapping[str, Any], mesh: Mesh | None = None,
-                rules: AxisRules | None = None, dtype: Any = None) -> dict:
+def load_source(source: Source, mesh: Mesh | None = None, rules: AxisRules | None = None,
+                dtype: Any = None) -> Pretrained:
     """Reads every leaf; places it on `mesh` by `rules` (host numpy arrays when no mesh)."""
     from jaxscale.train.state import param_specs
 
-    model_def = _model_def(model_cfg)
-    shapes = model_def.shapes()
-    if set(shapes) != set(leaves):
-        raise ConversionError(f"Internal mapping mismatch: model leaves {sorted(shapes)} vs "
-                              f"converted leaves {sorted(leaves)}.")
-    dtype = np.dtype(dtype or np.float32)
+    shapes = source.shapes()
+    dtype = parse_dtype(dtype) or np.dtype(np.float32)
     specs = None
     if mesh is not None:
-        rules = rules or default_rules()
-        specs = param_specs(model_def, rules, mesh)
+        specs = param_specs(_model_def(source.model_cfg), rules or default_rules(), mesh)
     out = {}
-    for path, leaf in leaves.items():
-        shape = tuple(shapes[path].shape)
-        _check_shape(path, leaf, reader, shape)
+    for path, shape in shapes.items():
+        source.check_shape(path, shape)
         if mesh is None:
-            out[path] = _host_shard(reader, leaf, (slice(None),) * len(shape), shape, dtype)
-            continue
-        sharding = NamedSharding(mesh, specs[path])
-        out[path] = _place(reader, leaf, shape, sharding, dtype)
-    return unflatten(out)
+            out[path] = source.read(path, shape, dtype)
+        else:
+            out[path] = place_leaf(source, path, shape, NamedSharding(mesh, specs[path]), dtype)
+    return Pretrained(dict(source.model_cfg), unflatten(out))
 
 
-def _place(reader: SafetensorsReader, leaf: Leaf, shape: tuple[int, ...],
-           sharding: NamedSharding, dtype: np.dtype) -> jax.Array:
+def place_leaf(source: Source, path: str, shape: tuple[int, ...], sharding: NamedSharding,
+               dtype: np.dtype) -> jax.Array:
     """Builds each distinct local shard once (replicas share it), then one global array."""
     shards: dict[tuple, np.ndarray] = {}
-    key = lambda idx: tuple(s.indices(n) for s, n in zip(idx, shape))
+    full = lambda idx: tuple(idx) + (slice(None),) * (len(shape) - len(tuple(idx)))
+    key = lambda idx: tuple(s.indices(n) for s, n in zip(full(idx), shape))
     for idx in sharding.addressable_devices_indices_map(shape).values():
-        idx = tuple(idx) + (slice(None),) * (len(shape) - len(tuple(idx)))
         if key(idx) not in shards:
-            shards[key(idx)] = _host_shard(reader, leaf, idx, shape, dtype)
-    return jax.make_array_from_callback(
-        shape, sharding,
-        lambda idx: shards[key(tuple(idx) + (slice(None),) * (len(shape) - len(tuple(idx))))])
+            shards[key(idx)] = source.read(path, shape, dtype, full(idx))
+    return jax.make_array_from_callback(shape, sharding, lambda idx: shards[key(idx)])
 
 
 def default_rules() -> AxisRules:
@@ -365,24 +269,35 @@ def default_rules() -> AxisRules:
 
 def read_hf_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"{hf_dir!r} is not a directory; point at a Hugging Face model "
+                              "directory written by `save_pretrained`.")
     if not os.path.exists(path):
         raise ConversionError(f"{hf_dir} has no config.json; point at a Hugging Face model "
                               "directory written by `save_pretrained`.")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path} is not valid JSON ({e}); re-save the model with "
+                              "`save_pretrained`.") from None
+
+
+def open_llama(hf_dir: str) -> Source:
+    """The config and lazy reader of a HF Llama directory (validated; no tensor read yet)."""
+    model_cfg = llama_config_from_hf(read_hf_config(hf_dir), os.path.join(hf_dir, "config.json"))
+    return Source(model_cfg, SafetensorsReader(hf_dir), llama_leaves(model_cfg))
 
 
 def load_llama(hf_dir: str, mesh: Mesh | None = None, rules: AxisRules | None = None,
-               dtype: Any = None) -> tuple[dict, dict]:
-    """(model_cfg for `config.model`, nested params) from a Hugging Face Llama directory.
+               dtype: Any = None) -> Pretrained:
+    """`Pretrained(config, params)` from a Hugging Face Llama directory.
 
     With `mesh`, every parameter is a jax.Array sharded by `rules` (default: DEFAULT_RULES);
-    without, host numpy arrays. `dtype` defaults to float32 (the 32-true parameter dtype).
+    without, host numpy arrays. `dtype` ('bf16', 'float32', ...) defaults to float32 (the
+    32-true parameter dtype).
     """
-    model_cfg = llama_config_from_hf(read_hf_config(hf_dir), os.path.join(hf_dir, "config.json"))
-    params = load_params(SafetensorsReader(hf_dir), llama_leaves(model_cfg), model_cfg,
-                         mesh, rules, dtype)
-    return model_cfg, params
+    return load_source(open_llama(hf_dir), mesh, rules, dtype)
 
 
 # ----------------------------------------------------------------------------- saving
@@ -409,30 +324,47 @@ def hf_tensors(flat_params: Mapping[str, Any], leaves: Mapping[str, Leaf], dtype
     return specs, arrays()
 
 
-def save_llama(params: Mapping, model_cfg: Mapping[str, Any], out_dir: str,
-               dtype: Any = None) -> str:
-    """Writes `config.json` + `model.safetensors` that `LlamaForCausalLM.from_pretrained` loads.
+def unpack(model: Any, fn: str) -> tuple[dict, dict]:
+    """(config, flat params) of a `Pretrained` or a (config, params) pair."""
+    if not (isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], Mapping)
+            and isinstance(model[1], Mapping)):
+        raise ConversionError(f"{fn}(model, out_dir): model must be the Pretrained(config, "
+                              f"params) that load_* returns, or a (config, params) pair; got "
+                              f"{type(model).__name__}.")
+    return dict(model[0]), flatten(model[1])
 
-    Parameters keep their dtype unless `dtype` is given (e.g. 'bfloat16' to halve the files).
-    Gathers one parameter to the host at a time, so call it from a single process.
-    """
-    model_cfg = dict(model_cfg)
-    flat = flatten(params)
-    leaves = llama_leaves(model_cfg)
+
+def save_tensors(flat: Mapping[str, Any], leaves: Mapping[str, Leaf], hf_config: dict,
+                 out_dir: str, dtype: Any = None, max_shard_size: int | str | None = None
+                 ) -> str:
+    """Writes config.json + safetensors (sharded past `max_shard_size`, e.g. '5GB')."""
     missing = sorted(set(leaves) - set(flat))
     if missing:
         raise ConversionError(paragraph(
-            f"save_llama: parameters {missing[:4]} are missing (got {sorted(flat)[:4]}...).",
-            "Pass the full parameter tree of a Llama (merge LoRA adapters and frozen parts",
-            "first) together with the model config it was built from.",
+            f"Parameters {missing[:4]} are missing (got {sorted(flat)[:4]}...). Pass the full",
+            "parameter tree (merge LoRA adapters and frozen parts first) together with the",
+            "model config it was built from.",
         ))
     os.makedirs(out_dir, exist_ok=True)
-    specs, arrays = hf_tensors(flat, leaves, None if dtype is None else np.dtype(dtype))
-    dtype_name = {"bfloat16": "bfloat16", "float16": "float16"}.get(specs[0][2].name, "float32")
+    specs, arrays = hf_tensors(flat, leaves, parse_dtype(dtype))
+    hf_config["torch_dtype"] = {"bfloat16": "bfloat16", "float16": "float16"}.get(
+        specs[0][2].name, "float32")
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(llama_config_to_hf(model_cfg, dtype_name), f, indent=2)
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), specs, arrays)
+        json.dump(hf_config, f, indent=2)
+    write_checkpoint_files(out_dir, specs, arrays, max_shard_size)
     return out_dir
+
+
+def save_llama(model: Pretrained | tuple[Mapping, Mapping], out_dir: str, dtype: Any = None,
+               max_shard_size: int | str | None = None) -> str:
+    """Writes `config.json` + safetensors that `LlamaForCausalLM.from_pretrained` loads.
+
+    Parameters keep their dtype unless `dtype` is given (e.g. 'bf16' to halve the files).
+    Gathers one parameter to the host at a time, so call it from a single process.
+    """
+    model_cfg, flat = unpack(model, "save_llama")
+    return save_tensors(flat, llama_leaves(model_cfg), llama_config_to_hf(model_cfg), out_dir,
+                        dtype, max_shard_size)
 
 
 def num_bytes(params: Mapping) -> int:

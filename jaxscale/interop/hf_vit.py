@@ -9,19 +9,16 @@ transformers layout (`vit.layers.{i}.attention.q_proj`) and the older one
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 from jax.sharding import Mesh
 
-from jaxscale.interop.hf import (ConversionError, Leaf, SafetensorsReader, hf_tensors,
-                                 load_params, read_hf_config, write_safetensors)
+from jaxscale.interop.hf import (ConversionError, Leaf, Pretrained, SafetensorsReader, Source,
+                                 load_source, read_hf_config, require_keys, save_tensors, unpack)
 from jaxscale.errors import paragraph
 from jaxscale.rules import AxisRules
-from jaxscale.train.state import flatten
 
 _LEGACY = {  # current name fragment -> older transformers name fragment
     "vit.layers.{i}.attention.q_proj": "vit.encoder.layer.{i}.attention.attention.query",
@@ -33,6 +30,10 @@ _LEGACY = {  # current name fragment -> older transformers name fragment
     "vit.layers.{i}.layernorm_before": "vit.encoder.layer.{i}.layernorm_before",
     "vit.layers.{i}.layernorm_after": "vit.encoder.layer.{i}.layernorm_after",
 }
+
+
+VIT_REQUIRED = ("image_size", "patch_size", "hidden_size", "num_hidden_layers",
+                "num_attention_heads", "intermediate_size")
 
 
 def vit_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> dict:
@@ -47,6 +48,7 @@ def vit_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> dic
             f"{where}: qkv_bias=False is not supported: jaxscale's ViT always has q/k/v biases",
             "and a round trip would add them. Convert a checkpoint with qkv_bias=true.",
         ))
+    require_keys(hf, VIT_REQUIRED, where, "ViT")
     heads = int(hf["num_attention_heads"])
     labels = hf.get("id2label") or {}
     return dict(
@@ -116,25 +118,23 @@ def vit_leaves(model_cfg: Mapping[str, Any], legacy: bool = False) -> dict[str, 
     return leaves
 
 
-def load_vit(hf_dir: str, mesh: Mesh | None = None, rules: AxisRules | None = None,
-             dtype: Any = None) -> tuple[dict, dict]:
-    """(model_cfg for `config.model`, nested params) from a HF ViTForImageClassification dir."""
+def open_vit(hf_dir: str) -> Source:
+    """The config and lazy reader of a HF ViTForImageClassification directory."""
     model_cfg = vit_config_from_hf(read_hf_config(hf_dir), os.path.join(hf_dir, "config.json"))
     reader = SafetensorsReader(hf_dir)
     legacy = "vit.layers.0.attention.q_proj.weight" not in reader
-    params = load_params(reader, vit_leaves(model_cfg, legacy), model_cfg, mesh, rules, dtype)
-    return model_cfg, params
+    return Source(model_cfg, reader, vit_leaves(model_cfg, legacy))
 
 
-def save_vit(params: Mapping, model_cfg: Mapping[str, Any], out_dir: str,
-             dtype: Any = None) -> str:
-    """Writes config.json + model.safetensors that `ViTForImageClassification` loads."""
-    flat = flatten(params)
-    os.makedirs(out_dir, exist_ok=True)
-    specs, arrays = hf_tensors(flat, vit_leaves(model_cfg), None if dtype is None
-                               else np.dtype(dtype))
-    dtype_name = {"bfloat16": "bfloat16", "float16": "float16"}.get(specs[0][2].name, "float32")
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(vit_config_to_hf(model_cfg, dtype_name), f, indent=2)
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), specs, arrays)
-    return out_dir
+def load_vit(hf_dir: str, mesh: Mesh | None = None, rules: AxisRules | None = None,
+             dtype: Any = None) -> Pretrained:
+    """`Pretrained(config, params)` from a HF ViTForImageClassification directory."""
+    return load_source(open_vit(hf_dir), mesh, rules, dtype)
+
+
+def save_vit(model: Pretrained | tuple[Mapping, Mapping], out_dir: str, dtype: Any = None,
+             max_shard_size: int | str | None = None) -> str:
+    """Writes config.json + safetensors that `ViTForImageClassification` loads."""
+    model_cfg, flat = unpack(model, "save_vit")
+    return save_tensors(flat, vit_leaves(model_cfg), vit_config_to_hf(model_cfg), out_dir,
+                        dtype, max_shard_size)

@@ -28,7 +28,7 @@ from jaxscale.parallel.pipeline import make_layer_runner
 from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.optim import make_optimizer
-from jaxscale.train.state import ModelDef, TrainState, flatten, init_state
+from jaxscale.train.state import ModelDef, TrainState, flatten, init_state, unflatten
 from jaxscale.train.step import StepContext, batch_sharding, jit_steps
 
 
@@ -73,7 +73,7 @@ class Trainer:
         state, shardings = init_state(model_def, optimizer, rules, mesh, config.seed,
                                       lora.trainable(config.lora), scaler.init if scaler else dict)
         if config.init_from:
-            state = _init_from(config.init_from, state, shardings)
+            state = _init_from(config.init_from, state, shardings, config.model)
         ctx = StepContext(model_def, optimizer, lr, policy, rules, mesh,
                           config.train.grad_accum, config.train.skip_nonfinite,
                           run_layers=make_layer_runner(config.pipeline, mesh, config.model.remat,
@@ -162,18 +162,26 @@ class Trainer:
             ))
 
 
-def _init_from(path: str, state: TrainState, shardings: TrainState) -> TrainState:
-    """Replaces the freshly initialised parameters with saved ones, placed by the rules."""
-    from jaxscale.init_from import check_matches, load_flat_params
-    from jaxscale.lofi.worker import place_flat
+def _init_from(path: str, state: TrainState, shardings: TrainState,
+               model_cfg: Any = None) -> TrainState:
+    """Replaces the freshly initialised parameters with saved ones, placed by the rules.
 
-    flat = load_flat_params(path)
+    Leaves are read and placed one at a time (`init_from.LeafSource`), so a converted model
+    never sits whole on the host.
+    """
+    from jaxscale.init_from import LeafSource, check_matches, check_model_config, place_leaves
+
+    check_model_config(path, model_cfg)
+    source = LeafSource(path)
+    shapes = source.shapes
     if state.frozen:  # LoRA: the saved weights are the frozen base; adapters start fresh
-        flat = {k: v for k, v in flat.items() if not lora.is_adapter(k)}
-        check_matches(flat, flatten(state.frozen), path)
-        return state.replace(frozen=place_flat(flat, shardings.frozen, state.frozen))
-    check_matches(flat, flatten(state.params), path)
-    return state.replace(params=place_flat(flat, shardings.params, state.params))
+        shapes = {k: v for k, v in shapes.items() if not lora.is_adapter(k)}
+        check_matches(shapes, flatten(state.frozen), path, model_cfg)
+        placed = place_leaves(source, flatten(shardings.frozen), flatten(state.frozen))
+        return state.replace(frozen=unflatten(placed))
+    check_matches(shapes, flatten(state.params), path, model_cfg)
+    placed = place_leaves(source, flatten(shardings.params), flatten(state.params))
+    return state.replace(params=unflatten(placed))
 
 
 def _attach_checkpoints(trainer: Trainer) -> None:
