@@ -8,6 +8,11 @@ ways with the same total samples and hyper-parameters:
 Workers are real `launch.train` processes driven by `launch.lofi_local`.
 
     python bench/lofi_vs_ddp.py [--pretrain_steps=200] [--steps=200] [--sync_every=50]
+
+Bytes: Lo-Fi counts everything that went through the store (every worker's pushes and reads
+plus the averager's reads and writes, as recorded by them); data parallel counts the ring
+all-reduce 2(N-1)/N x gradient bytes per step per worker. Lo-Fi's bytes per exchange are fixed,
+so the ratio grows linearly with the steps between exchanges.
 """
 
 from __future__ import annotations
@@ -62,12 +67,11 @@ def main() -> None:
     py = sys.executable
     pre = os.path.join(tmp, "pretrain")
     sh([py, "-m", "launch.train", *train_flags(args.pretrain_steps, 32, None, "a"),
-        f"--workdir={pre}", "--cpu_devices=4", f"--config.lofi.enabled=True",
+        f"--workdir={pre}", "--cpu_devices=4", "--config.lofi.enabled=True",
         f"--config.lofi.store={pre}/store", "--config.lofi.push_every=100000"])
     sh([py, "-m", "launch.lofi_average", f"--store={pre}/store", f"--final={pre}/final"])
     base = f"{pre}/final"
     from jaxscale.lofi.accounting import store_totals
-    from jaxscale.metrics import read_metrics
     rows = [("pretrained (no fine-tuning)", heldout_loss(base), 0.0)]
 
     ddp = os.path.join(tmp, "ddp")
@@ -76,7 +80,7 @@ def main() -> None:
         "--config.lofi.enabled=True", f"--config.lofi.store={ddp}/store",
         "--config.lofi.push_every=100000"])
     sh([py, "-m", "launch.lofi_average", f"--store={ddp}/store", f"--final={ddp}/final"])
-    param_bytes = store_totals(f"{ddp}/store")["averaged"] / 2  # round 0 + final
+    param_bytes = store_totals(f"{ddp}/store")["param_bytes"]
     ddp_bytes = 2 * (WORKERS - 1) / WORKERS * param_bytes * args.steps * WORKERS
     rows.append(("data parallel, 4 shards", heldout_loss(f"{ddp}/final"), ddp_bytes))
 
@@ -86,8 +90,7 @@ def main() -> None:
         sh([py, "-m", "launch.lofi_local", f"--num_workers={WORKERS}", "--devices_per_worker=1",
             f"--store={store}", f"--sync={sync}", "--",
             *train_flags(args.steps, BATCH, base, "b"), *extra])
-        t = store_totals(store)
-        moved = t["pushed"] + t["averaged"] * WORKERS
+        moved = store_totals(store)["lofi_total"]
         rows.append((f"Lo-Fi sync={sync}" + (f" (H={args.sync_every})" if extra else ""),
                      heldout_loss(os.path.join(store, "runs", "final")), moved))
 
@@ -98,8 +101,9 @@ def main() -> None:
         print(f"{name:<34} {loss:>13.4f} {100 * (loss / ddp_loss - 1):>+7.2f}% "
               f"{moved / 2**20:>11.2f} MiB {ratio:>10}")
     print(f"\n{WORKERS} workers x batch {BATCH}, {args.steps} fine-tuning steps each; DDP uses "
-          f"global batch {WORKERS * BATCH}. Lo-Fi bytes = pushes + averages read by every worker;"
-          f" DDP bytes = ring all-reduce 2(N-1)/N x gradient bytes per step per worker.")
+          f"global batch {WORKERS * BATCH}; same lr schedule. Lo-Fi bytes = all store traffic "
+          f"(workers + averager); DDP bytes = ring all-reduce 2(N-1)/N x "
+          f"{param_bytes / 2**20:.2f} MiB per step per worker.")
 
 
 if __name__ == "__main__":

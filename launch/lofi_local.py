@@ -1,5 +1,7 @@
 """Lo-Fi on one machine: `python -m launch.lofi_local --num_workers=4 --devices_per_worker=2
---store=DIR -- <train flags>` runs N independent workers plus the averager."""
+--store=DIR -- <train flags>` runs N independent workers plus the averager, shows one combined
+progress line, and leaves the final average in the store (exported to WORKDIR/final).
+`--dry_run` prints the same job as one worker per TPU VM with a shared gs:// store."""
 
 import os
 
@@ -12,18 +14,20 @@ _DEV = flags.DEFINE_integer("devices_per_worker", 2, "Simulated CPU devices per 
 _STORE = flags.DEFINE_string("store", None, "Shared store (path, gs://, s3://).", required=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Per-worker workdirs (default: STORE/runs).")
 _SYNC = flags.DEFINE_enum("sync", "end", ["end", "periodic", "diloco"], "Lo-Fi schedule.")
-_AGG = flags.DEFINE_string("aggregator", "mean", "mean | median | trimmed_mean | centered_clip")
+_AGG = flags.DEFINE_enum("aggregator", "mean", ["mean", "median", "trimmed_mean", "centered_clip"],
+                         "How the averager reduces the workers' deltas.")
 _DRY = flags.DEFINE_bool("dry_run", False, "Print one worker command per TPU VM and exit.")
 
 
 def main(argv):
     train_flags = tuple(argv[1:]) + (f"--config.lofi.sync={_SYNC.value}",)
+    outer = "diloco" if _SYNC.value == "diloco" else "none"
     if _DRY.value:
-        print("\n".join(lofi_vm_commands(_STORE.value, _N.value, train_flags)))
+        print("\n".join(lofi_vm_commands(_STORE.value, _N.value, train_flags, _AGG.value, outer,
+                                         _SYNC.value != "end")))
         return
     job = LofiJob(_STORE.value, _N.value, _DEV.value, train_flags,
-                  _WORKDIR.value or os.path.join(_STORE.value, "runs"), _AGG.value,
-                  "diloco" if _SYNC.value == "diloco" else "none")
+                  _WORKDIR.value or os.path.join(_STORE.value, "runs"), _AGG.value, outer)
     raise SystemExit(run_local(job, periodic=_SYNC.value != "end"))
 
 

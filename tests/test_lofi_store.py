@@ -1,36 +1,15 @@
 """Lo-Fi store and averager: exact aggregates, faults and hostile input leave the store sane."""
 
 import json
-import os
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
 from jaxscale.quant import dequantize_blockwise, quantize_blockwise
-
-BIG = S.CHUNK * 3 + 123  # a leaf spanning several chunks and larger than the test budget
-TINY_BUDGET = AveragerConfig(chunk_budget_bytes=1)
-
-
-def _params(seed, scale=1.0, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    return {"layers/w": (rng.normal(size=(BIG,)) * scale).astype(dtype).reshape(-1, 1),
-            "b": (rng.normal(size=(7,)) * scale).astype(dtype)}
-
-
-@pytest.fixture
-def store(tmp_path):
-    st = S.Store(str(tmp_path / "store"))
-    publish_initial(st, _params(0))
-    return st
-
-
-def _push(st, worker, step, params, samples=100):
-    return S.push(st, worker, step, params, samples_seen=samples)
+from tests.lofi_common import TINY_BUDGET, _params, _push, _reference
 
 
 def test_mean_equals_numpy_reference_for_leaves_larger_than_budget(store):
@@ -60,12 +39,13 @@ def test_robust_aggregators_match_numpy_and_resist_a_hostile_worker(tmp_path, na
     _push(st, 4, 5, {k: v + 1e6 for k, v in base.items()})  # huge but finite
     cfg = AveragerConfig(aggregator=name, chunk_budget_bytes=1, tau=0.05, trim=0.2)
     assert run_round(st, cfg).published
-    got = latest_average(st).params["b"]
-    deltas = np.stack([honest[w]["b"] - base["b"] for w in range(4)] + [np.full(7, 1e6, np.float32)])
-    ref = aggregate.AGGREGATORS[name](deltas, np.ones(5), trim=0.2, tau=0.05) + base["b"]
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-    honest_mean = np.mean([honest[w]["b"] for w in range(4)], axis=0)
-    assert np.abs(got - honest_mean).max() < 0.05
+    got = latest_average(st).params
+    pushed = [honest[w] for w in range(4)] + [{k: v + 1e6 for k, v in base.items()}]
+    ref = _reference(name, base, pushed, np.ones(5), trim=0.2, tau=0.05)
+    for leaf in base:
+        np.testing.assert_allclose(got[leaf], ref[leaf], rtol=1e-5, atol=1e-5)
+        honest_mean = np.mean([honest[w][leaf] for w in range(4)], axis=0)
+        assert np.abs(got[leaf] - honest_mean).max() < 0.05
 
 
 def test_mean_is_not_robust(store):
@@ -160,11 +140,11 @@ def test_killed_averager_leaves_previous_average_newest_and_racers_publish_once(
     _push(store, 0, 5, _params(1))
     assert run_round(store, TINY_BUDGET).round == 1
     _push(store, 0, 10, _params(2))
-    store.write("average/2/CLAIM", b"9999999999")  # another averager is writing round 2
+    store.write("average/2/CLAIM", json.dumps({"time": 9e9, "token": "x"}).encode())
     report = run_round(store, TINY_BUDGET)
     assert not report.published and "another averager" in report.note
     assert latest_average(store).round == 1  # a reader still gets the complete round 1
-    store.write("average/2/CLAIM", b"0")  # that averager died long ago: take over
+    store.kv.write("average/2/CLAIM", json.dumps({"time": 0, "token": "x"}).encode()).result()
     assert run_round(store, TINY_BUDGET).round == 2
 
 

@@ -5,13 +5,20 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
+import jax
 import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, run_round
+from jaxscale.evaluate import evaluate_params, evaluate_workdir, read_config
+from jaxscale.init_from import load_flat_params
+from jaxscale.interop.convert import workdir_to_hf
+from jaxscale.lofi.accounting import accounting_lines, export_final
 from jaxscale.train.loop import train
 from jaxscale.train.state import flatten
 
@@ -24,20 +31,87 @@ def _losses(workdir):
         return [json.loads(line)["loss"] for line in f]
 
 
+@pytest.mark.slow
 def test_one_worker_lofi_equals_plain_training(tmp_path):
     c = get_config("test")
     c.train.steps = 4
     plain = train(c, str(tmp_path / "plain"))
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2")
-    lofi = train(c, str(tmp_path / "lofi"))
+    train(c, str(tmp_path / "lofi"))
     np.testing.assert_array_equal(_losses(tmp_path / "plain"), _losses(tmp_path / "lofi"))
     assert S.worker_checkpoints(S.Store(c.lofi.store)) == {0: [2, 4]}
     run_round(c.lofi.store, AveragerConfig())
     average = latest_average(c.lofi.store).params
     for leaf, value in flatten(plain.params).items():
         np.testing.assert_allclose(average[leaf], np.asarray(value), rtol=1e-6, atol=1e-7)
+    # The final export is a workdir that evaluation, HF export and init_from accept.
+    final = str(tmp_path / "final")
+    export_final(c.lofi.store, final)
+    got = evaluate_workdir(final, max_batches=1)
+    want = evaluate_params(read_config(str(tmp_path / "plain")), plain.params, max_batches=1)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    hf_dir = workdir_to_hf(final, str(tmp_path / "hf"))
+    assert os.path.exists(os.path.join(hf_dir, "config.json"))
+    loaded = load_flat_params(final)
+    assert set(loaded) == set(flatten(plain.params))
 
 
+class _Recorder:
+    """Hook recording host params and optimizer step counts after every step."""
+
+    def __init__(self):
+        self.params, self.counts = {}, {}
+
+    def after_step(self, trainer, state, step):
+        self.params[step] = {k: np.asarray(v) for k, v in flatten(state.params).items()}
+        leaves = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+        self.counts[step] = {int(v) for p, v in leaves if "count" in jax.tree_util.keystr(p)}
+
+    def at_end(self, trainer, state):
+        pass
+
+
+def _averaging_thread(store, cfg):
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            run_round(store, cfg)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return stop, thread
+
+
+@pytest.mark.slow
+def test_periodic_worker_pushes_ema_resets_optimizer_and_continues_from_average(tmp_path):
+    c = get_config("test")
+    c.train.steps = 4
+    store = str(tmp_path / "store")
+    c.lofi.update(enabled=True, store=store, push_every="2", sync="periodic", sync_every=2,
+                  push_ema=0.5, reset_optimizer_on_sync=True, sync_timeout_s=300.0)
+    stop, thread = _averaging_thread(store, AveragerConfig())
+    rec = _Recorder()
+    try:
+        train(c, str(tmp_path / "w0"), hooks=[rec])
+    finally:
+        stop.set()
+        thread.join()
+    st = S.Store(store)
+    p0 = S.read_params(st, S.load_checkpoint(st, "average/0"))
+    ema = {k: 0.25 * p0[k] + 0.25 * rec.params[1][k] + 0.5 * rec.params[2][k] for k in p0}
+    pushed = S.read_params(st, S.load_checkpoint(st, "workers/0/2"))
+    round1 = S.read_params(st, S.load_checkpoint(st, "average/1"))
+    for k in p0:  # the push is the EMA, and (1 worker, mean) round 1 is that push
+        np.testing.assert_allclose(pushed[k], ema[k], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(round1[k], pushed[k], rtol=1e-6, atol=1e-7)
+    assert rec.counts[2] == {2} and rec.counts[3] == {1}  # fresh optimizer after the sync
+    assert S.load_checkpoint(st, "workers/0/4").manifest["synced_round"] == 1
+    assert any("Lo-Fi total" in line for line in accounting_lines(store))
+
+
+@pytest.mark.slow
 def test_restarted_worker_continues_from_its_last_complete_push(tmp_path):
     c = get_config("test")
     c.train.steps = 4
@@ -78,35 +152,129 @@ def test_worker_killed_mid_push_leaves_no_visible_checkpoint(tmp_path):
     assert store.read("workers/3/7/COMMIT") is None
 
 
-def test_lofi_vm_dry_run_prints_one_worker_per_vm():
+CHECK_WORKER_FLAGS = """
+import json, shlex, sys
+from absl import flags
+from jaxscale import cli
+from jaxscale.config import validate
+sys.argv = ["launch.train"] + shlex.split(sys.argv[1])[3:]  # config_flags reads sys.argv
+config = cli.define_config_file("config", "configs/tiny_lm.py", "")
+flags.DEFINE_string("workdir", None, "")
+cli.parse_flags(sys.argv)
+validate(config.value)
+print(json.dumps(config.value.lofi.to_dict()))
+"""
+
+
+def test_lofi_vm_dry_run_prints_one_valid_worker_per_vm_and_the_averager():
     out = subprocess.run([sys.executable, "-m", "launch.lofi_local", "--num_workers=3",
-                          "--store=gs://bucket/run1", "--dry_run", "--",
-                          "--config=configs/tiny_lm.py"], env=ENV, cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+                          "--store=gs://bucket/run1", "--dry_run", "--sync=diloco", "--",
+                          "--config=configs/tiny_lm.py", "--config.train.steps=50"],
+                         env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
-    assert len(lines) == 3
-    for i, line in enumerate(lines):
-        assert f"--config.lofi.worker_id={i}" in line
-        assert "--config.lofi.store=gs://bucket/run1" in line and "launch.train" in line
+    commands = [l for l in out.stdout.splitlines() if l and not l.startswith("#")]
+    workers = [c for c in commands if "launch.train" in c]
+    assert len(workers) == 3 and len(commands) == 5
+    for i, line in enumerate(workers):  # each command parses and validates as a real run would
+        check = subprocess.run([sys.executable, "-c", CHECK_WORKER_FLAGS, line], env=ENV,
+                               cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert check.returncode == 0, check.stderr[-2000:]
+        lofi = json.loads(check.stdout.strip().splitlines()[-1])
+        assert (lofi["enabled"], lofi["worker_id"], lofi["num_workers"], lofi["sync"],
+                lofi["min_workers"], lofi["store"]) == (True, i, 3, "diloco", 3, "gs://bucket/run1")
+    assert S.kvstore_spec("gs://bucket/run1") == {"driver": "gcs", "bucket": "bucket",
+                                                   "path": "run1/"}
+    assert "--watch" in commands[3] and "--outer=diloco" in commands[3]
+    assert "--final=" in commands[4]
 
 
 @pytest.mark.slow
-def test_lofi_local_runs_workers_and_leaves_final_average(tmp_path):
+def test_lofi_local_diloco_end_to_end_leaves_final_average(tmp_path):
     store_dir = tmp_path / "store"
     cmd = [sys.executable, "-m", "launch.lofi_local", "--num_workers=2",
-           "--devices_per_worker=2", f"--store={store_dir}", "--sync=periodic", "--",
+           "--devices_per_worker=2", f"--store={store_dir}", "--sync=diloco", "--",
            "--config=configs/tiny_lm.py:test", "--config.train.steps=4",
            "--config.lofi.sync_every=2"]
     out = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "round 1: averaged w0@2, w1@2" in out.stdout
-    assert "data-parallel all-reduce" in out.stdout
-    final = store_dir / "runs" / "final" / "params" / "COMMIT"
-    assert final.exists()
+    assert "[lofi] w0 4/4" in out.stdout and "w1 4/4" in out.stdout  # combined progress
+    assert "data-parallel all-reduce" in out.stdout and "lofi worker 1: wrote" in out.stdout
+    store = S.Store(str(store_dir))
+    rounds = S.average_rounds(store)
+    assert len(rounds) >= 3  # initial, step 2, final
+    last = S.load_checkpoint(store, S.average_prefix(rounds[-1]))
+    assert last.manifest["outer"] == "diloco" and last.manifest["contributors"] == {"0": 4, "1": 4}
+    assert all("momentum_checksums" in e for e in last.leaves.values())
+    final = store_dir / "runs" / "final"
+    assert (final / "params" / "COMMIT").exists() and (final / "config.json").exists()
     init = subprocess.run([sys.executable, "-m", "launch.train", "--config=configs/tiny_lm.py:test",
                            f"--workdir={tmp_path / 'ft'}", "--cpu_devices=2",
-                           f"--config.init_from={store_dir / 'runs' / 'final'}",
+                           f"--config.init_from={final}",
                            "--config.train.steps=1"], env=ENV, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert init.returncode == 0, init.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_lofi_local_sigterm_stops_every_process_and_leaves_store_consistent(tmp_path):
+    store_dir = tmp_path / "store"
+    cmd = [sys.executable, "-m", "launch.lofi_local", "--num_workers=2",
+           "--devices_per_worker=1", f"--store={store_dir}", "--sync=periodic", "--",
+           "--config=configs/tiny_lm.py:test", "--config.train.steps=100000",
+           "--config.lofi.sync_every=2", "--config.train.eval_every=0"]
+    proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines, pids = [], []
+    for line in proc.stdout:  # until both workers have synced at least once
+        lines.append(line)
+        if "started" in line and "(pid" in line:
+            pids.append(int(line.rsplit("pid ", 1)[1].rstrip(")\n")))
+        if "round 2: averaged" in line or len(lines) > 5000:
+            break
+    proc.send_signal(signal.SIGTERM)
+    drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    drain.start()
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, "".join(lines[-50:])
+    drain.join(timeout=10)
+    assert len(pids) == 3
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read()
+    store = S.Store(str(store_dir))
+    for r in S.average_rounds(store):
+        S.read_params(store, S.load_checkpoint(store, S.average_prefix(r)))
+    for w, steps in S.worker_checkpoints(store).items():
+        for step in steps:
+            S.load_checkpoint(store, S.worker_prefix(w, step))
+    claims = {k.split("/")[1] for k in store.keys("average/") if k.endswith("/CLAIM")}
+    committed = {str(r) for r in S.average_rounds(store)}
+    assert claims <= committed  # the averager released any claim it held
+
+
+
+
+def test_watching_averager_started_before_round_0_waits_for_the_job_quorum(tmp_path):
+    """The averager may start before any worker: it must still honour config.lofi.min_workers
+    recorded later with round 0, not publish a round from the first push alone."""
+    from jaxscale.lofi.averager import publish_initial
+    store_dir = str(tmp_path / "store")
+    proc = subprocess.Popen([sys.executable, "-m", "launch.lofi_average", f"--store={store_dir}",
+                             "--watch", "--interval_s=0.05"], env=ENV, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(5)  # the averager is up and polling an empty store
+        params = {"w": np.zeros(10, np.float32)}
+        publish_initial(S.Store(store_dir), params, job={"allowed_workers": [0, 1],
+                                                         "min_workers": 2, "max_staleness": 0})
+        S.push(store_dir, 0, 5, {"w": np.ones(10, np.float32)}, 10)
+        time.sleep(3)
+        assert S.average_rounds(S.Store(store_dir)) == [0]  # one push < quorum of 2
+        S.push(store_dir, 1, 5, {"w": np.full(10, 3.0, np.float32)}, 10)
+        deadline = time.monotonic() + 60
+        while S.average_rounds(S.Store(store_dir)) == [0] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        np.testing.assert_allclose(latest_average(store_dir).params["w"], 2.0)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert "round 1: averaged w0@5, w1@5" in out

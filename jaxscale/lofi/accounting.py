@@ -1,62 +1,112 @@
 """What Lo-Fi moved through the store, next to what data-parallel training would all-reduce,
-and the export of the final average as a regular `init_from` source."""
+and the export of the final average as a regular jaxscale checkpoint directory.
+
+Workers record their real store traffic in `STORE/stats/workers/<id>.json` at the end of their
+run; each published round records the averager's traffic in its manifest (`io`). Data-parallel
+training of the same steps would all-reduce 2(N-1)/N x gradient bytes per step per worker (ring
+all-reduce), so the ratio grows linearly with the number of steps between exchanges.
+"""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
-from jaxscale.init_from import export_params
 from jaxscale.lofi import store as store_lib
+from jaxscale.lofi.manifest import DTYPES
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.4f} GiB"
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def _stored_and_raw(ckpt: store_lib.Checkpoint) -> tuple[int, int]:
+    """(bytes stored, bytes the same leaves take uncompressed)."""
+    stored = raw = 0
+    for e in ckpt.leaves.values():
+        n = int(np.prod(e["shape"]))
+        full = n * np.dtype(DTYPES[e["dtype"]]).itemsize
+        raw += full
+        stored += n + 4 * -(-n // 256) if e["encoding"] == "q8delta" else full
+    return stored, raw
+
+
+def _worker_stats(store: store_lib.Store) -> dict[int, dict]:
+    out = {}
+    for key in store.keys("stats/workers/"):
+        try:
+            stats = json.loads(store.read(key) or b"{}")
+            out[int(stats["worker_id"])] = {k: int(stats[k]) for k in
+                                            ("bytes_written", "bytes_read", "step")}
+        except (ValueError, KeyError, TypeError):
+            continue  # a damaged stats file only loses accounting, never data
+    return out
 
 
 def store_totals(location: str) -> dict[str, float]:
-    """Bytes of all committed pushes and averages, and the DDP equivalent for the same steps."""
+    """Bytes pushed / averaged / really moved, and the data-parallel equivalent."""
     store = store_lib.Store(location)
-    pushed = averaged = param_bytes = 0
-    workers = store_lib.worker_checkpoints(store)
-    max_step = 0
-    for w, steps in workers.items():
+    t = dict(pushed=0, pushed_raw=0, averaged=0, averager_io=0, worker_io=0, param_bytes=0)
+    last_step: dict[int, int] = {}
+    pushed_by: dict[int, int] = {}
+    for w, steps in store_lib.worker_checkpoints(store).items():
         for step in steps:
-            ckpt = store_lib.load_checkpoint(store, store_lib.worker_prefix(w, step))
-            pushed += _stored_bytes(ckpt)
-            max_step = max(max_step, step)
+            stored, raw = _stored_and_raw(store_lib.load_checkpoint(
+                store, store_lib.worker_prefix(w, step)))
+            pushed_by[w] = pushed_by.get(w, 0) + stored
+            t["pushed_raw"] += raw
+        last_step[w] = steps[-1]
+    t["pushed"] = sum(pushed_by.values())
     for r in store_lib.average_rounds(store):
         ckpt = store_lib.load_checkpoint(store, store_lib.average_prefix(r))
-        averaged += _stored_bytes(ckpt)
-        param_bytes = _stored_bytes(ckpt)
-    n = max(len(workers), 1)
-    ddp = 2 * (n - 1) / n * param_bytes * max_step * n  # ring all-reduce, every step, all workers
-    return {"workers": n, "steps": max_step, "pushed": pushed, "averaged": averaged,
-            "ddp_allreduce": ddp}
-
-
-def _stored_bytes(ckpt: store_lib.Checkpoint) -> int:
-    total = 0
-    for e in ckpt.leaves.values():
-        n = int(np.prod(e["shape"]))
-        total += n if e["encoding"] == "q8delta" else n * np.dtype(
-            store_lib._DTYPES.get(e["dtype"], e["dtype"])).itemsize
-    return total
+        t["param_bytes"] = _stored_and_raw(ckpt)[1]
+        t["averaged"] += t["param_bytes"]
+        io = ckpt.manifest.get("io") or {}
+        t["averager_io"] += sum(int(io.get(k, 0)) for k in ("bytes_read", "bytes_written"))
+    stats = _worker_stats(store)
+    for w in last_step:  # without stats (still running): its pushes + one read per average
+        s = stats.get(w)
+        t["worker_io"] += (s["bytes_written"] + s["bytes_read"] if s
+                           else pushed_by[w] + t["averaged"])
+    n = max(len(last_step), 1)
+    t.update(workers=n, steps=max(last_step.values(), default=0),
+             ddp_allreduce=2 * (n - 1) / n * t["param_bytes"] * sum(last_step.values()))
+    t["lofi_total"] = t["worker_io"] + t["averager_io"]
+    return t
 
 
 def accounting_lines(location: str) -> list[str]:
     t = store_totals(location)
-    lofi = t["pushed"] + t["averaged"] * t["workers"]  # each worker reads each average once
-    ratio = t["ddp_allreduce"] / lofi if lofi else float("inf")
-    return [f"communication: {t['workers']} workers, {t['steps']} steps",
-            f"  Lo-Fi pushes {_gib(t['pushed'])} + averages read {_gib(t['averaged'] * t['workers'])}",
-            f"  data-parallel all-reduce of the same steps: {_gib(t['ddp_allreduce'])} "
-            f"(2(N-1)/N x gradient bytes per step per worker) -> {ratio:,.0f}x more"]
+    ratio = t["ddp_allreduce"] / t["lofi_total"] if t["lofi_total"] else float("inf")
+    lines = [f"communication: {t['workers']} worker(s), up to {t['steps']} steps each",
+             f"  workers wrote+read {_mib(t['worker_io'])}; averager read+wrote "
+             f"{_mib(t['averager_io'])}; Lo-Fi total {_mib(t['lofi_total'])}",
+             f"  data-parallel all-reduce of the same steps: {_mib(t['ddp_allreduce'])} "
+             f"(2(N-1)/N x {_mib(t['param_bytes'])} gradient per step per worker) -> "
+             f"{ratio:,.1f}x the Lo-Fi bytes"]
+    if t["pushed"] < t["pushed_raw"]:
+        saved = t["pushed_raw"] - t["pushed"]
+        lines.append(f"  compression: pushes stored {_mib(t['pushed'])} instead of "
+                     f"{_mib(t['pushed_raw'])} (saved {_mib(saved)}, "
+                     f"{100 * saved / t['pushed_raw']:.0f}%)")
+    return lines
 
 
 def export_final(location: str, directory: str) -> str:
+    """Writes DIR/params/ (read by `launch.train --config.init_from=DIR`) and DIR/config.json
+    (the workers' resolved config, so `launch.evaluate --workdir=DIR` and `launch.convert
+    --from_workdir=DIR` can rebuild the model)."""
+    from jaxscale.init_from import export_params
+
     store = store_lib.Store(location)
     ckpt = store_lib.latest_average_checkpoint(store)
     if ckpt is None:
-        raise store_lib.StoreError(f"{location}: no complete average to export.")
+        raise store_lib.StoreError(f"{location}: no complete average to export; run workers "
+                                   "and at least one averaging round first.")
     meta = {"source_store": location, "round": ckpt.manifest["round"], "step": ckpt.step}
-    return export_params(directory, store_lib.read_params(store, ckpt), meta)
+    export_params(directory, store_lib.read_params(store, ckpt), meta)
+    config = store.read("config.json")
+    if config is not None:
+        store_lib.Store(directory).write("config.json", config)
+    return directory

@@ -1,10 +1,11 @@
 """Aggregators over workers' deltas: pure float32 array math that knows nothing of models.
 
-Every aggregator takes `deltas` of shape (workers, n) — one block of each worker's flattened
-difference from the previous average — and per-worker `weights` (samples seen), and returns the
-aggregated (n,) delta. The averager streams blocks through them, so the robust ones are
-coordinate-wise (median, trimmed mean) or clip per block (centered clip; see its docstring).
-`OuterSGD` is DiLoCo's outer optimizer, applied to the aggregated delta.
+Every aggregator takes `deltas` of shape (workers, n) — each worker's flattened difference from
+the previous average — and per-worker `weights` (samples seen), and returns the aggregated (n,)
+delta. `mean`, `median` and `trimmed_mean` are coordinate-wise, so the averager streams blocks
+through them; `centered_clip` needs the norm of each worker's whole-model delta, so the averager
+streams it in passes built from `clip_scales` and `clip_update` (this module's `centered_clip`
+on the full vectors is the reference it must match). `OuterSGD` is DiLoCo's outer optimizer.
 """
 
 from __future__ import annotations
@@ -17,8 +18,20 @@ import numpy as np
 from jaxscale.errors import ConfigError, paragraph
 
 
-def _normalized(weights: np.ndarray) -> np.ndarray:
+def check_weights(weights: np.ndarray) -> np.ndarray:
+    """Sample weights as float64: finite, non-negative, not all zero (a hostile manifest must
+    not turn the average into NaN or flip its sign)."""
     w = np.asarray(weights, np.float64)
+    if w.ndim != 1 or not np.all(np.isfinite(w)) or np.any(w < 0) or not w.sum() > 0:
+        raise ValueError(paragraph(
+            f"Aggregation weights {w.tolist()[:8]} must be finite, non-negative and not all",
+            "zero (they are the workers' samples seen); reject the offending contribution.",
+        ))
+    return w
+
+
+def _normalized(weights: np.ndarray) -> np.ndarray:
+    w = check_weights(weights)
     return (w / w.sum()).astype(np.float32)
 
 
@@ -40,21 +53,32 @@ def trimmed_mean(deltas: np.ndarray, weights: np.ndarray, trim: float = 0.2, **_
     return ordered[k:n - k].mean(axis=0).astype(np.float32)
 
 
+def clip_scales(sq_norms: np.ndarray, tau: float) -> np.ndarray:
+    """min(1, tau / ||d_i - v||) from each worker's squared whole-model distance to v."""
+    norms = np.sqrt(np.asarray(sq_norms, np.float64))
+    return np.minimum(1.0, tau / np.maximum(norms, 1e-30)).astype(np.float32)
+
+
+def clip_update(v: np.ndarray, deltas: np.ndarray, weights: np.ndarray,
+                scales: np.ndarray) -> np.ndarray:
+    """One centered-clip step on a block: v + sum_i w_i (d_i - v) scale_i."""
+    diff = deltas - v[None, :]
+    return (v + np.tensordot(_normalized(weights) * scales, diff, axes=1)).astype(np.float32)
+
+
+def sq_dist(v: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+    """Per-worker squared distance of a block to v (float64, summed over blocks by callers)."""
+    return np.sum((deltas.astype(np.float64) - v[None, :]) ** 2, axis=1)
+
+
 def centered_clip(deltas: np.ndarray, weights: np.ndarray, tau: float = 1.0, iters: int = 3,
                   **_) -> np.ndarray:
-    """Centered clipping (Karimireddy et al. 2020): from the median, iterate
-    v <- v + sum_i w_i (d_i - v) min(1, tau / ||d_i - v||).
-
-    Norms are taken over the block the averager streams (at most its chunk budget), not the
-    whole model, which keeps memory bounded; a hostile worker is clipped in every block.
-    """
-    w = _normalized(weights)
+    """Centered clipping (Karimireddy et al. 2020) on whole-model deltas: from the coordinate-
+    wise median, iterate v <- v + sum_i w_i (d_i - v) min(1, tau / ||d_i - v||), where the norm
+    is over every parameter of the model (the averager's streamed passes match this exactly)."""
     v = np.median(deltas, axis=0).astype(np.float32)
     for _ in range(iters):
-        diff = deltas - v[None, :]
-        norms = np.sqrt(np.sum(diff.astype(np.float64) ** 2, axis=1))
-        scale = np.minimum(1.0, tau / np.maximum(norms, 1e-12)).astype(np.float32)
-        v = v + np.tensordot(w * scale, diff, axes=1).astype(np.float32)
+        v = clip_update(v, deltas, weights, clip_scales(sq_dist(v, deltas), tau))
     return v
 
 
@@ -90,6 +114,7 @@ class OuterSGD:
 
     def step(self, base: np.ndarray, delta: np.ndarray,
              momentum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        m = (self.momentum * momentum + delta).astype(np.float32)
-        new = base + self.lr * (delta + self.momentum * m)
+        with np.errstate(over="ignore"):  # overflow is caught by the averager's finite check
+            m = (self.momentum * momentum + delta).astype(np.float32)
+            new = base + self.lr * (delta + self.momentum * m)
         return new.astype(np.float32), m

@@ -5,28 +5,43 @@ A round uses, for each allowed worker, its newest committed push made since the 
 (structure, shapes, dtypes, staleness) before any data is read; chunks are checked against their
 checksums and for non-finite values while streaming, and a worker failing either is dropped and
 the round restarted without it. Deltas from the previous average are reduced in float32 by the
-chosen aggregator, one block of at most `chunk_budget_bytes` at a time, so peak memory does not
-grow with model size. Round 0 is the initial weights, published by the first worker to start.
+chosen aggregator, one block of at most `chunk_budget_bytes` at a time (see `reduce.py`), so peak
+memory does not grow with model size. Round 0 is the initial weights (and the job's quorum
+settings), published by the first worker to start. A claim key makes racing averagers publish a
+round once; the claim and any unpublished data are released in a `finally`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from jaxscale.errors import paragraph
-from jaxscale.lofi import aggregate
-from jaxscale.lofi.store import (CHUNK, Checkpoint, Store, StoreError, _sha, _write_leaf,
-                                 average_prefix, load_checkpoint,
-                                 latest_average_checkpoint, read_params, read_range,
-                                 worker_checkpoints, worker_prefix, write_checkpoint)
 from jaxscale import __version__
+from jaxscale.errors import ConfigError
+from jaxscale.lofi.reduce import Abort, Drop, RoundInputs, reduce_round
+from jaxscale.lofi.store import (Checkpoint, Store, StoreError, average_prefix, commit,
+                                 latest_average_checkpoint, load_checkpoint, read_params,
+                                 worker_checkpoints, worker_prefix, write_checkpoint)
 
 log = logging.getLogger("jaxscale.lofi")
+JOB_FIELDS = ("allowed_workers", "min_workers", "max_staleness")
+
+
+def bound_allocator_arenas(max_arenas: int = 2) -> None:
+    """For averager processes: glibc gives each of tensorstore's I/O threads its own malloc
+    arena, and the fragments they retain made peak RSS creep up with model size (251 -> 361
+    MiB from 64 MiB to 1 GiB in bench/averager.py); two arenas keep it flat. A no-op where
+    glibc's mallopt is unavailable."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-8, max_arenas)  # -8 = M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass(frozen=True)
@@ -36,12 +51,48 @@ class AveragerConfig:
     tau: float = 1.0
     min_workers: int = 1
     allowed_workers: tuple[int, ...] | None = None   # None: everyone
-    max_staleness: int = 0                            # steps behind the newest; 0 = no limit
+    max_staleness: int = 0        # rounds between a push's synced average and the base; 0 = any
     outer: str = "none"                               # or "diloco"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     chunk_budget_bytes: int = 64 << 20
     claim_timeout_s: float = 900.0                    # a dead averager's claim expires after
+    clip_iters: int = 3                               # centered_clip iterations
+
+    def with_job(self, store: Store, explicit: frozenset[str] = frozenset()) -> "AveragerConfig":
+        """Fills `allowed_workers`, `min_workers`, `max_staleness` from the job settings the
+        first worker recorded with round 0 (its `config.lofi`), except fields in `explicit`
+        (given on the averager's command line)."""
+        job = job_settings(store)
+        return replace(self, **{k: v for k, v in job.items() if k not in explicit})
+
+
+def job_settings(store: Store) -> dict:
+    """The `config.lofi` quorum settings recorded in round 0 ({} if none)."""
+    try:
+        job = load_checkpoint(store, average_prefix(0)).manifest.get("job") or {}
+    except StoreError:
+        return {}
+    allowed = job.get("allowed_workers")
+    ok = (isinstance(job, dict)
+          and all(isinstance(job.get(k), int) and job[k] >= 0 for k in JOB_FIELDS[1:])
+          and (allowed is None or (isinstance(allowed, list)
+                                   and all(isinstance(w, int) for w in allowed))))
+    if not ok:
+        raise StoreError(f"average/0: the job settings {job!r} are malformed; expected "
+                         f"integers for {', '.join(JOB_FIELDS)}.")
+    return {"allowed_workers": tuple(allowed) if allowed is not None else None,
+            "min_workers": job["min_workers"], "max_staleness": job["max_staleness"]}
+
+
+def parse_allowed(text: str, num_workers: int) -> tuple[int, ...]:
+    """`config.lofi.allowed_workers` ('0,2,5'; empty: 0..num_workers-1) as a tuple of ids."""
+    try:
+        ids = tuple(int(w) for w in str(text).split(",") if w.strip())
+    except ValueError:
+        raise ConfigError(f"lofi.allowed_workers={text!r}: give comma-separated worker ids, "
+                          "e.g. '0,1,3'.") from None
+    return ids or tuple(range(num_workers))
 
 
 @dataclass
@@ -58,19 +109,14 @@ class RoundReport:
         return self.round is not None and not self.note
 
 
-class _Drop(Exception):
-    def __init__(self, worker: int, reason: str):
-        super().__init__(reason)
-        self.worker, self.reason = worker, reason
-
-
-def publish_initial(store: Store, params: dict, step: int = 0) -> bool:
-    """Round 0 = the initial weights; the first worker to start wins the claim."""
+def publish_initial(store: Store, params: dict, step: int = 0, job: dict | None = None) -> bool:
+    """Round 0 = the initial weights (and the job's quorum settings); the first worker to
+    start wins the claim, later ones find it and continue from it."""
     if not store.write(f"{average_prefix(0)}/CLAIM", b"init", if_absent=True):
         return False
-    write_checkpoint(store, average_prefix(0), params,
-                     {"kind": "average", "round": 0, "step": step, "samples_seen": 0,
-                      "contributors": {}})
+    meta = {"kind": "average", "round": 0, "step": step, "samples_seen": 0, "contributors": {}}
+    write_checkpoint(store, average_prefix(0), params, {**meta, **({"job": job} if job else {})},
+                     exclusive=True)
     return True
 
 
@@ -79,16 +125,26 @@ def _structure_problem(ckpt: Checkpoint, base: Checkpoint) -> str | None:
     if set(mine) != set(ref):
         extra, missing = sorted(set(mine) - set(ref)), sorted(set(ref) - set(mine))
         return f"tree differs from the average: extra leaves {extra[:3]}, missing {missing[:3]}"
-    for leaf, e in mine.items():
+    for leaf, e in sorted(mine.items()):
         if e["shape"] != ref[leaf]["shape"] or e["dtype"] != ref[leaf]["dtype"]:
             return (f"leaf {leaf} has shape {e['shape']} dtype {e['dtype']}, the average has "
                     f"{ref[leaf]['shape']} {ref[leaf]['dtype']}")
     return None
 
 
+def _staleness(ckpt: Checkpoint, base: Checkpoint, cfg: AveragerConfig) -> str | None:
+    """Rounds between the average the push continued from and the base of this round."""
+    behind = int(base.manifest["round"]) - int(ckpt.manifest.get("synced_round") or 0)
+    if cfg.max_staleness and behind > cfg.max_staleness:
+        return (f"stale: step {ckpt.step} continued from average round "
+                f"{ckpt.manifest.get('synced_round') or 0}, {behind} rounds behind the base "
+                f"round {base.manifest['round']} (max_staleness={cfg.max_staleness})")
+    return None
+
+
 def _candidates(store: Store, cfg: AveragerConfig, base: Checkpoint,
                 report: RoundReport) -> dict[int, Checkpoint]:
-    """Each allowed worker's newest valid push made since the previous round."""
+    """Each allowed worker's newest valid, fresh push made since the previous round."""
     used_before = {int(k): v for k, v in base.manifest.get("contributors", {}).items()}
     found: dict[int, Checkpoint] = {}
     for worker, steps in worker_checkpoints(store).items():
@@ -102,100 +158,49 @@ def _candidates(store: Store, cfg: AveragerConfig, base: Checkpoint,
             except StoreError as e:
                 report.skipped[worker] = str(e)
                 continue
-            problem = _structure_problem(ckpt, base)
+            problem = _structure_problem(ckpt, base) or _staleness(ckpt, base, cfg)
             if problem:
                 report.skipped[worker] = f"step {step}: {problem}"
             else:
                 found[worker] = ckpt
             break
-    newest = max([c.step for c in found.values()] + [base.step])
-    for worker, ckpt in list(found.items()):
-        if cfg.max_staleness and newest - ckpt.step > cfg.max_staleness:
-            report.skipped[worker] = (f"stale: step {ckpt.step} is more than max_staleness="
-                                      f"{cfg.max_staleness} steps behind step {newest}")
-            del found[worker]
     return found
 
 
-def _claim(store: Store, round_: int, timeout_s: float) -> bool:
-    """Claims the round after the newest average, so racing averagers publish it only once.
+def _claim(store: Store, round_: int, timeout_s: float) -> bytes | None:
+    """Claims a round so racing averagers publish it only once; returns the claim's token.
 
-    The claim is a create-if-absent key holding its time; a claim older than `timeout_s` whose
-    round never committed (its averager died) is taken over by compare-and-swap.
+    The claim is a create-if-absent key holding a token and its time; a claim older than
+    `timeout_s` whose round never committed (its averager died) is taken over by
+    compare-and-swap, clearing the dead averager's uncommitted manifest. Even a presumed-dead
+    averager that wakes up cannot damage the round: it writes into its own data directory
+    and its create-if-absent manifest/COMMIT lose to the committed ones.
     """
     key = f"{average_prefix(round_)}/CLAIM"
-    if store.write(key, str(time.time()).encode(), if_absent=True):
-        return True
+    token = json.dumps({"time": time.time(), "token": uuid.uuid4().hex}).encode()
+    if store.write(key, token, if_absent=True):
+        return token
     value, generation = store.read_stamped(key)
     try:
-        age = time.time() - float(value or b"0")
-    except ValueError:
+        age = time.time() - float(json.loads(value or b"{}").get("time", 0))
+    except (ValueError, AttributeError):
         age = float("inf")
-    committed = store.read(f"{average_prefix(round_)}/COMMIT") is not None
-    if committed or age < timeout_s:
-        return False
+    if store.read(f"{average_prefix(round_)}/COMMIT") is not None or age < timeout_s:
+        return None
     log.warning("taking over round %d from an averager that stopped %.0fs ago", round_, age)
-    return store.write(key, str(time.time()).encode(), if_generation=generation)
+    if not store.write(key, token, if_generation=generation):
+        return None
+    store.kv.write(f"{average_prefix(round_)}/manifest.json", None).result()
+    return token
 
 
-def _block_size(n_workers: int, budget: int) -> int:
-    per_value = 4 * (2 * n_workers + 4)  # f32 inputs, deltas, base, output, momentum
-    return max(CHUNK, (budget // per_value) // CHUNK * CHUNK)
-
-
-def _reduce_leaf(store: Store, leaf: str, base: Checkpoint, workers: dict[int, Checkpoint],
-                 cfg: AveragerConfig, out_prefix: str, dtype: str) -> dict:
-    """Streams one leaf through the aggregator; writes output (and momentum) chunk by chunk."""
-    reducer = aggregate.get_aggregator(cfg.aggregator)
-    outer = aggregate.OuterSGD(cfg.outer_lr, cfg.outer_momentum) if cfg.outer == "diloco" else None
-    size = int(np.prod(base.leaves[leaf]["shape"]))
-    ids = sorted(workers)
-    weights = np.array([workers[w].manifest["samples_seen"] or 1 for w in ids], np.float64)
-    out = store.array(f"{out_prefix}/arrays/{leaf}", size, dtype)
-    mom_out = store.array(f"{out_prefix}/momentum/{leaf}", size, "float32") if outer else None
-    sums, mom_sums, block = [], [], _block_size(len(ids), cfg.chunk_budget_bytes)
-    for a in range(0, max(size, 1), block):
-        b = min(a + block, size)
-        base_blk = read_range(store, base, leaf, a, b)
-        rows = []
-        for w in ids:
-            try:
-                rows.append(read_range(store, workers[w], leaf, a, b) - base_blk)
-            except StoreError as e:
-                raise _Drop(w, str(e)) from None
-        deltas = np.stack(rows)
-        bad = ~aggregate.finite_rows(deltas)
-        if bad.any():
-            w = ids[int(np.argmax(bad))]
-            raise _Drop(w, f"non-finite values in leaf {leaf} (values {a}..{b})")
-        delta = reducer(deltas, weights, trim=cfg.trim, tau=cfg.tau)
-        if outer:
-            momentum = _previous_momentum(store, base, leaf, a, b)
-            new, m = outer.step(base_blk, delta, momentum)
-            mom_out[a:b] = m
-            mom_sums += _chunk_sums(m)
-        else:
-            new = base_blk + delta
-        values = new.astype(out.dtype.numpy_dtype)
-        out[a:b] = values
-        store.bytes_written += values.nbytes + (new.nbytes if outer else 0)
-        sums += _chunk_sums(values)
-    entry = {"shape": base.leaves[leaf]["shape"], "dtype": dtype, "encoding": "raw",
-             "checksums": sums}
-    return {**entry, "momentum_checksums": mom_sums} if outer else entry
-
-
-def _chunk_sums(values: np.ndarray) -> list[str]:
-    return [_sha(np.ascontiguousarray(values[i:i + CHUNK]).tobytes())
-            for i in range(0, max(len(values), 1), CHUNK)]
-
-
-def _previous_momentum(store: Store, base: Checkpoint, leaf: str, a: int, b: int) -> np.ndarray:
-    entry = base.leaves[leaf]
-    if "momentum_checksums" not in entry:
-        return np.zeros(b - a, np.float32)
-    arr = store.array(f"{base.prefix}/momentum/{leaf}")
-    return np.asarray(arr[a:b].read().result(), np.float32)
+def _release(store: Store, round_: int, token: bytes, data: str) -> None:
+    """Drops this averager's unpublished data and its claim (only if still ours)."""
+    store.delete_prefix(data)
+    key = f"{average_prefix(round_)}/CLAIM"
+    value, generation = store.read_stamped(key)
+    if value == token:
+        store.kv.write(key, None, if_equal=generation).result()
 
 
 def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
@@ -208,44 +213,66 @@ def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
         return report
     workers = _candidates(store, cfg, base, report)
     round_ = int(base.manifest["round"]) + 1
-    claimed = False
-    while True:
-        if len(workers) < cfg.min_workers:
-            report.note = (f"only {len(workers)} new complete contribution(s), fewer than "
-                           f"min_workers={cfg.min_workers}; nothing published")
-            break
-        if not claimed and not _claim(store, round_, cfg.claim_timeout_s):
-            report.note = f"round {round_} is being written by another averager"
-            break
-        claimed = True
-        try:
-            _publish(store, round_, base, workers, cfg, report)
-            break
-        except _Drop as drop:  # corrupt or non-finite data found while streaming
-            report.skipped[drop.worker] = drop.reason
-            del workers[drop.worker]
-    if claimed and not report.published:
-        store.kv.write(f"{average_prefix(round_)}/CLAIM", None).result()  # release
-    report.bytes_read, report.bytes_written = store.bytes_read, store.bytes_written
+    if len(workers) < cfg.min_workers:
+        report.note = _quorum_note(workers, cfg)
+        return report
+    token = _claim(store, round_, cfg.claim_timeout_s)
+    if token is None:
+        report.note = f"round {round_} is being written by another averager"
+        return report
+    data = f"{average_prefix(round_)}/d{json.loads(token)['token'][:16]}"
+    try:
+        _publish_until_quorum(store, round_, base, workers, cfg, report, data)
+    except (Abort, StoreError) as e:
+        report.note = str(e)
+    finally:
+        if not report.published:
+            _release(store, round_, token, data)
+        report.bytes_read, report.bytes_written = store.bytes_read, store.bytes_written
     return report
 
 
+def _quorum_note(workers: dict, cfg: AveragerConfig) -> str:
+    return (f"only {len(workers)} new complete contribution(s), fewer than "
+            f"min_workers={cfg.min_workers}; nothing published")
+
+
+def _publish_until_quorum(store: Store, round_: int, base: Checkpoint,
+                          workers: dict[int, Checkpoint], cfg: AveragerConfig,
+                          report: RoundReport, data: str) -> None:
+    """Publishes, dropping workers found corrupt or non-finite while streaming."""
+    while True:
+        if len(workers) < cfg.min_workers:
+            report.note = _quorum_note(workers, cfg)
+            return
+        try:
+            _publish(store, round_, base, workers, cfg, report, data)
+            return
+        except Drop as drop:
+            report.skipped[drop.worker] = drop.reason
+            del workers[drop.worker]
+
+
 def _publish(store: Store, round_: int, base: Checkpoint, workers: dict[int, Checkpoint],
-             cfg: AveragerConfig, report: RoundReport) -> None:
+             cfg: AveragerConfig, report: RoundReport, data: str) -> None:
+    read0, written0 = store.bytes_read, store.bytes_written
+    leaves = reduce_round(RoundInputs(store, base, dict(workers), cfg, data))
     prefix = average_prefix(round_)
-    leaves = {leaf: _reduce_leaf(store, leaf, base, workers, cfg, prefix, e["dtype"])
-              for leaf, e in base.leaves.items()}
     contributors = {**base.manifest.get("contributors", {}),
                     **{str(w): c.step for w, c in workers.items()}}
     manifest = {"format": 1, "jaxscale_version": __version__, "created": time.time(),
                 "kind": "average", "round": round_, "base_round": base.manifest["round"],
+                "data": data.rsplit("/", 1)[1],
                 "step": max(c.step for c in workers.values()),
                 "samples_seen": sum(c.manifest["samples_seen"] for c in workers.values()),
                 "aggregator": cfg.aggregator, "outer": cfg.outer,
+                "io": {"bytes_read": store.bytes_read - read0,
+                       "bytes_written": store.bytes_written - written0},
                 "contributors": contributors, "leaves": leaves}
-    data = json.dumps(manifest, sort_keys=True).encode()
-    store.write(f"{prefix}/manifest.json", data)
-    store.write(f"{prefix}/COMMIT", _sha(data).encode())
+    if not commit(store, prefix, manifest):
+        raise Abort(f"round {round_} was committed by another averager first; this one's "
+                    "data was discarded")
+    store.delete_prefix(f"{data}/scratch")
     report.round, report.used = round_, {w: c.step for w, c in workers.items()}
 
 

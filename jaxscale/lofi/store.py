@@ -6,44 +6,43 @@ Layout (under the store root):
     workers/<worker_id>/<step>/manifest.json        step, samples seen, leaves: shape, dtype,
                                                     encoding, one sha256 per chunk; version
     workers/<worker_id>/<step>/COMMIT               sha256 of manifest.json, written LAST
-    average/<round>/...                             the same, for published averages
+    average/<round>/manifest.json, COMMIT           the same, for published averages, whose
+    average/<round>/d<token>/arrays/<leaf path>     arrays live in a per-attempt directory
+                                                    (+ momentum/ for DiLoCo; round 0: arrays/)
     average/<round>/CLAIM                           create-if-absent marker: one averager per round
 
 A checkpoint exists for readers only once COMMIT matches its manifest, so a reader never sees a
 partial write, even on object stores (s3) whose multi-key writes are not atomic. Leaves are stored
 flattened to 1-D (shape in the manifest) in chunks of `CHUNK` values, so readers can stream any
-leaf chunk by chunk. Nothing here unpickles: manifests are JSON and arrays are zarr.
+leaf chunk by chunk. Nothing here unpickles: manifests are JSON, validated field by field
+(`manifest.py`), and arrays are zarr. Pushes and averages commit create-if-absent, so committed
+data is never overwritten.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
 from jaxscale import __version__
-from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.errors import paragraph
+from jaxscale.lofi.manifest import (CHUNK, DTYPES, FORMAT, StoreError, check_leaf_path,
+                                    validate_manifest)
 from jaxscale.quant import BLOCK, dequantize_blockwise, quantize_blockwise
 
-FORMAT = 1
-CHUNK = 1 << 16            # values per stored chunk; a multiple of the quantization block
+__all__ = ["CHUNK", "FORMAT", "StoreError", "check_leaf_path", "Store", "Checkpoint", "push"]
 NO_VALUE = b"\x02"          # tensorstore's "key absent" storage generation (create-if-absent)
 _CONTEXT = ts.Context()     # shared so memory:// stores are visible across opens in a process
-_LEAF_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
-_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
-           "int8": np.int8, "int32": np.int32}
-
-
-class StoreError(JaxscaleError):
-    """A checkpoint in the store is partial, corrupt or does not match what was expected."""
+_DTYPES = DTYPES
 
 
 def kvstore_spec(location: str) -> dict:
@@ -58,16 +57,20 @@ def kvstore_spec(location: str) -> dict:
     return {"driver": "file", "path": path.rstrip("/") + "/"}
 
 
-def check_leaf_path(leaf: str, where: str) -> None:
-    if not _LEAF_RE.match(leaf) or ".." in leaf.split("/"):
-        raise StoreError(paragraph(
-            f"{where}: leaf path {leaf!r} is not a plain relative path (it is absolute, empty or",
-            "contains '..'), so it could escape the store. The checkpoint is rejected.",
-        ))
-
-
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+_HASHERS = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)))
+
+
+def chunk_sums(values: np.ndarray) -> list[str]:
+    """sha256 of each CHUNK-value piece of a flat array, hashed in threads (hashlib releases
+    the GIL) straight from the array's buffer, without copies."""
+    flat = np.ascontiguousarray(values).reshape(-1)
+    raw, step = flat.view(np.uint8), CHUNK * flat.dtype.itemsize
+    pieces = [raw[i:i + step] for i in range(0, max(raw.size, 1), step)] or [raw]
+    return list(_HASHERS.map(lambda piece: hashlib.sha256(piece).hexdigest(), pieces))
 
 
 class Store:
@@ -79,6 +82,7 @@ class Store:
         self.kv = ts.KvStore.open(self.spec, context=_CONTEXT).result()
         self.bytes_read = 0
         self.bytes_written = 0
+        self._handles: dict[str, Any] = {}   # opened committed arrays (their data never changes)
 
     def read(self, key: str) -> bytes | None:
         result = self.kv.read(key).result()
@@ -102,14 +106,24 @@ class Store:
         self.bytes_written += len(data) if ok else 0
         return ok
 
+    def delete_prefix(self, prefix: str) -> None:
+        """Deletes every key under `prefix/` (unpublished or scratch data only)."""
+        prefix = prefix.rstrip("/") + "/"
+        self.kv.delete_range(ts.KvStore.KeyRange(prefix, prefix + "\xff")).result()
+
     def keys(self, prefix: str) -> list[str]:
         rng = ts.KvStore.KeyRange(prefix, prefix + "\xff")
         return [k.decode() for k in self.kv.list(rng).result()]
 
     def array(self, key: str, size: int | None = None, dtype: str | None = None):
+        """Opens (size None; cached, so only for committed data) or creates a 1-D zarr3 array."""
         spec = {"driver": "zarr3", "kvstore": {**self.spec, "path": self.spec["path"] + key + "/"}}
         if size is None:
-            return ts.open(spec, context=_CONTEXT, open=True).result()
+            if key not in self._handles:
+                if len(self._handles) > 4096:
+                    self._handles.clear()
+                self._handles[key] = ts.open(spec, context=_CONTEXT, open=True).result()
+            return self._handles[key]
         spec["metadata"] = {"shape": [size], "data_type": dtype, "chunk_grid": {
             "name": "regular", "configuration": {"chunk_shape": [min(CHUNK, max(size, 1))]}}}
         return ts.open(spec, context=_CONTEXT, create=True, delete_existing=True).result()
@@ -130,21 +144,26 @@ class Checkpoint:
     def leaves(self) -> dict[str, dict]:
         return self.manifest["leaves"]
 
-
-def _chunk_bounds(size: int) -> list[tuple[int, int]]:
-    return [(a, min(a + CHUNK, size)) for a in range(0, max(size, 1), CHUNK)]
+    @property
+    def data(self) -> str:
+        """Where the arrays live: averages write them under a per-attempt directory so that a
+        racing or presumed-dead averager can never overwrite another's committed data."""
+        return f"{self.prefix}/{self.manifest['data']}" if "data" in self.manifest else self.prefix
 
 
 def _write_leaf(store: Store, key: str, flat: np.ndarray, dtype: str) -> list[str]:
     arr = store.array(key, flat.size, dtype)
     arr[...] = flat
     store.bytes_written += flat.nbytes
-    return [_sha(np.ascontiguousarray(flat[a:b]).tobytes()) for a, b in _chunk_bounds(flat.size)]
+    return chunk_sums(flat)
 
 
 def write_checkpoint(store: Store, prefix: str, params: Mapping[str, Any], meta: dict,
-                     base: Checkpoint | None = None, compress: bool = False) -> Checkpoint:
-    """Writes arrays, then manifest.json, then COMMIT (the order readers rely on)."""
+                     base: Checkpoint | None = None, compress: bool = False,
+                     exclusive: bool = False) -> Checkpoint:
+    """Writes arrays, then manifest.json, then COMMIT (the order readers rely on). With
+    `exclusive` (pushes, averages) an already committed checkpoint is never replaced."""
+    data = f"{prefix}/{meta['data']}" if "data" in meta else prefix
     leaves = {}
     for leaf, value in sorted(params.items()):
         check_leaf_path(leaf, prefix)
@@ -154,19 +173,33 @@ def write_checkpoint(store: Store, prefix: str, params: Mapping[str, Any], meta:
             delta = value.astype(np.float32).ravel() - read_leaf(store, base, leaf).ravel()
             q, scale = quantize_blockwise(delta)
             entry.update(encoding="q8delta", base_round=meta["base_round"],
-                         checksums=_write_leaf(store, f"{prefix}/arrays/{leaf}", q, "int8"),
-                         scale_checksums=_write_leaf(store, f"{prefix}/scales/{leaf}", scale,
+                         checksums=_write_leaf(store, f"{data}/arrays/{leaf}", q, "int8"),
+                         scale_checksums=_write_leaf(store, f"{data}/scales/{leaf}", scale,
                                                      "float32"))
         else:
             entry.update(encoding="raw", checksums=_write_leaf(
-                store, f"{prefix}/arrays/{leaf}", value.ravel(), str(value.dtype)))
+                store, f"{data}/arrays/{leaf}", value.ravel(), str(value.dtype)))
         leaves[leaf] = entry
     manifest = {"format": FORMAT, "jaxscale_version": __version__, "created": time.time(),
                 **meta, "leaves": leaves}
-    data = json.dumps(manifest, sort_keys=True).encode()
-    store.write(f"{prefix}/manifest.json", data)
-    store.write(f"{prefix}/COMMIT", _sha(data).encode())
+    if not commit(store, prefix, manifest, exclusive):
+        raise StoreError(f"{prefix}: another writer committed this checkpoint first; "
+                         "its data was left untouched.")
     return Checkpoint(prefix, manifest)
+
+
+def commit(store: Store, prefix: str, manifest: dict, exclusive: bool = True) -> bool:
+    """Writes manifest.json then COMMIT. `exclusive`: each create-if-absent, so of two racing
+    writers exactly one commits and a committed checkpoint is never overwritten (single-key
+    conditional writes only, so this holds on s3, whose multi-key writes are not atomic).
+    Otherwise (re-exports) the old COMMIT is removed first, so readers never mix the two."""
+    data = json.dumps(manifest, sort_keys=True).encode()
+    if not exclusive:
+        store.kv.write(f"{prefix}/COMMIT", None).result()
+        store.write(f"{prefix}/manifest.json", data)
+    elif not store.write(f"{prefix}/manifest.json", data, if_absent=True):
+        return False
+    return store.write(f"{prefix}/COMMIT", _sha(data).encode(), if_absent=exclusive)
 
 
 def load_checkpoint(store: Store, prefix: str) -> Checkpoint:
@@ -176,30 +209,31 @@ def load_checkpoint(store: Store, prefix: str) -> Checkpoint:
         raise StoreError(f"{prefix}: no commit marker or manifest; the write is partial.")
     if commit.decode() != _sha(data):
         raise StoreError(f"{prefix}: the commit marker does not match manifest.json (corrupt).")
-    manifest = json.loads(data)
-    if manifest.get("format") != FORMAT:
-        raise StoreError(f"{prefix}: unknown checkpoint format {manifest.get('format')!r}.")
-    for leaf in manifest["leaves"]:
-        check_leaf_path(leaf, prefix)
-    return Checkpoint(prefix, manifest)
+    try:
+        manifest = json.loads(data)
+    except ValueError as e:
+        raise StoreError(f"{prefix}: manifest.json is not valid JSON ({e}); rejected.") from None
+    return Checkpoint(prefix, validate_manifest(manifest, prefix))
 
 
 def _verified(store: Store, key: str, dtype: str, a: int, b: int, sums: list[str],
-              where: str) -> np.ndarray:
-    """Reads values [a, b) (chunk aligned) and checks every chunk's sha256."""
+              where: str, future: Any = None) -> np.ndarray:
+    """Reads values [a, b) (chunk aligned; or takes a started read) and checks every chunk's
+    sha256."""
     try:
-        values = np.asarray(store.array(key)[a:b].read().result())
-    except Exception as e:  # truncated or undecodable chunk files
+        future = future if future is not None else store.array(key)[a:b].read()
+        values = np.asarray(future.result())
+    except Exception as e:  # truncated or undecodable chunk files, missing arrays
         raise StoreError(f"{where}: cannot read chunk data ({e}).") from None
     store.bytes_read += values.nbytes
-    for start in range(a, b, CHUNK):
-        got = _sha(np.ascontiguousarray(values[start - a:min(start + CHUNK, b) - a]).tobytes())
+    for start, got in zip(range(a, b, CHUNK), chunk_sums(values)):
         if got != sums[start // CHUNK]:
             raise StoreError(paragraph(
                 f"{where}: checksum mismatch in chunk {start // CHUNK} (values {start}..",
-                f"{min(start + CHUNK, b)}); the data on disk is corrupt. This checkpoint is skipped.",
+                f"{min(start + CHUNK, b)}); the data on disk is corrupt. This checkpoint is",
+                "skipped.",
             ))
-    return values.astype(_DTYPES.get(dtype, dtype))
+    return values.astype(_DTYPES[dtype], copy=False)
 
 
 def read_range(store: Store, ckpt: Checkpoint, leaf: str, a: int, b: int) -> np.ndarray:
@@ -207,17 +241,46 @@ def read_range(store: Store, ckpt: Checkpoint, leaf: str, a: int, b: int) -> np.
     entry = ckpt.leaves[leaf]
     where = f"{ckpt.prefix} leaf {leaf}"
     if entry["encoding"] == "raw":
-        return _verified(store, f"{ckpt.prefix}/arrays/{leaf}", entry["dtype"], a, b,
-                         entry["checksums"], where).astype(np.float32)
+        return _verified(store, f"{ckpt.data}/arrays/{leaf}", entry["dtype"], a, b,
+                         entry["checksums"], where).astype(np.float32, copy=False)
     # Compressed: int8 deltas (padded to whole blocks) + one scale per block, from a base round.
     qb = -(-b // BLOCK) * BLOCK  # interior reads are chunk aligned, so qb == b there
-    q = _verified(store, f"{ckpt.prefix}/arrays/{leaf}", "int8", a, qb, entry["checksums"], where)
+    q = _verified(store, f"{ckpt.data}/arrays/{leaf}", "int8", a, qb, entry["checksums"], where)
     n_scales = -(-int(np.prod(entry["shape"])) // BLOCK)
-    scales = _verified(store, f"{ckpt.prefix}/scales/{leaf}", "float32", 0, n_scales,
+    scales = _verified(store, f"{ckpt.data}/scales/{leaf}", "float32", 0, n_scales,
                        entry["scale_checksums"], where)[a // BLOCK:qb // BLOCK]
     delta = dequantize_blockwise(q, scales, (qb - a,))[:b - a]
     base = load_checkpoint(store, average_prefix(entry["base_round"]))
     return delta + read_range(store, base, leaf, a, b)
+
+
+def read_many(store: Store, ckpts: list[Checkpoint], leaf: str, a: int, b: int
+              ) -> list[np.ndarray | StoreError]:
+    """`read_range` of several checkpoints with their raw reads in flight together (the
+    averager's inner loop); each result is the float32 values or the StoreError it raised."""
+    started = []
+    for ckpt in ckpts:
+        entry = ckpt.leaves[leaf]
+        future = None
+        if entry["encoding"] == "raw":
+            try:
+                future = store.array(f"{ckpt.data}/arrays/{leaf}")[a:b].read()
+            except Exception:  # noqa: BLE001 - reported by _verified below
+                future = None
+        started.append(future)
+    out: list[np.ndarray | StoreError] = []
+    for ckpt, future in zip(ckpts, started):
+        entry = ckpt.leaves[leaf]
+        try:
+            if future is None:
+                out.append(read_range(store, ckpt, leaf, a, b))
+            else:
+                out.append(_verified(store, f"{ckpt.data}/arrays/{leaf}", entry["dtype"], a, b,
+                                     entry["checksums"], f"{ckpt.prefix} leaf {leaf}",
+                                     future).astype(np.float32, copy=False))
+        except StoreError as e:
+            out.append(e)
+    return out
 
 
 def read_leaf(store: Store, ckpt: Checkpoint | None, leaf: str) -> np.ndarray:
@@ -228,7 +291,7 @@ def read_leaf(store: Store, ckpt: Checkpoint | None, leaf: str) -> np.ndarray:
 
 
 def read_params(store: Store, ckpt: Checkpoint) -> dict[str, np.ndarray]:
-    return {leaf: read_leaf(store, ckpt, leaf).astype(_DTYPES.get(e["dtype"], e["dtype"]))
+    return {leaf: read_leaf(store, ckpt, leaf).astype(_DTYPES[e["dtype"]])
             for leaf, e in ckpt.leaves.items()}
 
 
@@ -281,19 +344,33 @@ class PushReport:
     prefix: str
     bytes_written: int
     raw_bytes: int
+    skipped: bool = False      # this step was already committed: kept, not overwritten
 
 
 def push(location: str | Store, worker_id: int, step: int, params: Mapping[str, Any],
-         samples_seen: int, compress: bool = False) -> PushReport:
+         samples_seen: int, compress: bool = False, synced_round: int | None = None
+         ) -> PushReport:
     """A worker's push of flat {leaf: array} weights; compressed pushes store 8-bit deltas from
-    the newest average (falling back to raw when there is none yet)."""
+    the newest average (falling back to raw when there is none yet). `synced_round` is the
+    average the worker last continued from (the averager measures staleness against it).
+
+    A step that is already committed (a restarted worker redoing steps) is kept as it is: the
+    averager may be reading it, and committed data is never overwritten. A partial push of the
+    same step (a worker killed mid-push) is cleared and written again.
+    """
     store = location if isinstance(location, Store) else Store(location)
+    prefix = worker_prefix(worker_id, step)
+    raw = sum(np.asarray(v).nbytes for v in params.values())
+    if store.read(f"{prefix}/COMMIT") is not None:
+        return PushReport(prefix, 0, raw, skipped=True)
+    store.kv.write(f"{prefix}/manifest.json", None).result()  # a killed push's leftover
     before = store.bytes_written
     base = latest_average_checkpoint(store) if compress else None
     meta = {"kind": "worker", "worker_id": int(worker_id), "step": int(step),
             "samples_seen": int(samples_seen),
-            "base_round": int(base.prefix.split("/")[1]) if base else None}
-    prefix = worker_prefix(worker_id, step)
-    write_checkpoint(store, prefix, params, meta, base, compress=compress and base is not None)
-    raw = sum(np.asarray(v).nbytes for v in params.values())
+            "base_round": int(base.manifest["round"]) if base else None,
+            "synced_round": None if synced_round is None or synced_round < 0
+            else int(synced_round)}
+    write_checkpoint(store, prefix, params, meta, base, compress=compress and base is not None,
+                     exclusive=True)
     return PushReport(prefix, store.bytes_written - before, raw)

@@ -9,6 +9,7 @@ average. `end` is pure Lo-Fi: the only exchange is the final push.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,11 @@ def parse_push_every(text: str) -> tuple[int | None, float | None]:
     return int(text), None
 
 
+def _f32_copy(tree: Any) -> Any:
+    """A float32 copy that owns its buffers: the train step donates (deletes) the params."""
+    return jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), tree)
+
+
 @jax.jit
 def _ema_update(ema: Any, params: Any, decay: float) -> Any:
     return jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p.astype(e.dtype), ema, params)
@@ -55,6 +61,15 @@ def place_flat(flat: dict[str, np.ndarray], shardings: Any, like: Any) -> Any:
     return unflatten(placed)
 
 
+def export_config(config: Any) -> bytes:
+    """The run's resolved config as a plain (non-Lo-Fi) run, stored once per job so the final
+    export is a workdir that evaluation and conversion can rebuild the model from."""
+    plain = config.to_dict()
+    plain["lofi"] = {**plain["lofi"], "enabled": False}
+    plain["init_from"] = ""
+    return json.dumps(plain, indent=2, sort_keys=True, default=str).encode()
+
+
 @dataclass
 class LofiWorker:
     """Loop hook implementing the worker side of Lo-Fi (see module docstring)."""
@@ -66,33 +81,52 @@ class LofiWorker:
     last_push_step: int = -1
     last_push_time: float = field(default_factory=time.monotonic)
     loaded_round: int = -1
-    bytes_written: int = 0
-    bytes_read: int = 0
+    store: store_lib.Store | None = None
+    raw_push_bytes: int = 0
 
     @property
     def periodic(self) -> bool:
         return self.lofi.sync in ("periodic", "diloco")
 
+    @property
+    def bytes_written(self) -> int:
+        return self.store.bytes_written if self.store else 0
+
+    @property
+    def bytes_read(self) -> int:
+        return self.store.bytes_read if self.store else 0
+
+    def job(self) -> dict:
+        """The quorum settings recorded with round 0, the averager's defaults."""
+        allowed = averager_lib.parse_allowed(self.lofi.allowed_workers, self.lofi.num_workers)
+        return {"allowed_workers": list(allowed), "min_workers": int(self.lofi.min_workers),
+                "max_staleness": int(self.lofi.max_staleness)}
+
     def start(self, trainer: Any, state: TrainState) -> TrainState:
         """At launch: publish the initial weights as round 0 if nobody has, then continue from
         whichever is newest: the run's own state, its own last complete push, or the newest
         complete average (a restarted worker loses at most the steps since its last push)."""
-        store = store_lib.Store(self.lofi.store)
+        self.store = store = store_lib.Store(self.lofi.store)
         step = int(jax.device_get(state.step))
+        if jax.process_index() == 0:
+            store.write("config.json", export_config(trainer.config), if_absent=True)
         if store_lib.latest_average_checkpoint(store) is None and jax.process_index() == 0:
-            averager_lib.publish_initial(store, _host_tree(state.params))
+            averager_lib.publish_initial(store, _host_tree(state.params), job=self.job())
         own = store_lib.worker_checkpoints(store).get(self.lofi.worker_id, [])
         latest = averager_lib.latest_average(store)
+        self.loaded_round = latest.round if latest else -1
         if own and own[-1] > max(step, latest.step if latest else -1):
             ckpt = store_lib.load_checkpoint(store, store_lib.worker_prefix(self.lofi.worker_id,
                                                                              own[-1]))
-            latest = averager_lib.Average(-1, own[-1], store_lib.read_params(store, ckpt))
+            self.loaded_round = int(ckpt.manifest.get("synced_round") or 0)
+            latest = averager_lib.Average(self.loaded_round, own[-1],
+                                          store_lib.read_params(store, ckpt))
         if latest is not None and latest.step > step:
             state = self._load(trainer, state, latest)
             state = state.replace(step=jnp.asarray(latest.step, jnp.int32))
             trainer.data_state = {"next_index": latest.step}
         if self.lofi.push_ema:
-            self.ema = jax.tree.map(lambda p: p.astype(jnp.float32), state.params)
+            self.ema = _f32_copy(state.params)
         return state
 
     def after_step(self, trainer: Any, state: TrainState, step: int) -> TrainState | None:
@@ -112,23 +146,38 @@ class LofiWorker:
         step = int(jax.device_get(state.step))
         if self.last_push_step != step:
             self.push(trainer, state, step)
+        if jax.process_index() == 0:
+            self.record_io(step)
+
+    def record_io(self, step: int) -> None:
+        """Prints and stores (STORE/stats/workers/<id>.json) this worker's store traffic."""
+        stats = {"worker_id": int(self.lofi.worker_id), "step": step,
+                 "bytes_written": self.bytes_written, "bytes_read": self.bytes_read,
+                 "raw_push_bytes": self.raw_push_bytes}
+        self.store.write(f"stats/workers/{int(self.lofi.worker_id)}.json",
+                         json.dumps(stats).encode())
+        print(f"lofi worker {self.lofi.worker_id}: wrote {self.bytes_written / 2**20:.2f} MiB, "
+              f"read {self.bytes_read / 2**20:.2f} MiB (store {self.lofi.store})", flush=True)
 
     def push(self, trainer: Any, state: TrainState, step: int) -> None:
         if jax.process_index() != 0:
             return
         weights = self.ema if self.ema is not None else state.params
-        report = store_lib.push(self.lofi.store, self.lofi.worker_id, step, _host_tree(weights),
+        report = store_lib.push(self.store, self.lofi.worker_id, step, _host_tree(weights),
                                 samples_seen=step * self.batch_size,
-                                compress=bool(self.lofi.compress))
-        self.bytes_written += int(getattr(report, "bytes_written", 0) or 0)
+                                compress=bool(self.lofi.compress),
+                                synced_round=self.loaded_round)
+        self.raw_push_bytes += 0 if report.skipped else report.raw_bytes
         self.last_push_step, self.last_push_time = step, time.monotonic()
 
     def _wait_for_round_after(self, step: int) -> Any:
         deadline = time.monotonic() + float(self.lofi.sync_timeout_s)
         while time.monotonic() < deadline:
-            latest = averager_lib.latest_average(self.lofi.store)
-            if latest is not None and latest.step >= step and latest.round > self.loaded_round:
-                return latest
+            ckpt = store_lib.latest_average_checkpoint(self.store)
+            if (ckpt is not None and ckpt.step >= step
+                    and int(ckpt.manifest["round"]) > self.loaded_round):
+                return averager_lib.Average(int(ckpt.manifest["round"]), ckpt.step,
+                                            store_lib.read_params(self.store, ckpt))
             time.sleep(0.2)
         raise SyncTimeoutError(paragraph(
             f"Lo-Fi worker {self.lofi.worker_id} pushed step {step} and waited",
@@ -140,7 +189,6 @@ class LofiWorker:
 
     def _load(self, trainer: Any, state: TrainState, average: Any) -> TrainState:
         params = place_flat(average.params, trainer.shardings.params, state.params)
-        self.bytes_read += sum(a.nbytes for a in average.params.values())
         self.loaded_round = max(self.loaded_round, average.round)
         state = state.replace(params=params)
         if self.lofi.reset_optimizer_on_sync:
@@ -148,5 +196,5 @@ class LofiWorker:
                                 out_shardings=trainer.shardings.opt_state)(params)
             state = state.replace(opt_state=opt_state)
         if self.ema is not None:
-            self.ema = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+            self.ema = _f32_copy(params)
         return state

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import ml_collections as mlc
 import numpy as np
 

@@ -1,0 +1,122 @@
+"""Lo-Fi averager throughput and peak memory vs the disk's raw copy speed, for growing models.
+
+For each model size, N workers push float32 weights to a local store; then, in a fresh process
+(so its peak RSS is its own), one `mean` round streams them and publishes the average. The
+baseline, measured in the same run on the same files, is a raw copy: plain file reads of every
+chunk file the round reads (N pushes + the base average) and one file write of the output size.
+Throughput = (bytes read + bytes written) / seconds for both, so the ratio compares like with
+like; both run right after the pushes are written (so both read through the same page cache)
+and both sync their output to disk. Targets (issue 6): >= 50% of raw copy speed, and peak RSS
+flat in model size.
+
+    python bench/averager.py [--sizes_mib=64,256,1024] [--workers=4] [--budget_mib=64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+LEAF = 1 << 24  # 16M float32 values = 64 MiB per leaf
+
+CHILD = """
+import json, sys, time
+from jaxscale.lofi.averager import AveragerConfig, bound_allocator_arenas, run_round
+from jaxscale.lofi.store import Store
+bound_allocator_arenas()  # as launch.lofi_average does
+def hwm_mib():  # this process's peak RSS (VmHWM; ru_maxrss would include the parent's pre-exec)
+    line = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
+    return int(line.split()[1]) / 1024
+store = Store(sys.argv[1])
+idle = hwm_mib()
+t0 = time.perf_counter()
+report = run_round(store, AveragerConfig(chunk_budget_bytes=int(sys.argv[2])))
+seconds = time.perf_counter() - t0
+assert report.published, report.note
+print(json.dumps({"seconds": seconds, "read": report.bytes_read, "written": report.bytes_written,
+                  "rss_mib": hwm_mib(), "idle_rss_mib": idle}))
+"""
+
+
+def make_store(path: str, size_mib: int, workers: int) -> None:
+    from jaxscale.lofi.averager import publish_initial
+    from jaxscale.lofi.store import Store, push
+
+    store = Store(path)
+    n = size_mib * 2**20 // 4
+    sizes = [LEAF] * (n // LEAF) + ([n % LEAF] if n % LEAF else [])
+    rng = np.random.default_rng(0)
+    base = {f"layers_{i}/w": rng.standard_normal(s, np.float32) for i, s in enumerate(sizes)}
+    publish_initial(store, base)
+    for w in range(workers):
+        push(store, w, 10, {k: v + np.float32(0.01 * (w + 1)) for k, v in base.items()}, 100 + w)
+
+
+def raw_copy(path: str, out: str) -> tuple[float, int]:
+    """Reads every chunk file of the pushes and round 0, writes one output of param size."""
+    files = []
+    for sub in ("workers", os.path.join("average", "0")):
+        for dirpath, _, names in os.walk(os.path.join(path, sub)):
+            files += [os.path.join(dirpath, f) for f in names if "/c/" in dirpath + "/"]
+    base_files = [f for f in files if f"{os.sep}average{os.sep}" in f]
+    moved = 0
+    t0 = time.perf_counter()
+    with open(out, "wb") as dst:
+        for f in files:
+            with open(f, "rb") as src:
+                data = src.read()
+            moved += len(data)
+            if f in base_files:
+                dst.write(data)
+                moved += len(data)
+        dst.flush()
+        os.fsync(dst.fileno())
+    return time.perf_counter() - t0, moved
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes_mib", default="64,256,1024")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--budget_mib", type=int, default=64)
+    args = p.parse_args()
+    root = tempfile.mkdtemp(prefix="lofi_avg_bench_")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    rows = []
+    try:
+        for size in [int(s) for s in args.sizes_mib.split(",")]:
+            path = os.path.join(root, f"s{size}")
+            make_store(path, size, args.workers)
+            copy_s, copy_bytes = raw_copy(path, os.path.join(root, "copy.bin"))
+            out = subprocess.run([sys.executable, "-c", CHILD, path,
+                                  str(args.budget_mib << 20)], env=env, cwd=ROOT,
+                                 capture_output=True, text=True, check=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            avg_gbs = (r["read"] + r["written"]) / r["seconds"] / 1e9
+            raw_gbs = copy_bytes / copy_s / 1e9
+            rows.append((size, r, avg_gbs, raw_gbs))
+            shutil.rmtree(path)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\n{args.workers} workers, float32, mean, chunk budget {args.budget_mib} MiB")
+    print(f"{'model':>9} {'moved':>9} {'averager':>10} {'raw copy':>10} {'ratio':>6} "
+          f"{'peak RSS':>9} {'RSS idle':>9}")
+    for size, r, avg_gbs, raw_gbs in rows:
+        moved = (r["read"] + r["written"]) / 2**20
+        print(f"{size:>5} MiB {moved:>5.0f} MiB {avg_gbs:>6.2f} GB/s {raw_gbs:>6.2f} GB/s "
+              f"{avg_gbs / raw_gbs:>5.0%} {r['rss_mib']:>5.0f} MiB {r['idle_rss_mib']:>5.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Schema of a Lo-Fi manifest: every field a hostile or broken writer controls is checked here.
+
+A manifest is JSON written by another machine, so nothing in it is trusted: before any array is
+opened, its leaf paths must be plain relative paths (no `..`), shapes small non-negative ints,
+dtypes from a fixed list, checksum lists of the right length, `samples_seen` a finite
+non-negative integer (it weights the average) and rounds/steps non-negative integers. A failed
+check raises `StoreError` naming the checkpoint, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jaxscale.errors import JaxscaleError, paragraph
+
+FORMAT = 1
+CHUNK = 1 << 16            # values per stored chunk; a multiple of the quantization block
+MAX_INT = 1 << 62          # bound for steps, samples and sizes (JSON ints are unbounded)
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
+          "int8": np.int8, "int32": np.int32}
+_LEAF_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+KINDS = ("worker", "average", "params")
+
+
+class StoreError(JaxscaleError):
+    """A checkpoint in the store is partial, corrupt or does not match what was expected."""
+
+
+def check_leaf_path(leaf: Any, where: str) -> None:
+    if not isinstance(leaf, str) or not _LEAF_RE.match(leaf) or ".." in leaf.split("/"):
+        raise StoreError(paragraph(
+            f"{where}: leaf path {leaf!r} is not a plain relative path (it is absolute, empty or",
+            "contains '..'), so it could escape the store. The checkpoint is rejected.",
+        ))
+
+
+def n_chunks(size: int) -> int:
+    return max(1, -(-size // CHUNK))
+
+
+def _bad(where: str, field: str, value: Any, expected: str) -> StoreError:
+    shown = repr(value)
+    shown = shown if len(shown) < 80 else shown[:77] + "..."
+    return StoreError(paragraph(
+        f"{where}: manifest field {field} = {shown}, expected {expected}. The manifest was",
+        "written by a broken or hostile writer, so this checkpoint is rejected; re-push it",
+        "from a healthy worker.",
+    ))
+
+
+def _int(m: dict, key: str, where: str, optional: bool = False) -> None:
+    value = m.get(key)
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_INT:
+        raise _bad(where, key, value, "a non-negative integer")
+
+
+def _checksums(value: Any, count: int, where: str, field: str) -> None:
+    if (not isinstance(value, list) or len(value) != count
+            or not all(isinstance(s, str) and _SHA_RE.match(s) for s in value)):
+        raise _bad(where, field, value, f"a list of {count} sha256 hex digests")
+
+
+def _leaf(leaf: str, e: Any, where: str) -> None:
+    check_leaf_path(leaf, where)
+    field = f"leaves[{leaf!r}]"
+    if not isinstance(e, dict):
+        raise _bad(where, field, e, "an object")
+    shape = e.get("shape")
+    if (not isinstance(shape, list) or len(shape) > 8 or any(
+            isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < MAX_INT for d in shape)
+            or int(np.prod(shape, dtype=object)) >= MAX_INT):
+        raise _bad(where, f"{field}.shape", shape, "a list of at most 8 non-negative integers")
+    if e.get("dtype") not in DTYPES:
+        raise _bad(where, f"{field}.dtype", e.get("dtype"), f"one of {sorted(DTYPES)}")
+    size = int(np.prod(shape, dtype=object))
+    encoding = e.get("encoding")
+    if encoding == "q8delta":
+        from jaxscale.quant import BLOCK
+        _int(e, "base_round", f"{where} {field}")
+        _checksums(e.get("scale_checksums"), n_chunks(-(-size // BLOCK)), where,
+                   f"{field}.scale_checksums")
+    elif encoding != "raw":
+        raise _bad(where, f"{field}.encoding", encoding, "'raw' or 'q8delta'")
+    _checksums(e.get("checksums"), n_chunks(size), where, f"{field}.checksums")
+    if "momentum_checksums" in e:
+        _checksums(e["momentum_checksums"], n_chunks(size), where, f"{field}.momentum_checksums")
+
+
+def validate_manifest(m: Any, where: str) -> dict:
+    """Returns `m` if every field has the expected type and range, else raises StoreError."""
+    if not isinstance(m, dict):
+        raise _bad(where, "(top level)", m, "a JSON object")
+    if m.get("format") != FORMAT:
+        raise StoreError(f"{where}: unknown checkpoint format {m.get('format')!r} "
+                         f"(this jaxscale reads format {FORMAT}); upgrade jaxscale.")
+    if m.get("kind") not in KINDS:
+        raise _bad(where, "kind", m.get("kind"), f"one of {KINDS}")
+    _int(m, "step", where)
+    _int(m, "samples_seen", where)
+    for key in ("round", "base_round", "synced_round", "worker_id"):
+        _int(m, key, where, optional=True)
+    if "data" in m and not (isinstance(m["data"], str) and _NAME_RE.match(m["data"])):
+        raise _bad(where, "data", m["data"], "a plain directory name")
+    contributors = m.get("contributors", {})
+    if not isinstance(contributors, dict) or not all(
+            isinstance(k, str) and k.isdigit() and isinstance(v, int) and not isinstance(v, bool)
+            and 0 <= v < MAX_INT for k, v in contributors.items()):
+        raise _bad(where, "contributors", contributors, "an object {worker id: step}")
+    leaves = m.get("leaves")
+    if not isinstance(leaves, dict) or not leaves:
+        raise _bad(where, "leaves", leaves, "a non-empty object {leaf path: entry}")
+    for leaf, entry in leaves.items():
+        _leaf(leaf, entry, where)
+    return m

@@ -1,0 +1,194 @@
+"""Streaming reduction of one averaging round: every leaf, block by block, in bounded memory.
+
+Each block holds at most `chunk_budget_bytes` of float32 working data whatever the model size.
+Worker data is verified (checksums) and checked for non-finite values as it streams; a failing
+worker raises `Drop` so the round restarts without it. `centered_clip` needs whole-model norms,
+so it runs in passes: the coordinate-wise median, then `iters` clip updates, keeping the centre
+`v` in float32 scratch arrays in the store (not in memory) next to the output.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from jaxscale.errors import paragraph
+from jaxscale.lofi import aggregate
+from jaxscale.lofi.store import (CHUNK, Checkpoint, Store, StoreError, _verified, chunk_sums,
+                                 read_many, read_range)
+
+
+class Drop(Exception):
+    """A worker's data turned out corrupt or non-finite while streaming."""
+
+    def __init__(self, worker: int, reason: str):
+        super().__init__(reason)
+        self.worker, self.reason = worker, reason
+
+
+class Abort(Exception):
+    """The round cannot be published (e.g. its output would be non-finite)."""
+
+
+@dataclass
+class RoundInputs:
+    store: Store
+    base: Checkpoint
+    workers: dict[int, Checkpoint]
+    cfg: Any                        # averager.AveragerConfig
+    data: str                       # output arrays go under DATA/arrays, DATA/momentum
+    scratch: dict = field(default_factory=dict)
+
+    @property
+    def ids(self) -> list[int]:
+        return sorted(self.workers)
+
+    @property
+    def weights(self) -> np.ndarray:
+        """Samples seen per worker; equal weights if every worker reports zero."""
+        w = np.array([self.workers[i].manifest["samples_seen"] for i in self.ids], np.float64)
+        return aggregate.check_weights(w if w.sum() > 0 else np.ones_like(w))
+
+    def size(self, leaf: str) -> int:
+        return int(np.prod(self.base.leaves[leaf]["shape"]))
+
+
+def block_size(n_workers: int, budget: int) -> int:
+    per_value = 4 * (2 * n_workers + 5)  # f32 inputs, deltas, base, centre, output, momentum
+    return max(CHUNK, (budget // per_value) // CHUNK * CHUNK)
+
+
+def _blocks(inp: RoundInputs) -> Iterator[tuple[str, int, int]]:
+    step = block_size(len(inp.workers), inp.cfg.chunk_budget_bytes)
+    for leaf in sorted(inp.base.leaves):
+        size = inp.size(leaf)
+        for a in range(0, max(size, 1), step):
+            yield leaf, a, min(a + step, size)
+
+
+def read_deltas(inp: RoundInputs, leaf: str, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """(base block, (workers, b - a) float32 deltas), verified and finite."""
+    got = read_many(inp.store, [inp.base] + [inp.workers[w] for w in inp.ids], leaf, a, b)
+    if isinstance(got[0], StoreError):
+        raise got[0]
+    base_blk = got[0]
+    deltas = np.empty((len(inp.ids), b - a), np.float32)
+    for i, (w, values) in enumerate(zip(inp.ids, got[1:])):
+        if isinstance(values, StoreError):
+            raise Drop(w, str(values))
+        np.subtract(values, base_blk, out=deltas[i])
+    bad = ~aggregate.finite_rows(deltas)
+    if bad.any():
+        raise Drop(inp.ids[int(np.argmax(bad))], f"non-finite values in leaf {leaf} "
+                   f"(values {a}..{b}); rejected before any reducer")
+    return base_blk, deltas
+
+
+def _scratch(inp: RoundInputs, leaf: str):
+    if leaf not in inp.scratch:
+        inp.scratch[leaf] = inp.store.array(f"{inp.data}/scratch/{leaf}", inp.size(leaf),
+                                            "float32")
+    return inp.scratch[leaf]
+
+
+def _clip_pass(inp: RoundInputs, scales: np.ndarray | None) -> np.ndarray:
+    """One streamed pass: v = median (scales None) or a clip update; returns ||d_i - v||^2."""
+    sq = np.zeros(len(inp.workers), np.float64)
+    for leaf, a, b in _blocks(inp):
+        _, deltas = read_deltas(inp, leaf, a, b)
+        if scales is None:
+            v = np.median(deltas, axis=0).astype(np.float32)
+        else:
+            v = np.asarray(_scratch(inp, leaf)[a:b].read().result(), np.float32)
+            inp.store.bytes_read += v.nbytes
+            v = aggregate.clip_update(v, deltas, inp.weights, scales)
+        _scratch(inp, leaf)[a:b] = v
+        inp.store.bytes_written += v.nbytes
+        sq += aggregate.sq_dist(v, deltas)
+    return sq
+
+
+def centered_clip_passes(inp: RoundInputs) -> None:
+    """Leaves the whole-model centered-clip centre in the scratch arrays."""
+    sq = _clip_pass(inp, None)
+    for _ in range(inp.cfg.clip_iters):
+        sq = _clip_pass(inp, aggregate.clip_scales(sq, inp.cfg.tau))
+
+
+def _block_delta(inp: RoundInputs, leaf: str, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    if inp.cfg.aggregator == "centered_clip":
+        base_blk = read_range(inp.store, inp.base, leaf, a, b)
+        v = np.asarray(_scratch(inp, leaf)[a:b].read().result(), np.float32)
+        inp.store.bytes_read += v.nbytes
+        return base_blk, v
+    base_blk, deltas = read_deltas(inp, leaf, a, b)
+    reducer = aggregate.get_aggregator(inp.cfg.aggregator)
+    return base_blk, reducer(deltas, inp.weights, trim=inp.cfg.trim, tau=inp.cfg.tau)
+
+
+def previous_momentum(store: Store, base: Checkpoint, leaf: str, a: int, b: int) -> np.ndarray:
+    """The outer momentum persisted with the base average, checksum-verified (zeros at first)."""
+    entry = base.leaves[leaf]
+    if "momentum_checksums" not in entry:
+        return np.zeros(b - a, np.float32)
+    try:
+        return _verified(store, f"{base.data}/momentum/{leaf}", "float32", a, b,
+                         entry["momentum_checksums"], f"{base.prefix} momentum of {leaf}")
+    except StoreError as e:
+        raise Abort(paragraph(
+            f"{e} The outer-optimizer momentum of the previous average is damaged, so a",
+            "DiLoCo round cannot continue from it. Restore the store from a backup, or start",
+            "the averager with --outer=none.",
+        )) from None
+
+
+def _chunk_sums(values: np.ndarray) -> list[str]:
+    return chunk_sums(values)
+
+
+def reduce_round(inp: RoundInputs) -> dict[str, dict]:
+    """Writes every output leaf (and DiLoCo momentum); returns the manifest's leaf entries."""
+    if inp.cfg.aggregator == "centered_clip":
+        centered_clip_passes(inp)
+    outer = (aggregate.OuterSGD(inp.cfg.outer_lr, inp.cfg.outer_momentum)
+             if inp.cfg.outer == "diloco" else None)
+    store, leaves, arrays, pending = inp.store, {}, {}, collections.deque()
+    for leaf, a, b in _blocks(inp):
+        dtype = inp.base.leaves[leaf]["dtype"]
+        if leaf not in arrays:
+            arrays[leaf] = (store.array(f"{inp.data}/arrays/{leaf}", inp.size(leaf), dtype),
+                            store.array(f"{inp.data}/momentum/{leaf}", inp.size(leaf), "float32")
+                            if outer else None)
+            leaves[leaf] = {"shape": inp.base.leaves[leaf]["shape"], "dtype": dtype,
+                            "encoding": "raw", "checksums": []}
+            if outer:
+                leaves[leaf]["momentum_checksums"] = []
+        out, mom_out = arrays[leaf]
+        base_blk, delta = _block_delta(inp, leaf, a, b)
+        if outer:
+            new, m = outer.step(base_blk, delta, previous_momentum(store, inp.base, leaf, a, b))
+            pending.append(mom_out[a:b].write(m))
+            store.bytes_written += m.nbytes
+            leaves[leaf]["momentum_checksums"] += _chunk_sums(m)
+        else:
+            new = base_blk + delta
+        values = new.astype(out.dtype.numpy_dtype)
+        if not np.all(np.isfinite(values.astype(np.float32))):
+            raise Abort(paragraph(
+                f"The averaged leaf {leaf} (values {a}..{b}) is non-finite in {dtype} (huge but",
+                "finite contributions overflowed), so the round is not published. Use a robust",
+                "aggregator (--aggregator=median, trimmed_mean or centered_clip) or exclude the",
+                "offending worker with --allowed_workers.",
+            ))
+        pending.append(out[a:b].write(values))  # overlaps with reading the next block
+        store.bytes_written += values.nbytes
+        leaves[leaf]["checksums"] += _chunk_sums(values)
+        while len(pending) > 4:  # bounded: at most a couple of blocks in flight
+            pending.popleft().result()
+    for write in pending:  # everything durable before the caller commits the round
+        write.result()
+    return leaves

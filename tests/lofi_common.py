@@ -1,0 +1,37 @@
+"""What the Lo-Fi store tests share: synthetic parameters with a leaf larger than the averager's
+chunk budget, and a push helper. The `store` fixture (tests/conftest.py) publishes round 0."""
+
+import os
+
+import numpy as np
+
+from jaxscale.lofi import aggregate
+from jaxscale.lofi import store as S
+from jaxscale.lofi.averager import AveragerConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIG = S.CHUNK * 3 + 123  # a leaf spanning several chunks and larger than the test budget
+TINY_BUDGET = AveragerConfig(chunk_budget_bytes=1)
+
+
+def _params(seed, scale=1.0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return {"layers/w": (rng.normal(size=(BIG,)) * scale).astype(dtype).reshape(-1, 1),
+            "b": (rng.normal(size=(7,)) * scale).astype(dtype)}
+
+
+def _push(st, worker, step, params, samples=100):
+    return S.push(st, worker, step, params, samples_seen=samples)
+
+
+def _reference(name, base, pushed, weights, **kw):
+    """NumPy reference: the aggregator on whole-model deltas (all leaves concatenated)."""
+    leaves = sorted(base)
+    flat = lambda p: np.concatenate([p[k].astype(np.float32).ravel() for k in leaves])
+    deltas = np.stack([flat(p) - flat(base) for p in pushed])
+    new = flat(base) + aggregate.AGGREGATORS[name](deltas, weights, **kw)
+    out, start = {}, 0
+    for k in leaves:
+        out[k] = new[start:start + base[k].size].reshape(base[k].shape)
+        start += base[k].size
+    return out
