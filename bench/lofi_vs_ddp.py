@@ -8,6 +8,10 @@ ways with the same total samples and hyper-parameters:
 Workers are real `launch.train` processes driven by `launch.lofi_local`.
 
     python bench/lofi_vs_ddp.py [--pretrain_steps=200] [--steps=200] [--sync_every=50]
+    python bench/lofi_vs_ddp.py --small --pretrain_steps=1000 --steps=2500 --sync_every=250
+
+`--small` shrinks the tiny LM (embed 64, 2 layers, 32-token sequences: 0.1M parameters) so
+that runs of thousands of steps, the regime Lo-Fi and DiLoCo are meant for, fit on a CPU.
 
 Bytes: Lo-Fi counts everything that went through the store (every worker's pushes and reads
 plus the averager's reads and writes, as recorded by them); data parallel counts the ring
@@ -28,6 +32,9 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 WORKERS, BATCH = 4, 16
+SMALL = {"model.embed": 64, "model.num_layers": 2, "model.head_dim": 16, "model.mlp": 128,
+         "data.seq_len": 32}
+MODEL: dict = {}  # the overrides of this run (SMALL with --small)
 
 
 def sh(args: list[str]) -> str:
@@ -43,6 +50,7 @@ def train_flags(steps: int, batch: int, init_from: str | None, part: str) -> lis
              f"--config.data.batch_size={batch}", f"--config.data.part={part}",
              "--config.train.log_every=25", "--config.train.eval_every=0",
              "--config.optim.warmup_steps=10", "--config.optim.lr=1e-3"]
+    flags += [f"--config.{k}={v}" for k, v in MODEL.items()]
     return flags + ([f"--config.init_from={init_from}"] if init_from else [])
 
 
@@ -51,6 +59,9 @@ def heldout_loss(init_from: str) -> float:
     from jaxscale.train.loop import Trainer
     c = get_config()
     c.update(init_from=init_from)
+    for key, value in MODEL.items():
+        section, field = key.split(".")
+        c[section][field] = value
     c.mesh.data = -1
     c.data.eval_batches = 16
     trainer = Trainer.build(c, workdir=None)
@@ -62,7 +73,9 @@ def main() -> None:
     p.add_argument("--pretrain_steps", type=int, default=200)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--sync_every", type=int, default=50)
+    p.add_argument("--small", action="store_true", help="a 0.1M-parameter model (see above)")
     args = p.parse_args()
+    MODEL.update(SMALL if args.small else {})
     tmp = tempfile.mkdtemp(prefix="lofi_bench_")
     py = sys.executable
     pre = os.path.join(tmp, "pretrain")
