@@ -100,11 +100,15 @@ def main() -> None:
     for sync in ("end", "diloco"):
         store = os.path.join(tmp, sync)
         extra = [f"--config.lofi.sync_every={args.sync_every}"] if sync != "end" else []
+        # Push only when an exchange needs it (end: once; diloco: every H steps), so the bytes
+        # are those of the algorithm; shorter push_every adds fault-tolerance snapshots.
+        push = args.steps if sync == "end" else args.sync_every
+        extra.append(f"--config.lofi.push_every={push}")
         sh([py, "-m", "launch.lofi_local", f"--num_workers={WORKERS}", "--devices_per_worker=1",
             f"--store={store}", f"--sync={sync}", "--",
             *train_flags(args.steps, BATCH, base, "b"), *extra])
         moved = store_totals(store)["lofi_total"]
-        rows.append((f"Lo-Fi sync={sync}" + (f" (H={args.sync_every})" if extra else ""),
+        rows.append((f"Lo-Fi sync={sync}" + (f" (H={args.sync_every})" if sync != "end" else ""),
                      heldout_loss(os.path.join(store, "runs", "final")), moved))
 
     ddp_loss = rows[1][1]

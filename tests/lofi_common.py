@@ -1,6 +1,7 @@
 """What the Lo-Fi store tests share: synthetic parameters with a leaf larger than the averager's
 chunk budget, and a push helper. The `store` fixture (tests/conftest.py) publishes round 0."""
 
+import json
 import os
 
 import numpy as np
@@ -35,3 +36,19 @@ def _reference(name, base, pushed, weights, **kw):
         out[k] = new[start:start + base[k].size].reshape(base[k].shape)
         start += base[k].size
     return out
+
+
+def tamper(st, prefix, edit) -> None:
+    """Edits the committed manifest at `prefix` in place and re-signs COMMIT: what an attacker
+    with write access to the store could do (checksums alone cannot stop it; validation must)."""
+    relative = f"{S.committed_data(st, prefix)}/manifest.json"
+    manifest = json.loads(st.read(f"{prefix}/{relative}"))
+    edit(manifest)
+    data = json.dumps(manifest, sort_keys=True).encode()
+    st.kv.write(f"{prefix}/{relative}", data).result()
+    st.kv.write(f"{prefix}/COMMIT", f"{S._sha(data)} {relative}".encode()).result()
+
+
+def data_dir(st, prefix) -> str:
+    """Where the committed attempt at `prefix` keeps its arrays."""
+    return f"{prefix}/{S.committed_data(st, prefix)}"

@@ -2,7 +2,6 @@
 racing and killed averagers. The shared fixtures live in test_lofi_store.py."""
 
 import dataclasses
-import json
 import os
 import signal
 import subprocess
@@ -16,16 +15,11 @@ import pytest
 from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
-from tests.lofi_common import ROOT, TINY_BUDGET, _params, _push, _reference
+from tests.lofi_common import ROOT, TINY_BUDGET, _params, _push, _reference, tamper
 
 
 # ------------------------------------------------------------------ hostile or broken manifests
-def _tamper(st, prefix, edit):
-    manifest = json.loads(st.read(f"{prefix}/manifest.json"))
-    edit(manifest)
-    data = json.dumps(manifest, sort_keys=True).encode()
-    st.kv.write(f"{prefix}/manifest.json", data).result()
-    st.kv.write(f"{prefix}/COMMIT", S._sha(data).encode()).result()
+_tamper = tamper
 
 
 HOSTILE = {
@@ -239,6 +233,68 @@ def test_presumed_dead_averager_waking_up_cannot_damage_the_round(store, monkeyp
     assert not out["a"].published and "another averager" in out["a"].note
     got = S.read_params(store, S.load_checkpoint(store, "average/1"))
     np.testing.assert_array_equal(got["layers/w"], expected["layers/w"])
+
+
+def test_averager_stalled_between_manifest_and_commit_cannot_damage_the_round(store,
+                                                                               monkeypatch):
+    """The window the single-key commit closes: A has written its manifest but not COMMIT when
+    B takes over and publishes; A's late COMMIT loses, A removes only its own attempt, and
+    round 1 stays B's, readable, with the next round building on it."""
+    import jaxscale.lofi.averager as A
+    _push(store, 0, 5, _params(1))
+    real, stalled, resume = A.commit, threading.Event(), threading.Event()
+
+    def slow(st, prefix, manifest, exclusive=True):
+        if threading.current_thread().name == "A":
+            st.write(f"{prefix}/{manifest['data']}/manifest.json", b"{}")  # half of a commit
+            stalled.set()
+            resume.wait(60)
+        return real(st, prefix, manifest, exclusive)
+
+    monkeypatch.setattr(A, "commit", slow)
+    out = {}
+    a = threading.Thread(name="A", target=lambda: out.update(
+        a=run_round(S.Store(store.location), TINY_BUDGET)))
+    a.start()
+    stalled.wait(60)
+    b = run_round(store, dataclasses.replace(TINY_BUDGET, claim_timeout_s=0.0))
+    assert b.published and b.round == 1
+    expected = S.read_params(store, S.load_checkpoint(store, "average/1"))
+    resume.set()
+    a.join()
+    assert not out["a"].published
+    ours = S.committed_data(store, "average/1")
+    assert {k.split("/")[2] for k in store.keys("average/1/") if k.count("/") > 2} == {ours}
+    got = S.read_params(store, S.load_checkpoint(store, "average/1"))
+    np.testing.assert_array_equal(got["layers/w"], expected["layers/w"])
+    _push(store, 0, 6, _params(3))
+    assert run_round(store, TINY_BUDGET).round == 2
+
+
+def test_interrupt_after_commit_never_unpublishes_the_round(store, monkeypatch):
+    """SystemExit (a SIGTERM'd watcher) right after the commit, while tidying scratch space:
+    the published round's data stays; workers can read it."""
+    _push(store, 0, 5, _params(1))
+    real = S.Store.delete_prefix
+
+    def interrupted(self, prefix):
+        if prefix.endswith("/scratch"):
+            raise SystemExit(143)
+        return real(self, prefix)
+
+    monkeypatch.setattr(S.Store, "delete_prefix", interrupted)
+    with pytest.raises(SystemExit):
+        run_round(store, TINY_BUDGET)
+    average = latest_average(store)
+    assert average.round == 1 and np.all(np.isfinite(average.params["layers/w"]))
+
+
+def test_two_processes_pushing_one_worker_step_keep_the_first(store):
+    first = _push(store, 0, 5, _params(1))
+    second = _push(store, 0, 5, _params(2))
+    assert not first.skipped and second.skipped
+    got = S.read_params(store, S.load_checkpoint(store, "workers/0/5"))
+    np.testing.assert_array_equal(got["b"], _params(1)["b"])
 
 
 KILL_MID_AVERAGE = """

@@ -9,7 +9,7 @@ import pytest
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
 from jaxscale.quant import dequantize_blockwise, quantize_blockwise
-from tests.lofi_common import TINY_BUDGET, _params, _push, _reference
+from tests.lofi_common import TINY_BUDGET, _params, _push, _reference, data_dir, tamper
 
 
 def test_mean_equals_numpy_reference_for_leaves_larger_than_budget(store):
@@ -82,7 +82,7 @@ def test_partial_push_is_ignored(store):
 def test_corrupt_chunk_on_disk_is_detected_and_worker_skipped(store, tmp_path):
     _push(store, 0, 5, _params(1))
     _push(store, 1, 5, _params(2))
-    chunk = tmp_path / "store" / "workers" / "1" / "5" / "arrays" / "layers" / "w" / "c" / "1"
+    chunk = tmp_path / "store" / data_dir(store, "workers/1/5") / "arrays" / "layers" / "w" / "c" / "1"
     data = bytearray(chunk.read_bytes())
     data[100] ^= 0xFF
     chunk.write_bytes(bytes(data))
@@ -126,11 +126,8 @@ def test_late_joiner_and_leaver(store):
 
 def test_manifest_escaping_the_store_is_rejected(store):
     _push(store, 0, 5, _params(1))
-    manifest = json.loads(store.read("workers/0/5/manifest.json"))
-    manifest["leaves"]["../../outside"] = manifest["leaves"].pop("b")
-    data = json.dumps(manifest, sort_keys=True).encode()
-    store.write("workers/0/5/manifest.json", data)
-    store.write("workers/0/5/COMMIT", S._sha(data).encode())
+    tamper(store, "workers/0/5",
+           lambda m: m["leaves"].__setitem__("../../outside", m["leaves"].pop("b")))
     with pytest.raises(S.StoreError, match="escape the store"):
         S.load_checkpoint(store, "workers/0/5")
     assert "escape" in run_round(store, TINY_BUDGET).skipped[0]

@@ -25,9 +25,10 @@ import numpy as np
 from jaxscale import __version__
 from jaxscale.errors import ConfigError
 from jaxscale.lofi.reduce import Abort, Drop, RoundInputs, reduce_round
-from jaxscale.lofi.store import (Checkpoint, Store, StoreError, average_prefix, commit,
-                                 latest_average_checkpoint, load_checkpoint, read_params,
-                                 worker_checkpoints, worker_prefix, write_checkpoint)
+from jaxscale.lofi.store import (Checkpoint, LostRace, Store, StoreError, average_prefix, commit,
+                                 committed_data, latest_average_checkpoint, load_checkpoint,
+                                 read_params, worker_checkpoints, worker_prefix,
+                                 write_checkpoint)
 
 log = logging.getLogger("jaxscale.lofi")
 JOB_FIELDS = ("allowed_workers", "min_workers", "max_staleness")
@@ -111,12 +112,16 @@ class RoundReport:
 
 def publish_initial(store: Store, params: dict, step: int = 0, job: dict | None = None) -> bool:
     """Round 0 = the initial weights (and the job's quorum settings); the first worker to
-    start wins the claim, later ones find it and continue from it."""
-    if not store.write(f"{average_prefix(0)}/CLAIM", b"init", if_absent=True):
+    commit it wins, later ones find it and continue from it. No claim: a worker killed while
+    publishing leaves only its own uncommitted attempt, which the next worker ignores."""
+    if store.read(f"{average_prefix(0)}/COMMIT") is not None:
         return False
     meta = {"kind": "average", "round": 0, "step": step, "samples_seen": 0, "contributors": {}}
-    write_checkpoint(store, average_prefix(0), params, {**meta, **({"job": job} if job else {})},
-                     exclusive=True)
+    try:  # several first workers may race: each writes its own attempt, one commits
+        write_checkpoint(store, average_prefix(0), params,
+                         {**meta, **({"job": job} if job else {})}, exclusive=True)
+    except LostRace:
+        return False
     return True
 
 
@@ -172,9 +177,9 @@ def _claim(store: Store, round_: int, timeout_s: float) -> bytes | None:
 
     The claim is a create-if-absent key holding a token and its time; a claim older than
     `timeout_s` whose round never committed (its averager died) is taken over by
-    compare-and-swap, clearing the dead averager's uncommitted manifest. Even a presumed-dead
-    averager that wakes up cannot damage the round: it writes into its own data directory
-    and its create-if-absent manifest/COMMIT lose to the committed ones.
+    compare-and-swap. Nothing of the dead averager is deleted: a presumed-dead averager that
+    wakes up cannot damage the round either, since each attempt writes only its own directory
+    and the single create-if-absent COMMIT decides which attempt is the round.
     """
     key = f"{average_prefix(round_)}/CLAIM"
     token = json.dumps({"time": time.time(), "token": uuid.uuid4().hex}).encode()
@@ -190,13 +195,14 @@ def _claim(store: Store, round_: int, timeout_s: float) -> bytes | None:
     log.warning("taking over round %d from an averager that stopped %.0fs ago", round_, age)
     if not store.write(key, token, if_generation=generation):
         return None
-    store.kv.write(f"{average_prefix(round_)}/manifest.json", None).result()
     return token
 
 
 def _release(store: Store, round_: int, token: bytes, data: str) -> None:
-    """Drops this averager's unpublished data and its claim (only if still ours)."""
-    store.delete_prefix(data)
+    """Drops this averager's unpublished data and its claim (only if still ours). Data that
+    the round's COMMIT names is never dropped, whatever interrupted this averager after it."""
+    if committed_data(store, average_prefix(round_)) != data.rsplit("/", 1)[1]:
+        store.delete_prefix(data)
     key = f"{average_prefix(round_)}/CLAIM"
     value, generation = store.read_stamped(key)
     if value == token:
@@ -272,8 +278,11 @@ def _publish(store: Store, round_: int, base: Checkpoint, workers: dict[int, Che
     if not commit(store, prefix, manifest):
         raise Abort(f"round {round_} was committed by another averager first; this one's "
                     "data was discarded")
-    store.delete_prefix(f"{data}/scratch")
     report.round, report.used = round_, {w: c.step for w, c in workers.items()}
+    try:  # published: the scratch space is garbage now, its removal merely tidy
+        store.delete_prefix(f"{data}/scratch")
+    except Exception as e:  # noqa: BLE001 - never fail (or unpublish) a committed round
+        log.warning("round %d: could not remove %s/scratch (%s)", round_, data, e)
 
 
 @dataclass(frozen=True)

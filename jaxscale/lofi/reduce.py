@@ -157,38 +157,47 @@ def reduce_round(inp: RoundInputs) -> dict[str, dict]:
     outer = (aggregate.OuterSGD(inp.cfg.outer_lr, inp.cfg.outer_momentum)
              if inp.cfg.outer == "diloco" else None)
     store, leaves, arrays, pending = inp.store, {}, {}, collections.deque()
-    for leaf, a, b in _blocks(inp):
-        dtype = inp.base.leaves[leaf]["dtype"]
-        if leaf not in arrays:
-            arrays[leaf] = (store.array(f"{inp.data}/arrays/{leaf}", inp.size(leaf), dtype),
-                            store.array(f"{inp.data}/momentum/{leaf}", inp.size(leaf), "float32")
-                            if outer else None)
-            leaves[leaf] = {"shape": inp.base.leaves[leaf]["shape"], "dtype": dtype,
-                            "encoding": "raw", "checksums": []}
+    try:
+        for leaf, a, b in _blocks(inp):
+            dtype = inp.base.leaves[leaf]["dtype"]
+            if leaf not in arrays:
+                momentum = (store.array(f"{inp.data}/momentum/{leaf}", inp.size(leaf),
+                                        "float32") if outer else None)
+                arrays[leaf] = (store.array(f"{inp.data}/arrays/{leaf}", inp.size(leaf), dtype),
+                                momentum)
+                leaves[leaf] = {"shape": inp.base.leaves[leaf]["shape"], "dtype": dtype,
+                                "encoding": "raw", "checksums": []}
+                if outer:
+                    leaves[leaf]["momentum_checksums"] = []
+            out, mom_out = arrays[leaf]
+            base_blk, delta = _block_delta(inp, leaf, a, b)
             if outer:
-                leaves[leaf]["momentum_checksums"] = []
-        out, mom_out = arrays[leaf]
-        base_blk, delta = _block_delta(inp, leaf, a, b)
-        if outer:
-            new, m = outer.step(base_blk, delta, previous_momentum(store, inp.base, leaf, a, b))
-            pending.append(mom_out[a:b].write(m))
-            store.bytes_written += m.nbytes
-            leaves[leaf]["momentum_checksums"] += _chunk_sums(m)
-        else:
-            new = base_blk + delta
-        values = new.astype(out.dtype.numpy_dtype)
-        if not np.all(np.isfinite(values.astype(np.float32))):
-            raise Abort(paragraph(
-                f"The averaged leaf {leaf} (values {a}..{b}) is non-finite in {dtype} (huge but",
-                "finite contributions overflowed), so the round is not published. Use a robust",
-                "aggregator (--aggregator=median, trimmed_mean or centered_clip) or exclude the",
-                "offending worker with --allowed_workers.",
-            ))
-        pending.append(out[a:b].write(values))  # overlaps with reading the next block
-        store.bytes_written += values.nbytes
-        leaves[leaf]["checksums"] += _chunk_sums(values)
-        while len(pending) > 4:  # bounded: at most a couple of blocks in flight
-            pending.popleft().result()
+                new, m = outer.step(base_blk, delta, previous_momentum(store, inp.base, leaf, a, b))
+                pending.append(mom_out[a:b].write(m))
+                store.bytes_written += m.nbytes
+                leaves[leaf]["momentum_checksums"] += _chunk_sums(m)
+            else:
+                new = base_blk + delta
+            values = new.astype(out.dtype.numpy_dtype)
+            if not np.all(np.isfinite(values.astype(np.float32))):
+                raise Abort(paragraph(
+                    f"The averaged leaf {leaf} (values {a}..{b}) is non-finite in {dtype}",
+                    "(huge but finite contributions overflowed), so the round is not published.",
+                    "Use a robust aggregator (--aggregator=median, trimmed_mean or",
+                    "centered_clip) or exclude the offending worker with --allowed_workers.",
+                ))
+            pending.append(out[a:b].write(values))  # overlaps with reading the next block
+            store.bytes_written += values.nbytes
+            leaves[leaf]["checksums"] += _chunk_sums(values)
+            while len(pending) > 4:  # bounded: at most a couple of blocks in flight
+                pending.popleft().result()
+    except BaseException:  # Drop / Abort: let this attempt's writes land before a retry
+        for write in pending:    # reuses the directory, so none can land after it
+            try:
+                write.result()
+            except Exception:  # noqa: BLE001 - the attempt is abandoned anyway
+                pass
+        raise
     for write in pending:  # everything durable before the caller commits the round
         write.result()
     return leaves

@@ -2,21 +2,24 @@
 
 Layout (under the store root):
 
-    workers/<worker_id>/<step>/arrays/<leaf path>   one zarr3 array per parameter leaf
-    workers/<worker_id>/<step>/manifest.json        step, samples seen, leaves: shape, dtype,
-                                                    encoding, one sha256 per chunk; version
-    workers/<worker_id>/<step>/COMMIT               sha256 of manifest.json, written LAST
-    average/<round>/manifest.json, COMMIT           the same, for published averages, whose
-    average/<round>/d<token>/arrays/<leaf path>     arrays live in a per-attempt directory
-                                                    (+ momentum/ for DiLoCo; round 0: arrays/)
-    average/<round>/CLAIM                           create-if-absent marker: one averager per round
+    workers/<worker_id>/<step>/d<token>/arrays/<leaf>  one zarr3 array per parameter leaf, in a
+                                                       per-attempt directory
+    workers/<worker_id>/<step>/d<token>/manifest.json  step, samples seen, leaves: shape, dtype,
+                                                       encoding, one sha256 per chunk; version
+    workers/<worker_id>/<step>/COMMIT                  "<sha256 of the manifest> d<token>/
+                                                       manifest.json", created LAST, if absent
+    average/<round>/...                                the same, for published averages
+                                                       (+ d<token>/momentum/ for DiLoCo)
+    average/<round>/CLAIM                              one averager at a time per round
 
-A checkpoint exists for readers only once COMMIT matches its manifest, so a reader never sees a
-partial write, even on object stores (s3) whose multi-key writes are not atomic. Leaves are stored
-flattened to 1-D (shape in the manifest) in chunks of `CHUNK` values, so readers can stream any
-leaf chunk by chunk. Nothing here unpickles: manifests are JSON, validated field by field
-(`manifest.py`), and arrays are zarr. Pushes and averages commit create-if-absent, so committed
-data is never overwritten.
+The commit is one create-if-absent key naming the attempt that won: of racing writers (two
+averagers, a presumed-dead one waking up, two processes pushing one worker step) exactly one
+commits, nobody ever deletes or rewrites another attempt's files, and a reader never sees a
+partial write, even on object stores (s3) whose multi-key writes are not atomic. Leaves are
+stored flattened to 1-D (shape in the manifest) in chunks of `CHUNK` values, so readers can
+stream any leaf chunk by chunk. Nothing here unpickles: manifests are JSON, validated field by
+field (`manifest.py`), and arrays are zarr. Re-exports (`--final`) write `manifest.json` beside
+a COMMIT holding only its sha256.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,6 +60,9 @@ def kvstore_spec(location: str) -> dict:
         return {"driver": "memory", "path": location[len("memory://"):].strip("/") + "/"}
     path = location[len("file://"):] if location.startswith("file://") else location
     return {"driver": "file", "path": path.rstrip("/") + "/"}
+
+
+_COMMITTED_RE = re.compile(r"^d[0-9a-f]{1,32}/manifest\.json$")
 
 
 def _sha(data: bytes) -> str:
@@ -158,11 +166,23 @@ def _write_leaf(store: Store, key: str, flat: np.ndarray, dtype: str) -> list[st
     return chunk_sums(flat)
 
 
+class LostRace(StoreError):
+    """Another writer committed this checkpoint first (this attempt's files were removed)."""
+
+
+def attempt_dir() -> str:
+    """A fresh per-attempt data directory name: racing writers never share files."""
+    return "d" + uuid.uuid4().hex[:16]
+
+
 def write_checkpoint(store: Store, prefix: str, params: Mapping[str, Any], meta: dict,
                      base: Checkpoint | None = None, compress: bool = False,
                      exclusive: bool = False) -> Checkpoint:
-    """Writes arrays, then manifest.json, then COMMIT (the order readers rely on). With
-    `exclusive` (pushes, averages) an already committed checkpoint is never replaced."""
+    """Writes arrays, then the manifest, then COMMIT (the order readers rely on). With
+    `exclusive` (pushes, averages) the data goes to a per-attempt directory and an already
+    committed checkpoint is never replaced; losing the race raises LostRace."""
+    if exclusive and "data" not in meta:
+        meta = {**meta, "data": attempt_dir()}
     data = f"{prefix}/{meta['data']}" if "data" in meta else prefix
     leaves = {}
     for leaf, value in sorted(params.items()):
@@ -183,37 +203,61 @@ def write_checkpoint(store: Store, prefix: str, params: Mapping[str, Any], meta:
     manifest = {"format": FORMAT, "jaxscale_version": __version__, "created": time.time(),
                 **meta, "leaves": leaves}
     if not commit(store, prefix, manifest, exclusive):
-        raise StoreError(f"{prefix}: another writer committed this checkpoint first; "
-                         "its data was left untouched.")
+        if data != prefix:
+            store.delete_prefix(data)
+        raise LostRace(f"{prefix}: another writer committed this checkpoint first; its data "
+                       "was left untouched and this attempt's removed.")
     return Checkpoint(prefix, manifest)
 
 
 def commit(store: Store, prefix: str, manifest: dict, exclusive: bool = True) -> bool:
-    """Writes manifest.json then COMMIT. `exclusive`: each create-if-absent, so of two racing
-    writers exactly one commits and a committed checkpoint is never overwritten (single-key
-    conditional writes only, so this holds on s3, whose multi-key writes are not atomic).
-    Otherwise (re-exports) the old COMMIT is removed first, so readers never mix the two."""
+    """Makes `manifest` the committed checkpoint at `prefix`; False if another won.
+
+    `exclusive` (the manifest names its attempt directory in `data`): the manifest goes into
+    that directory and COMMIT, created if absent, holds its sha256 and path: one conditional
+    single-key write decides the race (which holds on s3 too, where multi-key writes are not
+    atomic), and a committed checkpoint is never overwritten. Otherwise (re-exports) the old
+    COMMIT is removed first, so readers never mix the two."""
     data = json.dumps(manifest, sort_keys=True).encode()
     if not exclusive:
         store.kv.write(f"{prefix}/COMMIT", None).result()
         store.write(f"{prefix}/manifest.json", data)
-    elif not store.write(f"{prefix}/manifest.json", data, if_absent=True):
-        return False
-    return store.write(f"{prefix}/COMMIT", _sha(data).encode(), if_absent=exclusive)
+        return store.write(f"{prefix}/COMMIT", _sha(data).encode())
+    relative = f"{manifest['data']}/manifest.json"
+    store.write(f"{prefix}/{relative}", data)
+    return store.write(f"{prefix}/COMMIT", f"{_sha(data)} {relative}".encode(), if_absent=True)
+
+
+def committed_data(store: Store, prefix: str) -> str | None:
+    """The attempt directory the COMMIT at `prefix` names (None: none, or a re-export)."""
+    marker = store.read(f"{prefix}/COMMIT")
+    text = marker.decode(errors="replace") if marker else ""
+    return text.split(" ", 1)[1].split("/", 1)[0] if " " in text else None
 
 
 def load_checkpoint(store: Store, prefix: str) -> Checkpoint:
     """The committed checkpoint at `prefix`, or StoreError saying why it is not usable."""
-    commit, data = store.read(f"{prefix}/COMMIT"), store.read(f"{prefix}/manifest.json")
-    if commit is None or data is None:
-        raise StoreError(f"{prefix}: no commit marker or manifest; the write is partial.")
-    if commit.decode() != _sha(data):
-        raise StoreError(f"{prefix}: the commit marker does not match manifest.json (corrupt).")
+    marker = store.read(f"{prefix}/COMMIT")
+    if marker is None:
+        raise StoreError(f"{prefix}: no commit marker; the write is partial.")
+    sha, _, relative = marker.decode(errors="replace").partition(" ")
+    if relative and not _COMMITTED_RE.match(relative):
+        raise StoreError(f"{prefix}: the commit marker names {relative!r}, not an attempt's "
+                         "manifest; rejected.")
+    data = store.read(f"{prefix}/{relative or 'manifest.json'}")
+    if data is None:
+        raise StoreError(f"{prefix}: the committed manifest is missing (corrupt).")
+    if sha != _sha(data):
+        raise StoreError(f"{prefix}: the commit marker does not match the manifest (corrupt).")
     try:
         manifest = json.loads(data)
     except ValueError as e:
         raise StoreError(f"{prefix}: manifest.json is not valid JSON ({e}); rejected.") from None
-    return Checkpoint(prefix, validate_manifest(manifest, prefix))
+    manifest = validate_manifest(manifest, prefix)
+    if relative and manifest.get("data") != relative.split("/", 1)[0]:
+        raise StoreError(f"{prefix}: the committed manifest's data field names another "
+                         "attempt's directory; rejected.")
+    return Checkpoint(prefix, manifest)
 
 
 def _verified(store: Store, key: str, dtype: str, a: int, b: int, sums: list[str],
@@ -354,16 +398,16 @@ def push(location: str | Store, worker_id: int, step: int, params: Mapping[str, 
     the newest average (falling back to raw when there is none yet). `synced_round` is the
     average the worker last continued from (the averager measures staleness against it).
 
-    A step that is already committed (a restarted worker redoing steps) is kept as it is: the
-    averager may be reading it, and committed data is never overwritten. A partial push of the
-    same step (a worker killed mid-push) is cleared and written again.
+    A step that is already committed (a restarted worker redoing steps, or two processes with
+    one worker id) is kept as it is: the averager may be reading it, and committed data is
+    never overwritten. A partial push of the same step (a worker killed mid-push) is simply
+    written again into a new attempt directory; the killed attempt's files are never read.
     """
     store = location if isinstance(location, Store) else Store(location)
     prefix = worker_prefix(worker_id, step)
     raw = sum(np.asarray(v).nbytes for v in params.values())
     if store.read(f"{prefix}/COMMIT") is not None:
         return PushReport(prefix, 0, raw, skipped=True)
-    store.kv.write(f"{prefix}/manifest.json", None).result()  # a killed push's leftover
     before = store.bytes_written
     base = latest_average_checkpoint(store) if compress else None
     meta = {"kind": "worker", "worker_id": int(worker_id), "step": int(step),
@@ -371,6 +415,9 @@ def push(location: str | Store, worker_id: int, step: int, params: Mapping[str, 
             "base_round": int(base.manifest["round"]) if base else None,
             "synced_round": None if synced_round is None or synced_round < 0
             else int(synced_round)}
-    write_checkpoint(store, prefix, params, meta, base, compress=compress and base is not None,
-                     exclusive=True)
+    try:
+        write_checkpoint(store, prefix, params, meta, base,
+                         compress=compress and base is not None, exclusive=True)
+    except LostRace:  # another process pushed this worker step first: keep its push
+        return PushReport(prefix, store.bytes_written - before, raw, skipped=True)
     return PushReport(prefix, store.bytes_written - before, raw)
