@@ -49,6 +49,25 @@ def test_dropout_masks_the_adapter_input_in_training_only():
     assert not np.array_equal(y, other)                 # the key (step) changes the mask
 
 
+def test_dropout_masks_differ_between_microbatches_under_one_key():
+    """Gradient-accumulation / pipeline microbatches and data replicas run under the step's one
+    key (inside scans and vmaps): their different inputs still get different masks."""
+    rate, probe = 0.5, _Probe(32, 0.5)
+    rng = np.random.default_rng(0)
+    micro = jnp.asarray(rng.normal(size=(4, 2, 16, 32)), jnp.float32)  # 4 microbatches
+
+    def body(carry, x):
+        return carry, project(probe, "w", "bte,ef->btf", x, jnp.float32) == 0
+
+    with adapter_dropout(jax.random.key(1)):
+        _, masks = jax.lax.scan(body, 0, micro)
+        replicas = jax.vmap(lambda x: body(0, x)[1])(micro)
+    masks, replicas = np.asarray(masks), np.asarray(replicas)
+    for m in (masks, replicas):
+        assert all(not np.array_equal(m[0], m[i]) for i in range(1, 4))
+        assert abs(m.mean() - rate) < 0.05
+
+
 def test_dropout_acts_in_the_train_step_not_in_the_eval_step():
     """With adapters that matter (B != 0 after two steps), the train step's loss differs from
     the eval step's on the same params and batch; evaluation stays deterministic. (The mask

@@ -94,11 +94,15 @@ def project(module: nnx.Module, name: str, eq: str, x: jax.Array, dtype) -> jax.
     ins, outs = ws[:a.ndim - 1], ws[a.ndim - 1:]
     batch = "".join(ch for ch in xs if ch not in ins)
     z = next(ch for ch in "zyxwvu" if ch not in eq)
-    # Distinct masks per projection (its name) and per layer of a scanned stack (the layer's
-    # own adapter values differ), without threading keys through the layer scan.
-    tag = jax.lax.bitcast_convert_type(
-        jax.lax.stop_gradient(a.reshape(-1)[0]).astype(jnp.float32), jnp.uint32)
-    key = jax.random.fold_in(jax.random.fold_in(key, zlib.crc32(name.encode())), tag)
+    # Distinct masks per projection (its name), per layer of a scanned stack (the layer's own
+    # adapter values differ) and per microbatch / data replica / pipeline stage (their inputs
+    # differ; a recomputation sees the same input, so the same mask), without threading keys
+    # through the scans that run them.
+    bits = lambda v: jax.lax.bitcast_convert_type(
+        jax.lax.stop_gradient(v).astype(jnp.float32), jnp.uint32)
+    key = jax.random.fold_in(jax.random.fold_in(key, zlib.crc32(name.encode())),
+                             bits(a.reshape(-1)[0]))
+    key = jax.random.fold_in(key, bits(jnp.sum(x, dtype=jnp.float32)))
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     dropped = jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))
     h = jnp.einsum(f"{xs},{ins}{z}->{batch}{z}", dropped, a.astype(dtype))
