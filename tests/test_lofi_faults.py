@@ -355,3 +355,14 @@ def test_accounting_reports_ddp_equivalent_and_compression_savings(store):
     assert t["pushed"] < 0.3 * param_bytes + param_bytes  # one 8-bit push, one raw
     text = "\n".join(accounting_lines(store.location))
     assert "data-parallel all-reduce" in text and "compression: pushes stored" in text
+
+
+def test_corrupt_committed_round_is_reported_not_waited_for(store):
+    _push(store, 0, 5, _params(1))
+    assert run_round(store, TINY_BUDGET).round == 1
+    tamper(store, "average/1", lambda m: None)  # re-signed, still valid ...
+    store.kv.write("average/1/COMMIT", b"0" * 64 + b" " + S.committed_data(
+        store, "average/1").encode() + b"/manifest.json").result()  # ... now it is not
+    _push(store, 0, 6, _params(2))
+    report = run_round(store, TINY_BUDGET)
+    assert not report.published and "average/1 is committed but does not verify" in report.note

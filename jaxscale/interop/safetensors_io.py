@@ -152,6 +152,7 @@ def _nbytes(spec: Spec) -> int:
 
 
 def _write_file(path: str, specs: list[Spec], arrays: Iterator[np.ndarray]) -> None:
+    arrays = iter(arrays)
     header, offset = {}, 0
     for key, shape, dtype in specs:
         header[key] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape),
@@ -163,7 +164,11 @@ def _write_file(path: str, specs: list[Spec], arrays: Iterator[np.ndarray]) -> N
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        for (key, shape, dtype), arr in zip(specs, arrays):
+        for key, shape, dtype in specs:
+            arr = next(arrays, None)
+            if arr is None:
+                raise ConversionError(f"{path}: the array stream ended before {key!r}; the "
+                                      "file would be truncated.")
             if tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype(dtype):
                 raise ConversionError(f"{key}: expected {shape} {dtype}, got {arr.shape} "
                                       f"{arr.dtype} while writing {path}.")

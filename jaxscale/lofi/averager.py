@@ -222,6 +222,9 @@ def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
     if len(workers) < cfg.min_workers:
         report.note = _quorum_note(workers, cfg)
         return report
+    if store.read(f"{average_prefix(round_)}/COMMIT") is not None:
+        report.note = _committed_note(store, round_)
+        return report
     token = _claim(store, round_, cfg.claim_timeout_s)
     if token is None:
         report.note = f"round {round_} is being written by another averager"
@@ -236,6 +239,18 @@ def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
             _release(store, round_, token, data)
         report.bytes_read, report.bytes_written = store.bytes_read, store.bytes_written
     return report
+
+
+def _committed_note(store: Store, round_: int) -> str:
+    """Why a round whose COMMIT exists is not published again: just published by another
+    averager, or committed but corrupt (then no later round can build on it: say so)."""
+    try:
+        load_checkpoint(store, average_prefix(round_))
+        return f"round {round_} was just published by another averager"
+    except StoreError as e:
+        return (f"average/{round_} is committed but does not verify ({e}), so no later round "
+                f"can build on it: inspect it, then delete average/{round_}/ to republish it "
+                "from the workers' pushes")
 
 
 def _quorum_note(workers: dict, cfg: AveragerConfig) -> str:
