@@ -206,31 +206,40 @@ def test_two_racing_averagers_publish_the_round_once(store):
     assert dirs == {avg.manifest["data"]}  # the loser left nothing behind
 
 
-def test_presumed_dead_averager_waking_up_cannot_damage_the_round(store, monkeypatch):
-    """A takes round 1 and stalls past the claim timeout; B takes over and publishes; A wakes,
-    finishes writing into its own directory and fails to commit: round 1 stays B's, intact."""
+def _stall_a_then_run_b(store, monkeypatch, attr, stall):
+    """Averager A runs in a thread until `stall` (called in place of averager.<attr>, which then
+    proceeds) holds it; averager B, seeing A's claim expired, takes round 1 over; then A
+    resumes. Returns A's report, B's report and round 1's params as B published them."""
     import jaxscale.lofi.averager as A
-    _push(store, 0, 5, _params(1))
-    real, stalled, resume = A.reduce_round, threading.Event(), threading.Event()
+    real, stalled, resume = getattr(A, attr), threading.Event(), threading.Event()
 
-    def slow(inputs):
+    def wrapped(*args, **kwargs):
         if threading.current_thread().name == "A":
+            stall(*args, **kwargs)
             stalled.set()
             resume.wait(60)
-        return real(inputs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(A, "reduce_round", slow)
+    monkeypatch.setattr(A, attr, wrapped)
     out = {}
     a = threading.Thread(name="A", target=lambda: out.update(
         a=run_round(S.Store(store.location), TINY_BUDGET)))
     a.start()
     stalled.wait(60)
     b = run_round(store, dataclasses.replace(TINY_BUDGET, claim_timeout_s=0.0))
-    assert b.round == 1
     expected = S.read_params(store, S.load_checkpoint(store, "average/1"))
     resume.set()
     a.join()
-    assert not out["a"].published and "another averager" in out["a"].note
+    return out["a"], b, expected
+
+
+def test_presumed_dead_averager_waking_up_cannot_damage_the_round(store, monkeypatch):
+    """A takes round 1 and stalls past the claim timeout; B takes over and publishes; A wakes,
+    finishes writing into its own directory and fails to commit: round 1 stays B's, intact."""
+    _push(store, 0, 5, _params(1))
+    a, b, expected = _stall_a_then_run_b(store, monkeypatch, "reduce_round", lambda inp: None)
+    assert b.round == 1
+    assert not a.published and "another averager" in a.note
     got = S.read_params(store, S.load_checkpoint(store, "average/1"))
     np.testing.assert_array_equal(got["layers/w"], expected["layers/w"])
 
@@ -240,29 +249,13 @@ def test_averager_stalled_between_manifest_and_commit_cannot_damage_the_round(st
     """The window the single-key commit closes: A has written its manifest but not COMMIT when
     B takes over and publishes; A's late COMMIT loses, A removes only its own attempt, and
     round 1 stays B's, readable, with the next round building on it."""
-    import jaxscale.lofi.averager as A
     _push(store, 0, 5, _params(1))
-    real, stalled, resume = A.commit, threading.Event(), threading.Event()
 
-    def slow(st, prefix, manifest, exclusive=True):
-        if threading.current_thread().name == "A":
-            st.write(f"{prefix}/{manifest['data']}/manifest.json", b"{}")  # half of a commit
-            stalled.set()
-            resume.wait(60)
-        return real(st, prefix, manifest, exclusive)
+    def half_commit(st, prefix, manifest, exclusive=True):
+        st.write(f"{prefix}/{manifest['data']}/manifest.json", b"{}")
 
-    monkeypatch.setattr(A, "commit", slow)
-    out = {}
-    a = threading.Thread(name="A", target=lambda: out.update(
-        a=run_round(S.Store(store.location), TINY_BUDGET)))
-    a.start()
-    stalled.wait(60)
-    b = run_round(store, dataclasses.replace(TINY_BUDGET, claim_timeout_s=0.0))
-    assert b.published and b.round == 1
-    expected = S.read_params(store, S.load_checkpoint(store, "average/1"))
-    resume.set()
-    a.join()
-    assert not out["a"].published
+    a, b, expected = _stall_a_then_run_b(store, monkeypatch, "commit", half_commit)
+    assert b.published and b.round == 1 and not a.published
     ours = S.committed_data(store, "average/1")
     assert {k.split("/")[2] for k in store.keys("average/1/") if k.count("/") > 2} == {ours}
     got = S.read_params(store, S.load_checkpoint(store, "average/1"))
