@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
 from jaxscale.quant import dequantize_blockwise, quantize_blockwise
@@ -176,3 +177,80 @@ def test_quantization_error_bound_and_compressed_push(store):
     back = S.read_params(store, S.load_checkpoint(store, "workers/0/5"))
     for k in pushed:
         np.testing.assert_allclose(back[k], pushed[k], atol=0.01 / 127)
+
+
+# ------------------------------------------------------------------ checksums and durability
+def _as_sha256_store(st, prefix):
+    """Rewrites a committed checkpoint as a store written before xxh3 would have it: sha256
+    chunk sums and no `checksum` field."""
+    ckpt = S.load_checkpoint(st, prefix)
+
+    def edit(m):
+        del m["checksum"]
+        for leaf, e in m["leaves"].items():
+            values = np.asarray(st.array(f"{ckpt.data}/arrays/{leaf}").read().result())
+            e["checksums"] = S.chunk_sums(values, "sha256")
+    tamper(st, prefix, edit)
+
+
+def test_stores_written_with_sha256_sums_still_verify(store, tmp_path):
+    _push(store, 0, 5, _params(1))
+    _push(store, 1, 5, _params(2))
+    for prefix in ("average/0", "workers/0/5", "workers/1/5"):
+        _as_sha256_store(store, prefix)
+    assert S.load_checkpoint(store, "workers/0/5").checksum == "sha256"
+    chunk = tmp_path / "store" / data_dir(store, "workers/1/5") / "arrays" / "layers" / "w" / "c" / "2"
+    data = bytearray(chunk.read_bytes())
+    data[7] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    report = run_round(store, TINY_BUDGET)
+    assert report.used == {0: 5} and "checksum mismatch in chunk 2" in report.skipped[1]
+    assert S.load_checkpoint(store, "average/1").checksum == S.CHECKSUM == "xxh3_128"
+
+
+def test_unknown_checksum_algorithm_is_rejected(store):
+    _push(store, 0, 5, _params(1))
+    tamper(store, "workers/0/5", lambda m: m.update(checksum="crc8"))
+    with pytest.raises(S.StoreError, match="checksum = 'crc8', expected one of"):
+        S.load_checkpoint(store, "workers/0/5")
+
+
+def test_arrays_are_durable_before_any_commit_names_them(store, monkeypatch):
+    """File stores write chunk files without a per-file fsync, so every COMMIT must follow a
+    sync of the store's filesystem."""
+    commits = []
+    write = S.Store.write
+
+    def checked(self, key, data, **kw):
+        if key.endswith("/COMMIT"):
+            commits.append((key, self._unsynced))
+        return write(self, key, data, **kw)
+    monkeypatch.setattr(S.Store, "write", checked)
+    _push(store, 0, 5, _params(1))
+    assert run_round(store, TINY_BUDGET).published
+    assert [k for k, _ in commits] == ["workers/0/5/COMMIT", "average/1/COMMIT"]
+    assert not any(unsynced for _, unsynced in commits)
+
+
+def test_finite_rows_fast_path_keeps_huge_finite_rows_and_flags_nonfinite():
+    rows = np.ones((4, 1000), np.float32)
+    rows[1] *= 3e38            # finite, but its sum overflows: must still count as finite
+    rows[2, 17] = np.inf
+    rows[3, 999] = np.nan
+    assert aggregate.finite_rows(rows).tolist() == [True, True, False, False]
+
+
+def test_checkpoints_are_found_from_the_index_without_listing_chunks(store, monkeypatch):
+    _push(store, 0, 5, _params(1))
+    _push(store, 1, 5, _params(2))
+    _push(store, 1, 7, _params(3))
+    store.kv.write("workers/1/7/COMMIT", None).result()  # died between index entry and COMMIT
+    listed = []
+    keys = S.Store.keys
+    monkeypatch.setattr(S.Store, "keys", lambda self, p: listed.append(p) or keys(self, p))
+    assert S.worker_checkpoints(store) == {0: [5], 1: [5]}
+    assert S.average_rounds(store) == [0]
+    assert listed == ["index/workers/", "index/average/"]  # no chunk key was listed
+    store.delete_prefix("index")  # a store written before the index: scanned key by key
+    assert S.worker_checkpoints(store) == {0: [5], 1: [5]} and S.average_rounds(store) == [0]
+    assert "workers/" in listed

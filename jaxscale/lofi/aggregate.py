@@ -97,8 +97,16 @@ def get_aggregator(name: str) -> Callable[..., np.ndarray]:
 
 
 def finite_rows(deltas: np.ndarray) -> np.ndarray:
-    """Boolean mask of workers whose block is entirely finite (checked before any reducer)."""
-    return np.all(np.isfinite(deltas), axis=1)
+    """Boolean mask of workers whose block is entirely finite (checked before any reducer).
+
+    Fast path: a row whose sum is finite has only finite values (an inf or nan makes any sum
+    non-finite); only rows whose sum is not (non-finite values, or huge finite ones that
+    overflow) get the element-wise check."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        ok = np.isfinite(deltas.sum(axis=1))
+    for i in np.flatnonzero(~ok):
+        ok[i] = np.isfinite(deltas[i]).all()
+    return ok
 
 
 @dataclass(frozen=True)

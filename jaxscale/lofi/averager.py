@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxscale import __version__
 from jaxscale.errors import ConfigError
+from jaxscale.lofi.manifest import CHECKSUM, FORMAT
 from jaxscale.lofi.reduce import Abort, Drop, RoundInputs, reduce_round
 from jaxscale.lofi.store import (Checkpoint, LostRace, Store, StoreError, average_prefix, commit,
                                  committed_data, latest_average_checkpoint, load_checkpoint,
@@ -281,8 +282,8 @@ def _publish(store: Store, round_: int, base: Checkpoint, workers: dict[int, Che
     prefix = average_prefix(round_)
     contributors = {**base.manifest.get("contributors", {}),
                     **{str(w): c.step for w, c in workers.items()}}
-    manifest = {"format": 1, "jaxscale_version": __version__, "created": time.time(),
-                "kind": "average", "round": round_, "base_round": base.manifest["round"],
+    manifest = {"format": FORMAT, "jaxscale_version": __version__, "created": time.time(),
+                "checksum": CHECKSUM, "kind": "average", "round": round_, "base_round": base.manifest["round"],
                 "data": data.rsplit("/", 1)[1],
                 "step": max(c.step for c in workers.values()),
                 "samples_seen": sum(c.manifest["samples_seen"] for c in workers.values()),

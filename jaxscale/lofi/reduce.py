@@ -19,7 +19,7 @@ import numpy as np
 from jaxscale.errors import paragraph
 from jaxscale.lofi import aggregate
 from jaxscale.lofi.store import (CHUNK, Checkpoint, Store, StoreError, _verified, chunk_sums,
-                                 read_many, read_range)
+                                 read_many, read_range, start_reads)
 
 
 class Drop(Exception):
@@ -58,7 +58,9 @@ class RoundInputs:
 
 
 def block_size(n_workers: int, budget: int) -> int:
-    per_value = 4 * (2 * n_workers + 5)  # f32 inputs, deltas, base, centre, output, momentum
+    # f32 values held per block position: this block's inputs and the next block's (being
+    # prefetched), deltas, base, centre, output, momentum
+    per_value = 4 * (3 * n_workers + 6)
     return max(CHUNK, (budget // per_value) // CHUNK * CHUNK)
 
 
@@ -70,9 +72,27 @@ def _blocks(inp: RoundInputs) -> Iterator[tuple[str, int, int]]:
             yield leaf, a, min(a + step, size)
 
 
-def read_deltas(inp: RoundInputs, leaf: str, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+def _inputs(inp: RoundInputs) -> list[Checkpoint]:
+    return [inp.base] + [inp.workers[w] for w in inp.ids]
+
+
+def _prefetched(inp: RoundInputs) -> Iterator[tuple[str, int, int, list[Any]]]:
+    """`_blocks` plus each block's started reads, the next block's always in flight while the
+    caller reduces this one (I/O overlaps compute; one extra block of memory)."""
+    ahead = None
+    for leaf, a, b in _blocks(inp):
+        started = start_reads(inp.store, _inputs(inp), leaf, a, b)
+        if ahead is not None:
+            yield ahead
+        ahead = (leaf, a, b, started)
+    if ahead is not None:
+        yield ahead
+
+
+def read_deltas(inp: RoundInputs, leaf: str, a: int, b: int,
+                started: list[Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(base block, (workers, b - a) float32 deltas), verified and finite."""
-    got = read_many(inp.store, [inp.base] + [inp.workers[w] for w in inp.ids], leaf, a, b)
+    got = read_many(inp.store, _inputs(inp), leaf, a, b, started)
     if isinstance(got[0], StoreError):
         raise got[0]
     base_blk = got[0]
@@ -98,8 +118,8 @@ def _scratch(inp: RoundInputs, leaf: str):
 def _clip_pass(inp: RoundInputs, scales: np.ndarray | None) -> np.ndarray:
     """One streamed pass: v = median (scales None) or a clip update; returns ||d_i - v||^2."""
     sq = np.zeros(len(inp.workers), np.float64)
-    for leaf, a, b in _blocks(inp):
-        _, deltas = read_deltas(inp, leaf, a, b)
+    for leaf, a, b, started in _prefetched(inp):
+        _, deltas = read_deltas(inp, leaf, a, b, started)
         if scales is None:
             v = np.median(deltas, axis=0).astype(np.float32)
         else:
@@ -119,13 +139,14 @@ def centered_clip_passes(inp: RoundInputs) -> None:
         sq = _clip_pass(inp, aggregate.clip_scales(sq, inp.cfg.tau))
 
 
-def _block_delta(inp: RoundInputs, leaf: str, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+def _block_delta(inp: RoundInputs, leaf: str, a: int, b: int,
+                 started: list[Any]) -> tuple[np.ndarray, np.ndarray]:
     if inp.cfg.aggregator == "centered_clip":
         base_blk = read_range(inp.store, inp.base, leaf, a, b)
         v = np.asarray(_scratch(inp, leaf)[a:b].read().result(), np.float32)
         inp.store.bytes_read += v.nbytes
         return base_blk, v
-    base_blk, deltas = read_deltas(inp, leaf, a, b)
+    base_blk, deltas = read_deltas(inp, leaf, a, b, started)
     reducer = aggregate.get_aggregator(inp.cfg.aggregator)
     return base_blk, reducer(deltas, inp.weights, trim=inp.cfg.trim, tau=inp.cfg.tau)
 
@@ -137,7 +158,8 @@ def previous_momentum(store: Store, base: Checkpoint, leaf: str, a: int, b: int)
         return np.zeros(b - a, np.float32)
     try:
         return _verified(store, f"{base.data}/momentum/{leaf}", "float32", a, b,
-                         entry["momentum_checksums"], f"{base.prefix} momentum of {leaf}")
+                         entry["momentum_checksums"], f"{base.prefix} momentum of {leaf}",
+                         base.checksum)
     except StoreError as e:
         raise Abort(paragraph(
             f"{e} The outer-optimizer momentum of the previous average is damaged, so a",
@@ -158,7 +180,9 @@ def reduce_round(inp: RoundInputs) -> dict[str, dict]:
              if inp.cfg.outer == "diloco" else None)
     store, leaves, arrays, pending = inp.store, {}, {}, collections.deque()
     try:
-        for leaf, a, b in _blocks(inp):
+        blocks = (((leaf, a, b, None) for leaf, a, b in _blocks(inp))
+                  if inp.cfg.aggregator == "centered_clip" else _prefetched(inp))
+        for leaf, a, b, started in blocks:
             dtype = inp.base.leaves[leaf]["dtype"]
             if leaf not in arrays:
                 momentum = (store.array(f"{inp.data}/momentum/{leaf}", inp.size(leaf),
@@ -170,7 +194,7 @@ def reduce_round(inp: RoundInputs) -> dict[str, dict]:
                 if outer:
                     leaves[leaf]["momentum_checksums"] = []
             out, mom_out = arrays[leaf]
-            base_blk, delta = _block_delta(inp, leaf, a, b)
+            base_blk, delta = _block_delta(inp, leaf, a, b, started)
             if outer:
                 new, m = outer.step(base_blk, delta, previous_momentum(store, inp.base, leaf, a, b))
                 pending.append(mom_out[a:b].write(m))
@@ -178,8 +202,8 @@ def reduce_round(inp: RoundInputs) -> dict[str, dict]:
                 leaves[leaf]["momentum_checksums"] += _chunk_sums(m)
             else:
                 new = base_blk + delta
-            values = new.astype(out.dtype.numpy_dtype)
-            if not np.all(np.isfinite(values.astype(np.float32))):
+            values = new.astype(out.dtype.numpy_dtype, copy=False)
+            if not np.isfinite(values.astype(np.float32, copy=False)).all():
                 raise Abort(paragraph(
                     f"The averaged leaf {leaf} (values {a}..{b}) is non-finite in {dtype}",
                     "(huge but finite contributions overflowed), so the round is not published.",

@@ -5,12 +5,15 @@ Layout (under the store root):
     workers/<worker_id>/<step>/d<token>/arrays/<leaf>  one zarr3 array per parameter leaf, in a
                                                        per-attempt directory
     workers/<worker_id>/<step>/d<token>/manifest.json  step, samples seen, leaves: shape, dtype,
-                                                       encoding, one sha256 per chunk; version
+                                                       encoding, one xxh3_128 per chunk; version
     workers/<worker_id>/<step>/COMMIT                  "<sha256 of the manifest> d<token>/
                                                        manifest.json", created LAST, if absent
     average/<round>/...                                the same, for published averages
                                                        (+ d<token>/momentum/ for DiLoCo)
     average/<round>/CLAIM                              one averager at a time per round
+    index/workers/<worker_id>/<step>, index/average/<round>   empty keys, written just before
+                                                       each COMMIT, so finding checkpoints lists
+                                                       one key per checkpoint, not every chunk
 
 The commit is one create-if-absent key naming the attempt that won: of racing writers (two
 averagers, a presumed-dead one waking up, two processes pushing one worker step) exactly one
@@ -24,29 +27,37 @@ a COMMIT holding only its sha256.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
 import re
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
+import xxhash
 
 from jaxscale import __version__
 from jaxscale.errors import paragraph
-from jaxscale.lofi.manifest import (CHUNK, DTYPES, FORMAT, StoreError, check_leaf_path,
-                                    validate_manifest)
+from jaxscale.lofi.manifest import (CHECKSUM, CHUNK, DTYPES, FORMAT, StoreError,
+                                    check_leaf_path, checksum_of, validate_manifest)
 from jaxscale.quant import BLOCK, dequantize_blockwise, quantize_blockwise
 
 __all__ = ["CHUNK", "FORMAT", "StoreError", "check_leaf_path", "Store", "Checkpoint", "push"]
 NO_VALUE = b"\x02"          # tensorstore's "key absent" storage generation (create-if-absent)
-_CONTEXT = ts.Context()     # shared so memory:// stores are visible across opens in a process
+# Shared so memory:// stores are visible across opens in a process. More copy threads than
+# cores: chunk decoding interleaves with file waits (2.3 -> 3.2 GB/s of reads on 2 cores).
+_CONTEXT = ts.Context(ts.Context.Spec(
+    {"data_copy_concurrency": {"limit": max(4, 2 * (os.cpu_count() or 2))}}))
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+except OSError:  # pragma: no cover - no C library to load symbols from
+    _LIBC = None
 _DTYPES = DTYPES
 
 
@@ -62,6 +73,7 @@ def kvstore_spec(location: str) -> dict:
     return {"driver": "file", "path": path.rstrip("/") + "/"}
 
 
+INDEX = "index"
 _COMMITTED_RE = re.compile(r"^d[0-9a-f]{1,32}/manifest\.json$")
 
 
@@ -69,16 +81,16 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-_HASHERS = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)))
+_HASH = {"xxh3_128": xxhash.xxh3_128_hexdigest,
+         "sha256": lambda piece: hashlib.sha256(piece).hexdigest()}
 
 
-def chunk_sums(values: np.ndarray) -> list[str]:
-    """sha256 of each CHUNK-value piece of a flat array, hashed in threads (hashlib releases
-    the GIL) straight from the array's buffer, without copies."""
+def chunk_sums(values: np.ndarray, algorithm: str = CHECKSUM) -> list[str]:
+    """The checksum of each CHUNK-value piece of a flat array, straight from its buffer."""
     flat = np.ascontiguousarray(values).reshape(-1)
     raw, step = flat.view(np.uint8), CHUNK * flat.dtype.itemsize
-    pieces = [raw[i:i + step] for i in range(0, max(raw.size, 1), step)] or [raw]
-    return list(_HASHERS.map(lambda piece: hashlib.sha256(piece).hexdigest(), pieces))
+    digest = _HASH[algorithm]
+    return [digest(raw[i:i + step]) for i in range(0, max(raw.size, 1), step)] or [digest(raw)]
 
 
 class Store:
@@ -91,6 +103,23 @@ class Store:
         self.bytes_read = 0
         self.bytes_written = 0
         self._handles: dict[str, Any] = {}   # opened committed arrays (their data never changes)
+        self._unsynced = False
+
+    def sync(self) -> None:
+        """Makes every array written so far durable, before a commit names it.
+
+        On a local or NFS disk, arrays are written without one fsync per chunk file (which
+        capped writes at ~0.4 GB/s) and made durable here with a single syncfs of the store's
+        filesystem; object stores (gs, s3) are durable when a write completes."""
+        if not self._unsynced:
+            return
+        fd = os.open(self.spec["path"], os.O_RDONLY)
+        try:
+            if getattr(_LIBC, "syncfs", None) is None or _LIBC.syncfs(fd) != 0:
+                os.sync()
+        finally:
+            os.close(fd)
+        self._unsynced = False
 
     def read(self, key: str) -> bytes | None:
         result = self.kv.read(key).result()
@@ -134,6 +163,9 @@ class Store:
             return self._handles[key]
         spec["metadata"] = {"shape": [size], "data_type": dtype, "chunk_grid": {
             "name": "regular", "configuration": {"chunk_shape": [min(CHUNK, max(size, 1))]}}}
+        if self.spec["driver"] == "file":  # see sync()
+            spec["kvstore"]["file_io_sync"] = False
+            self._unsynced = True
         return ts.open(spec, context=_CONTEXT, create=True, delete_existing=True).result()
 
 
@@ -151,6 +183,10 @@ class Checkpoint:
     @property
     def leaves(self) -> dict[str, dict]:
         return self.manifest["leaves"]
+
+    @property
+    def checksum(self) -> str:
+        return checksum_of(self.manifest)
 
     @property
     def data(self) -> str:
@@ -201,7 +237,7 @@ def write_checkpoint(store: Store, prefix: str, params: Mapping[str, Any], meta:
                 store, f"{data}/arrays/{leaf}", value.ravel(), str(value.dtype)))
         leaves[leaf] = entry
     manifest = {"format": FORMAT, "jaxscale_version": __version__, "created": time.time(),
-                **meta, "leaves": leaves}
+                "checksum": CHECKSUM, **meta, "leaves": leaves}
     if not commit(store, prefix, manifest, exclusive):
         if data != prefix:
             store.delete_prefix(data)
@@ -219,12 +255,14 @@ def commit(store: Store, prefix: str, manifest: dict, exclusive: bool = True) ->
     atomic), and a committed checkpoint is never overwritten. Otherwise (re-exports) the old
     COMMIT is removed first, so readers never mix the two."""
     data = json.dumps(manifest, sort_keys=True).encode()
+    store.sync()  # the arrays are durable before anything names them
     if not exclusive:
         store.kv.write(f"{prefix}/COMMIT", None).result()
         store.write(f"{prefix}/manifest.json", data)
         return store.write(f"{prefix}/COMMIT", _sha(data).encode())
     relative = f"{manifest['data']}/manifest.json"
     store.write(f"{prefix}/{relative}", data)
+    store.write(f"{INDEX}/{prefix}", b"", if_absent=True)  # before COMMIT: it may list more
     return store.write(f"{prefix}/COMMIT", f"{_sha(data)} {relative}".encode(), if_absent=True)
 
 
@@ -261,16 +299,16 @@ def load_checkpoint(store: Store, prefix: str) -> Checkpoint:
 
 
 def _verified(store: Store, key: str, dtype: str, a: int, b: int, sums: list[str],
-              where: str, future: Any = None) -> np.ndarray:
+              where: str, algorithm: str, future: Any = None) -> np.ndarray:
     """Reads values [a, b) (chunk aligned; or takes a started read) and checks every chunk's
-    sha256."""
+    checksum."""
     try:
         future = future if future is not None else store.array(key)[a:b].read()
         values = np.asarray(future.result())
     except Exception as e:  # truncated or undecodable chunk files, missing arrays
         raise StoreError(f"{where}: cannot read chunk data ({e}).") from None
     store.bytes_read += values.nbytes
-    for start, got in zip(range(a, b, CHUNK), chunk_sums(values)):
+    for start, got in zip(range(a, b, CHUNK), chunk_sums(values, algorithm)):
         if got != sums[start // CHUNK]:
             raise StoreError(paragraph(
                 f"{where}: checksum mismatch in chunk {start // CHUNK} (values {start}..",
@@ -286,32 +324,41 @@ def read_range(store: Store, ckpt: Checkpoint, leaf: str, a: int, b: int) -> np.
     where = f"{ckpt.prefix} leaf {leaf}"
     if entry["encoding"] == "raw":
         return _verified(store, f"{ckpt.data}/arrays/{leaf}", entry["dtype"], a, b,
-                         entry["checksums"], where).astype(np.float32, copy=False)
+                         entry["checksums"], where, ckpt.checksum).astype(np.float32, copy=False)
     # Compressed: int8 deltas (padded to whole blocks) + one scale per block, from a base round.
     qb = -(-b // BLOCK) * BLOCK  # interior reads are chunk aligned, so qb == b there
-    q = _verified(store, f"{ckpt.data}/arrays/{leaf}", "int8", a, qb, entry["checksums"], where)
+    q = _verified(store, f"{ckpt.data}/arrays/{leaf}", "int8", a, qb, entry["checksums"], where,
+                  ckpt.checksum)
     n_scales = -(-int(np.prod(entry["shape"])) // BLOCK)
     scales = _verified(store, f"{ckpt.data}/scales/{leaf}", "float32", 0, n_scales,
-                       entry["scale_checksums"], where)[a // BLOCK:qb // BLOCK]
+                       entry["scale_checksums"], where, ckpt.checksum)[a // BLOCK:qb // BLOCK]
     delta = dequantize_blockwise(q, scales, (qb - a,))[:b - a]
     base = load_checkpoint(store, average_prefix(entry["base_round"]))
     return delta + read_range(store, base, leaf, a, b)
 
 
-def read_many(store: Store, ckpts: list[Checkpoint], leaf: str, a: int, b: int
-              ) -> list[np.ndarray | StoreError]:
-    """`read_range` of several checkpoints with their raw reads in flight together (the
-    averager's inner loop); each result is the float32 values or the StoreError it raised."""
+def start_reads(store: Store, ckpts: list[Checkpoint], leaf: str, a: int, b: int) -> list[Any]:
+    """Starts the raw reads of values [a, b) of a leaf in several checkpoints, so they run in
+    tensorstore's I/O threads while the caller computes (None where a read is compressed or
+    cannot start: `read_many` then reads it itself and reports why)."""
     started = []
     for ckpt in ckpts:
-        entry = ckpt.leaves[leaf]
         future = None
-        if entry["encoding"] == "raw":
+        if ckpt.leaves[leaf]["encoding"] == "raw":
             try:
                 future = store.array(f"{ckpt.data}/arrays/{leaf}")[a:b].read()
-            except Exception:  # noqa: BLE001 - reported by _verified below
+            except Exception:  # noqa: BLE001 - reported by _verified in read_many
                 future = None
         started.append(future)
+    return started
+
+
+def read_many(store: Store, ckpts: list[Checkpoint], leaf: str, a: int, b: int,
+              started: list[Any] | None = None) -> list[np.ndarray | StoreError]:
+    """`read_range` of several checkpoints with their raw reads in flight together (the
+    averager's inner loop; `started` from `start_reads` if already begun); each result is the
+    float32 values or the StoreError it raised."""
+    started = start_reads(store, ckpts, leaf, a, b) if started is None else started
     out: list[np.ndarray | StoreError] = []
     for ckpt, future in zip(ckpts, started):
         entry = ckpt.leaves[leaf]
@@ -321,7 +368,7 @@ def read_many(store: Store, ckpts: list[Checkpoint], leaf: str, a: int, b: int
             else:
                 out.append(_verified(store, f"{ckpt.data}/arrays/{leaf}", entry["dtype"], a, b,
                                      entry["checksums"], f"{ckpt.prefix} leaf {leaf}",
-                                     future).astype(np.float32, copy=False))
+                                     ckpt.checksum, future).astype(np.float32, copy=False))
         except StoreError as e:
             out.append(e)
     return out
@@ -348,15 +395,34 @@ def average_prefix(round_: int) -> str:
     return f"average/{int(round_)}"
 
 
-def _committed(store: Store, root: str) -> dict[tuple[int, ...], str]:
-    """{numeric path parts: prefix} of every directory under `root` holding a COMMIT."""
+def _numeric(prefixes: list[str], root: str) -> dict[tuple[int, ...], str]:
+    """{numeric path parts below `root`: prefix} (anything else under `root` is ignored)."""
     out = {}
-    for key in store.keys(root + "/"):
-        if key.endswith("/COMMIT"):
-            prefix = key[:-len("/COMMIT")]
-            parts = prefix[len(root) + 1:].split("/")
-            if all(p.isdigit() for p in parts):
-                out[tuple(int(p) for p in parts)] = prefix
+    for prefix in prefixes:
+        parts = prefix[len(root) + 1:].split("/")
+        if all(p.isdigit() for p in parts):
+            out[tuple(int(p) for p in parts)] = prefix
+    return out
+
+
+def _committed(store: Store, root: str) -> dict[tuple[int, ...], str]:
+    """{numeric path parts: prefix} of every directory under `root` holding a COMMIT.
+
+    Lists the index (one key per checkpoint: listing every chunk key would take minutes and
+    cost money on a big bucket), then keeps the entries whose COMMIT exists, read together:
+    the index entry precedes its COMMIT, so it may name a partial write. A store written
+    before the index existed is scanned key by key."""
+    indexed = _numeric([k[len(INDEX) + 1:] for k in store.keys(f"{INDEX}/{root}/")], root)
+    if not indexed:
+        return _numeric([k[:-len("/COMMIT")] for k in store.keys(root + "/")
+                         if k.endswith("/COMMIT")], root)
+    markers = {parts: store.kv.read(f"{prefix}/COMMIT") for parts, prefix in indexed.items()}
+    out = {}
+    for parts, future in markers.items():
+        result = future.result()
+        if result.state == "value":
+            store.bytes_read += len(result.value)
+            out[parts] = indexed[parts]
     return out
 
 
