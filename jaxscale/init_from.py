@@ -102,14 +102,15 @@ def place_leaves(source: LeafSource, shardings: dict[str, Any], like: dict[str, 
 
 
 def _saved_model_config(path: str) -> dict | None:
-    """The `config.model` fields a launch.convert output was converted with, if any."""
+    """The `config.model` fields a launch.convert output was converted with, if any. Read
+    through etils.epath, as orbax reads the weights beside it, so gs:// outputs are checked
+    too."""
     import json
 
-    meta = os.path.join(path, "model_config.json")
-    if not os.path.exists(meta):
-        return None
-    with open(meta) as f:
-        return json.load(f)
+    from etils import epath
+
+    meta = epath.Path(path) / "model_config.json"
+    return json.loads(meta.read_text()) if meta.exists() else None
 
 
 def _differing_flags(saved: dict, model_cfg: Any, skip: tuple[str, ...] = ()) -> list[str]:
