@@ -74,6 +74,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--sync_every", type=int, default=50)
     p.add_argument("--small", action="store_true", help="a 0.1M-parameter model (see above)")
+    p.add_argument("--runs", default="end,diloco",
+                   help="Lo-Fi runs after data parallel: end, diloco, end_ema (sync=end pushing "
+                        "an EMA of the weights, decay --ema)")
+    p.add_argument("--ema", type=float, default=0.995)
     args = p.parse_args()
     MODEL.update(SMALL if args.small else {})
     tmp = tempfile.mkdtemp(prefix="lofi_bench_")
@@ -97,9 +101,13 @@ def main() -> None:
     ddp_bytes = 2 * (WORKERS - 1) / WORKERS * param_bytes * args.steps * WORKERS
     rows.append(("data parallel, 4 shards", heldout_loss(f"{ddp}/final"), ddp_bytes))
 
-    for sync in ("end", "diloco"):
-        store = os.path.join(tmp, sync)
+    for run in args.runs.split(","):
+        sync = run.removesuffix("_ema")
+        if sync not in ("end", "diloco"):
+            raise SystemExit(f"--runs: unknown run {run!r}; use end, diloco, end_ema")
+        store = os.path.join(tmp, run)
         extra = [f"--config.lofi.sync_every={args.sync_every}"] if sync != "end" else []
+        extra += [f"--config.lofi.push_ema={args.ema}"] if run.endswith("_ema") else []
         # Push only when an exchange needs it (end: once; diloco: every H steps), so the bytes
         # are those of the algorithm; shorter push_every adds fault-tolerance snapshots.
         push = args.steps if sync == "end" else args.sync_every
@@ -108,7 +116,8 @@ def main() -> None:
             f"--store={store}", f"--sync={sync}", "--",
             *train_flags(args.steps, BATCH, base, "b"), *extra])
         moved = store_totals(store)["lofi_total"]
-        rows.append((f"Lo-Fi sync={sync}" + (f" (H={args.sync_every})" if sync != "end" else ""),
+        name = f"Lo-Fi sync={sync}" + (f" (H={args.sync_every})" if sync != "end" else "")
+        rows.append((name + (f", EMA {args.ema}" if run.endswith("_ema") else ""),
                      heldout_loss(os.path.join(store, "runs", "final")), moved))
 
     ddp_loss = rows[1][1]
