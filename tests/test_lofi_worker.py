@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,6 +92,7 @@ def test_periodic_worker_pushes_ema_resets_optimizer_and_continues_from_average(
     store = str(tmp_path / "store")
     c.lofi.update(enabled=True, store=store, push_every="2", sync="periodic", sync_every=2,
                   push_ema=0.5, reset_optimizer_on_sync=True, sync_timeout_s=300.0)
+    c.checkpoint.update(every=2, keep=5)
     stop, thread = _averaging_thread(store, AveragerConfig())
     rec = _Recorder()
     try:
@@ -108,6 +110,13 @@ def test_periodic_worker_pushes_ema_resets_optimizer_and_continues_from_average(
         np.testing.assert_allclose(round1[k], pushed[k], rtol=1e-6, atol=1e-7)
     assert rec.counts[2] == {2} and rec.counts[3] == {1}  # fresh optimizer after the sync
     assert S.load_checkpoint(st, "workers/0/4").manifest["synced_round"] == 1
+    # The checkpoint of sync step 2 holds the average the run continued with (round 1, the
+    # EMA push), not the raw pre-sync weights: a run resumed from it misses no average.
+    shutil.rmtree(tmp_path / "w0" / "checkpoints" / "4")
+    saved = load_flat_params(str(tmp_path / "w0"))
+    for k in p0:
+        np.testing.assert_allclose(saved[k], round1[k], rtol=1e-6, atol=1e-7)
+        assert not np.allclose(saved[k], rec.params[2][k])
     assert any("Lo-Fi total" in line for line in accounting_lines(store))
 
 
@@ -125,6 +134,23 @@ def test_restarted_worker_continues_from_its_last_complete_push(tmp_path):
     steps = [json.loads(l)["step"] for l in open(tmp_path / "w0" / "metrics.jsonl")]
     assert steps == [3, 4, 5, 6]  # resumed after step 2, the last complete push
     assert S.worker_checkpoints(store)[0] == [2, 4, 6]
+
+
+@pytest.mark.slow
+def test_worker_resumed_from_its_own_checkpoint_reports_the_round_it_continued_from(tmp_path):
+    """sync=end loads no average mid-run: rounds a watching averager published from its pushes
+    must not count as synced (the averager measures staleness by it)."""
+    c = get_config("test")
+    c.train.steps = 4
+    c.checkpoint.update(every=2, keep=5)
+    c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2")
+    train(c, str(tmp_path / "w0"))
+    assert run_round(c.lofi.store, AveragerConfig()).round == 1  # covers step 4, not loaded
+    c.train.steps = 6
+    train(c, str(tmp_path / "w0"))  # resumes from its own checkpoint of step 4
+    store = S.Store(c.lofi.store)
+    assert S.worker_checkpoints(store)[0] == [2, 4, 6]
+    assert S.load_checkpoint(store, "workers/0/6").manifest["synced_round"] == 0
 
 
 KILL_MID_PUSH = """

@@ -114,7 +114,8 @@ class LofiWorker:
             averager_lib.publish_initial(store, _host_tree(state.params), job=self.job())
         own = store_lib.worker_checkpoints(store).get(self.lofi.worker_id, [])
         latest = averager_lib.latest_average(store)
-        self.loaded_round = latest.round if latest else -1
+        self.loaded_round = self._resumed_round(store, step, own) if step else (
+            latest.round if latest else -1)
         if own and own[-1] > max(step, latest.step if latest else -1):
             ckpt = store_lib.load_checkpoint(store, store_lib.worker_prefix(self.lofi.worker_id,
                                                                              own[-1]))
@@ -122,12 +123,36 @@ class LofiWorker:
             latest = averager_lib.Average(self.loaded_round, own[-1],
                                           store_lib.read_params(store, ckpt))
         if latest is not None and latest.step > step:
+            self.loaded_round = latest.round
             state = self._load(trainer, state, latest)
             state = state.replace(step=jnp.asarray(latest.step, jnp.int32))
             trainer.data_state = {"next_index": latest.step}
         if self.lofi.push_ema:
             self.ema = _f32_copy(state.params)
         return state
+
+    def _resumed_round(self, store: store_lib.Store, step: int, own: list[int]) -> int:
+        """The average a run's own state at `step` (resumed from its workdir) continued from.
+
+        Periodic modes load the round covering each sync point right after pushing for it
+        (before the checkpoint of that step is saved), so it is the newest round published at
+        or before `step`. `end` loads none mid-run (a watching averager's rounds are not
+        loaded), so it is what the newest push at or before `step` recorded."""
+        if not self.periodic:
+            pushes = [s for s in own if s <= step]
+            try:
+                push = store_lib.load_checkpoint(store, store_lib.worker_prefix(
+                    self.lofi.worker_id, pushes[-1])) if pushes else None
+            except store_lib.StoreError:
+                push = None
+            return int(push.manifest.get("synced_round") or 0) if push else 0
+        for round_ in reversed(store_lib.average_rounds(store)):
+            try:
+                if store_lib.load_checkpoint(store, store_lib.average_prefix(round_)).step <= step:
+                    return round_
+            except store_lib.StoreError:
+                continue
+        return 0
 
     def after_step(self, trainer: Any, state: TrainState, step: int) -> TrainState | None:
         if self.ema is not None:

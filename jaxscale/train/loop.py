@@ -206,4 +206,8 @@ def train(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> T
         worker = LofiWorker(config.lofi, config.train.steps, config.data.batch_size)
         trainer.state = worker.start(trainer, trainer.state)
         trainer.hooks.append(worker)
+    # Checkpoints last: they save what the run continues with (after a Lo-Fi sync), or a run
+    # resumed from a sync step's checkpoint would miss that step's average.
+    from jaxscale.checkpoint import CheckpointHook
+    trainer.hooks.sort(key=lambda hook: isinstance(hook, CheckpointHook))
     return trainer.run()
