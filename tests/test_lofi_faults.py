@@ -295,11 +295,11 @@ import os, signal, sys
 import jaxscale.lofi.reduce as R
 from jaxscale.lofi.averager import AveragerConfig, run_round
 real, calls = R._chunk_sums, []
-def dying(values):
+def dying(*args):
     calls.append(1)
     if len(calls) == 2:
         os.kill(os.getpid(), signal.SIGKILL)
-    return real(values)
+    return real(*args)
 R._chunk_sums = dying
 run_round(sys.argv[1], AveragerConfig(chunk_budget_bytes=1))
 """

@@ -180,32 +180,50 @@ def test_quantization_error_bound_and_compressed_push(store):
 
 
 # ------------------------------------------------------------------ checksums and durability
-def _as_sha256_store(st, prefix):
-    """Rewrites a committed checkpoint as a store written before xxh3 would have it: sha256
-    chunk sums and no `checksum` field."""
+def _as_legacy(st, prefix):
+    """Rewrites a committed checkpoint of a 64 Ki-chunk store as jaxscale wrote it before xxh3
+    and recorded chunk sizes: sha256 chunk sums, no `checksum` and no `chunk` field."""
     ckpt = S.load_checkpoint(st, prefix)
 
     def edit(m):
-        del m["checksum"]
+        del m["checksum"], m["chunk"]
         for leaf, e in m["leaves"].items():
             values = np.asarray(st.array(f"{ckpt.data}/arrays/{leaf}").read().result())
-            e["checksums"] = S.chunk_sums(values, "sha256")
+            e["checksums"] = S.chunk_sums(values, "sha256", 1 << 16)
     tamper(st, prefix, edit)
 
 
-def test_stores_written_with_sha256_sums_still_verify(store, tmp_path):
-    _push(store, 0, 5, _params(1))
-    _push(store, 1, 5, _params(2))
+def test_older_stores_still_verify_and_mix_with_current_pushes(tmp_path):
+    old = S.Store(str(tmp_path / "store"), chunk=1 << 16)  # 64 Ki-value chunks, as before
+    publish_initial(old, _params(0))
+    _push(old, 0, 5, _params(1))
+    _push(old, 1, 5, _params(2))
     for prefix in ("average/0", "workers/0/5", "workers/1/5"):
-        _as_sha256_store(store, prefix)
-    assert S.load_checkpoint(store, "workers/0/5").checksum == "sha256"
-    chunk = tmp_path / "store" / data_dir(store, "workers/1/5") / "arrays" / "layers" / "w" / "c" / "2"
+        _as_legacy(old, prefix)
+    ckpt = S.load_checkpoint(old, "workers/0/5")
+    assert (ckpt.checksum, ckpt.chunk) == ("sha256", 1 << 16)
+    new = S.Store(str(tmp_path / "store"))
+    _push(new, 2, 5, _params(3))  # a current worker: larger chunks, xxh3, in the same round
+    chunk = tmp_path / "store" / data_dir(new, "workers/1/5") / "arrays" / "layers" / "w" / "c" / "2"
     data = bytearray(chunk.read_bytes())
     data[7] ^= 0x01
     chunk.write_bytes(bytes(data))
-    report = run_round(store, TINY_BUDGET)
-    assert report.used == {0: 5} and "checksum mismatch in chunk 2" in report.skipped[1]
-    assert S.load_checkpoint(store, "average/1").checksum == S.CHECKSUM == "xxh3_128"
+    report = run_round(new, TINY_BUDGET)
+    assert report.used == {0: 5, 2: 5} and "checksum mismatch in chunk 2" in report.skipped[1]
+    want = _reference("mean", _params(0), [_params(1), _params(3)], np.array([1.0, 1.0]))
+    got = latest_average(new).params
+    for leaf in want:
+        np.testing.assert_allclose(got[leaf], want[leaf], rtol=1e-6, atol=1e-6)
+    average = S.load_checkpoint(new, "average/1")
+    assert (average.checksum, average.chunk) == (S.CHECKSUM, S.CHUNK) == ("xxh3_128", 1 << 18)
+
+
+@pytest.mark.parametrize("chunk", [1000, 1 << 25, True, "big"])
+def test_bad_chunk_size_is_rejected(store, chunk):
+    _push(store, 0, 5, _params(1))
+    tamper(store, "workers/0/5", lambda m: m.update(chunk=chunk))
+    with pytest.raises(S.StoreError, match="chunk = .*power of two"):
+        S.load_checkpoint(store, "workers/0/5")
 
 
 def test_unknown_checksum_algorithm_is_rejected(store):
@@ -254,3 +272,11 @@ def test_checkpoints_are_found_from_the_index_without_listing_chunks(store, monk
     store.delete_prefix("index")  # a store written before the index: scanned key by key
     assert S.worker_checkpoints(store) == {0: [5], 1: [5]} and S.average_rounds(store) == [0]
     assert "workers/" in listed
+
+
+def test_budget_below_one_block_is_warned_with_the_fix(caplog):
+    from jaxscale.lofi.reduce import block_size
+    assert block_size(64, 64 << 20, S.CHUNK) == S.CHUNK  # one chunk per block: over budget
+    assert "raise --chunk_budget_mb to at least 198" in caplog.text
+    caplog.clear()
+    assert block_size(4, 64 << 20, S.CHUNK) == 3 * S.CHUNK and not caplog.text

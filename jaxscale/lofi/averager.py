@@ -283,7 +283,7 @@ def _publish(store: Store, round_: int, base: Checkpoint, workers: dict[int, Che
     contributors = {**base.manifest.get("contributors", {}),
                     **{str(w): c.step for w, c in workers.items()}}
     manifest = {"format": FORMAT, "jaxscale_version": __version__, "created": time.time(),
-                "checksum": CHECKSUM, "kind": "average", "round": round_, "base_round": base.manifest["round"],
+                "checksum": CHECKSUM, "chunk": store.chunk, "kind": "average", "round": round_, "base_round": base.manifest["round"],
                 "data": data.rsplit("/", 1)[1],
                 "step": max(c.step for c in workers.values()),
                 "samples_seen": sum(c.manifest["samples_seen"] for c in workers.values()),

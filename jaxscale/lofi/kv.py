@@ -44,19 +44,21 @@ _HASH = {"xxh3_128": xxhash.xxh3_128_hexdigest,
          "sha256": lambda piece: hashlib.sha256(piece).hexdigest()}
 
 
-def chunk_sums(values: np.ndarray, algorithm: str = CHECKSUM) -> list[str]:
-    """The checksum of each CHUNK-value piece of a flat array, straight from its buffer."""
+def chunk_sums(values: np.ndarray, algorithm: str = CHECKSUM, chunk: int = CHUNK) -> list[str]:
+    """The checksum of each `chunk`-value piece of a flat array, straight from its buffer."""
     flat = np.ascontiguousarray(values).reshape(-1)
-    raw, step = flat.view(np.uint8), CHUNK * flat.dtype.itemsize
+    raw, step = flat.view(np.uint8), chunk * flat.dtype.itemsize
     digest = _HASH[algorithm]
     return [digest(raw[i:i + step]) for i in range(0, max(raw.size, 1), step)] or [digest(raw)]
 
 
 class Store:
-    """A kvstore plus byte counters (for the communication accounting)."""
+    """A kvstore plus byte counters (for the communication accounting). Arrays it creates are
+    cut into `chunk`-value chunk files (the default, except in tests of older stores)."""
 
-    def __init__(self, location: str):
+    def __init__(self, location: str, chunk: int = CHUNK):
         self.location = location
+        self.chunk = chunk
         self.spec = kvstore_spec(location)
         self.kv = ts.KvStore.open(self.spec, context=_CONTEXT).result()
         self.bytes_read = 0
@@ -121,7 +123,7 @@ class Store:
                 self._handles[key] = ts.open(spec, context=_CONTEXT, open=True).result()
             return self._handles[key]
         spec["metadata"] = {"shape": [size], "data_type": dtype, "chunk_grid": {
-            "name": "regular", "configuration": {"chunk_shape": [min(CHUNK, max(size, 1))]}}}
+            "name": "regular", "configuration": {"chunk_shape": [min(self.chunk, max(size, 1))]}}}
         if self.spec["driver"] == "file":  # see sync()
             spec["kvstore"]["file_io_sync"] = False
             self._unsynced = True

@@ -10,6 +10,7 @@ so it runs in passes: the coordinate-wise median, then `iters` clip updates, kee
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +19,11 @@ import numpy as np
 
 from jaxscale.errors import paragraph
 from jaxscale.lofi import aggregate
+from jaxscale.lofi.manifest import CHECKSUM
 from jaxscale.lofi.store import (CHUNK, Checkpoint, Store, StoreError, _verified, chunk_sums,
                                  read_many, read_range, start_reads)
+
+log = logging.getLogger("jaxscale.lofi")
 
 
 class Drop(Exception):
@@ -57,15 +61,23 @@ class RoundInputs:
         return int(np.prod(self.base.leaves[leaf]["shape"]))
 
 
-def block_size(n_workers: int, budget: int) -> int:
+def block_size(n_workers: int, budget: int, unit: int = CHUNK) -> int:
+    """Values per block: within `budget`, a multiple of `unit` (every input's and the output's
+    chunk size: checksums are per chunk), and at least one unit (then over budget: warned)."""
     # f32 values held per block position: this block's inputs and the next block's (being
     # prefetched), deltas, base, centre, output, momentum
     per_value = 4 * (3 * n_workers + 6)
-    return max(CHUNK, (budget // per_value) // CHUNK * CHUNK)
+    if per_value * unit > budget and budget >= 1 << 20:  # (tiny test budgets mean "one unit")
+        need = -(-(per_value * unit) // 2**20)
+        log.warning("chunk budget %d MiB is below one block of %d workers x %d-value chunks, "
+                    "so blocks will take %d MiB: raise --chunk_budget_mb to at least %d",
+                    budget >> 20, n_workers, unit, need, need)
+    return max(unit, (budget // per_value) // unit * unit)
 
 
 def _blocks(inp: RoundInputs) -> Iterator[tuple[str, int, int]]:
-    step = block_size(len(inp.workers), inp.cfg.chunk_budget_bytes)
+    unit = max([inp.store.chunk] + [c.chunk for c in _inputs(inp)])  # powers of two: the lcm
+    step = block_size(len(inp.workers), inp.cfg.chunk_budget_bytes, unit)
     for leaf in sorted(inp.base.leaves):
         size = inp.size(leaf)
         for a in range(0, max(size, 1), step):
@@ -158,8 +170,7 @@ def previous_momentum(store: Store, base: Checkpoint, leaf: str, a: int, b: int)
         return np.zeros(b - a, np.float32)
     try:
         return _verified(store, f"{base.data}/momentum/{leaf}", "float32", a, b,
-                         entry["momentum_checksums"], f"{base.prefix} momentum of {leaf}",
-                         base.checksum)
+                         entry["momentum_checksums"], f"{base.prefix} momentum of {leaf}", base)
     except StoreError as e:
         raise Abort(paragraph(
             f"{e} The outer-optimizer momentum of the previous average is damaged, so a",
@@ -168,8 +179,8 @@ def previous_momentum(store: Store, base: Checkpoint, leaf: str, a: int, b: int)
         )) from None
 
 
-def _chunk_sums(values: np.ndarray) -> list[str]:
-    return chunk_sums(values)
+def _chunk_sums(store: Store, values: np.ndarray) -> list[str]:
+    return chunk_sums(values, CHECKSUM, store.chunk)
 
 
 def reduce_round(inp: RoundInputs) -> dict[str, dict]:
@@ -199,7 +210,7 @@ def reduce_round(inp: RoundInputs) -> dict[str, dict]:
                 new, m = outer.step(base_blk, delta, previous_momentum(store, inp.base, leaf, a, b))
                 pending.append(mom_out[a:b].write(m))
                 store.bytes_written += m.nbytes
-                leaves[leaf]["momentum_checksums"] += _chunk_sums(m)
+                leaves[leaf]["momentum_checksums"] += _chunk_sums(store, m)
             else:
                 new = base_blk + delta
             values = new.astype(out.dtype.numpy_dtype, copy=False)
@@ -212,7 +223,7 @@ def reduce_round(inp: RoundInputs) -> dict[str, dict]:
                 ))
             pending.append(out[a:b].write(values))  # overlaps with reading the next block
             store.bytes_written += values.nbytes
-            leaves[leaf]["checksums"] += _chunk_sums(values)
+            leaves[leaf]["checksums"] += _chunk_sums(store, values)
             while len(pending) > 4:  # bounded: at most a couple of blocks in flight
                 pending.popleft().result()
     except BaseException:  # Drop / Abort: let this attempt's writes land before a retry

@@ -19,7 +19,7 @@ The commit is one create-if-absent key naming the attempt that won: of racing wr
 averagers, a presumed-dead one waking up, two processes pushing one worker step) exactly one
 commits, nobody ever deletes or rewrites another attempt's files, and a reader never sees a
 partial write, even on object stores (s3) whose multi-key writes are not atomic. Leaves are
-stored flattened to 1-D (shape in the manifest) in chunks of `CHUNK` values, so readers can
+stored flattened to 1-D (shape in the manifest) in chunks of `chunk` values, so readers can
 stream any leaf chunk by chunk. Nothing here unpickles: manifests are JSON, validated field by
 field (`manifest.py`), and arrays are zarr. Re-exports (`--final`) write `manifest.json` beside
 a COMMIT holding only its sha256.
@@ -42,7 +42,7 @@ from jaxscale import __version__
 from jaxscale.errors import paragraph
 from jaxscale.lofi.kv import Store, chunk_sums, kvstore_spec
 from jaxscale.lofi.manifest import (CHECKSUM, CHUNK, DTYPES, FORMAT, StoreError,
-                                    check_leaf_path, checksum_of, validate_manifest)
+                                    check_leaf_path, checksum_of, chunk_of, validate_manifest)
 from jaxscale.quant import BLOCK, dequantize_blockwise, quantize_blockwise
 
 __all__ = ["CHUNK", "FORMAT", "StoreError", "check_leaf_path", "Store", "Checkpoint", "push",
@@ -78,6 +78,10 @@ class Checkpoint:
         return checksum_of(self.manifest)
 
     @property
+    def chunk(self) -> int:
+        return chunk_of(self.manifest)
+
+    @property
     def data(self) -> str:
         """Where the arrays live: averages write them under a per-attempt directory so that a
         racing or presumed-dead averager can never overwrite another's committed data."""
@@ -88,7 +92,7 @@ def _write_leaf(store: Store, key: str, flat: np.ndarray, dtype: str) -> list[st
     arr = store.array(key, flat.size, dtype)
     arr[...] = flat
     store.bytes_written += flat.nbytes
-    return chunk_sums(flat)
+    return chunk_sums(flat, CHECKSUM, store.chunk)
 
 
 class LostRace(StoreError):
@@ -126,7 +130,7 @@ def write_checkpoint(store: Store, prefix: str, params: Mapping[str, Any], meta:
                 store, f"{data}/arrays/{leaf}", value.ravel(), str(value.dtype)))
         leaves[leaf] = entry
     manifest = {"format": FORMAT, "jaxscale_version": __version__, "created": time.time(),
-                "checksum": CHECKSUM, **meta, "leaves": leaves}
+                "checksum": CHECKSUM, "chunk": store.chunk, **meta, "leaves": leaves}
     if not commit(store, prefix, manifest, exclusive):
         if data != prefix:
             store.delete_prefix(data)
@@ -188,20 +192,21 @@ def load_checkpoint(store: Store, prefix: str) -> Checkpoint:
 
 
 def _verified(store: Store, key: str, dtype: str, a: int, b: int, sums: list[str],
-              where: str, algorithm: str, future: Any = None) -> np.ndarray:
-    """Reads values [a, b) (chunk aligned; or takes a started read) and checks every chunk's
-    checksum."""
+              where: str, ckpt: Checkpoint, future: Any = None) -> np.ndarray:
+    """Reads values [a, b) (aligned to `ckpt`'s chunks; or takes a started read) and checks
+    every chunk's checksum."""
     try:
         future = future if future is not None else store.array(key)[a:b].read()
         values = np.asarray(future.result())
     except Exception as e:  # truncated or undecodable chunk files, missing arrays
         raise StoreError(f"{where}: cannot read chunk data ({e}).") from None
     store.bytes_read += values.nbytes
-    for start, got in zip(range(a, b, CHUNK), chunk_sums(values, algorithm)):
-        if got != sums[start // CHUNK]:
+    chunk = ckpt.chunk
+    for start, got in zip(range(a, b, chunk), chunk_sums(values, ckpt.checksum, chunk)):
+        if got != sums[start // chunk]:
             raise StoreError(paragraph(
-                f"{where}: checksum mismatch in chunk {start // CHUNK} (values {start}..",
-                f"{min(start + CHUNK, b)}); the data on disk is corrupt. This checkpoint is",
+                f"{where}: checksum mismatch in chunk {start // chunk} (values {start}..",
+                f"{min(start + chunk, b)}); the data on disk is corrupt. This checkpoint is",
                 "skipped.",
             ))
     return values.astype(_DTYPES[dtype], copy=False)
@@ -213,14 +218,14 @@ def read_range(store: Store, ckpt: Checkpoint, leaf: str, a: int, b: int) -> np.
     where = f"{ckpt.prefix} leaf {leaf}"
     if entry["encoding"] == "raw":
         return _verified(store, f"{ckpt.data}/arrays/{leaf}", entry["dtype"], a, b,
-                         entry["checksums"], where, ckpt.checksum).astype(np.float32, copy=False)
+                         entry["checksums"], where, ckpt).astype(np.float32, copy=False)
     # Compressed: int8 deltas (padded to whole blocks) + one scale per block, from a base round.
     qb = -(-b // BLOCK) * BLOCK  # interior reads are chunk aligned, so qb == b there
     q = _verified(store, f"{ckpt.data}/arrays/{leaf}", "int8", a, qb, entry["checksums"], where,
-                  ckpt.checksum)
+                  ckpt)
     n_scales = -(-int(np.prod(entry["shape"])) // BLOCK)
     scales = _verified(store, f"{ckpt.data}/scales/{leaf}", "float32", 0, n_scales,
-                       entry["scale_checksums"], where, ckpt.checksum)[a // BLOCK:qb // BLOCK]
+                       entry["scale_checksums"], where, ckpt)[a // BLOCK:qb // BLOCK]
     delta = dequantize_blockwise(q, scales, (qb - a,))[:b - a]
     base = load_checkpoint(store, average_prefix(entry["base_round"]))
     return delta + read_range(store, base, leaf, a, b)
@@ -257,7 +262,7 @@ def read_many(store: Store, ckpts: list[Checkpoint], leaf: str, a: int, b: int,
             else:
                 out.append(_verified(store, f"{ckpt.data}/arrays/{leaf}", entry["dtype"], a, b,
                                      entry["checksums"], f"{ckpt.prefix} leaf {leaf}",
-                                     ckpt.checksum, future).astype(np.float32, copy=False))
+                                     ckpt, future).astype(np.float32, copy=False))
         except StoreError as e:
             out.append(e)
     return out
