@@ -280,3 +280,23 @@ def test_budget_below_one_block_is_warned_with_the_fix(caplog):
     assert "raise --chunk_budget_mb to at least 198" in caplog.text
     caplog.clear()
     assert block_size(4, 64 << 20, S.CHUNK) == 3 * S.CHUNK and not caplog.text
+
+
+def test_polling_the_newest_average_reads_each_commit_once(store):
+    _push(store, 0, 5, _params(1))
+    assert run_round(store, TINY_BUDGET).round == 1
+    reads = []
+
+    class Counting:  # the kvstore, recording the keys read
+        def __init__(self, kv):
+            self.kv = kv
+
+        def read(self, key, *a, **k):
+            reads.append(key)
+            return self.kv.read(key, *a, **k)
+
+        def __getattr__(self, name):
+            return getattr(self.kv, name)
+    store.kv = Counting(store.kv)
+    assert S.latest_average_checkpoint(store).manifest["round"] == 1
+    assert reads.count("average/1/COMMIT") == 1 and "average/0/COMMIT" not in reads

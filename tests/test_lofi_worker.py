@@ -214,13 +214,18 @@ def test_lofi_vm_dry_run_prints_one_valid_worker_per_vm_and_the_averager():
     assert "--final=" in commands[4]
 
 
+def _lofi_local(store_dir, devices_per_worker: int, sync: str, *train_flags: str) -> list[str]:
+    """launch.lofi_local with 2 workers of the test tiny LM, syncing every 2 steps."""
+    return [sys.executable, "-m", "launch.lofi_local", "--num_workers=2",
+            f"--devices_per_worker={devices_per_worker}", f"--store={store_dir}",
+            f"--sync={sync}", "--", "--config=configs/tiny_lm.py:test",
+            "--config.lofi.sync_every=2", *train_flags]
+
+
 @pytest.mark.slow
 def test_lofi_local_diloco_end_to_end_leaves_final_average(tmp_path):
     store_dir = tmp_path / "store"
-    cmd = [sys.executable, "-m", "launch.lofi_local", "--num_workers=2",
-           "--devices_per_worker=2", f"--store={store_dir}", "--sync=diloco", "--",
-           "--config=configs/tiny_lm.py:test", "--config.train.steps=4",
-           "--config.lofi.sync_every=2"]
+    cmd = _lofi_local(store_dir, 2, "diloco", "--config.train.steps=4")
     out = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "round 1: averaged w0@2, w1@2" in out.stdout
@@ -245,10 +250,8 @@ def test_lofi_local_diloco_end_to_end_leaves_final_average(tmp_path):
 @pytest.mark.slow
 def test_lofi_local_sigterm_stops_every_process_and_leaves_store_consistent(tmp_path):
     store_dir = tmp_path / "store"
-    cmd = [sys.executable, "-m", "launch.lofi_local", "--num_workers=2",
-           "--devices_per_worker=1", f"--store={store_dir}", "--sync=periodic", "--",
-           "--config=configs/tiny_lm.py:test", "--config.train.steps=100000",
-           "--config.lofi.sync_every=2", "--config.train.eval_every=0"]
+    cmd = _lofi_local(store_dir, 1, "periodic", "--config.train.steps=100000",
+                      "--config.train.eval_every=0")
     proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines, pids = [], []

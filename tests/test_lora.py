@@ -13,6 +13,7 @@ from jaxscale.models import lora
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
 from jaxscale.train.state import ModelDef, flatten, merge_trees, param_specs
+from tests.helpers import run_steps
 
 TARGETS = ("attn/w[qo]$", "mlp/w_down")
 
@@ -25,10 +26,7 @@ def trained():
     c.optim.warmup_steps = 0
     trainer = Trainer.build(c, workdir=None)
     initial = jax.device_get((trainer.state.params, trainer.state.frozen))
-    it = trainer.batches.iterator()
-    state = trainer.state
-    for _ in range(3):
-        state, _ = trainer.train_fn(state, trainer.to_global(next(it)))
+    _, state, _ = run_steps(trainer, 3)
     return c, trainer, initial, state
 
 

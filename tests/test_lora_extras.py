@@ -15,6 +15,7 @@ from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
 from jaxscale.train.state import ModelDef, flatten, merge_trees, param_specs
 from test_lora import assert_adapters_follow_base
+from tests.helpers import run_steps
 
 
 class _Probe(nnx.Module):
@@ -76,10 +77,7 @@ def test_dropout_acts_in_the_train_step_not_in_the_eval_step():
     c.lora.update(rank=4, alpha=8.0, targets=("attn/w[qv]$", "mlp/w_down"), dropout=0.5)
     c.optim.warmup_steps = 0
     trainer = Trainer.build(c, workdir=None)
-    it = trainer.batches.iterator()
-    state = trainer.state
-    for _ in range(2):
-        state, _ = trainer.train_fn(state, trainer.to_global(next(it)))
+    _, state, it = run_steps(trainer, 2)
     batch = trainer.to_global(next(it))
     evals = [float(trainer.eval_fn(state, batch)) for _ in range(2)]
     assert evals[0] == evals[1]
@@ -98,10 +96,7 @@ def vit_trained():
     c.optim.warmup_steps = 0
     trainer = Trainer.build(c, workdir=None)
     frozen0 = jax.device_get(trainer.state.frozen)
-    it = trainer.batches.iterator()
-    state = trainer.state
-    for _ in range(3):
-        state, _ = trainer.train_fn(state, trainer.to_global(next(it)))
+    _, state, _ = run_steps(trainer, 3)
     return c, trainer, frozen0, state
 
 

@@ -299,17 +299,20 @@ def _numeric(prefixes: list[str], root: str) -> dict[tuple[int, ...], str]:
     return out
 
 
-def _committed(store: Store, root: str) -> dict[tuple[int, ...], str]:
+def _committed(store: Store, root: str, exact: bool = True) -> dict[tuple[int, ...], str]:
     """{numeric path parts: prefix} of every directory under `root` holding a COMMIT.
 
     Lists the index (one key per checkpoint: listing every chunk key would take minutes and
     cost money on a big bucket), then keeps the entries whose COMMIT exists, read together:
-    the index entry precedes its COMMIT, so it may name a partial write. A store written
-    before the index existed is scanned key by key."""
+    the index entry precedes its COMMIT, so it may name a partial write (`exact=False` skips
+    that check, for callers that load each entry anyway). A store written before the index
+    existed is scanned key by key."""
     indexed = _numeric([k[len(INDEX) + 1:] for k in store.keys(f"{INDEX}/{root}/")], root)
     if not indexed:
         return _numeric([k[:-len("/COMMIT")] for k in store.keys(root + "/")
                          if k.endswith("/COMMIT")], root)
+    if not exact:
+        return indexed
     markers = {parts: store.kv.read(f"{prefix}/COMMIT") for parts, prefix in indexed.items()}
     out = {}
     for parts, future in markers.items():
@@ -334,8 +337,10 @@ def average_rounds(store: Store) -> list[int]:
 
 
 def latest_average_checkpoint(store: Store) -> Checkpoint | None:
-    """The newest average whose commit is valid (a partial newer one is ignored)."""
-    for round_ in reversed(average_rounds(store)):
+    """The newest average whose commit is valid (a partial newer one is ignored). Workers poll
+    this at sync points: each round's COMMIT is read once, by load_checkpoint, newest first."""
+    indexed = _committed(store, "average", exact=False)
+    for round_ in sorted((p[0] for p in indexed if len(p) == 1), reverse=True):
         try:
             return load_checkpoint(store, average_prefix(round_))
         except StoreError:
