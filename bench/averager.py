@@ -11,7 +11,15 @@ tensorstore with no averaging (the I/O floor of any tensorstore-based averager),
 the library's cost from the averaging's. Targets (issue 6): >= 50% of raw copy speed, and peak
 RSS flat in model size.
 
+Two cache states (`--cache`): `warm` reads what the pushes just wrote from the page cache, so
+"raw copy" is a memcpy; `cold` writes everything back and evicts the store's files from the page
+cache (posix_fadvise DONTNEED, no root needed) before each of the three passes, so every pass
+reads from the disk, as an averager does when the pushes came from other machines over a shared
+filesystem or were written hours earlier. The raw copy reads the chunk files with 8 threads, as
+a parallel copy tool would (one thread leaves a cold disk idle between 1 MiB files).
+
     python bench/averager.py [--sizes_mib=64,256,1024] [--workers=4] [--budget_mib=64]
+                             [--cache=warm,cold]
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -34,9 +43,9 @@ LEAF = 1 << 24  # 16M float32 values = 64 MiB per leaf
 
 CHILD = """
 import json, sys, time
-from jaxscale.lofi.averager import AveragerConfig, bound_allocator_arenas, run_round
+from jaxscale.lofi.averager import AveragerConfig, tune_allocator, run_round
 from jaxscale.lofi.store import Store
-bound_allocator_arenas()  # as launch.lofi_average does
+tune_allocator()  # as launch.lofi_average does
 def hwm_mib():  # this process's peak RSS (VmHWM; ru_maxrss would include the parent's pre-exec)
     line = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
     return int(line.split()[1]) / 1024
@@ -65,21 +74,38 @@ def make_store(path: str, size_mib: int, workers: int) -> None:
         push(store, w, 10, {k: v + np.float32(0.01 * (w + 1)) for k, v in base.items()}, 100 + w)
 
 
+def evict(path: str) -> None:
+    """Writes back and drops every file under `path` from the page cache: the next read is
+    from the disk."""
+    os.sync()
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def read_file(name: str) -> bytes:
+    with open(name, "rb") as f:
+        return f.read()
+
+
 def raw_copy(path: str, out: str) -> tuple[float, int]:
-    """Reads every chunk file of the pushes and round 0, writes one output of param size."""
+    """Reads every chunk file of the pushes and round 0 (8 threads, in order), writes one
+    output of param size (the base's bytes) and syncs it."""
     files = []
     for sub in ("workers", os.path.join("average", "0")):
         for dirpath, _, names in os.walk(os.path.join(path, sub)):
             files += [os.path.join(dirpath, f) for f in names if "/c/" in dirpath + "/"]
-    base_files = [f for f in files if f"{os.sep}average{os.sep}" in f]
+    is_base = [f"{os.sep}average{os.sep}" in f for f in files]
     moved = 0
     t0 = time.perf_counter()
-    with open(out, "wb") as dst:
-        for f in files:
-            with open(f, "rb") as src:
-                data = src.read()
+    with open(out, "wb") as dst, ThreadPoolExecutor(8) as pool:
+        for data, base in zip(pool.map(read_file, files), is_base):
             moved += len(data)
-            if f in base_files:
+            if base:
                 dst.write(data)
                 moved += len(data)
         dst.flush()
@@ -115,34 +141,49 @@ def main() -> None:
     p.add_argument("--sizes_mib", default="64,256,1024")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--budget_mib", type=int, default=64)
+    p.add_argument("--cache", default="warm,cold", help="warm, cold or both (see above)")
     args = p.parse_args()
+    caches = args.cache.split(",")
+    if not set(caches) <= {"warm", "cold"}:
+        raise SystemExit(f"--cache={args.cache}: use warm, cold or warm,cold")
     root = tempfile.mkdtemp(prefix="lofi_avg_bench_")
-    env = {**os.environ, "PYTHONPATH": ROOT}
     rows = []
     try:
         for size in [int(s) for s in args.sizes_mib.split(",")]:
-            path = os.path.join(root, f"s{size}")
-            make_store(path, size, args.workers)
-            copy_s, copy_bytes = raw_copy(path, os.path.join(root, "copy.bin"))
-            ts_s, ts_bytes = ts_copy(path)
-            out = subprocess.run([sys.executable, "-c", CHILD, path,
-                                  str(args.budget_mib << 20)], env=env, cwd=ROOT,
-                                 capture_output=True, text=True, check=True)
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            avg_gbs = (r["read"] + r["written"]) / r["seconds"] / 1e9
-            raw_gbs = copy_bytes / copy_s / 1e9
-            rows.append((size, r, avg_gbs, raw_gbs, ts_bytes / ts_s / 1e9))
-            shutil.rmtree(path)
+            for cache in caches:  # a fresh store each: the round publishes into it
+                rows.append((cache, size, *measure(root, size, cache, args)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\n{args.workers} workers, float32, mean, chunk budget {args.budget_mib} MiB")
-    print(f"{'model':>9} {'moved':>9} {'averager':>10} {'raw copy':>10} {'ratio':>6} "
+    print(f"{'cache':>5} {'model':>9} {'moved':>9} {'averager':>10} {'raw copy':>10} {'ratio':>6} "
           f"{'ts copy':>10} {'ratio':>6} {'peak RSS':>9} {'RSS idle':>9}")
-    for size, r, avg_gbs, raw_gbs, ts_gbs in rows:
+    for cache, size, r, avg_gbs, raw_gbs, ts_gbs in sorted(rows, key=lambda row: row[0]):
         moved = (r["read"] + r["written"]) / 2**20
-        print(f"{size:>5} MiB {moved:>5.0f} MiB {avg_gbs:>6.2f} GB/s {raw_gbs:>6.2f} GB/s "
-              f"{avg_gbs / raw_gbs:>5.0%} {ts_gbs:>6.2f} GB/s {avg_gbs / ts_gbs:>5.0%} "
-              f"{r['rss_mib']:>5.0f} MiB {r['idle_rss_mib']:>5.0f} MiB")
+        print(f"{cache:>5} {size:>5} MiB {moved:>5.0f} MiB {avg_gbs:>6.2f} GB/s "
+              f"{raw_gbs:>6.2f} GB/s {avg_gbs / raw_gbs:>5.0%} {ts_gbs:>6.2f} GB/s "
+              f"{avg_gbs / ts_gbs:>5.0%} {r['rss_mib']:>5.0f} MiB {r['idle_rss_mib']:>5.0f} MiB")
+
+
+def measure(root: str, size: int, cache: str, args: argparse.Namespace
+            ) -> tuple[dict, float, float, float]:
+    """One store of `size` MiB: raw copy, ts copy and the averager's round on it, each after
+    evicting the store from the page cache when `cache` is cold. Returns (averager report,
+    averager GB/s, raw copy GB/s, ts copy GB/s)."""
+    path = os.path.join(root, f"s{size}")
+    make_store(path, size, args.workers)
+    before = evict if cache == "cold" else (lambda _: None)
+    before(path)
+    copy_s, copy_bytes = raw_copy(path, os.path.join(root, "copy.bin"))
+    before(path)
+    ts_s, ts_bytes = ts_copy(path)
+    before(path)
+    out = subprocess.run([sys.executable, "-c", CHILD, path, str(args.budget_mib << 20)],
+                         env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    shutil.rmtree(path)
+    return (r, (r["read"] + r["written"]) / r["seconds"] / 1e9, copy_bytes / copy_s / 1e9,
+            ts_bytes / ts_s / 1e9)
 
 
 if __name__ == "__main__":

@@ -45,11 +45,12 @@ def sh(args: list[str]) -> str:
     return out.stdout
 
 
-def train_flags(steps: int, batch: int, init_from: str | None, part: str) -> list[str]:
+def train_flags(steps: int, batch: int, init_from: str | None, part: str,
+                lr: float = 1e-3) -> list[str]:
     flags = ["--config=configs/tiny_lm.py", f"--config.train.steps={steps}",
              f"--config.data.batch_size={batch}", f"--config.data.part={part}",
              "--config.train.log_every=25", "--config.train.eval_every=0",
-             "--config.optim.warmup_steps=10", "--config.optim.lr=1e-3"]
+             "--config.optim.warmup_steps=10", f"--config.optim.lr={lr}"]
     flags += [f"--config.{k}={v}" for k, v in MODEL.items()]
     return flags + ([f"--config.init_from={init_from}"] if init_from else [])
 
@@ -78,6 +79,8 @@ def main() -> None:
                    help="Lo-Fi runs after data parallel: end, diloco, end_ema (sync=end pushing "
                         "an EMA of the weights, decay --ema)")
     p.add_argument("--ema", type=float, default=0.995)
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="peak learning rate of all three fine-tuning runs (pre-training: 1e-3)")
     args = p.parse_args()
     MODEL.update(SMALL if args.small else {})
     tmp = tempfile.mkdtemp(prefix="lofi_bench_")
@@ -92,7 +95,7 @@ def main() -> None:
     rows = [("pretrained (no fine-tuning)", heldout_loss(base), 0.0)]
 
     ddp = os.path.join(tmp, "ddp")
-    sh([py, "-m", "launch.train", *train_flags(args.steps, WORKERS * BATCH, base, "b"),
+    sh([py, "-m", "launch.train", *train_flags(args.steps, WORKERS * BATCH, base, "b", args.lr),
         f"--workdir={ddp}", "--cpu_devices=4", "--config.mesh.data=4",
         "--config.lofi.enabled=True", f"--config.lofi.store={ddp}/store",
         "--config.lofi.push_every=100000"])
@@ -114,7 +117,7 @@ def main() -> None:
         extra.append(f"--config.lofi.push_every={push}")
         sh([py, "-m", "launch.lofi_local", f"--num_workers={WORKERS}", "--devices_per_worker=1",
             f"--store={store}", f"--sync={sync}", "--",
-            *train_flags(args.steps, BATCH, base, "b"), *extra])
+            *train_flags(args.steps, BATCH, base, "b", args.lr), *extra])
         moved = store_totals(store)["lofi_total"]
         name = f"Lo-Fi sync={sync}" + (f" (H={args.sync_every})" if sync != "end" else "")
         rows.append((name + (f", EMA {args.ema}" if run.endswith("_ema") else ""),
@@ -127,8 +130,8 @@ def main() -> None:
         print(f"{name:<34} {loss:>13.4f} {100 * (loss / ddp_loss - 1):>+7.2f}% "
               f"{moved / 2**20:>11.2f} MiB {ratio:>10}")
     print(f"\n{WORKERS} workers x batch {BATCH}, {args.steps} fine-tuning steps each; DDP uses "
-          f"global batch {WORKERS * BATCH}; same lr schedule. Lo-Fi bytes = all store traffic "
-          f"(workers + averager); DDP bytes = ring all-reduce 2(N-1)/N x "
+          f"global batch {WORKERS * BATCH}; same lr schedule (peak {args.lr:g}). Lo-Fi bytes = "
+          f"all store traffic (workers + averager); DDP bytes = ring all-reduce 2(N-1)/N x "
           f"{param_bytes / 2**20:.2f} MiB per step per worker.")
 
 

@@ -16,8 +16,7 @@ from absl import app, flags
 
 from jaxscale.errors import exit_on_user_error
 from jaxscale.lofi.accounting import accounting_lines, export_final
-from jaxscale.lofi.averager import (AveragerConfig, bound_allocator_arenas, describe,
-                                    run_round)
+from jaxscale.lofi.averager import AveragerConfig, describe, run_round, tune_allocator
 from jaxscale.lofi.store import Store, latest_average_checkpoint
 
 _STORE = flags.DEFINE_string("store", None, "Store location (path, gs://, s3://).", required=True)
@@ -56,7 +55,7 @@ def _stop(signum, frame):
 @exit_on_user_error
 def main(argv):
     signal.signal(signal.SIGTERM, _stop)
-    bound_allocator_arenas()
+    tune_allocator()
     store = Store(_STORE.value)
     while True:  # the job settings appear with round 0, possibly after the averager started
         report = run_round(store, _config(store))
