@@ -46,8 +46,9 @@ def sh(args: list[str]) -> str:
 
 
 def train_flags(steps: int, batch: int, init_from: str | None, part: str,
-                lr: float = 1e-3) -> list[str]:
+                lr: float = 1e-3, seed: int = 0) -> list[str]:
     flags = ["--config=configs/tiny_lm.py", f"--config.train.steps={steps}",
+             f"--config.seed={seed}",
              f"--config.data.batch_size={batch}", f"--config.data.part={part}",
              "--config.train.log_every=25", "--config.train.eval_every=0",
              "--config.optim.warmup_steps=10", f"--config.optim.lr={lr}"]
@@ -81,6 +82,8 @@ def main() -> None:
     p.add_argument("--ema", type=float, default=0.995)
     p.add_argument("--lr", type=float, default=1e-3,
                    help="peak learning rate of all three fine-tuning runs (pre-training: 1e-3)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the fine-tuning runs (data order); pre-training keeps seed 0")
     args = p.parse_args()
     MODEL.update(SMALL if args.small else {})
     tmp = tempfile.mkdtemp(prefix="lofi_bench_")
@@ -95,7 +98,8 @@ def main() -> None:
     rows = [("pretrained (no fine-tuning)", heldout_loss(base), 0.0)]
 
     ddp = os.path.join(tmp, "ddp")
-    sh([py, "-m", "launch.train", *train_flags(args.steps, WORKERS * BATCH, base, "b", args.lr),
+    tune = (args.lr, args.seed)
+    sh([py, "-m", "launch.train", *train_flags(args.steps, WORKERS * BATCH, base, "b", *tune),
         f"--workdir={ddp}", "--cpu_devices=4", "--config.mesh.data=4",
         "--config.lofi.enabled=True", f"--config.lofi.store={ddp}/store",
         "--config.lofi.push_every=100000"])
@@ -117,7 +121,7 @@ def main() -> None:
         extra.append(f"--config.lofi.push_every={push}")
         sh([py, "-m", "launch.lofi_local", f"--num_workers={WORKERS}", "--devices_per_worker=1",
             f"--store={store}", f"--sync={sync}", "--",
-            *train_flags(args.steps, BATCH, base, "b", args.lr), *extra])
+            *train_flags(args.steps, BATCH, base, "b", *tune), *extra])
         moved = store_totals(store)["lofi_total"]
         name = f"Lo-Fi sync={sync}" + (f" (H={args.sync_every})" if sync != "end" else "")
         rows.append((name + (f", EMA {args.ema}" if run.endswith("_ema") else ""),
