@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,9 +85,26 @@ def main() -> None:
                    help="peak learning rate of all three fine-tuning runs (pre-training: 1e-3)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the fine-tuning runs (data order); pre-training keeps seed 0")
+    p.add_argument("--keep", action="store_true", help="keep the runs' directory (else deleted)")
     args = p.parse_args()
+    unknown = [r for r in args.runs.split(",") if r not in ("end", "diloco", "end_ema")]
+    if unknown:
+        raise SystemExit(f"--runs: unknown run {unknown[0]!r}; use end, diloco, end_ema")
     MODEL.update(SMALL if args.small else {})
     tmp = tempfile.mkdtemp(prefix="lofi_bench_")
+    try:
+        rows, ddp_bytes, param_bytes = measure(args, tmp)
+    finally:
+        if args.keep:
+            print(f"runs kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    report(args, rows, ddp_bytes, param_bytes)
+
+
+def measure(args: argparse.Namespace, tmp: str) -> tuple[list, float, float]:
+    """Pre-trains, then fine-tunes data parallel and each Lo-Fi run under `tmp`; returns
+    (rows of (name, held-out loss, bytes moved), DDP bytes, bytes of one parameter copy)."""
     py = sys.executable
     pre = os.path.join(tmp, "pretrain")
     sh([py, "-m", "launch.train", *train_flags(args.pretrain_steps, 32, None, "a"),
@@ -110,8 +128,6 @@ def main() -> None:
 
     for run in args.runs.split(","):
         sync = run.removesuffix("_ema")
-        if sync not in ("end", "diloco"):
-            raise SystemExit(f"--runs: unknown run {run!r}; use end, diloco, end_ema")
         store = os.path.join(tmp, run)
         extra = [f"--config.lofi.sync_every={args.sync_every}"] if sync != "end" else []
         extra += [f"--config.lofi.push_ema={args.ema}"] if run.endswith("_ema") else []
@@ -126,7 +142,10 @@ def main() -> None:
         name = f"Lo-Fi sync={sync}" + (f" (H={args.sync_every})" if sync != "end" else "")
         rows.append((name + (f", EMA {args.ema}" if run.endswith("_ema") else ""),
                      heldout_loss(os.path.join(store, "runs", "final")), moved))
+    return rows, ddp_bytes, param_bytes
 
+
+def report(args: argparse.Namespace, rows: list, ddp_bytes: float, param_bytes: float) -> None:
     ddp_loss = rows[1][1]
     print(f"\n{'run':<34} {'held-out loss':>13} {'vs DDP':>8} {'bytes moved':>14} {'DDP/this':>10}")
     for name, loss, moved in rows:
