@@ -274,6 +274,23 @@ def test_checkpoints_are_found_from_the_index_without_listing_chunks(store, monk
     assert "workers/" in listed
 
 
+def test_a_store_written_before_the_index_keeps_its_checkpoints_once_indexed(store, monkeypatch):
+    _push(store, 0, 5, _params(1))
+    _push(store, 1, 5, _params(2))
+    store.delete_prefix("index")  # as an older jaxscale left it: no index at all
+    store.delete_prefix("average/0")
+    store.write("index/average/9", b"")  # a stray entry without a marker: not trusted
+    upgraded = S.Store(store.location)   # a new writer's first push completes the index
+    _push(upgraded, 1, 8, _params(3))
+    assert upgraded.read("index/workers.complete") is not None
+    listed = []
+    keys = S.Store.keys
+    monkeypatch.setattr(S.Store, "keys", lambda self, p: listed.append(p) or keys(self, p))
+    assert S.worker_checkpoints(store) == {0: [5], 1: [5, 8]}
+    assert listed == ["index/workers/"]  # from the index, older pushes included
+    assert S.average_rounds(store) == [] and "average/" in listed  # no marker: scanned
+
+
 def test_budget_below_one_block_is_warned_with_the_fix(caplog):
     from jaxscale.lofi.reduce import block_size
     assert block_size(64, 64 << 20, S.CHUNK) == S.CHUNK  # one chunk per block: over budget

@@ -63,6 +63,7 @@ class Store:
         self.kv = ts.KvStore.open(self.spec, context=_CONTEXT).result()
         self.bytes_read = 0
         self.bytes_written = 0
+        self.indexed_roots: set[str] = set()  # roots whose index this process completed
         self._handles: dict[str, Any] = {}   # opened committed arrays (their data never changes)
         self._unsynced = False
 

@@ -14,6 +14,8 @@ Layout (under the store root):
     index/workers/<worker_id>/<step>, index/average/<round>   empty keys, written just before
                                                        each COMMIT, so finding checkpoints lists
                                                        one key per checkpoint, not every chunk
+    index/workers.complete, index/average.complete     the index of that root is complete
+                                                       (`index.py`)
 
 The commit is one create-if-absent key naming the attempt that won: of racing writers (two
 averagers, a presumed-dead one waking up, two processes pushing one worker step) exactly one
@@ -40,6 +42,7 @@ import numpy as np
 
 from jaxscale import __version__
 from jaxscale.errors import paragraph
+from jaxscale.lofi import index
 from jaxscale.lofi.kv import Store, chunk_sums, kvstore_spec
 from jaxscale.lofi.manifest import (CHECKSUM, CHUNK, DTYPES, FORMAT, StoreError,
                                     check_leaf_path, checksum_of, chunk_of, validate_manifest)
@@ -50,7 +53,6 @@ __all__ = ["CHUNK", "FORMAT", "StoreError", "check_leaf_path", "Store", "Checkpo
 _DTYPES = DTYPES
 
 
-INDEX = "index"
 _COMMITTED_RE = re.compile(r"^d[0-9a-f]{1,32}/manifest\.json$")
 
 
@@ -155,7 +157,7 @@ def commit(store: Store, prefix: str, manifest: dict, exclusive: bool = True) ->
         return store.write(f"{prefix}/COMMIT", _sha(data).encode())
     relative = f"{manifest['data']}/manifest.json"
     store.write(f"{prefix}/{relative}", data)
-    store.write(f"{INDEX}/{prefix}", b"", if_absent=True)  # before COMMIT: it may list more
+    index.add_entry(store, prefix)  # before COMMIT: the index may list more than is committed
     return store.write(f"{prefix}/COMMIT", f"{_sha(data)} {relative}".encode(), if_absent=True)
 
 
@@ -289,57 +291,23 @@ def average_prefix(round_: int) -> str:
     return f"average/{int(round_)}"
 
 
-def _numeric(prefixes: list[str], root: str) -> dict[tuple[int, ...], str]:
-    """{numeric path parts below `root`: prefix} (anything else under `root` is ignored)."""
-    out = {}
-    for prefix in prefixes:
-        parts = prefix[len(root) + 1:].split("/")
-        if all(p.isdigit() for p in parts):
-            out[tuple(int(p) for p in parts)] = prefix
-    return out
-
-
-def _committed(store: Store, root: str, exact: bool = True) -> dict[tuple[int, ...], str]:
-    """{numeric path parts: prefix} of every directory under `root` holding a COMMIT.
-
-    Lists the index (one key per checkpoint: listing every chunk key would take minutes and
-    cost money on a big bucket), then keeps the entries whose COMMIT exists, read together:
-    the index entry precedes its COMMIT, so it may name a partial write (`exact=False` skips
-    that check, for callers that load each entry anyway). A store written before the index
-    existed is scanned key by key."""
-    indexed = _numeric([k[len(INDEX) + 1:] for k in store.keys(f"{INDEX}/{root}/")], root)
-    if not indexed:
-        return _numeric([k[:-len("/COMMIT")] for k in store.keys(root + "/")
-                         if k.endswith("/COMMIT")], root)
-    if not exact:
-        return indexed
-    markers = {parts: store.kv.read(f"{prefix}/COMMIT") for parts, prefix in indexed.items()}
-    out = {}
-    for parts, future in markers.items():
-        result = future.result()
-        if result.state == "value":
-            store.bytes_read += len(result.value)
-            out[parts] = indexed[parts]
-    return out
-
-
 def worker_checkpoints(store: Store) -> dict[int, list[int]]:
     """{worker_id: committed steps, ascending}."""
     out: dict[int, list[int]] = {}
-    for parts in sorted(_committed(store, "workers")):
+    for parts in sorted(index.committed(store, "workers")):
         if len(parts) == 2:
             out.setdefault(parts[0], []).append(parts[1])
     return out
 
 
 def average_rounds(store: Store) -> list[int]:
-    return sorted(p[0] for p in _committed(store, "average") if len(p) == 1)
+    return sorted(p[0] for p in index.committed(store, "average") if len(p) == 1)
 
 
 def latest_average_checkpoint(store: Store) -> Checkpoint | None:
     """The newest average whose commit is valid (a partial newer one is ignored). Workers poll
     this at sync points: each round's COMMIT is read once, by load_checkpoint, newest first."""
-    indexed = _committed(store, "average", exact=False)
+    indexed = index.committed(store, "average", exact=False)
     for round_ in sorted((p[0] for p in indexed if len(p) == 1), reverse=True):
         try:
             return load_checkpoint(store, average_prefix(round_))
