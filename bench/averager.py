@@ -5,19 +5,20 @@ For each model size, N workers push float32 weights to a local store; then, in a
 baseline, measured in the same run on the same files, is a raw copy: plain file reads of every
 chunk file the round reads (N pushes + the base average) and one file write of the output size.
 Throughput = (bytes read + bytes written) / seconds for both, so the ratio compares like with
-like; both run right after the pushes are written (so both read through the same page cache)
-and both sync their output to disk. A third column, "ts copy", moves the same bytes through
-tensorstore with no averaging (the I/O floor of any tensorstore-based averager), separating
-the library's cost from the averaging's. Targets (issue 6): >= 50% of raw copy speed, and peak
-RSS flat in model size.
+like; both read the same files in the same cache state (see `--cache`) and both sync their
+output to disk. A third column, "ts copy", moves the same bytes through tensorstore with no
+averaging (the I/O cost of any tensorstore-based averager), separating the library's cost from
+the averaging's. Targets (issue 6): >= 50% of raw copy speed, and peak RSS flat in model size.
 
 Two cache states (`--cache`): `warm` reads what the pushes just wrote from the page cache, so
-"raw copy" is a memcpy; `cold` writes everything back and evicts the store's files from the page
-cache (posix_fadvise DONTNEED, no root needed) before each of the three passes, so every pass
-reads from the disk, as an averager does when the pushes came from other machines over a shared
-filesystem or were written hours earlier. The raw copy runs twice, reading the chunk files with
-one thread and with 8 (as a parallel copy tool would: one thread leaves a cold disk idle between
-1 MiB files, while 8 threads slow a memcpy from the page cache), and the faster counts.
+"raw copy" is a memcpy; `cold` writes everything back and evicts the store's files from the
+page cache (posix_fadvise DONTNEED, no root needed; file data only, not directory metadata)
+before each pass, so every pass reads from the disk, as an averager does when the pushes came
+from other machines over a shared filesystem or were written hours earlier. (On a tmpfs there
+is no disk: run it where the temporary directory is on one.) The raw copy runs twice, reading
+the chunk files with one thread and with 8 (as a parallel copy tool would: one thread leaves a
+cold disk idle between 1 MiB files, while 8 threads slow a memcpy from the page cache), and the
+faster counts.
 
     python bench/averager.py [--sizes_mib=64,256,1024] [--workers=4] [--budget_mib=64]
                              [--cache=warm,cold]

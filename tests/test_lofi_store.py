@@ -5,6 +5,7 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
+import tensorstore as ts
 
 from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
@@ -289,6 +290,18 @@ def test_a_store_written_before_the_index_keeps_its_checkpoints_once_indexed(sto
     assert S.worker_checkpoints(store) == {0: [5], 1: [5, 8]}
     assert listed == ["index/workers/"]  # from the index, older pushes included
     assert S.average_rounds(store) == [] and "average/" in listed  # no marker: scanned
+
+
+def test_repair_indexes_checkpoints_an_older_writer_left_out(store):
+    from jaxscale.lofi import index
+    _push(store, 0, 5, _params(1))
+    _push(store, 1, 6, _params(2))
+    assert index.repair(store) == []
+    store.delete_prefix("index/workers/1")   # as a pre-index jaxscale would have written it
+    store.kv.delete_range(ts.KvStore.KeyRange("index/average/0", "index/average/0\0")).result()
+    assert S.worker_checkpoints(store) == {0: [5]} and S.average_rounds(store) == []
+    assert index.repair(store) == ["workers/1/6", "average/0"]
+    assert S.worker_checkpoints(store) == {0: [5], 1: [6]} and S.average_rounds(store) == [0]
 
 
 def test_budget_below_one_block_is_warned_with_the_fix(caplog):

@@ -307,3 +307,23 @@ def test_watching_averager_started_before_round_0_waits_for_the_job_quorum(tmp_p
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert "round 1: averaged w0@5, w1@5" in out
+
+
+def test_lofi_average_repair_index_names_and_averages_unindexed_pushes(tmp_path):
+    """A push written by a jaxscale older than the index (no index entry) into an indexed store
+    is invisible until `--repair_index` indexes it, names it, and the round averages it."""
+    from jaxscale.lofi.averager import publish_initial
+    store_dir = str(tmp_path / "store")
+    store = S.Store(store_dir)
+    publish_initial(store, {"w": np.zeros(10, np.float32)},
+                    job={"allowed_workers": [0, 1], "min_workers": 2, "max_staleness": 0})
+    S.push(store, 0, 5, {"w": np.ones(10, np.float32)}, 10)
+    S.push(store, 1, 5, {"w": np.full(10, 3.0, np.float32)}, 10)
+    os.remove(os.path.join(store_dir, "index", "workers", "1", "5"))
+    assert S.worker_checkpoints(store) == {0: [5]}
+    out = subprocess.run([sys.executable, "-m", "launch.lofi_average", f"--store={store_dir}",
+                          "--repair_index"], env=ENV, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "1 committed checkpoint(s) were missing from the store's index" in out.stderr
+    assert "workers/1/5" in out.stderr
+    np.testing.assert_allclose(latest_average(store_dir).params["w"], 2.0)

@@ -9,6 +9,10 @@ The index of a root (`workers` or `average`) is trusted only once its marker
 written before the index existed) first indexes every committed checkpoint it finds by a full
 scan, then writes the marker; from then on every writer indexes its own checkpoints. Without
 the marker, readers scan key by key, so checkpoints of an older store never go missing.
+
+A process of a jaxscale older than the index that keeps writing into an indexed store would
+write checkpoints the index does not list: `repair` (`launch.lofi_average --repair_index`)
+finds, indexes and names them.
 """
 
 from __future__ import annotations
@@ -44,11 +48,32 @@ def add_entry(store: Store, prefix: str) -> None:
     root = prefix.split("/", 1)[0]
     if root not in store.indexed_roots:
         if store.read(_marker(root)) is None:
-            for older in _scanned(store, root).values():
-                store.write(f"{INDEX}/{older}", b"", if_absent=True)
-            store.write(_marker(root), b"", if_absent=True)
+            _add_all(store, list(_scanned(store, root).values()))
+            store.write(_marker(root), b"", if_absent=True)  # only after every entry landed
         store.indexed_roots.add(root)
     store.write(f"{INDEX}/{prefix}", b"", if_absent=True)
+
+
+def _add_all(store: Store, prefixes: list[str]) -> None:
+    """Index entries for `prefixes`, written concurrently (empty keys: rewriting one is
+    harmless)."""
+    for write in [store.kv.write(f"{INDEX}/{p}", b"") for p in prefixes]:
+        write.result()
+
+
+def repair(store: Store) -> list[str]:
+    """Indexes committed checkpoints that a complete index does not list (written by a
+    jaxscale older than the index) and returns them. Lists every key: run once per start."""
+    missing = []
+    for root in ("workers", "average"):
+        if store.read(_marker(root)) is None:
+            continue  # scanned by every reader anyway
+        listed = set(_numeric([k[len(INDEX) + 1:] for k in store.keys(f"{INDEX}/{root}/")],
+                              root))
+        missing += [p for parts, p in sorted(_scanned(store, root).items())
+                    if parts not in listed]
+    _add_all(store, missing)
+    return missing
 
 
 def committed(store: Store, root: str, exact: bool = True) -> dict[tuple[int, ...], str]:
