@@ -36,6 +36,11 @@ def _numeric(prefixes: list[str], root: str) -> dict[tuple[int, ...], str]:
     return out
 
 
+def _listed(store: Store, root: str) -> dict[tuple[int, ...], str]:
+    """The index's entries for `root` (possibly naming partial writes: see `committed`)."""
+    return _numeric([k[len(INDEX) + 1:] for k in store.keys(f"{INDEX}/{root}/")], root)
+
+
 def _scanned(store: Store, root: str) -> dict[tuple[int, ...], str]:
     """Every directory under `root` with a COMMIT, found by listing every key (slow)."""
     return _numeric([k[:-len("/COMMIT")] for k in store.keys(root + "/")
@@ -68,8 +73,7 @@ def repair(store: Store) -> list[str]:
     for root in ("workers", "average"):
         if store.read(_marker(root)) is None:
             continue  # scanned by every reader anyway
-        listed = set(_numeric([k[len(INDEX) + 1:] for k in store.keys(f"{INDEX}/{root}/")],
-                              root))
+        listed = _listed(store, root)
         missing += [p for parts, p in sorted(_scanned(store, root).items())
                     if parts not in listed]
     _add_all(store, missing)
@@ -84,7 +88,7 @@ def committed(store: Store, root: str, exact: bool = True) -> dict[tuple[int, ..
     for callers that load each entry anyway). A root without a complete index is scanned."""
     if store.read(_marker(root)) is None:
         return _scanned(store, root)
-    indexed = _numeric([k[len(INDEX) + 1:] for k in store.keys(f"{INDEX}/{root}/")], root)
+    indexed = _listed(store, root)
     if not exact:
         return indexed
     markers = {parts: store.kv.read(f"{prefix}/COMMIT") for parts, prefix in indexed.items()}
