@@ -103,6 +103,21 @@ def test_nonfinite_push_rejected(store):
     assert np.isfinite(latest_average(store).params["layers/w"]).all()
 
 
+def test_nonfinite_value_deep_in_a_block_is_found_in_its_piece(store):
+    from jaxscale.lofi.reduce import piece_size
+    piece = piece_size(2)
+    assert piece < S.CHUNK  # a one-chunk block (TINY_BUDGET) holds several pieces
+    where = S.CHUNK + piece + 17  # second block, second piece: pieces are checked one by one
+    bad = _params(2)
+    bad["layers/w"][where] = np.inf
+    _push(store, 0, 5, _params(1))
+    _push(store, 1, 5, bad)
+    report = run_round(store, TINY_BUDGET)
+    start = S.CHUNK + piece
+    assert report.used == {0: 5}
+    assert f"(values {start}..{start + piece})" in report.skipped[1], report.skipped
+
+
 def test_allowed_workers_quorum_and_wrong_structure(store):
     _push(store, 0, 5, _params(1))
     _push(store, 7, 5, _params(2))

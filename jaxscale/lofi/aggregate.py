@@ -37,7 +37,7 @@ def _normalized(weights: np.ndarray) -> np.ndarray:
 
 def mean(deltas: np.ndarray, weights: np.ndarray, **_) -> np.ndarray:
     """Sample-weighted mean. Not robust: one huge contribution moves it arbitrarily far."""
-    return np.tensordot(_normalized(weights), deltas, axes=1).astype(np.float32)
+    return (_normalized(weights) @ deltas).astype(np.float32, copy=False)
 
 
 def median(deltas: np.ndarray, weights: np.ndarray, **_) -> np.ndarray:

@@ -195,23 +195,28 @@ def load_checkpoint(store: Store, prefix: str) -> Checkpoint:
 
 def _verified(store: Store, key: str, dtype: str, a: int, b: int, sums: list[str],
               where: str, ckpt: Checkpoint, future: Any = None) -> np.ndarray:
-    """Reads values [a, b) (aligned to `ckpt`'s chunks; or takes a started read) and checks
-    every chunk's checksum."""
+    """Reads values [a, b) (aligned to `ckpt`'s chunks; or takes a read `start_read` began)
+    and checks every chunk's checksum."""
     try:
-        future = future if future is not None else store.array(key)[a:b].read()
-        values = np.asarray(future.result())
+        future = future if future is not None else _start(store, key, dtype, a, b, ckpt)
+        values, got = future.result()
     except Exception as e:  # truncated or undecodable chunk files, missing arrays
         raise StoreError(f"{where}: cannot read chunk data ({e}).") from None
     store.bytes_read += values.nbytes
     chunk = ckpt.chunk
-    for start, got in zip(range(a, b, chunk), chunk_sums(values, ckpt.checksum, chunk)):
-        if got != sums[start // chunk]:
+    got = got if got is not None else chunk_sums(values, ckpt.checksum, chunk)
+    for start, digest in zip(range(a, b, chunk), got):
+        if digest != sums[start // chunk]:
             raise StoreError(paragraph(
                 f"{where}: checksum mismatch in chunk {start // chunk} (values {start}..",
                 f"{min(start + chunk, b)}); the data on disk is corrupt. This checkpoint is",
                 "skipped.",
             ))
     return values.astype(_DTYPES[dtype], copy=False)
+
+
+def _start(store: Store, key: str, dtype: str, a: int, b: int, ckpt: Checkpoint) -> Any:
+    return store.start_read(key, dtype, a, b, ckpt.checksum, ckpt.chunk)
 
 
 def read_range(store: Store, ckpt: Checkpoint, leaf: str, a: int, b: int) -> np.ndarray:
@@ -242,7 +247,8 @@ def start_reads(store: Store, ckpts: list[Checkpoint], leaf: str, a: int, b: int
         future = None
         if ckpt.leaves[leaf]["encoding"] == "raw":
             try:
-                future = store.array(f"{ckpt.data}/arrays/{leaf}")[a:b].read()
+                future = _start(store, f"{ckpt.data}/arrays/{leaf}",
+                                ckpt.leaves[leaf]["dtype"], a, b, ckpt)
             except Exception:  # noqa: BLE001 - reported by _verified in read_many
                 future = None
         started.append(future)

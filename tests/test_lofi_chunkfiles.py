@@ -1,0 +1,83 @@
+"""The averager's local-disk I/O (chunkfiles.py): the files it writes are zarr3 that tensorstore
+reads back, it reads what tensorstore wrote, and anything outside jaxscale's layout goes
+through tensorstore instead."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from jaxscale.lofi import store as S
+from jaxscale.lofi.chunkfiles import ChunkFiles
+from jaxscale.lofi.kv import _HASH, Store, chunk_sums
+
+CHUNK = 8
+
+
+def _read_ts(st: Store, key: str) -> np.ndarray:
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": st.spec["path"] + key}}
+    return ts.open(spec, open=True).result().read().result()
+
+
+def test_written_chunk_files_are_zarr3_that_tensorstore_reads(tmp_path):
+    st = Store(str(tmp_path), chunk=CHUNK)
+    values = np.arange(1, 21, dtype=np.float32)  # 2.5 chunks: the last one is padded
+    arr = st.array("x", values.size, "float32")
+    st.start_write("x", arr, "float32", 0, values[:16]).result()
+    st.start_write("x", arr, "float32", 16, values[16:]).result()
+    assert os.path.getsize(tmp_path / "x" / "c" / "2") == CHUNK * 4
+    np.testing.assert_array_equal(_read_ts(st, "x"), values)
+
+
+def test_reads_what_tensorstore_wrote_with_checksums_and_zero_chunks(tmp_path):
+    st = Store(str(tmp_path), chunk=CHUNK)
+    values = np.arange(20, dtype=np.float32)
+    values[:CHUNK] = 0  # tensorstore does not store an all-zero chunk: it reads as zeros
+    st.array("x", values.size, "float32")[...] = values
+    assert not (tmp_path / "x" / "c" / "0").exists()
+    future = ChunkFiles(st.spec["path"]).start_read("x", "float32", CHUNK, 20,
+                                                     _HASH["xxh3_128"], CHUNK)
+    got, sums = future.result()
+    np.testing.assert_array_equal(got, values[CHUNK:])
+    assert sums == chunk_sums(values[CHUNK:], "xxh3_128", CHUNK)
+    zeros, _ = ChunkFiles(st.spec["path"]).start_read("x", "float32", 0, CHUNK,
+                                                      _HASH["xxh3_128"], CHUNK).result()
+    assert not zeros.any()
+
+
+def test_other_layouts_and_unaligned_writes_go_through_tensorstore(tmp_path):
+    st = Store(str(tmp_path), chunk=CHUNK)
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": st.spec["path"] + "z/"},
+            "metadata": {"shape": [20], "data_type": "float32",
+                         "chunk_grid": {"name": "regular",
+                                        "configuration": {"chunk_shape": [CHUNK]}},
+                         "codecs": [{"name": "bytes"}, {"name": "zstd"}]}}
+    values = np.arange(20, dtype=np.float32)
+    ts.open(spec, create=True).result()[...] = values
+    files = ChunkFiles(st.spec["path"])
+    assert files.start_read("z", "float32", 0, 20, _HASH["xxh3_128"], CHUNK) is None
+    got, sums = st.start_read("z", "float32", 0, 20, "xxh3_128", CHUNK).result()
+    np.testing.assert_array_equal(got, values)  # compressed: read by tensorstore
+    assert sums is None                          # and hashed by the caller
+    st.array("x", 20, "float32")
+    assert files.start_write("x", "float32", 4, values[:4]) is None       # not on a boundary
+    assert files.start_write("x", "float32", 0, values[:12]) is None      # ends mid-chunk
+    assert files.start_write("x", "float32", 0, values.astype(np.float64)) is None
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_damaged_chunk_file_is_a_checksum_or_read_error_not_garbage(tmp_path, damage):
+    st = Store(str(tmp_path))
+    params = {"w": np.arange(1, 3 * S.CHUNK + 5, dtype=np.float32)}
+    S.push(st, 0, 1, params, samples_seen=1)
+    ckpt = S.load_checkpoint(st, S.worker_prefix(0, 1))
+    chunk_file = tmp_path / ckpt.data / "arrays" / "w" / "c" / "1"
+    if damage == "truncate":
+        chunk_file.write_bytes(chunk_file.read_bytes()[:100])
+    else:
+        chunk_file.unlink()  # reads as zeros, which the manifest's checksum does not match
+    expected = ("cannot read chunk data .*truncated" if damage == "truncate"
+                else "checksum mismatch in chunk 1")
+    with pytest.raises(S.StoreError, match=expected):
+        S.read_leaf(st, ckpt, "w")
