@@ -38,7 +38,8 @@ def _layout_chunk(meta: dict, dtype: str) -> int | None:
         chunk = grid["configuration"]["chunk_shape"]
         codecs = meta["codecs"]
         ok = (meta.get("zarr_format") == 3 and meta.get("node_type") == "array"
-              and len(meta["shape"]) == 1 and grid.get("name") == "regular"
+              and len(meta["shape"]) == 1 and isinstance(meta["shape"][0], int)
+              and grid.get("name") == "regular"
               and len(chunk) == 1 and isinstance(chunk[0], int) and chunk[0] > 0
               and meta.get("data_type") == dtype and meta.get("fill_value") in (0, 0.0)
               and meta.get("chunk_key_encoding") == {"name": "default"}
@@ -68,7 +69,7 @@ class ChunkFiles:
         self.enabled = sys.byteorder == "little"
 
     def start_read(self, key: str, dtype: str, a: int, b: int,
-              digest: Callable[[memoryview], str], every: int) -> Future | None:
+                   digest: Callable[[memoryview], str], every: int) -> Future | None:
         """A future of (values, the `digest` of each `every`-value piece), or None: read
         through tensorstore. Each chunk is hashed as soon as it is read, while in cache and
         off the caller's thread."""
@@ -135,7 +136,6 @@ class ChunkFiles:
             step = every * size
             sums = [digest(raw[i:i + step]) for i in range(0, max(len(raw), 1), step)]
         return out, sums
-
 
     @staticmethod
     def _write(folder: str, chunk: int, a: int, values: np.ndarray) -> None:
