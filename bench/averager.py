@@ -6,9 +6,10 @@ baseline, measured in the same run on the same files, is a raw copy: plain file 
 chunk file the round reads (N pushes + the base average) and one file write of the output size.
 Throughput = (bytes read + bytes written) / seconds for both, so the ratio compares like with
 like; both read the same files in the same cache state (see `--cache`) and both sync their
-output to disk. A third column, "ts copy", moves the same bytes through tensorstore with no
-averaging (the I/O cost of any tensorstore-based averager), separating the library's cost from
-the averaging's. Targets (issue 6): >= 50% of raw copy speed, and peak RSS flat in model size.
+output to disk. A third column, "ts copy", moves the same bytes through tensorstore's zarr
+driver with no averaging: the averager's I/O path on object stores (on a local disk it reads
+and writes the chunk files directly, `jaxscale/lofi/chunkfiles.py`). Targets (issue 6): >= 50%
+of raw copy speed, and peak RSS flat in model size.
 
 Two cache states (`--cache`): `warm` reads what the pushes just wrote from the page cache, so
 "raw copy" is a memcpy; `cold` writes everything back and evicts the store's files from the

@@ -65,7 +65,8 @@ def block_size(n_workers: int, budget: int, unit: int = CHUNK) -> int:
     """Values per block: within `budget`, a multiple of `unit` (every input's and the output's
     chunk size: checksums are per chunk), and at least one unit (then over budget: warned)."""
     # f32 values held per block position: this block's inputs and the next block's (being
-    # prefetched), deltas, base, centre, output, momentum
+    # prefetched), deltas, base, centre, output, momentum. (Deltas now live in cache-sized
+    # pieces, so this over-counts by one value per worker: blocks stay within the budget.)
     per_value = 4 * (3 * n_workers + 6)
     if per_value * unit > budget and budget >= 1 << 20:  # (tiny test budgets mean "one unit")
         need = -(-(per_value * unit) // 2**20)
