@@ -85,7 +85,7 @@ class Store:
         """Starts reading values [a, b) of the committed 1-D array at `key`: a future of
         (values, the `checksum` of each `every`-value piece, or None). On a local disk, for
         arrays in jaxscale's layout, the chunk files are read directly and hashed as they
-        arrive (`chunkfiles.py`: a third less CPU than the zarr driver); otherwise through
+        arrive (`chunkfiles.py`: 30-50% less CPU than the zarr driver); otherwise through
         tensorstore, and the caller hashes. Callers compare the sums with the manifest's."""
         if self._chunk_files is not None:
             started = self._chunk_files.start_read(key, dtype, a, b, _HASH[checksum], every)
@@ -96,7 +96,7 @@ class Store:
     def start_write(self, key: str, array: Any, dtype: str, a: int, values: np.ndarray) -> Any:
         """Starts writing `values` at [a, a + n) of `array`, which this process created at
         `key` with `array()`: a future. On a local disk the chunk files are written directly
-        (`chunkfiles.py`; a third of tensorstore's CPU time), else through tensorstore."""
+        (`chunkfiles.py`; a fifth to a quarter of tensorstore's CPU), else through tensorstore."""
         if self._chunk_files is not None:
             started = self._chunk_files.start_write(key, dtype, a, values)
             if started is not None:
