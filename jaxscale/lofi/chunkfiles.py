@@ -10,7 +10,7 @@ array's `zarr.json` (written by tensorstore when the array was created) against 
 then reads chunk files with `readinto` into one buffer, or writes them whole, on a few threads
 (the GIL is released during file I/O). For anything else (object stores, another layout, a
 write that does not end on a chunk boundary) it returns None and the caller uses tensorstore;
-the files it writes are ordinary zarr3 chunks that tensorstore, zarr-python or orbax read.
+the files it writes are ordinary zarr3 chunks (tested: tensorstore reads them back).
 
 Correctness does not rest on this module: every chunk read is checked against the manifest's
 checksum, exactly as tensorstore's reads are, and written arrays are only named by a COMMIT
