@@ -16,10 +16,12 @@ Two cache states (`--cache`): `warm` reads what the pushes just wrote from the p
 page cache (posix_fadvise DONTNEED, no root needed; file data only, not directory metadata)
 before each pass, so every pass reads from the disk, as an averager does when the pushes came
 from other machines over a shared filesystem or were written hours earlier. (On a tmpfs there
-is no disk: run it where the temporary directory is on one.) The raw copy runs twice, reading
-the chunk files with one thread and with 8 (as a parallel copy tool would: one thread leaves a
-cold disk idle between 1 MiB files, while 8 threads slow a memcpy from the page cache), and the
-faster counts.
+is no disk: run it where the temporary directory is on one.) The raw copy runs four times,
+reading the chunk files with one thread and with 8 (as a parallel copy tool would: one thread
+leaves a cold disk idle between 1 MiB files, while 8 threads slow a memcpy from the page
+cache), each writing its output through the page cache and with O_DIRECT (as the averager
+writes its output on a local disk; on this project's VM a write into fresh page-cache memory
+costs 1.2-3 CPU-seconds per GiB), and the fastest counts.
 
     python bench/averager.py [--sizes_mib=64,256,1024] [--workers=4] [--budget_mib=64]
                              [--cache=warm,cold]
@@ -28,7 +30,9 @@ faster counts.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -95,24 +99,32 @@ def read_file(name: str) -> bytes:
         return f.read()
 
 
-def raw_copy(path: str, out: str, threads: int) -> tuple[float, int]:
+def raw_copy(path: str, out: str, threads: int, direct: bool) -> tuple[float, int]:
     """Reads every chunk file of the pushes and round 0 (`threads` readers, in order), writes
-    one output of param size (the base's bytes) and syncs it."""
+    one output of param size (the base's bytes), through the page cache or with O_DIRECT
+    (from a page-aligned buffer, as the averager writes on a local disk), and syncs it."""
     files = []
     for sub in ("workers", os.path.join("average", "0")):
         for dirpath, _, names in os.walk(os.path.join(path, sub)):
             files += [os.path.join(dirpath, f) for f in names if "/c/" in dirpath + "/"]
     is_base = [f"{os.sep}average{os.sep}" in f for f in files]
+    bounce = mmap.mmap(-1, max(os.path.getsize(f) for f in files)) if direct else None
     moved = 0
     t0 = time.perf_counter()
-    with open(out, "wb") as dst, ThreadPoolExecutor(threads) as pool:
-        for data, base in zip(pool.map(read_file, files), is_base):
-            moved += len(data)
-            if base:
-                dst.write(data)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0))
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            for data, base in zip(pool.map(read_file, files), is_base):
                 moved += len(data)
-        dst.flush()
-        os.fsync(dst.fileno())
+                if base:
+                    if bounce is not None:
+                        bounce[:len(data)] = data
+                        data = memoryview(bounce)[:len(data)]
+                    os.write(fd, data)  # whole chunk files: 1 MiB, aligned
+                    moved += len(data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return time.perf_counter() - t0, moved
 
 
@@ -176,10 +188,10 @@ def measure(root: str, size: int, cache: str, args: argparse.Namespace
     make_store(path, size, args.workers)
     before = evict if cache == "cold" else (lambda _: None)
     copies = []
-    for threads in (1, 8):
+    for threads, direct in itertools.product((1, 8), (False, True)[:1 + hasattr(os, "O_DIRECT")]):
         before(path)
-        copies.append(raw_copy(path, os.path.join(root, "copy.bin"), threads))
-    copy_s, copy_bytes = min(copies)  # the faster (same bytes)
+        copies.append(raw_copy(path, os.path.join(root, "copy.bin"), threads, direct))
+    copy_s, copy_bytes = min(copies)  # the fastest (same bytes)
     before(path)
     ts_s, ts_bytes = ts_copy(path)
     before(path)

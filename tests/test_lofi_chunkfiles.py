@@ -82,3 +82,80 @@ def test_damaged_chunk_file_is_a_checksum_or_read_error_not_garbage(tmp_path, da
                 else "checksum mismatch in chunk 1")
     with pytest.raises(S.StoreError, match=expected):
         S.read_leaf(st, ckpt, "w")
+
+
+def _o_direct_supported(folder) -> bool:
+    from jaxscale.lofi.chunkfiles import O_DIRECT
+    if not O_DIRECT:
+        return False
+    try:
+        os.close(os.open(os.path.join(folder, "probe"), os.O_WRONLY | os.O_CREAT | O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
+def _opened_flags(monkeypatch, refuse: str | None = None) -> list[int]:
+    """Records the flags of every os.open; `refuse` makes O_DIRECT fail at open or write
+    with EINVAL, as a filesystem without it (tmpfs) or with stricter alignment does."""
+    import errno
+
+    from jaxscale.lofi.chunkfiles import O_DIRECT
+    flags, direct_fds, real_open, real_write = [], set(), os.open, os.write
+
+    def fake_open(path, flag, *args, **kwargs):
+        flags.append(flag)
+        if refuse == "open" and flag & O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fd = real_open(path, flag, *args, **kwargs)
+        (direct_fds.add if flag & O_DIRECT else direct_fds.discard)(fd)  # fds are reused
+        return fd
+
+    def fake_write(fd, data):
+        if refuse == "write" and fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "write", fake_write)
+    return flags
+
+
+DIRECT_CHUNK = 1024  # float32: 4 KiB chunk files, the O_DIRECT alignment
+
+
+def test_output_chunk_files_bypass_the_page_cache_where_the_filesystem_allows(tmp_path,
+                                                                             monkeypatch):
+    from jaxscale.lofi.chunkfiles import O_DIRECT, aligned_empty
+    if not _o_direct_supported(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT (the fallback is tested below)")
+    st = Store(str(tmp_path), chunk=DIRECT_CHUNK)
+    values = aligned_empty(2 * DIRECT_CHUNK + 10, np.float32)  # the last chunk is padded
+    values[:] = np.arange(1, values.size + 1)
+    st.array("x", values.size, "float32")
+    files = ChunkFiles(st.spec["path"])
+    flags = _opened_flags(monkeypatch)
+    files.start_write("x", "float32", 0, values[:DIRECT_CHUNK]).result()    # aligned buffer
+    unaligned = np.concatenate([[0], values[DIRECT_CHUNK:]]).astype(np.float32)[1:]
+    assert unaligned.ctypes.data % 4096  # goes through the thread's aligned bounce buffer
+    files.start_write("x", "float32", DIRECT_CHUNK, unaligned).result()
+    assert len(flags) == 3 and all(f & O_DIRECT for f in flags) and files.direct
+    np.testing.assert_array_equal(_read_ts(st, "x"), values)
+
+
+@pytest.mark.parametrize("refuse", ["open", "write"])
+def test_filesystem_refusing_o_direct_falls_back_to_the_page_cache(tmp_path, monkeypatch,
+                                                                   refuse):
+    from jaxscale.lofi.chunkfiles import O_DIRECT, aligned_empty
+    if not O_DIRECT:
+        pytest.skip("no O_DIRECT on this platform: every write uses the page cache")
+    st = Store(str(tmp_path), chunk=DIRECT_CHUNK)
+    values = aligned_empty(3 * DIRECT_CHUNK, np.float32)
+    values[:] = np.arange(values.size)
+    st.array("x", values.size, "float32")
+    files = ChunkFiles(st.spec["path"])
+    flags = _opened_flags(monkeypatch, refuse)
+    files.start_write("x", "float32", 0, values).result()
+    assert flags[0] & O_DIRECT and not files.direct           # tried once, then remembered
+    assert not any(f & O_DIRECT for f in flags[1:])
+    np.testing.assert_array_equal(_read_ts(st, "x"), values)  # nothing lost or half-written

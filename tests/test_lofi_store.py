@@ -267,11 +267,15 @@ def test_arrays_are_durable_before_any_commit_names_them(store, monkeypatch):
 
 
 def test_finite_rows_fast_path_keeps_huge_finite_rows_and_flags_nonfinite():
-    rows = np.ones((4, 1000), np.float32)
+    rows = np.ones((5, 1000), np.float32)
     rows[1] *= 3e38            # finite, but its sum overflows: must still count as finite
     rows[2, 17] = np.inf
-    rows[3, 999] = np.nan
-    assert aggregate.finite_rows(rows).tolist() == [True, True, False, False]
+    rows[3, 499] = np.nan
+    rows[4, 3], rows[4, 4] = np.inf, -np.inf  # its sum is nan, not inf
+    assert aggregate.finite_rows(rows).tolist() == [True, True, False, False, False]
+    # a piece narrower than its buffer (strided rows), as the averager's last piece is
+    assert aggregate.finite_rows(rows[:, :500]).tolist() == [True, True, False, False, False]
+    assert aggregate.finite_rows(rows[:, :10]).tolist() == [True, True, True, True, False]
 
 
 def test_checkpoints_are_found_from_the_index_without_listing_chunks(store, monkeypatch):

@@ -12,6 +12,14 @@ then reads chunk files with `readinto` into one buffer, or writes them whole, on
 write that does not end on a chunk boundary) it returns None and the caller uses tensorstore;
 the files it writes are ordinary zarr3 chunks (tested: tensorstore reads them back).
 
+Output chunk files are written with O_DIRECT where the filesystem allows it (from the block
+buffer when it is page-aligned, else through a reused per-thread aligned buffer): the averaged
+model is written once and read later, often by other machines, so copying it into the page
+cache only to write it back is wasted work. On this project's VM a buffered 1 GiB write costs
+2.7 CPU-seconds (fresh page-cache memory is slow to touch) and O_DIRECT 0.15, 3x faster in
+wall time and durable on return. A filesystem that refuses it (tmpfs; EINVAL at open or
+write) gets ordinary writes from then on. Reads stay buffered: the inputs may be in the cache.
+
 Correctness does not rest on this module: every chunk read is checked against the manifest's
 checksum, exactly as tensorstore's reads are, and written arrays are only named by a COMMIT
 after `Store.sync()`. A missing chunk file reads as zeros (zarr's fill value: tensorstore does
@@ -20,15 +28,22 @@ not store all-zero chunks); a short one raises.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from jaxscale.lofi.manifest import DTYPES
+
+# Output chunk files are written with O_DIRECT (Linux): buffer address, offset and length in
+# multiples of ALIGN (every common device's logical block size divides it).
+ALIGN = 4096
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def _layout_chunk(meta: dict, dtype: str) -> int | None:
@@ -67,6 +82,7 @@ class ChunkFiles:
         self.root = root
         self._layouts: dict[tuple[str, str], tuple[int, int] | None] = {}
         self.enabled = sys.byteorder == "little"
+        self.direct = O_DIRECT != 0  # cleared for good once the filesystem refuses it
 
     def start_read(self, key: str, dtype: str, a: int, b: int,
                    digest: Callable[[memoryview], str], every: int) -> Future | None:
@@ -136,16 +152,70 @@ class ChunkFiles:
                 sums.append(digest(view))
         return out, (sums if hash_per_file and a < b else None)  # None: the caller hashes
 
-    @staticmethod
-    def _write(folder: str, chunk: int, a: int, values: np.ndarray) -> None:
+    def _write(self, folder: str, chunk: int, a: int, values: np.ndarray) -> None:
         os.makedirs(folder, exist_ok=True)
-        raw, size = memoryview(values.view(np.uint8)), values.dtype.itemsize
+        raw, size = values.view(np.uint8), values.dtype.itemsize
         for index, lo in enumerate(range(0, values.size, chunk), start=a // chunk):
             piece = raw[lo * size:(lo + chunk) * size]
-            with open(os.path.join(folder, str(index)), "wb") as f:
-                f.write(piece)
-                if len(piece) < chunk * size:  # the array's last chunk: zarr stores it whole
-                    f.write(bytes(chunk * size - len(piece)))
+            if piece.size < chunk * size:  # the array's last chunk: zarr stores it whole
+                piece = np.concatenate([piece, np.zeros(chunk * size - piece.size, np.uint8)])
+            self._write_file(os.path.join(folder, str(index)), piece)
+
+    def _write_file(self, path: str, data: np.ndarray) -> None:
+        """Writes one chunk file, bypassing the page cache where the filesystem allows."""
+        if self.direct and data.size % ALIGN == 0:
+            try:
+                fd = os.open(path, _CREATE | O_DIRECT, 0o666)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct = False  # e.g. tmpfs: no O_DIRECT, use the page cache from now on
+            else:
+                try:
+                    _write_all(fd, _aligned(data))
+                    return
+                except OSError as e:  # EINVAL: stricter alignment rules than ALIGN
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self.direct = False
+                finally:
+                    os.close(fd)
+        fd = os.open(path, _CREATE, 0o666)
+        try:
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
+
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+_BOUNCE = threading.local()
+
+
+def aligned_empty(n: int, dtype: np.dtype | str) -> np.ndarray:
+    """An uninitialised 1-D array whose data starts on an ALIGN boundary (O_DIRECT needs it)."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(n * dtype.itemsize + ALIGN, np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return raw[skip:skip + n * dtype.itemsize].view(dtype)
+
+
+def _aligned(data: np.ndarray) -> np.ndarray:
+    """`data` itself if it starts on an ALIGN boundary, else a copy in this thread's reusable
+    aligned buffer (a chunk-sized memcpy that stays in cache)."""
+    if data.ctypes.data % ALIGN == 0:
+        return data
+    bounce = getattr(_BOUNCE, "buffer", None)
+    if bounce is None or bounce.size < data.size:
+        bounce = _BOUNCE.buffer = aligned_empty(data.size, np.uint8)
+    bounce[:data.size] = data
+    return bounce[:data.size]
+
+
+def _write_all(fd: int, data: np.ndarray) -> None:
+    """os.write until all of `data` is written (a write may take less than offered)."""
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
 
 
 def _fill(f, view: memoryview) -> int:

@@ -95,8 +95,8 @@ class Store:
 
     def start_write(self, key: str, array: Any, dtype: str, a: int, values: np.ndarray) -> Any:
         """Starts writing `values` at [a, a + n) of `array`, which this process created at
-        `key` with `array()`: a future. On a local disk the chunk files are written directly
-        (`chunkfiles.py`; a fifth to a quarter of tensorstore's CPU), else through tensorstore."""
+        `key` with `array()`: a future. On a local disk the chunk files are written directly,
+        with O_DIRECT where allowed (`chunkfiles.py`), else through tensorstore."""
         if self._chunk_files is not None:
             started = self._chunk_files.start_write(key, dtype, a, values)
             if started is not None:

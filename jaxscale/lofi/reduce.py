@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxscale.errors import paragraph
 from jaxscale.lofi import aggregate
+from jaxscale.lofi.chunkfiles import aligned_empty
 from jaxscale.lofi.manifest import CHECKSUM
 from jaxscale.lofi.store import (CHUNK, Checkpoint, Store, StoreError, _verified, chunk_sums,
                                  read_many, read_range, start_reads)
@@ -186,7 +187,7 @@ def _block_delta(inp: RoundInputs, leaf: str, a: int, b: int,
         return base_blk, v
     base_blk, pieces = delta_pieces(inp, leaf, a, b, started)
     reducer, weights = aggregate.get_aggregator(inp.cfg.aggregator), inp.weights
-    delta = np.empty(base_blk.size, np.float32)
+    delta = aligned_empty(base_blk.size, np.float32)  # becomes the output: O_DIRECT-ready
     for part, deltas in pieces:
         delta[part] = reducer(deltas, weights, trim=inp.cfg.trim, tau=inp.cfg.tau)
     return base_blk, delta
@@ -242,7 +243,7 @@ def reduce_round(inp: RoundInputs) -> dict[str, dict]:
                 store.bytes_written += m.nbytes
                 leaves[leaf]["momentum_checksums"] += _chunk_sums(store, m)
             else:
-                new = base_blk + delta
+                new = np.add(base_blk, delta, out=delta)
             values = new.astype(out.dtype.numpy_dtype, copy=False)
             if not np.isfinite(values.astype(np.float32, copy=False)).all():
                 raise Abort(paragraph(
