@@ -245,7 +245,7 @@ def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
     workers = _candidates(store, cfg, base, report)
     round_ = int(base.manifest["round"]) + 1
     if len(workers) < cfg.min_workers:
-        report.note = _quorum_note(workers, cfg)
+        report.note = _quorum_note(workers, cfg, base, report)
         return report
     if store.read(f"{average_prefix(round_)}/COMMIT") is not None:
         report.note = _committed_note(store, round_)
@@ -278,7 +278,11 @@ def _committed_note(store: Store, round_: int) -> str:
                 "from the workers' pushes")
 
 
-def _quorum_note(workers: dict, cfg: AveragerConfig) -> str:
+def _quorum_note(workers: dict, cfg: AveragerConfig, base: Checkpoint,
+                 report: RoundReport) -> str:
+    if not workers and not report.skipped:  # e.g. a last `--final` run: nothing is lost
+        return (f"nothing new: every complete push is already in round "
+                f"{base.manifest['round']}")
     return (f"only {len(workers)} new complete contribution(s), fewer than "
             f"min_workers={cfg.min_workers}; nothing published")
 
@@ -289,7 +293,7 @@ def _publish_until_quorum(store: Store, round_: int, base: Checkpoint,
     """Publishes, dropping workers found corrupt or non-finite while streaming."""
     while True:
         if len(workers) < cfg.min_workers:
-            report.note = _quorum_note(workers, cfg)
+            report.note = _quorum_note(workers, cfg, base, report)
             return
         try:
             _publish(store, round_, base, workers, cfg, report, data)
