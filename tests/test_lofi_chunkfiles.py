@@ -96,17 +96,19 @@ def _o_direct_supported(folder) -> bool:
 
 
 def _opened_flags(monkeypatch, refuse: str | None = None) -> list[int]:
-    """Records the flags of every os.open; `refuse` makes O_DIRECT fail at open or write
-    with EINVAL, as a filesystem without it (tmpfs) or with stricter alignment does."""
+    """Records the flags of every os.open. `refuse` makes O_DIRECT fail as filesystems do:
+    "open" / "unsupported": EINVAL / EOPNOTSUPP at open (no O_DIRECT), "write": EINVAL at
+    write (stricter alignment), "short": a direct write takes half its bytes."""
     import errno
 
     from jaxscale.lofi.chunkfiles import O_DIRECT
     flags, direct_fds, real_open, real_write = [], set(), os.open, os.write
+    at_open = {"open": errno.EINVAL, "unsupported": errno.EOPNOTSUPP}
 
     def fake_open(path, flag, *args, **kwargs):
         flags.append(flag)
-        if refuse == "open" and flag & O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
+        if refuse in at_open and flag & O_DIRECT:
+            raise OSError(at_open[refuse], os.strerror(at_open[refuse]))
         fd = real_open(path, flag, *args, **kwargs)
         (direct_fds.add if flag & O_DIRECT else direct_fds.discard)(fd)  # fds are reused
         return fd
@@ -114,6 +116,8 @@ def _opened_flags(monkeypatch, refuse: str | None = None) -> list[int]:
     def fake_write(fd, data):
         if refuse == "write" and fd in direct_fds:
             raise OSError(errno.EINVAL, "Invalid argument")
+        if refuse == "short" and fd in direct_fds:
+            return real_write(fd, memoryview(data)[:len(memoryview(data)) // 2])
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "open", fake_open)
@@ -143,7 +147,7 @@ def test_output_chunk_files_bypass_the_page_cache_where_the_filesystem_allows(tm
     np.testing.assert_array_equal(_read_ts(st, "x"), values)
 
 
-@pytest.mark.parametrize("refuse", ["open", "write"])
+@pytest.mark.parametrize("refuse", ["open", "unsupported", "write"])
 def test_filesystem_refusing_o_direct_falls_back_to_the_page_cache(tmp_path, monkeypatch,
                                                                    refuse):
     from jaxscale.lofi.chunkfiles import O_DIRECT, aligned_empty
@@ -159,3 +163,20 @@ def test_filesystem_refusing_o_direct_falls_back_to_the_page_cache(tmp_path, mon
     assert flags[0] & O_DIRECT and not files.direct           # tried once, then remembered
     assert not any(f & O_DIRECT for f in flags[1:])
     np.testing.assert_array_equal(_read_ts(st, "x"), values)  # nothing lost or half-written
+
+
+def test_short_direct_write_is_redone_through_the_page_cache(tmp_path, monkeypatch):
+    from jaxscale.lofi.chunkfiles import O_DIRECT, aligned_empty
+    if not _o_direct_supported(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT")
+    st = Store(str(tmp_path), chunk=DIRECT_CHUNK)
+    values = aligned_empty(2 * DIRECT_CHUNK, np.float32)
+    values[:] = np.arange(values.size)
+    st.array("x", values.size, "float32")
+    files = ChunkFiles(st.spec["path"])
+    flags = _opened_flags(monkeypatch, "short")
+    files.start_write("x", "float32", 0, values).result()
+    assert [bool(f & O_DIRECT) for f in flags] == [True, False, True, False]  # per chunk file
+    assert files.direct  # a short write says nothing about the filesystem: keep trying
+    assert os.path.getsize(tmp_path / "x" / "c" / "1") == DIRECT_CHUNK * 4
+    np.testing.assert_array_equal(_read_ts(st, "x"), values)

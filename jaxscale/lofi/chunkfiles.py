@@ -17,8 +17,11 @@ buffer when it is page-aligned, else through a reused per-thread aligned buffer)
 model is written once and read later, often by other machines, so copying it into the page
 cache only to write it back is wasted work. On this project's VM a buffered 1 GiB write costs
 2.7 CPU-seconds (fresh page-cache memory is slow to touch) and O_DIRECT 0.15, 3x faster in
-wall time and durable on return. A filesystem that refuses it (tmpfs; EINVAL at open or
-write) gets ordinary writes from then on. Reads stay buffered: the inputs may be in the cache.
+wall time. (O_DIRECT does not make a file durable: the device cache and the file's metadata
+still need the `Store.sync()` that precedes every COMMIT.) A filesystem that refuses O_DIRECT
+or our alignment (EINVAL or EOPNOTSUPP at open or write; older tmpfs, some FUSE mounts) gets
+ordinary writes from then on; a short direct write is redone through the page cache. Reads
+stay buffered: the inputs may be in the cache.
 
 Correctness does not rest on this module: every chunk read is checked against the manifest's
 checksum, exactly as tensorstore's reads are, and written arrays are only named by a COMMIT
@@ -163,31 +166,41 @@ class ChunkFiles:
 
     def _write_file(self, path: str, data: np.ndarray) -> None:
         """Writes one chunk file, bypassing the page cache where the filesystem allows."""
-        if self.direct and data.size % ALIGN == 0:
-            try:
-                fd = os.open(path, _CREATE | O_DIRECT, 0o666)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self.direct = False  # e.g. tmpfs: no O_DIRECT, use the page cache from now on
-            else:
-                try:
-                    _write_all(fd, _aligned(data))
-                    return
-                except OSError as e:  # EINVAL: stricter alignment rules than ALIGN
-                    if e.errno != errno.EINVAL:
-                        raise
-                    self.direct = False
-                finally:
-                    os.close(fd)
-        fd = os.open(path, _CREATE, 0o666)
+        if self.direct and data.size % ALIGN == 0 and self._write_direct(path, _aligned(data)):
+            return
+        fd = os.open(path, _CREATE, 0o666)  # O_TRUNC: a refused direct attempt leaves nothing
         try:
             _write_all(fd, data)
         finally:
             os.close(fd)
 
+    def _write_direct(self, path: str, data: np.ndarray) -> bool:
+        """Writes `data` (aligned) with O_DIRECT in one call; False if that was refused or
+        short (then the caller rewrites the whole file through the page cache). A filesystem
+        that refuses O_DIRECT, or our alignment, is not asked again by this store."""
+        try:
+            fd = os.open(path, _CREATE | O_DIRECT, 0o666)
+        except OSError as e:
+            if e.errno not in _REFUSED:
+                raise
+            self.direct = False
+            return False
+        try:
+            done = os.write(fd, data)
+        except OSError as e:
+            if e.errno not in _REFUSED:
+                raise
+            self.direct, done = False, -1
+        finally:
+            os.close(fd)
+        return done == data.size  # short (e.g. a nearly full disk): the buffered path decides
+
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+# How a filesystem says it has no O_DIRECT, or wants stricter alignment (FUSE and overlay
+# setups may answer EOPNOTSUPP rather than EINVAL).
+_REFUSED = {errno.EINVAL} | {getattr(errno, name) for name in ("EOPNOTSUPP", "ENOTSUP")
+                             if hasattr(errno, name)}
 _BOUNCE = threading.local()
 
 
@@ -215,7 +228,10 @@ def _write_all(fd: int, data: np.ndarray) -> None:
     """os.write until all of `data` is written (a write may take less than offered)."""
     view, done = memoryview(data), 0
     while done < len(view):
-        done += os.write(fd, view[done:])
+        wrote = os.write(fd, view[done:])
+        if wrote <= 0:
+            raise OSError(errno.EIO, f"write made no progress after {done} of {len(view)} bytes")
+        done += wrote
 
 
 def _fill(f, view: memoryview) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxscale.errors import paragraph
 from jaxscale.lofi import aggregate
-from jaxscale.lofi.chunkfiles import aligned_empty
+from jaxscale.lofi.chunkfiles import ALIGN, aligned_empty
 from jaxscale.lofi.manifest import CHECKSUM
 from jaxscale.lofi.store import (CHUNK, Checkpoint, Store, StoreError, _verified, chunk_sums,
                                  read_many, read_range, start_reads)
@@ -209,6 +209,16 @@ def previous_momentum(store: Store, base: Checkpoint, leaf: str, a: int, b: int)
         )) from None
 
 
+def _as_output(new: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`new` in the output's dtype in a page-aligned buffer, which chunkfiles.py writes with
+    O_DIRECT as it is (a mean's float32 block already is one: no copy)."""
+    if new.dtype == dtype and new.ctypes.data % ALIGN == 0:
+        return new
+    values = aligned_empty(new.size, dtype)
+    np.copyto(values, new, casting="unsafe")
+    return values
+
+
 def _chunk_sums(store: Store, values: np.ndarray) -> list[str]:
     return chunk_sums(values, CHECKSUM, store.chunk)
 
@@ -244,7 +254,7 @@ def reduce_round(inp: RoundInputs) -> dict[str, dict]:
                 leaves[leaf]["momentum_checksums"] += _chunk_sums(store, m)
             else:
                 new = np.add(base_blk, delta, out=delta)
-            values = new.astype(out.dtype.numpy_dtype, copy=False)
+            values = _as_output(new, out.dtype.numpy_dtype)
             if not np.isfinite(values.astype(np.float32, copy=False)).all():
                 raise Abort(paragraph(
                     f"The averaged leaf {leaf} (values {a}..{b}) is non-finite in {dtype}",
