@@ -2,8 +2,8 @@
 
 Each round takes every allowed worker's newest complete push, skips (and says why) anything
 partial, corrupt, mismatched, stale or non-finite, and publishes STORE/average/<round>/.
-`--allowed_workers`, `--min_workers` and `--max_staleness` default to the workers' config.lofi
-(recorded with round 0). `--final=DIR` runs a last round and exports the average as DIR/params/
+`--allowed_workers`, `--min_workers`, `--max_staleness` and `--outer` default to the workers'
+config.lofi (recorded with round 0; `sync=diloco` means `--outer=diloco`). `--final=DIR` runs a last round and exports the average as DIR/params/
 + DIR/config.json for `launch.train --config.init_from=DIR`, `launch.evaluate --workdir=DIR`
 and `launch.convert --from_workdir=DIR --to_hf=OUT`. Prints the communication accounting.
 """
@@ -35,19 +35,25 @@ _TAU = flags.DEFINE_float("tau", 1.0, "centered_clip: clipping radius (whole-mod
 _MIN = flags.DEFINE_integer("min_workers", None, "Quorum (default: config.lofi.min_workers).")
 _ALLOWED = flags.DEFINE_list("allowed_workers", None, "Worker ids accepted (default: config).")
 _STALE = flags.DEFINE_integer("max_staleness", None, "Max rounds behind the base (0: any).")
-_OUTER = flags.DEFINE_enum("outer", "none", ["none", "diloco"], "Outer optimizer.")
+_OUTER = flags.DEFINE_enum("outer", None, ["none", "diloco"],
+                           "Outer optimizer (default: 'diloco' for a config.lofi.sync=diloco job).")
 _OUTER_LR = flags.DEFINE_float("outer_lr", 0.7, "DiLoCo outer learning rate.")
 _OUTER_MOM = flags.DEFINE_float("outer_momentum", 0.9, "DiLoCo outer Nesterov momentum.")
 _BUDGET = flags.DEFINE_integer("chunk_budget_mb", 64, "Peak memory budget for streamed blocks.")
 _FINAL = flags.DEFINE_string("final", None, "Run a last round, export the average to DIR.")
+flags.register_multi_flags_validator(
+    ["watch", "final"], lambda f: not (f["watch"] and f["final"]),
+    message="--final runs one last round and exports it, while --watch never stops: run the "
+            "watching averager until the workers finish, then `launch.lofi_average "
+            "--store=STORE --final=DIR` once.")
 
 
 def _config(store: Store) -> AveragerConfig:
-    given = {"min_workers": _MIN.value, "max_staleness": _STALE.value,
+    given = {"min_workers": _MIN.value, "max_staleness": _STALE.value, "outer": _OUTER.value,
              "allowed_workers": tuple(int(w) for w in _ALLOWED.value)
              if _ALLOWED.value is not None else None}
     explicit = {k for k, v in given.items() if v is not None}
-    cfg = AveragerConfig(_AGG.value, _TRIM.value, _TAU.value, outer=_OUTER.value,
+    cfg = AveragerConfig(_AGG.value, _TRIM.value, _TAU.value, outer=_OUTER.value or "none",
                          outer_lr=_OUTER_LR.value, outer_momentum=_OUTER_MOM.value,
                          chunk_budget_bytes=_BUDGET.value << 20)
     cfg = cfg.with_job(store, frozenset(explicit))

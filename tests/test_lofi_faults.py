@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxscale.errors import ConfigError
 from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
@@ -140,6 +141,22 @@ def test_job_settings_from_round_0_are_the_averager_defaults(tmp_path):
     report = run_round(st, dataclasses.replace(cfg, chunk_budget_bytes=1))
     assert not report.published and "min_workers=2" in report.note
     assert report.skipped[5] == "not in allowed_workers"
+    assert cfg.outer == "none"  # a store from before the sync mode was recorded
+
+
+def test_job_sync_mode_sets_the_outer_optimizer_and_bad_settings_are_named(tmp_path):
+    st = S.Store(str(tmp_path / "job"))
+    publish_initial(st, _params(0), job={"allowed_workers": None, "min_workers": 1,
+                                         "max_staleness": 0, "sync": "diloco"})
+    assert AveragerConfig().with_job(st).outer == "diloco"
+    assert AveragerConfig().with_job(st, frozenset({"outer"})).outer == "none"  # flag wins
+    with pytest.raises(ConfigError, match=r"min_workers=0 \(at least 1.*outer='sgd'"):
+        AveragerConfig(min_workers=0, outer="sgd")
+    bad = S.Store(str(tmp_path / "bad"))
+    publish_initial(bad, _params(0), job={"allowed_workers": None, "min_workers": 1,
+                                          "max_staleness": 0, "sync": "sometimes"})
+    with pytest.raises(S.StoreError, match="job settings .* malformed"):
+        AveragerConfig().with_job(bad)
 
 
 def test_diloco_momentum_is_checksummed(store, tmp_path):

@@ -327,3 +327,25 @@ def test_lofi_average_repair_index_names_and_averages_unindexed_pushes(tmp_path)
     assert "1 committed checkpoint(s) were missing from the store's index" in out.stderr
     assert "workers/1/5" in out.stderr
     np.testing.assert_allclose(latest_average(store_dir).params["w"], 2.0)
+
+
+def test_lofi_average_takes_diloco_from_the_job_and_rejects_bad_flags(tmp_path):
+    """An averager started by hand for a `sync=diloco` job applies the outer optimizer
+    without being told (`--outer=none` still overrides); impossible flags fail in one line."""
+    from jaxscale.lofi.averager import publish_initial
+    store_dir = str(tmp_path / "store")
+    publish_initial(S.Store(store_dir), {"w": np.zeros(10, np.float32)},
+                    job={"allowed_workers": [0], "min_workers": 1, "max_staleness": 0,
+                         "sync": "diloco"})
+    S.push(store_dir, 0, 5, {"w": np.ones(10, np.float32)}, 10)
+    run = lambda *flags: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "launch.lofi_average", f"--store={store_dir}", *flags],
+        env=ENV, cwd=ROOT, capture_output=True, text=True)
+    out = run()
+    assert out.returncode == 0, out.stderr[-2000:]
+    np.testing.assert_allclose(latest_average(store_dir).params["w"], 0.7 * (1 + 0.9 * 1),
+                               rtol=1e-6)  # DiLoCo's Nesterov step, not the plain mean (1.0)
+    bad = run("--min_workers=0")
+    assert bad.returncode == 2 and "min_workers=0 (at least 1" in bad.stderr
+    bad = run("--watch", "--final=" + str(tmp_path / "final"))
+    assert bad.returncode != 0 and "--final runs one last round" in bad.stderr

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from jaxscale import __version__
-from jaxscale.errors import ConfigError
+from jaxscale.errors import ConfigError, paragraph
 from jaxscale.lofi.manifest import CHECKSUM, FORMAT
 from jaxscale.lofi.reduce import Abort, Drop, RoundInputs, reduce_round
 from jaxscale.lofi.store import (Checkpoint, LostRace, Store, StoreError, average_prefix, commit,
@@ -33,6 +33,7 @@ from jaxscale.lofi.store import (Checkpoint, LostRace, Store, StoreError, averag
 
 log = logging.getLogger("jaxscale.lofi")
 JOB_FIELDS = ("allowed_workers", "min_workers", "max_staleness")
+SYNC_MODES = ("end", "periodic", "diloco")
 
 
 def tune_allocator(max_arenas: int = 2, reuse_bytes: int = 32 << 20) -> None:
@@ -85,16 +86,34 @@ class AveragerConfig:
     claim_timeout_s: float = 900.0                    # a dead averager's claim expires after
     clip_iters: int = 3                               # centered_clip iterations
 
+    def __post_init__(self) -> None:
+        problems = [f"{name}={value!r} ({rule})" for name, value, ok, rule in (
+            ("min_workers", self.min_workers, self.min_workers >= 1,
+             "at least 1: a round needs a contribution"),
+            ("max_staleness", self.max_staleness, self.max_staleness >= 0, "0 means no limit"),
+            ("outer", self.outer, self.outer in ("none", "diloco"), "'none' or 'diloco'"),
+            ("trim", self.trim, 0 <= self.trim < 0.5, "a fraction per end, in [0, 0.5)"),
+            ("tau", self.tau, self.tau > 0, "a positive radius"),
+            ("chunk_budget_bytes", self.chunk_budget_bytes, self.chunk_budget_bytes > 0,
+             "positive")) if not ok]
+        if problems:
+            raise ConfigError(paragraph(
+                f"Averager setting {'; '.join(problems)} is invalid. Fix the flag",
+                "(--min_workers, --max_staleness, --outer, --trim, --tau, --chunk_budget_mb) or,",
+                "for a default taken from the store, the workers' config.lofi.",
+            ))
+
     def with_job(self, store: Store, explicit: frozenset[str] = frozenset()) -> "AveragerConfig":
-        """Fills `allowed_workers`, `min_workers`, `max_staleness` from the job settings the
-        first worker recorded with round 0 (its `config.lofi`), except fields in `explicit`
-        (given on the averager's command line)."""
+        """Fills `allowed_workers`, `min_workers`, `max_staleness` and `outer` (DiLoCo's outer
+        optimizer for a `sync=diloco` job) from the job settings the first worker recorded with
+        round 0 (its `config.lofi`), except fields in `explicit` (given on the command line)."""
         job = job_settings(store)
         return replace(self, **{k: v for k, v in job.items() if k not in explicit})
 
 
 def job_settings(store: Store) -> dict:
-    """The `config.lofi` quorum settings recorded in round 0 ({} if none)."""
+    """The `config.lofi` quorum settings (and the outer optimizer its `sync` implies) recorded
+    in round 0 ({} if none; stores from before `sync` was recorded give no `outer`)."""
     try:
         job = load_checkpoint(store, average_prefix(0)).manifest.get("job") or {}
     except StoreError:
@@ -103,12 +122,16 @@ def job_settings(store: Store) -> dict:
     ok = (isinstance(job, dict)
           and all(isinstance(job.get(k), int) and job[k] >= 0 for k in JOB_FIELDS[1:])
           and (allowed is None or (isinstance(allowed, list)
-                                   and all(isinstance(w, int) for w in allowed))))
+                                   and all(isinstance(w, int) for w in allowed)))
+          and job.get("sync", "end") in SYNC_MODES)
     if not ok:
         raise StoreError(f"average/0: the job settings {job!r} are malformed; expected "
-                         f"integers for {', '.join(JOB_FIELDS)}.")
-    return {"allowed_workers": tuple(allowed) if allowed is not None else None,
-            "min_workers": job["min_workers"], "max_staleness": job["max_staleness"]}
+                         f"integers for {', '.join(JOB_FIELDS)} and a sync in {SYNC_MODES}.")
+    settings = {"allowed_workers": tuple(allowed) if allowed is not None else None,
+                "min_workers": job["min_workers"], "max_staleness": job["max_staleness"]}
+    if "sync" in job:
+        settings["outer"] = "diloco" if job["sync"] == "diloco" else "none"
+    return settings
 
 
 def parse_allowed(text: str, num_workers: int) -> tuple[int, ...]:

@@ -97,10 +97,11 @@ class LofiWorker:
         return self.store.bytes_read if self.store else 0
 
     def job(self) -> dict:
-        """The quorum settings recorded with round 0, the averager's defaults."""
+        """The quorum settings and sync mode recorded with round 0, the averager's defaults
+        (a `diloco` job gets the outer optimizer without the averager being told)."""
         allowed = averager_lib.parse_allowed(self.lofi.allowed_workers, self.lofi.num_workers)
         return {"allowed_workers": list(allowed), "min_workers": int(self.lofi.min_workers),
-                "max_staleness": int(self.lofi.max_staleness)}
+                "max_staleness": int(self.lofi.max_staleness), "sync": str(self.lofi.sync)}
 
     def start(self, trainer: Any, state: TrainState) -> TrainState:
         """At launch: publish the initial weights as round 0 if nobody has, then continue from
