@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import mmap
 import os
 import shutil
 import subprocess
@@ -45,6 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
+
+from jaxscale.lofi.chunkfiles import aligned_empty  # noqa: E402
 
 LEAF = 1 << 24  # 16M float32 values = 64 MiB per leaf
 
@@ -94,33 +95,54 @@ def evict(path: str) -> None:
                 os.close(fd)
 
 
-def read_file(name: str) -> bytes:
-    with open(name, "rb") as f:
-        return f.read()
+def read_file(name: str, aligned: bool = False) -> bytes | np.ndarray:
+    """A file's bytes; `aligned`: into a page-aligned buffer, ready for an O_DIRECT write."""
+    with open(name, "rb", buffering=0) as f:
+        if not aligned:
+            return f.read()
+        buf = aligned_empty(os.fstat(f.fileno()).st_size, np.uint8)
+        got = f.readinto(buf)
+        assert got == buf.size, f"short read of {name}"
+        return buf
+
+
+def direct_supported(folder: str) -> bool:
+    """Whether files in `folder` can be opened with O_DIRECT (not on every filesystem)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = os.path.join(folder, ".direct_probe")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
 
 
 def raw_copy(path: str, out: str, threads: int, direct: bool) -> tuple[float, int]:
     """Reads every chunk file of the pushes and round 0 (`threads` readers, in order), writes
     one output of param size (the base's bytes), through the page cache or with O_DIRECT
-    (from a page-aligned buffer, as the averager writes on a local disk), and syncs it."""
+    (round 0's files read straight into page-aligned buffers, as the averager's output is
+    computed into one), and syncs it."""
     files = []
     for sub in ("workers", os.path.join("average", "0")):
         for dirpath, _, names in os.walk(os.path.join(path, sub)):
             files += [os.path.join(dirpath, f) for f in names if "/c/" in dirpath + "/"]
     is_base = [f"{os.sep}average{os.sep}" in f for f in files]
-    bounce = mmap.mmap(-1, max(os.path.getsize(f) for f in files)) if direct else None
     moved = 0
     t0 = time.perf_counter()
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0))
     try:
         with ThreadPoolExecutor(threads) as pool:
-            for data, base in zip(pool.map(read_file, files), is_base):
+            for data, base in zip(pool.map(read_file, files, [direct and b for b in is_base]),
+                                  is_base):
                 moved += len(data)
                 if base:
-                    if bounce is not None:
-                        bounce[:len(data)] = data
-                        data = memoryview(bounce)[:len(data)]
-                    os.write(fd, data)  # whole chunk files: 1 MiB, aligned
+                    view, done = memoryview(data), 0
+                    while done < len(view):  # whole 1 MiB chunk files: aligned for O_DIRECT
+                        done += os.write(fd, view[done:])
                     moved += len(data)
         os.fsync(fd)
     finally:
@@ -188,7 +210,7 @@ def measure(root: str, size: int, cache: str, args: argparse.Namespace
     make_store(path, size, args.workers)
     before = evict if cache == "cold" else (lambda _: None)
     copies = []
-    for threads, direct in itertools.product((1, 8), (False, True)[:1 + hasattr(os, "O_DIRECT")]):
+    for threads, direct in itertools.product((1, 8), (False, True)[:1 + direct_supported(root)]):
         before(path)
         copies.append(raw_copy(path, os.path.join(root, "copy.bin"), threads, direct))
     copy_s, copy_bytes = min(copies)  # the fastest (same bytes)

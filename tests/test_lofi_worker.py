@@ -349,3 +349,62 @@ def test_lofi_average_takes_diloco_from_the_job_and_rejects_bad_flags(tmp_path):
     assert bad.returncode == 2 and "min_workers=0 (at least 1" in bad.stderr
     bad = run("--watch", "--final=" + str(tmp_path / "final"))
     assert bad.returncode != 0 and "--final runs one last round" in bad.stderr
+
+
+def test_push_every_counts_steps_or_minutes():
+    import ml_collections
+
+    from jaxscale.lofi.worker import LofiWorker
+    by_steps = LofiWorker(ml_collections.ConfigDict({"push_every": "100", "sync": "end"}),
+                          total_steps=1000, batch_size=8, last_push_time=0.0)
+    assert [s for s in range(1, 301) if by_steps.push_due(s, now=1e9)] == [100, 200, 300]
+    by_time = LofiWorker(ml_collections.ConfigDict({"push_every": "30m", "sync": "end"}),
+                         total_steps=1000, batch_size=8, last_push_time=50.0)
+    assert not by_time.push_due(100, now=50.0 + 1799.0)  # the step count plays no part
+    assert by_time.push_due(7, now=50.0 + 1800.0)         # 30 minutes after the last push
+
+
+@pytest.mark.slow
+def test_worker_that_lost_its_workdir_continues_from_the_newest_average(tmp_path):
+    """A worker restarted on a fresh VM (no local checkpoint) starts from the newest average
+    when it is at least as new as its own last push, and says which round it synced to."""
+    c = get_config("test")
+    c.train.steps = 4
+    c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2", num_workers=2)
+    train(c, str(tmp_path / "w0"))
+    store = S.Store(c.lofi.store)
+    own = S.read_params(store, S.load_checkpoint(store, "workers/0/4"))
+    S.push(store, 1, 4, {k: v + 1.0 for k, v in own.items()}, 64)  # a second worker's push
+    assert run_round(store, AveragerConfig()).used == {0: 4, 1: 4}
+    average = latest_average(store)
+    rec = _Recorder()
+    c.train.steps = 5
+    train(c, str(tmp_path / "w0_new_vm"), hooks=[rec])
+    assert list(rec.params) == [5]                       # continued after step 4
+    assert S.load_checkpoint(store, "workers/0/5").manifest["synced_round"] == 1
+    first_step = {k: rec.params[5][k] - average.params[k] for k in own}
+    assert all(np.abs(d).max() < 0.1 for d in first_step.values())  # one step from round 1,
+    assert any(np.abs(average.params[k] - own[k]).max() > 0.4 for k in own)  # not its own push
+
+
+@pytest.mark.slow
+def test_worker_with_compression_pushes_int8_deltas_the_averager_reads_back(tmp_path):
+    c = get_config("test")
+    c.train.steps = 4
+    c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2", compress=True)
+    rec = _Recorder()
+    train(c, str(tmp_path / "w0"), hooks=[rec])
+    store = S.Store(c.lofi.store)
+    push = S.load_checkpoint(store, "workers/0/4")
+    assert {e["encoding"] for e in push.leaves.values()} == {"q8delta"}
+    p0 = S.read_params(store, S.load_checkpoint(store, "average/0"))
+    back = S.read_params(store, push)
+    for k, trained in rec.params[4].items():  # within half an int8 step of each block's scale
+        np.testing.assert_allclose(back[k], trained, atol=np.abs(trained - p0[k]).max() / 254
+                                   + 1e-6)
+    assert run_round(store, AveragerConfig()).published
+    average = latest_average(store).params  # one worker, mean: its dequantized push
+    for k in back:
+        np.testing.assert_allclose(average[k], back[k], rtol=1e-6, atol=1e-6)
+    text = "\n".join(accounting_lines(c.lofi.store))
+    assert "compression: pushes stored" in text

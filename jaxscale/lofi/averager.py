@@ -304,8 +304,7 @@ def _committed_note(store: Store, round_: int) -> str:
 def _quorum_note(workers: dict, cfg: AveragerConfig, base: Checkpoint,
                  report: RoundReport) -> str:
     if not workers and not report.skipped:  # e.g. a last `--final` run: nothing is lost
-        return (f"nothing new: every complete push is already in round "
-                f"{base.manifest['round']}")
+        return f"nothing new: no complete push since round {base.manifest['round']}"
     return (f"only {len(workers)} new complete contribution(s), fewer than "
             f"min_workers={cfg.min_workers}; nothing published")
 

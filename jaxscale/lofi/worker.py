@@ -155,14 +155,19 @@ class LofiWorker:
                 continue
         return 0
 
+    def push_due(self, step: int, now: float) -> bool:
+        """`push_every` steps ('100': every 100th step) or minutes ('30m': the first step at
+        least 30 minutes after the previous push, or after the worker started)."""
+        every_steps, every_s = parse_push_every(self.lofi.push_every)
+        if every_steps:
+            return step % every_steps == 0
+        return now - self.last_push_time >= every_s
+
     def after_step(self, trainer: Any, state: TrainState, step: int) -> TrainState | None:
         if self.ema is not None:
             self.ema = _ema_update(self.ema, state.params, float(self.lofi.push_ema))
-        every_steps, every_s = parse_push_every(self.lofi.push_every)
-        due = (every_steps and step % every_steps == 0) or \
-              (every_s and time.monotonic() - self.last_push_time >= every_s)
         sync = self.periodic and step % self.lofi.sync_every == 0 and step < self.total_steps
-        if due or sync:
+        if self.push_due(step, time.monotonic()) or sync:
             self.push(trainer, state, step)
         if sync:
             return self._load(trainer, state, self._wait_for_round_after(step))
