@@ -408,3 +408,24 @@ def test_worker_with_compression_pushes_int8_deltas_the_averager_reads_back(tmp_
         np.testing.assert_allclose(average[k], back[k], rtol=1e-6, atol=1e-6)
     text = "\n".join(accounting_lines(c.lofi.store))
     assert "compression: pushes stored" in text
+
+
+@pytest.mark.slow
+def test_periodic_worker_keeps_its_optimizer_state_across_syncs_by_default(tmp_path):
+    """reset_optimizer_on_sync defaults to False (DiLoCo's finding): after loading an average
+    the worker's Adam step count (and moments) carry on."""
+    c = get_config("test")
+    c.train.steps = 3
+    store = str(tmp_path / "store")
+    c.lofi.update(enabled=True, store=store, push_every="2", sync="periodic", sync_every=2,
+                  sync_timeout_s=300.0)
+    assert not c.lofi.reset_optimizer_on_sync
+    stop, thread = _averaging_thread(store, AveragerConfig())
+    rec = _Recorder()
+    try:
+        train(c, str(tmp_path / "w0"), hooks=[rec])
+    finally:
+        stop.set()
+        thread.join()
+    assert S.average_rounds(S.Store(store))[:2] == [0, 1]  # step 2 synced through round 1
+    assert rec.counts[2] == {2} and rec.counts[3] == {3}    # not restarted at the sync
