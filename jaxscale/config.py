@@ -20,6 +20,8 @@ import ml_collections as mlc
 
 from jaxscale.errors import ConfigError, paragraph
 
+LOFI_SYNC_MODES = ("end", "periodic", "diloco")  # config.lofi.sync
+
 # Default rules: a batch sharded over data+fsdp, FSDP on the embed dimension of weights
 # (falling back to the mlp/vocab dimension), tensor parallelism over heads, kv and mlp, and the
 # stacked layer dimension over pipeline stages (free when mesh.pipeline is 1). Equal to the
@@ -229,7 +231,7 @@ def _validate_lofi(lofi: mlc.ConfigDict) -> None:
              "gs://bucket/run1 or a shared local directory.")
     _require(0 <= lofi.worker_id < lofi.num_workers,
              f"lofi.worker_id={lofi.worker_id} must be in [0, lofi.num_workers={lofi.num_workers}).")
-    _require(lofi.sync in ("end", "periodic", "diloco"),
+    _require(lofi.sync in LOFI_SYNC_MODES,
              f"lofi.sync={lofi.sync!r}: use 'end' (one average at the end), 'periodic' "
              "(average every lofi.sync_every steps) or 'diloco' (periodic + outer optimizer).")
     text = str(lofi.push_every)

@@ -3,9 +3,10 @@
 Each round takes every allowed worker's newest complete push, skips (and says why) anything
 partial, corrupt, mismatched, stale or non-finite, and publishes STORE/average/<round>/.
 `--allowed_workers`, `--min_workers`, `--max_staleness` and `--outer` default to the workers'
-config.lofi (recorded with round 0; `sync=diloco` means `--outer=diloco`). `--final=DIR` runs a last round and exports the average as DIR/params/
-+ DIR/config.json for `launch.train --config.init_from=DIR`, `launch.evaluate --workdir=DIR`
-and `launch.convert --from_workdir=DIR --to_hf=OUT`. Prints the communication accounting.
+config.lofi (recorded with round 0; `sync=diloco` means `--outer=diloco`). `--final=DIR` runs
+a last round and exports the average as DIR/params/ + DIR/config.json for `launch.train
+--config.init_from=DIR`, `launch.evaluate --workdir=DIR` and `launch.convert
+--from_workdir=DIR --to_hf=OUT`. Prints the communication accounting.
 """
 
 import dataclasses

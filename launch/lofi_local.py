@@ -7,13 +7,14 @@ import os
 
 from absl import app, flags
 
+from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.lofi.local import LofiJob, lofi_vm_commands, run_local
 
 _N = flags.DEFINE_integer("num_workers", 4, "Worker processes, each with its own mesh.")
 _DEV = flags.DEFINE_integer("devices_per_worker", 2, "Simulated CPU devices per worker.")
 _STORE = flags.DEFINE_string("store", None, "Shared store (path, gs://, s3://).", required=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Per-worker workdirs (default: STORE/runs).")
-_SYNC = flags.DEFINE_enum("sync", "end", ["end", "periodic", "diloco"], "Lo-Fi schedule.")
+_SYNC = flags.DEFINE_enum("sync", "end", list(LOFI_SYNC_MODES), "Lo-Fi schedule.")
 _AGG = flags.DEFINE_enum("aggregator", "mean", ["mean", "median", "trimmed_mean", "centered_clip"],
                          "How the averager reduces the workers' deltas.")
 _DRY = flags.DEFINE_bool("dry_run", False, "Print one worker command per TPU VM and exit.")

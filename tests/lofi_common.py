@@ -3,12 +3,13 @@ chunk budget, and a push helper. The `store` fixture (tests/conftest.py) publish
 
 import json
 import os
+import threading
 
 import numpy as np
 
 from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
-from jaxscale.lofi.averager import AveragerConfig
+from jaxscale.lofi.averager import AveragerConfig, run_round
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIG = S.CHUNK * 3 + 123  # a leaf spanning several chunks and larger than the test budget
@@ -52,3 +53,19 @@ def tamper(st, prefix, edit) -> None:
 def data_dir(st, prefix) -> str:
     """Where the committed attempt at `prefix` keeps its arrays."""
     return f"{prefix}/{S.committed_data(st, prefix)}"
+
+
+def race_two_averagers(location: str, cfg: AveragerConfig) -> list:
+    """Two averagers, each with its own Store, start the same round at once; their reports."""
+    barrier, reports = threading.Barrier(2), []
+
+    def averager():
+        barrier.wait()
+        reports.append(run_round(S.Store(location), cfg))
+
+    threads = [threading.Thread(target=averager) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return reports

@@ -128,16 +128,23 @@ def _opened_flags(monkeypatch, refuse: str | None = None) -> list[int]:
 DIRECT_CHUNK = 1024  # float32: 4 KiB chunk files, the O_DIRECT alignment
 
 
+def _direct_array(tmp_path, size: int) -> tuple[Store, ChunkFiles, np.ndarray]:
+    """A store with 4 KiB chunks, a created array "x" of `size` float32 values, and those
+    values (0, 1, ...) in a page-aligned buffer."""
+    from jaxscale.lofi.chunkfiles import aligned_empty
+    st = Store(str(tmp_path), chunk=DIRECT_CHUNK)
+    values = aligned_empty(size, np.float32)
+    values[:] = np.arange(size)
+    st.array("x", size, "float32")
+    return st, ChunkFiles(st.spec["path"]), values
+
+
 def test_output_chunk_files_bypass_the_page_cache_where_the_filesystem_allows(tmp_path,
                                                                              monkeypatch):
-    from jaxscale.lofi.chunkfiles import O_DIRECT, aligned_empty
+    from jaxscale.lofi.chunkfiles import O_DIRECT
     if not _o_direct_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT (the fallback is tested below)")
-    st = Store(str(tmp_path), chunk=DIRECT_CHUNK)
-    values = aligned_empty(2 * DIRECT_CHUNK + 10, np.float32)  # the last chunk is padded
-    values[:] = np.arange(1, values.size + 1)
-    st.array("x", values.size, "float32")
-    files = ChunkFiles(st.spec["path"])
+    st, files, values = _direct_array(tmp_path, 2 * DIRECT_CHUNK + 10)  # last chunk padded
     flags = _opened_flags(monkeypatch)
     files.start_write("x", "float32", 0, values[:DIRECT_CHUNK]).result()    # aligned buffer
     unaligned = np.concatenate([[0], values[DIRECT_CHUNK:]]).astype(np.float32)[1:]
@@ -150,14 +157,10 @@ def test_output_chunk_files_bypass_the_page_cache_where_the_filesystem_allows(tm
 @pytest.mark.parametrize("refuse", ["open", "unsupported", "write"])
 def test_filesystem_refusing_o_direct_falls_back_to_the_page_cache(tmp_path, monkeypatch,
                                                                    refuse):
-    from jaxscale.lofi.chunkfiles import O_DIRECT, aligned_empty
+    from jaxscale.lofi.chunkfiles import O_DIRECT
     if not O_DIRECT:
         pytest.skip("no O_DIRECT on this platform: every write uses the page cache")
-    st = Store(str(tmp_path), chunk=DIRECT_CHUNK)
-    values = aligned_empty(3 * DIRECT_CHUNK, np.float32)
-    values[:] = np.arange(values.size)
-    st.array("x", values.size, "float32")
-    files = ChunkFiles(st.spec["path"])
+    st, files, values = _direct_array(tmp_path, 3 * DIRECT_CHUNK)
     flags = _opened_flags(monkeypatch, refuse)
     files.start_write("x", "float32", 0, values).result()
     assert flags[0] & O_DIRECT and not files.direct           # tried once, then remembered
@@ -166,14 +169,10 @@ def test_filesystem_refusing_o_direct_falls_back_to_the_page_cache(tmp_path, mon
 
 
 def test_short_direct_write_is_redone_through_the_page_cache(tmp_path, monkeypatch):
-    from jaxscale.lofi.chunkfiles import O_DIRECT, aligned_empty
+    from jaxscale.lofi.chunkfiles import O_DIRECT
     if not _o_direct_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
-    st = Store(str(tmp_path), chunk=DIRECT_CHUNK)
-    values = aligned_empty(2 * DIRECT_CHUNK, np.float32)
-    values[:] = np.arange(values.size)
-    st.array("x", values.size, "float32")
-    files = ChunkFiles(st.spec["path"])
+    st, files, values = _direct_array(tmp_path, 2 * DIRECT_CHUNK)
     flags = _opened_flags(monkeypatch, "short")
     files.start_write("x", "float32", 0, values).result()
     assert [bool(f & O_DIRECT) for f in flags] == [True, False, True, False]  # per chunk file

@@ -16,7 +16,8 @@ from jaxscale.errors import ConfigError
 from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
-from tests.lofi_common import ROOT, TINY_BUDGET, _params, _push, _reference, tamper
+from tests.lofi_common import (ROOT, TINY_BUDGET, _params, _push, _reference,
+                                race_two_averagers, tamper)
 
 
 # ------------------------------------------------------------------ hostile or broken manifests
@@ -204,17 +205,7 @@ def test_claim_and_data_released_on_unexpected_error(store, monkeypatch):
 def test_two_racing_averagers_publish_the_round_once(store):
     for w in range(3):
         _push(store, w, 5, _params(w + 1))
-    barrier, reports = threading.Barrier(2), []
-
-    def averager():
-        barrier.wait()
-        reports.append(run_round(S.Store(store.location), TINY_BUDGET))
-
-    threads = [threading.Thread(target=averager) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    reports = race_two_averagers(store.location, TINY_BUDGET)
     assert sorted(r.published for r in reports) == [False, True]
     assert S.average_rounds(store) == [0, 1]
     avg = S.load_checkpoint(store, "average/1")

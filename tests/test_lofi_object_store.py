@@ -3,7 +3,6 @@ array read and write, as `gs://` and `s3://` do (a local disk uses chunkfiles.py
 its COMMIT and CLAIM keys through the same conditional writes. Exact averages, corrupt chunks,
 partial pushes, DiLoCo and racing averagers must behave as on a local disk."""
 
-import threading
 import uuid
 
 import numpy as np
@@ -11,7 +10,8 @@ import pytest
 
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
-from tests.lofi_common import TINY_BUDGET, _params, _push, _reference, data_dir
+from tests.lofi_common import (TINY_BUDGET, _params, _push, _reference, data_dir,
+                                race_two_averagers)
 
 
 @pytest.fixture
@@ -56,17 +56,7 @@ def test_diloco_and_racing_averagers_on_an_object_store(mem_store):
     for w in range(2):
         _push(mem_store, w, 5, {k: v + 1 for k, v in base.items()})
     cfg = AveragerConfig(outer="diloco", outer_lr=0.7, outer_momentum=0.9, chunk_budget_bytes=1)
-    barrier, reports = threading.Barrier(2), []
-
-    def averager():
-        barrier.wait()
-        reports.append(run_round(S.Store(mem_store.location), cfg))
-
-    threads = [threading.Thread(target=averager) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    reports = race_two_averagers(mem_store.location, cfg)
     assert sorted(r.published for r in reports) == [False, True]
     assert S.average_rounds(mem_store) == [0, 1]
     np.testing.assert_allclose(latest_average(mem_store).params["layers/w"],

@@ -85,6 +85,18 @@ def _averaging_thread(store, cfg):
     return stop, thread
 
 
+def _train_with_watching_averager(c, workdir: str) -> _Recorder:
+    """Trains a periodic Lo-Fi worker while a thread runs averaging rounds on its store."""
+    stop, thread = _averaging_thread(c.lofi.store, AveragerConfig())
+    rec = _Recorder()
+    try:
+        train(c, workdir, hooks=[rec])
+    finally:
+        stop.set()
+        thread.join()
+    return rec
+
+
 @pytest.mark.slow
 def test_periodic_worker_pushes_ema_resets_optimizer_and_continues_from_average(tmp_path):
     c = get_config("test")
@@ -93,13 +105,7 @@ def test_periodic_worker_pushes_ema_resets_optimizer_and_continues_from_average(
     c.lofi.update(enabled=True, store=store, push_every="2", sync="periodic", sync_every=2,
                   push_ema=0.5, reset_optimizer_on_sync=True, sync_timeout_s=300.0)
     c.checkpoint.update(every=2, keep=5)
-    stop, thread = _averaging_thread(store, AveragerConfig())
-    rec = _Recorder()
-    try:
-        train(c, str(tmp_path / "w0"), hooks=[rec])
-    finally:
-        stop.set()
-        thread.join()
+    rec = _train_with_watching_averager(c, str(tmp_path / "w0"))
     st = S.Store(store)
     p0 = S.read_params(st, S.load_checkpoint(st, "average/0"))
     ema = {k: 0.25 * p0[k] + 0.25 * rec.params[1][k] + 0.5 * rec.params[2][k] for k in p0}
@@ -420,12 +426,6 @@ def test_periodic_worker_keeps_its_optimizer_state_across_syncs_by_default(tmp_p
     c.lofi.update(enabled=True, store=store, push_every="2", sync="periodic", sync_every=2,
                   sync_timeout_s=300.0)
     assert not c.lofi.reset_optimizer_on_sync
-    stop, thread = _averaging_thread(store, AveragerConfig())
-    rec = _Recorder()
-    try:
-        train(c, str(tmp_path / "w0"), hooks=[rec])
-    finally:
-        stop.set()
-        thread.join()
+    rec = _train_with_watching_averager(c, str(tmp_path / "w0"))
     assert S.average_rounds(S.Store(store))[:2] == [0, 1]  # step 2 synced through round 1
     assert rec.counts[2] == {2} and rec.counts[3] == {3}    # not restarted at the sync

@@ -34,7 +34,7 @@ def check_weights(weights: np.ndarray) -> np.ndarray:
 def _normalized(weights: np.ndarray) -> np.ndarray:
     """Weights summing to 1, as float32 (memoized: the streamed reducers ask once per piece)."""
     w = np.asarray(weights, np.float64)
-    return _normalized_tuple(tuple(w.tolist())) if w.ndim == 1 else check_weights(w)
+    return _normalized_tuple(tuple(w.tolist())) if w.ndim == 1 else check_weights(w)  # raises
 
 
 @functools.lru_cache(maxsize=64)

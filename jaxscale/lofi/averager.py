@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from jaxscale import __version__
+from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.lofi.manifest import CHECKSUM, FORMAT
 from jaxscale.lofi.reduce import Abort, Drop, RoundInputs, reduce_round
@@ -33,7 +34,6 @@ from jaxscale.lofi.store import (Checkpoint, LostRace, Store, StoreError, averag
 
 log = logging.getLogger("jaxscale.lofi")
 JOB_FIELDS = ("allowed_workers", "min_workers", "max_staleness")
-SYNC_MODES = ("end", "periodic", "diloco")
 
 
 def tune_allocator(max_arenas: int = 2, reuse_bytes: int = 32 << 20) -> None:
@@ -123,10 +123,11 @@ def job_settings(store: Store) -> dict:
           and all(isinstance(job.get(k), int) and job[k] >= 0 for k in JOB_FIELDS[1:])
           and (allowed is None or (isinstance(allowed, list)
                                    and all(isinstance(w, int) for w in allowed)))
-          and job.get("sync", "end") in SYNC_MODES)
+          and job.get("sync", "end") in LOFI_SYNC_MODES)
     if not ok:
         raise StoreError(f"average/0: the job settings {job!r} are malformed; expected "
-                         f"integers for {', '.join(JOB_FIELDS)} and a sync in {SYNC_MODES}.")
+                         f"integers for {', '.join(JOB_FIELDS)} and a sync in "
+                         f"{LOFI_SYNC_MODES}.")
     settings = {"allowed_workers": tuple(allowed) if allowed is not None else None,
                 "min_workers": job["min_workers"], "max_staleness": job["max_staleness"]}
     if "sync" in job:
