@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 from absl import flags
 
+from jaxscale import configs
 from jaxscale.errors import paragraph
 
 FLAGS = flags.FLAGS
@@ -30,8 +31,9 @@ EXIT_CODE = 2
 
 def parse_flags(argv: Sequence[str]) -> list[str]:
     """Parses `argv` into absl FLAGS; on a mistake prints one paragraph and exits."""
+    argv = resolve_config_files(argv)
     try:
-        rest = FLAGS(list(argv))
+        rest = FLAGS(argv)
         for name in _config_flag_names():
             _touch(FLAGS[name].value)  # a missing config file only raises when first read
         return rest
@@ -43,10 +45,25 @@ def define_config_file(name: str, default: str, help_string: str) -> Any:
     """`config_flags.DEFINE_config_file`, whose overrides of the default config are checked at
     definition time when the command line has no `--NAME=`: those mistakes exit cleanly too."""
     from ml_collections import config_flags
+    default = configs.resolve(default)
     try:
         return config_flags.DEFINE_config_file(name, default, help_string)
     except (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError) as e:
         fail(describe(e, sys.argv, {name: default}))
+
+
+def resolve_config_files(argv: Sequence[str]) -> list[str]:
+    """`argv` with every config-file flag's value (`--config=tiny_lm:test`, `--config X`) made a
+    concrete path by `configs.resolve`: bundled configs are found from any directory."""
+    names = set(_config_flag_names())
+    out = list(argv)
+    for i, arg in enumerate(out):
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if name in names and eq:
+            out[i] = f"--{name}={configs.resolve(value)}"
+        elif name in names and i + 1 < len(out):
+            out[i + 1] = configs.resolve(out[i + 1])
+    return out
 
 
 def fail(message: str) -> NoReturn:
@@ -79,7 +96,9 @@ def describe(error: BaseException, argv: Sequence[str],
             found = sorted(f for f in glob.glob(os.path.join(os.path.dirname(path) or ".", "*.py"))
                            if not f.endswith("__init__.py"))
             return paragraph(f"--{name}={path}: no such config file.",
-                             f"Config files there: {', '.join(found) or 'none'}." if found else "")
+                             f"Config files there: {', '.join(found)}." if found else "",
+                             f"Bundled configs (--{name}=NAME[:ARG]): "
+                             f"{', '.join(configs.bundled_names())}.")
         overrides = _overrides(argv, name)
         config = _load(argv, name, default)
         if config is None:
@@ -114,7 +133,7 @@ def _spec(argv: Sequence[str], name: str, default: str) -> str:
             spec = arg.split("=", 1)[1]
         elif arg == f"--{name}" and i + 1 < len(argv):
             spec = argv[i + 1]
-    return spec
+    return configs.resolve(spec)
 
 
 def _load(argv: Sequence[str], name: str, default: str) -> Any:

@@ -25,7 +25,7 @@ from jaxscale.rules import AxisRules
 from jaxscale.train.state import ModelDef, flatten, param_specs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(ROOT, "jaxscale", "configs", "*.py"))
                       if not p.endswith("__init__.py"))
 DEFAULT_DEVICES = 8  # a variant whose mesh has a -1 axis is checked on the test's 8 devices
 

@@ -1,0 +1,19 @@
+"""The entry points, one module per command: `jaxscale NAME ...` or `python -m launch.NAME ...`.
+
+Each module parses flags and calls the library (logic lives in `jaxscale/`, never here).
+`COMMANDS` is the table behind the `jaxscale` console script (`jaxscale/__main__.py`):
+command name -> (module in this package, one-line description).
+"""
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train", "train from a config file (--config, --workdir)"),
+    "evaluate": ("evaluate", "held-out loss / perplexity / accuracy of a workdir's weights"),
+    "generate": ("generate", "sample text from a workdir or a Hugging Face model"),
+    "convert": ("convert", "Hugging Face <-> jaxscale weights"),
+    "inspect": ("inspect", "where every parameter lives on the mesh, and the step's memory"),
+    "plot": ("plot", "loss curves of one or more runs"),
+    "lofi-local": ("lofi_local", "a whole Lo-Fi job (workers + averager) on this machine"),
+    "lofi-average": ("lofi_average", "the Lo-Fi averager (rounds, --watch, --final export)"),
+    "local-multihost": ("local_multihost", "N local processes joined by jax.distributed"),
+    "tpu-pod": ("tpu_pod", "run a command on every worker of a TPU VM slice"),
+}
