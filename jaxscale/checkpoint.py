@@ -24,7 +24,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxscale.errors import JaxscaleError, paragraph
-from jaxscale.train.state import TrainState, flatten
+from jaxscale.train.state import TrainState
+from jaxscale.weights.tree import flatten
 
 
 class CheckpointError(JaxscaleError):
@@ -184,7 +185,8 @@ def rebuild_base(config: Any) -> dict:
     to be exported or evaluated (merge it with the restored adapters, then `lora.merge`)."""
     from jaxscale.models import lora
     from jaxscale.precision import get_policy
-    from jaxscale.train.state import ModelDef, split_trainable
+    from jaxscale.train.state import ModelDef
+    from jaxscale.weights.tree import split_trainable
 
     model_def = lora.with_adapters(ModelDef.build(config.model, get_policy(config.precision)),
                                    config.lora)

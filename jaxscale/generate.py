@@ -213,7 +213,7 @@ def generate_from_config(config: Any, params: Mapping, prompt_BT: np.ndarray, st
     from jaxscale.evaluate import place
     from jaxscale.mesh import make_mesh
     from jaxscale.precision import get_policy
-    from jaxscale.train.state import flatten
+    from jaxscale.weights.tree import flatten
 
     check_request(np.shape(prompt_BT)[1], steps, temperature, config.model.get("max_len", 0))
     mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)

@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 from jaxscale.interop import hf  # noqa: E402
 from jaxscale.mesh import make_mesh  # noqa: E402
 from jaxscale.precision import get_policy  # noqa: E402
-from jaxscale.train.state import ModelDef, flatten, param_specs  # noqa: E402
+from jaxscale.train.state import ModelDef, param_specs  # noqa: E402
+from jaxscale.weights.tree import flatten
 
 CONFIGS = {
     "gqa_untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),

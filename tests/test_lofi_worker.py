@@ -21,7 +21,7 @@ from jaxscale.init_from import load_flat_params
 from jaxscale.interop.convert import workdir_to_hf
 from jaxscale.lofi.accounting import accounting_lines, export_final
 from jaxscale.train.loop import train
-from jaxscale.train.state import flatten
+from jaxscale.weights.tree import flatten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}

@@ -15,7 +15,7 @@ from configs.tiny_lm import get_config
 from jaxscale.checkpoint import CheckpointError, Checkpointer, rebuild_base
 from jaxscale.models import lora
 from jaxscale.train.loop import Trainer, _attach_checkpoints
-from jaxscale.train.state import flatten
+from jaxscale.weights.tree import flatten
 
 
 def _config(steps: int, adapters_only: bool = True):

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxscale.errors import paragraph
 from jaxscale.interop import hf
-from jaxscale.train.state import flatten, unflatten
+from jaxscale.weights.tree import flatten, unflatten
 
 MODEL_CONFIG = "model_config.json"
 

@@ -37,7 +37,7 @@ from jaxscale.errors import paragraph
 from jaxscale.interop.safetensors_io import (ConversionError, SafetensorsReader, parse_dtype,
                                              write_checkpoint_files)
 from jaxscale.rules import AxisRules, normalize_rules
-from jaxscale.train.state import flatten, unflatten
+from jaxscale.weights.tree import flatten, unflatten
 
 __all__ = ["ConversionError", "Pretrained", "SafetensorsReader", "load_llama", "save_llama",
            "open_llama", "parse_dtype"]

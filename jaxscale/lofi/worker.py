@@ -21,7 +21,8 @@ import numpy as np
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.lofi import averager as averager_lib
 from jaxscale.lofi import store as store_lib
-from jaxscale.train.state import TrainState, flatten, unflatten
+from jaxscale.train.state import TrainState
+from jaxscale.weights.tree import flatten, unflatten
 
 
 class SyncTimeoutError(JaxscaleError):

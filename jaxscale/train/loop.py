@@ -27,7 +27,8 @@ from jaxscale.parallel.pipeline import make_layer_runner
 from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.optim import make_optimizer
-from jaxscale.train.state import ModelDef, TrainState, flatten, init_state, unflatten
+from jaxscale.train.state import ModelDef, TrainState, init_state
+from jaxscale.weights.tree import flatten, unflatten
 from jaxscale.train.step import StepContext, batch_sharding, jit_steps
 
 
