@@ -210,14 +210,16 @@ def load_source(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
 def generate_from_config(config: Any, params: Mapping, prompt_BT: np.ndarray, steps: int,
                          temperature: float = 0.0, seed: int = 0) -> np.ndarray:
     """Places `params` on the config's mesh by its rules and generates `steps` tokens."""
-    from jaxscale.evaluate import place
     from jaxscale.mesh import make_mesh
     from jaxscale.precision import get_policy
-    from jaxscale.weights.tree import flatten
+    from jaxscale.train.state import param_specs
+    from jaxscale.weights.place import named_shardings, place
+    from jaxscale.weights.tree import flatten, unflatten
 
     check_request(np.shape(prompt_BT)[1], steps, temperature, config.model.get("max_len", 0))
     mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
     model_def = ModelDef.build(config.model, get_policy(config.precision))
-    placed = place(flatten(params), model_def, rules, mesh, model_def.shapes()["embedding"].dtype)
+    shardings = named_shardings(mesh, param_specs(model_def, rules, mesh))
+    placed = unflatten(place(flatten(params), shardings, model_def.shapes()["embedding"].dtype))
     fn = make_generate(model_def, steps, temperature, rules, mesh)
     return np.asarray(fn(placed, jnp.asarray(prompt_BT, jnp.int32), jax.random.key(seed)))

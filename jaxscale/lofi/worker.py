@@ -22,6 +22,7 @@ from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.lofi import averager as averager_lib
 from jaxscale.lofi import store as store_lib
 from jaxscale.train.state import TrainState
+from jaxscale.weights.place import place
 from jaxscale.weights.tree import flatten, unflatten
 
 
@@ -50,16 +51,6 @@ def _ema_update(ema: Any, params: Any, decay: float) -> Any:
 def _host_tree(tree: Any) -> dict[str, np.ndarray]:
     """Flat {path: numpy array} gathered to this host (each worker owns its whole mesh)."""
     return {k: np.asarray(jax.device_get(v)) for k, v in flatten(tree).items()}
-
-
-def place_flat(flat: dict[str, np.ndarray], shardings: Any, like: Any) -> Any:
-    """Puts host arrays onto the worker's mesh with the run's shardings and dtypes."""
-    flat_sh, flat_like = flatten(shardings), flatten(like)
-    placed = {}
-    for k, sh in flat_sh.items():
-        arr = np.asarray(flat[k]).astype(flat_like[k].dtype)
-        placed[k] = jax.make_array_from_callback(arr.shape, sh, lambda idx, a=arr: a[idx])
-    return unflatten(placed)
 
 
 def export_config(config: Any) -> bytes:
@@ -220,7 +211,8 @@ class LofiWorker:
         ))
 
     def _load(self, trainer: Any, state: TrainState, average: Any) -> TrainState:
-        params = place_flat(average.params, trainer.shardings.params, state.params)
+        params = unflatten(place(average.params, flatten(trainer.shardings.params),
+                                 flatten(state.params)))
         self.loaded_round = max(self.loaded_round, average.round)
         state = state.replace(params=params)
         if self.lofi.reset_optimizer_on_sync:
