@@ -56,7 +56,7 @@ def test_round_trip_is_exact(tmp_path):
     out = hf_vit.save_vit(hf_vit.load_vit(path), str(tmp_path / "export"))
     exported = hf.SafetensorsReader(out)
     original = {k: v.numpy() for k, v in model.state_dict().items()}
-    assert set(exported.entries) == set(original)
+    assert set(exported.keys()) == set(original)
     for k in original:
         np.testing.assert_array_equal(exported.get(k), original[k])
     reloaded = transformers.ViTForImageClassification.from_pretrained(out).eval()

@@ -23,6 +23,7 @@ from jaxscale.lofi import averager as averager_lib
 from jaxscale.lofi import store as store_lib
 from jaxscale.train.state import TrainState
 from jaxscale.weights.place import place
+from jaxscale.weights.sources import store_leaves
 from jaxscale.weights.tree import flatten, unflatten
 
 
@@ -114,7 +115,7 @@ class LofiWorker:
                                                                              own[-1]))
             self.loaded_round = int(ckpt.manifest.get("synced_round") or 0)
             latest = averager_lib.Average(self.loaded_round, own[-1],
-                                          store_lib.read_params(store, ckpt))
+                                          store_leaves(store, ckpt))
         if latest is not None and latest.step > step:
             self.loaded_round = latest.round
             state = self._load(trainer, state, latest)
@@ -200,7 +201,7 @@ class LofiWorker:
             if (ckpt is not None and ckpt.step >= step
                     and int(ckpt.manifest["round"]) > self.loaded_round):
                 return averager_lib.Average(int(ckpt.manifest["round"]), ckpt.step,
-                                            store_lib.read_params(self.store, ckpt))
+                                            store_leaves(self.store, ckpt))
             time.sleep(0.2)
         raise SyncTimeoutError(paragraph(
             f"Lo-Fi worker {self.lofi.worker_id} pushed step {step} and waited",
