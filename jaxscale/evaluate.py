@@ -115,7 +115,7 @@ def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 
 
 def evaluate_workdir(workdir: str, max_batches: int = 0) -> dict[str, float]:
     """Metrics of the newest checkpoint (or params export) in `workdir`."""
-    from jaxscale.interop.convert import workdir_params
+    from jaxscale.weights.sources import merged_params, open_weights
     config = read_config(workdir)
-    params = workdir_params(workdir, config.get("lora"))
+    params = merged_params(open_weights(workdir))  # LoRA adapters folded in (config.json)
     return evaluate_params(config, params, max_batches)

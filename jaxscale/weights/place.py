@@ -26,7 +26,9 @@ def place(leaves: Mapping[str, Any], shardings: Mapping[str, Sharding],
     out = {}
     for path, sharding in shardings.items():
         dt = dtype[path] if isinstance(dtype, Mapping) else dtype
-        out[path] = place_leaf(leaves[path], sharding, dt.dtype if hasattr(dt, "shape") else dt)
+        if not isinstance(dt, (np.dtype, type, str)):  # an array or ShapeDtypeStruct
+            dt = dt.dtype
+        out[path] = place_leaf(leaves[path], sharding, dt)
     return out
 
 
