@@ -218,6 +218,7 @@ def test_convert_streams_one_leaf_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(Leaf, "__array__", spy)
     convert.hf_to_workdir(path, str(tmp_path / "converted"))
     assert len(alive) == len(hf.llama_leaves(hf.open_llama(path).model_cfg))
+    monkeypatch.undo()  # store leaves are Leafs too: read them all freely below
     flat = flatten(hf.load_llama(path).params)  # and the export holds exactly the HF weights
     from jaxscale.weights.sources import open_weights
     for k, v in open_weights(str(tmp_path / "converted")).arrays().items():
