@@ -14,8 +14,11 @@ adapters, optimizer state and step are restored on top of it.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +27,98 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxscale.errors import JaxscaleError, paragraph
-from jaxscale.train.state import TrainState, flatten
+from jaxscale.train.state import TrainState
+from jaxscale.weights.tree import flatten
 
 
 class CheckpointError(JaxscaleError):
     """A checkpoint directory cannot be restored."""
+
+
+class BrokenCheckpointWarning(UserWarning):
+    """A newer checkpoint did not restore (truncated or corrupt files); an older one is used."""
+
+
+T = TypeVar("T")
+
+
+def saved_steps(root: str) -> list[int]:
+    """Complete steps under a checkpoints directory, newest first (orbax renames a step's
+    temporary directory to its number only once the save is complete)."""
+    path = epath.Path(root)
+    if not path.is_dir():
+        return []
+    return sorted((int(p.name) for p in path.iterdir() if p.name.isdigit()), reverse=True)
+
+
+def newest_restorable(root: str, restore: Callable[[int], T],
+                      none_restores: Callable[[int, Exception], Exception] | None = None
+                      ) -> tuple[int, T]:
+    """(step, restore(step)) for the newest step that restores. Steps that fail (a torn copy,
+    a disk error) are skipped with one `BrokenCheckpointWarning` naming them; when none
+    restores, raises `none_restores(newest step, its error)` (default: a CheckpointError)."""
+    steps = saved_steps(root)
+    if not steps:
+        raise CheckpointError(f"No complete checkpoint under {root}; train with "
+                              "--config.checkpoint.every=N to write one.")
+    broken: list[tuple[int, Exception]] = []
+    for step in steps:
+        try:
+            value = restore(step)
+        except JaxscaleError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure to read a step makes it unusable
+            broken.append((step, e))
+            continue
+        if broken:
+            names = ", ".join(f"step {s} ({_short(e)})" for s, e in broken)
+            warnings.warn(BrokenCheckpointWarning(paragraph(
+                f"Checkpoint {names} under {root} does not restore (truncated or corrupt",
+                f"files); using step {step}, the newest that does. Delete the broken step",
+                "directory to silence this warning.",
+            )), stacklevel=2)
+        return step, value
+    step, error = broken[0]
+    if none_restores is not None:
+        raise none_restores(step, error) from None
+    raise CheckpointError(paragraph(
+        f"No checkpoint under {root} restores: step {step} fails with {_short(error)}, and",
+        "every older step fails too. The files are truncated or corrupt; restore them from a",
+        "copy, or start a fresh workdir.",
+    )) from None
+
+
+def _short(error: Exception) -> str:
+    """The first line of an error, at most 200 characters (tensorstore's run to pages)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+@contextlib.contextmanager
+def _quiet_absl() -> Iterator[None]:
+    from absl import logging
+    level = logging.get_verbosity()
+    logging.set_verbosity(logging.ERROR)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def restore_params(root: str, step: int) -> dict:
+    """The saved state of `step` (parameters, frozen base or its fingerprint, ...) as host
+    arrays on one device, whatever mesh wrote it: the target is built from the checkpoint's own
+    metadata (orbax refuses a target-less restore across topologies)."""
+    path = epath.Path(root) / str(step) / "state"
+    checkpointer = ocp.StandardCheckpointer()
+    with _quiet_absl():  # orbax warns that the per-item metadata file is absent: harmless
+        meta = checkpointer.metadata(path).item_metadata
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
+                          dict(meta.tree if hasattr(meta, "tree") else meta))
+    with _quiet_absl():
+        restored = checkpointer.restore(path, target)
+    return jax.device_get(restored)
 
 
 @jax.jit
@@ -112,21 +202,32 @@ class Checkpointer:
 
     def restore(self, state: TrainState, shardings: TrainState,
                 step: int | None = None) -> tuple[TrainState, dict]:
-        """Restores onto this run's shardings. An adapters-only checkpoint keeps the run's own
-        frozen base (from init_from / the seed) after checking it against the fingerprint."""
-        step = self.latest_step() if step is None else step
-        adapters_only = "base_fingerprint" in self.saved_keys(step)
-        target = _target(state, shardings, adapters_only)
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                  data=ocp.args.JsonRestore())
-        try:
-            restored = self.manager.restore(step, args=args)
-        except (ValueError, KeyError, FileNotFoundError) as e:
-            raise CheckpointError(paragraph(
-                f"Cannot restore checkpoint step {step} from {self.directory}: {e}.",
+        """Restores onto this run's shardings: `step`, or the newest step that restores (a
+        truncated newer one is skipped with a warning). An adapters-only checkpoint keeps the
+        run's own frozen base (from init_from / the seed) after checking it against the
+        fingerprint."""
+        def attempt(step: int) -> tuple[bool, dict]:
+            adapters_only = "base_fingerprint" in self.saved_keys(step)
+            target = _target(state, shardings, adapters_only)
+            args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                      data=ocp.args.JsonRestore())
+            return adapters_only, self.manager.restore(step, args=args)
+
+        def mismatch(step: int, e: Exception) -> CheckpointError:
+            return CheckpointError(paragraph(
+                f"Cannot restore checkpoint step {step} from {self.directory}: {_short(e)}.",
                 "The saved state does not match this run's model/optimizer config; resume with",
                 "the same config, or start a fresh workdir (use config.init_from for weights).",
-            )) from None
+            ))
+
+        if step is None:
+            step, (adapters_only, restored) = newest_restorable(self.directory, attempt,
+                                                                mismatch)
+        else:
+            try:
+                adapters_only, restored = attempt(step)
+            except (ValueError, KeyError, FileNotFoundError) as e:
+                raise mismatch(step, e) from None
         s = restored["state"]
         if adapters_only:
             self._check_base(step, s["base_fingerprint"], state.frozen)
@@ -176,38 +277,3 @@ class CheckpointHook:
 def _adapters_only(trainer: Any) -> bool:
     lora = trainer.config.get("lora")
     return bool(lora and lora.rank and lora.get("save_adapters_only", False))
-
-
-def rebuild_base(config: Any) -> dict:
-    """The frozen LoRA base of a run, rebuilt as the run built it (on one device): its
-    `init_from` weights, or the seed's initialisation. What an adapters-only checkpoint needs
-    to be exported or evaluated (merge it with the restored adapters, then `lora.merge`)."""
-    from jaxscale.models import lora
-    from jaxscale.precision import get_policy
-    from jaxscale.train.state import ModelDef, split_trainable
-
-    model_def = lora.with_adapters(ModelDef.build(config.model, get_policy(config.precision)),
-                                   config.lora)
-    params_rng, _ = jax.random.split(jax.random.key(config.seed))  # as train.state._initializer
-    params = jax.jit(model_def.init_params)(params_rng)
-    _, frozen = split_trainable(params, lora.trainable(config.lora))
-    flat = {k: np.asarray(v) for k, v in flatten(frozen).items()}
-    if config.get("init_from"):
-        from jaxscale.init_from import load_flat_params as load_init
-        saved = load_init(config.init_from)
-        flat.update({k: np.asarray(v, flat[k].dtype) for k, v in saved.items() if k in flat})
-    return flat
-
-
-def load_flat_params(workdir_or_checkpoints: str) -> dict:
-    """Parameters of the newest checkpoint, as host arrays (for `config.init_from`)."""
-    path = workdir_or_checkpoints
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        path = os.path.join(path, "checkpoints")
-    manager = ocp.CheckpointManager(os.path.abspath(path),
-                                    options=ocp.CheckpointManagerOptions(read_only=True))
-    step = manager.latest_step()
-    if step is None:
-        raise CheckpointError(f"No complete checkpoint under {path}.")
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-    return {k: jax.device_get(v) for k, v in flatten(restored["state"]["params"]).items()}

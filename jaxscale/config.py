@@ -255,6 +255,9 @@ def _validate_lofi(lofi: mlc.ConfigDict) -> None:
 
 def save_config(c: mlc.ConfigDict, workdir: str) -> str:
     """Writes the resolved config as JSON (tuples become lists) and returns its path."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ConfigError(f"--workdir={workdir} names an existing file, not a directory. Give "
+                          "a new or existing directory path (the file is left untouched).")
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "config.json")
     with open(path, "w") as f:

@@ -19,16 +19,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections as mlc
-import numpy as np
 import optax
-from jax.sharding import NamedSharding
 
 from jaxscale.data import build_data
 from jaxscale.errors import JaxscaleError
 from jaxscale.mesh import make_mesh
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules, constrain, use_rules
-from jaxscale.train.state import ModelDef, flatten, param_specs, unflatten
+from jaxscale.train.state import ModelDef, param_specs
+from jaxscale.weights.place import named_shardings, place
+from jaxscale.weights.tree import flatten, unflatten
 from jaxscale.train.step import batch_sharding
 
 
@@ -79,26 +79,6 @@ def read_config(workdir: str) -> mlc.ConfigDict:
         return mlc.ConfigDict(json.load(f))
 
 
-def place(flat: Mapping[str, np.ndarray], model_def: ModelDef, rules: AxisRules,
-          mesh: Any, dtype: Any) -> dict:
-    """Host arrays -> jax.Arrays sharded by the rules, in the parameter dtype.
-
-    Arrays already placed that way (e.g. by `load_llama(..., mesh=...)`) are kept as they are.
-    """
-    specs = param_specs(model_def, rules, mesh)
-    out = {}
-    for path, spec in specs.items():
-        value = flat[path]
-        if (isinstance(value, jax.Array) and value.dtype == dtype
-                and value.sharding.is_equivalent_to(NamedSharding(mesh, spec), value.ndim)):
-            out[path] = value
-            continue
-        arr = np.asarray(value).astype(dtype)
-        out[path] = jax.make_array_from_callback(arr.shape, NamedSharding(mesh, spec),
-                                                 lambda idx, a=arr: a[idx])
-    return unflatten(out)
-
-
 def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 0
                     ) -> dict[str, float]:
     """Metrics of `params` (flat or nested, host or device) on the config's held-out data."""
@@ -106,7 +86,8 @@ def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 
     policy = get_policy(config.precision)
     model_def = ModelDef.build(config.model, policy)
     task = config.model.get("task", "lm")
-    placed = place(flatten(params), model_def, rules, mesh, policy.param)
+    shardings = named_shardings(mesh, param_specs(model_def, rules, mesh))
+    placed = unflatten(place(flatten(params), shardings, policy.param))
     evals = heldout_batches(config, jax.process_index(), jax.process_count())
     if max_batches:
         evals = evals[:max_batches]
@@ -134,7 +115,7 @@ def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 
 
 def evaluate_workdir(workdir: str, max_batches: int = 0) -> dict[str, float]:
     """Metrics of the newest checkpoint (or params export) in `workdir`."""
-    from jaxscale.interop.convert import workdir_params
+    from jaxscale.weights.sources import merged_params, open_weights
     config = read_config(workdir)
-    params = workdir_params(workdir, config.get("lora"))
+    params = merged_params(open_weights(workdir))  # LoRA adapters folded in (config.json)
     return evaluate_params(config, params, max_batches)

@@ -176,31 +176,30 @@ def check_request(prompt_len: int, steps: int, temperature: float, max_len: int)
         ))
 
 
-def load_source(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
-    """(run config, params) from a training workdir, a launch.convert output or a HF dir.
+def load_model(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
+    """(run config, params) from a training workdir, a launch.convert output or a HF dir,
+    read through `weights.sources` (HF leaves stay lazy until placed on the mesh).
 
     A training workdir brings its own mesh, rules and precision; the other two use the
     defaults of `base_config()` with the model fields they carry.
     """
     from jaxscale.config import base_config
-    from jaxscale.interop import convert, hf
+    from jaxscale.interop import convert
+    from jaxscale.weights.sources import open_huggingface
+    from jaxscale.weights.tree import unflatten
 
-    if hf_dir:  # loaded straight onto the default mesh, one parameter at a time
-        from jaxscale.mesh import make_mesh
-        from jaxscale.precision import get_policy
-        source = hf.open_llama(hf_dir)
-        config = base_config()
-        config.model.update(source.model_cfg)
-        params = hf.load_source(source, make_mesh(config.mesh), AxisRules.from_config(config),
-                                get_policy(config.precision).param).params
-        return config, params
-    model_cfg, lora_cfg = convert.read_model_config(workdir)
-    params = convert.workdir_params(workdir, lora_cfg)
     config = base_config()
-    if os.path.exists(os.path.join(workdir, "config.json")):
-        from jaxscale.evaluate import read_config
-        config = read_config(workdir)
-    config.model.update(model_cfg)
+    if hf_dir:
+        source = open_huggingface(hf_dir)
+        config.model.update(source.model_cfg)
+        params = unflatten(source.lazy_leaves(np.float32))
+    else:
+        model_cfg, lora_cfg = convert.read_model_config(workdir)
+        params = convert.workdir_params(workdir, lora_cfg)
+        if os.path.exists(os.path.join(workdir, "config.json")):
+            from jaxscale.evaluate import read_config
+            config = read_config(workdir)
+        config.model.update(model_cfg)
     if config.model.get("name", "llama") != "llama":
         raise GenerateError(f"model.name={config.model.name!r}: generation needs a decoder LM "
                             "(a Llama); image classifiers have nothing to generate.")
@@ -210,14 +209,16 @@ def load_source(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
 def generate_from_config(config: Any, params: Mapping, prompt_BT: np.ndarray, steps: int,
                          temperature: float = 0.0, seed: int = 0) -> np.ndarray:
     """Places `params` on the config's mesh by its rules and generates `steps` tokens."""
-    from jaxscale.evaluate import place
     from jaxscale.mesh import make_mesh
     from jaxscale.precision import get_policy
-    from jaxscale.train.state import flatten
+    from jaxscale.train.state import param_specs
+    from jaxscale.weights.place import named_shardings, place
+    from jaxscale.weights.tree import flatten, unflatten
 
     check_request(np.shape(prompt_BT)[1], steps, temperature, config.model.get("max_len", 0))
     mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
     model_def = ModelDef.build(config.model, get_policy(config.precision))
-    placed = place(flatten(params), model_def, rules, mesh, model_def.shapes()["embedding"].dtype)
+    shardings = named_shardings(mesh, param_specs(model_def, rules, mesh))
+    placed = unflatten(place(flatten(params), shardings, model_def.shapes()["embedding"].dtype))
     fn = make_generate(model_def, steps, temperature, rules, mesh)
     return np.asarray(fn(placed, jnp.asarray(prompt_BT, jnp.int32), jax.random.key(seed)))

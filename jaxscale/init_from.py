@@ -1,20 +1,16 @@
 """`config.init_from`: start a run from weights saved elsewhere (fine-tuning, Lo-Fi results).
 
-Accepted sources, tried in order:
-  * a params export, `DIR/params/` (written by `launch.lofi_average --final=DIR`, and by
-    `export_params`): checksummed zarr arrays + JSON manifest, no code executed on load;
-  * a Lo-Fi store: its newest complete average;
-  * a training workdir or checkpoint directory, through `jaxscale.checkpoint` when present.
-The loaded tree must match the model exactly (same leaves, shapes); dtypes are cast to the
-run's parameter dtype.
+Any location `jaxscale.weights.sources.open_weights` reads is accepted (a params export, a
+training workdir, a Lo-Fi store's newest average, a Hugging Face directory); the train loop
+places its leaves one at a time with `jaxscale.weights.place`. This module writes params
+exports (`export_params`) and checks that saved weights fit the run's model: the tree must
+match exactly (same leaves, shapes), and a conversion output must be used with the model
+fields it was converted with; dtypes are cast to the run's parameter dtype.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
-
-import numpy as np
 
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.lofi import store as store_lib
@@ -34,71 +30,6 @@ def export_params(directory: str, flat_params: dict[str, Any], meta: dict | None
     store_lib.write_checkpoint(store, "params", dict(flat_params),
                                {"kind": "params", "step": 0, "samples_seen": 0, **(meta or {})})
     return directory
-
-
-def load_flat_params(path: str) -> dict[str, np.ndarray]:
-    """Flat {leaf: array} from any accepted source (see module docstring)."""
-    store = store_lib.Store(path)
-    try:
-        return store_lib.read_params(store, store_lib.load_checkpoint(store, "params"))
-    except store_lib.StoreError:
-        pass
-    average = store_lib.latest_average_checkpoint(store)
-    if average is not None:
-        return store_lib.read_params(store, average)
-    try:
-        from jaxscale import checkpoint  # orbax training checkpoints
-    except ImportError:
-        checkpoint = None
-    if checkpoint is not None and hasattr(checkpoint, "load_flat_params") and os.path.exists(path):
-        return checkpoint.load_flat_params(path)
-    raise InitFromError(paragraph(
-        f"config.init_from={path!r} holds no weights jaxscale can read: no committed",
-        "params/ export, no Lo-Fi average and no training checkpoint were found there.",
-        "Point it at a `launch.convert` output, a `launch.lofi_average --final=DIR` directory,",
-        "a Lo-Fi store, or a training workdir.",
-    ))
-
-
-class LeafSource:
-    """The leaves of an init_from source: shapes known up front, values read one at a time.
-
-    Params exports and Lo-Fi averages are read leaf by leaf from the store, so starting a run
-    from them never holds more than one parameter on the host; orbax training checkpoints are
-    restored whole (they were written by a run of the same size).
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-        store = store_lib.Store(path)
-        try:
-            ckpt = store_lib.load_checkpoint(store, "params")
-        except store_lib.StoreError:
-            ckpt = store_lib.latest_average_checkpoint(store)
-        if ckpt is not None:
-            self.shapes = {k: tuple(e["shape"]) for k, e in ckpt.leaves.items()}
-            self._read = lambda leaf: store_lib.read_leaf(store, ckpt, leaf)
-        else:
-            flat = load_flat_params(path)
-            self.shapes = {k: tuple(np.shape(v)) for k, v in flat.items()}
-            self._read = flat.pop  # each leaf handed out once, then dropped
-
-    def read(self, leaf: str) -> np.ndarray:
-        return np.asarray(self._read(leaf))
-
-
-def place_leaves(source: LeafSource, shardings: dict[str, Any], like: dict[str, Any]
-                 ) -> dict[str, Any]:
-    """{leaf: jax.Array} in the run's shardings and dtypes, reading one leaf at a time."""
-    import jax
-
-    placed = {}
-    for leaf, sharding in shardings.items():
-        arr = source.read(leaf).astype(like[leaf].dtype)
-        placed[leaf] = jax.make_array_from_callback(arr.shape, sharding,
-                                                    lambda idx, a=arr: a[idx])
-        del arr
-    return placed
 
 
 def _saved_model_config(path: str) -> dict | None:

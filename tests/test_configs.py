@@ -22,7 +22,8 @@ from jaxscale.models import lora
 from jaxscale.models.llama import LlamaConfig
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules
-from jaxscale.train.state import ModelDef, flatten, param_specs
+from jaxscale.train.state import ModelDef, param_specs
+from jaxscale.weights.tree import flatten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(ROOT, "jaxscale", "configs", "*.py"))

@@ -150,3 +150,52 @@ def test_cli_errors_are_one_paragraph(tmp_path, module, args, culprit):
     assert message.startswith("jaxscale: error: ")
     import re
     assert re.search(culprit, message), message
+
+
+def _corrupt_copies(tmp_path) -> dict[str, str]:
+    """A HF Llama directory and broken variants: a truncated model.safetensors, a header
+    length of 2^60; a regular file where an output directory is expected."""
+    import shutil
+    good = str(tmp_path / "hf")
+    make_llama(good)
+    weights = os.path.join(good, "model.safetensors")
+    paths = {"HF": good, "FILE": str(tmp_path / "a_file")}
+    with open(paths["FILE"], "w") as f:
+        f.write("keep me\n")
+    paths["TRUNC"] = shutil.copytree(good, str(tmp_path / "trunc"))
+    os.truncate(os.path.join(paths["TRUNC"], "model.safetensors"),
+                os.path.getsize(weights) // 2)
+    paths["HUGE"] = shutil.copytree(good, str(tmp_path / "huge"))
+    with open(os.path.join(paths["HUGE"], "model.safetensors"), "r+b") as f:
+        f.write((2 ** 60).to_bytes(8, "little"))
+    paths["CONV"] = str(tmp_path / "conv")
+    os.makedirs(paths["CONV"])
+    with open(os.path.join(paths["CONV"], "model_config.json"), "w") as f:
+        json.dump({"name": "llama"}, f)
+    return paths
+
+
+@pytest.mark.parametrize("module, args, culprit", [
+    ("launch.convert", ["--from_hf=TRUNC", "--out=OUT"], "TRUNC/model.safetensors is not a"),
+    ("launch.convert", ["--from_hf=HUGE", "--out=OUT"], "HUGE/model.safetensors is not a"),
+    ("launch.generate", ["--from_hf=TRUNC", "--prompt_ids=1"], "TRUNC/model.safetensors is"),
+    ("launch.generate", ["--from_hf=HUGE", "--prompt_ids=1"], "HUGE/model.safetensors is"),
+    ("launch.convert", ["--from_workdir=CONV", "--to_hf=FILE"], "--to_hf=FILE names an"),
+    ("launch.convert", ["--from_hf=HF", "--out=FILE"], "--out=FILE names an existing file"),
+    ("launch.train", ["--config=configs/tiny_lm.py:test", "--workdir=FILE"],
+     "--workdir=FILE names an existing file"),
+])
+def test_broken_inputs_and_file_outputs_are_one_paragraph(tmp_path, module, args, culprit):
+    """Issue 22 item 13: truncated / absurd safetensors and output paths naming a regular file
+    exit 2 with one paragraph naming the culprit (no traceback), and the file is untouched."""
+    import re
+    paths = {**_corrupt_copies(tmp_path), "OUT": str(tmp_path / "out")}
+    sub = lambda text: re.sub(r"\b(TRUNC|HUGE|CONV|FILE|HF|OUT)\b",
+                              lambda m: paths[m.group(1)], text)
+    run = cli(module, *map(sub, args), ok=False)
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    message = run.stderr.strip().splitlines()[-1]
+    assert message.startswith("jaxscale: error: ") and sub(culprit) in message, message
+    with open(paths["FILE"]) as f:
+        assert f.read() == "keep me\n"

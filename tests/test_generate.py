@@ -128,7 +128,7 @@ def test_greedy_equals_transformers_generate(tmp_path):
     with torch.no_grad():
         ref = model.generate(torch.from_numpy(prompt).long(), max_new_tokens=10, do_sample=False,
                              attention_mask=torch.ones(2, 6, dtype=torch.long)).numpy()
-    config, params = gen.load_source(hf_dir=str(tmp_path / "hf"))
+    config, params = gen.load_model(hf_dir=str(tmp_path / "hf"))
     got = gen.generate_from_config(config, params, prompt, steps=10)
     np.testing.assert_array_equal(got, ref)
     model_cfg, host = hf.load_llama(str(tmp_path / "hf"))

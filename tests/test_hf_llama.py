@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 from jaxscale.interop import hf  # noqa: E402
 from jaxscale.mesh import make_mesh  # noqa: E402
 from jaxscale.precision import get_policy  # noqa: E402
-from jaxscale.train.state import ModelDef, flatten, param_specs  # noqa: E402
+from jaxscale.train.state import ModelDef, param_specs  # noqa: E402
+from jaxscale.weights.tree import flatten
 
 CONFIGS = {
     "gqa_untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
@@ -67,8 +68,8 @@ def test_round_trip_is_exact_and_loads_in_transformers(tmp_path, name):
     out = hf.save_llama((model_cfg, params), str(tmp_path / "export"))
     original = {k: v.numpy() for k, v in model.state_dict().items()}
     exported = hf.SafetensorsReader(out)
-    assert set(exported.entries) == set(original) - {"model.rotary_emb.inv_freq"}
-    for k in exported.entries:
+    assert set(exported.keys()) == set(original) - {"model.rotary_emb.inv_freq"}
+    for k in exported.keys():
         np.testing.assert_array_equal(exported.get(k), original[k])
     reloaded = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     tokens = torch.arange(12).reshape(1, 12)
@@ -144,7 +145,8 @@ def test_dtype_is_parsed_and_unsupported_rejected(tmp_path):
     with pytest.raises(hf.ConversionError, match="float64"):
         hf.save_llama(model, str(tmp_path / "out"), dtype="float64")
     out = hf.save_llama(hf.load_llama(path), str(tmp_path / "bf16"), dtype="bf16")
-    assert {info["dtype"] for _, _, info in hf.SafetensorsReader(out).entries.values()} == {"BF16"}
+    reader = hf.SafetensorsReader(out)
+    assert {reader.dtype(k) for k in reader.keys()} == {"BF16"}
     assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "bfloat16"
 
 
@@ -200,10 +202,11 @@ def test_convert_streams_one_leaf_at_a_time(tmp_path, monkeypatch):
     import weakref
 
     from jaxscale.interop import convert
+    from jaxscale.weights.leaf import Leaf
 
     _, path = make_hf(tmp_path, "gqa_untied")
     alive: list = []
-    original = convert.LazyLeaf.__array__
+    original = Leaf.__array__
 
     def spy(self, dtype=None, copy=None):
         gc.collect()
@@ -212,12 +215,13 @@ def test_convert_streams_one_leaf_at_a_time(tmp_path, monkeypatch):
         alive.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(convert.LazyLeaf, "__array__", spy)
+    monkeypatch.setattr(Leaf, "__array__", spy)
     convert.hf_to_workdir(path, str(tmp_path / "converted"))
     assert len(alive) == len(hf.llama_leaves(hf.open_llama(path).model_cfg))
+    monkeypatch.undo()  # store leaves are Leafs too: read them all freely below
     flat = flatten(hf.load_llama(path).params)  # and the export holds exactly the HF weights
-    from jaxscale.init_from import load_flat_params
-    for k, v in load_flat_params(str(tmp_path / "converted")).items():
+    from jaxscale.weights.sources import open_weights
+    for k, v in open_weights(str(tmp_path / "converted")).arrays().items():
         np.testing.assert_array_equal(v, flat[k])
 
 
@@ -275,7 +279,8 @@ def test_init_from_refuses_a_model_config_that_differs(tmp_path):
 def test_init_from_reads_and_places_one_leaf_at_a_time(tmp_path, monkeypatch):
     """config.init_from never loads the whole params export: each leaf is read from the store,
     placed into its sharding and dropped before the next is read."""
-    from jaxscale.init_from import LeafSource, place_leaves
+    from jaxscale.weights.place import place
+    from jaxscale.weights.sources import open_weights
     from jaxscale.interop import convert
     from jaxscale.lofi import store as store_lib
 
@@ -292,7 +297,7 @@ def test_init_from_reads_and_places_one_leaf_at_a_time(tmp_path, monkeypatch):
     specs = param_specs(ModelDef.build(model_cfg, get_policy("32-true")), hf.default_rules(), mesh)
     shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
     like = {k: np.zeros((), np.float32) for k in specs}
-    placed = place_leaves(LeafSource(converted), shardings, like)
+    placed = place(open_weights(converted).leaves, shardings, like)
     assert events == ["read", "place"] * len(specs)
     expected = flatten(hf.load_llama(path).params)
     for k, arr in placed.items():

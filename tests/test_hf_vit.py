@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")
 from jaxscale.interop import hf, hf_vit  # noqa: E402
 from jaxscale.mesh import make_mesh  # noqa: E402
 from jaxscale.precision import get_policy  # noqa: E402
-from jaxscale.train.state import ModelDef, flatten, param_specs  # noqa: E402
+from jaxscale.train.state import ModelDef, param_specs  # noqa: E402
+from jaxscale.weights.tree import flatten
 
 
 def make_hf(tmp_path, channels=3, image=16, patch=4):
@@ -55,7 +56,7 @@ def test_round_trip_is_exact(tmp_path):
     out = hf_vit.save_vit(hf_vit.load_vit(path), str(tmp_path / "export"))
     exported = hf.SafetensorsReader(out)
     original = {k: v.numpy() for k, v in model.state_dict().items()}
-    assert set(exported.entries) == set(original)
+    assert set(exported.keys()) == set(original)
     for k in original:
         np.testing.assert_array_equal(exported.get(k), original[k])
     reloaded = transformers.ViTForImageClassification.from_pretrained(out).eval()

@@ -17,11 +17,11 @@ from configs.tiny_lm import get_config
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, run_round
 from jaxscale.evaluate import evaluate_params, evaluate_workdir, read_config
-from jaxscale.init_from import load_flat_params
 from jaxscale.interop.convert import workdir_to_hf
 from jaxscale.lofi.accounting import accounting_lines, export_final
 from jaxscale.train.loop import train
-from jaxscale.train.state import flatten
+from jaxscale.weights.sources import open_weights
+from jaxscale.weights.tree import flatten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
@@ -53,7 +53,7 @@ def test_one_worker_lofi_equals_plain_training(tmp_path):
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
     hf_dir = workdir_to_hf(final, str(tmp_path / "hf"))
     assert os.path.exists(os.path.join(hf_dir, "config.json"))
-    loaded = load_flat_params(final)
+    loaded = open_weights(final).arrays()
     assert set(loaded) == set(flatten(plain.params))
 
 
@@ -119,7 +119,7 @@ def test_periodic_worker_pushes_ema_resets_optimizer_and_continues_from_average(
     # The checkpoint of sync step 2 holds the average the run continued with (round 1, the
     # EMA push), not the raw pre-sync weights: a run resumed from it misses no average.
     shutil.rmtree(tmp_path / "w0" / "checkpoints" / "4")
-    saved = load_flat_params(str(tmp_path / "w0"))
+    saved = open_weights(str(tmp_path / "w0")).arrays()
     for k in p0:
         np.testing.assert_allclose(saved[k], round1[k], rtol=1e-6, atol=1e-7)
         assert not np.allclose(saved[k], rec.params[2][k])

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale.checkpoint import CheckpointError, Checkpointer, rebuild_base
+from jaxscale.checkpoint import CheckpointError, Checkpointer
+from jaxscale.weights.sources import rebuild_base
 from jaxscale.models import lora
 from jaxscale.train.loop import Trainer, _attach_checkpoints
-from jaxscale.train.state import flatten
+from jaxscale.weights.tree import flatten
 
 
 def _config(steps: int, adapters_only: bool = True):
@@ -96,20 +97,19 @@ def test_full_save_when_disabled_and_mismatched_base_is_refused(tmp_path):
 def test_adapters_only_workdir_exports_merged_weights(tmp_path):
     """`launch.convert --from_workdir` / evaluate read an adapters-only checkpoint: the base is
     rebuilt from config.json and checked; a changed base is refused, naming init_from."""
-    from jaxscale.interop.convert import latest_checkpoint_params
-    from jaxscale.interop.hf import ConversionError
+    from jaxscale.weights.sources import WeightsError, open_weights
 
     c = _config(2)
     trainer = Trainer.build(c, str(tmp_path))
     _attach_checkpoints(trainer)
     state = jax.device_get(trainer.run())
-    flat = latest_checkpoint_params(str(tmp_path))
+    flat = open_weights(str(tmp_path)).arrays()
     want = {**flatten(state.frozen), **flatten(state.params)}
     assert set(flat) == set(want)
     for path, value in want.items():
         np.testing.assert_allclose(flat[path], value, rtol=1e-6, atol=1e-7, err_msg=path)
     saved = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**saved, "seed": saved["seed"] + 1}))
-    with pytest.raises(ConversionError, match="adapters only") as err:
-        latest_checkpoint_params(str(tmp_path))
+    with pytest.raises(WeightsError, match="adapters only") as err:
+        open_weights(str(tmp_path))
     assert "save_adapters_only=False" in str(err.value)

@@ -12,7 +12,7 @@ from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
 from jaxscale.train.optim import (OPTIMIZERS, QBLOCK, dequantize_lastaxis, make_optimizer,
                                   quantize_lastaxis)
-from jaxscale.train.state import flatten
+from jaxscale.weights.tree import flatten
 from tests.helpers import train_steps
 
 

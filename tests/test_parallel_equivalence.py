@@ -13,7 +13,7 @@ from configs.tiny_lm import get_config
 from jaxscale.parallel.hlo_stats import collectives
 from jaxscale.rules import use_rules
 from jaxscale.train.loop import Trainer
-from jaxscale.train.state import flatten
+from jaxscale.weights.tree import flatten
 from jaxscale.train.step import accumulate_grads
 
 STEPS = 3

@@ -16,7 +16,7 @@ from jaxscale.mesh import make_mesh
 from jaxscale.parallel.pipeline import SCHEDULES, make_layer_runner
 from jaxscale.rules import use_rules
 from jaxscale.train.loop import Trainer
-from jaxscale.train.state import flatten
+from jaxscale.weights.tree import flatten
 from jaxscale.train.step import accumulate_grads
 from tests.test_parallel_equivalence import assert_equal_runs, make_config, run_steps
 

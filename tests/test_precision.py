@@ -14,7 +14,8 @@ from jaxscale.precision import POLICIES, DynamicLossScale, get_policy
 from jaxscale.train import step as step_lib
 from jaxscale.train.loop import Trainer
 from jaxscale.train.optim import make_optimizer
-from jaxscale.train.state import ModelDef, flatten
+from jaxscale.train.state import ModelDef
+from jaxscale.weights.tree import flatten
 from tests.helpers import train_steps
 
 # (policy, param dtype, matmul compute dtype)

@@ -12,7 +12,9 @@ holds and placed straight into the NamedSharding its logical axes resolve to, so
 parameter's host copy exists at any time and a model larger than one device loads onto a mesh.
 `save_llama` streams the same layout back (sharded files past `max_shard_size`); a round trip
 reproduces the original tensors bit for bit. The machinery here (`Leaf`, `Source`,
-`load_source`, `save_tensors`) is shared with the ViT converter, `hf_vit.py`.
+`load_pretrained`, `save_tensors`) is shared with the ViT converter, `hf_vit.py`; placement on
+a mesh is `jaxscale.weights.place`, and `jaxscale.weights.sources.open_weights` reads a HF
+directory like any other saved weights.
 
 jaxscale's Llama uses the Hugging Face "rotate half" rotary layout, so q/k need no permutation:
 every weight is only transposed and reshaped. Configurations the model cannot reproduce
@@ -31,13 +33,15 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jaxscale.errors import paragraph
 from jaxscale.interop.safetensors_io import (ConversionError, SafetensorsReader, parse_dtype,
                                              write_checkpoint_files)
 from jaxscale.rules import AxisRules, normalize_rules
-from jaxscale.train.state import flatten, unflatten
+from jaxscale.weights.leaf import Leaf as LazyLeaf
+from jaxscale.weights.place import named_shardings, place
+from jaxscale.weights.tree import flatten, unflatten
 
 __all__ = ["ConversionError", "Pretrained", "SafetensorsReader", "load_llama", "save_llama",
            "open_llama", "parse_dtype"]
@@ -213,6 +217,16 @@ class Source:
         return np.stack([np.asarray(leaf.to_jax(self.reader.get(leaf.hf_name.format(i=i)))
                                     [index[1:]], dtype=dtype) for i in layers])
 
+    def lazy_leaves(self, dtype: Any) -> dict[str, LazyLeaf]:
+        """{path: Leaf} in `dtype` after checking each leaf's shape against config.json; a
+        part of a stacked leaf reads only the layers it covers."""
+        out = {}
+        for path, shape in self.shapes().items():
+            self.check_shape(path, shape)
+            read = lambda index, p=path, s=shape: self.read(p, s, dtype, index)
+            out[path] = LazyLeaf(shape, dtype, read, reads_slices=True)
+        return out
+
     def check_shape(self, path: str, expected: tuple[int, ...]) -> None:
         leaf = self.leaves[path]
         name = leaf.hf_name.format(i=0)
@@ -230,36 +244,18 @@ def _model_def(model_cfg: Mapping[str, Any]):
     return ModelDef.build(model_cfg, get_policy("32-true"))
 
 
-def load_source(source: Source, mesh: Mesh | None = None, rules: AxisRules | None = None,
-                dtype: Any = None) -> Pretrained:
-    """Reads every leaf; places it on `mesh` by `rules` (host numpy arrays when no mesh)."""
+def load_pretrained(source: Source, mesh: Mesh | None = None, rules: AxisRules | None = None,
+                    dtype: Any = None) -> Pretrained:
+    """Every leaf of `source` on the host, or placed on `mesh` by `rules` (`weights.place`
+    reads only the blocks this process's devices hold)."""
+    leaves = source.lazy_leaves(parse_dtype(dtype) or np.dtype(np.float32))
+    if mesh is None:
+        return Pretrained(dict(source.model_cfg), unflatten({k: v.read() for k, v in
+                                                             leaves.items()}))
     from jaxscale.train.state import param_specs
-
-    shapes = source.shapes()
-    dtype = parse_dtype(dtype) or np.dtype(np.float32)
-    specs = None
-    if mesh is not None:
-        specs = param_specs(_model_def(source.model_cfg), rules or default_rules(), mesh)
-    out = {}
-    for path, shape in shapes.items():
-        source.check_shape(path, shape)
-        if mesh is None:
-            out[path] = source.read(path, shape, dtype)
-        else:
-            out[path] = place_leaf(source, path, shape, NamedSharding(mesh, specs[path]), dtype)
-    return Pretrained(dict(source.model_cfg), unflatten(out))
-
-
-def place_leaf(source: Source, path: str, shape: tuple[int, ...], sharding: NamedSharding,
-               dtype: np.dtype) -> jax.Array:
-    """Builds each distinct local shard once (replicas share it), then one global array."""
-    shards: dict[tuple, np.ndarray] = {}
-    full = lambda idx: tuple(idx) + (slice(None),) * (len(shape) - len(tuple(idx)))
-    key = lambda idx: tuple(s.indices(n) for s, n in zip(full(idx), shape))
-    for idx in sharding.addressable_devices_indices_map(shape).values():
-        if key(idx) not in shards:
-            shards[key(idx)] = source.read(path, shape, dtype, full(idx))
-    return jax.make_array_from_callback(shape, sharding, lambda idx: shards[key(idx)])
+    specs = param_specs(_model_def(source.model_cfg), rules or default_rules(), mesh)
+    placed = place(leaves, named_shardings(mesh, specs), {k: v.dtype for k, v in leaves.items()})
+    return Pretrained(dict(source.model_cfg), unflatten(placed))
 
 
 def default_rules() -> AxisRules:
@@ -297,7 +293,7 @@ def load_llama(hf_dir: str, mesh: Mesh | None = None, rules: AxisRules | None = 
     without, host numpy arrays. `dtype` ('bf16', 'float32', ...) defaults to float32 (the
     32-true parameter dtype).
     """
-    return load_source(open_llama(hf_dir), mesh, rules, dtype)
+    return load_pretrained(open_llama(hf_dir), mesh, rules, dtype)
 
 
 # ----------------------------------------------------------------------------- saving

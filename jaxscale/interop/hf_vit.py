@@ -16,7 +16,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxscale.interop.hf import (ConversionError, Leaf, Pretrained, SafetensorsReader, Source,
-                                 load_source, read_hf_config, require_keys, save_tensors, unpack)
+                                 load_pretrained, read_hf_config, require_keys, save_tensors, unpack)
 from jaxscale.errors import paragraph
 from jaxscale.rules import AxisRules
 
@@ -129,7 +129,7 @@ def open_vit(hf_dir: str) -> Source:
 def load_vit(hf_dir: str, mesh: Mesh | None = None, rules: AxisRules | None = None,
              dtype: Any = None) -> Pretrained:
     """`Pretrained(config, params)` from a HF ViTForImageClassification directory."""
-    return load_source(open_vit(hf_dir), mesh, rules, dtype)
+    return load_pretrained(open_vit(hf_dir), mesh, rules, dtype)
 
 
 def save_vit(model: Pretrained | tuple[Mapping, Mapping], out_dir: str, dtype: Any = None,

@@ -1,12 +1,13 @@
-"""The safetensors file format, read lazily and written streaming, without torch.
+"""Hugging Face safetensors checkpoints: read with the `safetensors` library, written streaming.
 
-Layout: 8-byte little-endian header size, a JSON header {name: dtype, shape, data_offsets},
-then raw little-endian data. Reading memory-maps each tensor on demand (nothing is read until
-a slice of it is used), so a converter can copy one shard of one tensor at a time. Writing
-takes (name, shape, dtype) specs plus a stream of arrays, so only one array is on the host at
-a time; with `max_shard_bytes` it splits the tensors over `model-0000i-of-0000n.safetensors`
-files and writes the `model.safetensors.index.json` that Hugging Face loaders follow.
-bfloat16 and float8 map to `ml_dtypes`, so no PyTorch is needed.
+Reading uses `safetensors.safe_open` (headers validated up front, tensors read on demand, so a
+converter copies one tensor at a time). Writing is what the library lacks: `save_file` wants
+every tensor in memory at once, while `write_checkpoint_files` takes (name, shape, dtype) specs
+plus a stream of arrays, so only one array is on the host at a time; past `max_shard_size` it
+splits the tensors over `model-0000i-of-0000n.safetensors` files and writes the
+`model.safetensors.index.json` that Hugging Face loaders follow. The file layout: 8-byte
+little-endian header size, a JSON header {name: dtype, shape, data_offsets}, raw
+little-endian data. bfloat16 and float8 map to `ml_dtypes`, so no PyTorch is needed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from jaxscale.errors import JaxscaleError, paragraph
 
@@ -73,31 +75,26 @@ def parse_size(size: int | str | None) -> int | None:
     return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
 
 
-def _header(path: str) -> tuple[int, dict]:
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        try:
-            header = json.loads(f.read(size))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ConversionError(f"{path} is not a safetensors file (unreadable header); "
-                                  "re-save the model with `save_pretrained`.") from None
-    header.pop("__metadata__", None)
-    return 8 + size, header
-
-
 def _files(directory: str) -> list[str]:
     index = os.path.join(directory, INDEX)
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [n for n in files if not os.path.exists(os.path.join(directory, n))]
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConversionError(paragraph(
+                f"{index} is not a readable safetensors index ({type(e).__name__}: {e}). Re-save",
+                "the model with `save_pretrained`, or remove the index to read a single",
+                f"{SINGLE}.",
+            )) from None
+        missing = [n for n in files if not os.path.isfile(os.path.join(directory, n))]
         if missing:
             raise ConversionError(paragraph(
                 f"{index} names shard file(s) {missing[:3]} that are not in {directory}. The",
                 "download or copy is incomplete: fetch every model-*.safetensors file.",
             ))
         return files
-    if os.path.exists(os.path.join(directory, SINGLE)):
+    if os.path.isfile(os.path.join(directory, SINGLE)):
         return [SINGLE]
     raise ConversionError(paragraph(
         f"{directory} holds neither {SINGLE} nor {INDEX}.",
@@ -106,42 +103,74 @@ def _files(directory: str) -> list[str]:
     ))
 
 
+def _open(path: str) -> Any:
+    """`safe_open` with its failures (a truncated file, a corrupt or absurd header) as one
+    paragraph naming the file, instead of the library's bare `SafetensorError`."""
+    try:
+        return safe_open(path, framework="numpy")
+    except (SafetensorError, OSError, MemoryError) as e:
+        raise ConversionError(paragraph(
+            f"{path} is not a readable safetensors file ({e}). It is truncated or corrupt (an",
+            "interrupted download or copy?): fetch it again, or re-save the model with",
+            "`save_pretrained`.",
+        )) from None
+
+
 class SafetensorsReader:
-    """Lazy reader over one checkpoint directory (single file or sharded with an index)."""
+    """The tensors of one checkpoint directory (single file, or shards with an index), read
+    with the `safetensors` library: headers are parsed up front, tensor bytes only on demand
+    (`get` reads one tensor, `get_slice(key)[...]` only part of one)."""
 
     def __init__(self, directory: str):
-        self.entries: dict[str, tuple[str, int, dict]] = {}
+        self._handles: dict[str, Any] = {}
+        self._file_of: dict[str, str] = {}
         for name in _files(directory):
             path = os.path.join(directory, name)
-            base, header = _header(path)
-            for key, info in header.items():
-                self.entries[key] = (path, base, info)
+            self._handles[path] = handle = _open(path)
+            for key in handle.keys():
+                self._file_of[key] = path
 
     def __contains__(self, key: str) -> bool:
-        return key in self.entries
+        return key in self._file_of
+
+    def keys(self) -> list[str]:
+        return list(self._file_of)
+
+    def dtype(self, key: str) -> str:
+        """The safetensors dtype name of tensor `key` ('F32', 'BF16', ...)."""
+        return self._slice(key).get_dtype()
+
+    def get_slice(self, key: str) -> Any:
+        """A lazy view of tensor `key`: index it to read just that part."""
+        return self._slice(key)
 
     def get(self, key: str) -> np.ndarray:
-        """A read-only memory map of tensor `key` (bytes are read only when sliced)."""
-        if key not in self.entries:
+        """Tensor `key` as a host array in its stored dtype."""
+        view = self._slice(key)
+        if view.get_dtype() not in _DTYPES:
             raise ConversionError(paragraph(
-                f"Tensor {key!r} is missing from the checkpoint (it has {len(self.entries)}",
-                f"tensors, e.g. {sorted(self.entries)[:3]}). The checkpoint does not match its",
+                f"Tensor {key!r} in {self._file_of[key]} has safetensors dtype",
+                f"{view.get_dtype()!r}, which this reader does not know (it reads",
+                f"{', '.join(_DTYPES)}). Re-save the checkpoint in float32, float16 or bfloat16",
+                "(e.g. `model.to(torch.bfloat16).save_pretrained(DIR)`).",
+            ))
+        try:
+            arr = self._handles[self._file_of[key]].get_tensor(key)
+        except (SafetensorError, OSError, MemoryError) as e:
+            raise ConversionError(paragraph(
+                f"Tensor {key!r} in {self._file_of[key]} cannot be read ({e}); the file is",
+                "corrupt: fetch it again, or re-save the model with `save_pretrained`.",
+            )) from None
+        return np.asarray(arr).view(np.dtype(_DTYPES[view.get_dtype()]))
+
+    def _slice(self, key: str) -> Any:
+        if key not in self._file_of:
+            raise ConversionError(paragraph(
+                f"Tensor {key!r} is missing from the checkpoint (it has {len(self._file_of)}",
+                f"tensors, e.g. {sorted(self._file_of)[:3]}). The checkpoint does not match its",
                 "config.json, or it is not a checkpoint of this model family.",
             ))
-        path, base, info = self.entries[key]
-        if info.get("dtype") not in _DTYPES:
-            raise ConversionError(paragraph(
-                f"Tensor {key!r} in {path} has safetensors dtype {info.get('dtype')!r}, which",
-                f"this reader does not know (it reads {', '.join(_DTYPES)}). Re-save the",
-                "checkpoint in float32, float16 or bfloat16 (e.g. `model.to(torch.bfloat16)",
-                ".save_pretrained(DIR)`).",
-            ))
-        dtype = np.dtype(_DTYPES[info["dtype"]]).newbyteorder("<")
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if end == start:
-            return np.zeros(shape, dtype)
-        return np.memmap(path, dtype=dtype, mode="r", offset=base + start, shape=shape)
+        return self._handles[self._file_of[key]].get_slice(key)
 
 
 Spec = tuple[str, tuple[int, ...], np.dtype]

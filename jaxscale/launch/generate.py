@@ -30,11 +30,11 @@ def main(argv):
         raise app.UsageError("Give --workdir or --from_hf (and --prompt or --prompt_ids).")
     runtime.setup()
     import numpy as np
-    from jaxscale.generate import check_request, generate_from_config, load_source, parse_prompt
+    from jaxscale.generate import check_request, generate_from_config, load_model, parse_prompt
 
     steps = _STEPS.value if _MAX_NEW.value is None else _MAX_NEW.value
     check_request(1, steps, _TEMPERATURE.value, max_len=0)  # before loading any weights
-    config, params = load_source(_WORKDIR.value, _FROM_HF.value)
+    config, params = load_model(_WORKDIR.value, _FROM_HF.value)
     ids = parse_prompt(_PROMPT.value, _PROMPT_IDS.value, config.model.vocab_size)
     out = generate_from_config(config, params, np.asarray([ids]), steps,
                                _TEMPERATURE.value, _SEED.value)[0]

@@ -21,7 +21,10 @@ import numpy as np
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.lofi import averager as averager_lib
 from jaxscale.lofi import store as store_lib
-from jaxscale.train.state import TrainState, flatten, unflatten
+from jaxscale.train.state import TrainState
+from jaxscale.weights.place import place
+from jaxscale.weights.sources import store_leaves
+from jaxscale.weights.tree import flatten, unflatten
 
 
 class SyncTimeoutError(JaxscaleError):
@@ -49,16 +52,6 @@ def _ema_update(ema: Any, params: Any, decay: float) -> Any:
 def _host_tree(tree: Any) -> dict[str, np.ndarray]:
     """Flat {path: numpy array} gathered to this host (each worker owns its whole mesh)."""
     return {k: np.asarray(jax.device_get(v)) for k, v in flatten(tree).items()}
-
-
-def place_flat(flat: dict[str, np.ndarray], shardings: Any, like: Any) -> Any:
-    """Puts host arrays onto the worker's mesh with the run's shardings and dtypes."""
-    flat_sh, flat_like = flatten(shardings), flatten(like)
-    placed = {}
-    for k, sh in flat_sh.items():
-        arr = np.asarray(flat[k]).astype(flat_like[k].dtype)
-        placed[k] = jax.make_array_from_callback(arr.shape, sh, lambda idx, a=arr: a[idx])
-    return unflatten(placed)
 
 
 def export_config(config: Any) -> bytes:
@@ -122,7 +115,7 @@ class LofiWorker:
                                                                              own[-1]))
             self.loaded_round = int(ckpt.manifest.get("synced_round") or 0)
             latest = averager_lib.Average(self.loaded_round, own[-1],
-                                          store_lib.read_params(store, ckpt))
+                                          store_leaves(store, ckpt))
         if latest is not None and latest.step > step:
             self.loaded_round = latest.round
             state = self._load(trainer, state, latest)
@@ -208,7 +201,7 @@ class LofiWorker:
             if (ckpt is not None and ckpt.step >= step
                     and int(ckpt.manifest["round"]) > self.loaded_round):
                 return averager_lib.Average(int(ckpt.manifest["round"]), ckpt.step,
-                                            store_lib.read_params(self.store, ckpt))
+                                            store_leaves(self.store, ckpt))
             time.sleep(0.2)
         raise SyncTimeoutError(paragraph(
             f"Lo-Fi worker {self.lofi.worker_id} pushed step {step} and waited",
@@ -219,7 +212,8 @@ class LofiWorker:
         ))
 
     def _load(self, trainer: Any, state: TrainState, average: Any) -> TrainState:
-        params = place_flat(average.params, trainer.shardings.params, state.params)
+        params = unflatten(place(average.params, flatten(trainer.shardings.params),
+                                 flatten(state.params)))
         self.loaded_round = max(self.loaded_round, average.round)
         state = state.replace(params=params)
         if self.lofi.reset_optimizer_on_sync:

@@ -27,7 +27,8 @@ from jaxscale.parallel.pipeline import make_layer_runner
 from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.optim import make_optimizer
-from jaxscale.train.state import ModelDef, TrainState, flatten, init_state, unflatten
+from jaxscale.train.state import ModelDef, TrainState, init_state
+from jaxscale.weights.tree import flatten, unflatten
 from jaxscale.train.step import StepContext, batch_sharding, jit_steps
 
 
@@ -165,21 +166,24 @@ def _init_from(path: str, state: TrainState, shardings: TrainState,
                model_cfg: Any = None) -> TrainState:
     """Replaces the freshly initialised parameters with saved ones, placed by the rules.
 
-    Leaves are read and placed one at a time (`init_from.LeafSource`), so a converted model
-    never sits whole on the host.
+    Leaves are read and placed one at a time (`weights.sources.open_weights` +
+    `weights.place`), so a converted model never sits whole on the host.
     """
-    from jaxscale.init_from import LeafSource, check_matches, check_model_config, place_leaves
+    from jaxscale.init_from import check_matches, check_model_config
+    from jaxscale.weights.place import place
+    from jaxscale.weights.sources import open_weights
 
     check_model_config(path, model_cfg)
-    source = LeafSource(path)
-    shapes = source.shapes
+    leaves = open_weights(path).leaves
     if state.frozen:  # LoRA: the saved weights are the frozen base; adapters start fresh
-        shapes = {k: v for k, v in shapes.items() if not lora.is_adapter(k)}
-        check_matches(shapes, flatten(state.frozen), path, model_cfg)
-        placed = place_leaves(source, flatten(shardings.frozen), flatten(state.frozen))
+        leaves = {k: v for k, v in leaves.items() if not lora.is_adapter(k)}
+        check_matches({k: v.shape for k, v in leaves.items()}, flatten(state.frozen), path,
+                      model_cfg)
+        placed = place(leaves, flatten(shardings.frozen), flatten(state.frozen))
         return state.replace(frozen=unflatten(placed))
-    check_matches(shapes, flatten(state.params), path, model_cfg)
-    placed = place_leaves(source, flatten(shardings.params), flatten(state.params))
+    check_matches({k: v.shape for k, v in leaves.items()}, flatten(state.params), path,
+                  model_cfg)
+    placed = place(leaves, flatten(shardings.params), flatten(state.params))
     return state.replace(params=unflatten(placed))
 
 
@@ -191,8 +195,9 @@ def _attach_checkpoints(trainer: Trainer) -> None:
     checkpointer = Checkpointer(trainer.workdir, c.every, c.keep)
     if checkpointer.latest_step() is not None:
         trainer.state, trainer.data_state = checkpointer.restore(trainer.state, trainer.shardings)
-        if trainer.is_primary:
-            print(f"jaxscale: resumed from {checkpointer.directory}/{checkpointer.latest_step()}")
+        if trainer.is_primary:  # the newest step that restored (a broken newer one is skipped)
+            step = int(jax.device_get(trainer.state.step))
+            print(f"jaxscale: resumed from {checkpointer.directory}/{step}")
     trainer.hooks.append(CheckpointHook(checkpointer))
 
 

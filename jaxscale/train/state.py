@@ -26,6 +26,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxscale.models import lookup
 from jaxscale.precision import Policy
 from jaxscale.rules import AxisRules
+# merge_trees: used by train/step.py (the train state keeps trainable and frozen apart).
+from jaxscale.weights.tree import (all_trainable, flatten, merge_trees,  # noqa: F401
+                                   split_trainable, unflatten)
 
 Tree = Any
 
@@ -38,33 +41,6 @@ class TrainState:
     opt_state: Tree
     rng: jax.Array
     extra: dict                # policy state such as the dynamic loss scale
-
-
-def flatten(tree: Mapping) -> dict[str, Any]:
-    """Nested dict -> {'a/b/c': leaf}."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out.update({f"{key}/{k}": v for k, v in flatten(value).items()})
-        else:
-            out[str(key)] = value
-    return out
-
-
-def unflatten(flat: Mapping[str, Any]) -> dict:
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        *parents, leaf = path.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
-
-
-def merge_trees(a: Mapping, b: Mapping) -> dict:
-    """Union of two nested dicts with disjoint leaves (trainable + frozen)."""
-    return unflatten({**flatten(a), **flatten(b)})
 
 
 @dataclass(frozen=True)
@@ -172,16 +148,6 @@ def _opt_state_shardings(abstract_opt: Tree, flat_param_sh: Mapping[str, NamedSh
         return replicated
 
     return jax.tree_util.tree_map_with_path(pick, abstract_opt)
-
-
-def split_trainable(params: Mapping, is_trainable: Callable[[str], bool]) -> tuple[dict, dict]:
-    flat = flatten(params)
-    return (unflatten({k: v for k, v in flat.items() if is_trainable(k)}),
-            unflatten({k: v for k, v in flat.items() if not is_trainable(k)}))
-
-
-def all_trainable(path: str) -> bool:
-    return True
 
 
 def base_extra() -> dict:

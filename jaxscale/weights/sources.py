@@ -1,0 +1,253 @@
+"""`open_weights(location)`: the parameters saved anywhere jaxscale writes or reads them.
+
+Recognised, in this order:
+  * a training workdir (or its `checkpoints/` directory): the newest orbax checkpoint that
+    restores (a truncated or corrupt newer one is skipped with one `BrokenCheckpointWarning`);
+    LoRA runs saved adapters-only get their frozen base rebuilt from the run's config.json;
+  * a params export, `DIR/params/` (`launch.convert --from_hf`, `launch.lofi_average
+    --final=DIR`, `init_from.export_params`): checksummed zarr arrays + JSON manifest;
+  * a Lo-Fi store: its newest published average;
+  * a Hugging Face directory (config.json + safetensors, Llama or ViT).
+Every format yields the same `Weights`: `{path: Leaf}` (shape and dtype up front, values read on
+demand, so nothing is loaded whole unless asked) plus the `config.model` fields the weights were
+made with when the location records them. No format executes code when read (no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.weights.leaf import Leaf
+from jaxscale.weights.tree import flatten, unflatten
+
+MODEL_CONFIG = "model_config.json"  # config.model fields of a launch.convert output
+
+
+class WeightsError(JaxscaleError):
+    """A location holds no weights jaxscale can read."""
+
+
+@dataclass
+class Weights:
+    """The parameters at `location`: {path: Leaf}, read on demand."""
+
+    location: str
+    kind: str                    # 'checkpoint' | 'params' | 'lofi_average' | 'huggingface'
+    leaves: dict[str, Leaf]
+    model_cfg: dict | None = None   # config.model fields the weights were made with, if known
+    lora_cfg: dict | None = None    # config.lora of a training workdir, if any
+    run_config: dict | None = None  # a training workdir's whole config.json
+    step: int | None = None
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: leaf.shape for k, leaf in self.leaves.items()}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every leaf read to the host (small models, tests, LoRA folding)."""
+        return {k: np.asarray(leaf) for k, leaf in self.leaves.items()}
+
+
+def open_weights(location: str) -> Weights:
+    """The weights at `location` (see the module docstring for what is recognised)."""
+    from jaxscale.lofi import store as store_lib
+
+    location = str(location)
+    if _is_dir(os.path.join(location, "checkpoints")) or _is_checkpoint_dir(location):
+        return _with_configs(_checkpoint_weights(location), location)
+    if os.path.isfile(location):
+        raise WeightsError(paragraph(
+            f"{location!r} is a file, not a directory of weights. Point at a training workdir,",
+            "a `launch.convert` output, a `launch.lofi_average --final=DIR` directory, a Lo-Fi",
+            "store or a Hugging Face model directory.",
+        ))
+    store = store_lib.Store(location)
+    try:
+        ckpt = store_lib.load_checkpoint(store, "params")
+        kind = "params"
+    except store_lib.StoreError:
+        ckpt, kind = store_lib.latest_average_checkpoint(store), "lofi_average"
+    if ckpt is not None:
+        return _with_configs(Weights(location, kind, store_leaves(store, ckpt),
+                                     step=ckpt.step), location)
+    if _is_huggingface(location):
+        return _huggingface_weights(location)
+    raise WeightsError(paragraph(
+        f"{location!r} holds no weights jaxscale can read: no training checkpoint, no committed",
+        "params/ export, no Lo-Fi average and no Hugging Face safetensors were found there.",
+        "Point at a training workdir, a `launch.convert` output, a `launch.lofi_average",
+        "--final=DIR` directory, a Lo-Fi store, or a Hugging Face model directory.",
+    ))
+
+
+def _is_dir(path: str) -> bool:
+    from etils import epath
+    return epath.Path(path).is_dir()
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    """A `WORKDIR/checkpoints` directory itself (numbered step directories, no params/)."""
+    from etils import epath
+    p = epath.Path(path)
+    return (p.name == "checkpoints" and p.is_dir()
+            and any(c.name.isdigit() for c in p.iterdir()))
+
+
+def _is_huggingface(path: str) -> bool:
+    from jaxscale.interop.safetensors_io import INDEX, SINGLE
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        os.path.exists(os.path.join(path, n)) for n in (SINGLE, INDEX))
+
+
+def store_leaves(store: Any, ckpt: Any) -> dict[str, Leaf]:
+    """{path: Leaf} of one committed Lo-Fi store checkpoint (a params export, an average, a
+    worker's push), each read whole from the store only when placed or converted."""
+    from jaxscale.lofi import store as store_lib
+
+    def leaf(path: str, entry: dict) -> Leaf:
+        def read(index: Any) -> np.ndarray:
+            arr = store_lib.read_leaf(store, ckpt, path)  # looked up at read time
+            return arr if index is None else arr[index]
+        return Leaf(tuple(entry["shape"]), _store_dtype(entry), read)
+
+    return {path: leaf(path, entry) for path, entry in ckpt.leaves.items()}
+
+
+def _store_dtype(entry: dict) -> np.dtype:
+    """The dtype a store leaf was pushed in (float32 when the manifest does not say)."""
+    import ml_dtypes
+    name = entry.get("dtype", "float32")
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _read_json(path: str) -> dict | None:
+    from etils import epath
+    p = epath.Path(path)
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _with_configs(weights: Weights, location: str) -> Weights:
+    """Adds the model (and LoRA) config a location records: `model_config.json` (a conversion
+    output) or `config.json` (a training workdir, a Lo-Fi final export)."""
+    converted = _read_json(os.path.join(location, MODEL_CONFIG))
+    run = _read_json(os.path.join(location, "config.json"))
+    if weights.kind == "checkpoint" and os.path.basename(location.rstrip("/")) == "checkpoints":
+        run = run or _read_json(os.path.join(os.path.dirname(location.rstrip("/")),
+                                             "config.json"))
+    weights.run_config = run
+    weights.model_cfg = converted or (run or {}).get("model")
+    weights.lora_cfg = None if converted else (run or {}).get("lora")
+    return weights
+
+
+def _huggingface_weights(location: str) -> Weights:
+    """A Hugging Face directory, through the converter of its model_type (lazy leaves in
+    float32, each reading only the layers its part covers)."""
+    source = open_huggingface(location)
+    return Weights(location, "huggingface", source.lazy_leaves(np.float32),
+                   model_cfg=dict(source.model_cfg))
+
+
+def open_huggingface(hf_dir: str) -> Any:
+    """The validated `interop.hf.Source` of a HF directory, by its config's model_type."""
+    from jaxscale.interop import hf, hf_vit
+
+    openers = {"llama": hf.open_llama, "vit": hf_vit.open_vit}
+    model_type = hf.read_hf_config(hf_dir).get("model_type", "llama")
+    if model_type not in openers:
+        raise hf.ConversionError(paragraph(
+            f"{hf_dir}/config.json has model_type={model_type!r}; jaxscale converts",
+            f"{sorted(openers)}.",
+        ))
+    return openers[model_type](hf_dir)
+
+
+# ----------------------------------------------------------------------------- orbax checkpoints
+def _checkpoint_weights(location: str) -> Weights:
+    """Trainable + frozen parameters of the newest restorable step, on one device."""
+    from jaxscale import checkpoint
+
+    root = location if _is_checkpoint_dir(location) else os.path.join(location, "checkpoints")
+    step, restored = checkpoint.newest_restorable(
+        root, lambda step: checkpoint.restore_params(root, step))
+    workdir = os.path.dirname(os.path.abspath(root))
+    frozen = flatten(restored.get("frozen") or {})
+    if "base_fingerprint" in restored:  # LoRA adapters only: rebuild the base the run used
+        frozen = _rebuilt_base(workdir, np.asarray(restored["base_fingerprint"]))
+    flat = {**frozen, **flatten(restored["params"])}
+    leaves = {k: _host_leaf(np.asarray(v)) for k, v in flat.items()}
+    return Weights(location, "checkpoint", leaves, step=step)
+
+
+def _host_leaf(arr: np.ndarray) -> Leaf:
+    return Leaf(arr.shape, arr.dtype, lambda index: arr if index is None else arr[index])
+
+
+def _rebuilt_base(workdir: str, fingerprint: np.ndarray) -> dict:
+    """The frozen base of an adapters-only checkpoint, rebuilt from the run's config.json (its
+    `init_from` or seed) and checked against the fingerprint saved with the adapters."""
+    import ml_collections as mlc
+
+    from jaxscale.checkpoint import base_fingerprint, fingerprints_match
+
+    run = _read_json(os.path.join(workdir, "config.json"))
+    if run is None:
+        raise WeightsError(f"{workdir}'s checkpoint holds LoRA adapters only, and the run's "
+                           "config.json (needed to rebuild the frozen base) is missing.")
+    config = mlc.ConfigDict(run)
+    flat = rebuild_base(config)
+    if not fingerprints_match(fingerprint, np.asarray(base_fingerprint(flat))):
+        raise WeightsError(paragraph(
+            f"{workdir}'s checkpoint holds LoRA adapters only (lora.save_adapters_only), and",
+            "the base weights rebuilt from its config.json (init_from",
+            f"{config.get('init_from') or '(none)'}, seed {config.get('seed')}) are not the ones",
+            "the adapters were trained on: the init_from weights changed or moved. Restore them",
+            "at that path, or train with --config.lora.save_adapters_only=False to save the base.",
+        ))
+    return flat
+
+
+def rebuild_base(config: Any) -> dict:
+    """The frozen LoRA base of a run, rebuilt as the run built it (on one device): its
+    `init_from` weights, or the seed's initialisation. What an adapters-only checkpoint needs
+    to be exported or evaluated (merge it with the restored adapters, then `lora.merge`)."""
+    import jax
+
+    from jaxscale.models import lora
+    from jaxscale.precision import get_policy
+    from jaxscale.train.state import ModelDef
+    from jaxscale.weights.tree import split_trainable
+
+    model_def = lora.with_adapters(ModelDef.build(config.model, get_policy(config.precision)),
+                                   config.lora)
+    params_rng, _ = jax.random.split(jax.random.key(config.seed))  # as train.state._initializer
+    params = jax.jit(model_def.init_params)(params_rng)
+    _, frozen = split_trainable(params, lora.trainable(config.lora))
+    flat = {k: np.asarray(v) for k, v in flatten(frozen).items()}
+    if config.get("init_from"):
+        saved = open_weights(config.init_from).leaves
+        flat.update({k: np.asarray(v, flat[k].dtype) for k, v in saved.items() if k in flat})
+    return flat
+
+
+def merged_params(weights: Weights) -> dict:
+    """The nested parameters of `weights` on the host, LoRA adapters folded into the base:
+    what evaluation, generation and export use."""
+    from jaxscale.models import lora
+
+    flat = weights.arrays()
+    if any(lora.is_adapter(k) for k in flat):
+        lora_cfg = weights.lora_cfg
+        if not lora_cfg or not lora_cfg.get("rank"):
+            raise WeightsError(f"{weights.location} holds LoRA adapters but no lora config; "
+                               "export from the training workdir (its config.json).")
+
+        class _Cfg(dict):
+            __getattr__ = dict.__getitem__
+        return lora.merge(unflatten(flat), _Cfg(lora_cfg))
+    return unflatten(flat)
