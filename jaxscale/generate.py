@@ -22,11 +22,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxscale.errors import JaxscaleError, paragraph
-from jaxscale.models.attention import CACHE_AXES, KVCache
+from jaxscale.models import ModelDef
+from jaxscale.models.attention import CACHE_AXES, KVCache  # noqa: F401 (the cache's names)
 from jaxscale.rules import AxisRules, use_rules
-from jaxscale.train.state import ModelDef
-
-__all__ = ["CACHE_AXES", "KVCache", "forward_cached", "init_cache", "make_generate"]
 
 
 class GenerateError(JaxscaleError):

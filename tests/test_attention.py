@@ -38,9 +38,9 @@ def test_kernels_match_reference_under_every_mask(impl):
     causal = np.tril(np.ones((6, 6), bool))[None].repeat(2, 0)
     segments = jnp.asarray([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
     same = np.asarray(segments)[:, :, None] == np.asarray(segments)[:, None, :]
-    cases = [(Mask.sequence(2, 6), causal),
-             (Mask.sequence(2, 6, segments_BT=segments), causal & same),
-             (Mask.sequence(2, 6, causal=False), np.ones((2, 6, 6), bool))]
+    cases = [(Mask.sequence(6), causal),
+             (Mask.sequence(6, segments_BT=segments), causal & same),
+             (Mask.sequence(6, causal=False), np.ones((2, 6, 6), bool))]
     for mask, visible in cases:
         out = attend(q, k, v, mask, impl=impl)
         chex.assert_shape(out, q.shape)
@@ -48,7 +48,7 @@ def test_kernels_match_reference_under_every_mask(impl):
     # Two new queries at cache slots 3, 4 of an 8-slot cache: slots 5.. are not written yet.
     q2, k8, v8 = _qkv(t=2, s=8, seed=1)
     visible = (np.arange(8)[None, :] <= np.array([3, 4])[:, None])[None].repeat(2, 0)
-    out = attend(q2, k8, v8, Mask.cached(2, 2, jnp.int32(3), 8), impl=impl)
+    out = attend(q2, k8, v8, Mask.cached(2, jnp.int32(3), 8), impl=impl)
     chex.assert_trees_all_close(out, _reference(q2, k8, v8, visible), atol=1e-5, rtol=1e-5)
 
 

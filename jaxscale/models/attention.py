@@ -73,8 +73,9 @@ class KVCache:
 @dataclass(frozen=True)
 class Mask:
     """Which keys each query sees: same segment (when given) and, if causal, key slot <= query
-    slot. `aligned`: the queries are exactly the keys (one whole sequence, no cache), which lets
-    a fused kernel use its built-in causal mask."""
+    slot. Slots shared by every row have a leading 1 (1, T) so no (B, T, S) mask is built.
+    `aligned`: the queries are exactly the keys (one whole sequence, no cache), which lets a
+    fused kernel use its built-in causal mask."""
 
     q_slots_BT: jax.Array
     k_slots_BS: jax.Array
@@ -84,23 +85,22 @@ class Mask:
     aligned: bool = False
 
     @classmethod
-    def sequence(cls, batch: int, length: int, segments_BT: jax.Array | None = None,
+    def sequence(cls, length: int, segments_BT: jax.Array | None = None,
                  causal: bool = True) -> "Mask":
         """Self-attention over one whole sequence per row (training, evaluation, a prefill
-        without cache)."""
-        slots_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        return cls(slots_BT, slots_BT, segments_BT, segments_BT, causal, aligned=True)
+        without cache); `segments_BT` (B, T) ids keep packed documents apart."""
+        slots_1T = jnp.arange(length, dtype=jnp.int32)[None]
+        return cls(slots_1T, slots_1T, segments_BT, segments_BT, causal, aligned=True)
 
     @classmethod
-    def cached(cls, batch: int, length: int, index: jax.Array, cache_len: int) -> "Mask":
+    def cached(cls, length: int, index: jax.Array, cache_len: int) -> "Mask":
         """`length` new queries at slots index.. over a cache of `cache_len` slots: a slot not
         yet written lies after every query, so the causal test also hides it."""
-        q_BT = jnp.broadcast_to(index + jnp.arange(length, dtype=jnp.int32), (batch, length))
-        k_BS = jnp.broadcast_to(jnp.arange(cache_len, dtype=jnp.int32), (batch, cache_len))
-        return cls(q_BT, k_BS)
+        q_1T = (index + jnp.arange(length, dtype=jnp.int32))[None]
+        return cls(q_1T, jnp.arange(cache_len, dtype=jnp.int32)[None])
 
     def dense(self) -> jax.Array | None:
-        """Boolean (B, T, S), True where the query may see the key; None: everything visible."""
+        """Boolean (B or 1, T, S), True where the query may see the key; None: all visible."""
         visible = None
         if self.causal:
             visible = self.k_slots_BS[:, None, :] <= self.q_slots_BT[:, :, None]
@@ -129,12 +129,11 @@ def einsum_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
 def fused_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                     mask: Mask | None, softmax_dtype: Any) -> jax.Array:
     """`jax.nn.dot_product_attention` (cuDNN flash attention on GPUs where it applies)."""
-    if mask is None:
-        return jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD)
-    if mask.aligned and mask.q_segments_BT is None:
+    if mask is not None and mask.aligned and mask.q_segments_BT is None:
         return jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, is_causal=mask.causal)
-    visible_BTS = mask.dense()
-    return jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, mask=visible_BTS[:, None])
+    visible_BTS = None if mask is None else mask.dense()
+    return jax.nn.dot_product_attention(
+        q_BTHD, k_BSKD, v_BSKD, mask=None if visible_BTS is None else visible_BTS[:, None])
 
 
 # Attention kernels by `model.attention`: (q, k, v, mask, softmax dtype) -> out (B, T, H, D).
@@ -191,13 +190,13 @@ class Attention(nnx.Module):
         k_BTKD = constrain(rotary(k_BTKD, positions_BT, self.rope_theta),
                            "batch", "length", "kv", "head_dim")
         v_BTKD = constrain(v_BTKD, "batch", "length", "kv", "head_dim")
-        b, t = x_BTE.shape[:2]
+        t = x_BTE.shape[1]
         if cache is None:
-            k_BSKD, v_BSKD, mask = k_BTKD, v_BTKD, Mask.sequence(b, t)
+            k_BSKD, v_BSKD, mask = k_BTKD, v_BTKD, Mask.sequence(t)
         else:
             cache = cache.write(k_BTKD, v_BTKD, cache_index).constrained(LAYER_CACHE_AXES)
             k_BSKD, v_BSKD = cache.k.astype(c), cache.v.astype(c)
-            mask = Mask.cached(b, t, cache_index, cache.k.shape[1])
+            mask = Mask.cached(t, cache_index, cache.k.shape[1])
         out_BTHD = attend(q_BTHD, k_BSKD, v_BSKD, mask, impl=self.impl,
                           softmax_dtype=self.policy.dtype_for("softmax"))
         out_BTHD = constrain(out_BTHD, "batch", "length", "heads", "head_dim")

@@ -1,11 +1,11 @@
-"""Llama building blocks in Flax NNX (attention: attention.py): every parameter and key activation has logical axis names.
+"""Llama building blocks in Flax NNX: every parameter and key activation has logical axis names.
 
 Parameters are created by `param`, which records `logical_axes` as NNX variable metadata; the
 rules module resolves them to PartitionSpecs. Layers can be created *stacked* (`stack=L`): every
 parameter gets a leading `layers` dimension so the decoder can `scan` over depth (compile time
 independent of depth) and the pipeline can split that axis into stages.
 Shape suffixes: B batch, T length, E embed, H heads, K kv heads, G heads per kv head,
-D head dim, F mlp hidden, V vocab, S source length.
+D head dim, F mlp hidden, V vocab, S source length. Attention (and its KV cache): attention.py.
 """
 
 from __future__ import annotations

@@ -5,20 +5,23 @@ The model knows nothing of meshes, training or checkpoints: it declares logical 
 `layers` dimension; `__call__` scans over it, and `embed` / `run_layers` / `head` are exposed so a
 pipeline schedule can drive the same stack stage by stage. Decoding passes a stacked `KVCache`
 (`init_cache`) and the slot to write at: the same modules then return (logits, updated cache).
+The language-model task loss (`lm_loss`, next-token cross entropy) lives here, beside its model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from jaxscale.models.attention import Attention, KVCache
 from jaxscale.models.layers import MLP, RMSNorm, param
+from jaxscale.models.runner import LayerRunner
 from jaxscale.precision import Policy, get_policy
 from jaxscale.rules import constrain
 
@@ -142,7 +145,7 @@ class Llama(nnx.Module):
                              dtype or self.policy.compute)
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-                 run_layers: Callable[..., jax.Array] | None = None, *,
+                 run_layers: LayerRunner | None = None, *,
                  cache: KVCache | None = None, cache_index: jax.Array | None = None
                  ) -> jax.Array | tuple[jax.Array, KVCache]:
         """Logits for `tokens_BT`; `run_layers(block, h, positions)` may replace the scan.
@@ -166,9 +169,20 @@ class Llama(nnx.Module):
         return self.head(h_BTE)
 
 
-def _register() -> None:
-    from jaxscale.models import register
-    register("llama", LlamaConfig, Llama)
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy, reduced in float32 whatever the compute dtype."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BTV.astype(jnp.float32), targets_BT)
+    return jnp.mean(losses)
 
 
-_register()
+def lm_loss(model: Llama, batch: Mapping[str, jax.Array],
+            run_layers: LayerRunner | None = None) -> jax.Array:
+    """Next-token loss of a decoder LM on `batch['tokens']` (B, T+1): inputs [:, :-1],
+    targets [:, 1:]. A runner that fuses the loss (1F1B) runs head and loss in its schedule."""
+    tokens_BT1 = constrain(batch["tokens"], "batch", "length")
+    if run_layers is not None and run_layers.fuses_loss:
+        return run_layers.fused_loss(model, tokens_BT1[:, :-1], tokens_BT1[:, 1:], cross_entropy)
+    logits_BTV = model(tokens_BT1[:, :-1], run_layers=run_layers)
+    return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
