@@ -17,7 +17,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxscale.errors import ConfigError, paragraph
+from jaxscale.errors import ConfigError
 from jaxscale.models.llama import REMAT_POLICIES
 from jaxscale.models.runner import LayerRunner, LossFn
 from jaxscale.parallel.gpipe import pipeline_layers
