@@ -52,11 +52,13 @@ def saved_steps(root: str) -> list[int]:
 
 
 def newest_restorable(root: str, restore: Callable[[int], T],
-                      none_restores: Callable[[int, Exception], Exception] | None = None
+                      none_restores: Callable[[int, Exception], Exception] | None = None,
+                      on_fallback: Callable[[list[int]], str] | None = None
                       ) -> tuple[int, T]:
     """(step, restore(step)) for the newest step that restores. Steps that fail (a torn copy,
-    a disk error) are skipped with one `BrokenCheckpointWarning` naming them; when none
-    restores, raises `none_restores(newest step, its error)` (default: a CheckpointError)."""
+    a disk error) are skipped with one `BrokenCheckpointWarning` naming them (plus what
+    `on_fallback(broken steps)` did with them); when none restores, raises
+    `none_restores(newest step, its error)` (default: a CheckpointError)."""
     steps = saved_steps(root)
     if not steps:
         raise CheckpointError(f"No complete checkpoint under {root}; train with "
@@ -72,10 +74,11 @@ def newest_restorable(root: str, restore: Callable[[int], T],
             continue
         if broken:
             names = ", ".join(f"step {s} ({_short(e)})" for s, e in broken)
+            done = on_fallback([s for s, _ in broken]) if on_fallback else (
+                "Delete the broken step directory to silence this warning.")
             warnings.warn(BrokenCheckpointWarning(paragraph(
                 f"Checkpoint {names} under {root} does not restore (truncated or corrupt",
-                f"files); using step {step}, the newest that does. Delete the broken step",
-                "directory to silence this warning.",
+                f"files); using step {step}, the newest that does.", done,
             )), stacklevel=2)
         return step, value
     step, error = broken[0]
@@ -221,8 +224,8 @@ class Checkpointer:
             ))
 
         if step is None:
-            step, (adapters_only, restored) = newest_restorable(self.directory, attempt,
-                                                                mismatch)
+            step, (adapters_only, restored) = newest_restorable(
+                self.directory, attempt, mismatch, self._set_aside)
         else:
             try:
                 adapters_only, restored = attempt(step)
@@ -236,6 +239,23 @@ class Checkpointer:
                             opt_state=s["opt_state"], rng=jax.random.wrap_key_data(s["rng"]),
                             extra=s["extra"])
         return new, dict(restored["data"] or {}) or None
+
+    def _set_aside(self, broken: list[int]) -> str:
+        """Renames broken steps to `<step>.broken` (kept for inspection, ignored by orbax) so
+        that the resumed run can save those step numbers again."""
+        moved = []
+        if jax.process_index() == 0:
+            for step in broken:
+                src = epath.Path(self.directory) / str(step)
+                dst = epath.Path(self.directory) / f"{step}.broken"
+                n = 1
+                while dst.exists():
+                    dst, n = epath.Path(self.directory) / f"{step}.broken{n}", n + 1
+                src.rename(dst)
+                moved.append(dst.name)
+        self.manager.reload()
+        return (f"The broken step was moved aside to {', '.join(moved)} (nothing deleted) so "
+                "that this run can save that step again." if moved else "")
 
     def _check_base(self, step: int, saved: jax.Array, frozen: Any) -> None:
         current = np.asarray(jax.device_get(base_fingerprint(frozen)))

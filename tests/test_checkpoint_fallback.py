@@ -64,7 +64,7 @@ def _cli(*args):
     ("launch.evaluate", ["--max_batches=1"]),
     ("launch.generate", ["--prompt=ab", "--steps=2"]),
     ("launch.train", ["--config=configs/tiny_lm.py:test", "--config.train.steps=5",
-                      "--config.train.eval_every=0", "--config.checkpoint.every=0"]),
+                      "--config.train.eval_every=0", "--config.checkpoint.every=2"]),
 ])
 def test_cli_falls_back_past_a_truncated_checkpoint(broken_run, tmp_path, module, args):
     import shutil
@@ -78,3 +78,5 @@ def test_cli_falls_back_past_a_truncated_checkpoint(broken_run, tmp_path, module
     if module == "launch.train":
         steps = [json.loads(line)["step"] for line in open(os.path.join(workdir, "metrics.jsonl"))]
         assert steps[-3:] == [3, 4, 5]  # resumed from step 2, not from the broken step 4
+        ckpts = os.listdir(os.path.join(workdir, "checkpoints"))
+        assert "4.broken" in ckpts and {"4", "5"} <= set(ckpts), ckpts  # kept, then re-saved

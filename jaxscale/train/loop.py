@@ -169,12 +169,15 @@ def _init_from(path: str, state: TrainState, shardings: TrainState,
     Leaves are read and placed one at a time (`weights.sources.open_weights` +
     `weights.place`), so a converted model never sits whole on the host.
     """
-    from jaxscale.init_from import check_matches, check_model_config
+    from jaxscale.init_from import InitFromError, check_matches, check_model_config
     from jaxscale.weights.place import place
-    from jaxscale.weights.sources import open_weights
+    from jaxscale.weights.sources import WeightsError, open_weights
 
     check_model_config(path, model_cfg)
-    leaves = open_weights(path).leaves
+    try:
+        leaves = open_weights(path).leaves
+    except WeightsError as e:
+        raise InitFromError(f"config.init_from: {e}") from None
     if state.frozen:  # LoRA: the saved weights are the frozen base; adapters start fresh
         leaves = {k: v for k, v in leaves.items() if not lora.is_adapter(k)}
         check_matches({k: v.shape for k, v in leaves.items()}, flatten(state.frozen), path,
