@@ -115,7 +115,8 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, policy: Policy | None = None):
         policy = policy or get_policy("32-true")
         if cfg.remat not in REMAT_POLICIES:
-            raise ValueError(f"Unknown remat policy {cfg.remat!r}; use one of {list(REMAT_POLICIES)}.")
+            raise ValueError(f"Unknown remat policy {cfg.remat!r}; "
+                             f"use one of {list(REMAT_POLICIES)}.")
         self.cfg, self.policy = cfg, policy
         self.embedding = param(rngs, (cfg.vocab_size, cfg.embed), ("vocab", "embed"),
                                fan_in=1, dtype=policy.param)

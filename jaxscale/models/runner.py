@@ -11,13 +11,14 @@ must divide into them) and call `scaled(loss_scale)` under float16 loss scaling.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]  # (logits, targets) -> mean loss
 
 
+@runtime_checkable
 class LayerRunner(Protocol):
     microbatches: int  # a batch's rows are split into this many microbatches
     fuses_loss: bool   # True: use `fused_loss` (layers + head + loss) instead of `__call__`
