@@ -26,6 +26,7 @@ from jaxscale import __version__
 from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.lofi.manifest import CHECKSUM, FORMAT
+from jaxscale.lofi.trust import TrimError, round_step, step_problem, trim_count, worker_weights
 from jaxscale.lofi.reduce import Abort, Drop, RoundInputs, reduce_round
 from jaxscale.lofi.store import (Checkpoint, LostRace, Store, StoreError, average_prefix, commit,
                                  committed_data, latest_average_checkpoint, load_checkpoint,
@@ -85,6 +86,8 @@ class AveragerConfig:
     chunk_budget_bytes: int = 64 << 20
     claim_timeout_s: float = 900.0                    # a dead averager's claim expires after
     clip_iters: int = 3                               # centered_clip iterations
+    max_step: int | None = None    # the job's train.steps: a push claiming more is rejected
+    batch_size: int | None = None  # the job's per-worker batch: bounds a worker's weight
 
     def __post_init__(self) -> None:
         problems = [f"{name}={value!r} ({rule})" for name, value, ok, rule in (
@@ -94,6 +97,8 @@ class AveragerConfig:
             ("outer", self.outer, self.outer in ("none", "diloco"), "'none' or 'diloco'"),
             ("trim", self.trim, 0 <= self.trim < 0.5, "a fraction per end, in [0, 0.5)"),
             ("tau", self.tau, self.tau > 0, "a positive radius"),
+            ("trim", self.trim, self.aggregator != "trimmed_mean" or self.trim > 0,
+             "trimmed_mean must trim: use --aggregator=mean for an untrimmed mean"),
             ("chunk_budget_bytes", self.chunk_budget_bytes, self.chunk_budget_bytes > 0,
              "positive")) if not ok]
         if problems:
@@ -123,13 +128,17 @@ def job_settings(store: Store) -> dict:
           and all(isinstance(job.get(k), int) and job[k] >= 0 for k in JOB_FIELDS[1:])
           and (allowed is None or (isinstance(allowed, list)
                                    and all(isinstance(w, int) for w in allowed)))
-          and job.get("sync", "end") in LOFI_SYNC_MODES)
+          and job.get("sync", "end") in LOFI_SYNC_MODES
+          and all(isinstance(job.get(k, 1), int) and job.get(k, 1) > 0
+                  for k in ("total_steps", "batch_size")))
     if not ok:
         raise StoreError(f"average/0: the job settings {job!r} are malformed; expected "
                          f"integers for {', '.join(JOB_FIELDS)} and a sync in "
                          f"{LOFI_SYNC_MODES}.")
     settings = {"allowed_workers": tuple(allowed) if allowed is not None else None,
                 "min_workers": job["min_workers"], "max_staleness": job["max_staleness"]}
+    settings.update({name: job[k] for k, name in (("total_steps", "max_step"),
+                                                  ("batch_size", "batch_size")) if k in job})
     if "sync" in job:
         settings["outer"] = "diloco" if job["sync"] == "diloco" else "none"
     return settings
@@ -212,6 +221,10 @@ def _candidates(store: Store, cfg: AveragerConfig, base: Checkpoint,
             except StoreError as e:
                 report.skipped[worker] = str(e)
                 continue
+            bad_step = step_problem(ckpt.step, cfg.max_step)
+            if bad_step:  # an impossible claim: invalid like a corrupt push
+                report.skipped[worker] = f"step {step}: {bad_step}"
+                continue
             problem = _structure_problem(ckpt, base) or _staleness(ckpt, base, cfg)
             if problem:
                 report.skipped[worker] = f"step {step}: {problem}"
@@ -281,13 +294,24 @@ def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
     data = f"{average_prefix(round_)}/d{json.loads(token)['token'][:16]}"
     try:
         _publish_until_quorum(store, round_, base, workers, cfg, report, data)
-    except (Abort, StoreError) as e:
+    except (Abort, StoreError, TrimError) as e:
         report.note = str(e)
+        _warn_once(f"round {round_} not published: {e}")
     finally:
         if not report.published:
             _release(store, round_, token, data)
         report.bytes_read, report.bytes_written = store.bytes_read, store.bytes_written
     return report
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Logs a refusal once per averager process (a watching averager retries every poll)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning("%s", message)
 
 
 def _committed_note(store: Store, round_: int) -> str:
@@ -337,8 +361,9 @@ def _publish(store: Store, round_: int, base: Checkpoint, workers: dict[int, Che
                 "checksum": CHECKSUM, "chunk": store.chunk, "kind": "average", "round": round_,
                 "base_round": base.manifest["round"],
                 "data": data.rsplit("/", 1)[1],
-                "step": max(c.step for c in workers.values()),
-                "samples_seen": sum(c.manifest["samples_seen"] for c in workers.values()),
+                "step": round_step([c.step for c in workers.values()]),
+                "samples_seen": int(sum(worker_weights(list(workers.values()), cfg.batch_size))),
+                **_trimmed(cfg, len(workers), round_),
                 "aggregator": cfg.aggregator, "outer": cfg.outer,
                 "io": {"bytes_read": store.bytes_read - read0,
                        "bytes_written": store.bytes_written - written0},
@@ -351,6 +376,16 @@ def _publish(store: Store, round_: int, base: Checkpoint, workers: dict[int, Che
         store.delete_prefix(f"{data}/scratch")
     except Exception as e:  # noqa: BLE001 - never fail (or unpublish) a committed round
         log.warning("round %d: could not remove %s/scratch (%s)", round_, data, e)
+
+
+def _trimmed(cfg: AveragerConfig, n: int, round_: int) -> dict:
+    """The round's record of what trimmed_mean dropped (also logged)."""
+    if cfg.aggregator != "trimmed_mean":
+        return {}
+    k = trim_count(n, cfg.trim)
+    log.info("round %d: trimmed_mean dropped the %d lowest and %d highest of %d values per "
+             "coordinate", round_, k, k, n)
+    return {"trimmed": {"per_side": k, "of": n}}
 
 
 @dataclass(frozen=True)

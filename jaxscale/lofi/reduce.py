@@ -23,6 +23,7 @@ from jaxscale.lofi.chunkfiles import ALIGN, aligned_empty
 from jaxscale.lofi.manifest import CHECKSUM
 from jaxscale.lofi.store import (CHUNK, Checkpoint, Store, StoreError, _verified, chunk_sums,
                                  read_many, read_range, start_reads)
+from jaxscale.lofi.trust import worker_weights
 
 log = logging.getLogger("jaxscale.lofi")
 
@@ -54,9 +55,10 @@ class RoundInputs:
 
     @property
     def weights(self) -> np.ndarray:
-        """Samples seen per worker; equal weights if every worker reports zero."""
-        w = np.array([self.workers[i].manifest["samples_seen"] for i in self.ids], np.float64)
-        return aggregate.check_weights(w if w.sum() > 0 else np.ones_like(w))
+        """Samples seen per worker, bounded (`trust.worker_weights`); equal weights if every
+        worker reports zero."""
+        w = worker_weights([self.workers[i] for i in self.ids], self.cfg.batch_size)
+        return aggregate.check_weights(w)
 
     def size(self, leaf: str) -> int:
         return int(np.prod(self.base.leaves[leaf]["shape"]))

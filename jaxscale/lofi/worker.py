@@ -101,7 +101,8 @@ class LofiWorker:
         (a `diloco` job gets the outer optimizer without the averager being told)."""
         allowed = averager_lib.parse_allowed(self.lofi.allowed_workers, self.lofi.num_workers)
         return {"allowed_workers": list(allowed), "min_workers": int(self.lofi.min_workers),
-                "max_staleness": int(self.lofi.max_staleness), "sync": str(self.lofi.sync)}
+                "max_staleness": int(self.lofi.max_staleness), "sync": str(self.lofi.sync),
+                "total_steps": int(self.total_steps), "batch_size": int(self.batch_size)}
 
     def start(self, trainer: Any, state: TrainState) -> TrainState:
         """At launch: publish the initial weights as round 0 if nobody has, then continue from

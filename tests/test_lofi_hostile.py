@@ -1,0 +1,109 @@
+"""Lo-Fi under hostile peers and failing disks (issue 22): each test builds the attack or the
+fault the way a fault-injection review did (craft a push, corrupt a file, kill a process) and
+checks that it costs one push, never the run, and never steers the average."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from jaxscale.errors import ConfigError
+from jaxscale.lofi import store as S
+from jaxscale.lofi.averager import AveragerConfig, publish_initial, run_round
+from tests.lofi_common import TINY_BUDGET, _params, _push, _reference
+
+JOB = {"allowed_workers": [0, 1, 2, 3], "min_workers": 1, "max_staleness": 0, "sync": "end",
+       "total_steps": 100, "batch_size": 4}
+
+
+@pytest.fixture
+def job_store(tmp_path):
+    """A store whose round 0 records the job settings a worker writes (train.steps=100,
+    per-worker batch 4)."""
+    st = S.Store(str(tmp_path / "job_store"))
+    publish_initial(st, _params(0), job=JOB)
+    return st
+
+
+def _shifted(offset, seed=0):
+    return {k: v + offset for k, v in _params(seed).items()}
+
+
+def _avg(st, round_):
+    return S.read_params(st, S.load_checkpoint(st, f"average/{round_}"))
+
+
+def test_trimmed_mean_trims_one_per_side_with_4_workers_and_says_so(store):
+    """floor(0.2 x 4) = 0 used to trim nothing: one x1000 push moved the round 2.5e4 times the
+    honest update."""
+    for w, p in enumerate([_shifted(0.01), _shifted(0.02), _shifted(0.03),
+                           {k: v * 1000 for k, v in _params(0).items()}]):
+        _push(store, w, 5, p)
+    cfg = dataclasses.replace(TINY_BUDGET, aggregator="trimmed_mean")
+    report = run_round(store, cfg)
+    assert report.round == 1, report.note
+    got, base = _avg(store, 1), _params(0)
+    honest = [_shifted(0.01), _shifted(0.02), _shifted(0.03)]
+    for k in base:  # every coordinate stays inside the honest workers' range
+        assert np.all(got[k] >= np.minimum.reduce([h[k] for h in honest]) - 1e-5)
+        assert np.all(got[k] <= np.maximum.reduce([h[k] for h in honest]) + 1e-5)
+    assert S.load_checkpoint(store, "average/1").manifest["trimmed"] == {"per_side": 1, "of": 4}
+
+
+def test_trimmed_mean_refuses_a_trim_that_removes_nothing(store):
+    with pytest.raises(ConfigError, match="trimmed_mean must trim"):
+        AveragerConfig(aggregator="trimmed_mean", trim=0.0)
+    _push(store, 0, 5, _shifted(1.0))
+    _push(store, 1, 5, _shifted(2.0))
+    report = run_round(store, dataclasses.replace(TINY_BUDGET, aggregator="trimmed_mean"))
+    assert not report.published and "cannot drop a value at each end" in report.note
+    assert S.average_rounds(store) == [0] and store.read("average/1/CLAIM") is None
+
+
+@pytest.mark.parametrize("aggregator", ["mean", "centered_clip"])
+def test_claimed_samples_are_bounded_by_steps_times_the_jobs_batch(job_store, aggregator):
+    """A worker claiming 2^61 samples seen weighs what step x batch allows, like the others."""
+    pushed = [_shifted(0.1), _shifted(0.2), _shifted(0.3), _shifted(5.0)]
+    for w, p in enumerate(pushed):
+        _push(job_store, w, 10, p, samples=2**61 if w == 3 else 40)
+    cfg = dataclasses.replace(TINY_BUDGET, aggregator=aggregator, tau=0.5).with_job(job_store)
+    assert (cfg.max_step, cfg.batch_size) == (100, 4)
+    assert run_round(job_store, cfg).round == 1
+    ref = _reference(aggregator, _params(0), pushed, np.full(4, 40.0), tau=0.5)
+    for k, v in _avg(job_store, 1).items():
+        np.testing.assert_allclose(v, ref[k], rtol=1e-5, atol=1e-5)
+
+
+def test_claimed_samples_are_capped_relative_to_the_median_without_job_settings(store):
+    pushed = [_shifted(0.1), _shifted(0.2), _shifted(0.3), _shifted(5.0)]
+    for w, p in enumerate(pushed):
+        _push(store, w, 10, p, samples=2**61 if w == 3 else 100)
+    assert run_round(store, TINY_BUDGET).round == 1
+    ref = _reference("mean", _params(0), pushed, np.array([100.0, 100, 100, 200]))
+    for k, v in _avg(store, 1).items():
+        np.testing.assert_allclose(v, ref[k], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("step", [100_000, 2**40])
+def test_impossible_step_is_rejected_and_round_step_is_not_one_workers_claim(job_store, step):
+    _push(job_store, 0, 10, _shifted(0.1))
+    _push(job_store, 1, 10, _shifted(0.2))
+    _push(job_store, 2, step, _shifted(0.3))
+    cfg = TINY_BUDGET.with_job(job_store)
+    report = run_round(job_store, cfg)
+    assert report.used == {0: 10, 1: 10}
+    assert "beyond" in report.skipped[2] and "rejected" in report.skipped[2]
+    assert S.load_checkpoint(job_store, "average/1").step == 10
+    # Within the job's steps, a single worker's claim still does not set the round's step.
+    for w, s in ((0, 20), (1, 20), (2, 90)):
+        _push(job_store, w, s, _shifted(0.4))
+    assert run_round(job_store, cfg).used == {0: 20, 1: 20, 2: 90}
+    assert S.load_checkpoint(job_store, "average/2").step == 20
+
+
+def test_step_beyond_int32_is_rejected_without_job_settings(store):
+    _push(store, 0, 5, _shifted(0.1))
+    _push(store, 1, 2**40, _shifted(0.2))
+    report = run_round(store, TINY_BUDGET)
+    assert report.used == {0: 5} and "int32" in report.skipped[1]
