@@ -20,7 +20,8 @@ from jaxscale.lofi import index
 from jaxscale.lofi.accounting import accounting_lines, export_final
 from jaxscale.lofi.averager import (AveragerConfig, describe, run_round, trim_heap,
                                     tune_allocator)
-from jaxscale.lofi.store import Store, latest_average_checkpoint
+from jaxscale.lofi.localfs import check_store_root
+from jaxscale.lofi.store import Store, kvstore_spec, latest_average_checkpoint
 
 _STORE = flags.DEFINE_string("store", None, "Store location (path, gs://, s3://).", required=True)
 _WATCH = flags.DEFINE_bool("watch", False, "Keep running rounds as workers push.")
@@ -69,6 +70,7 @@ def _stop(signum, frame):
 def main(argv):
     signal.signal(signal.SIGTERM, _stop)
     tune_allocator()
+    check_store_root(_STORE.value, kvstore_spec(_STORE.value), must_exist=not _WATCH.value)
     store = Store(_STORE.value)
     unlisted = index.repair(store) if _REPAIR_INDEX.value else []
     if unlisted:

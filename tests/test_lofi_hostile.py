@@ -3,15 +3,19 @@ fault the way a fault-injection review did (craft a push, corrupt a file, kill a
 checks that it costs one push, never the run, and never steers the average."""
 
 import dataclasses
-import json
+import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from jaxscale.errors import ConfigError
 from jaxscale.lofi import store as S
+from jaxscale.lofi.accounting import accounting_lines
 from jaxscale.lofi.averager import AveragerConfig, publish_initial, run_round
-from tests.lofi_common import TINY_BUDGET, _params, _push, _reference
+from tests.lofi_common import ROOT, TINY_BUDGET, _params, _push, _reference, data_dir
 
 JOB = {"allowed_workers": [0, 1, 2, 3], "min_workers": 1, "max_staleness": 0, "sync": "end",
        "total_steps": 100, "batch_size": 4}
@@ -107,3 +111,74 @@ def test_step_beyond_int32_is_rejected_without_job_settings(store):
     _push(store, 1, 2**40, _shifted(0.2))
     report = run_round(store, TINY_BUDGET)
     assert report.used == {0: 5} and "int32" in report.skipped[1]
+
+
+# ------------------------------------------------------------ a bad object costs one push
+def _lofi_average(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "launch.lofi_average", *args], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _local(st, key):
+    return os.path.join(st.location, key)
+
+
+def test_unreadable_manifest_or_commit_costs_one_push_not_the_accounting(job_store, tmp_path):
+    _push(job_store, 0, 5, _shifted(1.0))
+    _push(job_store, 1, 5, _shifted(2.0))
+    _push(job_store, 2, 5, _shifted(3.0))
+    os.remove(_local(job_store, f"{data_dir(job_store, 'workers/1/5')}/manifest.json"))
+    with open(_local(job_store, "workers/2/5/COMMIT"), "wb") as f:
+        f.write(b"\xff\x00 not a commit")
+    proc = _lofi_average(f"--store={job_store.location}", f"--final={tmp_path / 'final'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "round 1: averaged w0@5" in proc.stdout and "skipped w1" in proc.stdout
+    assert "final average exported" in proc.stdout and "Lo-Fi total" in proc.stdout
+    assert any("Lo-Fi total" in line for line in accounting_lines(job_store.location))
+
+
+@pytest.mark.parametrize("where", ["array_dir", "worker_dir", "manifest"])
+def test_symlinks_in_the_store_are_never_followed(store, tmp_path, where):
+    """A link to an exact copy of the data (checksums pass) is still refused: a link can point
+    anywhere, and the store never contains one."""
+    _push(store, 0, 5, _shifted(1.0))
+    _push(store, 1, 5, _shifted(2.0))
+    target = {"array_dir": f"{data_dir(store, 'workers/1/5')}/arrays/layers",
+              "worker_dir": "workers/1",
+              "manifest": f"{data_dir(store, 'workers/1/5')}/manifest.json"}[where]
+    outside = str(tmp_path / "outside" / "copy")
+    if where == "manifest":
+        os.makedirs(os.path.dirname(outside))
+        shutil.copy(_local(store, target), outside)
+        os.remove(_local(store, target))
+    else:
+        shutil.copytree(_local(store, target), outside)
+        shutil.rmtree(_local(store, target))
+    os.symlink(outside, _local(store, target))
+    report = run_round(store, TINY_BUDGET)
+    assert report.used == {0: 5} and "symbolic link" in report.skipped[1], report.skipped
+
+
+@pytest.mark.parametrize("where", ["chunk", "manifest"])
+def test_a_fifo_in_the_store_is_skipped_not_waited_on(job_store, where):
+    _push(job_store, 0, 5, _shifted(1.0))
+    _push(job_store, 1, 5, _shifted(2.0))
+    key = (f"{data_dir(job_store, 'workers/1/5')}/arrays/layers/w/c/1" if where == "chunk"
+           else f"{data_dir(job_store, 'workers/1/5')}/manifest.json")
+    os.remove(_local(job_store, key))
+    os.mkfifo(_local(job_store, key))
+    proc = _lofi_average(f"--store={job_store.location}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "round 1: averaged w0@5" in proc.stdout
+    assert "skipped w1" in proc.stdout and "not a regular file" in proc.stdout
+
+
+def test_lofi_average_refuses_a_store_that_is_missing_or_a_file(tmp_path):
+    missing = _lofi_average(f"--store={tmp_path / 'typo'}")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr and not (tmp_path / "typo").exists()
+    (tmp_path / "file").write_text("not a store")
+    afile = _lofi_average(f"--store={tmp_path / 'file'}")
+    assert afile.returncode == 2 and "is a file, not a Lo-Fi store" in afile.stderr
+    assert "Traceback" not in afile.stderr

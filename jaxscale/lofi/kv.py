@@ -16,6 +16,7 @@ import tensorstore as ts
 import xxhash
 
 from jaxscale.lofi.chunkfiles import ChunkFiles
+from jaxscale.lofi.localfs import check_path
 from jaxscale.lofi.manifest import CHECKSUM, CHUNK
 
 NO_VALUE = b"\x02"          # tensorstore's "key absent" storage generation (create-if-absent)
@@ -120,6 +121,7 @@ class Store:
         self._unsynced = False
 
     def read(self, key: str) -> bytes | None:
+        check_path(self.spec, key, leaf_is_dir=False)  # never a link, FIFO or device
         result = self.kv.read(key).result()
         if result.state != "value":
             return None

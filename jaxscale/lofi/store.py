@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxscale import __version__
 from jaxscale.errors import paragraph
-from jaxscale.lofi import index
+from jaxscale.lofi import index, localfs
 from jaxscale.lofi.kv import Store, chunk_sums, kvstore_spec
 from jaxscale.lofi.manifest import (CHECKSUM, CHUNK, DTYPES, FORMAT, StoreError,
                                     check_leaf_path, checksum_of, chunk_of, validate_manifest)
@@ -170,6 +170,7 @@ def committed_data(store: Store, prefix: str) -> str | None:
 
 def load_checkpoint(store: Store, prefix: str) -> Checkpoint:
     """The committed checkpoint at `prefix`, or StoreError saying why it is not usable."""
+    localfs.check_path(store.spec, f"{prefix}/COMMIT", leaf_is_dir=False)
     marker = store.read(f"{prefix}/COMMIT")
     if marker is None:
         raise StoreError(f"{prefix}: no commit marker; the write is partial.")
@@ -177,6 +178,8 @@ def load_checkpoint(store: Store, prefix: str) -> Checkpoint:
     if relative and not _COMMITTED_RE.match(relative):
         raise StoreError(f"{prefix}: the commit marker names {relative!r}, not an attempt's "
                          "manifest; rejected.")
+    if relative:  # links and FIFOs are never followed or opened (`localfs.py`)
+        localfs.check_tree(store.spec, f"{prefix}/{relative.split('/', 1)[0]}")
     data = store.read(f"{prefix}/{relative or 'manifest.json'}")
     if data is None:
         raise StoreError(f"{prefix}: the committed manifest is missing (corrupt).")
