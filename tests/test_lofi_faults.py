@@ -365,5 +365,6 @@ def test_corrupt_committed_round_is_reported_not_waited_for(store):
     store.kv.write("average/1/COMMIT", b"0" * 64 + b" " + S.committed_data(
         store, "average/1").encode() + b"/manifest.json").result()  # ... now it is not
     _push(store, 0, 6, _params(2))
-    report = run_round(store, TINY_BUDGET)
-    assert not report.published and "average/1 is committed but does not verify" in report.note
+    report = run_round(store, TINY_BUDGET)  # built on round 0, the newest that verifies
+    assert report.round == 2 and "average/1 is committed but does not verify" in report.fallback
+    assert "built on the previous good average (round 0)" in report.fallback

@@ -14,7 +14,8 @@ import pytest
 from jaxscale.errors import ConfigError
 from jaxscale.lofi import store as S
 from jaxscale.lofi.accounting import accounting_lines
-from jaxscale.lofi.averager import AveragerConfig, publish_initial, run_round
+from jaxscale.lofi.averager import (AveragerConfig, describe, latest_average, publish_initial,
+                                    run_round)
 from tests.lofi_common import ROOT, TINY_BUDGET, _params, _push, _reference, data_dir
 
 JOB = {"allowed_workers": [0, 1, 2, 3], "min_workers": 1, "max_staleness": 0, "sync": "end",
@@ -182,3 +183,45 @@ def test_lofi_average_refuses_a_store_that_is_missing_or_a_file(tmp_path):
     afile = _lofi_average(f"--store={tmp_path / 'file'}")
     assert afile.returncode == 2 and "is a file, not a Lo-Fi store" in afile.stderr
     assert "Traceback" not in afile.stderr
+
+
+# ------------------------------------------------------------ damaged commits: a way forward
+def _flip_a_bit(st, prefix, leaf="layers/w"):
+    """Flips one bit in the middle of a committed checkpoint's first chunk file of `leaf`."""
+    path = _local(st, f"{data_dir(st, prefix)}/arrays/{leaf}/c/0")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_bit_flipped_average_is_recomputed_from_its_intact_inputs(store, caplog):
+    _push(store, 0, 5, _shifted(1.0))
+    _push(store, 1, 5, _shifted(3.0))
+    assert run_round(store, TINY_BUDGET).round == 1
+    intended = _avg(store, 1)
+    _flip_a_bit(store, "average/1")
+    with caplog.at_level("WARNING"):
+        assert latest_average(store).round == 0  # what a restarting worker loads meanwhile
+    assert "average/1 does not verify" in caplog.text
+    report = run_round(store, TINY_BUDGET)  # nothing new was pushed: the idle check finds it
+    assert report.round == 2 and report.used == {0: 5, 1: 5}
+    assert "recomputes round 1 from its inputs" in report.fallback
+    assert "fallback: average/1 is committed but does not verify" in describe(report)
+    for k, v in _avg(store, 2).items():
+        np.testing.assert_array_equal(v, intended[k])
+    assert latest_average(store).round == 2
+    assert run_round(store, TINY_BUDGET).note.startswith("nothing new")
+
+
+def test_bit_flipped_average_with_new_pushes_builds_on_the_previous_good_one(store):
+    _push(store, 0, 5, _shifted(1.0))
+    assert run_round(store, TINY_BUDGET).round == 1
+    _flip_a_bit(store, "average/1")
+    _push(store, 0, 6, _shifted(2.0))
+    report = run_round(store, TINY_BUDGET)  # found damaged while streaming the base
+    assert report.round == 2 and report.used == {0: 6}
+    assert "built on the previous good average (round 0)" in report.fallback
+    for k, v in _avg(store, 2).items():
+        np.testing.assert_allclose(v, _shifted(2.0)[k], rtol=1e-6)

@@ -25,6 +25,7 @@ import numpy as np
 from jaxscale import __version__
 from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import ConfigError, paragraph
+from jaxscale.lofi import fallback
 from jaxscale.lofi.manifest import CHECKSUM, FORMAT
 from jaxscale.lofi.trust import TrimError, round_step, step_problem, trim_count, worker_weights
 from jaxscale.lofi.reduce import Abort, Drop, RoundInputs, reduce_round
@@ -162,6 +163,7 @@ class RoundReport:
     bytes_read: int = 0
     bytes_written: int = 0
     note: str = ""
+    fallback: str = ""        # what was done about a damaged newest average, if anything
 
     @property
     def published(self) -> bool:
@@ -272,28 +274,50 @@ def _release(store: Store, round_: int, token: bytes, data: str) -> None:
 
 
 def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
-    """One averaging round; publishes `average/<round>` or says (in `note`) why not."""
+    """One averaging round; publishes `average/<round>` or says (in `note`) why not. A damaged
+    newest average is passed over: the round is built on the newest one that verifies
+    (`fallback.py`), and `fallback` says so."""
     store = location if isinstance(location, Store) else Store(location)
-    report = RoundReport()
-    base = latest_average_checkpoint(store)
-    if base is None:
-        report.note = "no initial average (round 0) yet: start a worker first"
+    damaged: dict[int, str] = {}
+    while True:
+        report = RoundReport()
+        base, newest = fallback.base_and_damaged(store, damaged)
+        if base is None:
+            report.note = "no initial average (round 0) yet: start a worker first"
+            return report
+        try:
+            _round_on(store, cfg, base, max(newest, int(base.manifest["round"])) + 1, report)
+        except fallback.BaseDamaged as e:
+            damaged[int(base.manifest["round"])] = str(e)
+            continue
+        if report.published and damaged:
+            report.fallback = fallback.note(store, damaged, base, report.used, report.round)
+            log.warning("%s", report.fallback)
         return report
+
+
+def _round_on(store: Store, cfg: AveragerConfig, base: Checkpoint, round_: int,
+              report: RoundReport) -> None:
+    """The round `round_` built on `base` (raises BaseDamaged if `base` turns out damaged)."""
     workers = _candidates(store, cfg, base, report)
-    round_ = int(base.manifest["round"]) + 1
+    if len(workers) < cfg.min_workers or store.read(
+            f"{average_prefix(round_)}/COMMIT") is not None:
+        fallback.verify(store, base)  # idle: make sure workers can continue from the base
     if len(workers) < cfg.min_workers:
         report.note = _quorum_note(workers, cfg, base, report)
-        return report
+        return
     if store.read(f"{average_prefix(round_)}/COMMIT") is not None:
         report.note = _committed_note(store, round_)
-        return report
+        return
     token = _claim(store, round_, cfg.claim_timeout_s)
     if token is None:
         report.note = f"round {round_} is being written by another averager"
-        return report
+        return
     data = f"{average_prefix(round_)}/d{json.loads(token)['token'][:16]}"
     try:
         _publish_until_quorum(store, round_, base, workers, cfg, report, data)
+    except fallback.BaseDamaged:
+        raise
     except (Abort, StoreError, TrimError) as e:
         report.note = str(e)
         _warn_once(f"round {round_} not published: {e}")
@@ -301,7 +325,6 @@ def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
         if not report.published:
             _release(store, round_, token, data)
         report.bytes_read, report.bytes_written = store.bytes_read, store.bytes_written
-    return report
 
 
 _WARNED: set[str] = set()
@@ -398,11 +421,13 @@ class Average:
 
 
 def latest_average(location: str | Store) -> Average | None:
+    """The newest average that verifies (a damaged newer one is warned about, passed over)."""
     store = location if isinstance(location, Store) else Store(location)
-    ckpt = latest_average_checkpoint(store)
-    if ckpt is None:
+    found = fallback.readable_average(store)
+    if found is None:
         return None
-    return Average(int(ckpt.manifest["round"]), ckpt.step, read_params(store, ckpt))
+    ckpt, params = found
+    return Average(int(ckpt.manifest["round"]), ckpt.step, params)
 
 
 def describe(report: RoundReport) -> str:
@@ -411,5 +436,6 @@ def describe(report: RoundReport) -> str:
     else:
         used = ", ".join(f"w{w}@{s}" for w, s in sorted(report.used.items()))
         lines = [f"round {report.round}: averaged {used}"]
+        lines += [f"  fallback: {report.fallback}"] if report.fallback else []
     lines += [f"  skipped w{w}: {why}" for w, why in sorted(report.skipped.items())]
     return "\n".join(lines)

@@ -20,6 +20,7 @@ import numpy as np
 from jaxscale.errors import paragraph
 from jaxscale.lofi import aggregate
 from jaxscale.lofi.chunkfiles import ALIGN, aligned_empty
+from jaxscale.lofi.fallback import BaseDamaged
 from jaxscale.lofi.manifest import CHECKSUM
 from jaxscale.lofi.store import (CHUNK, Checkpoint, Store, StoreError, _verified, chunk_sums,
                                  read_many, read_range, start_reads)
@@ -122,8 +123,8 @@ def delta_pieces(inp: RoundInputs, leaf: str, a: int, b: int, started: list[Any]
     The deltas buffer is reused: use each piece before asking for the next. (Spreading pieces
     over two threads gained nothing measurable on 2 cores: the loop is memory-bound.)"""
     got = read_many(inp.store, _inputs(inp), leaf, a, b, started)
-    if isinstance(got[0], StoreError):
-        raise got[0]
+    if isinstance(got[0], StoreError):  # the base average is damaged: build on an older one
+        raise BaseDamaged(str(got[0])) from None
     for w, values in zip(inp.ids, got[1:]):
         if isinstance(values, StoreError):
             raise Drop(w, str(values))
