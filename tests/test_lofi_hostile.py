@@ -3,6 +3,7 @@ fault the way a fault-injection review did (craft a push, corrupt a file, kill a
 checks that it costs one push, never the run, and never steers the average."""
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -225,3 +226,57 @@ def test_bit_flipped_average_with_new_pushes_builds_on_the_previous_good_one(sto
     assert "built on the previous good average (round 0)" in report.fallback
     for k, v in _avg(store, 2).items():
         np.testing.assert_allclose(v, _shifted(2.0)[k], rtol=1e-6)
+
+
+def _metric_steps(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line)["step"] for line in f]
+
+
+def _first_leaf(st, prefix):
+    return sorted(S.load_checkpoint(st, prefix).leaves)[0]
+
+
+@pytest.mark.slow
+def test_worker_restarts_past_a_corrupt_push_a_damaged_average_and_a_hostile_step(tmp_path,
+                                                                                 caplog):
+    from configs.tiny_lm import get_config
+    from jaxscale.train.loop import train
+    c = get_config("test")
+    c.train.steps = 4
+    c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2", num_workers=2)
+    train(c, str(tmp_path / "w0"))
+    store = S.Store(c.lofi.store)
+    _flip_a_bit(store, "workers/0/4", _first_leaf(store, "workers/0/4"))
+    c.train.steps = 6
+    os.remove(tmp_path / "w0" / "metrics.jsonl")
+    with caplog.at_level("WARNING"):
+        train(c, str(tmp_path / "w0"))  # used to exit: the committed push does not verify
+    assert _metric_steps(tmp_path / "w0") == [3, 4, 5, 6]  # resumed from its push of step 2
+    assert "its push of step 4 is corrupt" in caplog.text and "falling back" in caplog.text
+    assert run_round(store, AveragerConfig()).round == 1
+    _flip_a_bit(store, "average/1", _first_leaf(store, "average/1"))
+    _push(store, 1, 2**40, S.read_params(store, S.load_checkpoint(store, "average/0")))
+    c.lofi.worker_id, c.train.steps = 1, 4
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        train(c, str(tmp_path / "w1"))  # used to crash on average/1, then overflow int32
+    assert _metric_steps(tmp_path / "w1") == [1, 2, 3, 4]
+    assert "average/1 does not verify" in caplog.text
+    assert S.worker_checkpoints(store)[1] == [2, 4, 2**40]
+
+
+@pytest.mark.slow
+def test_worker_with_another_model_refuses_before_touching_the_store(tmp_path):
+    from configs.tiny_lm import get_config
+    from jaxscale.train.loop import train
+    c = get_config("test")
+    c.train.steps = 2
+    c.lofi.update(enabled=True, store=str(tmp_path / "store"), num_workers=2)
+    train(c, str(tmp_path / "w0"))
+    assert run_round(c.lofi.store, AveragerConfig()).round == 1  # the store has an average
+    c.lofi.worker_id = 1
+    c.model.embed = c.model.embed // 2
+    with pytest.raises(ConfigError, match=r"another model than the job.*model\.embed=32"):
+        train(c, str(tmp_path / "w1"))
+    assert 1 not in S.worker_checkpoints(S.Store(c.lofi.store))

@@ -23,6 +23,7 @@ from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.lofi import averager as averager_lib
 from jaxscale.lofi import fallback
 from jaxscale.lofi import store as store_lib
+from jaxscale.lofi.jobcheck import check_same_model
 from jaxscale.train.state import TrainState, flatten, unflatten
 
 
@@ -114,9 +115,12 @@ class LofiWorker:
         whichever is newest: the run's own state, its own last complete push, or the newest
         complete average (a restarted worker loses at most the steps since its last push)."""
         self.store = store = store_lib.Store(self.lofi.store)
+        config_json = export_config(trainer.config)
+        check_same_model(store, config_json, {k: (tuple(v.shape), str(v.dtype)) for k, v in
+                                              flatten(state.params).items()}, self.lofi.worker_id)
         step = int(jax.device_get(state.step))
         if jax.process_index() == 0:
-            store.write("config.json", export_config(trainer.config), if_absent=True)
+            store.write("config.json", config_json, if_absent=True)
         if store_lib.latest_average_checkpoint(store) is None and jax.process_index() == 0:
             averager_lib.publish_initial(store, _host_tree(state.params), job=self.job())
         own = store_lib.worker_checkpoints(store).get(self.lofi.worker_id, [])
