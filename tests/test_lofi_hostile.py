@@ -15,6 +15,7 @@ import pytest
 from jaxscale.errors import ConfigError
 from jaxscale.lofi import store as S
 from jaxscale.lofi.accounting import accounting_lines
+from jaxscale.lofi.diskfull import DiskFullError
 from jaxscale.lofi.averager import (AveragerConfig, describe, latest_average, publish_initial,
                                     run_round)
 from tests.lofi_common import ROOT, TINY_BUDGET, _params, _push, _reference, data_dir
@@ -280,3 +281,75 @@ def test_worker_with_another_model_refuses_before_touching_the_store(tmp_path):
     with pytest.raises(ConfigError, match=r"another model than the job.*model\.embed=32"):
         train(c, str(tmp_path / "w1"))
     assert 1 not in S.worker_checkpoints(S.Store(c.lofi.store))
+
+
+# ------------------------------------------------------------ a full disk
+def _fill(path):
+    """Writes a filler file until the disk is full; returns its path (delete it to free)."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    return path
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 24 MiB tmpfs (root only; skipped where mounting is not allowed)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root); the injected test covers it")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_gives_one_paragraph_cleans_own_attempts_and_retry_works(small_disk):
+    st = S.Store(str(small_disk / "store"))
+    publish_initial(st, _params(0))
+    _push(st, 0, 5, _shifted(1.0))
+    foreign = f"workers/0/6/d{'f' * 16}"  # another writer's attempt in progress: never removed
+    st.write(f"{foreign}/arrays/b/zarr.json", b"{}")
+    filler = _fill(small_disk / "filler")
+    with pytest.raises(DiskFullError, match=r"store .*store ran out of space while writing "
+                                            r"workers/0/6, which needs about 3\.0 MiB"):
+        _push(st, 0, 6, _shifted(2.0))
+    assert [k for k in st.keys("workers/0/6/") if not k.startswith(foreign)] == []
+    assert st.read(f"{foreign}/arrays/b/zarr.json") == b"{}"
+    with pytest.raises(DiskFullError, match="while averaging round 1"):
+        run_round(st, TINY_BUDGET)
+    assert st.keys("average/1/") == []  # its attempt and claim are gone
+    os.remove(filler)
+    assert not _push(st, 0, 6, _shifted(2.0)).skipped
+    assert run_round(st, TINY_BUDGET).used == {0: 6}
+
+
+def test_injected_resource_exhausted_is_one_paragraph_and_leaves_nothing(store, monkeypatch):
+    """The same without a small disk: tensorstore's error injected into the writes."""
+    exhausted = ValueError("RESOURCE_EXHAUSTED: Error writing local file: No space left")
+    real, calls = S._write_leaf, []
+
+    def full_after_one(*args):
+        calls.append(1)
+        if len(calls) > 1:
+            raise exhausted
+        return real(*args)
+    monkeypatch.setattr(S, "_write_leaf", full_after_one)
+    with pytest.raises(DiskFullError, match="ran out of space"):
+        _push(store, 0, 5, _shifted(1.0))
+    assert store.keys("workers/0/5/") == []
+    monkeypatch.undo()
+    _push(store, 0, 5, _shifted(1.0))
+
+    def no_space(*args):
+        raise exhausted
+    monkeypatch.setattr(store, "start_write", no_space)
+    with pytest.raises(DiskFullError, match="while averaging round 1"):
+        run_round(store, TINY_BUDGET)
+    assert store.keys("average/1/") == []
+    monkeypatch.undo()
+    assert run_round(store, TINY_BUDGET).round == 1

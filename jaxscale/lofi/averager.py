@@ -26,6 +26,7 @@ from jaxscale import __version__
 from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.lofi import fallback
+from jaxscale.lofi.diskfull import disk_full_error, is_disk_full
 from jaxscale.lofi.manifest import CHECKSUM, FORMAT
 from jaxscale.lofi.trust import TrimError, round_step, step_problem, trim_count, worker_weights
 from jaxscale.lofi.reduce import Abort, Drop, RoundInputs, reduce_round
@@ -285,15 +286,30 @@ def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
         if base is None:
             report.note = "no initial average (round 0) yet: start a worker first"
             return report
+        round_ = max(newest, int(base.manifest["round"])) + 1
         try:
-            _round_on(store, cfg, base, max(newest, int(base.manifest["round"])) + 1, report)
+            _round_on(store, cfg, base, round_, report)
         except fallback.BaseDamaged as e:
             damaged[int(base.manifest["round"])] = str(e)
             continue
+        except Exception as e:  # the claim and this attempt's data were released already
+            if not is_disk_full(e):
+                raise
+            raise disk_full_error(store.location, f"averaging round {round_}",
+                                  _output_bytes(base, cfg),
+                                  f"this averager's attempt under {average_prefix(round_)}/")
+
         if report.published and damaged:
             report.fallback = fallback.note(store, damaged, base, report.used, report.round)
             log.warning("%s", report.fallback)
         return report
+
+
+def _output_bytes(base: Checkpoint, cfg: AveragerConfig) -> int:
+    """Bytes a round writes: the average (+ DiLoCo momentum, centered_clip scratch)."""
+    values = sum(int(np.prod(e["shape"])) for e in base.leaves.values())
+    extra = (cfg.outer == "diloco") + (cfg.aggregator == "centered_clip")
+    return values * 4 * (1 + extra)
 
 
 def _round_on(store: Store, cfg: AveragerConfig, base: Checkpoint, round_: int,

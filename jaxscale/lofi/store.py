@@ -43,6 +43,7 @@ import numpy as np
 from jaxscale import __version__
 from jaxscale.errors import paragraph
 from jaxscale.lofi import index, localfs
+from jaxscale.lofi.diskfull import disk_full_error, is_disk_full
 from jaxscale.lofi.kv import Store, chunk_sums, kvstore_spec
 from jaxscale.lofi.manifest import (CHECKSUM, CHUNK, DTYPES, FORMAT, StoreError,
                                     check_leaf_path, checksum_of, chunk_of, validate_manifest)
@@ -115,6 +116,20 @@ def write_checkpoint(store: Store, prefix: str, params: Mapping[str, Any], meta:
     if exclusive and "data" not in meta:
         meta = {**meta, "data": attempt_dir()}
     data = f"{prefix}/{meta['data']}" if "data" in meta else prefix
+    try:
+        return _write_checkpoint(store, prefix, data, params, meta, base, compress, exclusive)
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        if data != prefix:
+            store.delete_prefix(data)  # only this attempt's own directory
+        need = sum(np.asarray(v).nbytes for v in params.values())
+        raise disk_full_error(store.location, f"writing {prefix}", need, data) from None
+
+
+def _write_checkpoint(store: Store, prefix: str, data: str, params: Mapping[str, Any],
+                      meta: dict, base: Checkpoint | None, compress: bool,
+                      exclusive: bool) -> Checkpoint:
     leaves = {}
     for leaf, value in sorted(params.items()):
         check_leaf_path(leaf, prefix)
