@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxscale.errors import ConfigError
+from jaxscale.lofi import reduce as R
 from jaxscale.lofi import store as S
 from jaxscale.lofi.accounting import accounting_lines
 from jaxscale.lofi.diskfull import DiskFullError
@@ -132,7 +133,7 @@ def test_unreadable_manifest_or_commit_costs_one_push_not_the_accounting(job_sto
     _push(job_store, 1, 5, _shifted(2.0))
     _push(job_store, 2, 5, _shifted(3.0))
     os.remove(_local(job_store, f"{data_dir(job_store, 'workers/1/5')}/manifest.json"))
-    with open(_local(job_store, "workers/2/5/COMMIT"), "wb") as f:
+    with open(_local(job_store, S.commit_key("workers/2/5")), "wb") as f:
         f.write(b"\xff\x00 not a commit")
     proc = _lofi_average(f"--store={job_store.location}", f"--final={tmp_path / 'final'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -163,12 +164,13 @@ def test_symlinks_in_the_store_are_never_followed(store, tmp_path, where):
     assert report.used == {0: 5} and "symbolic link" in report.skipped[1], report.skipped
 
 
-@pytest.mark.parametrize("where", ["chunk", "manifest"])
+@pytest.mark.parametrize("where", ["chunk", "manifest", "commit"])
 def test_a_fifo_in_the_store_is_skipped_not_waited_on(job_store, where):
     _push(job_store, 0, 5, _shifted(1.0))
     _push(job_store, 1, 5, _shifted(2.0))
     key = (f"{data_dir(job_store, 'workers/1/5')}/arrays/layers/w/c/1" if where == "chunk"
-           else f"{data_dir(job_store, 'workers/1/5')}/manifest.json")
+           else f"{data_dir(job_store, 'workers/1/5')}/manifest.json" if where == "manifest"
+           else S.commit_key("workers/1/5"))
     os.remove(_local(job_store, key))
     os.mkfifo(_local(job_store, key))
     proc = _lofi_average(f"--store={job_store.location}")
@@ -347,7 +349,7 @@ def test_injected_resource_exhausted_is_one_paragraph_and_leaves_nothing(store, 
 
     def no_space(*args):
         raise exhausted
-    monkeypatch.setattr(store, "start_write", no_space)
+    monkeypatch.setattr(R, "_write_block", no_space)
     with pytest.raises(DiskFullError, match="while averaging round 1"):
         run_round(store, TINY_BUDGET)
     assert store.keys("average/1/") == []
