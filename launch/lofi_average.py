@@ -18,6 +18,7 @@ from absl import app, flags
 from jaxscale.errors import ConfigError, exit_on_user_error, paragraph
 from jaxscale.lofi.accounting import accounting_lines, export_final
 from jaxscale.lofi.averager import AveragerConfig, describe, run_round
+from jaxscale.lofi.lease import DEFAULT_LEASE_S
 from jaxscale.lofi.localfs import check_store_root
 from jaxscale.lofi.store import Store, kvstore_spec, latest_average_checkpoint
 
@@ -39,6 +40,10 @@ _OUTER = flags.DEFINE_enum("outer", None, ["none", "diloco"],
 _OUTER_LR = flags.DEFINE_float("outer_lr", 0.7, "DiLoCo outer learning rate.")
 _OUTER_MOM = flags.DEFINE_float("outer_momentum", 0.9, "DiLoCo outer Nesterov momentum.")
 _BUDGET = flags.DEFINE_integer("chunk_budget_mb", 64, "Peak memory budget for streamed blocks.")
+_LEASE = flags.DEFINE_float(
+    "claim_lease_s", DEFAULT_LEASE_S, "Seconds a round's claim outlives its averager: the "
+    "holder renews it while alive, so after a crash another averager takes the round over this "
+    "soon. Keep it well under the workers' config.lofi.sync_timeout_s.", lower_bound=0.0)
 _FINAL = flags.DEFINE_string("final", None, "Run a last round, export the average to DIR.")
 flags.register_multi_flags_validator(
     ["watch", "final"], lambda f: not (f["watch"] and f["final"]),
@@ -54,7 +59,8 @@ def _config(store: Store) -> AveragerConfig:
     explicit = {k for k, v in given.items() if v is not None}
     cfg = AveragerConfig(_AGG.value, _TRIM.value, _TAU.value, outer=_OUTER.value or "none",
                          outer_lr=_OUTER_LR.value, outer_momentum=_OUTER_MOM.value,
-                         chunk_budget_bytes=_BUDGET.value << 20)
+                         chunk_budget_bytes=_BUDGET.value << 20,
+                         claim_timeout_s=_LEASE.value)
     cfg = cfg.with_job(store, frozenset(explicit))
     return dataclasses.replace(cfg, **{k: given[k] for k in explicit})
 

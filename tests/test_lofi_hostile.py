@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -355,3 +356,56 @@ def test_injected_resource_exhausted_is_one_paragraph_and_leaves_nothing(store, 
     assert store.keys("average/1/") == []
     monkeypatch.undo()
     assert run_round(store, TINY_BUDGET).round == 1
+
+
+# ------------------------------------------------------------ the claim is a lease
+DIES_MID_ROUND = """
+import os, signal, sys, time
+import jaxscale.lofi.reduce as R
+from jaxscale.lofi import store as S
+from jaxscale.lofi.averager import AveragerConfig, run_round
+def dying(*args):
+    os.kill(os.getpid(), signal.SIGKILL)  # holding round 1's claim, its data half written
+R._write_block = dying
+while True:
+    store = S.Store(sys.argv[1])
+    run_round(store, AveragerConfig(chunk_budget_bytes=1).with_job(store))
+    time.sleep(0.2)
+"""
+
+
+@pytest.mark.slow
+def test_averager_killed_mid_round_and_restarted_at_once_lets_workers_finish(tmp_path):
+    """The claim of an averager SIGKILLed mid-round used to block the round for 900 s while
+    workers wait lofi.sync_timeout_s (600 s): now its lease expires after --claim_lease_s."""
+    store_dir = str(tmp_path / "store")
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
+    dying = subprocess.Popen([sys.executable, "-c", DIES_MID_ROUND, store_dir], cwd=ROOT, env=env)
+    workers = [subprocess.Popen(
+        [sys.executable, "-m", "launch.train", "--config=configs/tiny_lm.py:test",
+         f"--workdir={tmp_path / f'w{w}'}", "--config.train.steps=4",
+         "--config.train.eval_every=0", "--config.lofi.enabled=True",
+         f"--config.lofi.store={store_dir}", f"--config.lofi.worker_id={w}",
+         "--config.lofi.num_workers=2", "--config.lofi.min_workers=2",
+         "--config.lofi.sync=periodic", "--config.lofi.sync_every=2",
+         "--config.lofi.sync_timeout_s=500"], cwd=ROOT, env=env,
+        stdout=open(tmp_path / f"w{w}.log", "w"), stderr=subprocess.STDOUT) for w in (0, 1)]
+    averager = None
+    try:
+        assert dying.wait(timeout=600) == -signal.SIGKILL
+        store = S.Store(store_dir)
+        assert store.read("average/1/CLAIM") is not None and S.average_rounds(store) == [0]
+        averager = subprocess.Popen(
+            [sys.executable, "-m", "launch.lofi_average", f"--store={store_dir}", "--watch",
+             "--interval_s=0.2", "--claim_lease_s=3"], cwd=ROOT, env=env,
+            stdout=open(tmp_path / "averager.log", "w"), stderr=subprocess.STDOUT)
+        codes = [w.wait(timeout=600) for w in workers]
+        assert codes == [0, 0], "".join((tmp_path / f"w{w}.log").read_text()[-2000:]
+                                        for w in (0, 1))
+    finally:
+        for proc in workers + [dying] + ([averager] if averager else []):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    out = (tmp_path / "averager.log").read_text()
+    assert "taking over round 1" in out and "round 1: averaged w0@2, w1@2" in out

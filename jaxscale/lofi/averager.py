@@ -26,6 +26,7 @@ from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.lofi import fallback
 from jaxscale.lofi.diskfull import disk_full_error, is_disk_full
+from jaxscale.lofi.lease import DEFAULT_LEASE_S, Renewal, claim_value, holder
 from jaxscale.lofi.manifest import FORMAT
 from jaxscale.lofi.trust import TrimError, round_step, step_problem, trim_count, worker_weights
 from jaxscale.lofi.reduce import Abort, Drop, RoundInputs, reduce_round
@@ -50,7 +51,7 @@ class AveragerConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     chunk_budget_bytes: int = 64 << 20
-    claim_timeout_s: float = 900.0                    # a dead averager's claim expires after
+    claim_timeout_s: float = DEFAULT_LEASE_S          # the claim lease (renewed while alive)
     clip_iters: int = 3                               # centered_clip iterations
     max_step: int | None = None    # the job's train.steps: a push claiming more is rejected
     batch_size: int | None = None  # the job's per-worker batch: bounds a worker's weight
@@ -204,14 +205,14 @@ def _candidates(store: Store, cfg: AveragerConfig, base: Checkpoint,
 def _claim(store: Store, round_: int, timeout_s: float) -> bytes | None:
     """Claims a round so racing averagers publish it only once; returns the claim's token.
 
-    The claim is a create-if-absent key holding a token and its time; a claim older than
-    `timeout_s` whose round never committed (its averager died) is taken over by
-    compare-and-swap. Nothing of the dead averager is deleted: a presumed-dead averager that
+    The claim is a create-if-absent key holding a token and its time, renewed by its holder
+    while alive (`lease.py`); a claim not renewed for `timeout_s` whose round never committed
+    (its averager died) is taken over by compare-and-swap. Nothing of the dead averager is deleted: a presumed-dead averager that
     wakes up cannot damage the round either, since each attempt writes only its own directory
     and the single create-if-absent COMMIT decides which attempt is the round.
     """
     key = f"{average_prefix(round_)}/CLAIM"
-    token = json.dumps({"time": time.time(), "token": uuid.uuid4().hex}).encode()
+    token = claim_value(uuid.uuid4().hex)
     if store.write(key, token, if_absent=True):
         return token
     value, generation = store.read_stamped(key)
@@ -234,7 +235,7 @@ def _release(store: Store, round_: int, token: bytes, data: str) -> None:
         store.delete_prefix(data)
     key = f"{average_prefix(round_)}/CLAIM"
     value, generation = store.read_stamped(key)
-    if value == token:
+    if holder(value) == holder(token):  # renewed since: same holder, newer time
         store.kv.write(key, None, if_equal=generation).result()
 
 
@@ -293,9 +294,10 @@ def _round_on(store: Store, cfg: AveragerConfig, base: Checkpoint, round_: int,
     if token is None:
         report.note = f"round {round_} is being written by another averager"
         return
-    data = f"{average_prefix(round_)}/d{json.loads(token)['token'][:16]}"
+    data = f"{average_prefix(round_)}/d{holder(token)[:16]}"
     try:
-        _publish_until_quorum(store, round_, base, workers, cfg, report, data)
+        with Renewal(store, f"{average_prefix(round_)}/CLAIM", holder(token), cfg.claim_timeout_s):
+            _publish_until_quorum(store, round_, base, workers, cfg, report, data)
     except fallback.BaseDamaged:
         raise
     except (Abort, StoreError, TrimError) as e:
