@@ -409,3 +409,16 @@ def test_averager_killed_mid_round_and_restarted_at_once_lets_workers_finish(tmp
                 proc.wait()
     out = (tmp_path / "averager.log").read_text()
     assert "taking over round 1" in out and "round 1: averaged w0@2, w1@2" in out
+
+
+# ------------------------------------------------------------ the threat model, as stated
+@pytest.mark.parametrize("attack", ["x1000", "flip x10", "noise x100"])
+def test_threat_model_in_the_readme_holds(attack):
+    """README: of 8 workers, median and centered_clip hold against 3 hostile ones,
+    trimmed_mean (trim 0.2) against 1, mean against none (bench/lofi_threat.py prints it)."""
+    from bench.lofi_threat import round_error
+    holds = {"mean": 0, "median": 3, "trimmed_mean": 1, "centered_clip": 3}
+    for name, most in holds.items():
+        for f in range(5):
+            error = round_error(name, 8, f, attack, 1024, np.random.default_rng(f))
+            assert (error < 1) == (f <= most), (name, f, error)
