@@ -13,10 +13,8 @@ round once; the claim and any unpublished data are released in a `finally`.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -26,14 +24,13 @@ from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.lofi import fallback
 from jaxscale.lofi.diskfull import disk_full_error, is_disk_full
-from jaxscale.lofi.lease import DEFAULT_LEASE_S, Renewal, claim_value, holder
+from jaxscale.lofi.lease import DEFAULT_LEASE_S, Renewal, claim, holder, release
 from jaxscale.lofi.manifest import FORMAT
-from jaxscale.lofi.trust import TrimError, round_step, step_problem, trim_count, worker_weights
 from jaxscale.lofi.reduce import Abort, Drop, RoundInputs, reduce_round
 from jaxscale.lofi.store import (Checkpoint, LostRace, Store, StoreError, average_prefix, commit,
-                                 commit_key, committed_data, latest_average_checkpoint, load_checkpoint,
-                                 read_params, worker_checkpoints, worker_prefix,
+                                 commit_key, load_checkpoint, worker_checkpoints, worker_prefix,
                                  write_checkpoint)
+from jaxscale.lofi.trust import TrimError, round_step, step_problem, trim_count, worker_weights
 
 log = logging.getLogger("jaxscale.lofi")
 JOB_FIELDS = ("allowed_workers", "min_workers", "max_staleness")
@@ -202,43 +199,6 @@ def _candidates(store: Store, cfg: AveragerConfig, base: Checkpoint,
     return found
 
 
-def _claim(store: Store, round_: int, timeout_s: float) -> bytes | None:
-    """Claims a round so racing averagers publish it only once; returns the claim's token.
-
-    The claim is a create-if-absent key holding a token and its time, renewed by its holder
-    while alive (`lease.py`); a claim not renewed for `timeout_s` whose round never committed
-    (its averager died) is taken over by compare-and-swap. Nothing of the dead averager is deleted: a presumed-dead averager that
-    wakes up cannot damage the round either, since each attempt writes only its own directory
-    and the single create-if-absent COMMIT decides which attempt is the round.
-    """
-    key = f"{average_prefix(round_)}/CLAIM"
-    token = claim_value(uuid.uuid4().hex)
-    if store.write(key, token, if_absent=True):
-        return token
-    value, generation = store.read_stamped(key)
-    try:
-        age = time.time() - float(json.loads(value or b"{}").get("time", 0))
-    except (ValueError, AttributeError):
-        age = float("inf")
-    if store.read(commit_key(average_prefix(round_))) is not None or age < timeout_s:
-        return None
-    log.warning("taking over round %d from an averager that stopped %.0fs ago", round_, age)
-    if not store.write(key, token, if_generation=generation):
-        return None
-    return token
-
-
-def _release(store: Store, round_: int, token: bytes, data: str) -> None:
-    """Drops this averager's unpublished data and its claim (only if still ours). Data that
-    the round's COMMIT names is never dropped, whatever interrupted this averager after it."""
-    if committed_data(store, average_prefix(round_)) != data.rsplit("/", 1)[1]:
-        store.delete_prefix(data)
-    key = f"{average_prefix(round_)}/CLAIM"
-    value, generation = store.read_stamped(key)
-    if holder(value) == holder(token):  # renewed since: same holder, newer time
-        store.kv.write(key, None, if_equal=generation).result()
-
-
 def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
     """One averaging round; publishes `average/<round>` or says (in `note`) why not. A damaged
     newest average is passed over: the round is built on the newest one that verifies
@@ -290,7 +250,7 @@ def _round_on(store: Store, cfg: AveragerConfig, base: Checkpoint, round_: int,
     if store.read(commit_key(average_prefix(round_))) is not None:
         report.note = _committed_note(store, round_)
         return
-    token = _claim(store, round_, cfg.claim_timeout_s)
+    token = claim(store, round_, cfg.claim_timeout_s)
     if token is None:
         report.note = f"round {round_} is being written by another averager"
         return
@@ -305,7 +265,7 @@ def _round_on(store: Store, cfg: AveragerConfig, base: Checkpoint, round_: int,
         _warn_once(f"round {round_} not published: {e}")
     finally:
         if not report.published:
-            _release(store, round_, token, data)
+            release(store, round_, token, data)
         report.bytes_read, report.bytes_written = store.bytes_read, store.bytes_written
 
 

@@ -11,11 +11,14 @@ attempt is the round, so a presumed-dead holder waking up damages nothing).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
+import uuid
 
-from jaxscale.lofi.kv import Store
+from jaxscale.lofi.store import Store, average_prefix, commit_key, committed_data
 
+log = logging.getLogger("jaxscale.lofi")
 DEFAULT_LEASE_S = 60.0
 
 
@@ -57,3 +60,41 @@ class Renewal:
                 return  # released, or taken over by another averager
             self.store.kv.write(self.key, claim_value(self.token_id),
                                 if_equal=result.stamp.generation).result()
+
+
+def claim(store: Store, round_: int, timeout_s: float) -> bytes | None:
+    """Claims a round so racing averagers publish it only once; returns the claim's token.
+
+    The claim is a create-if-absent key holding a token and its time, renewed by its holder
+    while alive (`Renewal`); a claim not renewed for `timeout_s` whose round never committed
+    (its averager died) is taken over by compare-and-swap. Nothing of the dead averager is
+    deleted: a presumed-dead averager that wakes up cannot damage the round either, since each
+    attempt writes only its own directory and the single create-if-absent COMMIT decides which
+    attempt is the round.
+    """
+    key = f"{average_prefix(round_)}/CLAIM"
+    token = claim_value(uuid.uuid4().hex)
+    if store.write(key, token, if_absent=True):
+        return token
+    value, generation = store.read_stamped(key)
+    try:
+        age = time.time() - float(json.loads(value or b"{}").get("time", 0))
+    except (ValueError, AttributeError):
+        age = float("inf")
+    if store.read(commit_key(average_prefix(round_))) is not None or age < timeout_s:
+        return None
+    log.warning("taking over round %d from an averager that stopped %.0fs ago", round_, age)
+    if not store.write(key, token, if_generation=generation):
+        return None
+    return token
+
+
+def release(store: Store, round_: int, token: bytes, data: str) -> None:
+    """Drops this averager's unpublished data and its claim (only if still ours). Data that
+    the round's COMMIT names is never dropped, whatever interrupted this averager after it."""
+    if committed_data(store, average_prefix(round_)) != data.rsplit("/", 1)[1]:
+        store.delete_prefix(data)
+    key = f"{average_prefix(round_)}/CLAIM"
+    value, generation = store.read_stamped(key)
+    if holder(value) == holder(token):  # renewed since: same holder, newer time
+        store.kv.write(key, None, if_equal=generation).result()
