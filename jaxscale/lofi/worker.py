@@ -24,8 +24,8 @@ from jaxscale.lofi import averager as averager_lib
 from jaxscale.lofi import fallback
 from jaxscale.lofi import store as store_lib
 from jaxscale.lofi.jobcheck import check_same_model
+from jaxscale.lofi.trust import MAX_STEP
 from jaxscale.train.state import TrainState, flatten, unflatten
-
 
 log = logging.getLogger("jaxscale.lofi")
 
@@ -125,7 +125,7 @@ class LofiWorker:
             averager_lib.publish_initial(store, _host_tree(state.params), job=self.job())
         own = store_lib.worker_checkpoints(store).get(self.lofi.worker_id, [])
         latest = averager_lib.latest_average(store)
-        if latest is not None and latest.step > self.total_steps:  # never an int32 overflow
+        if latest is not None and latest.step > MAX_STEP:  # never an int32 overflow
             latest = None
         self.loaded_round = self._resumed_round(store, step, own) if step else (
             latest.round if latest else -1)
