@@ -39,9 +39,18 @@ def _worker_stats(store: store_lib.Store) -> dict[int, dict]:
             stats = json.loads(store.read(key) or b"{}")
             out[int(stats["worker_id"])] = {k: int(stats[k]) for k in
                                             ("bytes_written", "bytes_read", "step")}
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, store_lib.StoreError):
             continue  # a damaged stats file only loses accounting, never data
     return out
+
+
+def _loadable(store: store_lib.Store, prefix: str) -> store_lib.Checkpoint | None:
+    """The checkpoint, or None where the rounds skip it (corrupt, partial): the accounting
+    counts what was exchanged and never fails a run that already published."""
+    try:
+        return store_lib.load_checkpoint(store, prefix)
+    except store_lib.StoreError:
+        return None
 
 
 def store_totals(location: str) -> dict[str, float]:
@@ -52,14 +61,18 @@ def store_totals(location: str) -> dict[str, float]:
     pushed_by: dict[int, int] = {}
     for w, steps in store_lib.worker_checkpoints(store).items():
         for step in steps:
-            stored, raw = _stored_and_raw(store_lib.load_checkpoint(
-                store, store_lib.worker_prefix(w, step)))
+            ckpt = _loadable(store, store_lib.worker_prefix(w, step))
+            if ckpt is None:
+                continue
+            stored, raw = _stored_and_raw(ckpt)
             pushed_by[w] = pushed_by.get(w, 0) + stored
             t["pushed_raw"] += raw
-        last_step[w] = steps[-1]
+            last_step[w] = step
     t["pushed"] = sum(pushed_by.values())
     for r in store_lib.average_rounds(store):
-        ckpt = store_lib.load_checkpoint(store, store_lib.average_prefix(r))
+        ckpt = _loadable(store, store_lib.average_prefix(r))
+        if ckpt is None:
+            continue
         t["param_bytes"] = _stored_and_raw(ckpt)[1]
         t["averaged"] += t["param_bytes"]
         io = ckpt.manifest.get("io") or {}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxscale.errors import ConfigError, paragraph
+from jaxscale.lofi.trust import trim_count
 
 
 def check_weights(weights: np.ndarray) -> np.ndarray:
@@ -56,9 +57,10 @@ def median(deltas: np.ndarray, weights: np.ndarray, **_) -> np.ndarray:
 
 
 def trimmed_mean(deltas: np.ndarray, weights: np.ndarray, trim: float = 0.2, **_) -> np.ndarray:
-    """Coordinate-wise mean after dropping the `trim` fraction of lowest and highest values."""
+    """Coordinate-wise mean after dropping the `trim` fraction of lowest and highest values
+    (at least one per side: `trust.trim_count`, which refuses when none can be dropped)."""
     n = deltas.shape[0]
-    k = min(int(np.floor(trim * n)), (n - 1) // 2)
+    k = trim_count(n, trim)
     ordered = np.sort(deltas, axis=0)
     return ordered[k:n - k].mean(axis=0).astype(np.float32)
 

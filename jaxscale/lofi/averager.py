@@ -3,7 +3,7 @@
 A round uses, for each allowed worker, its newest committed push made since the previous round
 (at least `min_workers` of them, else nothing is published). Each contribution is validated
 (structure, shapes, dtypes, staleness) before any data is read; chunks are checked against their
-checksums and for non-finite values while streaming, and a worker failing either is dropped and
+crc32c (by tensorstore) and for non-finite values while streaming, and a worker failing either is dropped and
 the round restarted without it. Deltas from the previous average are reduced in float32 by the
 chosen aggregator, one block of at most `chunk_budget_bytes` at a time (see `reduce.py`), so peak
 memory does not grow with model size. Round 0 is the initial weights (and the job's quorum
@@ -13,11 +13,8 @@ round once; the claim and any unpublished data are released in a `finally`.
 
 from __future__ import annotations
 
-import ctypes
-import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -25,50 +22,18 @@ import numpy as np
 from jaxscale import __version__
 from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.lofi.manifest import CHECKSUM, FORMAT
+from jaxscale.lofi import fallback
+from jaxscale.lofi.diskfull import disk_full_error, is_disk_full
+from jaxscale.lofi.lease import DEFAULT_LEASE_S, Renewal, claim, holder, release
+from jaxscale.lofi.manifest import FORMAT
 from jaxscale.lofi.reduce import Abort, Drop, RoundInputs, reduce_round
 from jaxscale.lofi.store import (Checkpoint, LostRace, Store, StoreError, average_prefix, commit,
-                                 committed_data, latest_average_checkpoint, load_checkpoint,
-                                 read_params, worker_checkpoints, worker_prefix,
+                                 commit_key, load_checkpoint, worker_checkpoints, worker_prefix,
                                  write_checkpoint)
+from jaxscale.lofi.trust import TrimError, round_step, step_problem, trim_count, worker_weights
 
 log = logging.getLogger("jaxscale.lofi")
 JOB_FIELDS = ("allowed_workers", "min_workers", "max_staleness")
-
-
-def tune_allocator(max_arenas: int = 2, reuse_bytes: int = 32 << 20) -> None:
-    """For averager processes, two glibc malloc settings (a no-op without glibc's mallopt):
-    - At most `max_arenas` arenas: glibc gives each of tensorstore's I/O threads its own, and
-      the fragments they retained made peak RSS creep up with model size (251 -> 361 MiB from
-      64 MiB to 1 GiB in bench/averager.py).
-    - Block buffers (a few MiB each, allocated per block) come from the heap and are reused
-      instead of being mmap'ed and unmapped every block: each fresh mapping is page-faulted in
-      and zeroed by the kernel again (12x fewer page faults; a 1 GiB round took 5.4-6.0 s
-      instead of 6.9 s). Freed heap at the top of each arena is kept up to 4 x `reuse_bytes`;
-      `trim_heap` returns it between rounds."""
-    mallopt = getattr(_glibc(), "mallopt", None)
-    if mallopt is None:
-        return
-    m_trim_threshold, m_top_pad, m_mmap_threshold, m_arena_max = -1, -2, -3, -8
-    mallopt(m_arena_max, max_arenas)
-    mallopt(m_mmap_threshold, reuse_bytes)   # glibc's maximum on 64-bit: 32 MiB
-    mallopt(m_trim_threshold, 4 * reuse_bytes)
-    mallopt(m_top_pad, reuse_bytes // 2)
-
-
-def trim_heap() -> None:
-    """Returns the heap kept by `tune_allocator` to the system (a watching averager idles
-    between rounds); a no-op without glibc."""
-    malloc_trim = getattr(_glibc(), "malloc_trim", None)
-    if malloc_trim is not None:
-        malloc_trim(0)
-
-
-def _glibc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl): the allocator settings are skipped
-        return None
 
 
 @dataclass(frozen=True)
@@ -83,8 +48,10 @@ class AveragerConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     chunk_budget_bytes: int = 64 << 20
-    claim_timeout_s: float = 900.0                    # a dead averager's claim expires after
+    claim_timeout_s: float = DEFAULT_LEASE_S          # the claim lease (renewed while alive)
     clip_iters: int = 3                               # centered_clip iterations
+    max_step: int | None = None    # the job's train.steps: a push claiming more is rejected
+    batch_size: int | None = None  # the job's per-worker batch: bounds a worker's weight
 
     def __post_init__(self) -> None:
         problems = [f"{name}={value!r} ({rule})" for name, value, ok, rule in (
@@ -94,6 +61,8 @@ class AveragerConfig:
             ("outer", self.outer, self.outer in ("none", "diloco"), "'none' or 'diloco'"),
             ("trim", self.trim, 0 <= self.trim < 0.5, "a fraction per end, in [0, 0.5)"),
             ("tau", self.tau, self.tau > 0, "a positive radius"),
+            ("trim", self.trim, self.aggregator != "trimmed_mean" or self.trim > 0,
+             "trimmed_mean must trim: use --aggregator=mean for an untrimmed mean"),
             ("chunk_budget_bytes", self.chunk_budget_bytes, self.chunk_budget_bytes > 0,
              "positive")) if not ok]
         if problems:
@@ -123,13 +92,17 @@ def job_settings(store: Store) -> dict:
           and all(isinstance(job.get(k), int) and job[k] >= 0 for k in JOB_FIELDS[1:])
           and (allowed is None or (isinstance(allowed, list)
                                    and all(isinstance(w, int) for w in allowed)))
-          and job.get("sync", "end") in LOFI_SYNC_MODES)
+          and job.get("sync", "end") in LOFI_SYNC_MODES
+          and all(isinstance(job.get(k, 1), int) and job.get(k, 1) > 0
+                  for k in ("total_steps", "batch_size")))
     if not ok:
         raise StoreError(f"average/0: the job settings {job!r} are malformed; expected "
                          f"integers for {', '.join(JOB_FIELDS)} and a sync in "
                          f"{LOFI_SYNC_MODES}.")
     settings = {"allowed_workers": tuple(allowed) if allowed is not None else None,
                 "min_workers": job["min_workers"], "max_staleness": job["max_staleness"]}
+    settings.update({name: job[k] for k, name in (("total_steps", "max_step"),
+                                                  ("batch_size", "batch_size")) if k in job})
     if "sync" in job:
         settings["outer"] = "diloco" if job["sync"] == "diloco" else "none"
     return settings
@@ -153,6 +126,7 @@ class RoundReport:
     bytes_read: int = 0
     bytes_written: int = 0
     note: str = ""
+    fallback: str = ""        # what was done about a damaged newest average, if anything
 
     @property
     def published(self) -> bool:
@@ -163,7 +137,7 @@ def publish_initial(store: Store, params: dict, step: int = 0, job: dict | None 
     """Round 0 = the initial weights (and the job's quorum settings); the first worker to
     commit it wins, later ones find it and continue from it. No claim: a worker killed while
     publishing leaves only its own uncommitted attempt, which the next worker ignores."""
-    if store.read(f"{average_prefix(0)}/COMMIT") is not None:
+    if store.read(commit_key(average_prefix(0))) is not None:
         return False
     meta = {"kind": "average", "round": 0, "step": step, "samples_seen": 0, "contributors": {}}
     try:  # several first workers may race: each writes its own attempt, one commits
@@ -212,6 +186,10 @@ def _candidates(store: Store, cfg: AveragerConfig, base: Checkpoint,
             except StoreError as e:
                 report.skipped[worker] = str(e)
                 continue
+            bad_step = step_problem(ckpt.step, cfg.max_step)
+            if bad_step:  # an impossible claim: invalid like a corrupt push
+                report.skipped[worker] = f"step {step}: {bad_step}"
+                continue
             problem = _structure_problem(ckpt, base) or _staleness(ckpt, base, cfg)
             if problem:
                 report.skipped[worker] = f"step {step}: {problem}"
@@ -221,73 +199,84 @@ def _candidates(store: Store, cfg: AveragerConfig, base: Checkpoint,
     return found
 
 
-def _claim(store: Store, round_: int, timeout_s: float) -> bytes | None:
-    """Claims a round so racing averagers publish it only once; returns the claim's token.
-
-    The claim is a create-if-absent key holding a token and its time; a claim older than
-    `timeout_s` whose round never committed (its averager died) is taken over by
-    compare-and-swap. Nothing of the dead averager is deleted: a presumed-dead averager that
-    wakes up cannot damage the round either, since each attempt writes only its own directory
-    and the single create-if-absent COMMIT decides which attempt is the round.
-    """
-    key = f"{average_prefix(round_)}/CLAIM"
-    token = json.dumps({"time": time.time(), "token": uuid.uuid4().hex}).encode()
-    if store.write(key, token, if_absent=True):
-        return token
-    value, generation = store.read_stamped(key)
-    try:
-        age = time.time() - float(json.loads(value or b"{}").get("time", 0))
-    except (ValueError, AttributeError):
-        age = float("inf")
-    if store.read(f"{average_prefix(round_)}/COMMIT") is not None or age < timeout_s:
-        return None
-    log.warning("taking over round %d from an averager that stopped %.0fs ago", round_, age)
-    if not store.write(key, token, if_generation=generation):
-        return None
-    return token
-
-
-def _release(store: Store, round_: int, token: bytes, data: str) -> None:
-    """Drops this averager's unpublished data and its claim (only if still ours). Data that
-    the round's COMMIT names is never dropped, whatever interrupted this averager after it."""
-    if committed_data(store, average_prefix(round_)) != data.rsplit("/", 1)[1]:
-        store.delete_prefix(data)
-    key = f"{average_prefix(round_)}/CLAIM"
-    value, generation = store.read_stamped(key)
-    if value == token:
-        store.kv.write(key, None, if_equal=generation).result()
-
-
 def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
-    """One averaging round; publishes `average/<round>` or says (in `note`) why not."""
+    """One averaging round; publishes `average/<round>` or says (in `note`) why not. A damaged
+    newest average is passed over: the round is built on the newest one that verifies
+    (`fallback.py`), and `fallback` says so."""
     store = location if isinstance(location, Store) else Store(location)
-    report = RoundReport()
-    base = latest_average_checkpoint(store)
-    if base is None:
-        report.note = "no initial average (round 0) yet: start a worker first"
+    damaged: dict[int, str] = {}
+    while True:
+        report = RoundReport()
+        base, newest = fallback.base_and_damaged(store, damaged)
+        if base is None:
+            report.note = "no initial average (round 0) yet: start a worker first"
+            return report
+        round_ = max(newest, int(base.manifest["round"])) + 1
+        try:
+            _round_on(store, cfg, base, round_, report)
+        except fallback.BaseDamaged as e:
+            damaged[int(base.manifest["round"])] = str(e)
+            continue
+        except Exception as e:  # the claim and this attempt's data were released already
+            if not is_disk_full(e):
+                raise
+            raise disk_full_error(store.location, f"averaging round {round_}",
+                                  _output_bytes(base, cfg),
+                                  f"this averager's attempt under {average_prefix(round_)}/")
+
+        if report.published and damaged:
+            report.fallback = fallback.note(store, damaged, base, report.used, report.round)
+            log.warning("%s", report.fallback)
         return report
+
+
+def _output_bytes(base: Checkpoint, cfg: AveragerConfig) -> int:
+    """Bytes a round writes: the average (+ DiLoCo momentum, centered_clip scratch)."""
+    values = sum(int(np.prod(e["shape"])) for e in base.leaves.values())
+    extra = (cfg.outer == "diloco") + (cfg.aggregator == "centered_clip")
+    return values * 4 * (1 + extra)
+
+
+def _round_on(store: Store, cfg: AveragerConfig, base: Checkpoint, round_: int,
+              report: RoundReport) -> None:
+    """The round `round_` built on `base` (raises BaseDamaged if `base` turns out damaged)."""
     workers = _candidates(store, cfg, base, report)
-    round_ = int(base.manifest["round"]) + 1
+    if len(workers) < cfg.min_workers or store.read(
+            commit_key(average_prefix(round_))) is not None:
+        fallback.verify(store, base)  # idle: make sure workers can continue from the base
     if len(workers) < cfg.min_workers:
         report.note = _quorum_note(workers, cfg, base, report)
-        return report
-    if store.read(f"{average_prefix(round_)}/COMMIT") is not None:
+        return
+    if store.read(commit_key(average_prefix(round_))) is not None:
         report.note = _committed_note(store, round_)
-        return report
-    token = _claim(store, round_, cfg.claim_timeout_s)
+        return
+    token = claim(store, round_, cfg.claim_timeout_s)
     if token is None:
         report.note = f"round {round_} is being written by another averager"
-        return report
-    data = f"{average_prefix(round_)}/d{json.loads(token)['token'][:16]}"
+        return
+    data = f"{average_prefix(round_)}/d{holder(token)[:16]}"
     try:
-        _publish_until_quorum(store, round_, base, workers, cfg, report, data)
-    except (Abort, StoreError) as e:
+        with Renewal(store, f"{average_prefix(round_)}/CLAIM", holder(token), cfg.claim_timeout_s):
+            _publish_until_quorum(store, round_, base, workers, cfg, report, data)
+    except fallback.BaseDamaged:
+        raise
+    except (Abort, StoreError, TrimError) as e:
         report.note = str(e)
+        _warn_once(f"round {round_} not published: {e}")
     finally:
         if not report.published:
-            _release(store, round_, token, data)
+            release(store, round_, token, data)
         report.bytes_read, report.bytes_written = store.bytes_read, store.bytes_written
-    return report
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Logs a refusal once per averager process (a watching averager retries every poll)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning("%s", message)
 
 
 def _committed_note(store: Store, round_: int) -> str:
@@ -298,8 +287,8 @@ def _committed_note(store: Store, round_: int) -> str:
         return f"round {round_} was just published by another averager"
     except StoreError as e:
         return (f"average/{round_} is committed but does not verify ({e}), so no later round "
-                f"can build on it: inspect it, then delete average/{round_}/ to republish it "
-                "from the workers' pushes")
+                f"can build on it: inspect it, then delete commits/average/{round_} and "
+                f"average/{round_}/ to republish it from the workers' pushes")
 
 
 def _quorum_note(workers: dict, cfg: AveragerConfig, base: Checkpoint,
@@ -334,11 +323,12 @@ def _publish(store: Store, round_: int, base: Checkpoint, workers: dict[int, Che
     contributors = {**base.manifest.get("contributors", {}),
                     **{str(w): c.step for w, c in workers.items()}}
     manifest = {"format": FORMAT, "jaxscale_version": __version__, "created": time.time(),
-                "checksum": CHECKSUM, "chunk": store.chunk, "kind": "average", "round": round_,
+                "chunk": store.chunk, "kind": "average", "round": round_,
                 "base_round": base.manifest["round"],
                 "data": data.rsplit("/", 1)[1],
-                "step": max(c.step for c in workers.values()),
-                "samples_seen": sum(c.manifest["samples_seen"] for c in workers.values()),
+                "step": round_step([c.step for c in workers.values()]),
+                "samples_seen": int(sum(worker_weights(list(workers.values()), cfg.batch_size))),
+                **_trimmed(cfg, len(workers), round_),
                 "aggregator": cfg.aggregator, "outer": cfg.outer,
                 "io": {"bytes_read": store.bytes_read - read0,
                        "bytes_written": store.bytes_written - written0},
@@ -353,6 +343,16 @@ def _publish(store: Store, round_: int, base: Checkpoint, workers: dict[int, Che
         log.warning("round %d: could not remove %s/scratch (%s)", round_, data, e)
 
 
+def _trimmed(cfg: AveragerConfig, n: int, round_: int) -> dict:
+    """The round's record of what trimmed_mean dropped (also logged)."""
+    if cfg.aggregator != "trimmed_mean":
+        return {}
+    k = trim_count(n, cfg.trim)
+    log.info("round %d: trimmed_mean dropped the %d lowest and %d highest of %d values per "
+             "coordinate", round_, k, k, n)
+    return {"trimmed": {"per_side": k, "of": n}}
+
+
 @dataclass(frozen=True)
 class Average:
     """What a worker loads: the round, the step it covers and flat float arrays."""
@@ -363,11 +363,13 @@ class Average:
 
 
 def latest_average(location: str | Store) -> Average | None:
+    """The newest average that verifies (a damaged newer one is warned about, passed over)."""
     store = location if isinstance(location, Store) else Store(location)
-    ckpt = latest_average_checkpoint(store)
-    if ckpt is None:
+    found = fallback.readable_average(store)
+    if found is None:
         return None
-    return Average(int(ckpt.manifest["round"]), ckpt.step, read_params(store, ckpt))
+    ckpt, params = found
+    return Average(int(ckpt.manifest["round"]), ckpt.step, params)
 
 
 def describe(report: RoundReport) -> str:
@@ -376,5 +378,6 @@ def describe(report: RoundReport) -> str:
     else:
         used = ", ".join(f"w{w}@{s}" for w, s in sorted(report.used.items()))
         lines = [f"round {report.round}: averaged {used}"]
+        lines += [f"  fallback: {report.fallback}"] if report.fallback else []
     lines += [f"  skipped w{w}: {why}" for w, why in sorted(report.skipped.items())]
     return "\n".join(lines)

@@ -10,6 +10,7 @@ average. `end` is pure Lo-Fi: the only exchange is the final push.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,11 +21,15 @@ import numpy as np
 
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.lofi import averager as averager_lib
+from jaxscale.lofi import fallback
 from jaxscale.lofi import store as store_lib
+from jaxscale.lofi.jobcheck import check_same_model
+from jaxscale.lofi.trust import MAX_STEP
 from jaxscale.train.state import TrainState
 from jaxscale.weights.place import place
-from jaxscale.weights.sources import store_leaves
 from jaxscale.weights.tree import flatten, unflatten
+
+log = logging.getLogger("jaxscale.lofi")
 
 
 class SyncTimeoutError(JaxscaleError):
@@ -94,28 +99,34 @@ class LofiWorker:
         (a `diloco` job gets the outer optimizer without the averager being told)."""
         allowed = averager_lib.parse_allowed(self.lofi.allowed_workers, self.lofi.num_workers)
         return {"allowed_workers": list(allowed), "min_workers": int(self.lofi.min_workers),
-                "max_staleness": int(self.lofi.max_staleness), "sync": str(self.lofi.sync)}
+                "max_staleness": int(self.lofi.max_staleness), "sync": str(self.lofi.sync),
+                "total_steps": int(self.total_steps), "batch_size": int(self.batch_size)}
 
     def start(self, trainer: Any, state: TrainState) -> TrainState:
         """At launch: publish the initial weights as round 0 if nobody has, then continue from
         whichever is newest: the run's own state, its own last complete push, or the newest
         complete average (a restarted worker loses at most the steps since its last push)."""
         self.store = store = store_lib.Store(self.lofi.store)
+        config_json = export_config(trainer.config)
+        check_same_model(store, config_json, {k: (tuple(v.shape), str(v.dtype)) for k, v in
+                                              flatten(state.params).items()}, self.lofi.worker_id)
         step = int(jax.device_get(state.step))
         if jax.process_index() == 0:
-            store.write("config.json", export_config(trainer.config), if_absent=True)
+            store.write("config.json", config_json, if_absent=True)
         if store_lib.latest_average_checkpoint(store) is None and jax.process_index() == 0:
             averager_lib.publish_initial(store, _host_tree(state.params), job=self.job())
         own = store_lib.worker_checkpoints(store).get(self.lofi.worker_id, [])
         latest = averager_lib.latest_average(store)
+        if latest is not None and latest.step > MAX_STEP:  # never an int32 overflow
+            latest = None
         self.loaded_round = self._resumed_round(store, step, own) if step else (
             latest.round if latest else -1)
-        if own and own[-1] > max(step, latest.step if latest else -1):
-            ckpt = store_lib.load_checkpoint(store, store_lib.worker_prefix(self.lofi.worker_id,
-                                                                             own[-1]))
+        pushed = fallback.own_push(store, self.lofi.worker_id, own,
+                                   max(step, latest.step if latest else -1), self.total_steps)
+        if pushed is not None:  # its own newest push that verifies, newer than the rest
+            ckpt, params = pushed
             self.loaded_round = int(ckpt.manifest.get("synced_round") or 0)
-            latest = averager_lib.Average(self.loaded_round, own[-1],
-                                          store_leaves(store, ckpt))
+            latest = averager_lib.Average(self.loaded_round, ckpt.step, params)
         if latest is not None and latest.step > step:
             self.loaded_round = latest.round
             state = self._load(trainer, state, latest)
@@ -196,12 +207,19 @@ class LofiWorker:
 
     def _wait_for_round_after(self, step: int) -> Any:
         deadline = time.monotonic() + float(self.lofi.sync_timeout_s)
+        damaged: set[int] = set()  # rounds that did not verify: the averager replaces them
         while time.monotonic() < deadline:
             ckpt = store_lib.latest_average_checkpoint(self.store)
-            if (ckpt is not None and ckpt.step >= step
-                    and int(ckpt.manifest["round"]) > self.loaded_round):
-                return averager_lib.Average(int(ckpt.manifest["round"]), ckpt.step,
-                                            store_leaves(self.store, ckpt))
+            round_ = int(ckpt.manifest["round"]) if ckpt is not None else -1
+            if (ckpt is not None and ckpt.step >= step and round_ > self.loaded_round
+                    and round_ not in damaged):
+                try:
+                    return averager_lib.Average(round_, ckpt.step,
+                                                store_lib.read_params(self.store, ckpt))
+                except store_lib.StoreError as e:
+                    damaged.add(round_)
+                    log.warning("average/%d does not verify (%s); waiting for the averager to "
+                                "publish the next round in its place", round_, e)
             time.sleep(0.2)
         raise SyncTimeoutError(paragraph(
             f"Lo-Fi worker {self.lofi.worker_id} pushed step {step} and waited",

@@ -1,0 +1,57 @@
+"""A worker joining a job checks that it trains the job's model before touching the store.
+
+The first worker records the job's resolved config (`config.json`) and its initial weights
+(round 0). A worker with another model (say another `model.embed`) would otherwise be skipped
+by the averager while it silently adopted the average's weights, or crash deep in JAX with a
+broadcasting error; instead it refuses at start, naming the fields that differ.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.lofi.store import Store, StoreError, average_prefix, load_checkpoint
+
+
+def _differences(mine: Any, job: Any, path: str = "model") -> list[str]:
+    if isinstance(mine, dict) and isinstance(job, dict):
+        return [d for k in sorted(set(mine) | set(job))
+                for d in _differences(mine.get(k), job.get(k), f"{path}.{k}")]
+    return [] if mine == job else [f"{path}={mine!r} (the job's: {job!r})"]
+
+
+def _leaf_problem(store: Store, shapes: dict[str, tuple[tuple[int, ...], str]]) -> str | None:
+    try:
+        leaves = load_checkpoint(store, average_prefix(0)).leaves
+    except StoreError:
+        return None  # no (readable) round 0 yet: this worker may be the one to publish it
+    for leaf in sorted(set(leaves) | set(shapes)):
+        if leaf not in leaves or leaf not in shapes:
+            return f"parameter {leaf} exists in only one of this worker's model and the job's"
+        shape, dtype = shapes[leaf]
+        if list(shape) != leaves[leaf]["shape"] or dtype != leaves[leaf]["dtype"]:
+            return (f"parameter {leaf} is {list(shape)} {dtype} here but "
+                    f"{leaves[leaf]['shape']} {leaves[leaf]['dtype']} in the job's round 0")
+    return None
+
+
+def check_same_model(store: Store, config_json: bytes,
+                     shapes: dict[str, tuple[tuple[int, ...], str]], worker_id: int) -> None:
+    """Raises ConfigError unless this worker's `model` config (as `export_config` writes it)
+    and parameter shapes match the job's recorded config.json and round 0."""
+    recorded = store.read("config.json")
+    try:
+        job = json.loads(recorded)["model"] if recorded is not None else None
+    except (ValueError, KeyError, TypeError):
+        job = None  # a damaged record: the round-0 shapes still decide
+    fields = _differences(json.loads(config_json)["model"], job) if job is not None else []
+    leaf = _leaf_problem(store, shapes)
+    if fields or leaf:
+        raise ConfigError(paragraph(
+            f"Lo-Fi worker {worker_id} trains another model than the job in {store.location}:",
+            "; ".join(fields[:5] + ([leaf] if leaf else [])) + ".",
+            "The averager would skip every push of it. Run it with the job's model config (the",
+            f"store's config.json), or give it its own lofi.store.",
+        ))
