@@ -293,6 +293,16 @@ class CheckpointHook:
             self.checkpointer.save(step, state, trainer.data_state, _adapters_only(trainer))
         self.checkpointer.close()
 
+    def at_preemption(self, trainer: Any, state: TrainState, step: int) -> bool:
+        """Saves at `step` (every host calls this at the same step) unless the periodic save
+        just did, and waits until the write is complete: the process exits next."""
+        self.checkpointer.wait()
+        if self.checkpointer.latest_step() != step:
+            trainer.check_finite(state)
+            self.checkpointer.save(step, state, trainer.data_state, _adapters_only(trainer))
+        self.checkpointer.close()
+        return True
+
 
 def _adapters_only(trainer: Any) -> bool:
     lora = trainer.config.get("lora")

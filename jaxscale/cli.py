@@ -7,6 +7,13 @@ wrapped around that file's whole traceback. `parse_flags` is an absl `flags_pars
 (`app.run(main, flags_parser=cli.parse_flags)`) that turns all of these into one
 `jaxscale: error:` paragraph naming the field, its type and the valid fields, and exits 2 like
 `errors.exit_on_user_error` does for errors raised later.
+
+absl users put flags in any order, but ml_collections applies a `--config.a.b=v` override to
+whatever config the flag holds when absl reaches it: given before `--config=FILE`, the override
+meets the default config (or none) and fails with a misleading type error. `config_first`
+therefore moves every `--NAME=FILE` of a config-file flag ahead of the other arguments (in
+`sys.argv`, which ml_collections reads itself, when the flag is defined, and in the argv absl
+parses), so overrides apply to the named file whatever their position.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ EXIT_CODE = 2
 
 def parse_flags(argv: Sequence[str]) -> list[str]:
     """Parses `argv` into absl FLAGS; on a mistake prints one paragraph and exits."""
-    argv = resolve_config_files(argv)
+    argv = resolve_config_files(config_first(argv, _config_flag_names()))
     try:
         rest = FLAGS(argv)
         for name in _config_flag_names():
@@ -41,11 +48,34 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
         fail(describe(e, argv))
 
 
+def config_first(argv: Sequence[str], names: Sequence[str]) -> list[str]:
+    """`argv` with the config-file flags (`--NAME=FILE`, `--NAME FILE`) moved right after the
+    program name, keeping their relative order and that of the rest; arguments after a bare
+    `--` are left where they are (they belong to another program)."""
+    argv = list(argv)
+    end = argv.index("--") if "--" in argv else len(argv)
+    moved, rest, i = [], [], 1
+    while i < end:
+        arg = argv[i]
+        if any(arg.startswith(f"--{n}=") for n in names):
+            moved.append(arg)
+        elif arg in {f"--{n}" for n in names} and i + 1 < end:
+            moved += [arg, argv[i + 1]]
+            i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return argv[:1] + moved + rest + argv[end:]
+
+
 def define_config_file(name: str, default: str, help_string: str) -> Any:
     """`config_flags.DEFINE_config_file`, whose overrides of the default config are checked at
     definition time when the command line has no `--NAME=`: those mistakes exit cleanly too."""
     from ml_collections import config_flags
     default = configs.resolve(default)
+    # ml_collections reads the overrides from sys.argv itself (not from the argv absl parses)
+    # and refuses one given before `--NAME=`, so the reordering must happen there.
+    sys.argv[:] = config_first(sys.argv, [name])
     try:
         return config_flags.DEFINE_config_file(name, default, help_string)
     except (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError) as e:

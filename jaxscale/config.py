@@ -69,8 +69,12 @@ def base_config() -> mlc.ConfigDict:
     c.optim = mlc.ConfigDict(dict(name="adamw", lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                                   weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
                                   clip_norm=1.0, momentum=0.9, nesterov=False))
-    c.train = mlc.ConfigDict(dict(steps=200, log_every=10, eval_every=100, grad_accum=1,
-                                  skip_nonfinite=False))
+    c.train = mlc.ConfigDict(dict(
+        steps=200, log_every=10, eval_every=100, grad_accum=1, skip_nonfinite=False,
+        loggers=("jsonl", "tensorboard"),  # names in jaxscale.loggers.LOGGERS (+ "wandb")
+        # jax.profiler trace of num_steps steps from start_step into WORKDIR/profile (0: off);
+        # host_tracing: host tracer level 0-3; all_processes: every process, not only process 0.
+        profile=dict(start_step=3, num_steps=0, host_tracing=2, all_processes=False)))
     c.pipeline = mlc.ConfigDict(dict(microbatches=1, repeats=1, schedule="gpipe"))
     c.checkpoint = mlc.ConfigDict(dict(every=0, keep=3))
     c.lofi = mlc.ConfigDict(dict(
@@ -116,6 +120,7 @@ def validate(c: mlc.ConfigDict) -> None:
              f"pipeline.microbatches={micro}; choose a batch that the microbatches divide.")
     _require(c.rules_indivisible in ("error", "replicate"),
              f"rules_indivisible={c.rules_indivisible!r}: use 'error' or 'replicate'.")
+    _validate_train_extras(t)
     _validate_lofi(c.lofi)
     _require(d.part in ("all", "a", "b"),
              f"data.part={d.part!r}: use 'all', or 'a'/'b' for the two disjoint halves.")
@@ -222,6 +227,19 @@ def _same_kind(value: Any, expected: Any) -> bool:
     if isinstance(expected, (tuple, list)):
         return isinstance(value, (tuple, list))
     return isinstance(value, type(expected))
+
+
+def _validate_train_extras(t: mlc.ConfigDict) -> None:
+    """The loggers by name, and the profiled step range."""
+    from jaxscale.loggers import check_names  # lazy: keeps `import config` light
+    check_names(list(t.loggers))
+    p = t.profile
+    _require(p.start_step >= 1 and p.num_steps >= 0,
+             f"train.profile.start_step={p.start_step} must be >= 1 and train.profile.num_steps=",
+             f"{p.num_steps} >= 0 (0: no profile).")
+    _require(0 <= p.host_tracing <= 3,
+             f"train.profile.host_tracing={p.host_tracing}: use a host tracer level from 0 (off)",
+             "to 3 (verbose); 2 (the default) records the runtime's high-level events.")
 
 
 def _validate_lofi(lofi: mlc.ConfigDict) -> None:

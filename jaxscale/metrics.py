@@ -15,16 +15,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-# Dense (no sparsity) bf16 peak FLOP/s per device, i.e. per chip for TPUs and per GPU.
-# Sources:
-#   TPU v4   275e12  https://cloud.google.com/tpu/docs/v4
-#   TPU v5e  197e12  https://cloud.google.com/tpu/docs/v5e        (device_kind 'TPU v5 lite')
-#   TPU v5p  459e12  https://cloud.google.com/tpu/docs/v5p        (device_kind 'TPU v5p' / 'TPU v5')
-#   TPU v6e  918e12  https://cloud.google.com/tpu/docs/v6e        (Trillium, 'TPU v6 lite')
-#   A100     312e12  NVIDIA A100 datasheet, BF16 Tensor Core dense (SXM and PCIe alike)
-#   H100 SXM 989e12  NVIDIA H100 datasheet, BF16 Tensor Core 1,979 TFLOPS *with sparsity* / 2
-#   H100 PCIe 756e12 same datasheet, PCIe column (1,513 with sparsity / 2)
-#   H200     989e12  NVIDIA H200 datasheet: same compute as H100 SXM (more/faster HBM only)
+# Dense (no sparsity) bf16 peak FLOP/s per device, i.e. per chip for TPUs and per GPU, and where
+# each number comes from (`PEAK_SOURCES`, same keys; the run banner prints the one it uses).
 PEAK_FLOPS: dict[str, float] = {
     "TPU v4": 275e12,
     "TPU v5 lite": 197e12,
@@ -38,6 +30,34 @@ PEAK_FLOPS: dict[str, float] = {
     "H100 PCIe": 756e12,
     "H200": 989e12,
 }
+_V5E = "https://cloud.google.com/tpu/docs/v5e (197 TFLOP/s bf16 per chip)"
+_V5P = "https://cloud.google.com/tpu/docs/v5p (459 TFLOP/s bf16 per chip)"
+_V6E = "https://cloud.google.com/tpu/docs/v6e (Trillium, 918 TFLOP/s bf16 per chip)"
+_H100 = "NVIDIA H100 datasheet, SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity / 2"
+PEAK_SOURCES: dict[str, str] = {
+    "TPU v4": "https://cloud.google.com/tpu/docs/v4 (275 TFLOP/s bf16 per chip)",
+    "TPU v5 lite": _V5E, "TPU v5e": _V5E,
+    "TPU v5p": _V5P, "TPU v5": _V5P,
+    "TPU v6 lite": _V6E, "TPU v6e": _V6E,
+    "A100": "NVIDIA A100 datasheet, BF16 Tensor Core dense (SXM and PCIe alike): 312 TFLOPS",
+    "H100": _H100,
+    "H100 PCIe": "NVIDIA H100 datasheet, PCIe: BF16 Tensor Core 1,513 TFLOPS with sparsity / 2",
+    "H200": "NVIDIA H200 datasheet: the H100 SXM's compute (989 TFLOPS dense bf16), more HBM",
+}
+
+
+def _peak_key(device_kind: str) -> str | None:
+    kind = device_kind.lower()
+    for name in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if name.lower() in kind:
+            return name
+    return None
+
+
+def peak_flops_source(device_kind: str) -> str | None:
+    """Where the peak used for `device_kind` comes from (None when it has no known peak)."""
+    key = _peak_key(device_kind)
+    return f"{key}: {PEAK_SOURCES[key]}" if key else None
 
 
 def peak_flops(device_kind: str) -> float | None:
@@ -48,11 +68,8 @@ def peak_flops(device_kind: str) -> float | None:
     'NVIDIA H100 80GB HBM3' or 'NVIDIA A100-SXM4-80GB' need no entry of their own. Returning
     None (rather than guessing) keeps a bogus MFU out of the logs on hardware we do not know.
     """
-    kind = device_kind.lower()
-    for name in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if name.lower() in kind:
-            return PEAK_FLOPS[name]
-    return None
+    key = _peak_key(device_kind)
+    return PEAK_FLOPS[key] if key else None
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, num_devices: int,
@@ -83,6 +100,38 @@ def llama_flops_per_token(num_layers: int, embed: int, heads: int, kv_heads: int
     mlp_params = 3 * embed * mlp                                  # gate, up, down
     matmul_params = num_layers * (attn_params + mlp_params) + embed * vocab
     return 6.0 * matmul_params + 12.0 * num_layers * heads * head_dim * seq_len
+
+
+def vit_flops_per_token(num_layers: int, embed: int, heads: int, head_dim: int, mlp: int,
+                        patch_size: int, channels: int, num_classes: int, tokens: int) -> float:
+    """Training FLOPs per token of a ViT classifier (forward + backward), where `tokens` is the
+    patches plus the class token of one image (`data.seq_len` of a ViT config).
+
+    The same convention as `llama_flops_per_token`: 6 FLOPs per matmul parameter per token
+    plus 12·L·H·Q·T for attention (bidirectional, so no causal saving to ignore). Per layer the
+    matmul parameters are q/k/v/o (4·E·H·Q) and the two MLP matrices (2·E·F); the patch
+    embedding (P²·C·E) runs once per patch and the classifier head (E·K) once per image, so
+    both are spread over the image's tokens. Biases, norms and position embeddings are left
+    out, as in the Llama count.
+    """
+    per_token = num_layers * (4 * embed * heads * head_dim + 2 * embed * mlp)
+    per_image = (tokens - 1) * patch_size * patch_size * channels * embed + embed * num_classes
+    return 6.0 * (per_token + per_image / tokens) + 12.0 * num_layers * heads * head_dim * tokens
+
+
+def model_flops_per_token(model: Any, seq_len: int) -> float | None:
+    """Training FLOPs per token of a model config, for every model with a FLOP formula (the
+    Llama and the ViT); None for others, so no MFU is logged rather than a wrong one."""
+    name = model.get("name", "llama")
+    if name == "llama":
+        return llama_flops_per_token(model.num_layers, model.embed, model.num_heads,
+                                     model.num_kv_heads, model.head_dim, model.mlp,
+                                     model.vocab_size, seq_len)
+    if name == "vit":
+        return vit_flops_per_token(model.num_layers, model.embed, model.num_heads,
+                                   model.head_dim, model.mlp, model.patch_size, model.channels,
+                                   model.num_classes, seq_len)
+    return None
 
 
 def _plain(value: Any) -> Any:

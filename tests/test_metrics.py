@@ -106,3 +106,37 @@ def test_progress_bar_plain_lines():
 def test_peak_table_covers_issue_hardware():
     for kind in ("TPU v4", "TPU v5e", "TPU v5p", "TPU v6e", "A100", "H100", "H200"):
         assert kind in metrics.PEAK_FLOPS and math.isfinite(metrics.PEAK_FLOPS[kind])
+
+
+def test_every_peak_names_its_source():
+    assert set(metrics.PEAK_SOURCES) == set(metrics.PEAK_FLOPS)
+    assert metrics.peak_flops_source("NVIDIA H100 80GB HBM3").startswith("H100: NVIDIA H100")
+    assert metrics.peak_flops_source("TPU v5 lite").startswith("TPU v5 lite: https://")
+    assert metrics.peak_flops_source("cpu") is None
+
+
+def test_vit_flops_by_hand():
+    # L=2, E=8, H=2, Q=4, F=16, P=2, C=1, K=10, T=5 (4 patches + class token):
+    # per token 2*(4*8*2*4 + 2*8*16) = 1024; per image 4*2*2*1*8 + 8*10 = 208 -> 208/5;
+    # 6*(1024 + 41.6) + 12*2*2*4*5 = 6393.6 + 960
+    assert metrics.vit_flops_per_token(2, 8, 2, 4, 16, 2, 1, 10, 5) == pytest.approx(7353.6)
+
+
+def test_every_shipped_model_has_a_flop_count():
+    import importlib
+    for name, arg in (("tiny_lm", "test"), ("vit_digits", "test"), ("llama", "1b")):
+        c = importlib.import_module(f"configs.{name}").get_config(arg)
+        assert metrics.model_flops_per_token(c.model, c.data.seq_len) > 0, name
+
+
+def test_throughput_window_mfu():
+    from jaxscale.throughput import Throughput
+    meter = Throughput(1000, 6e9, 4, "TPU v4")
+    meter.compiled(5.0)
+    meter.first_step_done(1, 0.5)
+    first = meter.window(3)
+    assert first["compile_s"] == 5.0 and first["first_step_s"] == 0.5
+    assert first["mfu"] == pytest.approx(6e9 * first["tokens_per_s"] / (275e12 * 4))
+    assert "compile_s" not in meter.window(5)  # logged once
+    meter.restart(5)
+    assert meter.window(5)["step_time_s"] is None  # no step since the window started

@@ -11,6 +11,7 @@ prefixes. Only process 0 writes logs and metrics, so all may share one `--workdi
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import time
 from collections.abc import Sequence
 
 from absl import app, flags
+
+from jaxscale.preemption import PREEMPTED_EXIT
 
 _N = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _DEV = flags.DEFINE_integer("devices_per_process", 4, "Simulated CPU devices per process.")
@@ -41,10 +44,13 @@ def _pump(prefix: str, proc: subprocess.Popen) -> None:
 
 
 def run_group(commands: dict[str, Sequence[str]], grace_s: float) -> int:
-    """Runs `commands` in parallel with prefixed output; 0 if all succeed, else 1.
+    """Runs `commands` in parallel with prefixed output; 0 if all succeed, 75 if all stopped
+    for a pre-emption (`jaxscale.preemption.PREEMPTED_EXIT`), else 1.
 
     Once one fails, the others are stopped after `grace_s`: a survivor would otherwise sit in
     the join or in a collective waiting for its dead peer until JAX's timeouts (minutes).
+    SIGTERM sent to this launcher is passed on to every process, as a pre-empted machine
+    would deliver it to each of its processes.
     """
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("XLA_FLAGS", None)  # each process sets its own device count via --cpu_devices
@@ -55,6 +61,8 @@ def run_group(commands: dict[str, Sequence[str]], grace_s: float) -> int:
              for name, p in procs.items()]
     for t in pumps:
         t.start()
+    signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM)
+                                              for p in procs.values() if p.poll() is None])
     deadline, stopped = None, []
     try:
         while None in (polled := [p.poll() for p in procs.values()]):  # poll all: reaps
@@ -73,6 +81,8 @@ def run_group(commands: dict[str, Sequence[str]], grace_s: float) -> int:
         for t in pumps:
             t.join()
     codes = {n: p.returncode for n, p in procs.items() if n not in stopped}
+    if not stopped and set(codes.values()) == {PREEMPTED_EXIT}:
+        return PREEMPTED_EXIT
     failed = {n: c for n, c in codes.items() if c}
     if failed:
         print(f"local_multihost: failed processes (exit codes): {failed}"

@@ -2,6 +2,8 @@
 
 Any config field can be overridden (`--config.mesh.fsdp=4 --config.train.steps=20`);
 `--cpu_devices=N` simulates N CPU devices (applied before JAX initialises its backends).
+On SIGTERM (a pre-emption) it saves at the current step and exits with status 75
+(`jaxscale.preemption.PREEMPTED_EXIT`); the same command then resumes.
 """
 
 from absl import app, flags
@@ -27,8 +29,12 @@ def main(argv):
             "with gcsfuse (e.g. --workdir=/mnt/bucket/runs/1b). Lo-Fi stores may be URLs",
             "(config.lofi.store=gs://...)."))
     runtime.setup()
+    from jaxscale.preemption import Preempted, exit_preempted
     from jaxscale.train.loop import train  # after the devices are configured
-    train(_CONFIG.value, _WORKDIR.value)
+    try:
+        train(_CONFIG.value, _WORKDIR.value)
+    except Preempted as e:  # SIGTERM: saved at the same step on every host; exit status 75
+        exit_preempted(e)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """The training loop: build everything from the config, run steps, call hooks, log metrics.
 
 `Trainer.build(config, workdir)` performs the visible set-up (mesh, rules, policy, model
-definition, optimizer, sharded state, jitted steps, data); `Trainer.run()` loops. Periodic work
-(evaluation, checkpoints, Lo-Fi pushes) are `Hook`s called after each step; a hook may return a
-replacement state (e.g. after loading an average). Only process 0 logs.
+definition, optimizer, sharded state, jitted steps, data); `Trainer.run()` compiles the train
+step ahead of time (timed as `compile_s`), then loops. Periodic work (evaluation, checkpoints,
+Lo-Fi pushes) are `Hook`s called after each step; a hook may return a replacement state (e.g.
+after loading an average). Loggers (`jaxscale.loggers`, named by `config.train.loggers`) are
+hooks too: on logged steps every hook with an `on_metrics` method receives the step's metrics.
+A profiler trace (`config.train.profile`) and pre-emption (SIGTERM: save at the same step on
+every host, then raise `Preempted`) hang off the same loop. Only process 0 logs.
 """
 
 from __future__ import annotations
@@ -21,18 +25,27 @@ from jaxscale import config as config_lib
 from jaxscale.data import build_data
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.mesh import make_mesh, mesh_summary
-from jaxscale.metrics import MetricsWriter, ProgressBar, llama_flops_per_token, mfu
+from jaxscale.loggers import make_loggers
+from jaxscale.metrics import ProgressBar, model_flops_per_token, peak_flops_source
 from jaxscale.models import lora
 from jaxscale.parallel.pipeline import make_layer_runner
 from jaxscale.precision import DynamicLossScale, get_policy
+from jaxscale.preemption import Preempted, PreemptionWatch
+from jaxscale.profiling import Profiler
 from jaxscale.rules import AxisRules
 from jaxscale.train.optim import make_optimizer
 from jaxscale.train.state import ModelDef, TrainState, init_state
+from jaxscale.throughput import Stopwatch, Throughput
 from jaxscale.weights.tree import flatten, unflatten
 from jaxscale.train.step import StepContext, batch_sharding, jit_steps
 
 
 class Hook(Protocol):
+    """Periodic work around the steps. Besides these two methods a hook may define
+    `on_metrics(trainer, step, metrics)`, called on logged steps with that step's metrics (what
+    metrics.jsonl gets), and `at_preemption(trainer, state, step)`, called instead of `at_end`
+    when the run stops for a pre-emption (the checkpoint hook saves there)."""
+
     def after_step(self, trainer: "Trainer", state: TrainState, step: int) -> TrainState | None:
         """Called after every step with the host-side step number."""
 
@@ -102,53 +115,96 @@ class Trainer:
         return float(np.mean(jax.device_get(losses)))
 
     def flops_per_token(self) -> float | None:
-        m, d = self.config.model, self.config.data
-        if m.get("name", "llama") != "llama":  # the FLOP count below is the Llama's
-            return None
-        return llama_flops_per_token(m.num_layers, m.embed, m.num_heads, m.num_kv_heads,
-                                     m.head_dim, m.mlp, m.vocab_size, d.seq_len)
+        return model_flops_per_token(self.config.model, self.config.data.seq_len)
 
     def run(self) -> TrainState:
+        """Trains to `config.train.steps` from the state's step; raises `Preempted` after
+        saving when the run is pre-empted (SIGTERM)."""
         cfg, state = self.config.train, self.state
         start = int(jax.device_get(state.step))
         it = self.batches.iterator(self.data_state)
-        writer = MetricsWriter(self.workdir, enabled=self.is_primary)
-        writer.truncate_after(start)  # a resumed run re-logs the steps after its checkpoint
+        hooks = [*make_loggers(self, start), *self.hooks]
         bar = ProgressBar(cfg.steps, initial=start, enabled=self.is_primary)
-        if self.is_primary:
-            print(f"jaxscale: mesh {mesh_summary(self.ctx.mesh)}, "
-                  f"{self.ctx.model_def.num_params():,} parameters, steps {start}->{cfg.steps}")
-        tokens = self.config.data.batch_size * self.config.data.seq_len
-        last_time, last_step = time.perf_counter(), start
-        for step in range(start + 1, cfg.steps + 1):
-            state, metrics = self.train_fn(state, self.to_global(next(it)))
-            self.data_state = it.get_state()
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                self.check_finite(state)
-                if self.ctx.loss_scale is not None:
-                    self.ctx.loss_scale.check(state.extra)
-                now = time.perf_counter()
-                host["step_time_s"] = (now - last_time) / (step - last_step)
-                host["tokens_per_s"] = tokens / host["step_time_s"]
-                fpt = self.flops_per_token()
-                util = fpt and mfu(fpt, host["tokens_per_s"], jax.device_count(),
-                                   jax.devices()[0].device_kind)
-                if util is not None:
-                    host["mfu"] = util
-                if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                    host["eval_loss"] = self.evaluate(state)
-                writer.write(step, host)
-                bar.update(step, host)
-                last_time, last_step = time.perf_counter(), step
-            for hook in self.hooks:
-                state = hook.after_step(self, state, step) or state
-        for hook in self.hooks:
+        meter = Throughput(self.config.data.batch_size * self.config.data.seq_len,
+                           self.flops_per_token(), jax.device_count(),
+                           jax.devices()[0].device_kind)
+        profiler = Profiler(cfg.profile, self.workdir, jax.process_index())
+        self._banner(start, meter)
+        batch = self.to_global(next(it)) if start < cfg.steps else None
+        if batch is not None:
+            meter.compiled(self._compile(state, batch))
+        try:
+            with PreemptionWatch() as preemption:
+                for step in range(start + 1, cfg.steps + 1):
+                    batch = self.to_global(next(it)) if batch is None else batch
+                    self.data_state = it.get_state()
+                    profiler.before_step(step)
+                    with Stopwatch() as timer:
+                        state, metrics = self.train_fn(state, batch)
+                        if step == start + 1:  # timed to completion, apart from the rest
+                            jax.block_until_ready(metrics)
+                            meter.first_step_done(step, timer.elapsed())
+                    batch = None
+                    if step % cfg.log_every == 0 or step == cfg.steps:
+                        self._log(step, state, metrics, meter, hooks, bar)
+                    if profiler.after_step(step, metrics):  # writing the trace is not a step
+                        meter.restart(step)
+                    for hook in self.hooks:
+                        state = hook.after_step(self, state, step) or state
+                    if preemption.reached(step):
+                        self._stop_for_preemption(hooks, state, step, bar)
+        finally:
+            profiler.stop()
+        for hook in hooks:
             hook.at_end(self, state)
         bar.close()
-        writer.close()
         self.state = state
         return state
+
+    def _banner(self, start: int, meter: Throughput) -> None:
+        if self.is_primary:
+            print(f"jaxscale: mesh {mesh_summary(self.ctx.mesh)}, "
+                  f"{self.ctx.model_def.num_params():,} parameters, "
+                  f"steps {start}->{self.config.train.steps}", flush=True)
+            source = peak_flops_source(meter.device_kind)
+            if source and meter.flops_per_token:
+                print(f"jaxscale: MFU against the peak of {source}", flush=True)
+
+    def _compile(self, state: TrainState, batch: dict[str, jax.Array]) -> float:
+        """Compiles the train step ahead of time; jit's cache then serves the first call."""
+        with Stopwatch() as t:
+            self.train_fn.lower(state, batch).compile()
+        if self.is_primary:
+            print(f"jaxscale: compiled the train step in {t.seconds:.1f}s (compile_s in "
+                  "metrics.jsonl; tokens/s, step time and MFU leave it and the first step out)",
+                  flush=True)
+        return t.seconds
+
+    def _log(self, step: int, state: TrainState, metrics: dict, meter: Throughput,
+             hooks: Sequence[Any], bar: ProgressBar) -> None:
+        host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        self.check_finite(state)
+        if self.ctx.loss_scale is not None:
+            self.ctx.loss_scale.check(state.extra)
+        host.update(meter.window(step))
+        cfg = self.config.train
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            host["eval_loss"] = self.evaluate(state)
+        for hook in hooks:
+            if hasattr(hook, "on_metrics"):
+                hook.on_metrics(self, step, host)
+        bar.update(step, host)
+        meter.restart(step)
+
+    def _stop_for_preemption(self, hooks: Sequence[Any], state: TrainState, step: int,
+                             bar: ProgressBar) -> None:
+        saved = False
+        for hook in hooks:
+            if hasattr(hook, "at_preemption"):
+                saved = bool(hook.at_preemption(self, state, step)) or saved
+        bar.close()
+        self.state = state
+        raise Preempted(step, saved)
 
     def check_finite(self, state: TrainState) -> None:
         """Raises if any step so far was non-finite (unless such steps are skipped)."""
@@ -191,7 +247,8 @@ def _init_from(path: str, state: TrainState, shardings: TrainState,
 
 
 def _attach_checkpoints(trainer: Trainer) -> None:
-    """Resumes from the newest complete checkpoint in the workdir and saves periodically."""
+    """Resumes from the newest complete checkpoint in the workdir and saves periodically
+    (every `checkpoint.every` steps; 0: only when pre-empted)."""
     from jaxscale.checkpoint import CheckpointHook, Checkpointer
 
     c = trainer.config.checkpoint
@@ -206,7 +263,7 @@ def _attach_checkpoints(trainer: Trainer) -> None:
 
 def train(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> TrainState:
     trainer = Trainer.build(config, workdir)
-    if workdir and config.checkpoint.every:
+    if workdir:  # with checkpoint.every=0 still: a pre-empted run saves, and resumes from that
         _attach_checkpoints(trainer)
     trainer.hooks.extend(hooks)
     if config.lofi.enabled:

@@ -1,0 +1,146 @@
+"""Loggers: loop hooks that receive each logged step's metrics, chosen by name in the config.
+
+`config.train.loggers` lists built-in loggers by name (`LOGGERS`: `jsonl`, `tensorboard`,
+`wandb`); any other logger is a hook passed to `train(config, workdir, hooks=[...])`. A hook
+that defines `on_metrics(trainer, step, metrics)` is called on every logged step with the same
+numbers `metrics.jsonl` gets (host floats; null-able). `Logger` is a convenience base class
+whose other hook methods do nothing, so a custom logger only writes `on_metrics`. Hooks are
+called on every process; the built-in loggers write on process 0 only (`trainer.is_primary`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.metrics import MetricsWriter
+
+
+class Logger:
+    """Base class of loggers: override `on_metrics` (and `close` to flush at the end)."""
+
+    def on_metrics(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
+        """Called on every logged step (`config.train.log_every`) with that step's metrics."""
+
+    def close(self) -> None:
+        """Called once at the end of the run, or when it stops for a pre-emption."""
+
+    def after_step(self, trainer: Any, state: Any, step: int) -> None:
+        return None
+
+    def at_end(self, trainer: Any, state: Any) -> None:
+        self.close()
+
+    def at_preemption(self, trainer: Any, state: Any, step: int) -> None:
+        self.close()
+
+
+class JsonlLogger(Logger):
+    """WORKDIR/metrics.jsonl (`metrics.MetricsWriter`): on resume, lines after the restored
+    step are dropped first, so the file ends as an uninterrupted run's would."""
+
+    def __init__(self, trainer: Any, start_step: int):
+        self.writer = MetricsWriter(trainer.workdir, enabled=trainer.is_primary,
+                                    tensorboard=False)
+        self.writer.truncate_after(start_step)
+
+    def on_metrics(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
+        self.writer.write(step, metrics)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class TensorBoardLogger(Logger):
+    """Scalars in WORKDIR/tensorboard/ (tensorboardX); events after the restored step of a
+    resumed run are purged (`purge_step`)."""
+
+    def __init__(self, trainer: Any, start_step: int):
+        self._tb = None
+        if trainer.is_primary and trainer.workdir:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(trainer.workdir, "tensorboard"),
+                                     purge_step=start_step + 1)
+
+    def on_metrics(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
+        if self._tb is None:
+            return
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._tb.add_scalar(k, float(v), int(step))
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+WANDB_MISSING = paragraph(
+    "config.train.loggers names 'wandb', but the wandb package is not installed. Install it",
+    "with `pip install 'jaxscale[wandb]'` (or `pip install wandb`) and log in (`wandb login`,",
+    "or set WANDB_API_KEY; WANDB_MODE=offline logs locally), or drop 'wandb' from",
+    "config.train.loggers, e.g. \"--config.train.loggers=('jsonl', 'tensorboard')\".",
+)
+
+
+class WandbLogger(Logger):
+    """Weights & Biases: the resolved config once, then every logged step's metrics. The run id
+    is derived from the workdir, so a resumed run (after a pre-emption) continues the same W&B
+    run. Project from WANDB_PROJECT (default 'jaxscale'); other settings from wandb's own
+    environment variables."""
+
+    def __init__(self, trainer: Any, start_step: int):
+        self.run = None
+        if not trainer.is_primary:
+            return
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(WANDB_MISSING)
+        import wandb
+        workdir = os.path.abspath(trainer.workdir or "jaxscale")
+        run_id = hashlib.sha256(workdir.encode()).hexdigest()[:16]
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "jaxscale"),
+                              name=os.path.basename(workdir), id=run_id, resume="allow",
+                              dir=trainer.workdir or None, config=trainer.config.to_dict())
+
+    def on_metrics(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
+        if self.run is not None:
+            self.run.log({k: v for k, v in metrics.items() if v is not None}, step=int(step))
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+# The names `config.train.loggers` accepts: an explicit table, nothing registers itself.
+LOGGERS: dict[str, Callable[[Any, int], Logger]] = {
+    "jsonl": JsonlLogger,
+    "tensorboard": TensorBoardLogger,
+    "wandb": WandbLogger,
+}
+
+
+def check_names(names: Sequence[str]) -> None:
+    """Raises a one-paragraph ConfigError for an unknown logger name or a missing package,
+    before anything is built."""
+    for name in names:
+        if name not in LOGGERS:
+            raise ConfigError(paragraph(
+                f"config.train.loggers names {name!r}, which is not a logger. Use any of",
+                f"{', '.join(LOGGERS)}, e.g. \"--config.train.loggers=('jsonl', 'wandb')\"; other",
+                "loggers are hooks passed to jaxscale.train.loop.train(..., hooks=[...]).",
+            ))
+    if "wandb" in names and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(WANDB_MISSING)
+
+
+def make_loggers(trainer: Any, start_step: int) -> list[Logger]:
+    """The loggers `config.train.loggers` names, opened for a run starting after `start_step`."""
+    names = list(trainer.config.train.get("loggers", ("jsonl", "tensorboard")))
+    check_names(names)
+    return [LOGGERS[name](trainer, start_step) for name in dict.fromkeys(names)]
