@@ -4,7 +4,7 @@ One row per mesh of the equivalence tests (8 simulated CPU devices, the tests' t
 - state: bytes of parameters + optimizer state on the fullest device (from the arrays'
   addressable shards) next to the ideal, total / (pipeline x fsdp x tensor); and the compiled
   step's `memory_analysis()` (arguments = state + batch, and temporaries);
-- collectives parsed from the compiled HLO of one train step (`jaxscale.parallel.hlo_stats`):
+- collectives parsed from the compiled HLO of one train step (`jaxscale.aot.hlo`):
   executions and bytes per device per step of each kind, next to the analytic minimum of the
   strategy, with an explanation of any excess;
 - for `grad_accum` > 1, whether the gradient all-reduce runs once per step;
@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 from configs.tiny_lm import get_config  # noqa: E402
-from jaxscale.parallel.hlo_stats import KINDS, collectives, summarize  # noqa: E402
+from jaxscale.aot.hlo import KINDS, collectives, summarize  # noqa: E402
 from jaxscale.parallel.pipeline import get_schedule  # noqa: E402
 from jaxscale.rules import use_rules  # noqa: E402
 from jaxscale.train.loop import Trainer  # noqa: E402

@@ -25,6 +25,8 @@ _OUT = flags.DEFINE_string("out", None, "Write the report as JSON here.")
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    from jaxscale.aot.topology import compile_only_env
+    compile_only_env()  # before jax opens a backend
     from jaxscale.aot.compile import compile_step
     from jaxscale.aot.report import format_report, step_estimate
     from jaxscale.aot.topology import parse_topology

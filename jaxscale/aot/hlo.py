@@ -167,8 +167,11 @@ def _groups(rest: str, partitions: int) -> list[list[int]] | None:
     return None
 
 
-def collectives(module: Module, slice_of: list[int] | None = None) -> list[Collective]:
-    """Every collective of the module; `slice_of[p]` (multi-slice) marks DCN groups."""
+def collectives(module: Module | str, slice_of: list[int] | None = None) -> list[Collective]:
+    """Every collective of the module (or HLO text); `slice_of[p]` (multi-slice) marks DCN
+    groups."""
+    if isinstance(module, str):
+        module = parse(module)
     shapes = {i.name: i.shape for instrs in module.comps.values() for i in instrs}
     found = []
     for comp, instrs in module.comps.items():

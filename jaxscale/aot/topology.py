@@ -66,15 +66,22 @@ def require_libtpu() -> None:
         ))
 
 
-# libtpu would otherwise query the GCE metadata server for the attached TPU (there is none).
-_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}
+# libtpu would otherwise query the GCE metadata server for the attached TPU (there is none);
+# jax, unless limited to the CPU backend, would open a TPU backend, which takes libtpu's
+# process lock (/tmp/libtpu_lockfile) and so refuses the planner's second compiling process.
+_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu"}
+
+
+def compile_only_env() -> None:
+    """Sets the environment for compile-only use; call before jax initialises its backends."""
+    for key, value in _ENV.items():
+        os.environ.setdefault(key, value)
 
 
 def topology_devices(topology: Topology) -> list[Any]:
     """The compile-only devices of the topology, one per chip, slices in order."""
     require_libtpu()
-    for key, value in _ENV.items():
-        os.environ.setdefault(key, value)
+    compile_only_env()
     from jax.experimental import topologies
 
     kwargs: dict[str, Any] = {}
