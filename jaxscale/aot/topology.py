@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,8 @@ def compile_only_env() -> None:
     """Sets the environment for compile-only use; call before jax initialises its backends."""
     for key, value in _ENV.items():
         os.environ.setdefault(key, value)
+    if "jax" in sys.modules:  # imported already: its platforms flag was read from the env
+        sys.modules["jax"].config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 
 def topology_devices(topology: Topology) -> list[Any]:
@@ -89,7 +92,16 @@ def topology_devices(topology: Topology) -> list[Any]:
         kwargs["chip_config_name"] = topology.chip.chip_config
     if topology.num_slices > 1:
         kwargs["num_slices"] = topology.num_slices
-    desc = topologies.get_topology_desc(topology_name=topology.name, platform="tpu", **kwargs)
+    try:
+        desc = topologies.get_topology_desc(topology_name=topology.name, platform="tpu",
+                                            **kwargs)
+    except RuntimeError as e:
+        if "lockfile" not in str(e):
+            raise
+        raise TopologyError(paragraph(
+            "Another process on this machine is using libtpu (it allows one at a time, by",
+            "/tmp/libtpu_lockfile): wait for that compile to finish, or stop it, and retry.",
+        )) from None
     devices = list(desc.devices)
     if len(devices) != topology.num_chips:  # guards the one-device-per-chip assumption
         raise TopologyError(paragraph(
