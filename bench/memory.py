@@ -7,6 +7,11 @@ allocated), the per-device bytes from each leaf's shard shape, and the compiled 
 Analytic bytes per parameter are printed next to the measured ones.
 
     python bench/memory.py [--layers=16]
+    python bench/memory.py --topology=v5p:2x2x2,v5e:4x4 [--sizes=1b,7b] [--micro_batch=1]
+
+With `--topology`, the 1B / 7B presets (fsdp over the slice, full remat, bf16-mixed, seq 2048,
+`--micro_batch` sequences per chip) are compiled by libtpu for each topology ahead of time
+(`jaxscale.aot.compile`): per-chip arguments, temporaries and total against the chip's HBM.
 """
 
 from __future__ import annotations
@@ -115,10 +120,44 @@ def measure(c, precision: str, rank: int, optim: str) -> dict:
             "compile_s": time.perf_counter() - start}
 
 
+def tpu_table(topologies: str, sizes: str, micro_batch: int) -> None:
+    """The presets compiled by the TPU compiler for each topology."""
+    from configs import llama
+    from jaxscale.aot.compile import compile_step
+    from jaxscale.aot.report import step_estimate
+    from jaxscale.aot.topology import parse_topology
+
+    gib = lambda b: f"{b / 2**30:7.2f}"
+    print(f"| {'preset':5s} | {'topology':10s} | {'mesh':>8s} | {'batch':>5s} | {'args':>7s} | "
+          f"{'temp':>7s} | {'total':>7s} | {'HBM':>7s} | fits | {'step ms (estimate)':>18s} | "
+          f"compile s |")
+    print("|" + "|".join("-" * w for w in (7, 12, 10, 7, 9, 9, 9, 9, 6, 20, 11)) + "|")
+    for name in topologies.split(","):
+        topo = parse_topology(name)
+        for size in sizes.split(","):
+            c = llama.get_config(size)
+            c.mesh.update(data=1, fsdp=topo.num_chips)
+            c.data.batch_size = micro_batch * topo.num_chips
+            c.precision = "bf16-mixed"
+            r = compile_step(c, topo)
+            e = step_estimate(r)
+            print(f"| {size:5s} | {name:10s} | fsdp={topo.num_chips:<3d} | {c.data.batch_size:>5d}"
+                  f" | {gib(r.argument_bytes)} | {gib(r.temp_bytes)} | {gib(r.total_bytes)} | "
+                  f"{gib(r.hbm_bytes)} | {'yes' if r.fits else 'NO':4s} | "
+                  f"{e.full_overlap_s * 1e3:8.0f}..{e.no_overlap_s * 1e3:<8.0f} | "
+                  f"{r.compile_s:9.0f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--topology", default=None, help="comma-separated TPU topologies")
+    parser.add_argument("--sizes", default="1b,7b")
+    parser.add_argument("--micro_batch", type=int, default=1)
     args = parser.parse_args()
+    if args.topology:
+        tpu_table(args.topology, args.sizes, args.micro_batch)
+        return
     gib = lambda b: f"{b / 2**30:7.3f}"
     devices = jax.device_count()
     print(f"configs/llama.py:1b Llama (embed 2048, {args.layers} layers, mlp 8192, vocab 32000), "

@@ -4,7 +4,7 @@ One row per mesh of the equivalence tests (8 simulated CPU devices, the tests' t
 - state: bytes of parameters + optimizer state on the fullest device (from the arrays'
   addressable shards) next to the ideal, total / (pipeline x fsdp x tensor); and the compiled
   step's `memory_analysis()` (arguments = state + batch, and temporaries);
-- collectives parsed from the compiled HLO of one train step (`jaxscale.parallel.hlo_stats`):
+- collectives parsed from the compiled HLO of one train step (`jaxscale.aot.hlo`):
   executions and bytes per device per step of each kind, next to the analytic minimum of the
   strategy, with an explanation of any excess;
 - for `grad_accum` > 1, whether the gradient all-reduce runs once per step;
@@ -13,6 +13,12 @@ and, last, the framework overhead: jaxscale's jitted train step against a minima
 `jax.jit` step (same Llama module, same shardings, plain optax), median step time, same process.
 
     python bench/parallelism.py [--overhead_steps=40]
+    python bench/parallelism.py --topology=v5p:2x2x2   # the same rows compiled by libtpu
+
+With `--topology` (8 chips), every row is compiled for that TPU slice ahead of time
+(`jaxscale.aot.compile`, needs libtpu): memory and collectives are the TPU compiler's, state
+per device comes from the shardings (the same on any 8-device mesh of that shape), and the
+overhead timing (which needs to run steps) is skipped.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 from configs.tiny_lm import get_config  # noqa: E402
-from jaxscale.parallel.hlo_stats import KINDS, collectives, summarize  # noqa: E402
+from jaxscale.aot.hlo import KINDS, collectives, summarize  # noqa: E402
 from jaxscale.parallel.pipeline import get_schedule  # noqa: E402
 from jaxscale.rules import use_rules  # noqa: E402
 from jaxscale.train.loop import Trainer  # noqa: E402
@@ -166,6 +172,36 @@ def bench_row(label, mesh, preset, pipeline, batch, accum) -> dict:
     return row
 
 
+def bench_row_tpu(topology, label, mesh, preset, pipeline, batch, accum) -> dict:
+    """The row compiled for a TPU topology: the compiler's memory and collectives."""
+    from jaxscale.aot.compile import compile_step
+    from jaxscale.aot.hlo import Collective
+    from jaxscale.mesh import make_mesh
+    from jaxscale.sharding_report import per_device_bytes as shard_bytes
+    from jaxscale.train.build import build_step
+
+    c = make_config(mesh, preset, pipeline, batch, accum)
+    abstract, _ = build_step(c, make_mesh(c.mesh)).abstract_state()
+    report = compile_step(c, topology)
+    found = [Collective(**x) for x in report.collectives]
+    params = nbytes(abstract.params)
+    layer_bytes = nbytes(abstract.params["layers"])
+    m = c.mesh
+    want, notes = analytic(c, layer_bytes, params - layer_bytes)
+    state = sum(shard_bytes(x) for x in jax.tree.leaves((abstract.params, abstract.opt_state)))
+    row = dict(label=label, config=c, state=state,
+               ideal=(params + nbytes(abstract.opt_state)) / (m.pipeline * m.fsdp * m.tensor),
+               args=report.argument_bytes, temp=report.temp_bytes, got=summarize(found),
+               want=want, notes=notes, compile_s=report.compile_s)
+    reduces = [x for x in found if x.kind in ("all-reduce", "reduce-scatter")
+               and x.bytes >= params // (m.pipeline * m.fsdp * m.tensor * 4)]
+    row["grad_reductions"] = (sum(x.executions for x in reduces), any(x.in_loop for x in reduces))
+    if m.pipeline > 1:
+        row["bubble"] = get_schedule(c.pipeline.schedule).bubble_fraction(
+            m.pipeline, c.pipeline.microbatches, c.pipeline.repeats)
+    return row
+
+
 def kb(n: float) -> str:
     return f"{n / 1024:.1f}K"
 
@@ -257,17 +293,26 @@ def overhead(steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--overhead_steps", type=int, default=40)
+    parser.add_argument("--topology", default=None, help="compile for this 8-chip TPU slice")
     args = parser.parse_args()
     start = time.perf_counter()
+    topology = None
+    if args.topology:
+        from jaxscale.aot.topology import parse_topology
+        topology = parse_topology(args.topology)
     rows = []
     for row in ROWS:
-        rows.append(bench_row(*row))
+        rows.append(bench_row_tpu(topology, *row) if topology else bench_row(*row))
         print(f"  compiled {row[0]} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
-    print(f"jax {jax.__version__}, {jax.device_count()} simulated {jax.devices()[0].platform} "
-          "devices; model embed=64, 4 layers, 4 heads, 4 kv heads, mlp=128, vocab=256, "
-          "seq 32, fp32, adamw. Bytes are per device per step; Nx = executions per step.\n")
+    where = (f"compiled by libtpu for {topology.label()} (ahead of time, nothing ran)"
+             if topology else f"{jax.device_count()} simulated {jax.devices()[0].platform} "
+             "devices")
+    print(f"jax {jax.__version__}, {where}; model embed=64, 4 layers, 4 heads, 4 kv heads, "
+          "mlp=128, vocab=256, seq 32, fp32, adamw. Bytes are per device per step; Nx = "
+          "executions per step.\n")
     print_rows(rows)
-    overhead(args.overhead_steps)
+    if not topology:
+        overhead(args.overhead_steps)
     print(f"\n(bench ran in {time.perf_counter() - start:.0f}s)")
 
 

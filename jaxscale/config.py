@@ -125,6 +125,39 @@ def validate(c: mlc.ConfigDict) -> None:
     _require(d.part in ("all", "a", "b"),
              f"data.part={d.part!r}: use 'all', or 'a'/'b' for the two disjoint halves.")
     _validate_choices(c)
+    _validate_mesh_use(c)
+
+
+def _rule_axes(rules: Any) -> set[str]:
+    """Mesh axes that at least one rule may shard over."""
+    axes: set[str] = set()
+    for _, mesh_axes in rules:
+        if isinstance(mesh_axes, str):
+            axes.add(mesh_axes)
+        elif mesh_axes:
+            axes.update(mesh_axes)
+    return axes
+
+
+def _validate_mesh_use(c: mlc.ConfigDict) -> None:
+    """A mesh axis > 1 that no rule uses only duplicates work (e.g. the `fsdp` preset with
+    mesh.tensor=4 compiles to 4x the compute and 4x the state per chip): refuse it."""
+    from jaxscale.presets import PRESETS
+
+    rules = PRESETS[c.rules_preset] if c.rules_preset else c.rules
+    used = _rule_axes(rules)
+    for axis in ("data", "pipeline", "fsdp", "tensor"):
+        size = max(c.mesh.get(axis, 1), 1) * c.mesh.get(f"dcn_{axis}", 1)
+        if size > 1 and axis not in used:
+            users = [name for name, r in PRESETS.items() if axis in _rule_axes(r)]
+            what = (f"rules preset {c.rules_preset!r}" if c.rules_preset else "config.rules")
+            raise ConfigError(paragraph(
+                f"The mesh axis '{axis}' has size {size} (mesh.{axis} x mesh.dcn_{axis}), but no",
+                f"rule of {what} shards anything over it, so every device along it would",
+                f"repeat the same work and hold the same state. Use a preset that uses",
+                f"'{axis}' ({', '.join(users)}: --config.rules_preset={users[0] if users else ''}),",
+                f"add a rule naming it, or set --config.mesh.{axis}=1.",
+            ))
 
 
 def _validate_choices(c: mlc.ConfigDict) -> None:

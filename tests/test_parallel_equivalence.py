@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale.parallel.hlo_stats import collectives
+from jaxscale.aot.hlo import collectives
 from jaxscale.rules import use_rules
 from jaxscale.train.loop import Trainer
 from jaxscale.weights.tree import flatten

@@ -12,7 +12,6 @@ every host, then raise `Preempted`) hang off the same loop. Only process 0 logs.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,13 +27,10 @@ from jaxscale.mesh import make_mesh, mesh_summary
 from jaxscale.loggers import make_loggers
 from jaxscale.metrics import ProgressBar, model_flops_per_token, peak_flops_source
 from jaxscale.models import lora
-from jaxscale.parallel.pipeline import make_layer_runner
-from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.preemption import Preempted, PreemptionWatch
 from jaxscale.profiling import Profiler
-from jaxscale.rules import AxisRules
-from jaxscale.train.optim import make_optimizer
-from jaxscale.train.state import ModelDef, TrainState, init_state
+from jaxscale.train.build import build_step
+from jaxscale.train.state import TrainState, init_state
 from jaxscale.throughput import Stopwatch, Throughput
 from jaxscale.weights.tree import flatten, unflatten
 from jaxscale.train.step import StepContext, batch_sharding, jit_steps
@@ -78,20 +74,12 @@ class Trainer:
         if workdir and jax.process_index() == 0:
             config_lib.save_config(config, workdir)
         mesh = make_mesh(config.mesh, devices)
-        rules = AxisRules.from_config(config)
-        policy = get_policy(config.precision)
-        model_def = lora.with_adapters(ModelDef.build(config.model, policy), config.lora)
-        optimizer, lr = make_optimizer(config.optim, config.train.steps)
-        scaler = DynamicLossScale.from_config(config.loss_scale) if policy.loss_scaling else None
-        state, shardings = init_state(model_def, optimizer, rules, mesh, config.seed,
-                                      lora.trainable(config.lora), scaler.init if scaler else dict)
+        setup = build_step(config, mesh)
+        ctx = setup.ctx
+        state, shardings = init_state(ctx.model_def, ctx.optimizer, ctx.rules, mesh,
+                                      config.seed, setup.trainable, setup.init_extra)
         if config.init_from:
             state = _init_from(config.init_from, state, shardings, config.model)
-        ctx = StepContext(model_def, optimizer, lr, policy, rules, mesh,
-                          config.train.grad_accum, config.train.skip_nonfinite,
-                          run_layers=make_layer_runner(config.pipeline, mesh, config.model.remat,
-                                                       config.model.get("num_layers")),
-                          task=config.model.get("task", "lm"), loss_scale=scaler)
         lofi = config.lofi
         shard = (lofi.worker_id, lofi.num_workers) if lofi.enabled else (0, 1)
         batches, evals = build_data(config, jax.process_index(), jax.process_count(), *shard)

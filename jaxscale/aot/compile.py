@@ -1,0 +1,145 @@
+"""Compile the exact train step of a config for a TPU topology, ahead of time, with no TPU.
+
+`compile_step(config, topology)` builds the step `launch.train` would run (`train.build`), on a
+mesh of the topology's compile-only devices, lowers it against abstract arrays (nothing is
+allocated or executed), compiles it with libtpu, and returns the compiler's own accounting:
+memory per chip, FLOPs (loop bodies multiplied by their trip counts) and collectives, read from
+the optimized HLO that libtpu dumps (`compiled.as_text()` fails on these executables).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ml_collections as mlc
+
+from jaxscale import config as config_lib
+from jaxscale.aot import hlo
+from jaxscale.aot.topology import Topology, TopologyError, topology_devices
+from jaxscale.errors import MeshError, paragraph
+
+
+@dataclass
+class StepReport:
+    """What the TPU compiler says about one train step, per chip."""
+
+    topology: str
+    num_chips: int
+    mesh: dict[str, int]
+    hbm_bytes: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int
+    flops: float                 # per chip per step, loop bodies x trip counts
+    flops_cost_analysis: float   # the compiler's cost analysis (loop bodies counted once)
+    model_flops: float | None    # analytic, per chip per step (PaLM convention)
+    collectives: list[dict] = field(default_factory=list)
+    compile_s: float = 0.0
+    tokens_per_step: int = 0
+    hlo_path: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        """Peak per chip: arguments + outputs not aliased to arguments + temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.hbm_bytes
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "total_bytes": self.total_bytes, "fits": self.fits}
+
+
+def _mesh_for(config: mlc.ConfigDict, topology: Topology, devices: list) -> Any:
+    from jaxscale.mesh import make_mesh, resolve_mesh_shape
+
+    try:
+        ici, dcn = resolve_mesh_shape(config.mesh, len(devices))
+        slices = 1
+        for v in dcn.values():
+            slices *= v
+        if slices != topology.num_slices:
+            raise MeshError(paragraph(
+                f"The dcn_* factors {dcn} ask for {slices} slice(s), but the topology has",
+                f"{topology.num_slices} (--num_slices). Set e.g. --config.mesh.dcn_data=",
+                f"{topology.num_slices} so that their product equals --num_slices.",
+            ))
+        return make_mesh(config.mesh, devices)
+    except MeshError as e:
+        raise MeshError(paragraph(
+            f"The mesh does not fit {topology.label()} ({len(devices)} chips): {e}",
+            "The product of the mesh axes (and dcn_* factors) must equal the chip count.",
+        )) from None
+
+
+def _model_flops(config: mlc.ConfigDict, num_chips: int) -> float | None:
+    from jaxscale.metrics import llama_flops_per_token
+
+    m, d = config.model, config.data
+    if m.get("name", "llama") != "llama":
+        return None
+    per_token = llama_flops_per_token(m.num_layers, m.embed, m.num_heads, m.num_kv_heads,
+                                      m.head_dim, m.mlp, m.vocab_size, d.seq_len)
+    return per_token * d.batch_size * d.seq_len / num_chips
+
+
+def compile_step(config: mlc.ConfigDict, topology: Topology,
+                 hlo_dir: str | None = None) -> StepReport:
+    """Compiles config's train step for `topology`; raises JaxscaleErrors for bad input."""
+    from jaxscale.train.build import build_step, lm_batch_spec
+    from jaxscale.train.step import jit_steps
+
+    config_lib.validate(config)
+    devices = topology_devices(topology)
+    mesh = _mesh_for(config, topology, devices)
+    start = time.perf_counter()
+    setup = build_step(config, mesh)
+    abstract, shardings = setup.abstract_state()
+    batch = lm_batch_spec(config)
+    train_fn, _ = jit_steps(setup.ctx, shardings, {k: v.shape for k, v in batch.items()})
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = hlo_dir or tmp
+        options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True,
+                   "xla_dump_hlo_pass_re": "spmd-partitioning"}
+        compiled = train_fn.lower(abstract, batch).compile(compiler_options=options)
+        text_path = _dumped(dump, "after_optimizations.txt")
+        with open(text_path) as f:
+            optimized = hlo.parse(f.read())
+        with open(_dumped(dump, "after_tpu-spmd-partitioning*.txt")) as f:
+            partitioned = hlo.parse(f.read())
+    elapsed = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    slices = ([d.slice_index for d in mesh.devices.flat] if topology.num_slices > 1 else None)
+    return StepReport(
+        topology=topology.label(), num_chips=topology.num_chips, mesh=dict(mesh.shape),
+        hbm_bytes=topology.chip.hbm_bytes,
+        argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
+        alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
+        generated_code_bytes=mem.generated_code_size_in_bytes,
+        flops=hlo.flops(partitioned), flops_cost_analysis=float(cost.get("flops", 0.0)),
+        model_flops=_model_flops(config, topology.num_chips),
+        collectives=[asdict(c) for c in hlo.collectives(optimized, slices)],
+        compile_s=elapsed, tokens_per_step=config.data.batch_size * config.data.seq_len,
+        hlo_path=text_path if hlo_dir else None)
+
+
+def _dumped(dump_dir: str, suffix: str) -> str:
+    found = sorted(glob.glob(os.path.join(dump_dir, "*" + suffix)),
+                   key=os.path.getsize)
+    if not found:
+        raise TopologyError(paragraph(
+            f"libtpu wrote no optimized HLO into {dump_dir}; this libtpu version may not",
+            "support --xla_dump_to. Reinstall with `pip install 'jaxscale[tpu]'`.",
+        ))
+    return found[-1]  # the train step is the largest module

@@ -1,0 +1,239 @@
+"""HLO accounting, the one home for it: collectives (kind, bytes, group, trip counts) and FLOPs.
+
+Reads the text of an XLA HLO module (CPU: `compiled.as_text()`; TPU: libtpu's dump, see
+`jaxscale.aot.compile`). Every count is per device and per step: an instruction inside while
+loops counts once per iteration, the trip count taken from `known_trip_count` or, where the
+compiler did not annotate it (libtpu), from the loop condition `i < N`. Collectives are the
+all-reduce, all-gather, reduce-scatter, collective-permute and all-to-all ops, including their
+async `-start` forms; libtpu's `all-reduce-scatter` fusions (an all-reduce followed by a
+dynamic-slice, executed as a reduce-scatter) count as reduce-scatters, and the
+collective-permutes of windowed-einsum loops (FSDP gathers overlapped with matmuls) count once
+per loop iteration. Bytes: the gathered result for all-gather, the input for reduce-scatter, the
+payload otherwise; for a collective-permute the payload times the fraction of devices sending.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \((.*)\) -> .*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+_OP = re.compile(r"%([\w.\-]+)")
+_CALLS = re.compile(r"(?:body|calls|to_apply|condition|true_computation|false_computation)"
+                    r"=%([\w.\-]+)|branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_CONST = re.compile(r"constant\((-?\d+)\)")
+_CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_FUSED_COLLECTIVE = "all-reduce-scatter"  # libtpu's reduce-scatter, as a fusion
+
+
+@dataclass(frozen=True)
+class Instr:
+    name: str
+    shape: str
+    opcode: str
+    rest: str
+
+
+@dataclass
+class Module:
+    comps: dict[str, list[Instr]]
+    params: dict[str, str]          # computation -> its parameter list text
+    entry: str
+    partitions: int
+    mult: dict[str, tuple[int, bool]] = field(default_factory=dict)  # (executions, in a loop)
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    bytes: int          # per device, per execution
+    executions: int     # per step (product of the enclosing loops' trip counts)
+    in_loop: bool       # inside at least one while loop
+    name: str
+    group: int = 0      # devices per replica group (0: unknown)
+    dcn: bool = False   # a group spans several slices
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes * self.executions
+
+
+def shape_bytes(shape_text: str) -> int:
+    return sum(math.prod(int(d) for d in filter(None, dims.split(","))) * _DTYPE_BYTES[dt]
+               for dt, dims in _ARRAY.findall(shape_text))
+
+
+def _dims(shape_text: str) -> list[int]:
+    m = _ARRAY.search(shape_text)
+    return [int(d) for d in filter(None, m.group(2).split(","))] if m else []
+
+
+def parse(hlo: str) -> Module:
+    comps: dict[str, list[Instr]] = {}
+    params: dict[str, str] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        m = _COMP.match(line)
+        if m:
+            current = m.group(1)
+            comps[current], params[current] = [], m.group(2)
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        m = _INSTR.match(line)
+        if m and current is not None:
+            comps[current].append(Instr(*m.groups()))
+    partitions = int((_PARTITIONS.search(hlo) or [0, 1])[1])
+    module = Module(comps, params, entry, partitions)
+    module.mult = _multiplicities(module)
+    return module
+
+
+def _trip_count(module: Module, instr: Instr) -> int:
+    """Iterations of a while loop: annotated, or N from a condition `ROOT compare(i, N) LT`."""
+    known = _TRIP.search(instr.rest)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"condition=%([\w.\-]+)", instr.rest)
+    body = module.comps.get(cond.group(1), []) if cond else []
+    consts = {i.name: int(c.group(1)) for i in body if i.opcode == "constant"
+              for c in [_CONST.search(f"constant({i.rest}")] if c}
+    for i in body:
+        if i.opcode == "compare" and "direction=LT" in i.rest:
+            for op in _OP.findall(i.rest.split(")")[0]):
+                if op in consts:
+                    return consts[op]
+    return 1
+
+
+def _multiplicities(module: Module) -> dict[str, tuple[int, bool]]:
+    mult: dict[str, tuple[int, bool]] = defaultdict(lambda: (0, False))
+    mult[module.entry] = (1, False)
+    order = [module.entry]
+    for comp in order:  # breadth-first over the call graph (HLO call graphs are acyclic)
+        count, looped = mult[comp]
+        for instr in module.comps.get(comp, []):
+            trip = _trip_count(module, instr) if instr.opcode == "while" else 1
+            for single, many in _CALLS.findall(instr.rest):
+                for callee in [single] if single else _OP.findall(many):
+                    is_body = instr.opcode == "while" and f"body=%{callee}" in instr.rest
+                    factor = trip if is_body else 1
+                    old = mult[callee]
+                    mult[callee] = (max(old[0], count * factor), old[1] or looped or is_body)
+                    if callee not in order:
+                        order.append(callee)
+    return dict(mult)
+
+
+def _groups(rest: str, partitions: int) -> list[list[int]] | None:
+    """The replica groups of a collective as lists of partition ids (None: all devices)."""
+    m = _GROUPS_LIST.search(rest)
+    if m:
+        groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}",
+                                                                          m.group(1))]
+        return groups or None
+    m = _GROUPS_IOTA.search(rest)
+    if m:
+        out_shape = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(math.prod(int(x) for x in m.group(2).split(",")))
+        ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(out_shape[0], -1).tolist()
+    m = _GROUPS_MESH.search(rest)
+    if m:
+        axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+        chosen = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(2))]
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        others = [i for i in range(len(sizes)) if i not in chosen]
+        grouped = ids.transpose(others + chosen)
+        return grouped.reshape(-1, math.prod(sizes[i] for i in chosen) or 1).tolist()
+    return None
+
+
+def collectives(module: Module | str, slice_of: list[int] | None = None) -> list[Collective]:
+    """Every collective of the module (or HLO text); `slice_of[p]` (multi-slice) marks DCN
+    groups."""
+    if isinstance(module, str):
+        module = parse(module)
+    shapes = {i.name: i.shape for instrs in module.comps.values() for i in instrs}
+    found = []
+    for comp, instrs in module.comps.items():
+        count, looped = module.mult.get(comp, (0, False))
+        for ins in instrs:
+            kind = ins.opcode[:-6] if ins.opcode.endswith("-start") else ins.opcode
+            if kind not in KINDS:
+                continue
+            size = shape_bytes(ins.shape)
+            if comp.startswith(_FUSED_COLLECTIVE):  # the all-reduce of a reduce-scatter fusion
+                kind = "reduce-scatter"
+            if kind == "reduce-scatter" or (kind == "all-gather" and ins.opcode.endswith(
+                    "-start")):
+                operands = _OP.findall(ins.rest.split(")")[0])
+                in_size = sum(shape_bytes(shapes.get(o, "")) for o in operands)
+                size = in_size if kind == "reduce-scatter" and in_size else size
+                if kind == "all-gather":  # the async form's shape is (operand, result)
+                    size = shape_bytes(ins.shape) - in_size or size
+            pairs = _PAIRS.search(ins.rest)
+            if kind == "collective-permute" and pairs:  # averaged over devices: some only wait
+                size = size * pairs.group(1).count("{") // max(module.partitions, 1)
+                if ins.opcode.endswith("-start"):
+                    size //= 2  # the async form's shape holds the payload twice (in, out)
+            groups = _groups(ins.rest, module.partitions)
+            group = len(groups[0]) if groups else module.partitions
+            if kind == "collective-permute":
+                group = 2
+            dcn = bool(slice_of) and any(
+                len({slice_of[p] for p in g if p < len(slice_of)}) > 1
+                for g in (groups or [list(range(module.partitions))]))
+            found.append(Collective(kind, size, count, looped, ins.name, group, dcn))
+    return found
+
+
+def summarize(found: list[Collective]) -> dict[str, tuple[int, int]]:
+    """{kind: (executions per step, bytes per device per step)} for every kind."""
+    out = {k: (0, 0) for k in KINDS}
+    for c in found:
+        n, b = out[c.kind]
+        out[c.kind] = (n + c.executions, b + c.total_bytes)
+    return out
+
+
+def flops(module: Module) -> float:
+    """Matmul FLOPs per device per step: 2 x output elements x contracted size for every `dot`
+    (read the HLO after SPMD partitioning, before dots become TPU convolutions), loop bodies
+    multiplied by their trip counts."""
+    total = 0.0
+    for comp, instrs in module.comps.items():
+        count = module.mult.get(comp, (0, False))[0]
+        shapes = {i.name: i.shape for i in instrs}
+        for ins in instrs:
+            if ins.opcode != "dot" or not count:
+                continue
+            lhs = _OP.findall(ins.rest.split(")")[0])[0]
+            lhs_dims = _dims(shapes.get(lhs, "") or _param_shape(module, comp, lhs))
+            contract = _CONTRACT.search(ins.rest)
+            k = math.prod(lhs_dims[int(d)] for d in filter(None, contract.group(1).split(",")))
+            total += 2.0 * math.prod(_dims(ins.shape)) * k * count
+    return total
+
+
+def _param_shape(module: Module, comp: str, name: str) -> str:
+    m = re.search(rf"{re.escape(name)}: ([^,)]*\])", module.params.get(comp, ""))
+    return m.group(1) if m else ""

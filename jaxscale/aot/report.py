@@ -1,0 +1,66 @@
+"""The text report of `launch.compile`: memory against HBM, FLOPs, collectives, the estimate."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from jaxscale.aot.chips import CHIPS
+from jaxscale.aot.compile import StepReport
+from jaxscale.aot.roofline import Estimate, estimate
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def step_estimate(report: StepReport) -> Estimate:
+    chip = CHIPS[report.topology.split(":")[0]]
+    return estimate(chip, report.flops, report.collectives, report.model_flops)
+
+
+def collective_table(collectives: list[dict]) -> list[str]:
+    """One line per (kind, link): ops, executions per step, bytes per chip per step."""
+    rows: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for c in collectives:
+        r = rows[(c["kind"], "DCN" if c["dcn"] else "ICI")]
+        r[0] += 1
+        r[1] += c["executions"]
+        r[2] += c["bytes"] * c["executions"]
+        r[3] += c["in_loop"]
+    lines = [f"  {'kind':<20} {'link':<4} {'ops':>5} {'runs/step':>10} {'per chip/step':>16}"
+             f" {'in loops':>9}"]
+    for (kind, link), (ops, runs, nbytes, looped) in sorted(rows.items()):
+        lines.append(f"  {kind:<20} {link:<4} {ops:>5} {runs:>10} {_gib(nbytes):>16} {looped:>9}")
+    return lines
+
+
+def format_report(report: StepReport) -> str:
+    r, est = report, step_estimate(report)
+    verdict = ("fits" if r.fits else
+               f"DOES NOT FIT: over by {_gib(r.total_bytes - r.hbm_bytes)}")
+    mesh = " ".join(f"{k}={v}" for k, v in r.mesh.items())
+    lines = [
+        f"topology {r.topology}: {r.num_chips} chips, mesh {mesh}; compiled in "
+        f"{r.compile_s:.1f} s",
+        "memory per chip (TPU compiler):",
+        f"  arguments {_gib(r.argument_bytes)}, outputs {_gib(r.output_bytes)} "
+        f"({_gib(r.alias_bytes)} aliased to arguments), temporaries {_gib(r.temp_bytes)}",
+        f"  total {_gib(r.total_bytes)} of {_gib(r.hbm_bytes)} HBM: {verdict}",
+        f"FLOPs per chip per step: {r.flops:.3e} compiled (matmuls, loops x trip counts; "
+        f"cost analysis, loop bodies once: {r.flops_cost_analysis:.3e})",
+    ]
+    if r.model_flops:
+        lines.append(f"  analytic model FLOPs {r.model_flops:.3e} per chip: compiled / model = "
+                     f"{r.flops / r.model_flops:.2f} (remat recompute, attention, duplication)")
+    lines += ["collectives per chip per step (TPU compiler):"] + collective_table(r.collectives)
+    lines += [
+        "step time ESTIMATE (roofline: peak compute, ring collectives at link bandwidth; not a"
+        " measurement):",
+        f"  compute {est.compute_s * 1e3:,.1f} ms, ICI {est.ici_s * 1e3:,.1f} ms, DCN "
+        f"{est.dcn_s * 1e3:,.1f} ms",
+        f"  step {est.full_overlap_s * 1e3:,.1f} ms (full overlap) .. "
+        f"{est.no_overlap_s * 1e3:,.1f} ms (no overlap)" + (
+            f"; MFU {est.mfu_full_overlap:.0%} .. {est.mfu_no_overlap:.0%}"
+            if est.mfu_no_overlap else ""),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""A roofline ESTIMATE of step time and MFU from compiled FLOPs and collective bytes.
+
+Never a measurement: compute runs at the chip's peak bf16 rate, each collective at its link
+bandwidth with the ring formula for its group size n (all-gather and reduce-scatter move
+(n-1)/n of the full buffer through each chip, all-reduce twice that, a collective-permute its
+payload over one link, all-to-all (n-1)/n), over ICI within a slice and DCN across slices.
+Two bounds: no overlap (compute + communication) and full overlap (the larger of the two).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from jaxscale.aot.chips import Chip
+
+_RING_FACTOR = {"all-gather": 1.0, "reduce-scatter": 1.0, "all-reduce": 2.0, "all-to-all": 1.0}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    compute_s: float
+    ici_s: float
+    dcn_s: float
+    no_overlap_s: float
+    full_overlap_s: float
+    mfu_no_overlap: float | None
+    mfu_full_overlap: float | None
+
+
+def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float) -> float:
+    """Seconds for one execution of a collective moving `nbytes` per chip in groups of `group`."""
+    if kind == "collective-permute":
+        return nbytes / (bandwidth / 2)  # one link, one direction
+    if group <= 1:
+        return 0.0
+    return _RING_FACTOR[kind] * nbytes * (group - 1) / group / bandwidth
+
+
+def estimate(chip: Chip, flops: float, collectives: Iterable[dict],
+             model_flops: float | None) -> Estimate:
+    """Per-chip step-time bounds; MFU = analytic model FLOPs / (time x peak)."""
+    compute = flops / chip.peak_bf16_flops
+    ici = dcn = 0.0
+    for c in collectives:
+        bw = chip.dcn_bytes_s if c["dcn"] else chip.ring_bandwidth
+        t = collective_seconds(c["kind"], c["bytes"], c["group"], bw) * c["executions"]
+        if c["dcn"]:
+            dcn += t
+        else:
+            ici += t
+    no_overlap, full_overlap = compute + ici + dcn, max(compute, ici + dcn)
+    util = lambda t: model_flops / (t * chip.peak_bf16_flops) if model_flops and t else None
+    return Estimate(compute, ici, dcn, no_overlap, full_overlap, util(no_overlap),
+                    util(full_overlap))

@@ -1,0 +1,111 @@
+"""TPU topologies by name -> compile-only devices, with libtpu and no TPU attached.
+
+`topology_devices('v5p:4x4x8')` returns the 128 devices of a v5p-128 slice on any machine where
+the optional `libtpu` package is installed (`pip install 'jaxscale[tpu]'`): jax builds them from
+libtpu's topology description, and programs can be compiled for them but never run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from jaxscale.aot.chips import CHIPS, TOPOLOGIES, Chip, known_topologies
+from jaxscale.errors import JaxscaleError, paragraph
+
+
+class TopologyError(JaxscaleError):
+    """An unknown topology name, or libtpu missing."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str          # 'v5p:4x4x8'
+    chip: Chip
+    shape: tuple[int, ...]
+    num_slices: int = 1
+
+    @property
+    def chips_per_slice(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def num_chips(self) -> int:
+        return self.chips_per_slice * self.num_slices
+
+    def label(self) -> str:
+        return self.name + (f" x {self.num_slices} slices" if self.num_slices > 1 else "")
+
+
+def parse_topology(name: str, num_slices: int = 1) -> Topology:
+    """'v5p:4x4x8' -> Topology; an unknown name raises with the list of known ones."""
+    gen, _, shape = name.partition(":")
+    if gen not in CHIPS or shape not in TOPOLOGIES[gen]:
+        raise TopologyError(paragraph(
+            f"Unknown TPU topology {name!r}. Known topologies (GENERATION:SHAPE, chips = the",
+            f"product of the shape): {', '.join(known_topologies())}.",
+        ))
+    if num_slices < 1:
+        raise TopologyError(f"--num_slices={num_slices} must be at least 1.")
+    return Topology(name, CHIPS[gen], tuple(int(x) for x in shape.split("x")), num_slices)
+
+
+def has_libtpu() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def require_libtpu() -> None:
+    if not has_libtpu():
+        raise TopologyError(paragraph(
+            "Compiling for a TPU topology needs the TPU compiler, which ships in the `libtpu`",
+            "package; it is not installed here. Install it with `pip install 'jaxscale[tpu]'`",
+            "(no TPU needed: programs are compiled for the topology, not run), then retry.",
+        ))
+
+
+# libtpu would otherwise query the GCE metadata server for the attached TPU (there is none);
+# jax, unless limited to the CPU backend, would open a TPU backend, which takes libtpu's
+# process lock (/tmp/libtpu_lockfile) and so refuses the planner's second compiling process.
+_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu"}
+
+
+def compile_only_env() -> None:
+    """Sets the environment for compile-only use; call before jax initialises its backends."""
+    for key, value in _ENV.items():
+        os.environ.setdefault(key, value)
+    if "jax" in sys.modules:  # imported already: its platforms flag was read from the env
+        sys.modules["jax"].config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+
+
+def topology_devices(topology: Topology) -> list[Any]:
+    """The compile-only devices of the topology, one per chip, slices in order."""
+    require_libtpu()
+    compile_only_env()
+    from jax.experimental import topologies
+
+    kwargs: dict[str, Any] = {}
+    if topology.chip.chip_config:
+        kwargs["chip_config_name"] = topology.chip.chip_config
+    if topology.num_slices > 1:
+        kwargs["num_slices"] = topology.num_slices
+    try:
+        desc = topologies.get_topology_desc(topology_name=topology.name, platform="tpu",
+                                            **kwargs)
+    except RuntimeError as e:
+        if "lockfile" not in str(e):
+            raise
+        raise TopologyError(paragraph(
+            "Another process on this machine is using libtpu (it allows one at a time, by",
+            "/tmp/libtpu_lockfile): wait for that compile to finish, or stop it, and retry.",
+        )) from None
+    devices = list(desc.devices)
+    if len(devices) != topology.num_chips:  # guards the one-device-per-chip assumption
+        raise TopologyError(paragraph(
+            f"libtpu returned {len(devices)} devices for {topology.label()}, expected one per",
+            f"chip ({topology.num_chips}). This libtpu version may name topologies differently.",
+        ))
+    return devices

@@ -1,0 +1,46 @@
+"""Find the fastest sharding that fits a TPU topology, by compiling candidates (no TPU needed):
+
+    python -m launch.plan --topology=v5p:2x4x4 --config=configs/llama.py:7b \
+        [--top=3] [--hbm_margin=0.1] [--max_candidates=16] [--time_budget_s=3600]
+
+Ranks by a roofline step-time ESTIMATE; prints the winner's --config.* overrides.
+"""
+
+import os
+
+from absl import app, flags
+
+from jaxscale import cli
+from jaxscale.errors import exit_on_user_error
+
+_CONFIG = cli.define_config_file("config", "configs/llama.py:tiny", "Experiment config.")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:4x4x8.", required=True)
+_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices joined over DCN (data-parallel).")
+_TOP = flags.DEFINE_integer("top", 3, "How many ranked candidates to print.")
+_MARGIN = flags.DEFINE_float("hbm_margin", 0.1, "Fraction of HBM kept free.")
+_MAX = flags.DEFINE_integer("max_candidates", 16, "Compile at most this many candidates.")
+_BUDGET = flags.DEFINE_float("time_budget_s", 3600.0, "Start no compile after this many s.")
+_WORKERS = flags.DEFINE_integer("workers", 1, "Compiling processes (libtpu allows one per "
+                                 "machine: /tmp/libtpu_lockfile).")
+_CACHE = flags.DEFINE_string("cache_dir", os.path.expanduser("~/.cache/jaxscale/plan"),
+                             "Compiled results, by hash of config and topology.")
+
+
+@exit_on_user_error
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    from jaxscale.aot.topology import compile_only_env
+    compile_only_env()  # before jax opens a backend
+    from jaxscale.aot.plan import format_plan, search
+    from jaxscale.aot.topology import parse_topology, require_libtpu
+
+    topology = parse_topology(_TOPOLOGY.value, _SLICES.value)
+    require_libtpu()
+    results = search(_CONFIG.value, topology, _CACHE.value, _MAX.value, _BUDGET.value,
+                     _WORKERS.value)
+    print(format_plan(results, _MARGIN.value, _TOP.value, topology))
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli.parse_flags)
