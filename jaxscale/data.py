@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale import vision_data
+from jaxscale import file_data, vision_data
 from jaxscale.batching import Batches, eval_batches
 from jaxscale.errors import ConfigError, paragraph
 
@@ -90,11 +90,13 @@ class Dataset:
 DATASETS: dict[str, Dataset] = {
     "stdlib": Dataset(stdlib_data),
     "digits": Dataset(vision_data.digits_data, vision_data.digits_test_batches),
+    "files": Dataset(file_data.files_data),
 }
 
 
 def dataset_for(config: Any) -> Dataset:
-    name = config.data.corpus
+    """The registry entry of `config.data` (`files` whenever `data.sources` is set)."""
+    name = "files" if config.data.get("sources") else config.data.corpus
     if name not in DATASETS:
         raise ConfigError(paragraph(
             f"Unknown data.corpus={name!r}; available: {', '.join(sorted(DATASETS))}.",
