@@ -26,6 +26,9 @@ from jaxscale.sources import SourceSpec, expand, open_source, parse_sources
 from jaxscale.tokenizer import BYTES, check_vocab, file_hash, load_tokenizer
 
 
+PREFETCH = 16  # global batches read ahead per process
+
+
 @dataclass(frozen=True)
 class MixtureBatches:
     """Per-host batches drawn from several row sources with mixture weights."""
@@ -67,7 +70,9 @@ class MixtureBatches:
 
     def iterator(self, state: dict | None = None) -> grain.DatasetIterator:
         """An iterator whose `get_state()` is JSON and is saved in checkpoints."""
-        it = iter(self.dataset().to_iter_dataset())
+        # A bounded read-ahead: rows of real data are large, grain's default buffer is 500.
+        options = grain.ReadOptions(num_threads=4, prefetch_buffer_size=PREFETCH)
+        it = iter(self.dataset().to_iter_dataset(options))
         if state is not None:
             it.set_state(state)
         return it

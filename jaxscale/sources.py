@@ -96,6 +96,7 @@ class DocSource:
         return len(self.ids)
 
     def doc(self, i: int) -> np.ndarray:
+        """Document `i` of this selection (the reader's document `ids[i]`)."""
         return self.reader.doc(int(self.ids[i]))
 
     @functools.cached_property
