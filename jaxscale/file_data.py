@@ -175,6 +175,7 @@ def validate_files(config: Any) -> None:
     check_vocab(tokenizer, config.model.vocab_size, d.tokenizer)
     for name in ("sources", "eval_sources"):
         for spec in parse_sources(d[name], f"data.{name}"):
+            expand(spec, f"data.{name}")  # a glob matching nothing fails here
             check_prepared(spec, d.tokenizer, f"data.{name}")
     if not parse_sources(d.sources):
         raise ConfigError("data.corpus='files' needs data.sources, e.g. 'jsonl=/data/*.jsonl'.")

@@ -204,3 +204,89 @@ def test_prepare_with_worker_processes_equals_one_process(corpus, tmp_path):
     for shard in meta["shards"]:
         a = (root / "prep" / shard["file"]).read_bytes()
         assert a == (tmp_path / "p2" / shard["file"]).read_bytes()
+
+
+def _bad_config(root, tmp_path, **data):
+    c = _config(root, data.pop("sources", FORMATS["jsonl"](root)), "pack", **data)
+    return c
+
+
+@pytest.mark.parametrize("case,match", [
+    ("no_match", "matches no file"),
+    ("zero_weight", "mixture weight '0'"),
+    ("negative_weight", "mixture weight '-1'"),
+    ("bad_format", "FORMAT=GLOB"),
+    ("missing_tokenizer", "does not exist"),
+    ("small_vocab", "model.vocab_size=100 is smaller than the 300 tokens"),
+    ("hash_mismatch", "was prepared with tokenizer"),
+    ("bad_packing", "data.packing='tight'"),
+])
+def test_config_errors_before_anything_builds(corpus, tmp_path, case, match):
+    root, _, _ = corpus
+    c = _config(root, FORMATS["jsonl"](root))
+    if case == "no_match":
+        c.data.sources = f"jsonl={tmp_path}/nothing/*.jsonl"
+    elif case == "zero_weight":
+        c.data.sources = FORMATS["jsonl"](root) + "@0"
+    elif case == "negative_weight":
+        c.data.sources = FORMATS["jsonl"](root) + "@-1"
+    elif case == "bad_format":
+        c.data.sources = f"csv={root}/*.jsonl"
+    elif case == "missing_tokenizer":
+        c.data.tokenizer = str(tmp_path / "nope.json")
+    elif case == "small_vocab":
+        c.model.vocab_size = 100
+    elif case == "hash_mismatch":
+        c.data.sources = FORMATS["array_record"](root)
+        c.data.tokenizer, c.model.vocab_size = "bytes", 320
+    elif case == "bad_packing":
+        c.data.packing = "tight"
+    with pytest.raises(ConfigError, match=match) as err:
+        validate(c)
+    assert "\n" not in str(err.value)
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_bad_records_name_file_and_line_or_are_skipped_and_counted(corpus, tmp_path):
+    root, _, _ = corpus
+    good = json.dumps({"text": "the quick brown fox " * 20})
+    _write(tmp_path / "bad.jsonl", "\n".join([good] * 30 + ["{not json"] + [good] * 30) + "\n")
+    c = _config(root, f"jsonl={tmp_path}/bad.jsonl", eval_sources=FORMATS["jsonl"](root))
+    with pytest.raises(JaxscaleError, match=r"bad.jsonl line 31 is not valid JSON.*skip_bad"):
+        files_data(c, 0, 1)
+    c.data.skip_bad_records = True
+    batches, _ = files_data(c, 0, 1)
+    assert batches.rows[0].source.reader.skipped == 1
+    _write(tmp_path / "nofield.jsonl", "\n".join([good] * 3 + ['{"body": "x"}']) + "\n")
+    c = _config(root, f"jsonl={tmp_path}/nofield.jsonl", eval_sources=FORMATS["jsonl"](root))
+    with pytest.raises(JaxscaleError, match=r"nofield.jsonl line 4 has no string field 'text'"):
+        files_data(c, 0, 1)
+    _write(tmp_path / "empty.jsonl", "\n".join([good] * 3 + ['{"text": ""}']) + "\n")
+    c = _config(root, f"jsonl={tmp_path}/empty.jsonl", eval_sources=FORMATS["jsonl"](root))
+    with pytest.raises(JaxscaleError, match=r"empty.jsonl line 4 is an empty document"):
+        files_data(c, 0, 1)
+
+
+def test_truncated_parquet_and_array_record_are_clear_errors(corpus, tmp_path):
+    root, _, _ = corpus
+    whole = (root / "part0.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(whole[:len(whole) // 2])
+    c = _config(root, f"parquet={tmp_path}/cut.parquet", text_field="body")
+    with pytest.raises(JaxscaleError, match=r"cut.parquet cannot be read as parquet"):
+        files_data(c, 0, 1)
+    prep = tmp_path / "prep"
+    prep.mkdir()
+    shard = sorted((root / "prep").glob("*.array_record"))[0]
+    (prep / shard.name).write_bytes(shard.read_bytes()[:200])
+    c = _config(root, f"array_record={prep}/*.array_record", eval_sources=FORMATS["jsonl"](root))
+    with pytest.raises(JaxscaleError, match=r"truncated|cannot be"):
+        batches, _ = files_data(c, 0, 1)
+        next(batches.iterator())
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
+    c = _config(root, f"tokens={tmp_path}/odd.bin", "concat")
+    with pytest.raises(JaxscaleError, match=r"odd.bin has 3 bytes, not a multiple of 2"):
+        files_data(c, 0, 1)
