@@ -134,7 +134,8 @@ def validate(c: mlc.ConfigDict) -> None:
 
 def _validate_choices(c: mlc.ConfigDict) -> None:
     """Names that would otherwise only fail deep inside model or optimizer construction."""
-    from jaxscale.models.llama import REMAT_POLICIES  # lazy: keeps `import config` light
+    from jaxscale.models.attention import ATTENTION_IMPLS  # lazy: keeps `import config` light
+    from jaxscale.models.llama import REMAT_POLICIES
     from jaxscale.precision import get_policy
     from jaxscale.presets import PRESETS
     from jaxscale.train.optim import OPTIMIZERS
@@ -169,7 +170,6 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
 
 
 BYTE_VOCAB = 256  # the stdlib corpus is byte-level: token ids 0..255
-ATTENTION_IMPLS = ("einsum", "dot_product_attention")
 # Fields every model config may carry besides its dataclass's: the validation reads them.
 _MODEL_COMMON = dict(name="llama", task="lm", num_heads=1, num_kv_heads=1, head_dim=2, max_len=1)
 # How a required field without a value (an ml_collections placeholder) is explained.

@@ -1,11 +1,11 @@
 """Autoregressive generation for the Llama with a KV cache: greedy or temperature sampling.
 
-The cached forward pass lives here rather than in the model: it reuses the model's own modules
-(norms, MLP, the LoRA-aware `weight` accessor and `rotary`) layer by layer and only re-does the
-attention so keys/values are read from and written to a cache of shape
-(layers, batch, max_len, kv, head_dim). The cache carries logical names, so the same rules that
-shard the parameters shard it (`batch` over data/fsdp, `kv` over tensor). Prompts in a batch have
-equal length; one jitted call runs the prefill and a `lax.scan` over the new tokens.
+The cache belongs to the model: `Llama.init_cache` makes a stacked `KVCache` of shape
+(layers, batch, max_len, kv, head_dim), and `model(tokens, cache=..., cache_index=...)` runs the
+model's own attention (models/attention.py, the one used for training) over it, returning the
+logits and the updated cache. The cache carries logical names, so the same rules that shard the
+parameters shard it (`batch` over data/fsdp, `kv` over tensor). Prompts in a batch have equal
+length; one jitted call runs the prefill and a `lax.scan` over the new tokens.
 """
 
 from __future__ import annotations
@@ -22,68 +22,24 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxscale.errors import JaxscaleError, paragraph
-from jaxscale.models.layers import rotary, weight
-from jaxscale.rules import AxisRules, constrain, use_rules
-from jaxscale.train.state import ModelDef
-
-Cache = dict[str, jax.Array]
+from jaxscale.models import ModelDef
+from jaxscale.models.attention import CACHE_AXES, KVCache  # noqa: F401 (the cache's names)
+from jaxscale.rules import AxisRules, use_rules
 
 
 class GenerateError(JaxscaleError):
     """A generation request the model cannot serve (bad prompt, length or temperature)."""
 
-CACHE_AXES = ("layers", "batch", "length", "kv", "head_dim")
 
-
-def init_cache(cfg: Any, batch: int, max_len: int, dtype: Any) -> Cache:
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    zeros = lambda: constrain(jnp.zeros(shape, dtype), *CACHE_AXES)
-    return {"k": zeros(), "v": zeros()}
-
-
-def _attend_cached(attn: Any, x_BTE: jax.Array, positions_BT: jax.Array, start: jax.Array,
-                   k_BSKD: jax.Array, v_BSKD: jax.Array) -> tuple[jax.Array, ...]:
-    """One layer's attention for new tokens at `start`; returns (out, updated k, updated v)."""
-    c = attn.policy.compute
-    q_BTHD = jnp.einsum("bte,ehd->bthd", x_BTE, weight(attn, "wq").astype(c))
-    k_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, weight(attn, "wk").astype(c))
-    v_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, weight(attn, "wv").astype(c))
-    q_BTHD = rotary(q_BTHD, positions_BT, attn.rope_theta)
-    k_BTKD = rotary(k_BTKD, positions_BT, attn.rope_theta)
-    k_BSKD = jax.lax.dynamic_update_slice(k_BSKD, k_BTKD.astype(k_BSKD.dtype), (0, start, 0, 0))
-    v_BSKD = jax.lax.dynamic_update_slice(v_BSKD, v_BTKD.astype(v_BSKD.dtype), (0, start, 0, 0))
-    b, t, h, d = q_BTHD.shape
-    s, kv = k_BSKD.shape[1], k_BSKD.shape[2]
-    q_BTKGD = q_BTHD.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD.astype(c))
-    scores = scores.astype(attn.policy.dtype_for("softmax")) / math.sqrt(d)
-    visible_TS = jnp.arange(s)[None, :] <= (start + jnp.arange(t))[:, None]  # causal + filled
-    scores = jnp.where(visible_TS, scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(c)
-    out_BTHD = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD.astype(c)).reshape(b, t, h, d)
-    out_BTE = jnp.einsum("bthd,hde->bte", out_BTHD, weight(attn, "wo").astype(c))
-    return constrain(out_BTE, "batch", "length", "embed"), k_BSKD, v_BSKD
+def init_cache(cfg: Any, batch: int, max_len: int, dtype: Any) -> KVCache:
+    """An empty stacked cache for a Llama config `cfg` (see `Llama.init_cache`)."""
+    return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
 
 
 def forward_cached(model: nnx.Module, tokens_BT: jax.Array, start: jax.Array,
-                   cache: Cache) -> tuple[jax.Array, Cache]:
+                   cache: KVCache) -> tuple[jax.Array, KVCache]:
     """Logits of `tokens_BT` placed at positions start.. given the cache; the updated cache."""
-    b, t = tokens_BT.shape
-    positions_BT = jnp.broadcast_to(start + jnp.arange(t), (b, t))
-    h_BTE = model.embed(tokens_BT)
-    graphdef, layer_state = nnx.split(model.layers)
-
-    def one_layer(h, xs):
-        layer, k, v = xs
-        block = nnx.merge(graphdef, layer)
-        attn_out, k, v = _attend_cached(block.attn, block.attn_norm(h), positions_BT, start, k, v)
-        h = h + attn_out
-        h = h + block.mlp(block.mlp_norm(h))
-        return constrain(h, "batch", "length", "embed"), (k, v)
-
-    h_BTE, (k, v) = jax.lax.scan(one_layer, h_BTE, (layer_state, cache["k"], cache["v"]))
-    cache = {"k": constrain(k, *CACHE_AXES), "v": constrain(v, *CACHE_AXES)}
-    return model.head(h_BTE), cache
+    return model(tokens_BT, cache=cache, cache_index=start)
 
 
 def sample(logits_BV: jax.Array, rng: jax.Array, temperature: float) -> jax.Array:
@@ -102,7 +58,7 @@ def make_generate(model_def: ModelDef, steps: int, temperature: float = 0.0,
     def generate(params: Mapping, prompt_BT: jax.Array, rng: jax.Array) -> jax.Array:
         model = model_def.module(params)
         b, t = prompt_BT.shape
-        cache = init_cache(model.cfg, b, t + steps, model.policy.compute)
+        cache = model.init_cache(b, t + steps)
         logits_BTV, cache = forward_cached(model, prompt_BT, jnp.int32(0), cache)
         rngs = jax.random.split(rng, steps)
         first = sample(logits_BTV[:, -1], rngs[0], temperature)

@@ -1,6 +1,7 @@
 """LoRA: only adapters train (base bit-identical, no optimizer state for it), merge == base +
 adapters, adapters sharded by the same rules on an 8-device mesh."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,7 +94,7 @@ def test_merged_model_matches_base_plus_adapters(trained):
     tokens = jnp.asarray(np.arange(2 * 16).reshape(2, 16) % 256, jnp.int32)
     with_adapters = trainer.ctx.model_def.module(full)(tokens)
     folded = base_def.module(merged)(tokens)
-    np.testing.assert_allclose(np.asarray(folded), np.asarray(with_adapters), atol=1e-5)
+    chex.assert_trees_all_close(folded, with_adapters, atol=1e-5, rtol=1e-7)
     assert np.abs(np.asarray(folded - base_def.module(dict(jax.device_get(state.frozen)))(
         tokens))).max() > 1e-4  # the trained adapters do change the model
     assert set(flatten(lora.adapter_params(full))) == set(flatten(state.params))

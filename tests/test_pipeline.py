@@ -1,5 +1,6 @@
 """The pipeline runner computes the plain layer scan; schedules' bubble math; clear errors."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,6 +58,7 @@ def test_runner_equals_plain_scan(mesh_cfg, pipeline, remat):
                                                 argnums=(0, 1)))
     (v_want, g_want), (v_got, g_got) = loss(want)(params, h_BTE), loss(got)(params, h_BTE)
     np.testing.assert_allclose(v_got, v_want, rtol=1e-5)
+    chex.assert_trees_all_equal_shapes_and_dtypes(g_got, g_want)
     for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-12
     # The remat policy is honoured inside the stages.

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
+from jaxscale import models
 from jaxscale.errors import ConfigError
+from jaxscale.models.llama import lm_loss
 from jaxscale.precision import POLICIES, DynamicLossScale, get_policy
 from jaxscale.train import step as step_lib
 from jaxscale.train.loop import Trainer
@@ -100,7 +102,7 @@ _grad_bomb.defvjp(_bomb_fwd, _bomb_bwd)
 def _bomb_loss(model, batch, run_layers=None):
     """The LM loss whose gradient is multiplied by batch['bomb'][0] (inf: a gradient overflow
     with a perfectly finite loss, as float16 produces when the scale is too large)."""
-    return _grad_bomb(step_lib.lm_loss(model, batch, run_layers), batch["bomb"][0])
+    return _grad_bomb(lm_loss(model, batch, run_layers), batch["bomb"][0])
 
 
 def test_loss_scale_update_rules():
@@ -121,7 +123,7 @@ def test_float16_loss_scaling_skips_overflow_and_recovers():
     c.loss_scale.growth_interval = 2
     c.optim.warmup_steps = 0  # so every applied update moves the parameters
     trainer = Trainer.build(c, workdir=None)
-    step_lib.LOSSES["lm_bomb"] = _bomb_loss
+    models.LOSSES["lm_bomb"] = _bomb_loss
     try:
         ctx = dataclasses.replace(trainer.ctx, task="lm_bomb")
         train = jax.jit(lambda s, b: step_lib.train_step(ctx, s, b))
@@ -134,7 +136,7 @@ def test_float16_loss_scaling_skips_overflow_and_recovers():
             state, m = train(state, {**trainer.to_global(next(it)), "bomb": bomb})
             history.append((before, jax.device_get(state), jax.device_get(m)))
     finally:
-        del step_lib.LOSSES["lm_bomb"]
+        del models.LOSSES["lm_bomb"]
     scales = [float(h[2]["loss_scale"]) for h in history]
     skipped = [int(h[2]["skipped_steps"]) for h in history]
     # Growth after 2 finite steps, halving on the overflow, growth again 2 steps later.

@@ -5,7 +5,7 @@ rules module resolves them to PartitionSpecs. Layers can be created *stacked* (`
 parameter gets a leading `layers` dimension so the decoder can `scan` over depth (compile time
 independent of depth) and the pipeline can split that axis into stages.
 Shape suffixes: B batch, T length, E embed, H heads, K kv heads, G heads per kv head,
-D head dim, F mlp hidden, V vocab, S source length.
+D head dim, F mlp hidden, V vocab, S source length. Attention (and its KV cache): attention.py.
 """
 
 from __future__ import annotations
@@ -134,56 +134,6 @@ def rotary(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Arra
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (x * jnp.cos(angles_BTD) + rotated * jnp.sin(angles_BTD)).astype(x_BTHD.dtype)
-
-
-class Attention(nnx.Module):
-    """Grouped-query causal attention; shards over `batch`, `heads` and `kv`."""
-
-    LORA_WEIGHTS = ("wq", "wk", "wv", "wo")  # read through `project`: may carry LoRA adapters
-
-    def __init__(self, embed: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float,
-                 policy: Policy, impl: str, rngs: nnx.Rngs, *, stack: int | None = None):
-        if heads % kv_heads:
-            raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}.")
-        kw = dict(stack=stack, dtype=policy.param)
-        self.wq = param(rngs, (embed, heads, head_dim), ("embed", "heads", "head_dim"),
-                        fan_in=embed, **kw)
-        self.wk = param(rngs, (embed, kv_heads, head_dim), ("embed", "kv", "head_dim"),
-                        fan_in=embed, **kw)
-        self.wv = param(rngs, (embed, kv_heads, head_dim), ("embed", "kv", "head_dim"),
-                        fan_in=embed, **kw)
-        self.wo = param(rngs, (heads, head_dim, embed), ("heads", "head_dim", "embed"),
-                        fan_in=heads * head_dim, **kw)
-        self.rope_theta, self.policy, self.impl = rope_theta, policy, impl
-
-    def __call__(self, x_BTE: jax.Array, positions_BT: jax.Array) -> jax.Array:
-        c = self.policy.compute
-        q_BTHD = project(self, "wq", "bte,ehd->bthd", x_BTE, c)
-        k_BTKD = project(self, "wk", "bte,ekd->btkd", x_BTE, c)
-        v_BTKD = project(self, "wv", "bte,ekd->btkd", x_BTE, c)
-        q_BTHD = constrain(rotary(q_BTHD, positions_BT, self.rope_theta),
-                           "batch", "length", "heads", "head_dim")
-        k_BTKD = constrain(rotary(k_BTKD, positions_BT, self.rope_theta),
-                           "batch", "length", "kv", "head_dim")
-        v_BTKD = constrain(v_BTKD, "batch", "length", "kv", "head_dim")
-        out_BTHD = self._attend(q_BTHD, k_BTKD, v_BTKD)
-        out_BTHD = constrain(out_BTHD, "batch", "length", "heads", "head_dim")
-        out_BTE = project(self, "wo", "bthd,hde->bte", out_BTHD, c)
-        return constrain(out_BTE, "batch", "length", "embed")
-
-    def _attend(self, q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array) -> jax.Array:
-        if self.impl == "dot_product_attention":  # fused (cuDNN flash attention on GPUs)
-            return jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, is_causal=True)
-        b, t, h, d = q_BTHD.shape
-        k = k_BSKD.shape[2]
-        q_BTKGD = q_BTHD.reshape(b, t, k, h // k, d)
-        scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD)
-        scores_BKGTS = scores_BKGTS.astype(self.policy.dtype_for("softmax")) / math.sqrt(d)
-        causal_TS = jnp.tril(jnp.ones((t, k_BSKD.shape[1]), dtype=bool))
-        scores_BKGTS = jnp.where(causal_TS, scores_BKGTS, jnp.finfo(scores_BKGTS.dtype).min)
-        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKD.dtype)
-        out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKD)
-        return out_BTKGD.reshape(b, t, h, d)
 
 
 class MLP(nnx.Module):

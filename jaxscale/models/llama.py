@@ -3,20 +3,25 @@
 The model knows nothing of meshes, training or checkpoints: it declares logical axes and calls
 `constrain` on key activations. The layer stack is one `Block` whose parameters carry a leading
 `layers` dimension; `__call__` scans over it, and `embed` / `run_layers` / `head` are exposed so a
-pipeline schedule can drive the same stack stage by stage.
+pipeline schedule can drive the same stack stage by stage. Decoding passes a stacked `KVCache`
+(`init_cache`) and the slot to write at: the same modules then return (logits, updated cache).
+The language-model task loss (`lm_loss`, next-token cross entropy) lives here, beside its model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
-from jaxscale.models.layers import MLP, Attention, RMSNorm, param
+from jaxscale.models.attention import Attention, KVCache
+from jaxscale.models.layers import MLP, RMSNorm, param
+from jaxscale.models.runner import LayerRunner
 from jaxscale.precision import Policy, get_policy
 from jaxscale.rules import constrain
 
@@ -68,16 +73,34 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
         self.mlp = MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack)
 
-    def __call__(self, h_BTE: jax.Array, positions_BT: jax.Array) -> jax.Array:
-        h_BTE = h_BTE + self.attn(self.attn_norm(h_BTE), positions_BT)
+    def __call__(self, h_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
+                 cache_index: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+        """The block's output; with a (one-layer) `cache`, (output, updated cache)."""
+        attn_out = self.attn(self.attn_norm(h_BTE), positions_BT, cache, cache_index)
+        if cache is not None:
+            attn_out, cache = attn_out
+        h_BTE = h_BTE + attn_out
         h_BTE = h_BTE + self.mlp(self.mlp_norm(h_BTE))
-        return constrain(h_BTE, "batch", "length", "embed")
+        h_BTE = constrain(h_BTE, "batch", "length", "embed")
+        return h_BTE if cache is None else (h_BTE, cache)
 
 
 def scan_layers(block: Block, h_BTE: jax.Array, positions_BT: jax.Array,
-                remat: str = "none") -> jax.Array:
-    """Applies a stacked `block` layer by layer with `lax.scan` (optionally rematerialised)."""
+                remat: str = "none", cache: KVCache | None = None,
+                cache_index: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+    """Applies a stacked `block` layer by layer with `lax.scan` (optionally rematerialised).
+
+    With a stacked `cache` (L, B, S, K, D) each layer reads and writes its own slice, and the
+    result is (h, updated cache).
+    """
     graphdef, state = nnx.split(block)
+    if cache is not None:
+        def apply_cached(h, xs):
+            layer_state, layer_cache = xs
+            return nnx.merge(graphdef, layer_state)(h, positions_BT, layer_cache, cache_index)
+
+        h_BTE, cache = jax.lax.scan(apply_cached, h_BTE, (state, cache))
+        return h_BTE, cache.constrained()
 
     def apply_one(h, layer_state):
         return nnx.merge(graphdef, layer_state)(h, positions_BT), None
@@ -115,12 +138,30 @@ class Llama(nnx.Module):
             logits_BTV = jnp.einsum("bte,ev->btv", h_BTE, self.lm_head[...].astype(dtype))
         return constrain(logits_BTV, "batch", "length", "vocab")
 
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+        """An empty stacked KV cache for `batch` rows of up to `max_len` positions."""
+        cfg = self.cfg
+        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
+                             dtype or self.policy.compute)
+
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-                 run_layers: Callable[..., jax.Array] | None = None) -> jax.Array:
-        """Logits for `tokens_BT`; `run_layers(block, h, positions)` may replace the scan."""
+                 run_layers: LayerRunner | None = None, *,
+                 cache: KVCache | None = None, cache_index: jax.Array | None = None
+                 ) -> jax.Array | tuple[jax.Array, KVCache]:
+        """Logits for `tokens_BT`; `run_layers(block, h, positions)` may replace the scan.
+
+        Decoding: with a stacked `cache`, the tokens take cache slots cache_index.. (and, by
+        default, those positions) and the result is (logits, updated cache).
+        """
         if positions_BT is None:
-            positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+            start = 0 if cache is None else cache_index
+            positions_BT = jnp.broadcast_to(start + jnp.arange(tokens_BT.shape[1]),
+                                            tokens_BT.shape)
         h_BTE = self.embed(tokens_BT)
+        if cache is not None:
+            h_BTE, cache = scan_layers(self.layers, h_BTE, positions_BT, cache=cache,
+                                       cache_index=cache_index)
+            return self.head(h_BTE), cache
         if run_layers is None:
             h_BTE = scan_layers(self.layers, h_BTE, positions_BT, self.cfg.remat)
         else:
@@ -128,9 +169,20 @@ class Llama(nnx.Module):
         return self.head(h_BTE)
 
 
-def _register() -> None:
-    from jaxscale.models import register
-    register("llama", LlamaConfig, Llama)
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy, reduced in float32 whatever the compute dtype."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BTV.astype(jnp.float32), targets_BT)
+    return jnp.mean(losses)
 
 
-_register()
+def lm_loss(model: Llama, batch: Mapping[str, jax.Array],
+            run_layers: LayerRunner | None = None) -> jax.Array:
+    """Next-token loss of a decoder LM on `batch['tokens']` (B, T+1): inputs [:, :-1],
+    targets [:, 1:]. A runner that fuses the loss (1F1B) runs head and loss in its schedule."""
+    tokens_BT1 = constrain(batch["tokens"], "batch", "length")
+    if run_layers is not None and run_layers.fuses_loss:
+        return run_layers.fused_loss(model, tokens_BT1[:, :-1], tokens_BT1[:, 1:], cross_entropy)
+    logits_BTV = model(tokens_BT1[:, :-1], run_layers=run_layers)
+    return cross_entropy(logits_BTV, tokens_BT1[:, 1:])

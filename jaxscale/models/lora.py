@@ -29,15 +29,28 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-from flax import nnx
+from flax import nnx, traverse_util
 
 from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models import ModelDef
 from jaxscale.models.layers import adapter_dropout, lora_delta
-from jaxscale.train.state import ModelDef, all_trainable, flatten, unflatten
 
 __all__ = ["adapter_dropout", "add_adapters", "adapter_params", "is_adapter", "merge",
            "trainable", "with_adapters"]
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
+
+
+def _flatten(tree: Mapping) -> dict[str, Any]:
+    """Nested params dict -> {'a/b/c': leaf}."""
+    return traverse_util.flatten_dict(tree, sep="/")
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict:
+    return traverse_util.unflatten_dict(dict(flat), sep="/")
+
+
+def _everything(path: str) -> bool:
+    return True
 
 
 def is_adapter(path: str) -> bool:
@@ -118,18 +131,18 @@ def with_adapters(model_def: ModelDef, lora_cfg: Any) -> ModelDef:
 
 def trainable(lora_cfg: Any) -> Callable[[str], bool]:
     """`is_trainable` for `init_state`: adapters only under LoRA, everything otherwise."""
-    return is_adapter if lora_cfg.rank else all_trainable
+    return is_adapter if lora_cfg.rank else _everything
 
 
 def adapter_params(params: Mapping) -> dict:
     """Only the adapter leaves of a nested params dict (what a LoRA checkpoint needs to save)."""
-    return unflatten({k: v for k, v in flatten(params).items() if is_adapter(k)})
+    return _unflatten({k: v for k, v in _flatten(params).items() if is_adapter(k)})
 
 
 def merge(params: Mapping, lora_cfg: Any) -> dict:
     """Base weights with the adapters folded in (W + alpha/rank A.B) and the adapters removed:
     a plain parameter dict for the model without LoRA (export, serving, conversion)."""
-    flat = flatten(params)
+    flat = _flatten(params)
     scale = float(lora_cfg.alpha) / int(lora_cfg.rank)
     out = {k: v for k, v in flat.items() if not is_adapter(k)}
     for key in flat:
@@ -144,4 +157,4 @@ def merge(params: Mapping, lora_cfg: Any) -> dict:
             w = flat[base]
             delta = lora_delta(flat[key], flat[base + "_lora_b"], scale, w.ndim)
             out[base] = (w + delta.astype(w.dtype)).astype(w.dtype)
-    return unflatten(out)
+    return _unflatten(out)

@@ -4,25 +4,27 @@ Patch embedding (a strided convolution written as an einsum over patches), a cla
 learned position embeddings, a pre-norm encoder (LayerNorm with bias, multi-head attention with
 biases, GELU MLP) stacked along a leading `layers` dimension and scanned like the Llama's, a final
 LayerNorm and a linear head on the class token. Every parameter carries logical axes, so the same
-rules shard it. The `classify` task loss (integer labels, mean cross entropy) registers here.
+rules shard it. The `classify` task loss (integer labels, mean cross entropy) lives here.
 Shape suffixes: B batch, H/W image height/width, C channels, P patch size, N patches + 1,
 E embed, A heads, D head dim, F mlp hidden, K classes.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from einops import rearrange
 from flax import nnx
 
+from jaxscale.models.attention import attend
 from jaxscale.models.layers import param, project
 from jaxscale.models.llama import REMAT_POLICIES, scan_layers
+from jaxscale.models.runner import LayerRunner
 from jaxscale.precision import Policy, get_policy
 from jaxscale.rules import constrain
 
@@ -97,10 +99,8 @@ class SelfAttention(nnx.Module):
         q_BNAD = constrain(proj("q"), "batch", "length", "heads", "head_dim")
         k_BNAD = constrain(proj("k"), "batch", "length", "heads", "head_dim")
         v_BNAD = constrain(proj("v"), "batch", "length", "heads", "head_dim")
-        scores = jnp.einsum("bnad,bmad->banm", q_BNAD, k_BNAD)
-        scores = scores.astype(self.policy.dtype_for("softmax")) / math.sqrt(q_BNAD.shape[-1])
-        probs = jax.nn.softmax(scores, axis=-1).astype(c)
-        out_BNAD = jnp.einsum("banm,bmad->bnad", probs, v_BNAD)
+        out_BNAD = attend(q_BNAD, k_BNAD, v_BNAD, None,
+                          softmax_dtype=self.policy.dtype_for("softmax"))  # bidirectional
         out_BNE = (project(self, "wo", "bnad,ade->bne", out_BNAD, c)
                    + self.bo[...].astype(c)[None, None])
         return constrain(out_BNE, "batch", "length", "embed")
@@ -163,10 +163,9 @@ class ViT(nnx.Module):
 
     def embed(self, images_BHWC: jax.Array) -> jax.Array:
         c, p = self.policy.compute, self.cfg.patch_size
-        b, h, w, ch = images_BHWC.shape
-        x = images_BHWC.astype(c).reshape(b, h // p, p, w // p, p, ch)
-        patches_BNE = jnp.einsum("bipjqc,pqce->bije", x, self.patch_kernel[...].astype(c))
-        patches_BNE = patches_BNE.reshape(b, -1, self.cfg.embed)
+        b = images_BHWC.shape[0]
+        x_BNPPC = rearrange(images_BHWC.astype(c), "b (i p) (j q) ch -> b (i j) p q ch", p=p, q=p)
+        patches_BNE = jnp.einsum("bnpqc,pqce->bne", x_BNPPC, self.patch_kernel[...].astype(c))
         patches_BNE = patches_BNE + self.patch_bias[...].astype(c)[None, None]
         cls_B1E = jnp.broadcast_to(self.cls_token[...].astype(c), (b, 1, self.cfg.embed))
         h_BNE = jnp.concatenate([cls_B1E, patches_BNE], axis=1)
@@ -180,7 +179,7 @@ class ViT(nnx.Module):
         return logits_BK + self.head_bias[...].astype(dtype)[None]
 
     def __call__(self, images_BHWC: jax.Array,
-                 run_layers: Callable[..., jax.Array] | None = None) -> jax.Array:
+                 run_layers: LayerRunner | None = None) -> jax.Array:
         """Class logits (B, num_classes) for images (B, H, W, C)."""
         h_BNE = self.embed(images_BHWC)
         if run_layers is None:
@@ -190,19 +189,10 @@ class ViT(nnx.Module):
         return self.head(h_BNE)
 
 
-def classify_loss(model: Any, batch: Mapping[str, jax.Array], run_layers: Any = None
-                  ) -> jax.Array:
+def classify_loss(model: ViT, batch: Mapping[str, jax.Array],
+                  run_layers: LayerRunner | None = None) -> jax.Array:
     """Mean cross entropy of `model(batch['images'])` against integer `batch['labels']`."""
     images = constrain(batch["images"], "batch", None, None, None)
     logits_BK = model(images, run_layers=run_layers).astype(jnp.float32)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["labels"]))
 
-
-def _register() -> None:
-    from jaxscale.models import register
-    from jaxscale.train import step
-    register("vit", ViTConfig, ViT)
-    step.LOSSES.setdefault("classify", classify_loss)
-
-
-_register()

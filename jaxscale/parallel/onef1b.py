@@ -1,12 +1,12 @@
 """The 1F1B pipeline schedule in one SPMD program: each stage interleaves forwards and backwards.
 
-Why: under GPipe (pipeline.py) every stage runs all M microbatches forward and autodiff then
+Why: under GPipe (gpipe.py) every stage runs all M microbatches forward and autodiff then
 runs them all backward, so a stage holds the activations of all M microbatches at once: stored
 activations grow with M. Under 1F1B a stage starts a microbatch's backward as soon as its
 cotangent arrives, so at most 2S-1 microbatches are ever in flight on a stage, whatever M.
 
 How, still in lockstep with every stage vmapped over `pipeline` (`spmd_axis_name`) as in
-pipeline.py: stage s runs the forward of microbatch m at iteration t = m + s and its backward at
+gpipe.py: stage s runs the forward of microbatch m at iteration t = m + s and its backward at
 t = m + 2S-2-s. The last stage runs the forward, the head + loss and their vjp, then the backward
 of the same microbatch in one iteration; every other stage gets its cotangent one iteration after
 the stage behind it produced it (`jnp.roll` by -1, the mirror of the forward's roll by +1). A
@@ -18,9 +18,10 @@ scans -- warmup (forward only, t < S-1), steady (forward + backward), cooldown (
 so each device computes M+S-1 forwards and M+S-1 backwards, as GPipe does: the same bubble.
 
 Because the loss, where the backward starts, is inside the schedule, 1F1B cannot replace
-`run_layers`: `OneFOneB.fused_loss` is "layers + head + loss" as one `jax.custom_vjp` function
-whose forward rule runs the schedule, returns the loss and keeps every gradient (layers, head,
-input) as residuals; the backward rule scales them by the incoming cotangent. The embedding,
+`run_layers`: `OneFOneB.fused_loss` (`fuses_loss` is True) is "layers + head + loss" as one
+`jax.custom_vjp` function whose forward rule runs the schedule, returns the loss and keeps every
+gradient (layers, head, input) as residuals; the backward rule scales them by the incoming
+cotangent. The embedding,
 LoRA's frozen/trainable split, gradient accumulation and loss scaling stay ordinary autodiff in
 train/step.py. Undifferentiated calls (evaluation) run the GPipe forward.
 """
@@ -40,10 +41,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.llama import scan_layers
-from jaxscale.parallel.pipeline import (_constrain, _layout, check_batch, check_layers,
-                                        pipeline_layers, rules_axes)
-
-LossFn = Callable[[jax.Array, jax.Array], jax.Array]  # (logits, targets) -> mean loss
+from jaxscale.models.runner import LossFn
+from jaxscale.parallel.gpipe import constrain_batch, pipeline_layers, rules_axes, stage_layout
+from jaxscale.parallel.schedules import check_batch, check_layers
 Leaves = list[Any]  # flat parameter leaves; None where a leaf gets no gradient
 
 
@@ -148,9 +148,10 @@ def _constrain_carry(plan: _Plan, c: _Carry) -> _Carry:
     mesh = plan.mesh
     on = lambda specs, leaves: [x if x is None else jax.lax.with_sharding_constraint(
         x, NamedSharding(mesh, spec)) for x, spec in zip(leaves, specs)]
-    return _Carry(_constrain(c.fwd, mesh, "pipeline"), _constrain(c.bwd, mesh, "pipeline"),
-                  _constrain(c.stash, mesh, "pipeline", None),
-                  c.dx if c.dx is None else _constrain(c.dx, mesh, "pipeline", None),
+    return _Carry(constrain_batch(c.fwd, mesh, "pipeline"),
+                  constrain_batch(c.bwd, mesh, "pipeline"),
+                  constrain_batch(c.stash, mesh, "pipeline", None),
+                  c.dx if c.dx is None else constrain_batch(c.dx, mesh, "pipeline", None),
                   on(plan.layer_specs, c.gw), on(plan.head_specs, c.gh),
                   jax.lax.with_sharding_constraint(
                       c.loss, NamedSharding(mesh, PartitionSpec("pipeline"))))
@@ -195,12 +196,12 @@ def _gradients(plan: _Plan, layers: Leaves, head: Leaves, h_BTE: jax.Array,
     M, mesh = plan.microbatches, plan.mesh
     B, T, E = h_BTE.shape
     b = B // M
-    # Microbatch m takes rows m, m+M, ... (as in pipeline.py): every device keeps its rows.
-    split = lambda x: _constrain(x.reshape(b, M, *x.shape[1:]).swapaxes(0, 1), mesh, None)
+    # Microbatch m takes rows m, m+M, ... (as in gpipe.py): every device keeps its rows.
+    split = lambda x: constrain_batch(x.reshape(b, M, *x.shape[1:]).swapaxes(0, 1), mesh, None)
     c = _run(plan, plan.layout(layers), head, split(h_BTE), split(pos_BT), split(tgt_BT), seed)
     gw = [g if g is None else g.reshape((-1,) + g.shape[2:]) for g in c.gw]  # (S, P) -> L
     gh = [g if g is None else jnp.sum(g, axis=0) for g in c.gh]  # one reduce over `pipeline`
-    dx = None if c.dx is None else _constrain(c.dx[0].swapaxes(0, 1).reshape(B, T, E), mesh)
+    dx = None if c.dx is None else constrain_batch(c.dx[0].swapaxes(0, 1).reshape(B, T, E), mesh)
     return jnp.sum(c.loss) / M, gw, gh, dx
 
 
@@ -249,9 +250,9 @@ def _fused(plan: _Plan, primal: Callable[..., jax.Array]) -> Callable[..., jax.A
 class OneFOneB:
     """The 1F1B runner for `config.pipeline.schedule='1f1b'` (see the module docstring).
 
-    `lm_loss` calls `fused_loss` in place of the model's forward; `loss_fn` calls `scaled` under
-    float16 loss scaling, so the backward inside the schedule starts from the scaled loss and
-    float16 cotangents do not underflow.
+    `models.llama.lm_loss` calls `fused_loss` in place of the model's forward; `loss_fn` calls
+    `scaled` under float16 loss scaling, so the backward inside the schedule starts from the
+    scaled loss and float16 cotangents do not underflow.
     """
 
     mesh: Mesh
@@ -259,6 +260,7 @@ class OneFOneB:
     microbatches: int
     remat: str = "none"
     seed: jax.Array | None = None  # the loss scale, set per trace by `scaled`
+    fuses_loss: bool = True
 
     def scaled(self, loss_scale: jax.Array) -> "OneFOneB":
         return dataclasses.replace(self, seed=loss_scale)
@@ -303,7 +305,8 @@ class OneFOneB:
             return loss_fn(m.head(y_bTE), tgt_bT)
 
         def layout(w: Leaves) -> Leaves:
-            return [a[0] for a in jax.tree.leaves(_layout(layer_tree.unflatten(w), mesh, 1, S))]
+            laid_out = stage_layout(layer_tree.unflatten(w), mesh, 1, S)
+            return [a[0] for a in jax.tree.leaves(laid_out)]
 
         def primal(w: Leaves, head: Leaves, h_BTE, pos_BT, tgt_BT) -> jax.Array:
             y_BTE = pipeline_layers(nnx.merge(block_def, layer_tree.unflatten(w)), h_BTE, pos_BT,

@@ -1,7 +1,8 @@
 """Sharded initialisation in four visible steps: shapes -> shardings -> jitted init -> donate.
 
-1. `ModelDef.build` traces the model abstractly (`nnx.eval_shape`): shapes and logical axes, no
-   memory. 2. `param_shardings` resolves every parameter's logical axes through the rules.
+1. `ModelDef.build` (jaxscale/models) traces the model abstractly (`nnx.eval_shape`): shapes
+   and logical axes, no memory. 2. `param_shardings` resolves every parameter's logical axes
+   through the rules.
 3. `init_state` jits the real initialisation with those `out_shardings`, so each device only ever
    materialises its own shards (a full copy never exists on one device). 4. The train step
    donates the state. Parameters are held as plain nested dicts (the NNX state's pure form):
@@ -12,19 +13,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale.models import lookup
-from jaxscale.precision import Policy
+from jaxscale.models import ModelDef  # also re-exported: many callers import it from here
 from jaxscale.rules import AxisRules
 
 Tree = Any
@@ -65,44 +63,6 @@ def unflatten(flat: Mapping[str, Any]) -> dict:
 def merge_trees(a: Mapping, b: Mapping) -> dict:
     """Union of two nested dicts with disjoint leaves (trainable + frozen)."""
     return unflatten({**flatten(a), **flatten(b)})
-
-
-@dataclass(frozen=True)
-class ModelDef:
-    """The model's static structure: NNX graph definition plus abstract state with metadata."""
-
-    graphdef: Any
-    abstract: nnx.State
-    make: Callable[[jax.Array], nnx.Module]
-
-    @classmethod
-    def build(cls, model_cfg: Mapping, policy: Policy) -> "ModelDef":
-        config_cls, module_cls = lookup(model_cfg.get("name", "llama"))
-        cfg = config_cls.from_config(model_cfg)
-        make = lambda rng: module_cls(cfg, nnx.Rngs(rng), policy)
-        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0))))
-        return cls(graphdef, abstract, make)
-
-    def module(self, params: Mapping) -> nnx.Module:
-        """An NNX module bound to `params` (call inside jit; the abstract state is copied)."""
-        state = jax.tree.map(lambda x: x, self.abstract)
-        nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self.graphdef, state)
-
-    def logical_axes(self) -> dict[str, tuple]:
-        """{'layers/attn/wq': ('layers', 'embed', 'heads', 'head_dim'), ...}."""
-        return {"/".join(map(str, path)): tuple(var.get_metadata()["logical_axes"])
-                for path, var in nnx.to_flat_state(self.abstract)}
-
-    def shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
-        return {"/".join(map(str, path)): jax.ShapeDtypeStruct(var.shape, var.dtype)
-                for path, var in nnx.to_flat_state(self.abstract)}
-
-    def num_params(self) -> int:
-        return sum(int(np.prod(s.shape)) for s in self.shapes().values())
-
-    def init_params(self, rng: jax.Array) -> dict:
-        return nnx.to_pure_dict(nnx.state(self.make(rng)))
 
 
 # Flax's keyword for a variable's sharding (renamed from `sharding_names` in flax 0.12.4); the

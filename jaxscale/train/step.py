@@ -17,45 +17,28 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from jaxscale.models import ModelDef, get_loss
 from jaxscale.models.layers import adapter_dropout
+from jaxscale.models.runner import LayerRunner
 from jaxscale.parallel.accumulate import accumulate_per_replica
 from jaxscale.precision import DynamicLossScale, Policy
-from jaxscale.rules import AxisRules, constrain, use_rules
-from jaxscale.train.state import ModelDef, TrainState, merge_trees
+from jaxscale.rules import AxisRules, use_rules
+from jaxscale.train.state import TrainState, merge_trees
 
 # A batch is a dict of arrays sharing the leading `batch` dimension, e.g. {'tokens': (B, T+1)}
 # int32 for language models (inputs [:, :-1], targets [:, 1:]) or {'images', 'labels'}.
 Batch = dict[str, jax.Array]
-RunLayers = Callable[..., jax.Array] | None
-
-
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy, reduced in float32 whatever the compute dtype."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BTV.astype(jnp.float32), targets_BT)
-    return jnp.mean(losses)
-
-
-def lm_loss(model: Any, batch: Batch, run_layers: RunLayers = None) -> jax.Array:
-    """Next-token loss of a decoder LM on `batch['tokens']`."""
-    tokens_BT1 = constrain(batch["tokens"], "batch", "length")
-    if hasattr(run_layers, "fused_loss"):  # 1F1B: the loss runs inside the pipeline schedule
-        return run_layers.fused_loss(model, tokens_BT1[:, :-1], tokens_BT1[:, 1:], cross_entropy)
-    logits_BTV = model(tokens_BT1[:, :-1], run_layers=run_layers)
-    return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
-
-
-# Task losses by name (`config.model.task`, default from the model): (model, batch, runner).
-LOSSES: dict[str, Callable[..., jax.Array]] = {"lm": lm_loss}
+RunLayers = LayerRunner | None
 
 
 def loss_fn(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
             run_layers: RunLayers = None, task: str = "lm",
             loss_scale: jax.Array | None = None) -> jax.Array:
+    """The task's loss (jaxscale.models.LOSSES) of the model bound to params + frozen."""
     model = model_def.module(merge_trees(params, frozen) if frozen else params)
-    if loss_scale is not None and hasattr(run_layers, "scaled"):
+    if loss_scale is not None and run_layers is not None:
         run_layers = run_layers.scaled(loss_scale)  # 1F1B starts its backward from the scale
-    loss = LOSSES[task](model, batch, run_layers)
+    loss = get_loss(task)(model, batch, run_layers)
     return loss if loss_scale is None else loss * loss_scale  # float16: see DynamicLossScale
 
 
@@ -68,7 +51,7 @@ def accumulate_grads(params: Any, frozen: Any, batch: Batch, model_def: ModelDef
     if grad_accum > 1 or run_layers is not None:  # microbatch loops: reduce over data once
         once = accumulate_per_replica(
             lambda mb: grad_fn(params, frozen, mb, model_def, run_layers, task), params, batch,
-            grad_accum, getattr(run_layers, "microbatches", 1))
+            grad_accum, 1 if run_layers is None else run_layers.microbatches)
         if once is not None:
             return once
     if grad_accum == 1:

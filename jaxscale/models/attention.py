@@ -1,0 +1,205 @@
+"""Attention, the one implementation for training and decoding: masks, kernels and the KV cache.
+
+`attend(q, k, v, mask, impl=...)` is the single function that computes attention from queries,
+keys, values and a `Mask`; the `Attention` module (the Llama's grouped-query causal attention)
+and the ViT's bidirectional attention both call it. Kernels are an explicit table
+(`ATTENTION_IMPLS`, chosen by `model.attention`). A `Mask` is described, not materialised: query
+and key *slots* (index in the sequence or the KV cache, not the rotary positions), optional
+segment ids (packed documents attend only within their own document) and whether it is causal,
+so a kernel can use its own structured masking (the fused kernel's built-in causal mask) and
+others build the dense boolean mask with `Mask.dense`.
+
+Decoding keeps a `KVCache` (keys and values of every slot so far, written at a given index):
+`Attention(x, positions, cache, cache_index)` writes the new keys/values at `cache_index` and
+attends over the whole cache, masking the slots not yet written (they are "in the future").
+Shape suffixes: B batch, T query length, S key length (cache length), H heads, K kv heads,
+G heads per kv head, D head dim, E embed, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+from flax import nnx
+
+from jaxscale.models.layers import param, project, rotary
+from jaxscale.precision import Policy
+from jaxscale.rules import constrain
+
+# Logical axes of a stacked cache (one slice per layer) and of one layer's slice.
+CACHE_AXES = ("layers", "batch", "length", "kv", "head_dim")
+LAYER_CACHE_AXES = CACHE_AXES[1:]
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every cache slot: (B, S, K, D) for one layer, (L, B, S, K, D) stacked.
+
+    A pytree, so a stacked cache scans over layers like the stacked parameters; `cache['k']`
+    reads a field by name.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+              dtype: Any) -> "KVCache":
+        """An empty stacked cache, sharded by the rules through its logical names."""
+        zeros = lambda: constrain(jnp.zeros((layers, batch, max_len, kv_heads, head_dim), dtype),
+                                  *CACHE_AXES)
+        return cls(zeros(), zeros())
+
+    def constrained(self, axes: tuple[str, ...] = CACHE_AXES) -> "KVCache":
+        return KVCache(constrain(self.k, *axes), constrain(self.v, *axes))
+
+    def write(self, k_BTKD: jax.Array, v_BTKD: jax.Array, index: jax.Array) -> "KVCache":
+        """This layer's cache with new keys/values written at slots index..index+T-1."""
+        at = (0, index, 0, 0)
+        return KVCache(jax.lax.dynamic_update_slice(self.k, k_BTKD.astype(self.k.dtype), at),
+                       jax.lax.dynamic_update_slice(self.v, v_BTKD.astype(self.v.dtype), at))
+
+    def __getitem__(self, name: str) -> jax.Array:
+        return getattr(self, name)
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Which keys each query sees: same segment (when given) and, if causal, key slot <= query
+    slot. Slots shared by every row have a leading 1 (1, T) so no (B, T, S) mask is built.
+    `aligned`: the queries are exactly the keys (one whole sequence, no cache), which lets a
+    fused kernel use its built-in causal mask."""
+
+    q_slots_BT: jax.Array
+    k_slots_BS: jax.Array
+    q_segments_BT: jax.Array | None = None
+    k_segments_BS: jax.Array | None = None
+    causal: bool = True
+    aligned: bool = False
+
+    @classmethod
+    def sequence(cls, length: int, segments_BT: jax.Array | None = None,
+                 causal: bool = True) -> "Mask":
+        """Self-attention over one whole sequence per row (training, evaluation, a prefill
+        without cache); `segments_BT` (B, T) ids keep packed documents apart."""
+        slots_1T = jnp.arange(length, dtype=jnp.int32)[None]
+        return cls(slots_1T, slots_1T, segments_BT, segments_BT, causal, aligned=True)
+
+    @classmethod
+    def cached(cls, length: int, index: jax.Array, cache_len: int) -> "Mask":
+        """`length` new queries at slots index.. over a cache of `cache_len` slots: a slot not
+        yet written lies after every query, so the causal test also hides it."""
+        q_1T = (index + jnp.arange(length, dtype=jnp.int32))[None]
+        return cls(q_1T, jnp.arange(cache_len, dtype=jnp.int32)[None])
+
+    def dense(self) -> jax.Array | None:
+        """Boolean (B or 1, T, S), True where the query may see the key; None: all visible."""
+        visible = None
+        if self.causal:
+            visible = self.k_slots_BS[:, None, :] <= self.q_slots_BT[:, :, None]
+        if self.q_segments_BT is not None:
+            same = self.q_segments_BT[:, :, None] == self.k_segments_BS[:, None, :]
+            visible = same if visible is None else visible & same
+        return visible
+
+
+def einsum_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
+                     mask: Mask | None, softmax_dtype: Any) -> jax.Array:
+    """Grouped-query attention written out: the reference every other kernel must match."""
+    kv = k_BSKD.shape[2]
+    q_BTKGD = rearrange(q_BTHD, "b t (k g) d -> b t k g d", k=kv)
+    scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD)
+    scores_BKGTS = scores_BKGTS.astype(softmax_dtype) / math.sqrt(q_BTHD.shape[-1])
+    visible_BTS = None if mask is None else mask.dense()
+    if visible_BTS is not None:
+        scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS,
+                                 jnp.finfo(scores_BKGTS.dtype).min)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKD.dtype)
+    out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKD)
+    return rearrange(out_BTKGD, "b t k g d -> b t (k g) d")
+
+
+def fused_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
+                    mask: Mask | None, softmax_dtype: Any) -> jax.Array:
+    """`jax.nn.dot_product_attention` (cuDNN flash attention on GPUs where it applies)."""
+    if mask is not None and mask.aligned and mask.q_segments_BT is None:
+        return jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, is_causal=mask.causal)
+    visible_BTS = None if mask is None else mask.dense()
+    return jax.nn.dot_product_attention(
+        q_BTHD, k_BSKD, v_BSKD, mask=None if visible_BTS is None else visible_BTS[:, None])
+
+
+# Attention kernels by `model.attention`: (q, k, v, mask, softmax dtype) -> out (B, T, H, D).
+ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
+    "einsum": einsum_attention,
+    "dot_product_attention": fused_attention,
+}
+
+
+def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mask | None, *,
+           impl: str = "einsum", softmax_dtype: Any = jnp.float32) -> jax.Array:
+    """softmax(q.k / sqrt(D), masked) . v with the kernel `impl`; K kv heads serve H/K heads."""
+    return ATTENTION_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype)
+
+
+def check_impl(impl: str) -> None:
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"Unknown model.attention={impl!r}; use one of "
+                         f"{list(ATTENTION_IMPLS)}.")
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal attention; shards over `batch`, `heads` and `kv`."""
+
+    LORA_WEIGHTS = ("wq", "wk", "wv", "wo")  # read through `project`: may carry LoRA adapters
+
+    def __init__(self, embed: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float,
+                 policy: Policy, impl: str, rngs: nnx.Rngs, *, stack: int | None = None):
+        if heads % kv_heads:
+            raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}.")
+        check_impl(impl)
+        kw = dict(stack=stack, dtype=policy.param)
+        self.wq = param(rngs, (embed, heads, head_dim), ("embed", "heads", "head_dim"),
+                        fan_in=embed, **kw)
+        self.wk = param(rngs, (embed, kv_heads, head_dim), ("embed", "kv", "head_dim"),
+                        fan_in=embed, **kw)
+        self.wv = param(rngs, (embed, kv_heads, head_dim), ("embed", "kv", "head_dim"),
+                        fan_in=embed, **kw)
+        self.wo = param(rngs, (heads, head_dim, embed), ("heads", "head_dim", "embed"),
+                        fan_in=heads * head_dim, **kw)
+        self.rope_theta, self.policy, self.impl = rope_theta, policy, impl
+
+    def __call__(self, x_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
+                 cache_index: jax.Array | None = None
+                 ) -> jax.Array | tuple[jax.Array, KVCache]:
+        """Attention output (B, T, E); with a `cache`, (output, cache with this call's keys and
+        values written at `cache_index`), attending over every slot written so far."""
+        c = self.policy.compute
+        q_BTHD = project(self, "wq", "bte,ehd->bthd", x_BTE, c)
+        k_BTKD = project(self, "wk", "bte,ekd->btkd", x_BTE, c)
+        v_BTKD = project(self, "wv", "bte,ekd->btkd", x_BTE, c)
+        q_BTHD = constrain(rotary(q_BTHD, positions_BT, self.rope_theta),
+                           "batch", "length", "heads", "head_dim")
+        k_BTKD = constrain(rotary(k_BTKD, positions_BT, self.rope_theta),
+                           "batch", "length", "kv", "head_dim")
+        v_BTKD = constrain(v_BTKD, "batch", "length", "kv", "head_dim")
+        t = x_BTE.shape[1]
+        if cache is None:
+            k_BSKD, v_BSKD, mask = k_BTKD, v_BTKD, Mask.sequence(t)
+        else:
+            cache = cache.write(k_BTKD, v_BTKD, cache_index).constrained(LAYER_CACHE_AXES)
+            k_BSKD, v_BSKD = cache.k.astype(c), cache.v.astype(c)
+            mask = Mask.cached(t, cache_index, cache.k.shape[1])
+        out_BTHD = attend(q_BTHD, k_BSKD, v_BSKD, mask, impl=self.impl,
+                          softmax_dtype=self.policy.dtype_for("softmax"))
+        out_BTHD = constrain(out_BTHD, "batch", "length", "heads", "head_dim")
+        out_BTE = constrain(project(self, "wo", "bthd,hde->bte", out_BTHD, c),
+                            "batch", "length", "embed")
+        return out_BTE if cache is None else (out_BTE, cache)

@@ -1,0 +1,136 @@
+"""The GPipe and circular pipeline schedules over the `pipeline` mesh axis, in one SPMD program.
+
+The stacked layer state (L, ...) is viewed as (repeats R, stages S, per-stage P, ...): natural
+layer l = r*S*P + s*P + p runs on stage s in repeat r, so the result equals the plain scan over
+layers 0..L-1. Every iteration all stages run at once: `jax.vmap` over the stage dimension with
+`spmd_axis_name='pipeline'` (the stage dimension of weights, activations and of every sharding
+constraint inside the block lands on the `pipeline` axis), then the per-stage activations move
+one stage forward with `jnp.roll` (a collective-permute). Stage 0 reads microbatch `t mod M` from
+an I/O buffer that also receives the last stage's outputs, so a microbatch leaving stage S-1 in
+repeat r re-enters stage 0 for repeat r+1 (the circular / interleaved schedule) and the buffer
+holds the final outputs at the end. Total iterations: M*R + S - 1.
+
+GPipe is R=1 (each device holds one contiguous block of layers). With R>1 each device holds R
+non-contiguous groups; since parameters are stored in natural layer order (sharded contiguously
+by the rule ('layers', 'pipeline')), the step re-lays the layer dimension out as (R, S, P) with
+one all-to-all of the block weights per step (and back for the gradients): the price of keeping
+checkpoints and the 1-device model identical whatever the schedule.
+
+The 1F1B schedule (onef1b.py) reuses this module's public layout helpers (`stage_layout`,
+`rules_axes`, `constrain_batch`) and its forward (`pipeline_layers`, for evaluation).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxscale.models.llama import scan_layers
+from jaxscale.parallel.schedules import check_batch, check_layers, get_schedule
+from jaxscale.rules import AxisRules, active_rules
+
+
+def rules_axes(var: nnx.Variable, mesh: Mesh) -> list:
+    """The mesh axes of each dimension of `var` under the active rules, `pipeline` dropped.
+
+    Inside the schedule the stage dimension is the only one on `pipeline`, so a parameter's own
+    spec (e.g. its `layers` dimension under the `pp` preset) must not claim that axis again.
+    """
+    shape = var[...].shape
+    active = active_rules()
+    logical = var.get_metadata().get("logical_axes")
+    if active is None or logical is None:
+        return [None] * len(shape)
+    rules = AxisRules(active[0].rules, indivisible="replicate")
+    spec = rules.spec(tuple(logical), shape, mesh, "<pipeline weights>", warn=False)
+    return [None if ax == "pipeline" or (isinstance(ax, tuple) and "pipeline" in ax) else ax
+            for ax in tuple(spec)]
+
+
+def stage_layout(state: nnx.State, mesh: Mesh, repeats: int, stages: int) -> nnx.State:
+    """(L, ...) leaves -> (R, S, P, ...) with S on `pipeline` and the rest as the rules say."""
+
+    def one(var: nnx.Variable) -> nnx.Variable:
+        value = var[...]
+        shape = value.shape
+        inner = rules_axes(var, mesh)[1:]
+        value = value.reshape(repeats, stages, shape[0] // (repeats * stages), *shape[1:])
+        sharding = NamedSharding(mesh, PartitionSpec(None, "pipeline", None, *inner))
+        return var.replace(jax.lax.with_sharding_constraint(value, sharding))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _batch_spec(mesh: Mesh, shape: tuple[int, ...], lead: tuple) -> PartitionSpec:
+    """Spec for (lead..., batch, rest...) activations: batch on the rules' batch axes."""
+    active = active_rules()
+    if active is None:
+        return PartitionSpec(*lead)
+    lenient = AxisRules(active[0].rules, indivisible="replicate")
+    rest = shape[len(lead):]
+    spec = lenient.spec(("batch",) + (None,) * (len(rest) - 1), rest, mesh, warn=False)
+    return PartitionSpec(*lead, *spec)
+
+
+def constrain_batch(x: jax.Array, mesh: Mesh, *lead) -> jax.Array:
+    """`x` (lead..., batch, ...) with its batch dimension sharded as the rules shard `batch`."""
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, _batch_spec(mesh, x.shape, tuple(lead))))
+
+
+def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array, *,
+                    mesh: Mesh, stages: int, microbatches: int, repeats: int,
+                    remat: str = "none") -> jax.Array:
+    """Runs the stacked `block` over `h_BTE` as an S-stage, M-microbatch, R-repeat pipeline."""
+    S, M, R = stages, microbatches, repeats
+    graphdef, state = nnx.split(block)
+    num_layers = jax.tree.leaves(state)[0].shape[0]
+    check_layers(num_layers, S, R)
+    check_batch(h_BTE.shape[0], M)
+    B, T, E = h_BTE.shape
+    mb = B // M
+    if positions_BT is None:  # a model without positions (ViT): a stand-in its blocks ignore
+        positions_BT = jnp.zeros((B, T), jnp.int32)
+    # Microbatch m takes rows m, m+M, m+2M, ...: every device keeps its own rows (no shuffle).
+    x_MbTE = constrain_batch(h_BTE.reshape(mb, M, T, E).swapaxes(0, 1), mesh, None)
+    pos_MbT = constrain_batch(positions_BT.reshape(mb, M, T).swapaxes(0, 1), mesh, None)
+    weights = stage_layout(state, mesh, R, S)
+    stage_ids = jnp.arange(S)
+
+    def stage_fn(stage_state, x_bTE, pos_bT):
+        return scan_layers(nnx.merge(graphdef, stage_state), x_bTE, pos_bT, remat)
+
+    run_stages = jax.vmap(stage_fn, spmd_axis_name="pipeline")
+    pick_repeat = jax.vmap(lambda w, r: jax.tree.map(lambda a: a[r], w), in_axes=(1, 0),
+                           spmd_axis_name="pipeline")
+
+    def iteration(carry, t):
+        state_SbTE, io_SMbTE = carry
+        first = (stage_ids == 0)[:, None, None, None]
+        fresh_SbTE = jax.lax.dynamic_index_in_dim(io_SMbTE, t % M, axis=1, keepdims=False)
+        in_SbTE = constrain_batch(jnp.where(first, fresh_SbTE, state_SbTE), mesh, "pipeline")
+        work_S = t - stage_ids                    # work item k = r*M + m on each stage
+        pos_SbT = constrain_batch(pos_MbT[work_S % M], mesh, "pipeline")
+        if R == 1:
+            w_S = jax.tree.map(lambda a: a[0], weights)
+        else:
+            w_S = pick_repeat(weights, jnp.clip(work_S // M, 0, R - 1))
+        out_SbTE = constrain_batch(run_stages(w_S, in_SbTE, pos_SbT), mesh, "pipeline")
+        next_SbTE = constrain_batch(jnp.roll(out_SbTE, 1, axis=0), mesh, "pipeline")
+        # Slot 0 of `next` is the last stage's output for microbatch (t-S+1) mod M.
+        done = first & (t >= S - 1)
+        slot = (t - (S - 1)) % M
+        old_SbTE = jax.lax.dynamic_index_in_dim(io_SMbTE, slot, axis=1, keepdims=False)
+        io_SMbTE = jax.lax.dynamic_update_index_in_dim(
+            io_SMbTE, jnp.where(done, next_SbTE, old_SbTE), slot, axis=1)
+        return (next_SbTE, constrain_batch(io_SMbTE, mesh, "pipeline", None)), None
+
+    io_SMbTE = constrain_batch(jnp.broadcast_to(x_MbTE, (S,) + x_MbTE.shape), mesh,
+                               "pipeline", None)
+    state_SbTE = constrain_batch(jnp.zeros((S, mb, T, E), h_BTE.dtype), mesh, "pipeline")
+    iterations = get_schedule("circular").iterations(S, M, R)
+    (_, io_SMbTE), _ = jax.lax.scan(iteration, (state_SbTE, io_SMbTE), jnp.arange(iterations))
+    out_MbTE = constrain_batch(io_SMbTE[0], mesh, None)
+    return constrain_batch(out_MbTE.swapaxes(0, 1).reshape(B, T, E), mesh)
