@@ -38,7 +38,16 @@ def _sums(model: Any, batch: Mapping[str, jax.Array], task: str) -> dict[str, ja
         logits, targets = model(batch["images"]), batch["labels"]
     else:
         tokens = constrain(batch["tokens"], "batch", "length")
-        logits, targets = model(tokens[:, :-1]), tokens[:, 1:]
+        segments = batch.get("segment_ids")
+        if segments is not None:  # packed rows: each document alone, padding not counted
+            segments = constrain(segments, "batch", "length")
+            positions = constrain(batch["positions"], "batch", "length")[:, :-1]
+            logits = model(tokens[:, :-1], positions, segments_BT=segments[:, :-1])
+            batch = {**batch, "mask": ((segments[:, 1:] == segments[:, :-1])
+                                       & (segments[:, 1:] > 0)).astype(jnp.float32)}
+        else:
+            logits = model(tokens[:, :-1])
+        targets = tokens[:, 1:]
     logits = logits.astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
