@@ -64,8 +64,18 @@ def base_config() -> mlc.ConfigDict:
         name="llama", vocab_size=256, embed=128, num_layers=4, num_heads=4, num_kv_heads=2,
         head_dim=32, mlp=512, max_len=2048, rope_theta=10000.0, norm_eps=1e-5,
         tie_embeddings=False, remat="none", attention="einsum"))
-    c.data = mlc.ConfigDict(dict(corpus="stdlib", max_bytes=4_000_000, seq_len=128,
-                                 batch_size=32, eval_batches=4, part="all"))
+    c.data = mlc.ConfigDict(dict(
+        corpus="stdlib",           # stdlib | digits | files (implied by a non-empty `sources`)
+        max_bytes=4_000_000, seq_len=128, batch_size=32, eval_batches=4, part="all",
+        sources="",                # 'FORMAT=GLOB[@WEIGHT];...', formats text|jsonl|parquet|array_record|tokens
+        eval_sources="",           # held-out sources; empty: a stable-hash eval_fraction of documents
+        eval_fraction=0.05,
+        tokenizer="bytes",         # bytes | path to tokenizer.json (or a dir holding one) | .model
+        text_field="text",         # the text field of jsonl records / parquet rows
+        token_dtype="uint16",      # element type of `tokens` files
+        packing="concat",          # concat | pack (first-fit, segment ids) | none (one doc per row)
+        skip_bad_records=False,    # skip and count bad jsonl / parquet records instead of failing
+    ))
     c.optim = mlc.ConfigDict(dict(name="adamw", lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                                   weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
                                   clip_norm=1.0, momentum=0.9, nesterov=False))
@@ -181,7 +191,10 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
              f"model.attention={m.get('attention')!r}: use one of {', '.join(ATTENTION_IMPLS)}.")
     _require(d.seq_len > 0 and d.batch_size > 0,
              f"data.seq_len={d.seq_len} and data.batch_size={d.batch_size} must be positive.")
-    if d.corpus == "stdlib" and "vocab_size" in m:
+    if d.get("sources") or d.corpus == "files":
+        from jaxscale.file_data import validate_files
+        validate_files(c)
+    elif d.corpus == "stdlib" and "vocab_size" in m:
         _require(m.vocab_size >= BYTE_VOCAB,
                  f"model.vocab_size={m.vocab_size} is smaller than the {BYTE_VOCAB} byte tokens",
                  f"of data.corpus='stdlib'; use a vocab_size of at least {BYTE_VOCAB}.")

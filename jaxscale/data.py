@@ -1,10 +1,9 @@
-"""Byte-level text data that needs no download: the Python standard library's own sources.
+"""The dataset registry (`DATASETS`, one explicit table) and the zero-download text demo.
 
-Files are split into train / held-out by a hash of their path (stable across runs), concatenated
-and cut into windows of `seq_len + 1` bytes. A grain `MapDataset` shuffles window indices with a
-seed, groups them into *global* batches, and each host gathers only its rows of every batch, so
-the global batch at a step is the same whatever the process count or mesh. Lo-Fi workers first
-keep only the windows of their own shard (`shard_index` of `shard_count`).
+Each entry names how to build training batches and the full held-out split (`Dataset`), so the
+training loop and `launch.evaluate` ask this module alone. The `stdlib` demo reads the Python
+standard library's own sources as bytes: files are split into train / held-out by a hash of
+their path (stable across runs), concatenated and cut into windows by `jaxscale.batching`.
 """
 
 from __future__ import annotations
@@ -17,10 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import grain
 import numpy as np
 
+from jaxscale import file_data, vision_data
+from jaxscale.batching import Batches, eval_batches
 from jaxscale.errors import ConfigError, paragraph
+
+__all__ = ["Batches", "DATASETS", "Dataset", "build_data", "eval_batches", "heldout_batches",
+           "load_corpus"]
 
 
 def _bucket(path: str) -> int:
@@ -56,62 +59,6 @@ def load_corpus(max_bytes: int, part: str = "all") -> tuple[np.ndarray, np.ndarr
     return to_arr(train), to_arr(heldout)
 
 
-@dataclass(frozen=True)
-class Batches:
-    """Deterministic per-host batches of shape (local_batch, seq_len + 1)."""
-
-    tokens: np.ndarray
-    seq_len: int
-    global_batch: int
-    process_index: int = 0
-    process_count: int = 1
-    shard_index: int = 0
-    shard_count: int = 1
-    seed: int = 0
-    shuffle: bool = True
-
-    def dataset(self) -> grain.MapDataset:
-        n = (len(self.tokens) - 1) // self.seq_len
-        windows = grain.MapDataset.range(n)[self.shard_index::self.shard_count]
-        if len(windows) < self.global_batch:
-            raise ConfigError(paragraph(
-                f"The corpus has only {len(windows)} windows of {self.seq_len} tokens in this",
-                f"shard, fewer than one global batch of {self.global_batch}. Raise",
-                "data.max_bytes or lower data.batch_size / data.seq_len.",
-            ))
-        if self.shuffle:
-            windows = windows.shuffle(seed=self.seed)
-        if self.global_batch % self.process_count:
-            raise ConfigError(paragraph(
-                f"data.batch_size={self.global_batch} is not divisible by the number of",
-                f"processes ({self.process_count}); every host needs the same share.",
-            ))
-        local = self.global_batch // self.process_count
-        lo = self.process_index * local
-        return (windows.repeat(None).batch(self.global_batch, drop_remainder=True)
-                .map(lambda idx: self._gather(np.asarray(idx)[lo:lo + local])))
-
-    def _gather(self, window_ids: np.ndarray) -> dict[str, np.ndarray]:
-        starts = window_ids * self.seq_len
-        rows = [self.tokens[s:s + self.seq_len + 1] for s in starts]
-        return {"tokens": np.stack(rows).astype(np.int32)}
-
-    def iterator(self, state: dict | None = None) -> grain.DatasetIterator:
-        """An iterator whose `get_state()` is JSON and is saved in checkpoints."""
-        it = iter(self.dataset().to_iter_dataset())
-        if state is not None:
-            it.set_state(state)
-        return it
-
-
-def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, count: int,
-                 process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
-    """The first `count` unshuffled held-out batches: the same for every run and mesh."""
-    ds = Batches(tokens, seq_len, global_batch, process_index, process_count,
-                 shuffle=False).dataset()
-    return [ds[i] for i in range(count)]
-
-
 def stdlib_data(config: Any, process_index: int, process_count: int,
                 shard_index: int = 0, shard_count: int = 1) -> tuple[Batches, list]:
     """(training batches, held-out batches) of byte tokens for `config.data`."""
@@ -124,20 +71,49 @@ def stdlib_data(config: Any, process_index: int, process_count: int,
     return batches, evals
 
 
-# `config.data.corpus` -> builder(config, process_index, process_count, shard_index, shard_count)
-# returning (an object with `.iterator(state)`, a list of held-out batches). Each batch is a
-# dict of per-host numpy arrays sharing the leading batch dimension.
-DATASETS: dict[str, Callable[..., tuple[Any, list]]] = {"stdlib": stdlib_data}
+@dataclass(frozen=True)
+class Dataset:
+    """One entry of the registry: how to build training batches and the full held-out split.
+
+    `build(config, process_index, process_count, shard_index, shard_count)` returns (an object
+    with `.iterator(state)` whose batches are dicts of per-host numpy arrays sharing the leading
+    batch dimension, the list of held-out batches the training loop evaluates). `heldout(config,
+    process_index, process_count)` returns every held-out example for `launch.evaluate` (e.g.
+    padded, masked image batches); None means the loop's own held-out batches.
+    """
+
+    build: Callable[..., tuple[Any, list]]
+    heldout: Callable[..., list] | None = None
+
+
+# `config.data.corpus` -> its Dataset. An explicit table: every dataset is listed here.
+DATASETS: dict[str, Dataset] = {
+    "stdlib": Dataset(stdlib_data),
+    "digits": Dataset(vision_data.digits_data, vision_data.digits_test_batches),
+    "files": Dataset(file_data.files_data),
+}
+
+
+def dataset_for(config: Any) -> Dataset:
+    """The registry entry of `config.data` (`files` whenever `data.sources` is set)."""
+    name = "files" if config.data.get("sources") else config.data.corpus
+    if name not in DATASETS:
+        raise ConfigError(paragraph(
+            f"Unknown data.corpus={name!r}; available: {', '.join(sorted(DATASETS))}.",
+        ))
+    return DATASETS[name]
 
 
 def build_data(config: Any, process_index: int, process_count: int,
                shard_index: int = 0, shard_count: int = 1) -> tuple[Any, list]:
-    name = config.data.corpus
-    if name not in DATASETS:
-        try:  # image datasets live beside their models
-            import jaxscale.vision_data  # noqa: F401
-        except ImportError:
-            pass
-    if name not in DATASETS:
-        raise ConfigError(f"Unknown data.corpus={name!r}; available: {sorted(DATASETS)}.")
-    return DATASETS[name](config, process_index, process_count, shard_index, shard_count)
+    """(training batches, held-out batches) of `config.data` for this process / Lo-Fi shard."""
+    return dataset_for(config).build(config, process_index, process_count, shard_index,
+                                     shard_count)
+
+
+def heldout_batches(config: Any, process_index: int, process_count: int) -> list:
+    """Every held-out example of the config's dataset, as this host's rows of global batches."""
+    entry = dataset_for(config)
+    if entry.heldout is not None:
+        return entry.heldout(config, process_index, process_count)
+    return entry.build(config, process_index, process_count)[1]

@@ -2,8 +2,8 @@
 
 Rebuilds the run from `WORKDIR/config.json` (mesh, rules, precision, model, data), loads the
 newest checkpoint's parameters (LoRA adapters folded in) onto the mesh by the rules, and
-evaluates the held-out split: every test image for image datasets (the last, partial batch is
-padded and masked; see `HELDOUT`), the run's own held-out batches for text. Metrics are summed
+evaluates the held-out split of its dataset (`jaxscale.data.heldout_batches`: every test image
+for image datasets, padded and masked; the run's own held-out batches for text). Metrics are summed
 per example/token and divided once at the end, so they do not depend on the batch split or the
 mesh.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import ml_collections as mlc
 import optax
 
-from jaxscale.data import build_data
+from jaxscale.data import heldout_batches
 from jaxscale.errors import JaxscaleError
 from jaxscale.mesh import make_mesh
 from jaxscale.precision import get_policy
@@ -32,19 +32,22 @@ from jaxscale.weights.tree import flatten, unflatten
 from jaxscale.train.step import batch_sharding
 
 
-# data.corpus -> fn(config, process_index, process_count) giving every held-out example in
-# padded batches with a `mask` (image test splits; registered by jaxscale.vision_data). Other
-# corpora are evaluated on the held-out batches the training loop uses.
-HELDOUT: dict[str, Callable[..., list]] = {}
-
-
 def _sums(model: Any, batch: Mapping[str, jax.Array], task: str) -> dict[str, jax.Array]:
     """Summed loss, correct predictions and count for one batch (masked rows excluded)."""
     if task == "classify":
         logits, targets = model(batch["images"]), batch["labels"]
     else:
         tokens = constrain(batch["tokens"], "batch", "length")
-        logits, targets = model(tokens[:, :-1]), tokens[:, 1:]
+        segments = batch.get("segment_ids")
+        if segments is not None:  # packed rows: each document alone, padding not counted
+            segments = constrain(segments, "batch", "length")
+            positions = constrain(batch["positions"], "batch", "length")[:, :-1]
+            logits = model(tokens[:, :-1], positions, segments_BT=segments[:, :-1])
+            batch = {**batch, "mask": ((segments[:, 1:] == segments[:, :-1])
+                                       & (segments[:, 1:] > 0)).astype(jnp.float32)}
+        else:
+            logits = model(tokens[:, :-1])
+        targets = tokens[:, 1:]
     logits = logits.astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
@@ -56,18 +59,6 @@ def _sums(model: Any, batch: Mapping[str, jax.Array], task: str) -> dict[str, ja
                                 targets.shape)
     return {"loss": (losses * mask).sum(), "correct": (correct * mask).sum(),
             "count": mask.sum()}
-
-
-def heldout_batches(config: mlc.ConfigDict, process_index: int, process_count: int) -> list:
-    """Every held-out example of the config's corpus, as this host's rows of global batches."""
-    if config.data.corpus not in HELDOUT:
-        try:  # image datasets register their full test splits on import
-            import jaxscale.vision_data  # noqa: F401
-        except ImportError:
-            pass
-    if config.data.corpus in HELDOUT:
-        return HELDOUT[config.data.corpus](config, process_index, process_count)
-    return build_data(config, process_index, process_count)[1]
 
 
 def read_config(workdir: str) -> mlc.ConfigDict:

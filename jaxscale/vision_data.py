@@ -5,7 +5,7 @@
 evaluates on the same images. Training batches come from a grain `MapDataset` shuffled with the
 run's seed, grouped into global batches of which each host keeps its own rows, exactly like the
 text data in `jaxscale.data`; batches are `{'images': (B, 8, 8, 1) float32 in [0, 1],
-'labels': (B,) int32}`. Registers `DATASETS['digits']` in `jaxscale.data`.
+'labels': (B,) int32}`. `jaxscale.data.DATASETS['digits']` names the two builders below.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from typing import Any
 import grain
 import numpy as np
 
-from jaxscale.data import DATASETS
-from jaxscale.evaluate import HELDOUT
 from jaxscale.errors import ConfigError, paragraph
 
 TEST_FRACTION = 0.2
@@ -127,7 +125,3 @@ def digits_data(config: Any, process_index: int, process_count: int,
         raise ConfigError(f"data.batch_size={batch} exceeds the {len(test_y)} test images; "
                           "use a smaller batch.")
     return batches, evals
-
-
-DATASETS["digits"] = digits_data
-HELDOUT["digits"] = digits_test_batches

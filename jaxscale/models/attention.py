@@ -177,10 +177,11 @@ class Attention(nnx.Module):
         self.rope_theta, self.policy, self.impl = rope_theta, policy, impl
 
     def __call__(self, x_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
-                 cache_index: jax.Array | None = None
+                 cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None
                  ) -> jax.Array | tuple[jax.Array, KVCache]:
         """Attention output (B, T, E); with a `cache`, (output, cache with this call's keys and
-        values written at `cache_index`), attending over every slot written so far."""
+        values written at `cache_index`), attending over every slot written so far. With
+        `segments_BT` (packed documents), a query sees only keys of its own segment."""
         c = self.policy.compute
         q_BTHD = project(self, "wq", "bte,ehd->bthd", x_BTE, c)
         k_BTKD = project(self, "wk", "bte,ekd->btkd", x_BTE, c)
@@ -192,8 +193,11 @@ class Attention(nnx.Module):
         v_BTKD = constrain(v_BTKD, "batch", "length", "kv", "head_dim")
         t = x_BTE.shape[1]
         if cache is None:
-            k_BSKD, v_BSKD, mask = k_BTKD, v_BTKD, Mask.sequence(t)
+            k_BSKD, v_BSKD, mask = k_BTKD, v_BTKD, Mask.sequence(t, segments_BT)
         else:
+            if segments_BT is not None:
+                raise ValueError("Segment ids are for training on packed rows; decoding with a "
+                                 "KV cache runs one document per row.")
             cache = cache.write(k_BTKD, v_BTKD, cache_index).constrained(LAYER_CACHE_AXES)
             k_BSKD, v_BSKD = cache.k.astype(c), cache.v.astype(c)
             mask = Mask.cached(t, cache_index, cache.k.shape[1])

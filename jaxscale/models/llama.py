@@ -74,9 +74,11 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack)
 
     def __call__(self, h_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
-                 cache_index: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+                 cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None
+                 ) -> jax.Array | tuple[jax.Array, KVCache]:
         """The block's output; with a (one-layer) `cache`, (output, updated cache)."""
-        attn_out = self.attn(self.attn_norm(h_BTE), positions_BT, cache, cache_index)
+        attn_out = self.attn(self.attn_norm(h_BTE), positions_BT, cache, cache_index,
+                             segments_BT)
         if cache is not None:
             attn_out, cache = attn_out
         h_BTE = h_BTE + attn_out
@@ -87,7 +89,8 @@ class Block(nnx.Module):
 
 def scan_layers(block: Block, h_BTE: jax.Array, positions_BT: jax.Array,
                 remat: str = "none", cache: KVCache | None = None,
-                cache_index: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+                cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None
+                ) -> jax.Array | tuple[jax.Array, KVCache]:
     """Applies a stacked `block` layer by layer with `lax.scan` (optionally rematerialised).
 
     With a stacked `cache` (L, B, S, K, D) each layer reads and writes its own slice, and the
@@ -103,7 +106,7 @@ def scan_layers(block: Block, h_BTE: jax.Array, positions_BT: jax.Array,
         return h_BTE, cache.constrained()
 
     def apply_one(h, layer_state):
-        return nnx.merge(graphdef, layer_state)(h, positions_BT), None
+        return nnx.merge(graphdef, layer_state)(h, positions_BT, segments_BT=segments_BT), None
 
     if remat != "none":
         apply_one = jax.checkpoint(apply_one, policy=REMAT_POLICIES[remat])
@@ -147,9 +150,13 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  run_layers: LayerRunner | None = None, *,
-                 cache: KVCache | None = None, cache_index: jax.Array | None = None
-                 ) -> jax.Array | tuple[jax.Array, KVCache]:
+                 cache: KVCache | None = None, cache_index: jax.Array | None = None,
+                 segments_BT: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
         """Logits for `tokens_BT`; `run_layers(block, h, positions)` may replace the scan.
+
+        Packed rows: `segments_BT` (document ids, 0 on padding) keeps attention inside each
+        document and `positions_BT` restarts at 0 in each, so every document sees what it would
+        alone.
 
         Decoding: with a stacked `cache`, the tokens take cache slots cache_index.. (and, by
         default, those positions) and the result is (logits, updated cache).
@@ -164,7 +171,10 @@ class Llama(nnx.Module):
                                        cache_index=cache_index)
             return self.head(h_BTE), cache
         if run_layers is None:
-            h_BTE = scan_layers(self.layers, h_BTE, positions_BT, self.cfg.remat)
+            h_BTE = scan_layers(self.layers, h_BTE, positions_BT, self.cfg.remat,
+                                segments_BT=segments_BT)
+        elif segments_BT is not None:
+            raise ValueError(PIPELINE_SEGMENTS)
         else:
             h_BTE = run_layers(self.layers, h_BTE, positions_BT)
         return self.head(h_BTE)
@@ -178,12 +188,36 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return jnp.mean(losses)
 
 
+PIPELINE_SEGMENTS = ("data.packing='pack' / 'none' (rows with segment ids) does not run through "
+                     "the pipeline schedules yet; use data.packing='concat' with "
+                     "mesh.pipeline > 1, or no pipeline.")
+
+
 def lm_loss(model: Llama, batch: Mapping[str, jax.Array],
             run_layers: LayerRunner | None = None) -> jax.Array:
     """Next-token loss of a decoder LM on `batch['tokens']` (B, T+1): inputs [:, :-1],
-    targets [:, 1:]. A runner that fuses the loss (1F1B) runs head and loss in its schedule."""
+    targets [:, 1:]. A runner that fuses the loss (1F1B) runs head and loss in its schedule.
+    Packed rows (`segment_ids`, `positions`) count only targets inside the same document."""
     tokens_BT1 = constrain(batch["tokens"], "batch", "length")
+    if "segment_ids" in batch:
+        if run_layers is not None:
+            raise ValueError(PIPELINE_SEGMENTS)
+        losses_BT, mask_BT = packed_losses(model, batch)
+        return (losses_BT * mask_BT).sum() / jnp.maximum(mask_BT.sum(), 1.0)
     if run_layers is not None and run_layers.fuses_loss:
         return run_layers.fused_loss(model, tokens_BT1[:, :-1], tokens_BT1[:, 1:], cross_entropy)
     logits_BTV = model(tokens_BT1[:, :-1], run_layers=run_layers)
     return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
+
+
+def packed_losses(model: Llama, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Per-token losses (B, T) of packed rows and their float mask: 1 where the target lies in
+    the same document as the input (padding and document boundaries carry no loss)."""
+    tokens_BT1 = constrain(batch["tokens"], "batch", "length")
+    segments_BT1 = constrain(batch["segment_ids"], "batch", "length")
+    positions_BT = constrain(batch["positions"], "batch", "length")[:, :-1]
+    logits_BTV = model(tokens_BT1[:, :-1], positions_BT, segments_BT=segments_BT1[:, :-1])
+    losses_BT = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BTV.astype(jnp.float32), tokens_BT1[:, 1:])
+    same_BT = (segments_BT1[:, 1:] == segments_BT1[:, :-1]) & (segments_BT1[:, 1:] > 0)
+    return losses_BT, same_BT.astype(jnp.float32)

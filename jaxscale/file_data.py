@@ -1,0 +1,186 @@
+"""Training on your own files: `config.data.sources` -> a deterministic weighted mixture of rows.
+
+Each source entry (`jaxscale.sources`) becomes rows (`jaxscale.packing`). Per source, a grain
+`MapDataset` of row indices is sharded for Lo-Fi workers, shuffled with the run's seed and
+repeated; `MapDataset.mix` interleaves the sources by weight, deterministically. Global batches
+are formed from that index stream, and each process then reads only the documents of its own
+rows, so the global batch at a step is identical for any process count and mesh, and grain's
+iterator state (saved in checkpoints) resumes mid-epoch exactly. The held-out split is either
+`data.eval_sources` or the documents whose stable hash falls below `data.eval_fraction`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import grain
+import numpy as np
+
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.packing import PACKINGS, make_rows
+from jaxscale.sources import SourceSpec, expand, open_source, parse_sources
+from jaxscale.tokenizer import BYTES, check_vocab, file_hash, load_tokenizer
+
+
+PREFETCH = 16  # global batches read ahead per process
+
+
+@dataclass(frozen=True)
+class MixtureBatches:
+    """Per-host batches drawn from several row sources with mixture weights."""
+
+    rows: tuple
+    weights: tuple
+    global_batch: int
+    process_index: int = 0
+    process_count: int = 1
+    shard_index: int = 0
+    shard_count: int = 1
+    seed: int = 0
+
+    def dataset(self) -> grain.MapDataset:
+        if self.global_batch % self.process_count:
+            raise ConfigError(paragraph(
+                f"data.batch_size={self.global_batch} is not divisible by the number of",
+                f"processes ({self.process_count}); every host needs the same share.",
+            ))
+        parts = []
+        for k, src in enumerate(self.rows):
+            ids = grain.MapDataset.range(src.num_rows)[self.shard_index::self.shard_count]
+            if len(ids) == 0:
+                raise ConfigError(paragraph(
+                    f"Source {k} of data.sources has no training row of data.seq_len tokens in",
+                    "this shard. Add documents, or lower data.seq_len.",
+                ))
+            parts.append(ids.shuffle(seed=self.seed + 1000 * k).repeat(None)
+                         .map(lambda i, k=k: (k, i)))
+        mixed = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, list(self.weights))
+        local = self.global_batch // self.process_count
+        lo = self.process_index * local
+        return (mixed.batch(self.global_batch, drop_remainder=True)
+                .map(lambda ki: self._gather(ki[0][lo:lo + local], ki[1][lo:lo + local])))
+
+    def _gather(self, source_ids: np.ndarray, row_ids: np.ndarray) -> dict[str, np.ndarray]:
+        rows = [self.rows[int(k)].row(int(i)) for k, i in zip(source_ids, row_ids)]
+        return {key: np.stack([r[key] for r in rows]) for key in rows[0]}
+
+    def iterator(self, state: dict | None = None) -> grain.DatasetIterator:
+        """An iterator whose `get_state()` is JSON and is saved in checkpoints."""
+        # A bounded read-ahead: rows of real data are large, grain's default buffer is 500.
+        options = grain.ReadOptions(num_threads=4, prefetch_buffer_size=PREFETCH)
+        it = iter(self.dataset().to_iter_dataset(options))
+        if state is not None:
+            it.set_state(state)
+        return it
+
+
+def heldout_mask(source: Any, fraction: float) -> np.ndarray:
+    """True for the documents whose stable hash (of file name and place) is below `fraction`."""
+    keys = source.reader.keys or [str(i) for i in range(source.reader.num_docs)]
+    keys = [keys[i] for i in source.ids]
+    buckets = np.asarray([int(hashlib.sha1(k.encode()).hexdigest()[:8], 16) for k in keys])
+    return buckets < fraction * 0x100000000
+
+
+def check_prepared(spec: SourceSpec, tokenizer_spec: str, field_name: str) -> None:
+    """A prepared dataset must be trained with the tokenizer that wrote it (file hash)."""
+    if spec.format != "array_record":
+        return
+    for d in sorted({os.path.dirname(f) for f in expand(spec, field_name)}):
+        meta_path = os.path.join(d, "metadata.json")
+        if not os.path.exists(meta_path):
+            continue
+        with open(meta_path) as f:
+            meta = json.load(f)
+        want, have = meta.get("tokenizer_hash"), file_hash(tokenizer_spec)
+        if want and want != have:
+            raise ConfigError(paragraph(
+                f"{meta_path} was prepared with tokenizer {meta.get('tokenizer')!r} (sha256",
+                f"{want[:12]}...), but data.tokenizer={tokenizer_spec!r} is {have[:12]}...:",
+                "the token ids would mean other words. Set --config.data.tokenizer to the",
+                f"tokenizer the data was prepared with (e.g. {os.path.join(d, 'tokenizer.json')}",
+                "when prepared with --train_tokenizer), or prepare the data again.",
+            ))
+
+
+def _sources(specs: list[SourceSpec], d: Any, tokenizer: Any, field_name: str) -> list:
+    for spec in specs:
+        check_prepared(spec, d.get("tokenizer", BYTES), field_name)
+    return [open_source(s, d, tokenizer, field_name) for s in specs]
+
+
+def _eval_batches(rows: list, global_batch: int, count: int, process_index: int,
+                  process_count: int) -> list[dict[str, np.ndarray]]:
+    """The first `count` global batches of the held-out rows, in order (sources one after another)."""
+    order = [(k, i) for k, r in enumerate(rows) for i in range(r.num_rows)]
+    if len(order) < global_batch:
+        raise ConfigError(paragraph(
+            f"The held-out split has {len(order)} rows, fewer than one global batch of",
+            f"{global_batch}. Raise data.eval_fraction, give data.eval_sources, or lower",
+            "data.batch_size / data.seq_len.",
+        ))
+    local = global_batch // process_count
+    out = []
+    for b in range(min(count, len(order) // global_batch)):
+        mine = order[b * global_batch + process_index * local:][:local]
+        got = [rows[k].row(i) for k, i in mine]
+        out.append({key: np.stack([g[key] for g in got]) for key in got[0]})
+    return out
+
+
+def files_data(config: Any, process_index: int, process_count: int,
+               shard_index: int = 0, shard_count: int = 1) -> tuple[MixtureBatches, list]:
+    """(training batches, held-out batches) of `config.data.sources`."""
+    d = config.data
+    tokenizer = load_tokenizer(d.get("tokenizer", BYTES))
+    check_vocab(tokenizer, config.model.vocab_size, d.get("tokenizer", BYTES))
+    specs = parse_sources(d.sources)
+    if not specs:
+        raise ConfigError("data.corpus='files' needs data.sources, e.g. 'jsonl=/data/*.jsonl'.")
+    train = _sources(specs, d, tokenizer, "data.sources")
+    if d.get("eval_sources", ""):
+        heldout = _sources(parse_sources(d.eval_sources, "data.eval_sources"), d, tokenizer,
+                           "data.eval_sources")
+    else:
+        masks = [heldout_mask(s, d.get("eval_fraction", 0.05)) for s in train]
+        heldout = [s.subset(m) for s, m in zip(train, masks) if m.any()]
+        train = [s.subset(~m) for s, m in zip(train, masks)]
+    packing = d.get("packing", "concat")
+    rows = tuple(make_rows(s, packing, d.seq_len, tokenizer.pad_id) for s in train)
+    batches = MixtureBatches(rows, tuple(s.weight for s in specs), d.batch_size, process_index,
+                             process_count, shard_index, shard_count, seed=config.seed)
+    eval_rows = [make_rows(s, packing, d.seq_len, tokenizer.pad_id) for s in heldout]
+    evals = _eval_batches(eval_rows, d.batch_size, d.eval_batches, process_index, process_count)
+    return batches, evals
+
+
+def validate_files(config: Any) -> None:
+    """The checks that need no reading of documents, run by `config.validate` before compiling:
+    sources syntax, weights, globs, packing, tokenizer file, vocabulary, prepared-data hash."""
+    d = config.data
+    if d.corpus not in ("stdlib", "files"):
+        raise ConfigError(paragraph(
+            f"data.sources is set but data.corpus={d.corpus!r}: file sources are their own",
+            "dataset. Leave data.corpus at its default (or 'files'), or clear data.sources.",
+        ))
+    if d.packing not in PACKINGS:
+        make_rows(None, d.packing, d.seq_len, 0)  # raises the one-paragraph error
+    if d.packing != "concat" and config.mesh.pipeline * config.mesh.get("dcn_pipeline", 1) > 1:
+        raise ConfigError(paragraph(
+            f"data.packing={d.packing!r} gives rows with segment ids, which the pipeline",
+            "schedules do not take yet; use data.packing='concat' with mesh.pipeline > 1.",
+        ))
+    if not 0.0 <= d.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1).")
+    tokenizer = load_tokenizer(d.tokenizer)
+    check_vocab(tokenizer, config.model.vocab_size, d.tokenizer)
+    for name in ("sources", "eval_sources"):
+        for spec in parse_sources(d[name], f"data.{name}"):
+            expand(spec, f"data.{name}")  # a glob matching nothing fails here
+            check_prepared(spec, d.tokenizer, f"data.{name}")
+    if not parse_sources(d.sources):
+        raise ConfigError("data.corpus='files' needs data.sources, e.g. 'jsonl=/data/*.jsonl'.")

@@ -1,0 +1,175 @@
+"""The prepare step: text files -> tokenized ArrayRecord shards + `metadata.json` (+ a tokenizer).
+
+`prepare(...)` optionally trains a byte-level BPE tokenizer on the sources with the `tokenizers`
+library (`train_tokenizer=VOCAB`, saved as `OUT/tokenizer.json`), then tokenizes the documents
+in chunks across `workers` processes (a progress bar counts documents) and writes them in source
+order into `num_shards` ArrayRecord files, one record per document (uint32 ids ending with EOS),
+each with a `.lengths.npy` beside it so that training plans rows without reading documents.
+`metadata.json` is written last (its presence means the directory is complete) and records the
+token and document counts, the tokenizer file's sha256 (training checks it against
+`config.data.tokenizer`) and the source globs. An existing prepared directory is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import tqdm
+
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.sources import (FORMATS, JsonlReader, ParquetReader, SourceSpec, TextReader,
+                              bad_record, expand)
+from jaxscale.tokenizer import encode_document, file_hash, load_tokenizer
+
+TEXT_FORMATS = ("text", "jsonl", "parquet")
+SPECIAL_TOKENS = ("<|endoftext|>", "<pad>")  # EOS and pad of a trained tokenizer
+CHUNK = 256  # documents per task handed to a worker
+
+
+def open_readers(globs: list[str], fmt: str, text_field: str, tokenizer: Any = None,
+                 skip_bad: bool = False) -> list[Any]:
+    if fmt not in TEXT_FORMATS:
+        raise ConfigError(paragraph(
+            f"--format={fmt!r}: the prepare step reads {', '.join(TEXT_FORMATS)} (the other",
+            f"formats, {', '.join(f for f in FORMATS if f not in TEXT_FORMATS)}, are already",
+            "tokenized and are trained on directly).",
+        ))
+    out = []
+    for g in globs:
+        files = expand(SourceSpec(fmt, g), "--sources")
+        if fmt == "text":
+            out.append(TextReader(files, tokenizer, skip_bad))
+        elif fmt == "jsonl":
+            out.append(JsonlReader(files, tokenizer, skip_bad, text_field))
+        else:
+            out.append(ParquetReader(files, tokenizer, skip_bad, text_field))
+    return out
+
+
+def _texts(readers: list[Any]) -> Iterator[str]:
+    for r in readers:
+        for i in range(r.num_docs):
+            text = r.text_of(i)
+            if text:
+                yield text
+
+
+def train_tokenizer(readers: list[Any], vocab_size: int, path: str) -> None:
+    """A byte-level BPE (GPT-2 style) trained on every document; EOS `<|endoftext|>`, pad `<pad>`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_texts(readers), trainer=trainer)
+    tok.save(path)
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(globs: list[str], fmt: str, text_field: str, tokenizer_path: str,
+                 skip_bad: bool) -> None:
+    tokenizer = load_tokenizer(tokenizer_path)
+    _WORKER["readers"] = open_readers(globs, fmt, text_field, tokenizer, skip_bad)
+
+
+def _tokenize(task: tuple[int, int, int]) -> tuple[list[bytes], int]:
+    """Tokenizes documents [lo, hi) of reader `r`: (records, skipped bad records)."""
+    r, lo, hi = task
+    reader = _WORKER["readers"][r]
+    before = getattr(reader, "skipped", 0)
+    records = []
+    for i in range(lo, hi):
+        text = reader.text_of(i)
+        ids = encode_document(reader.tokenizer, text) if text is not None else None
+        if ids is None or len(ids) - (reader.tokenizer.eos_id is not None) < 1:
+            if ids is not None:
+                bad_record(reader, i, "is an empty document (shorter than one token)")
+            continue
+        records.append(ids.astype(np.uint32).tobytes())
+    return records, getattr(reader, "skipped", 0) - before
+
+
+def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shards: int = 1,
+            workers: int = 1, train_vocab: int = 0, text_field: str = "text",
+            skip_bad: bool = False) -> dict:
+    """Writes the prepared dataset into `out` and returns its metadata."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+    if os.path.exists(os.path.join(out, "metadata.json")):
+        raise ConfigError(paragraph(
+            f"{out} already holds a prepared dataset (metadata.json); it is never overwritten.",
+            "Choose another --out directory, or delete this one first.",
+        ))
+    if not (tokenizer or train_vocab) or (tokenizer and train_vocab):
+        raise ConfigError("Give exactly one of --tokenizer=PATH and --train_tokenizer=VOCAB.")
+    readers = open_readers(globs, fmt, text_field, None, skip_bad)
+    os.makedirs(out, exist_ok=True)
+    tok_path = os.path.join(out, "tokenizer.json")
+    if train_vocab:
+        train_tokenizer(readers, train_vocab, tok_path)
+    elif tokenizer != "bytes":
+        from jaxscale.tokenizer import resolve_path
+        src = resolve_path(tokenizer)
+        tok_path = os.path.join(out, os.path.basename(src))
+        shutil.copyfile(src, tok_path)  # the prepared data carries its tokenizer
+    else:
+        tok_path = "bytes"
+    load_tokenizer(tok_path)  # fails clearly before any worker starts
+    tasks = [(r, lo, min(lo + CHUNK, rd.num_docs)) for r, rd in enumerate(readers)
+             for lo in range(0, rd.num_docs, CHUNK)]
+    total_docs = sum(rd.num_docs for rd in readers)
+    shard_of = lambda doc: min(num_shards - 1, doc * num_shards // max(total_docs, 1))
+    names = [f"data-{k:05d}-of-{num_shards:05d}.array_record" for k in range(num_shards)]
+    writers = [ArrayRecordWriter(os.path.join(out, n), "group_size:1") for n in names]
+    lengths: list[list[int]] = [[] for _ in names]
+    init = (globs, fmt, text_field, tok_path, skip_bad)
+    skipped, seen = 0, 0
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(max(1, workers), _init_worker, init) if workers > 1 else _Inline(init) as pool, \
+            tqdm.tqdm(total=total_docs, unit="doc", desc="prepare") as bar:
+        for (records, bad), (_, lo, hi) in zip(pool.imap(_tokenize, tasks), tasks):
+            for rec in records:
+                k = shard_of(seen)
+                writers[k].write(rec)
+                lengths[k].append(len(rec) // 4)
+                seen += 1
+            skipped += bad
+            bar.update(hi - lo)
+    for w in writers:
+        w.close()
+    for n, lens in zip(names, lengths):
+        np.save(os.path.join(out, n + ".lengths.npy"), np.asarray(lens, np.int64))
+    meta = {"format_version": 1, "documents": seen, "tokens": int(sum(map(sum, lengths))),
+            "skipped_records": skipped, "sources": list(globs), "format": fmt,
+            "tokenizer": tok_path, "tokenizer_hash": file_hash(tok_path),
+            "shards": [{"file": n, "documents": len(ls), "tokens": int(sum(ls))}
+                       for n, ls in zip(names, lengths)]}
+    with open(os.path.join(out, "metadata.json.tmp"), "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(os.path.join(out, "metadata.json.tmp"), os.path.join(out, "metadata.json"))
+    return meta
+
+
+class _Inline:
+    """A one-process stand-in for a Pool (workers=1): same code path, no process start-up."""
+
+    def __init__(self, init: tuple):
+        _init_worker(*init)
+
+    def imap(self, fn, tasks):
+        return map(fn, tasks)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

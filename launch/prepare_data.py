@@ -1,0 +1,44 @@
+"""Tokenize text files into ArrayRecord shards that training reads per host.
+
+    python -m launch.prepare_data --sources='docs/*.jsonl' --format=jsonl --train_tokenizer=4096 \
+        --out=/tmp/prepared [--num_shards=4] [--workers=2]
+    python -m launch.prepare_data --sources=a/*.txt,b/*.txt --format=text \
+        --tokenizer=/models/llama3 --out=/tmp/prepared
+
+Writes DIR/data-*.array_record, DIR/metadata.json and DIR/tokenizer.json; train with
+`--config.data.sources=array_record=DIR/*.array_record --config.data.tokenizer=DIR`.
+"""
+
+import json
+
+from absl import app, flags
+
+from jaxscale.errors import exit_on_user_error
+
+_SOURCES = flags.DEFINE_list("sources", None, "Comma-separated file globs.", required=True)
+_FORMAT = flags.DEFINE_enum("format", "jsonl", ["text", "jsonl", "parquet"], "Source format.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "", "tokenizer.json, a dir holding one, .model or "
+                                 "'bytes'.")
+_TRAIN = flags.DEFINE_integer("train_tokenizer", 0, "Train a byte-level BPE of this vocabulary "
+                              "size on the sources (saved as OUT/tokenizer.json).")
+_OUT = flags.DEFINE_string("out", None, "Output directory (must not hold a prepared dataset).",
+                           required=True)
+_SHARDS = flags.DEFINE_integer("num_shards", 1, "ArrayRecord shards to write.")
+_WORKERS = flags.DEFINE_integer("workers", 1, "Tokenizing processes.")
+_FIELD = flags.DEFINE_string("text_field", "text", "Text field of jsonl records / parquet rows.")
+_SKIP = flags.DEFINE_bool("skip_bad_records", False, "Skip and count bad records.")
+
+
+@exit_on_user_error
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    from jaxscale.prepare import prepare
+    meta = prepare(_SOURCES.value, _FORMAT.value, _OUT.value, _TOKENIZER.value, _SHARDS.value,
+                   _WORKERS.value, _TRAIN.value, _FIELD.value, _SKIP.value)
+    print(json.dumps({k: meta[k] for k in ("documents", "tokens", "skipped_records",
+                                          "tokenizer")}))
+
+
+if __name__ == "__main__":
+    app.run(main)
