@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("convert", "Hugging Face <-> jaxscale weights"),
     "inspect": ("inspect", "where every parameter lives on the mesh, and the step's memory"),
     "plot": ("plot", "loss curves of one or more runs"),
+    "prepare-data": ("prepare_data", "tokenize text files into ArrayRecord shards (+ tokenizer)"),
     "lofi-local": ("lofi_local", "a whole Lo-Fi job (workers + averager) on this machine"),
     "lofi-average": ("lofi_average", "the Lo-Fi averager (rounds, --watch, --final export)"),
     "compile": ("compile", "compile the train step for a TPU topology: memory, FLOPs, collectives"),
