@@ -1,30 +1,29 @@
 """Lo-Fi averager throughput and peak memory vs the disk's raw copy speed, for growing models.
 
 For each model size, N workers push float32 weights to a local store; then, in a fresh process
-(so its peak RSS is its own), one `mean` round streams them and publishes the average. The
-baseline, measured in the same run on the same files, is a raw copy: plain file reads of every
-chunk file the round reads (N pushes + the base average) and one file write of the output size.
-Throughput = (bytes read + bytes written) / seconds for both, so the ratio compares like with
-like; both read the same files in the same cache state (see `--cache`) and both sync their
-output to disk. A third column, "ts copy", moves the same bytes through tensorstore's zarr
-driver with no averaging: the averager's I/O path on object stores (on a local disk it reads
-and writes the chunk files directly, `jaxscale/lofi/chunkfiles.py`). Targets (issue 6): >= 50%
-of raw copy speed, and peak RSS flat in model size.
+(so its peak RSS is its own), one `mean` round streams them and publishes the average. Two
+baselines, measured in the same run on the same files: a raw copy (plain file reads of every
+chunk file the round reads, N pushes + the base average, and one synced file write of the
+output size) and a "ts copy" (the same bytes through tensorstore's zarr3 driver, which checks
+each chunk's crc32c, block by block, with no averaging: the averager's own I/O path, on a local
+disk as on object stores). Throughput = (bytes read + bytes written) / seconds for all three, so
+the ratios compare like with like; all read the same files in the same cache state (see
+`--cache`) and make their output durable (fsync). Targets (issue 6): >= 50% of raw copy speed,
+and peak RSS flat in model size.
 
 Two cache states (`--cache`): `warm` reads what the pushes just wrote from the page cache, so
 "raw copy" is a memcpy; `cold` writes everything back and evicts the store's files from the
 page cache (posix_fadvise DONTNEED, no root needed; file data only, not directory metadata)
 before each pass, so every pass reads from the disk, as an averager does when the pushes came
 from other machines over a shared filesystem or were written hours earlier. (On a tmpfs there
-is no disk: run it where the temporary directory is on one.) The raw copy runs four times,
-reading the chunk files with one thread and with 8 (as a parallel copy tool would: one thread
-leaves a cold disk idle between 1 MiB files, while 8 threads slow a memcpy from the page
-cache), each writing its output through the page cache and with O_DIRECT (as the averager
-writes its output on a local disk; on this project's VM a write into fresh page-cache memory
-costs 1.2-3 CPU-seconds per GiB), and the fastest counts. Likewise the averager's round runs
-`--repeats` times (the round it published is removed in between) and the fastest counts, with
-the highest peak RSS of the repeats: on a shared VM one slow pass says more about the
-neighbours than about the code.
+is no disk: run it where the temporary directory is on one.) The raw copy runs four times, reading
+the chunk files with one thread and with 8 (one thread leaves a cold disk idle between 1 MiB
+files, while 8 threads slow a memcpy from the page cache), each writing its output through the
+page cache and with O_DIRECT (a write into fresh page-cache memory costs 1.2-3 CPU-seconds per
+GiB on this project's VM), and the fastest counts: the best a plain copy tool could do. Likewise the
+averager's round runs `--repeats` times (the round it published is removed in between) and the
+fastest counts, with the highest peak RSS of the repeats: on a shared VM one slow pass says more
+about the neighbours than about the code.
 
     python bench/averager.py [--sizes_mib=64,256,1024] [--workers=4] [--budget_mib=64]
                              [--cache=warm,cold] [--repeats=2]
@@ -48,15 +47,13 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from jaxscale.lofi.chunkfiles import aligned_empty  # noqa: E402
-
 LEAF = 1 << 24  # 16M float32 values = 64 MiB per leaf
+CRC = 4  # bytes of crc32c at the end of each chunk file
 
 CHILD = """
 import json, sys, time
-from jaxscale.lofi.averager import AveragerConfig, tune_allocator, run_round
+from jaxscale.lofi.averager import AveragerConfig, run_round
 from jaxscale.lofi.store import Store
-tune_allocator()  # as launch.lofi_average does
 def hwm_mib():  # this process's peak RSS (VmHWM; ru_maxrss would include the parent's pre-exec)
     line = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
     return int(line.split()[1]) / 1024
@@ -98,12 +95,19 @@ def evict(path: str) -> None:
                 os.close(fd)
 
 
+def aligned_empty(n: int) -> np.ndarray:
+    """An uninitialised byte buffer starting on a 4 KiB boundary (O_DIRECT needs it)."""
+    raw = np.empty(n + 4096, np.uint8)
+    skip = -raw.ctypes.data % 4096
+    return raw[skip:skip + n]
+
+
 def read_file(name: str, aligned: bool = False) -> bytes | np.ndarray:
     """A file's bytes; `aligned`: into a page-aligned buffer, ready for an O_DIRECT write."""
     with open(name, "rb", buffering=0) as f:
         if not aligned:
             return f.read()
-        buf = aligned_empty(os.fstat(f.fileno()).st_size, np.uint8)
+        buf = aligned_empty(os.fstat(f.fileno()).st_size)
         got = f.readinto(buf)
         assert got == buf.size, f"short read of {name}"
         return buf
@@ -142,11 +146,11 @@ def raw_copy(path: str, out: str, threads: int, direct: bool) -> tuple[float, in
             for data, base in zip(pool.map(read_file, files, [direct and b for b in is_base]),
                                   is_base):
                 moved += len(data)
-                if base:
-                    view, done = memoryview(data), 0
-                    while done < len(view):  # whole 1 MiB chunk files: aligned for O_DIRECT
+                if base:  # its values: 1 MiB, aligned for O_DIRECT (the last 4 bytes of a
+                    view, done = memoryview(data)[:len(data) - CRC], 0  # chunk file: crc32c)
+                    while done < len(view):
                         done += os.write(fd, view[done:])
-                    moved += len(data)
+                    moved += len(view)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -155,7 +159,8 @@ def raw_copy(path: str, out: str, threads: int, direct: bool) -> tuple[float, in
 
 def ts_copy(path: str) -> tuple[float, int]:
     """The round's reads and write through tensorstore alone: every pushed leaf and the base,
-    block by block, then the base written to a fresh array and synced, as the averager does."""
+    block by block, and the base written to a fresh array (fsynced per chunk by tensorstore's
+    file kvstore, as the averager's output is)."""
     from jaxscale.lofi.store import Store, average_prefix, load_checkpoint, worker_checkpoints
 
     store = Store(path)
@@ -168,11 +173,11 @@ def ts_copy(path: str) -> tuple[float, int]:
         size = int(np.prod(entry["shape"]))
         out = store.array(f"scratch_copy/{leaf}", size, entry["dtype"])
         for a in range(0, size, block):
-            futures = [store.array(f"{c.data}/arrays/{leaf}")[a:a + block].read() for c in ckpts]
+            futures = [store.open_array(f"{c.data}/arrays/{leaf}", size, entry["dtype"],
+                                        c.chunk)[a:a + block].read() for c in ckpts]
             values = [np.asarray(f.result()) for f in futures]
             out[a:a + block].write(values[0]).result()
             moved += sum(v.nbytes for v in values) + values[0].nbytes
-    store.sync()
     return time.perf_counter() - t0, moved
 
 
@@ -197,11 +202,11 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\n{args.workers} workers, float32, mean, chunk budget {args.budget_mib} MiB")
-    print(f"{'cache':>5} {'model':>9} {'moved':>9} {'averager':>10} {'raw copy':>10} {'ratio':>6} "
-          f"{'ts copy':>10} {'ratio':>6} {'peak RSS':>9} {'RSS idle':>9}")
+    print(f"{'cache':>5} {'model':>9} {'moved':>9} {'round':>7} {'averager':>10} {'raw copy':>10} "
+          f"{'ratio':>6} {'ts copy':>10} {'ratio':>6} {'peak RSS':>9} {'RSS idle':>9}")
     for cache, size, r, avg_gbs, raw_gbs, ts_gbs in sorted(rows, key=lambda row: row[0]):
         moved = (r["read"] + r["written"]) / 2**20
-        print(f"{cache:>5} {size:>5} MiB {moved:>5.0f} MiB {avg_gbs:>6.2f} GB/s "
+        print(f"{cache:>5} {size:>5} MiB {moved:>5.0f} MiB {r['seconds']:>5.2f} s {avg_gbs:>6.2f} GB/s "
               f"{raw_gbs:>6.2f} GB/s {avg_gbs / raw_gbs:>5.0%} {ts_gbs:>6.2f} GB/s "
               f"{avg_gbs / ts_gbs:>5.0%} {r['rss_mib']:>5.0f} MiB {r['idle_rss_mib']:>5.0f} MiB")
 
@@ -225,7 +230,7 @@ def measure(root: str, size: int, cache: str, args: argparse.Namespace
     for attempt in range(args.repeats):
         if attempt:  # the same round again: remove what the previous attempt published
             shutil.rmtree(os.path.join(path, "average", "1"))
-            os.remove(os.path.join(path, "index", "average", "1"))
+            os.remove(os.path.join(path, "commits", "average", "1"))
         before(path)
         out = subprocess.run([sys.executable, "-c", CHILD, path, str(args.budget_mib << 20)],
                              env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,

@@ -13,21 +13,18 @@ import dataclasses
 import signal
 import time
 
-from absl import app, flags, logging
+from absl import app, flags
 
-from jaxscale.errors import exit_on_user_error
-from jaxscale.lofi import index
+from jaxscale.errors import ConfigError, exit_on_user_error, paragraph
 from jaxscale.lofi.accounting import accounting_lines, export_final
-from jaxscale.lofi.averager import (AveragerConfig, describe, run_round, trim_heap,
-                                    tune_allocator)
+from jaxscale.lofi.averager import AveragerConfig, describe, run_round
 from jaxscale.lofi.store import Store, latest_average_checkpoint
 
 _STORE = flags.DEFINE_string("store", None, "Store location (path, gs://, s3://).", required=True)
 _WATCH = flags.DEFINE_bool("watch", False, "Keep running rounds as workers push.")
 _REPAIR_INDEX = flags.DEFINE_bool(
-    "repair_index", False, "At start, list every key of the store and index committed "
-    "checkpoints its index lacks (written by a jaxscale older than the index); slow on a big "
-    "bucket, so run it once after upgrading a store that older workers kept writing to.")
+    "repair_index", False, "No longer needed, and refused: stores have no index to repair "
+    "(committed checkpoints are found by listing their COMMIT markers under commits/).")
 _INTERVAL = flags.DEFINE_float("interval_s", 1.0, "Polling interval with --watch.")
 _AGG = flags.DEFINE_enum("aggregator", "mean", ["mean", "median", "trimmed_mean", "centered_clip"],
                          "How deltas are reduced.")
@@ -68,21 +65,20 @@ def _stop(signum, frame):
 @exit_on_user_error
 def main(argv):
     signal.signal(signal.SIGTERM, _stop)
-    tune_allocator()
+    if _REPAIR_INDEX.value:
+        raise ConfigError(paragraph(
+            "--repair_index is no longer needed: a Lo-Fi store has no index any more. Committed",
+            "checkpoints are found by listing their COMMIT markers (STORE/commits/workers/ and",
+            "STORE/commits/average/), so nothing can be missing from a listing. Run the averager",
+            "without --repair_index.",
+        ))
     store = Store(_STORE.value)
-    unlisted = index.repair(store) if _REPAIR_INDEX.value else []
-    if unlisted:
-        logging.warning("%d committed checkpoint(s) were missing from the store's index and are "
-                        "now indexed: %s. They were written by a jaxscale older than the index; "
-                        "run one jaxscale version for every worker and averager of a store.",
-                        len(unlisted), ", ".join(unlisted[:5]))
     while True:  # the job settings appear with round 0, possibly after the averager started
         report = run_round(store, _config(store))
         if report.published or not _WATCH.value:
             print(describe(report), flush=True)
         if not _WATCH.value:
             break
-        trim_heap()
         time.sleep(_INTERVAL.value)
     if _FINAL.value:  # a round that found nothing new leaves the newest average as the final one
         print(f"final average exported to {export_final(_STORE.value, _FINAL.value)} "

@@ -41,13 +41,18 @@ def _reference(name, base, pushed, weights, **kw):
 
 def tamper(st, prefix, edit) -> None:
     """Edits the committed manifest at `prefix` in place and re-signs COMMIT: what an attacker
-    with write access to the store could do (checksums alone cannot stop it; validation must)."""
+    with write access to the store could do (chunk checksums cannot stop it; validation must)."""
     relative = f"{S.committed_data(st, prefix)}/manifest.json"
     manifest = json.loads(st.read(f"{prefix}/{relative}"))
     edit(manifest)
     data = json.dumps(manifest, sort_keys=True).encode()
     st.kv.write(f"{prefix}/{relative}", data).result()
-    st.kv.write(f"{prefix}/COMMIT", f"{S._sha(data)} {relative}".encode()).result()
+    st.kv.write(S.commit_key(prefix), f"{S._sha(data)} {relative}".encode()).result()
+
+
+def uncommit(st, prefix) -> None:
+    """Removes the COMMIT of `prefix`: a writer killed after its data, before its marker."""
+    st.delete(S.commit_key(prefix))
 
 
 def data_dir(st, prefix) -> str:

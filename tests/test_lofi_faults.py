@@ -17,7 +17,7 @@ from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
 from tests.lofi_common import (ROOT, TINY_BUDGET, _params, _push, _reference,
-                                race_two_averagers, tamper)
+                                race_two_averagers, tamper, uncommit)
 
 
 # ------------------------------------------------------------------ hostile or broken manifests
@@ -33,7 +33,8 @@ HOSTILE = {
     "shape": (lambda m: m["leaves"]["b"].update(shape=[-7]), "shape"),
     "dtype": (lambda m: m["leaves"]["b"].update(dtype="object"), "dtype"),
     "encoding": (lambda m: m["leaves"]["b"].update(encoding="pickle"), "encoding"),
-    "checksums": (lambda m: m["leaves"]["b"].update(checksums=[]), "checksums"),
+    "momentum": (lambda m: m["leaves"]["b"].update(momentum="yes"), "momentum"),
+    "chunk": (lambda m: m.pop("chunk"), "chunk"),
     "data_dir": (lambda m: m.update(data="../../etc"), "data"),
     "abs_leaf": (lambda m: m["leaves"].update({"/etc/passwd": m["leaves"].pop("b")}), "escape"),
     "contributors": (lambda m: m.update(contributors={"0": "x"}), "contributors"),
@@ -56,7 +57,7 @@ def test_hostile_manifest_fields_are_rejected_naming_the_field(store, case):
 def test_unparseable_manifest_is_rejected(store):
     _push(store, 0, 5, _params(1))
     store.kv.write("workers/0/5/manifest.json", b"{not json").result()
-    store.kv.write("workers/0/5/COMMIT", S._sha(b"{not json").encode()).result()
+    store.kv.write(S.commit_key("workers/0/5"), S._sha(b"{not json").encode()).result()
     with pytest.raises(S.StoreError, match="not valid JSON"):
         S.load_checkpoint(store, "workers/0/5")
 
@@ -111,7 +112,7 @@ def test_committed_push_is_never_overwritten_and_partial_push_is_redone(store):
     back = S.read_params(store, S.load_checkpoint(store, "workers/0/5"))
     np.testing.assert_array_equal(back["b"], first["b"])
     _push(store, 0, 6, _params(3))
-    store.kv.write("workers/0/6/COMMIT", None).result()  # killed between manifest and COMMIT
+    uncommit(store, "workers/0/6")  # killed between manifest and COMMIT
     assert not S.push(store, 0, 6, _params(4), samples_seen=1).skipped
     back = S.read_params(store, S.load_checkpoint(store, "workers/0/6"))
     np.testing.assert_array_equal(back["b"], _params(4)["b"])
@@ -302,13 +303,13 @@ KILL_MID_AVERAGE = """
 import os, signal, sys
 import jaxscale.lofi.reduce as R
 from jaxscale.lofi.averager import AveragerConfig, run_round
-real, calls = R._chunk_sums, []
+real, calls = R._write_block, []
 def dying(*args):
     calls.append(1)
     if len(calls) == 2:
         os.kill(os.getpid(), signal.SIGKILL)
     return real(*args)
-R._chunk_sums = dying
+R._write_block = dying
 run_round(sys.argv[1], AveragerConfig(chunk_budget_bytes=1))
 """
 
@@ -362,7 +363,7 @@ def test_corrupt_committed_round_is_reported_not_waited_for(store):
     _push(store, 0, 5, _params(1))
     assert run_round(store, TINY_BUDGET).round == 1
     tamper(store, "average/1", lambda m: None)  # re-signed, still valid ...
-    store.kv.write("average/1/COMMIT", b"0" * 64 + b" " + S.committed_data(
+    store.kv.write(S.commit_key("average/1"), b"0" * 64 + b" " + S.committed_data(
         store, "average/1").encode() + b"/manifest.json").result()  # ... now it is not
     _push(store, 0, 6, _params(2))
     report = run_round(store, TINY_BUDGET)

@@ -1,6 +1,6 @@
-"""The averager on an object store: `memory://` goes through tensorstore's zarr driver for every
-array read and write, as `gs://` and `s3://` do (a local disk uses chunkfiles.py instead), and
-its COMMIT and CLAIM keys through the same conditional writes. Exact averages, corrupt chunks,
+"""The averager on an object store: `memory://` goes through tensorstore's zarr driver and its
+memory kvstore, as `gs://` and `s3://` go through theirs, and its COMMIT and CLAIM keys through
+the same conditional writes. Exact averages, corrupt chunks,
 partial pushes, DiLoCo and racing averagers must behave as on a local disk."""
 
 import uuid
@@ -11,13 +11,12 @@ import pytest
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
 from tests.lofi_common import (TINY_BUDGET, _params, _push, _reference, data_dir,
-                                race_two_averagers)
+                                race_two_averagers, uncommit)
 
 
 @pytest.fixture
 def mem_store():
     st = S.Store(f"memory://lofi-{uuid.uuid4().hex}")
-    assert st._chunk_files is None  # every array goes through tensorstore
     publish_initial(st, _params(0))
     return st
 
@@ -44,7 +43,7 @@ def test_corrupt_chunk_and_partial_push_on_an_object_store_are_skipped(mem_store
     chunk = bytearray(mem_store.kv.read(key).result().value)
     chunk[100] ^= 0xFF
     mem_store.kv.write(key, bytes(chunk)).result()
-    mem_store.kv.write("workers/2/5/COMMIT", None).result()  # killed before its marker
+    uncommit(mem_store, "workers/2/5")  # killed before its marker
     report = run_round(mem_store, TINY_BUDGET)
     assert report.published and report.used == {0: 5}
     assert "checksum mismatch" in report.skipped[1] and "layers/w" in report.skipped[1]

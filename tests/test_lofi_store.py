@@ -5,13 +5,13 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
-import tensorstore as ts
 
 from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
 from jaxscale.quant import dequantize_blockwise, quantize_blockwise
-from tests.lofi_common import TINY_BUDGET, _params, _push, _reference, data_dir, tamper
+from tests.lofi_common import (TINY_BUDGET, _params, _push, _reference, data_dir, tamper,
+                                uncommit)
 
 
 def test_mean_equals_numpy_reference_for_leaves_larger_than_budget(store):
@@ -78,7 +78,7 @@ def test_bfloat16_pushes_are_reduced_in_float32(tmp_path):
 def test_partial_push_is_ignored(store):
     _push(store, 0, 5, _params(1))
     _push(store, 1, 5, _params(2))
-    store.kv.write("workers/1/5/COMMIT", None).result()  # killed before the marker
+    uncommit(store, "workers/1/5")  # killed before the marker
     report = run_round(store, TINY_BUDGET)
     assert report.used == {0: 5} and 1 not in report.used
 
@@ -93,6 +93,36 @@ def test_corrupt_chunk_on_disk_is_detected_and_worker_skipped(store, tmp_path):
     report = run_round(store, TINY_BUDGET)
     assert report.used == {0: 5}
     assert "checksum mismatch" in report.skipped[1] and "layers/w" in report.skipped[1]
+    assert "c/1" in report.skipped[1]  # tensorstore's crc32c check names the chunk
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "crc"])
+def test_damaged_chunk_file_is_a_read_error_not_garbage(tmp_path, damage):
+    """A truncated chunk fails to decode, a deleted one is missing (never read as zeros), one
+    whose stored crc32c has a flipped bit fails the check."""
+    st = S.Store(str(tmp_path))
+    S.push(st, 0, 1, {"w": np.arange(1, 3 * S.CHUNK + 5, dtype=np.float32)}, samples_seen=1)
+    ckpt = S.load_checkpoint(st, S.worker_prefix(0, 1))
+    chunks = tmp_path / ckpt.data / "arrays" / "w" / "c"
+    if damage == "truncate":
+        (chunks / "1").write_bytes((chunks / "1").read_bytes()[:100])
+    elif damage == "delete":
+        (chunks / "1").unlink()
+    else:
+        data = bytearray((chunks / "1").read_bytes())
+        data[-1] ^= 0x01  # the chunk's last 4 bytes are its crc32c
+        (chunks / "1").write_bytes(bytes(data))
+    expected = "checksum mismatch" if damage == "crc" else "cannot read its data"
+    with pytest.raises(S.StoreError, match=expected):
+        S.read_leaf(st, ckpt, "w")
+
+
+def test_array_metadata_that_disagrees_with_the_manifest_is_refused(store):
+    _push(store, 0, 5, _params(1))
+    _push(store, 1, 5, _params(2))
+    tamper(store, "workers/1/5", lambda m: m["leaves"]["b"].update(dtype="float16"))
+    report = run_round(store, TINY_BUDGET)  # the zarr array says float32: refused at open
+    assert report.used == {0: 5} and "leaf b" in report.skipped[1]
 
 
 def test_nonfinite_push_rejected(store):
@@ -176,8 +206,8 @@ def test_diloco_momentum_persisted_and_restart_idempotent(store):
     second = latest_average(store).params["b"].copy()
     m2 = 0.9 * 1 + 1  # momentum carried over from round 1
     np.testing.assert_allclose(second, first + 0.7 * (1 + 0.9 * m2), rtol=1e-5)
-    for key in store.keys("average/2/"):  # the averager "restarts" and redoes round 2
-        store.kv.write(key, None).result()
+    for key in store.keys("average/2/") + [S.commit_key("average/2")]:
+        store.kv.write(key, None).result()  # the averager "restarts" and redoes round 2
     run_round(store, cfg)
     np.testing.assert_array_equal(latest_average(store).params["b"], second)
 
@@ -197,43 +227,15 @@ def test_quantization_error_bound_and_compressed_push(store):
         np.testing.assert_allclose(back[k], pushed[k], atol=0.01 / 127)
 
 
-# ------------------------------------------------------------------ checksums and durability
-def _as_legacy(st, prefix):
-    """Rewrites a committed checkpoint of a 64 Ki-chunk store as jaxscale wrote it before xxh3
-    and recorded chunk sizes: sha256 chunk sums, no `checksum` and no `chunk` field."""
-    ckpt = S.load_checkpoint(st, prefix)
-
-    def edit(m):
-        del m["checksum"], m["chunk"]
-        for leaf, e in m["leaves"].items():
-            values = np.asarray(st.array(f"{ckpt.data}/arrays/{leaf}").read().result())
-            e["checksums"] = S.chunk_sums(values, "sha256", 1 << 16)
-    tamper(st, prefix, edit)
-
-
-def test_older_stores_still_verify_and_mix_with_current_pushes(tmp_path):
-    old = S.Store(str(tmp_path / "store"), chunk=1 << 16)  # 64 Ki-value chunks, as before
-    publish_initial(old, _params(0))
-    _push(old, 0, 5, _params(1))
-    _push(old, 1, 5, _params(2))
-    for prefix in ("average/0", "workers/0/5", "workers/1/5"):
-        _as_legacy(old, prefix)
-    ckpt = S.load_checkpoint(old, "workers/0/5")
-    assert (ckpt.checksum, ckpt.chunk) == ("sha256", 1 << 16)
-    new = S.Store(str(tmp_path / "store"))
-    _push(new, 2, 5, _params(3))  # a current worker: larger chunks, xxh3, in the same round
-    chunk = tmp_path / "store" / data_dir(new, "workers/1/5") / "arrays" / "layers" / "w" / "c" / "2"
-    data = bytearray(chunk.read_bytes())
-    data[7] ^= 0x01
-    chunk.write_bytes(bytes(data))
-    report = run_round(new, TINY_BUDGET)
-    assert report.used == {0: 5, 2: 5} and "checksum mismatch in chunk 2" in report.skipped[1]
-    want = _reference("mean", _params(0), [_params(1), _params(3)], np.array([1.0, 1.0]))
-    got = latest_average(new).params
-    for leaf in want:
-        np.testing.assert_allclose(got[leaf], want[leaf], rtol=1e-6, atol=1e-6)
-    average = S.load_checkpoint(new, "average/1")
-    assert (average.checksum, average.chunk) == (S.CHECKSUM, S.CHUNK) == ("xxh3_128", 1 << 18)
+# ------------------------------------------------------------------ format and durability
+def test_arrays_are_zarr3_with_crc32c_and_older_formats_are_named(store):
+    _push(store, 0, 5, _params(1))
+    zarr = json.loads(store.read(f"{data_dir(store, 'workers/0/5')}/arrays/b/zarr.json"))
+    assert {"name": "crc32c"} in zarr["codecs"]
+    assert S.load_checkpoint(store, "workers/0/5").chunk == S.CHUNK == 1 << 18
+    tamper(store, "workers/0/5", lambda m: m.update(format=1))
+    with pytest.raises(S.StoreError, match="format 1, but this jaxscale reads format 2"):
+        S.load_checkpoint(store, "workers/0/5")
 
 
 @pytest.mark.parametrize("chunk", [1000, 1 << 25, True, "big"])
@@ -244,28 +246,29 @@ def test_bad_chunk_size_is_rejected(store, chunk):
         S.load_checkpoint(store, "workers/0/5")
 
 
-def test_unknown_checksum_algorithm_is_rejected(store):
-    _push(store, 0, 5, _params(1))
-    tamper(store, "workers/0/5", lambda m: m.update(checksum="crc8"))
-    with pytest.raises(S.StoreError, match="checksum = 'crc8', expected one of"):
-        S.load_checkpoint(store, "workers/0/5")
-
-
-def test_arrays_are_durable_before_any_commit_names_them(store, monkeypatch):
-    """File stores write chunk files without a per-file fsync, so every COMMIT must follow a
-    sync of the store's filesystem."""
+def test_arrays_are_complete_before_any_commit_names_them(store, monkeypatch):
+    """Every array write has completed (tensorstore: fsynced and renamed into place) when a
+    COMMIT is written: a fresh reader at that moment reads the whole checkpoint."""
     commits = []
     write = S.Store.write
 
     def checked(self, key, data, **kw):
-        if key.endswith("/COMMIT"):
-            commits.append((key, self._unsynced))
+        if key.startswith("commits/"):
+            prefix = key[len("commits/"):]
+            relative = data.decode().split(" ", 1)[1]
+            manifest = json.loads(self.read(f"{prefix}/{relative}"))
+            fresh = S.Store(self.location)
+            ckpt = S.Checkpoint(prefix, manifest)
+            commits.append((key, {leaf: S.read_leaf(fresh, ckpt, leaf) for leaf in ckpt.leaves}))
         return write(self, key, data, **kw)
     monkeypatch.setattr(S.Store, "write", checked)
     _push(store, 0, 5, _params(1))
     assert run_round(store, TINY_BUDGET).published
-    assert [k for k, _ in commits] == ["workers/0/5/COMMIT", "average/1/COMMIT"]
-    assert not any(unsynced for _, unsynced in commits)
+    assert [k for k, _ in commits] == ["commits/workers/0/5", "commits/average/1"]
+    np.testing.assert_array_equal(commits[0][1]["b"], _params(1)["b"])
+    np.testing.assert_array_equal(commits[1][1]["layers/w"],
+                                  latest_average(store).params["layers/w"])
+    assert "file_io_sync" not in json.dumps(store.array("x", 1, "float32").spec().to_json())
 
 
 def test_finite_rows_fast_path_keeps_huge_finite_rows_and_flags_nonfinite():
@@ -280,49 +283,18 @@ def test_finite_rows_fast_path_keeps_huge_finite_rows_and_flags_nonfinite():
     assert aggregate.finite_rows(rows[:, :10]).tolist() == [True, True, True, True, False]
 
 
-def test_checkpoints_are_found_from_the_index_without_listing_chunks(store, monkeypatch):
+def test_checkpoints_are_found_by_listing_commits_without_listing_chunks(store, monkeypatch):
     _push(store, 0, 5, _params(1))
     _push(store, 1, 5, _params(2))
     _push(store, 1, 7, _params(3))
-    store.kv.write("workers/1/7/COMMIT", None).result()  # died between index entry and COMMIT
+    uncommit(store, "workers/1/7")  # died between its manifest and its COMMIT
+    store.write("commits/workers/1/notastep", b"")  # not a checkpoint: ignored
     listed = []
     keys = S.Store.keys
     monkeypatch.setattr(S.Store, "keys", lambda self, p: listed.append(p) or keys(self, p))
     assert S.worker_checkpoints(store) == {0: [5], 1: [5]}
     assert S.average_rounds(store) == [0]
-    assert listed == ["index/workers/", "index/average/"]  # no chunk key was listed
-    store.delete_prefix("index")  # a store written before the index: scanned key by key
-    assert S.worker_checkpoints(store) == {0: [5], 1: [5]} and S.average_rounds(store) == [0]
-    assert "workers/" in listed
-
-
-def test_a_store_written_before_the_index_keeps_its_checkpoints_once_indexed(store, monkeypatch):
-    _push(store, 0, 5, _params(1))
-    _push(store, 1, 5, _params(2))
-    store.delete_prefix("index")  # as an older jaxscale left it: no index at all
-    store.delete_prefix("average/0")
-    store.write("index/average/9", b"")  # a stray entry without a marker: not trusted
-    upgraded = S.Store(store.location)   # a new writer's first push completes the index
-    _push(upgraded, 1, 8, _params(3))
-    assert upgraded.read("index/workers.complete") is not None
-    listed = []
-    keys = S.Store.keys
-    monkeypatch.setattr(S.Store, "keys", lambda self, p: listed.append(p) or keys(self, p))
-    assert S.worker_checkpoints(store) == {0: [5], 1: [5, 8]}
-    assert listed == ["index/workers/"]  # from the index, older pushes included
-    assert S.average_rounds(store) == [] and "average/" in listed  # no marker: scanned
-
-
-def test_repair_indexes_checkpoints_an_older_writer_left_out(store):
-    from jaxscale.lofi import index
-    _push(store, 0, 5, _params(1))
-    _push(store, 1, 6, _params(2))
-    assert index.repair(store) == []
-    store.delete_prefix("index/workers/1")   # as a pre-index jaxscale would have written it
-    store.kv.delete_range(ts.KvStore.KeyRange("index/average/0", "index/average/0\0")).result()
-    assert S.worker_checkpoints(store) == {0: [5]} and S.average_rounds(store) == []
-    assert index.repair(store) == ["workers/1/6", "average/0"]
-    assert S.worker_checkpoints(store) == {0: [5], 1: [6]} and S.average_rounds(store) == [0]
+    assert listed == ["commits/workers/", "commits/average/"]  # no chunk key was listed
 
 
 def test_budget_below_one_block_is_warned_with_the_fix(caplog):
@@ -350,4 +322,4 @@ def test_polling_the_newest_average_reads_each_commit_once(store):
             return getattr(self.kv, name)
     store.kv = Counting(store.kv)
     assert S.latest_average_checkpoint(store).manifest["round"] == 1
-    assert reads.count("average/1/COMMIT") == 1 and "average/0/COMMIT" not in reads
+    assert reads.count("commits/average/1") == 1 and "commits/average/0" not in reads

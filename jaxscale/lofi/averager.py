@@ -3,7 +3,7 @@
 A round uses, for each allowed worker, its newest committed push made since the previous round
 (at least `min_workers` of them, else nothing is published). Each contribution is validated
 (structure, shapes, dtypes, staleness) before any data is read; chunks are checked against their
-checksums and for non-finite values while streaming, and a worker failing either is dropped and
+crc32c (by tensorstore) and for non-finite values while streaming, and a worker failing either is dropped and
 the round restarted without it. Deltas from the previous average are reduced in float32 by the
 chosen aggregator, one block of at most `chunk_budget_bytes` at a time (see `reduce.py`), so peak
 memory does not grow with model size. Round 0 is the initial weights (and the job's quorum
@@ -13,7 +13,6 @@ round once; the claim and any unpublished data are released in a `finally`.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import time
@@ -25,50 +24,15 @@ import numpy as np
 from jaxscale import __version__
 from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.lofi.manifest import CHECKSUM, FORMAT
+from jaxscale.lofi.manifest import FORMAT
 from jaxscale.lofi.reduce import Abort, Drop, RoundInputs, reduce_round
 from jaxscale.lofi.store import (Checkpoint, LostRace, Store, StoreError, average_prefix, commit,
-                                 committed_data, latest_average_checkpoint, load_checkpoint,
+                                 commit_key, committed_data, latest_average_checkpoint, load_checkpoint,
                                  read_params, worker_checkpoints, worker_prefix,
                                  write_checkpoint)
 
 log = logging.getLogger("jaxscale.lofi")
 JOB_FIELDS = ("allowed_workers", "min_workers", "max_staleness")
-
-
-def tune_allocator(max_arenas: int = 2, reuse_bytes: int = 32 << 20) -> None:
-    """For averager processes, two glibc malloc settings (a no-op without glibc's mallopt):
-    - At most `max_arenas` arenas: glibc gives each of tensorstore's I/O threads its own, and
-      the fragments they retained made peak RSS creep up with model size (251 -> 361 MiB from
-      64 MiB to 1 GiB in bench/averager.py).
-    - Block buffers (a few MiB each, allocated per block) come from the heap and are reused
-      instead of being mmap'ed and unmapped every block: each fresh mapping is page-faulted in
-      and zeroed by the kernel again (12x fewer page faults; a 1 GiB round took 5.4-6.0 s
-      instead of 6.9 s). Freed heap at the top of each arena is kept up to 4 x `reuse_bytes`;
-      `trim_heap` returns it between rounds."""
-    mallopt = getattr(_glibc(), "mallopt", None)
-    if mallopt is None:
-        return
-    m_trim_threshold, m_top_pad, m_mmap_threshold, m_arena_max = -1, -2, -3, -8
-    mallopt(m_arena_max, max_arenas)
-    mallopt(m_mmap_threshold, reuse_bytes)   # glibc's maximum on 64-bit: 32 MiB
-    mallopt(m_trim_threshold, 4 * reuse_bytes)
-    mallopt(m_top_pad, reuse_bytes // 2)
-
-
-def trim_heap() -> None:
-    """Returns the heap kept by `tune_allocator` to the system (a watching averager idles
-    between rounds); a no-op without glibc."""
-    malloc_trim = getattr(_glibc(), "malloc_trim", None)
-    if malloc_trim is not None:
-        malloc_trim(0)
-
-
-def _glibc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl): the allocator settings are skipped
-        return None
 
 
 @dataclass(frozen=True)
@@ -163,7 +127,7 @@ def publish_initial(store: Store, params: dict, step: int = 0, job: dict | None 
     """Round 0 = the initial weights (and the job's quorum settings); the first worker to
     commit it wins, later ones find it and continue from it. No claim: a worker killed while
     publishing leaves only its own uncommitted attempt, which the next worker ignores."""
-    if store.read(f"{average_prefix(0)}/COMMIT") is not None:
+    if store.read(commit_key(average_prefix(0))) is not None:
         return False
     meta = {"kind": "average", "round": 0, "step": step, "samples_seen": 0, "contributors": {}}
     try:  # several first workers may race: each writes its own attempt, one commits
@@ -239,7 +203,7 @@ def _claim(store: Store, round_: int, timeout_s: float) -> bytes | None:
         age = time.time() - float(json.loads(value or b"{}").get("time", 0))
     except (ValueError, AttributeError):
         age = float("inf")
-    if store.read(f"{average_prefix(round_)}/COMMIT") is not None or age < timeout_s:
+    if store.read(commit_key(average_prefix(round_))) is not None or age < timeout_s:
         return None
     log.warning("taking over round %d from an averager that stopped %.0fs ago", round_, age)
     if not store.write(key, token, if_generation=generation):
@@ -271,7 +235,7 @@ def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
     if len(workers) < cfg.min_workers:
         report.note = _quorum_note(workers, cfg, base, report)
         return report
-    if store.read(f"{average_prefix(round_)}/COMMIT") is not None:
+    if store.read(commit_key(average_prefix(round_))) is not None:
         report.note = _committed_note(store, round_)
         return report
     token = _claim(store, round_, cfg.claim_timeout_s)
@@ -298,8 +262,8 @@ def _committed_note(store: Store, round_: int) -> str:
         return f"round {round_} was just published by another averager"
     except StoreError as e:
         return (f"average/{round_} is committed but does not verify ({e}), so no later round "
-                f"can build on it: inspect it, then delete average/{round_}/ to republish it "
-                "from the workers' pushes")
+                f"can build on it: inspect it, then delete commits/average/{round_} and "
+                f"average/{round_}/ to republish it from the workers' pushes")
 
 
 def _quorum_note(workers: dict, cfg: AveragerConfig, base: Checkpoint,
@@ -334,7 +298,7 @@ def _publish(store: Store, round_: int, base: Checkpoint, workers: dict[int, Che
     contributors = {**base.manifest.get("contributors", {}),
                     **{str(w): c.step for w, c in workers.items()}}
     manifest = {"format": FORMAT, "jaxscale_version": __version__, "created": time.time(),
-                "checksum": CHECKSUM, "chunk": store.chunk, "kind": "average", "round": round_,
+                "chunk": store.chunk, "kind": "average", "round": round_,
                 "base_round": base.manifest["round"],
                 "data": data.rsplit("/", 1)[1],
                 "step": max(c.step for c in workers.values()),

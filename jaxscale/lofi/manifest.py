@@ -2,9 +2,10 @@
 
 A manifest is JSON written by another machine, so nothing in it is trusted: before any array is
 opened, its leaf paths must be plain relative paths (no `..`), shapes small non-negative ints,
-dtypes from a fixed list, checksum lists of the right length, `samples_seen` a finite
-non-negative integer (it weights the average) and rounds/steps non-negative integers. A failed
-check raises `StoreError` naming the checkpoint, the field and the fix.
+dtypes from a fixed list, `samples_seen` a finite non-negative integer (it weights the average)
+and rounds/steps non-negative integers. A failed check raises `StoreError` naming the
+checkpoint, the field and the fix. The data itself is checked by tensorstore: every array chunk
+carries a zarr3 `crc32c` checksum, verified on read (`kv.py`).
 """
 
 from __future__ import annotations
@@ -17,25 +18,17 @@ import numpy as np
 
 from jaxscale.errors import JaxscaleError, paragraph
 
-FORMAT = 1
-# Values per stored chunk file (1 MiB of float32), recorded in each manifest. 4x the 64 Ki of
-# stores written before (whose manifests say nothing): a quarter of the files or bucket objects
-# per checkpoint, and tensorstore moves them faster (1.0-1.8 -> 1.65-2.1 GB/s in
-# bench/averager.py's "ts copy", bench/RESULTS.md).
+# 2: arrays checksummed by zarr3's crc32c codec, COMMIT markers under `commits/` (format 1
+# kept per-chunk sums in the manifest and COMMIT beside the data; it is not read any more).
+FORMAT = 2
+# Values per stored chunk (1 MiB of float32), recorded in each manifest: few enough files or
+# bucket objects per checkpoint, small enough to stream in bounded memory.
 CHUNK = 1 << 18
-LEGACY_CHUNK = 1 << 16
 MAX_INT = 1 << 62          # bound for steps, samples and sizes (JSON ints are unbounded)
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
           "int8": np.int8, "int32": np.int32}
 _LEAF_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
-# Chunk checksum algorithms, by the hex digest they produce. They detect corruption (bit rot,
-# truncated or swapped chunk files), not forgery: whoever writes a manifest writes its sums, so
-# hostile data is stopped by validation and robust aggregation instead. xxh3_128 (~30 GB/s)
-# replaced sha256 (~2 GB/s), which bounded the averager's speed; stores written before say
-# nothing and are read as sha256.
-DIGESTS = {"xxh3_128": re.compile(r"^[0-9a-f]{32}$"), "sha256": re.compile(r"^[0-9a-f]{64}$")}
-CHECKSUM = "xxh3_128"
 KINDS = ("worker", "average", "params")
 
 
@@ -51,13 +44,9 @@ def check_leaf_path(leaf: Any, where: str) -> None:
         ))
 
 
-def n_chunks(size: int, chunk: int) -> int:
-    return max(1, -(-size // chunk))
-
-
 def chunk_of(m: dict) -> int:
     """Values per chunk of a (validated) manifest's arrays."""
-    return m.get("chunk", LEGACY_CHUNK)
+    return m["chunk"]
 
 
 def _bad(where: str, field: str, value: Any, expected: str) -> StoreError:
@@ -78,19 +67,7 @@ def _int(m: dict, key: str, where: str, optional: bool = False) -> None:
         raise _bad(where, key, value, "a non-negative integer")
 
 
-def checksum_of(m: dict) -> str:
-    """The chunk checksum algorithm a (validated) manifest uses."""
-    return m.get("checksum", "sha256")
-
-
-def _checksums(value: Any, count: int, where: str, field: str, algorithm: str) -> None:
-    digest = DIGESTS[algorithm]
-    if (not isinstance(value, list) or len(value) != count
-            or not all(isinstance(s, str) and digest.match(s) for s in value)):
-        raise _bad(where, field, value, f"a list of {count} {algorithm} hex digests")
-
-
-def _leaf(leaf: str, e: Any, where: str, algorithm: str, chunk: int) -> None:
+def _leaf(leaf: str, e: Any, where: str) -> None:
     check_leaf_path(leaf, where)
     field = f"leaves[{leaf!r}]"
     if not isinstance(e, dict):
@@ -102,20 +79,14 @@ def _leaf(leaf: str, e: Any, where: str, algorithm: str, chunk: int) -> None:
         raise _bad(where, f"{field}.shape", shape, "a list of at most 8 non-negative integers")
     if e.get("dtype") not in DTYPES:
         raise _bad(where, f"{field}.dtype", e.get("dtype"), f"one of {sorted(DTYPES)}")
-    size = int(np.prod(shape, dtype=object))
     encoding = e.get("encoding")
     if encoding == "q8delta":
-        from jaxscale.quant import BLOCK
         _int(e, "base_round", f"{where} {field}")
-        _checksums(e.get("scale_checksums"), n_chunks(-(-size // BLOCK), chunk), where,
-                   f"{field}.scale_checksums", algorithm)
     elif encoding != "raw":
         raise _bad(where, f"{field}.encoding", encoding, "'raw' or 'q8delta'")
-    _checksums(e.get("checksums"), n_chunks(size, chunk), where, f"{field}.checksums",
-               algorithm)
-    if "momentum_checksums" in e:
-        _checksums(e["momentum_checksums"], n_chunks(size, chunk), where,
-                   f"{field}.momentum_checksums", algorithm)
+    if not isinstance(e.get("momentum", False), bool):
+        raise _bad(where, f"{field}.momentum", e["momentum"],
+                   "true or false (whether DiLoCo momentum is stored)")
 
 
 def validate_manifest(m: Any, where: str) -> dict:
@@ -123,11 +94,13 @@ def validate_manifest(m: Any, where: str) -> dict:
     if not isinstance(m, dict):
         raise _bad(where, "(top level)", m, "a JSON object")
     if m.get("format") != FORMAT:
-        raise StoreError(f"{where}: unknown checkpoint format {m.get('format')!r} "
-                         f"(this jaxscale reads format {FORMAT}); upgrade jaxscale.")
-    if checksum_of(m) not in DIGESTS:
-        raise _bad(where, "checksum", m.get("checksum"), f"one of {sorted(DIGESTS)}")
-    chunk = chunk_of(m)
+        raise StoreError(paragraph(
+            f"{where}: checkpoint format {m.get('format')!r}, but this jaxscale reads format",
+            f"{FORMAT} only (format 1 stores, with checksums in the manifest, are not read any",
+            "more). Write the store with one jaxscale version: upgrade the older writer, or",
+            "start a new store.",
+        ))
+    chunk = m.get("chunk")
     if (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk & (chunk - 1)
             or not 1 << 10 <= chunk <= 1 << 24):
         raise _bad(where, "chunk", chunk, "a power of two from 1024 to 16777216 (values)")
@@ -148,5 +121,5 @@ def validate_manifest(m: Any, where: str) -> dict:
     if not isinstance(leaves, dict) or not leaves:
         raise _bad(where, "leaves", leaves, "a non-empty object {leaf path: entry}")
     for leaf, entry in leaves.items():
-        _leaf(leaf, entry, where, checksum_of(m), chunk)
+        _leaf(leaf, entry, where)
     return m

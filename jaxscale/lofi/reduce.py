@@ -1,7 +1,7 @@
 """Streaming reduction of one averaging round: every leaf, block by block, in bounded memory.
 
 Each block holds at most `chunk_budget_bytes` of float32 working data whatever the model size.
-Worker data is verified (checksums) and checked for non-finite values as it streams; a failing
+Worker data is verified (each chunk's crc32c, by tensorstore as it reads) and checked for non-finite values as it streams; a failing
 worker raises `Drop` so the round restarts without it. `centered_clip` needs whole-model norms,
 so it runs in passes: the coordinate-wise median, then `iters` clip updates, keeping the centre
 `v` in float32 scratch arrays in the store (not in memory) next to the output.
@@ -19,10 +19,8 @@ import numpy as np
 
 from jaxscale.errors import paragraph
 from jaxscale.lofi import aggregate
-from jaxscale.lofi.chunkfiles import ALIGN, aligned_empty
-from jaxscale.lofi.manifest import CHECKSUM
-from jaxscale.lofi.store import (CHUNK, Checkpoint, Store, StoreError, _verified, chunk_sums,
-                                 read_many, read_range, start_reads)
+from jaxscale.lofi.store import (CHUNK, Checkpoint, Store, StoreError, read_many, read_range,
+                                 read_values, start_reads)
 
 log = logging.getLogger("jaxscale.lofi")
 
@@ -64,7 +62,7 @@ class RoundInputs:
 
 def block_size(n_workers: int, budget: int, unit: int = CHUNK) -> int:
     """Values per block: within `budget`, a multiple of `unit` (every input's and the output's
-    chunk size: checksums are per chunk), and at least one unit (then over budget: warned)."""
+    chunk size: each chunk is read and written whole), and at least one unit (then over budget: warned)."""
     # f32 values held per block position: this block's inputs and the next block's (being
     # prefetched), deltas, base, centre, output, momentum. (Deltas now live in cache-sized
     # pieces, so this over-counts by one value per worker: blocks stay within the budget.)
@@ -187,40 +185,29 @@ def _block_delta(inp: RoundInputs, leaf: str, a: int, b: int,
         return base_blk, v
     base_blk, pieces = delta_pieces(inp, leaf, a, b, started)
     reducer, weights = aggregate.get_aggregator(inp.cfg.aggregator), inp.weights
-    delta = aligned_empty(base_blk.size, np.float32)  # becomes the output: O_DIRECT-ready
+    delta = np.empty(base_blk.size, np.float32)  # becomes the output
     for part, deltas in pieces:
         delta[part] = reducer(deltas, weights, trim=inp.cfg.trim, tau=inp.cfg.tau)
     return base_blk, delta
 
 
 def previous_momentum(store: Store, base: Checkpoint, leaf: str, a: int, b: int) -> np.ndarray:
-    """The outer momentum persisted with the base average, checksum-verified (zeros at first)."""
-    entry = base.leaves[leaf]
-    if "momentum_checksums" not in entry:
+    """The outer momentum persisted with the base average, crc32c-verified (zeros at first)."""
+    if not base.leaves[leaf].get("momentum"):
         return np.zeros(b - a, np.float32)
     try:
-        return _verified(store, f"{base.data}/momentum/{leaf}", "float32", a, b,
-                         entry["momentum_checksums"], f"{base.prefix} momentum of {leaf}", base)
+        return read_values(store, base, "momentum", leaf, a, b)
     except StoreError as e:
         raise Abort(paragraph(
-            f"{e} The outer-optimizer momentum of the previous average is damaged, so a",
-            "DiLoCo round cannot continue from it. Restore the store from a backup, or start",
-            "the averager with --outer=none.",
+            f"{e} (momentum of {leaf}) The outer-optimizer momentum of the previous average is",
+            "damaged, so a DiLoCo round cannot continue from it. Restore the store from a",
+            "backup, or start the averager with --outer=none.",
         )) from None
 
 
 def _as_output(new: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """`new` in the output's dtype in a page-aligned buffer, which chunkfiles.py writes with
-    O_DIRECT as it is (a mean's float32 block already is one: no copy)."""
-    if new.dtype == dtype and new.ctypes.data % ALIGN == 0:
-        return new
-    values = aligned_empty(new.size, dtype)
-    np.copyto(values, new, casting="unsafe")
-    return values
-
-
-def _chunk_sums(store: Store, values: np.ndarray) -> list[str]:
-    return chunk_sums(values, CHECKSUM, store.chunk)
+    """`new` in the output's dtype (a mean's float32 block already is: no copy)."""
+    return new if new.dtype == dtype else new.astype(dtype)
 
 
 def reduce_round(inp: RoundInputs) -> dict[str, dict]:
@@ -241,17 +228,12 @@ def reduce_round(inp: RoundInputs) -> dict[str, dict]:
                 arrays[leaf] = (store.array(f"{inp.data}/arrays/{leaf}", inp.size(leaf), dtype),
                                 momentum)
                 leaves[leaf] = {"shape": inp.base.leaves[leaf]["shape"], "dtype": dtype,
-                                "encoding": "raw", "checksums": []}
-                if outer:
-                    leaves[leaf]["momentum_checksums"] = []
+                                "encoding": "raw", **({"momentum": True} if outer else {})}
             out, mom_out = arrays[leaf]
             base_blk, delta = _block_delta(inp, leaf, a, b, started)
             if outer:
                 new, m = outer.step(base_blk, delta, previous_momentum(store, inp.base, leaf, a, b))
-                pending.append(store.start_write(f"{inp.data}/momentum/{leaf}", mom_out,
-                                                 "float32", a, m))
-                store.bytes_written += m.nbytes
-                leaves[leaf]["momentum_checksums"] += _chunk_sums(store, m)
+                pending.append(_write_block(store, mom_out, a, m))
             else:
                 new = np.add(base_blk, delta, out=delta)
             values = _as_output(new, out.dtype.numpy_dtype)
@@ -262,10 +244,7 @@ def reduce_round(inp: RoundInputs) -> dict[str, dict]:
                     "Use a robust aggregator (--aggregator=median, trimmed_mean or",
                     "centered_clip) or exclude the offending worker with --allowed_workers.",
                 ))
-            pending.append(store.start_write(f"{inp.data}/arrays/{leaf}", out, dtype, a,
-                                             values))  # overlaps with reading the next block
-            store.bytes_written += values.nbytes
-            leaves[leaf]["checksums"] += _chunk_sums(store, values)
+            pending.append(_write_block(store, out, a, values))  # overlaps the next reads
             while len(pending) > 4:  # bounded: at most a couple of blocks in flight
                 pending.popleft().result()
     except BaseException:  # Drop / Abort: let this attempt's writes land before a retry
@@ -275,6 +254,13 @@ def reduce_round(inp: RoundInputs) -> dict[str, dict]:
             except Exception:  # noqa: BLE001 - the attempt is abandoned anyway
                 pass
         raise
-    for write in pending:  # everything durable before the caller commits the round
+    for write in pending:  # every write complete (durable: kv.py) before the caller commits
         write.result()
     return leaves
+
+
+def _write_block(store: Store, array: Any, a: int, values: np.ndarray) -> Any:
+    """Starts writing `values` at [a, a + n) of an output array (tensorstore computes each
+    chunk's crc32c as it encodes it): a future."""
+    store.bytes_written += values.nbytes
+    return array[a:a + values.size].write(values)

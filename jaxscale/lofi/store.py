@@ -1,30 +1,29 @@
-"""The Lo-Fi store: checksummed checkpoints of flat arrays in any tensorstore kvstore.
+"""The Lo-Fi store: committed checkpoints of flat arrays in any tensorstore kvstore.
 
 Layout (under the store root):
 
-    workers/<worker_id>/<step>/d<token>/arrays/<leaf>  one zarr3 array per parameter leaf, in a
-                                                       per-attempt directory
-    workers/<worker_id>/<step>/d<token>/manifest.json  step, samples seen, leaves: shape, dtype,
-                                                       encoding, one xxh3_128 per chunk; version
-    workers/<worker_id>/<step>/COMMIT                  "<sha256 of the manifest> d<token>/
-                                                       manifest.json", created LAST, if absent
-    average/<round>/...                                the same, for published averages
+    workers/<worker_id>/<step>/d<token>/arrays/<leaf>  one zarr3 array per parameter leaf (each
+                                                       chunk with its crc32c), in a per-attempt
+                                                       directory
+    workers/<worker_id>/<step>/d<token>/manifest.json  step, samples seen, chunk size, leaves:
+                                                       shape, dtype, encoding; format version
+    average/<round>/d<token>/...                       the same, for published averages
                                                        (+ d<token>/momentum/ for DiLoCo)
     average/<round>/CLAIM                              one averager at a time per round
-    index/workers/<worker_id>/<step>, index/average/<round>   empty keys, written just before
-                                                       each COMMIT, so finding checkpoints lists
-                                                       one key per checkpoint, not every chunk
-    index/workers.complete, index/average.complete     the index of that root is complete
-                                                       (`index.py`)
+    commits/workers/<worker_id>/<step>                 "<sha256 of the manifest> d<token>/
+    commits/average/<round>                            manifest.json", created LAST, if absent
+    params/manifest.json + commits/params              a re-export (`--final`): the COMMIT holds
+                                                       only the manifest's sha256
 
 The commit is one create-if-absent key naming the attempt that won: of racing writers (two
 averagers, a presumed-dead one waking up, two processes pushing one worker step) exactly one
 commits, nobody ever deletes or rewrites another attempt's files, and a reader never sees a
-partial write, even on object stores (s3) whose multi-key writes are not atomic. Leaves are
-stored flattened to 1-D (shape in the manifest) in chunks of `chunk` values, so readers can
-stream any leaf chunk by chunk. Nothing here unpickles: manifests are JSON, validated field by
-field (`manifest.py`), and arrays are zarr. Re-exports (`--final`) write `manifest.json` beside
-a COMMIT holding only its sha256.
+partial write, even on object stores (s3) whose multi-key writes are not atomic. COMMIT markers
+live under their own prefix, so listing `commits/workers/` finds every committed push (one key
+each, never a chunk) and an uncommitted attempt is simply not listed. Leaves are stored
+flattened to 1-D (shape in the manifest) in chunks of `chunk` values, so readers can stream any
+leaf block by block; tensorstore checks each chunk's crc32c as it reads (`kv.py`). Nothing here
+unpickles: manifests are JSON, validated field by field (`manifest.py`), and arrays are zarr.
 """
 
 from __future__ import annotations
@@ -42,22 +41,26 @@ import numpy as np
 
 from jaxscale import __version__
 from jaxscale.errors import paragraph
-from jaxscale.lofi import index
-from jaxscale.lofi.kv import Store, chunk_sums, kvstore_spec
-from jaxscale.lofi.manifest import (CHECKSUM, CHUNK, DTYPES, FORMAT, StoreError,
-                                    check_leaf_path, checksum_of, chunk_of, validate_manifest)
+from jaxscale.lofi.kv import Store, kvstore_spec
+from jaxscale.lofi.manifest import (CHUNK, DTYPES, FORMAT, StoreError, check_leaf_path,
+                                    chunk_of, validate_manifest)
 from jaxscale.quant import BLOCK, dequantize_blockwise, quantize_blockwise
 
 __all__ = ["CHUNK", "FORMAT", "StoreError", "check_leaf_path", "Store", "Checkpoint", "push",
-           "chunk_sums", "kvstore_spec"]
+           "kvstore_spec", "commit_key"]
 _DTYPES = DTYPES
-
+COMMITS = "commits"
 
 _COMMITTED_RE = re.compile(r"^d[0-9a-f]{1,32}/manifest\.json$")
 
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def commit_key(prefix: str) -> str:
+    """The COMMIT marker of the checkpoint at `prefix` (e.g. `commits/workers/3/100`)."""
+    return f"{COMMITS}/{prefix}"
 
 
 @dataclass(frozen=True)
@@ -76,25 +79,19 @@ class Checkpoint:
         return self.manifest["leaves"]
 
     @property
-    def checksum(self) -> str:
-        return checksum_of(self.manifest)
-
-    @property
     def chunk(self) -> int:
         return chunk_of(self.manifest)
 
     @property
     def data(self) -> str:
-        """Where the arrays live: averages write them under a per-attempt directory so that a
-        racing or presumed-dead averager can never overwrite another's committed data."""
+        """Where the arrays live: pushes and averages write them under a per-attempt directory
+        so that a racing or presumed-dead writer can never overwrite another's committed data."""
         return f"{self.prefix}/{self.manifest['data']}" if "data" in self.manifest else self.prefix
 
 
-def _write_leaf(store: Store, key: str, flat: np.ndarray, dtype: str) -> list[str]:
-    arr = store.array(key, flat.size, dtype)
-    arr[...] = flat
+def _write_leaf(store: Store, key: str, flat: np.ndarray, dtype: str) -> None:
+    store.array(key, flat.size, dtype).write(flat).result()
     store.bytes_written += flat.nbytes
-    return chunk_sums(flat, CHECKSUM, store.chunk)
 
 
 class LostRace(StoreError):
@@ -123,16 +120,15 @@ def write_checkpoint(store: Store, prefix: str, params: Mapping[str, Any], meta:
         if compress:
             delta = value.astype(np.float32).ravel() - read_leaf(store, base, leaf).ravel()
             q, scale = quantize_blockwise(delta)
-            entry.update(encoding="q8delta", base_round=meta["base_round"],
-                         checksums=_write_leaf(store, f"{data}/arrays/{leaf}", q, "int8"),
-                         scale_checksums=_write_leaf(store, f"{data}/scales/{leaf}", scale,
-                                                     "float32"))
+            _write_leaf(store, f"{data}/arrays/{leaf}", q, "int8")
+            _write_leaf(store, f"{data}/scales/{leaf}", scale, "float32")
+            entry.update(encoding="q8delta", base_round=meta["base_round"])
         else:
-            entry.update(encoding="raw", checksums=_write_leaf(
-                store, f"{data}/arrays/{leaf}", value.ravel(), str(value.dtype)))
+            _write_leaf(store, f"{data}/arrays/{leaf}", value.ravel(), str(value.dtype))
+            entry.update(encoding="raw")
         leaves[leaf] = entry
     manifest = {"format": FORMAT, "jaxscale_version": __version__, "created": time.time(),
-                "checksum": CHECKSUM, "chunk": store.chunk, **meta, "leaves": leaves}
+                "chunk": store.chunk, **meta, "leaves": leaves}
     if not commit(store, prefix, manifest, exclusive):
         if data != prefix:
             store.delete_prefix(data)
@@ -144,35 +140,37 @@ def write_checkpoint(store: Store, prefix: str, params: Mapping[str, Any], meta:
 def commit(store: Store, prefix: str, manifest: dict, exclusive: bool = True) -> bool:
     """Makes `manifest` the committed checkpoint at `prefix`; False if another won.
 
-    `exclusive` (the manifest names its attempt directory in `data`): the manifest goes into
-    that directory and COMMIT, created if absent, holds its sha256 and path: one conditional
-    single-key write decides the race (which holds on s3 too, where multi-key writes are not
-    atomic), and a committed checkpoint is never overwritten. Otherwise (re-exports) the old
-    COMMIT is removed first, so readers never mix the two."""
+    Callers have waited for every array write to complete: a completed tensorstore write is
+    durable and whole (the file kvstore fsyncs a temporary file and renames it into place;
+    object stores hold an object once its PUT returns), so nothing a COMMIT names can be lost
+    or half-written after it. `exclusive` (the manifest names its attempt directory in `data`):
+    the manifest goes into that directory and COMMIT, created if absent, holds its sha256 and
+    path: one conditional single-key write decides the race (which holds on s3 too, where
+    multi-key writes are not atomic), and a committed checkpoint is never overwritten.
+    Otherwise (re-exports) the old COMMIT is removed first, so readers never mix the two."""
     data = json.dumps(manifest, sort_keys=True).encode()
-    store.sync()  # the arrays are durable before anything names them
     if not exclusive:
-        store.kv.write(f"{prefix}/COMMIT", None).result()
+        store.delete(commit_key(prefix))
         store.write(f"{prefix}/manifest.json", data)
-        return store.write(f"{prefix}/COMMIT", _sha(data).encode())
+        return store.write(commit_key(prefix), _sha(data).encode())
     relative = f"{manifest['data']}/manifest.json"
     store.write(f"{prefix}/{relative}", data)
-    index.add_entry(store, prefix)  # before COMMIT: the index may list more than is committed
-    return store.write(f"{prefix}/COMMIT", f"{_sha(data)} {relative}".encode(), if_absent=True)
+    return store.write(commit_key(prefix), f"{_sha(data)} {relative}".encode(), if_absent=True)
 
 
 def committed_data(store: Store, prefix: str) -> str | None:
-    """The attempt directory the COMMIT at `prefix` names (None: none, or a re-export)."""
-    marker = store.read(f"{prefix}/COMMIT")
+    """The attempt directory the COMMIT of `prefix` names (None: none, or a re-export)."""
+    marker = store.read(commit_key(prefix))
     text = marker.decode(errors="replace") if marker else ""
     return text.split(" ", 1)[1].split("/", 1)[0] if " " in text else None
 
 
 def load_checkpoint(store: Store, prefix: str) -> Checkpoint:
     """The committed checkpoint at `prefix`, or StoreError saying why it is not usable."""
-    marker = store.read(f"{prefix}/COMMIT")
+    marker = store.read(commit_key(prefix))
     if marker is None:
-        raise StoreError(f"{prefix}: no commit marker; the write is partial.")
+        raise StoreError(f"{prefix}: no commit marker ({commit_key(prefix)}); the write is "
+                         "partial.")
     sha, _, relative = marker.decode(errors="replace").partition(" ")
     if relative and not _COMMITTED_RE.match(relative):
         raise StoreError(f"{prefix}: the commit marker names {relative!r}, not an attempt's "
@@ -193,47 +191,59 @@ def load_checkpoint(store: Store, prefix: str) -> Checkpoint:
     return Checkpoint(prefix, manifest)
 
 
-def _verified(store: Store, key: str, dtype: str, a: int, b: int, sums: list[str],
-              where: str, ckpt: Checkpoint, future: Any = None) -> np.ndarray:
-    """Reads values [a, b) (aligned to `ckpt`'s chunks; or takes a read `start_read` began)
-    and checks every chunk's checksum."""
+# ----------------------------------------------------------------------------- reading data
+def _stored(ckpt: Checkpoint, kind: str, leaf: str) -> tuple[str, int, str]:
+    """(key, stored size, dtype) of a leaf's array of `kind`: `arrays` (the values, or int8
+    deltas padded to whole blocks when compressed), `scales` (one per block) or `momentum`."""
+    entry = ckpt.leaves[leaf]
+    size = int(np.prod(entry["shape"]))
+    if kind == "arrays" and entry["encoding"] == "q8delta":
+        size, dtype = -(-size // BLOCK) * BLOCK, "int8"
+    elif kind == "scales":
+        size, dtype = -(-size // BLOCK), "float32"
+    else:
+        dtype = entry["dtype"] if kind == "arrays" else "float32"
+    return f"{ckpt.data}/{kind}/{leaf}", size, dtype
+
+
+def _start(store: Store, ckpt: Checkpoint, kind: str, leaf: str, a: int, b: int) -> Any:
+    """Starts reading values [a, b) of a stored array: a tensorstore future. Opening checks the
+    array's metadata against the manifest; reading checks every chunk's crc32c."""
+    key, size, dtype = _stored(ckpt, kind, leaf)
+    return store.open_array(key, size, dtype, ckpt.chunk)[a:b].read()
+
+
+def _finish(store: Store, ckpt: Checkpoint, leaf: str, start: Any) -> np.ndarray:
+    """The values of a read `start()` began (or raises), as a StoreError naming the damage."""
     try:
-        future = future if future is not None else _start(store, key, dtype, a, b, ckpt)
-        values, got = future.result()
-    except Exception as e:  # truncated or undecodable chunk files, missing arrays
-        raise StoreError(f"{where}: cannot read chunk data ({e}).") from None
+        values = np.asarray(start().result())
+    except Exception as e:  # corrupt, truncated or missing chunks, swapped metadata
+        text = str(e)
+        what = ("checksum mismatch (crc32c): the stored data is corrupt" if "igest mismatch"
+                in text else "cannot read its data (truncated, missing or swapped files)")
+        raise StoreError(paragraph(
+            f"{ckpt.prefix} leaf {leaf}: {what} ({text}). This checkpoint is skipped.",
+        )) from None
     store.bytes_read += values.nbytes
-    chunk = ckpt.chunk
-    got = got if got is not None else chunk_sums(values, ckpt.checksum, chunk)
-    for start, digest in zip(range(a, b, chunk), got):
-        if digest != sums[start // chunk]:
-            raise StoreError(paragraph(
-                f"{where}: checksum mismatch in chunk {start // chunk} (values {start}..",
-                f"{min(start + chunk, b)}); the data on disk is corrupt. This checkpoint is",
-                "skipped.",
-            ))
-    return values.astype(_DTYPES[dtype], copy=False)
+    return values
 
 
-def _start(store: Store, key: str, dtype: str, a: int, b: int, ckpt: Checkpoint) -> Any:
-    return store.start_read(key, dtype, a, b, ckpt.checksum, ckpt.chunk)
+def read_values(store: Store, ckpt: Checkpoint, kind: str, leaf: str, a: int,
+                b: int) -> np.ndarray:
+    """Values [a, b) of one of a leaf's stored arrays (see `_stored`), verified."""
+    return _finish(store, ckpt, leaf, lambda: _start(store, ckpt, kind, leaf, a, b))
 
 
 def read_range(store: Store, ckpt: Checkpoint, leaf: str, a: int, b: int) -> np.ndarray:
-    """Values [a, b) of a leaf's flattened float32 view (`a` chunk aligned), verified."""
+    """Values [a, b) of a leaf's flattened float32 view, verified."""
     entry = ckpt.leaves[leaf]
-    where = f"{ckpt.prefix} leaf {leaf}"
     if entry["encoding"] == "raw":
-        return _verified(store, f"{ckpt.data}/arrays/{leaf}", entry["dtype"], a, b,
-                         entry["checksums"], where, ckpt).astype(np.float32, copy=False)
+        return read_values(store, ckpt, "arrays", leaf, a, b).astype(np.float32, copy=False)
     # Compressed: int8 deltas (padded to whole blocks) + one scale per block, from a base round.
-    qb = -(-b // BLOCK) * BLOCK  # interior reads are chunk aligned, so qb == b there
-    q = _verified(store, f"{ckpt.data}/arrays/{leaf}", "int8", a, qb, entry["checksums"], where,
-                  ckpt)
-    n_scales = -(-int(np.prod(entry["shape"])) // BLOCK)
-    scales = _verified(store, f"{ckpt.data}/scales/{leaf}", "float32", 0, n_scales,
-                       entry["scale_checksums"], where, ckpt)[a // BLOCK:qb // BLOCK]
-    delta = dequantize_blockwise(q, scales, (qb - a,))[:b - a]
+    qa, qb = a // BLOCK * BLOCK, -(-b // BLOCK) * BLOCK
+    q = read_values(store, ckpt, "arrays", leaf, qa, qb)
+    scales = read_values(store, ckpt, "scales", leaf, qa // BLOCK, qb // BLOCK)
+    delta = dequantize_blockwise(q, scales, (qb - qa,))[a - qa:b - qa]
     base = load_checkpoint(store, average_prefix(entry["base_round"]))
     return delta + read_range(store, base, leaf, a, b)
 
@@ -247,9 +257,8 @@ def start_reads(store: Store, ckpts: list[Checkpoint], leaf: str, a: int, b: int
         future = None
         if ckpt.leaves[leaf]["encoding"] == "raw":
             try:
-                future = _start(store, f"{ckpt.data}/arrays/{leaf}",
-                                ckpt.leaves[leaf]["dtype"], a, b, ckpt)
-            except Exception:  # noqa: BLE001 - reported by _verified in read_many
+                future = _start(store, ckpt, "arrays", leaf, a, b)
+            except Exception:  # noqa: BLE001 - reported by read_range in read_many
                 future = None
         started.append(future)
     return started
@@ -263,14 +272,12 @@ def read_many(store: Store, ckpts: list[Checkpoint], leaf: str, a: int, b: int,
     started = start_reads(store, ckpts, leaf, a, b) if started is None else started
     out: list[np.ndarray | StoreError] = []
     for ckpt, future in zip(ckpts, started):
-        entry = ckpt.leaves[leaf]
         try:
             if future is None:
                 out.append(read_range(store, ckpt, leaf, a, b))
             else:
-                out.append(_verified(store, f"{ckpt.data}/arrays/{leaf}", entry["dtype"], a, b,
-                                     entry["checksums"], f"{ckpt.prefix} leaf {leaf}",
-                                     ckpt, future).astype(np.float32, copy=False))
+                out.append(_finish(store, ckpt, leaf, lambda f=future: f)
+                           .astype(np.float32, copy=False))
         except StoreError as e:
             out.append(e)
     return out
@@ -297,24 +304,33 @@ def average_prefix(round_: int) -> str:
     return f"average/{int(round_)}"
 
 
+def _committed(store: Store, root: str, depth: int) -> list[tuple[int, ...]]:
+    """The numeric path parts (`depth` of them) of every COMMIT under `commits/<root>/`,
+    ascending: one listing of one key per committed checkpoint (anything else is ignored)."""
+    found = []
+    for key in store.keys(f"{COMMITS}/{root}/"):
+        parts = key.split("/")[2:]
+        if len(parts) == depth and all(p.isdigit() for p in parts):
+            found.append(tuple(int(p) for p in parts))
+    return sorted(found)
+
+
 def worker_checkpoints(store: Store) -> dict[int, list[int]]:
     """{worker_id: committed steps, ascending}."""
     out: dict[int, list[int]] = {}
-    for parts in sorted(index.committed(store, "workers")):
-        if len(parts) == 2:
-            out.setdefault(parts[0], []).append(parts[1])
+    for worker, step in _committed(store, "workers", 2):
+        out.setdefault(worker, []).append(step)
     return out
 
 
 def average_rounds(store: Store) -> list[int]:
-    return sorted(p[0] for p in index.committed(store, "average") if len(p) == 1)
+    return [round_ for round_, in _committed(store, "average", 1)]
 
 
 def latest_average_checkpoint(store: Store) -> Checkpoint | None:
-    """The newest average whose commit is valid (a partial newer one is ignored). Workers poll
+    """The newest average whose commit is valid (a corrupt newer one is skipped). Workers poll
     this at sync points: each round's COMMIT is read once, by load_checkpoint, newest first."""
-    indexed = index.committed(store, "average", exact=False)
-    for round_ in sorted((p[0] for p in indexed if len(p) == 1), reverse=True):
+    for round_ in reversed(average_rounds(store)):
         try:
             return load_checkpoint(store, average_prefix(round_))
         except StoreError:
@@ -345,7 +361,7 @@ def push(location: str | Store, worker_id: int, step: int, params: Mapping[str, 
     store = location if isinstance(location, Store) else Store(location)
     prefix = worker_prefix(worker_id, step)
     raw = sum(np.asarray(v).nbytes for v in params.values())
-    if store.read(f"{prefix}/COMMIT") is not None:
+    if store.read(commit_key(prefix)) is not None:
         return PushReport(prefix, 0, raw, skipped=True)
     before = store.bytes_written
     base = latest_average_checkpoint(store) if compress else None
