@@ -159,3 +159,21 @@ def test_fake_gcs_ignores_generation_preconditions(fake_gcs):
     fails, so it tests the gs:// data path only (real GCS honours it)."""
     _, bucket = fake_gcs
     assert not _conditional_writes_honoured(f"gs://{bucket}/cond")
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param("seaweedfs", marks=pytest.mark.xdist_group("seaweedfs")),
+    pytest.param("moto", marks=pytest.mark.xdist_group("moto"))])
+def test_s3_servers_refuse_stale_preconditions_on_the_wire(name, request):
+    """The protocol itself, without tensorstore: PUT with If-None-Match: * on an existing key
+    and If-Match with a stale ETag are refused with 412 (README: conditional writes)."""
+    import botocore.exceptions
+
+    server, bucket = request.getfixturevalue(name)
+    client = server.client()
+    client.put_object(Bucket=bucket, Key="k", Body=b"1")
+    for condition in ({"IfNoneMatch": "*"}, {"IfMatch": '"0123456789abcdef0123456789abcdef"'}):
+        with pytest.raises(botocore.exceptions.ClientError) as e:
+            client.put_object(Bucket=bucket, Key="k", Body=b"2", **condition)
+        assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    assert client.get_object(Bucket=bucket, Key="k")["Body"].read() == b"1"
