@@ -87,6 +87,9 @@ def base_config() -> mlc.ConfigDict:
         profile=dict(start_step=3, num_steps=0, host_tracing=2, all_processes=False)))
     c.pipeline = mlc.ConfigDict(dict(microbatches=1, repeats=1, schedule="gpipe"))
     c.checkpoint = mlc.ConfigDict(dict(every=0, keep=3))
+    # Object stores (jaxscale/storage.py): empty = AWS_ENDPOINT_URL_S3 / AWS_REGION / AWS.
+    # Credentials never go here: they come from the standard AWS / Google credential chains.
+    c.storage = mlc.ConfigDict(dict(s3_endpoint="", s3_region="", timeout_s=30.0))
     c.lofi = mlc.ConfigDict(dict(
         enabled=False,
         store="",                  # local path, file://, gs://bucket/prefix, s3://..., memory://

@@ -22,6 +22,7 @@ from typing import Any
 
 import tensorstore as ts
 
+from jaxscale import storage
 from jaxscale.lofi.localfs import check_path
 from jaxscale.lofi.manifest import CHUNK
 
@@ -34,15 +35,9 @@ CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "cr
 
 
 def kvstore_spec(location: str) -> dict:
-    """`path`, `file://path`, `gs://bucket/prefix`, `s3://bucket/prefix`, `memory://name`."""
-    for scheme, driver in (("gs://", "gcs"), ("s3://", "s3")):
-        if location.startswith(scheme):
-            bucket, _, prefix = location[len(scheme):].partition("/")
-            return {"driver": driver, "bucket": bucket, "path": prefix.rstrip("/") + "/"}
-    if location.startswith("memory://"):
-        return {"driver": "memory", "path": location[len("memory://"):].strip("/") + "/"}
-    path = location[len("file://"):] if location.startswith("file://") else location
-    return {"driver": "file", "path": path.rstrip("/") + "/"}
+    """`path`, `file://path`, `gs://bucket/prefix`, `s3://bucket/prefix`, `memory://name`:
+    jaxscale.storage's one parser (S3 endpoint and region from config.storage / AWS_*)."""
+    return storage.kvstore_spec(location)
 
 
 def array_metadata(size: int, dtype: str, chunk: int) -> dict:
