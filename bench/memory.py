@@ -37,7 +37,8 @@ from jaxscale.models import lora  # noqa: E402
 from jaxscale.precision import DynamicLossScale, get_policy  # noqa: E402
 from jaxscale.rules import AxisRules  # noqa: E402
 from jaxscale.train.optim import make_optimizer  # noqa: E402
-from jaxscale.train.state import ModelDef, abstract_state  # noqa: E402
+from jaxscale.models import ModelDef  # noqa: E402
+from jaxscale.train.state import abstract_state  # noqa: E402
 from jaxscale.train.step import StepContext, jit_steps  # noqa: E402
 
 # name: (precision, lora rank, optimizer). The analytic bytes per parameter (`analytic`) are

@@ -55,7 +55,8 @@ def measure(config, warmup: int, steps: int) -> dict:
     from jaxscale.precision import get_policy
     from jaxscale.rules import AxisRules
     from jaxscale.train.optim import make_optimizer
-    from jaxscale.train.state import ModelDef, init_state
+    from jaxscale.models import ModelDef
+    from jaxscale.train.state import init_state
     from jaxscale.train.step import StepContext, jit_steps
 
     one = config.mesh.data == 1  # --smoke: one device even where several are simulated

@@ -67,14 +67,6 @@ class Batches:
         return it
 
 
-def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, count: int,
-                 process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
-    """The first `count` unshuffled held-out batches: the same for every run and mesh."""
-    ds = Batches(tokens, seq_len, global_batch, process_index, process_count,
-                 shuffle=False).dataset()
-    return [ds[i] for i in range(count)]
-
-
 def eval_batches(tokens: Any, seq_len: int, global_batch: int, count: int,
                  process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
     """The first `count` unshuffled held-out batches: the same for every run and mesh."""

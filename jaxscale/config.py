@@ -167,7 +167,7 @@ def _validate_mesh_use(c: mlc.ConfigDict) -> None:
             raise ConfigError(paragraph(
                 f"The mesh axis '{axis}' has size {size} (mesh.{axis} x mesh.dcn_{axis}), but no",
                 f"rule of {what} shards anything over it, so every device along it would",
-                f"repeat the same work and hold the same state. Use a preset that uses",
+                "repeat the same work and hold the same state. Use a preset that uses",
                 f"'{axis}' ({', '.join(users)}: --config.rules_preset={users[0] if users else ''}),",
                 f"add a rule naming it, or set --config.mesh.{axis}=1.",
             ))

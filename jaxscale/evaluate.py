@@ -26,7 +26,8 @@ from jaxscale.errors import JaxscaleError
 from jaxscale.mesh import make_mesh
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules, constrain, use_rules
-from jaxscale.train.state import ModelDef, param_specs
+from jaxscale.models import ModelDef
+from jaxscale.train.state import param_specs
 from jaxscale.weights.place import named_shardings, place
 from jaxscale.weights.tree import flatten, unflatten
 from jaxscale.train.step import batch_sharding

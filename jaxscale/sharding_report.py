@@ -20,7 +20,8 @@ from jaxscale.models import lora
 from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.optim import make_optimizer
-from jaxscale.train.state import ModelDef, abstract_state
+from jaxscale.models import ModelDef
+from jaxscale.train.state import abstract_state
 from jaxscale.weights.tree import flatten
 from jaxscale.train.step import StepContext, jit_steps
 

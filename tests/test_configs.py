@@ -22,7 +22,8 @@ from jaxscale.models import lora
 from jaxscale.models.llama import LlamaConfig
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules
-from jaxscale.train.state import ModelDef, param_specs
+from jaxscale.models import ModelDef
+from jaxscale.train.state import param_specs
 from jaxscale.weights.tree import flatten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,6 @@
 """File sources: every format, packing, per-host reading, mixtures, resume and the prepare step."""
 
 import json
-import os
 import random
 
 import numpy as np

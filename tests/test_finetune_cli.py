@@ -111,7 +111,7 @@ def test_vit_export_reimport_finetune_evaluate(tmp_path):
         ref = model(pixel_values=torch.from_numpy(images.transpose(0, 3, 1, 2))).logits.numpy()
     model_cfg, _ = convert.read_model_config(pre)
     from jaxscale.precision import get_policy
-    from jaxscale.train.state import ModelDef
+    from jaxscale.models import ModelDef
     model_def = ModelDef.build(model_cfg, get_policy("32-true"))
     ours = np.asarray(model_def.module(convert.workdir_params(pre))(images))
     assert np.max(np.abs(ours - ref)) < 1e-4

@@ -13,7 +13,8 @@ from jaxscale.precision import get_policy
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale.rules import AxisRules, use_rules
-from jaxscale.train.state import ModelDef, init_state
+from jaxscale.models import ModelDef
+from jaxscale.train.state import init_state
 
 
 def tiny(**model):

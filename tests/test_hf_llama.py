@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 from jaxscale.interop import hf  # noqa: E402
 from jaxscale.mesh import make_mesh  # noqa: E402
 from jaxscale.precision import get_policy  # noqa: E402
-from jaxscale.train.state import ModelDef, param_specs  # noqa: E402
+from jaxscale.models import ModelDef  # noqa: E402
+from jaxscale.train.state import param_specs  # noqa: E402
 from jaxscale.weights.tree import flatten
 
 CONFIGS = {

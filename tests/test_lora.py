@@ -13,7 +13,8 @@ from jaxscale.errors import ConfigError
 from jaxscale.models import lora
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
-from jaxscale.train.state import ModelDef, param_specs
+from jaxscale.models import ModelDef
+from jaxscale.train.state import param_specs
 from jaxscale.weights.tree import flatten, merge_trees
 from tests.helpers import run_steps
 

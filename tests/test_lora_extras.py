@@ -13,7 +13,8 @@ from jaxscale.models import lora
 from jaxscale.models.layers import adapter_dropout, param, project
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
-from jaxscale.train.state import ModelDef, param_specs
+from jaxscale.models import ModelDef
+from jaxscale.train.state import param_specs
 from jaxscale.weights.tree import flatten, merge_trees
 from test_lora import assert_adapters_follow_base
 from tests.helpers import run_steps

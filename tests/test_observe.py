@@ -3,7 +3,6 @@ each step's metrics, and a profiler trace that `launch.profile_summary` reads, a
 short CPU run; plus the wandb logger with and without the package."""
 
 import glob
-import json
 import os
 import subprocess
 import sys

@@ -136,7 +136,8 @@ def test_optimizer_state_is_sharded_like_the_parameters(name):
     from jaxscale.precision import get_policy
     from jaxscale.rules import AxisRules
     from jaxscale.sharding_report import per_device_bytes
-    from jaxscale.train.state import ModelDef, abstract_state, derived_spec, init_state
+    from jaxscale.models import ModelDef
+    from jaxscale.train.state import abstract_state, derived_spec, init_state
 
     c = get_config("test")
     c.model.update(embed=128, mlp=256, head_dim=32)  # dims >= 128 so Adafactor factors

@@ -12,7 +12,7 @@ from jaxscale.models.attention import ATTENTION_IMPLS
 from jaxscale.models.llama import lm_loss, packed_losses
 from jaxscale.packing import SegmentRows
 from jaxscale.precision import get_policy
-from jaxscale.train.state import ModelDef
+from jaxscale.models import ModelDef
 
 
 class _Docs:

@@ -15,7 +15,7 @@ from jaxscale.parallel.pipeline import SCHEDULES, get_schedule, make_layer_runne
 from jaxscale.precision import get_policy
 from jaxscale.presets import PRESETS
 from jaxscale.rules import AxisRules, use_rules
-from jaxscale.train.state import ModelDef
+from jaxscale.models import ModelDef
 
 B, T, E = 16, 8, 64
 

@@ -16,7 +16,7 @@ from jaxscale.precision import POLICIES, DynamicLossScale, get_policy
 from jaxscale.train import step as step_lib
 from jaxscale.train.loop import Trainer
 from jaxscale.train.optim import make_optimizer
-from jaxscale.train.state import ModelDef
+from jaxscale.models import ModelDef
 from jaxscale.weights.tree import flatten
 from tests.helpers import train_steps
 

@@ -15,7 +15,8 @@ from jaxscale.mesh import make_mesh
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.optim import make_optimizer
-from jaxscale.train.state import ModelDef, init_state, param_specs
+from jaxscale.models import ModelDef
+from jaxscale.train.state import init_state, param_specs
 from jaxscale.weights.tree import flatten
 from jaxscale.train.loop import Trainer
 

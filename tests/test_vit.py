@@ -46,7 +46,7 @@ def test_evaluation_counts_every_test_image():
     metrics equal a direct computation over all 359."""
     import optax
     from jaxscale.precision import get_policy
-    from jaxscale.train.state import ModelDef
+    from jaxscale.models import ModelDef
 
     config = vit_digits.get_config("test")
     _, (images, labels) = vision_data.load_digits()

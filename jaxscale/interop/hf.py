@@ -240,7 +240,7 @@ class Source:
 
 def _model_def(model_cfg: Mapping[str, Any]):
     from jaxscale.precision import get_policy
-    from jaxscale.train.state import ModelDef
+    from jaxscale.models import ModelDef
     return ModelDef.build(model_cfg, get_policy("32-true"))
 
 

@@ -53,5 +53,5 @@ def check_same_model(store: Store, config_json: bytes,
             f"Lo-Fi worker {worker_id} trains another model than the job in {store.location}:",
             "; ".join(fields[:5] + ([leaf] if leaf else [])) + ".",
             "The averager would skip every push of it. Run it with the job's model config (the",
-            f"store's config.json), or give it its own lofi.store.",
+            "store's config.json), or give it its own lofi.store.",
         ))

@@ -18,7 +18,8 @@ from jaxscale.parallel.pipeline import make_layer_runner
 from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.optim import make_optimizer
-from jaxscale.train.state import ModelDef, TrainState, abstract_state
+from jaxscale.models import ModelDef
+from jaxscale.train.state import TrainState, abstract_state
 from jaxscale.train.step import StepContext
 
 

@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale.models import ModelDef  # also re-exported: many callers import it from here
+from jaxscale.models import ModelDef
 from jaxscale.rules import AxisRules
 # merge_trees: used by train/step.py (the train state keeps trainable and frozen apart).
 from jaxscale.weights.tree import (all_trainable, flatten, merge_trees,  # noqa: F401

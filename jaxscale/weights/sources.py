@@ -220,7 +220,7 @@ def rebuild_base(config: Any) -> dict:
 
     from jaxscale.models import lora
     from jaxscale.precision import get_policy
-    from jaxscale.train.state import ModelDef
+    from jaxscale.models import ModelDef
     from jaxscale.weights.tree import split_trainable
 
     model_def = lora.with_adapters(ModelDef.build(config.model, get_policy(config.precision)),
