@@ -6,7 +6,7 @@
 `load_llama` reads `config.json` and `model.safetensors` (or a sharded
 `model.safetensors.index.json`) and returns `Pretrained(config, params)` (a named tuple, so
 `model_cfg, params = load_llama(...)` also works): the fields to put in `config.model` and the
-nested parameter dict that `ModelDef.module` binds. Tensors are memory-mapped and read one
+nested parameter dict that `ModelDef.module` binds. Tensors are read with `safetensors`, one
 parameter at a time; with a mesh, each parameter is assembled only for the shards this process
 holds and placed straight into the NamedSharding its logical axes resolve to, so at most one
 parameter's host copy exists at any time and a model larger than one device loads onto a mesh.
