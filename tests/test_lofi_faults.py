@@ -15,7 +15,8 @@ import pytest
 from jaxscale.errors import ConfigError
 from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
-from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
+from jaxscale.lofi.averager import (AveragerConfig, job_settings, latest_average, publish_initial,
+                                    run_round)
 from tests.lofi_common import (ROOT, TINY_BUDGET, _params, _push, _reference,
                                 race_two_averagers, tamper, uncommit)
 
@@ -144,6 +145,9 @@ def test_job_settings_from_round_0_are_the_averager_defaults(tmp_path):
     assert not report.published and "min_workers=2" in report.note
     assert report.skipped[5] == "not in allowed_workers"
     assert cfg.outer == "none"  # a store from before the sync mode was recorded
+    bare = S.Store(str(tmp_path / "bare"))  # round 0 published without job settings
+    publish_initial(bare, _params(0))
+    assert job_settings(bare) == {}
 
 
 def test_job_sync_mode_sets_the_outer_optimizer_and_bad_settings_are_named(tmp_path):

@@ -87,6 +87,8 @@ def job_settings(store: Store) -> dict:
         job = load_checkpoint(store, average_prefix(0)).manifest.get("job") or {}
     except StoreError:
         return {}
+    if not job:  # round 0 published by hand (publish_initial without job settings)
+        return {}
     allowed = job.get("allowed_workers")
     ok = (isinstance(job, dict)
           and all(isinstance(job.get(k), int) and job[k] >= 0 for k in JOB_FIELDS[1:])
