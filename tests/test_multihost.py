@@ -19,7 +19,7 @@ MULTIHOST = [sys.executable, "-m", "launch.local_multihost", "--num_processes=2"
              "--devices_per_process=4", "--"]
 
 
-def _run(cmd: list[str], timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT, **env}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
