@@ -105,19 +105,48 @@ def parse(hlo: str) -> Module:
 
 
 def _trip_count(module: Module, instr: Instr) -> int:
-    """Iterations of a while loop: annotated, or N from a condition `ROOT compare(i, N) LT`."""
+    """Iterations of a while loop: annotated, or from the condition `i < N` and the body's
+    step `i + k` (windowed-einsum loops may step by 2), counting from 0."""
     known = _TRIP.search(instr.rest)
     if known:
         return int(known.group(1))
     cond = re.search(r"condition=%([\w.\-]+)", instr.rest)
-    body = module.comps.get(cond.group(1), []) if cond else []
-    consts = {i.name: int(c.group(1)) for i in body if i.opcode == "constant"
-              for c in [_CONST.search(f"constant({i.rest}")] if c}
-    for i in body:
+    limit = _compare_limit(module.comps.get(cond.group(1), []) if cond else [])
+    if limit is None:
+        return 1
+    body = re.search(r"body=%([\w.\-]+)", instr.rest)
+    step = _step(module.comps.get(body.group(1), []) if body else [])
+    return max(1, -(-limit // step))
+
+
+def _constants(instrs: list[Instr]) -> dict[str, int]:
+    return {i.name: int(c.group(1)) for i in instrs if i.opcode == "constant"
+            for c in [_CONST.search(f"constant({i.rest}")] if c}
+
+
+def _compare_limit(cond: list[Instr]) -> int | None:
+    consts = _constants(cond)
+    for i in cond:
         if i.opcode == "compare" and "direction=LT" in i.rest:
             for op in _OP.findall(i.rest.split(")")[0]):
                 if op in consts:
                     return consts[op]
+    return None
+
+
+def _step(body: list[Instr]) -> int:
+    """k of the induction variable (element 0 of the loop tuple) updated as `i + k`."""
+    by_name = {i.name: i for i in body}
+    consts = _constants(body)
+    root = next((i for i in body if i.opcode == "tuple" and i is body[-1]), None)
+    if root is None:
+        return 1
+    first = _OP.findall(root.rest.split(")")[0])
+    update = by_name.get(first[0]) if first else None
+    if update is not None and update.opcode == "add":
+        for op in _OP.findall(update.rest.split(")")[0]):
+            if op in consts and consts[op] > 0:
+                return consts[op]
     return 1
 
 
