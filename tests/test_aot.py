@@ -164,3 +164,32 @@ def test_plan_ranks_compiled_candidates_and_caches(tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 2
     again = _run(args, tmp_path)  # cached: same table
     assert again.stdout == proc.stdout
+
+
+# configs/llama.py's TPU targets as libtpu topologies (v4 suffixes count TensorCores: 2/chip).
+TARGET_TOPOLOGIES = {"v4-8": "v4:2x2x1", "v4-32": "v4:2x2x4", "v5e-8": "v5e:2x4",
+                     "v5e-16": "v5e:4x4", "v5e-64": "v5e:8x8", "v5e-256": "v5e:16x16"}
+PRESET_VARIANTS = [v for v in llama.VARIANTS if "," in v and v.split(",")[1] in TARGET_TOPOLOGIES]
+
+
+def test_every_tpu_target_has_a_topology():
+    tpu_targets = {t for t, spec in llama.TARGETS.items() if not spec.gpu}
+    assert tpu_targets == set(TARGET_TOPOLOGIES)
+    for target, name in TARGET_TOPOLOGIES.items():
+        assert parse_topology(name).num_chips == llama.TARGETS[target].total
+
+
+@libtpu_test
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("JAXSCALE_COMPILE_PRESETS"),
+                    reason="compiles every preset for its TPU slice (minutes each on 2 cores); "
+                           "set JAXSCALE_COMPILE_PRESETS=1")
+@pytest.mark.parametrize("variant", PRESET_VARIANTS)
+def test_preset_fits_its_target(variant, tmp_path):
+    out = tmp_path / "r.json"
+    topology = TARGET_TOPOLOGIES[variant.split(",")[1]]
+    proc = _run(["launch.compile", f"--topology={topology}",
+                 f"--config=configs/llama.py:{variant}", f"--out={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["fits"], f"{variant}: {report['total_bytes'] / 2**30:.1f} GiB per chip"

@@ -47,6 +47,7 @@ class Instr:
     shape: str
     opcode: str
     rest: str
+    is_root: bool = False
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Module:
     entry: str
     partitions: int
     mult: dict[str, tuple[int, bool]] = field(default_factory=dict)  # (executions, in a loop)
+    live: dict[str, list[Instr]] = field(default_factory=dict)       # instructions ROOT uses
 
 
 @dataclass(frozen=True)
@@ -97,27 +99,73 @@ def parse(hlo: str) -> Module:
             continue
         m = _INSTR.match(line)
         if m and current is not None:
-            comps[current].append(Instr(*m.groups()))
+            comps[current].append(Instr(*m.groups(), is_root=line.lstrip().startswith("ROOT")))
     partitions = int((_PARTITIONS.search(hlo) or [0, 1])[1])
     module = Module(comps, params, entry, partitions)
+    module.live = {name: _live(instrs) for name, instrs in comps.items()}
     module.mult = _multiplicities(module)
     return module
 
 
+def _live(instrs: list[Instr]) -> list[Instr]:
+    """The instructions the ROOT depends on: the HLO right after SPMD partitioning still holds
+    the dots that windowed-einsum loops replaced (dead until DCE), which must not count."""
+    if not instrs:
+        return instrs
+    by_name = {i.name: i for i in instrs}
+    root = next((i for i in instrs if i.is_root), instrs[-1])
+    seen, stack = {root.name}, [root]
+    while stack:
+        for op in _OP.findall(stack.pop().rest.split("), ")[0]):
+            if op in by_name and op not in seen:
+                seen.add(op)
+                stack.append(by_name[op])
+    return [i for i in instrs if i.name in seen]
+
+
 def _trip_count(module: Module, instr: Instr) -> int:
-    """Iterations of a while loop: annotated, or N from a condition `ROOT compare(i, N) LT`."""
+    """Iterations of a while loop: annotated, or from the condition `i < N` and the body's
+    step `i + k` (windowed-einsum loops may step by 2), counting from 0."""
     known = _TRIP.search(instr.rest)
     if known:
         return int(known.group(1))
     cond = re.search(r"condition=%([\w.\-]+)", instr.rest)
-    body = module.comps.get(cond.group(1), []) if cond else []
-    consts = {i.name: int(c.group(1)) for i in body if i.opcode == "constant"
-              for c in [_CONST.search(f"constant({i.rest}")] if c}
-    for i in body:
+    limit = _compare_limit(module.comps.get(cond.group(1), []) if cond else [])
+    if limit is None:
+        return 1
+    body = re.search(r"body=%([\w.\-]+)", instr.rest)
+    step = _step(module.comps.get(body.group(1), []) if body else [])
+    return max(1, -(-limit // step))
+
+
+def _constants(instrs: list[Instr]) -> dict[str, int]:
+    return {i.name: int(c.group(1)) for i in instrs if i.opcode == "constant"
+            for c in [_CONST.search(f"constant({i.rest}")] if c}
+
+
+def _compare_limit(cond: list[Instr]) -> int | None:
+    consts = _constants(cond)
+    for i in cond:
         if i.opcode == "compare" and "direction=LT" in i.rest:
             for op in _OP.findall(i.rest.split(")")[0]):
                 if op in consts:
                     return consts[op]
+    return None
+
+
+def _step(body: list[Instr]) -> int:
+    """k of the induction variable (element 0 of the loop tuple) updated as `i + k`."""
+    by_name = {i.name: i for i in body}
+    consts = _constants(body)
+    root = next((i for i in body if i.opcode == "tuple" and i is body[-1]), None)
+    if root is None:
+        return 1
+    first = _OP.findall(root.rest.split(")")[0])
+    update = by_name.get(first[0]) if first else None
+    if update is not None and update.opcode == "add":
+        for op in _OP.findall(update.rest.split(")")[0]):
+            if op in consts and consts[op] > 0:
+                return consts[op]
     return 1
 
 
@@ -127,7 +175,7 @@ def _multiplicities(module: Module) -> dict[str, tuple[int, bool]]:
     order = [module.entry]
     for comp in order:  # breadth-first over the call graph (HLO call graphs are acyclic)
         count, looped = mult[comp]
-        for instr in module.comps.get(comp, []):
+        for instr in module.live.get(comp, []):
             trip = _trip_count(module, instr) if instr.opcode == "while" else 1
             for single, many in _CALLS.findall(instr.rest):
                 for callee in [single] if single else _OP.findall(many):
@@ -220,7 +268,7 @@ def flops(module: Module) -> float:
     (read the HLO after SPMD partitioning, before dots become TPU convolutions), loop bodies
     multiplied by their trip counts."""
     total = 0.0
-    for comp, instrs in module.comps.items():
+    for comp, instrs in module.live.items():
         count = module.mult.get(comp, (0, False))[0]
         shapes = {i.name: i.shape for i in instrs}
         for ins in instrs:
