@@ -31,7 +31,7 @@ def export_params(directory: str, flat_params: dict[str, Any], meta: dict | None
     are converted one at a time while writing, so a lazy source is never all on the host.
     """
     store = store_lib.Store(directory)
-    store_lib.write_checkpoint(store, "params", dict(flat_params),
+    store_lib.write_snapshot(store, "params", dict(flat_params),
                                {"kind": "params", "step": 0, "samples_seen": 0, **(meta or {})})
     return directory
 
@@ -40,10 +40,10 @@ def load_flat_params(path: str) -> dict[str, np.ndarray]:
     """Flat {leaf: array} from any accepted source (see module docstring)."""
     store = store_lib.Store(path)
     try:
-        return store_lib.read_params(store, store_lib.load_checkpoint(store, "params"))
+        return store_lib.read_params(store, store_lib.load_snapshot(store, "params"))
     except store_lib.StoreError:
         pass
-    average = store_lib.latest_average_checkpoint(store)
+    average = store_lib.latest_average_snapshot(store)
     if average is not None:
         return store_lib.read_params(store, average)
     try:
@@ -72,9 +72,9 @@ class LeafSource:
         self.path = path
         store = store_lib.Store(path)
         try:
-            ckpt = store_lib.load_checkpoint(store, "params")
+            ckpt = store_lib.load_snapshot(store, "params")
         except store_lib.StoreError:
-            ckpt = store_lib.latest_average_checkpoint(store)
+            ckpt = store_lib.latest_average_snapshot(store)
         if ckpt is not None:
             self.shapes = {k: tuple(e["shape"]) for k, e in ckpt.leaves.items()}
             self._read = lambda leaf: store_lib.read_leaf(store, ckpt, leaf)

@@ -21,7 +21,7 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def _stored_and_raw(ckpt: store_lib.Checkpoint) -> tuple[int, int]:
+def _stored_and_raw(ckpt: store_lib.Snapshot) -> tuple[int, int]:
     """(bytes stored, bytes the same leaves take uncompressed)."""
     stored = raw = 0
     for e in ckpt.leaves.values():
@@ -50,16 +50,16 @@ def store_totals(location: str) -> dict[str, float]:
     t = dict(pushed=0, pushed_raw=0, averaged=0, averager_io=0, worker_io=0, param_bytes=0)
     last_step: dict[int, int] = {}
     pushed_by: dict[int, int] = {}
-    for w, steps in store_lib.worker_checkpoints(store).items():
+    for w, steps in store_lib.worker_pushes(store).items():
         for step in steps:
-            stored, raw = _stored_and_raw(store_lib.load_checkpoint(
+            stored, raw = _stored_and_raw(store_lib.load_snapshot(
                 store, store_lib.worker_prefix(w, step)))
             pushed_by[w] = pushed_by.get(w, 0) + stored
             t["pushed_raw"] += raw
         last_step[w] = steps[-1]
     t["pushed"] = sum(pushed_by.values())
     for r in store_lib.average_rounds(store):
-        ckpt = store_lib.load_checkpoint(store, store_lib.average_prefix(r))
+        ckpt = store_lib.load_snapshot(store, store_lib.average_prefix(r))
         t["param_bytes"] = _stored_and_raw(ckpt)[1]
         t["averaged"] += t["param_bytes"]
         io = ckpt.manifest.get("io") or {}
@@ -100,7 +100,7 @@ def export_final(location: str, directory: str) -> str:
     from jaxscale.init_from import export_params
 
     store = store_lib.Store(location)
-    ckpt = store_lib.latest_average_checkpoint(store)
+    ckpt = store_lib.latest_average_snapshot(store)
     if ckpt is None:
         raise store_lib.StoreError(f"{location}: no complete average to export; run workers "
                                    "and at least one averaging round first.")

@@ -111,14 +111,14 @@ class LofiWorker:
         step = int(jax.device_get(state.step))
         if jax.process_index() == 0:
             store.write("config.json", export_config(trainer.config), if_absent=True)
-        if store_lib.latest_average_checkpoint(store) is None and jax.process_index() == 0:
+        if store_lib.latest_average_snapshot(store) is None and jax.process_index() == 0:
             averager_lib.publish_initial(store, _host_tree(state.params), job=self.job())
-        own = store_lib.worker_checkpoints(store).get(self.lofi.worker_id, [])
+        own = store_lib.worker_pushes(store).get(self.lofi.worker_id, [])
         latest = averager_lib.latest_average(store)
         self.loaded_round = self._resumed_round(store, step, own) if step else (
             latest.round if latest else -1)
         if own and own[-1] > max(step, latest.step if latest else -1):
-            ckpt = store_lib.load_checkpoint(store, store_lib.worker_prefix(self.lofi.worker_id,
+            ckpt = store_lib.load_snapshot(store, store_lib.worker_prefix(self.lofi.worker_id,
                                                                              own[-1]))
             self.loaded_round = int(ckpt.manifest.get("synced_round") or 0)
             latest = averager_lib.Average(self.loaded_round, own[-1],
@@ -142,14 +142,14 @@ class LofiWorker:
         if not self.periodic:
             pushes = [s for s in own if s <= step]
             try:
-                push = store_lib.load_checkpoint(store, store_lib.worker_prefix(
+                push = store_lib.load_snapshot(store, store_lib.worker_prefix(
                     self.lofi.worker_id, pushes[-1])) if pushes else None
             except store_lib.StoreError:
                 push = None
             return int(push.manifest.get("synced_round") or 0) if push else 0
         for round_ in reversed(store_lib.average_rounds(store)):
             try:
-                if store_lib.load_checkpoint(store, store_lib.average_prefix(round_)).step <= step:
+                if store_lib.load_snapshot(store, store_lib.average_prefix(round_)).step <= step:
                     return round_
             except store_lib.StoreError:
                 continue
@@ -204,7 +204,7 @@ class LofiWorker:
     def _wait_for_round_after(self, step: int) -> Any:
         deadline = time.monotonic() + float(self.lofi.sync_timeout_s)
         while time.monotonic() < deadline:
-            ckpt = store_lib.latest_average_checkpoint(self.store)
+            ckpt = store_lib.latest_average_snapshot(self.store)
             if (ckpt is not None and ckpt.step >= step
                     and int(ckpt.manifest["round"]) > self.loaded_round):
                 return averager_lib.Average(int(ckpt.manifest["round"]), ckpt.step,
