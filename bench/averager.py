@@ -1,7 +1,8 @@
 """Lo-Fi averager throughput and peak memory vs the disk's raw copy speed, for growing models.
 
 For each model size, N workers push float32 weights to a local store; then, in a fresh process
-(so its peak RSS is its own), one `mean` round streams them and publishes the average. Two
+(so its peak RSS is its own, started with `AVERAGER_ENV` as `launch.lofi_local` starts the
+averager), one `mean` round streams them and publishes the average. Two
 baselines, measured in the same run on the same files: a raw copy (plain file reads of every
 chunk file the round reads, N pushes + the base average, and one synced file write of the
 output size) and a "ts copy" (the same bytes through tensorstore's zarr3 driver, which checks
@@ -46,6 +47,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
+
+from jaxscale.lofi.job import AVERAGER_ENV  # noqa: E402  (as launch.lofi_local starts it)
 
 LEAF = 1 << 24  # 16M float32 values = 64 MiB per leaf
 CRC = 4  # bytes of crc32c at the end of each chunk file
@@ -161,12 +164,12 @@ def ts_copy(path: str) -> tuple[float, int]:
     """The round's reads and write through tensorstore alone: every pushed leaf and the base,
     block by block, and the base written to a fresh array (fsynced per chunk by tensorstore's
     file kvstore, as the averager's output is)."""
-    from jaxscale.lofi.store import Store, average_prefix, load_checkpoint, worker_checkpoints
+    from jaxscale.lofi.store import Store, average_prefix, load_snapshot, worker_pushes
 
     store = Store(path)
-    ckpts = [load_checkpoint(store, average_prefix(0))] + [
-        load_checkpoint(store, f"workers/{w}/{steps[-1]}")
-        for w, steps in worker_checkpoints(store).items()]
+    ckpts = [load_snapshot(store, average_prefix(0))] + [
+        load_snapshot(store, f"workers/{w}/{steps[-1]}")
+        for w, steps in worker_pushes(store).items()]
     block, moved = 1 << 20, 0
     t0 = time.perf_counter()
     for leaf, entry in sorted(ckpts[0].leaves.items()):
@@ -233,7 +236,7 @@ def measure(root: str, size: int, cache: str, args: argparse.Namespace
             os.remove(os.path.join(path, "commits", "average", "1"))
         before(path)
         out = subprocess.run([sys.executable, "-c", CHILD, path, str(args.budget_mib << 20)],
-                             env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": ROOT, **AVERAGER_ENV}, cwd=ROOT,
                              capture_output=True, text=True, check=True)
         rounds.append(json.loads(out.stdout.strip().splitlines()[-1]))
     r = min(rounds, key=lambda round_: round_["seconds"])  # the fastest, like the raw copy's

@@ -27,7 +27,7 @@ def export_params(directory: str, flat_params: dict[str, Any], meta: dict | None
     are converted one at a time while writing, so a lazy source is never all on the host.
     """
     store = store_lib.Store(directory)
-    store_lib.write_checkpoint(store, "params", dict(flat_params),
+    store_lib.write_snapshot(store, "params", dict(flat_params),
                                {"kind": "params", "step": 0, "samples_seen": 0, **(meta or {})})
     return directory
 

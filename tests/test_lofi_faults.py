@@ -50,7 +50,7 @@ def test_hostile_manifest_fields_are_rejected_naming_the_field(store, case):
     _push(store, 1, 5, _params(2))
     _tamper(store, "workers/1/5", edit)
     with pytest.raises(S.StoreError, match=field):
-        S.load_checkpoint(store, "workers/1/5")
+        S.load_snapshot(store, "workers/1/5")
     report = run_round(store, TINY_BUDGET)
     assert report.used == {0: 5} and field in report.skipped[1]
 
@@ -60,7 +60,7 @@ def test_unparseable_manifest_is_rejected(store):
     store.kv.write("workers/0/5/manifest.json", b"{not json").result()
     store.kv.write(S.commit_key("workers/0/5"), S._sha(b"{not json").encode()).result()
     with pytest.raises(S.StoreError, match="not valid JSON"):
-        S.load_checkpoint(store, "workers/0/5")
+        S.load_snapshot(store, "workers/0/5")
 
 
 def test_sample_weights_must_be_finite_and_non_negative():
@@ -110,12 +110,12 @@ def test_committed_push_is_never_overwritten_and_partial_push_is_redone(store):
     _push(store, 0, 5, first)
     again = S.push(store, 0, 5, _params(2), samples_seen=1)
     assert again.skipped and again.bytes_written == 0
-    back = S.read_params(store, S.load_checkpoint(store, "workers/0/5"))
+    back = S.read_params(store, S.load_snapshot(store, "workers/0/5"))
     np.testing.assert_array_equal(back["b"], first["b"])
     _push(store, 0, 6, _params(3))
     uncommit(store, "workers/0/6")  # killed between manifest and COMMIT
     assert not S.push(store, 0, 6, _params(4), samples_seen=1).skipped
-    back = S.read_params(store, S.load_checkpoint(store, "workers/0/6"))
+    back = S.read_params(store, S.load_snapshot(store, "workers/0/6"))
     np.testing.assert_array_equal(back["b"], _params(4)["b"])
 
 
@@ -169,7 +169,7 @@ def test_diloco_momentum_is_checksummed(store, tmp_path):
     cfg = AveragerConfig(outer="diloco", chunk_budget_bytes=1)
     _push(store, 0, 5, {k: v + 1 for k, v in _params(0).items()})
     assert run_round(store, cfg).round == 1
-    data = S.load_checkpoint(store, "average/1").data
+    data = S.load_snapshot(store, "average/1").data
     chunk = tmp_path / "store" / data / "momentum" / "b" / "c" / "0"
     raw = bytearray(chunk.read_bytes())
     raw[-1] ^= 0x01
@@ -198,7 +198,7 @@ def test_claim_and_data_released_on_unexpected_error(store, monkeypatch):
         raise RuntimeError("disk on fire")
 
     _push(store, 0, 5, _params(1))
-    monkeypatch.setattr(A, "reduce_round", boom)
+    monkeypatch.setattr(A, "stream_round", boom)
     with pytest.raises(RuntimeError):
         run_round(store, TINY_BUDGET)
     assert store.keys("average/1/") == []
@@ -213,7 +213,7 @@ def test_two_racing_averagers_publish_the_round_once(store):
     reports = race_two_averagers(store.location, TINY_BUDGET)
     assert sorted(r.published for r in reports) == [False, True]
     assert S.average_rounds(store) == [0, 1]
-    avg = S.load_checkpoint(store, "average/1")
+    avg = S.load_snapshot(store, "average/1")
     S.read_params(store, avg)  # every chunk verifies
     dirs = {k.split("/")[2] for k in store.keys("average/1/") if k.count("/") > 2}
     assert dirs == {avg.manifest["data"]}  # the loser left nothing behind
@@ -240,7 +240,7 @@ def _stall_a_then_run_b(store, monkeypatch, attr, stall):
     a.start()
     stalled.wait(60)
     b = run_round(store, dataclasses.replace(TINY_BUDGET, claim_timeout_s=0.0))
-    expected = S.read_params(store, S.load_checkpoint(store, "average/1"))
+    expected = S.read_params(store, S.load_snapshot(store, "average/1"))
     resume.set()
     a.join()
     return out["a"], b, expected
@@ -250,10 +250,10 @@ def test_presumed_dead_averager_waking_up_cannot_damage_the_round(store, monkeyp
     """A takes round 1 and stalls past the claim timeout; B takes over and publishes; A wakes,
     finishes writing into its own directory and fails to commit: round 1 stays B's, intact."""
     _push(store, 0, 5, _params(1))
-    a, b, expected = _stall_a_then_run_b(store, monkeypatch, "reduce_round", lambda inp: None)
+    a, b, expected = _stall_a_then_run_b(store, monkeypatch, "stream_round", lambda inp: None)
     assert b.round == 1
     assert not a.published and "another averager" in a.note
-    got = S.read_params(store, S.load_checkpoint(store, "average/1"))
+    got = S.read_params(store, S.load_snapshot(store, "average/1"))
     np.testing.assert_array_equal(got["layers/w"], expected["layers/w"])
 
 
@@ -271,7 +271,7 @@ def test_averager_stalled_between_manifest_and_commit_cannot_damage_the_round(st
     assert b.published and b.round == 1 and not a.published
     ours = S.committed_data(store, "average/1")
     assert {k.split("/")[2] for k in store.keys("average/1/") if k.count("/") > 2} == {ours}
-    got = S.read_params(store, S.load_checkpoint(store, "average/1"))
+    got = S.read_params(store, S.load_snapshot(store, "average/1"))
     np.testing.assert_array_equal(got["layers/w"], expected["layers/w"])
     _push(store, 0, 6, _params(3))
     assert run_round(store, TINY_BUDGET).round == 2
@@ -299,13 +299,13 @@ def test_two_processes_pushing_one_worker_step_keep_the_first(store):
     first = _push(store, 0, 5, _params(1))
     second = _push(store, 0, 5, _params(2))
     assert not first.skipped and second.skipped
-    got = S.read_params(store, S.load_checkpoint(store, "workers/0/5"))
+    got = S.read_params(store, S.load_snapshot(store, "workers/0/5"))
     np.testing.assert_array_equal(got["b"], _params(1)["b"])
 
 
 KILL_MID_AVERAGE = """
 import os, signal, sys
-import jaxscale.lofi.reduce as R
+import jaxscale.lofi.stream as R
 from jaxscale.lofi.averager import AveragerConfig, run_round
 real, calls = R._write_block, []
 def dying(*args):
@@ -334,7 +334,7 @@ def test_averager_killed_mid_write_leaves_previous_average_newest(store):
     assert "another averager" in run_round(store, TINY_BUDGET).note  # claim still fresh
     report = run_round(store, dataclasses.replace(TINY_BUDGET, claim_timeout_s=0.0))
     assert report.round == 2 and report.used == {0: 10}
-    S.read_params(store, S.load_checkpoint(store, "average/2"))
+    S.read_params(store, S.load_snapshot(store, "average/2"))
 
 
 def test_wrong_dtype_or_tree_is_rejected_naming_the_leaf(store):

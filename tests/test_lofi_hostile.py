@@ -40,7 +40,7 @@ def _shifted(offset, seed=0):
 
 
 def _avg(st, round_):
-    return S.read_params(st, S.load_checkpoint(st, f"average/{round_}"))
+    return S.read_params(st, S.load_snapshot(st, f"average/{round_}"))
 
 
 def test_trimmed_mean_trims_one_per_side_with_4_workers_and_says_so(store):
@@ -57,7 +57,7 @@ def test_trimmed_mean_trims_one_per_side_with_4_workers_and_says_so(store):
     for k in base:  # every coordinate stays inside the honest workers' range
         assert np.all(got[k] >= np.minimum.reduce([h[k] for h in honest]) - 1e-5)
         assert np.all(got[k] <= np.maximum.reduce([h[k] for h in honest]) + 1e-5)
-    assert S.load_checkpoint(store, "average/1").manifest["trimmed"] == {"per_side": 1, "of": 4}
+    assert S.load_snapshot(store, "average/1").manifest["trimmed"] == {"per_side": 1, "of": 4}
 
 
 def test_trimmed_mean_refuses_a_trim_that_removes_nothing(store):
@@ -103,12 +103,12 @@ def test_impossible_step_is_rejected_and_round_step_is_not_one_workers_claim(job
     report = run_round(job_store, cfg)
     assert report.used == {0: 10, 1: 10}
     assert "beyond" in report.skipped[2] and "rejected" in report.skipped[2]
-    assert S.load_checkpoint(job_store, "average/1").step == 10
+    assert S.load_snapshot(job_store, "average/1").step == 10
     # Within the job's steps, a single worker's claim still does not set the round's step.
     for w, s in ((0, 20), (1, 20), (2, 90)):
         _push(job_store, w, s, _shifted(0.4))
     assert run_round(job_store, cfg).used == {0: 20, 1: 20, 2: 90}
-    assert S.load_checkpoint(job_store, "average/2").step == 20
+    assert S.load_snapshot(job_store, "average/2").step == 20
 
 
 def test_step_beyond_int32_is_rejected_without_job_settings(store):
@@ -238,7 +238,7 @@ def _metric_steps(workdir):
 
 
 def _first_leaf(st, prefix):
-    return sorted(S.load_checkpoint(st, prefix).leaves)[0]
+    return sorted(S.load_snapshot(st, prefix).leaves)[0]
 
 
 @pytest.mark.slow
@@ -260,14 +260,14 @@ def test_worker_restarts_past_a_corrupt_push_a_damaged_average_and_a_hostile_ste
     assert "its push of step 4 is corrupt" in caplog.text and "falling back" in caplog.text
     assert run_round(store, AveragerConfig()).round == 1
     _flip_a_bit(store, "average/1", _first_leaf(store, "average/1"))
-    _push(store, 1, 2**40, S.read_params(store, S.load_checkpoint(store, "average/0")))
+    _push(store, 1, 2**40, S.read_params(store, S.load_snapshot(store, "average/0")))
     c.lofi.worker_id, c.train.steps = 1, 4
     caplog.clear()
     with caplog.at_level("WARNING"):
         train(c, str(tmp_path / "w1"))  # used to crash on average/1, then overflow int32
     assert _metric_steps(tmp_path / "w1") == [1, 2, 3, 4]
     assert "average/1 does not verify" in caplog.text
-    assert S.worker_checkpoints(store)[1] == [2, 4, 2**40]
+    assert S.worker_pushes(store)[1] == [2, 4, 2**40]
 
 
 @pytest.mark.slow
@@ -283,7 +283,7 @@ def test_worker_with_another_model_refuses_before_touching_the_store(tmp_path):
     c.model.embed = c.model.embed // 2
     with pytest.raises(ConfigError, match=r"another model than the job.*model\.embed=32"):
         train(c, str(tmp_path / "w1"))
-    assert 1 not in S.worker_checkpoints(S.Store(c.lofi.store))
+    assert 1 not in S.worker_pushes(S.Store(c.lofi.store))
 
 
 # ------------------------------------------------------------ a full disk
@@ -361,7 +361,7 @@ def test_injected_resource_exhausted_is_one_paragraph_and_leaves_nothing(store, 
 # ------------------------------------------------------------ the claim is a lease
 DIES_MID_ROUND = """
 import os, signal, sys, time
-import jaxscale.lofi.reduce as R
+import jaxscale.lofi.stream as R
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, run_round
 def dying(*args):

@@ -35,7 +35,7 @@ def _round_of_three(location: str) -> tuple[object, dict]:
 def test_round_on_an_s3_server_equals_the_local_store_bit_for_bit(s3_location, tmp_path):
     report, st = _round_of_three(s3_location)
     assert report.published and report.used == {0: 10, 1: 10, 2: 10}
-    assert S.worker_checkpoints(st) == {0: [10], 1: [10], 2: [10]}
+    assert S.worker_pushes(st) == {0: [10], 1: [10], 2: [10]}
     assert S.average_rounds(st) == [0, 1]
     local_report, local = _round_of_three(str(tmp_path / "store"))
     assert local_report.used == report.used

@@ -102,7 +102,7 @@ def test_damaged_chunk_file_is_a_read_error_not_garbage(tmp_path, damage):
     whose stored crc32c has a flipped bit fails the check."""
     st = S.Store(str(tmp_path))
     S.push(st, 0, 1, {"w": np.arange(1, 3 * S.CHUNK + 5, dtype=np.float32)}, samples_seen=1)
-    ckpt = S.load_checkpoint(st, S.worker_prefix(0, 1))
+    ckpt = S.load_snapshot(st, S.worker_prefix(0, 1))
     chunks = tmp_path / ckpt.data / "arrays" / "w" / "c"
     if damage == "truncate":
         (chunks / "1").write_bytes((chunks / "1").read_bytes()[:100])
@@ -136,7 +136,7 @@ def test_nonfinite_push_rejected(store):
 
 
 def test_nonfinite_value_deep_in_a_block_is_found_in_its_piece(store):
-    from jaxscale.lofi.reduce import piece_size
+    from jaxscale.lofi.stream import piece_size
     piece = piece_size(2)
     assert piece < S.CHUNK  # a one-chunk block (TINY_BUDGET) holds several pieces
     where = S.CHUNK + piece + 17  # second block, second piece: pieces are checked one by one
@@ -178,7 +178,7 @@ def test_manifest_escaping_the_store_is_rejected(store):
     tamper(store, "workers/0/5",
            lambda m: m["leaves"].__setitem__("../../outside", m["leaves"].pop("b")))
     with pytest.raises(S.StoreError, match="escape the store"):
-        S.load_checkpoint(store, "workers/0/5")
+        S.load_snapshot(store, "workers/0/5")
     assert "escape" in run_round(store, TINY_BUDGET).skipped[0]
 
 
@@ -222,7 +222,7 @@ def test_quantization_error_bound_and_compressed_push(store):
               for k, v in _params(0).items()}
     report = S.push(store, 0, 5, pushed, 1, compress=True)
     assert report.bytes_written < 0.3 * report.raw_bytes
-    back = S.read_params(store, S.load_checkpoint(store, "workers/0/5"))
+    back = S.read_params(store, S.load_snapshot(store, "workers/0/5"))
     for k in pushed:
         np.testing.assert_allclose(back[k], pushed[k], atol=0.01 / 127)
 
@@ -232,10 +232,10 @@ def test_arrays_are_zarr3_with_crc32c_and_older_formats_are_named(store):
     _push(store, 0, 5, _params(1))
     zarr = json.loads(store.read(f"{data_dir(store, 'workers/0/5')}/arrays/b/zarr.json"))
     assert {"name": "crc32c"} in zarr["codecs"]
-    assert S.load_checkpoint(store, "workers/0/5").chunk == S.CHUNK == 1 << 18
+    assert S.load_snapshot(store, "workers/0/5").chunk == S.CHUNK == 1 << 18
     tamper(store, "workers/0/5", lambda m: m.update(format=1))
     with pytest.raises(S.StoreError, match="format 1, but this jaxscale reads format 2"):
-        S.load_checkpoint(store, "workers/0/5")
+        S.load_snapshot(store, "workers/0/5")
 
 
 @pytest.mark.parametrize("chunk", [1000, 1 << 25, True, "big"])
@@ -243,7 +243,7 @@ def test_bad_chunk_size_is_rejected(store, chunk):
     _push(store, 0, 5, _params(1))
     tamper(store, "workers/0/5", lambda m: m.update(chunk=chunk))
     with pytest.raises(S.StoreError, match="chunk = .*power of two"):
-        S.load_checkpoint(store, "workers/0/5")
+        S.load_snapshot(store, "workers/0/5")
 
 
 def test_arrays_are_complete_before_any_commit_names_them(store, monkeypatch):
@@ -258,7 +258,7 @@ def test_arrays_are_complete_before_any_commit_names_them(store, monkeypatch):
             relative = data.decode().split(" ", 1)[1]
             manifest = json.loads(self.read(f"{prefix}/{relative}"))
             fresh = S.Store(self.location)
-            ckpt = S.Checkpoint(prefix, manifest)
+            ckpt = S.Snapshot(prefix, manifest)
             commits.append((key, {leaf: S.read_leaf(fresh, ckpt, leaf) for leaf in ckpt.leaves}))
         return write(self, key, data, **kw)
     monkeypatch.setattr(S.Store, "write", checked)
@@ -292,13 +292,13 @@ def test_checkpoints_are_found_by_listing_commits_without_listing_chunks(store, 
     listed = []
     keys = S.Store.keys
     monkeypatch.setattr(S.Store, "keys", lambda self, p: listed.append(p) or keys(self, p))
-    assert S.worker_checkpoints(store) == {0: [5], 1: [5]}
+    assert S.worker_pushes(store) == {0: [5], 1: [5]}
     assert S.average_rounds(store) == [0]
     assert listed == ["commits/workers/", "commits/average/"]  # no chunk key was listed
 
 
 def test_budget_below_one_block_is_warned_with_the_fix(caplog):
-    from jaxscale.lofi.reduce import block_size
+    from jaxscale.lofi.stream import block_size
     assert block_size(64, 64 << 20, S.CHUNK) == S.CHUNK  # one chunk per block: over budget
     assert "raise --chunk_budget_mb to at least 198" in caplog.text
     caplog.clear()
@@ -321,5 +321,5 @@ def test_polling_the_newest_average_reads_each_commit_once(store):
         def __getattr__(self, name):
             return getattr(self.kv, name)
     store.kv = Counting(store.kv)
-    assert S.latest_average_checkpoint(store).manifest["round"] == 1
+    assert S.latest_average_snapshot(store).manifest["round"] == 1
     assert reads.count("commits/average/1") == 1 and "commits/average/0" not in reads

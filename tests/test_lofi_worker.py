@@ -40,7 +40,7 @@ def test_one_worker_lofi_equals_plain_training(tmp_path):
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2")
     train(c, str(tmp_path / "lofi"))
     np.testing.assert_array_equal(_losses(tmp_path / "plain"), _losses(tmp_path / "lofi"))
-    assert S.worker_checkpoints(S.Store(c.lofi.store)) == {0: [2, 4]}
+    assert S.worker_pushes(S.Store(c.lofi.store)) == {0: [2, 4]}
     run_round(c.lofi.store, AveragerConfig())
     average = latest_average(c.lofi.store).params
     for leaf, value in flatten(plain.params).items():
@@ -107,15 +107,15 @@ def test_periodic_worker_pushes_ema_resets_optimizer_and_continues_from_average(
     c.checkpoint.update(every=2, keep=5)
     rec = _train_with_watching_averager(c, str(tmp_path / "w0"))
     st = S.Store(store)
-    p0 = S.read_params(st, S.load_checkpoint(st, "average/0"))
+    p0 = S.read_params(st, S.load_snapshot(st, "average/0"))
     ema = {k: 0.25 * p0[k] + 0.25 * rec.params[1][k] + 0.5 * rec.params[2][k] for k in p0}
-    pushed = S.read_params(st, S.load_checkpoint(st, "workers/0/2"))
-    round1 = S.read_params(st, S.load_checkpoint(st, "average/1"))
+    pushed = S.read_params(st, S.load_snapshot(st, "workers/0/2"))
+    round1 = S.read_params(st, S.load_snapshot(st, "average/1"))
     for k in p0:  # the push is the EMA, and (1 worker, mean) round 1 is that push
         np.testing.assert_allclose(pushed[k], ema[k], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(round1[k], pushed[k], rtol=1e-6, atol=1e-7)
     assert rec.counts[2] == {2} and rec.counts[3] == {1}  # fresh optimizer after the sync
-    assert S.load_checkpoint(st, "workers/0/4").manifest["synced_round"] == 1
+    assert S.load_snapshot(st, "workers/0/4").manifest["synced_round"] == 1
     # The checkpoint of sync step 2 holds the average the run continued with (round 1, the
     # EMA push), not the raw pre-sync weights: a run resumed from it misses no average.
     shutil.rmtree(tmp_path / "w0" / "checkpoints" / "4")
@@ -139,7 +139,7 @@ def test_restarted_worker_continues_from_its_last_complete_push(tmp_path):
     train(c, str(tmp_path / "w0"))
     steps = [json.loads(l)["step"] for l in open(tmp_path / "w0" / "metrics.jsonl")]
     assert steps == [3, 4, 5, 6]  # resumed after step 2, the last complete push
-    assert S.worker_checkpoints(store)[0] == [2, 4, 6]
+    assert S.worker_pushes(store)[0] == [2, 4, 6]
 
 
 @pytest.mark.slow
@@ -155,8 +155,8 @@ def test_worker_resumed_from_its_own_checkpoint_reports_the_round_it_continued_f
     c.train.steps = 6
     train(c, str(tmp_path / "w0"))  # resumes from its own checkpoint of step 4
     store = S.Store(c.lofi.store)
-    assert S.worker_checkpoints(store)[0] == [2, 4, 6]
-    assert S.load_checkpoint(store, "workers/0/6").manifest["synced_round"] == 0
+    assert S.worker_pushes(store)[0] == [2, 4, 6]
+    assert S.load_snapshot(store, "workers/0/6").manifest["synced_round"] == 0
 
 
 KILL_MID_PUSH = """
@@ -180,7 +180,7 @@ def test_worker_killed_mid_push_leaves_no_visible_checkpoint(tmp_path):
     proc = subprocess.run([sys.executable, "-c", KILL_MID_PUSH, store_dir], env=ENV, cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL
     store = S.Store(store_dir)
-    assert S.worker_checkpoints(store) == {3: [5]}  # step 7 is partial: invisible
+    assert S.worker_pushes(store) == {3: [5]}  # step 7 is partial: invisible
     assert store.read(S.commit_key("workers/3/7")) is None
 
 
@@ -240,7 +240,7 @@ def test_lofi_local_diloco_end_to_end_leaves_final_average(tmp_path):
     store = S.Store(str(store_dir))
     rounds = S.average_rounds(store)
     assert len(rounds) >= 3  # initial, step 2, final
-    last = S.load_checkpoint(store, S.average_prefix(rounds[-1]))
+    last = S.load_snapshot(store, S.average_prefix(rounds[-1]))
     assert last.manifest["outer"] == "diloco" and last.manifest["contributors"] == {"0": 4, "1": 4}
     assert all(e["momentum"] for e in last.leaves.values())
     final = store_dir / "runs" / "final"
@@ -277,10 +277,10 @@ def test_lofi_local_sigterm_stops_every_process_and_leaves_store_consistent(tmp_
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read()
     store = S.Store(str(store_dir))
     for r in S.average_rounds(store):
-        S.read_params(store, S.load_checkpoint(store, S.average_prefix(r)))
-    for w, steps in S.worker_checkpoints(store).items():
+        S.read_params(store, S.load_snapshot(store, S.average_prefix(r)))
+    for w, steps in S.worker_pushes(store).items():
         for step in steps:
-            S.load_checkpoint(store, S.worker_prefix(w, step))
+            S.load_snapshot(store, S.worker_prefix(w, step))
     claims = {k.split("/")[1] for k in store.keys("average/") if k.endswith("/CLAIM")}
     committed = {str(r) for r in S.average_rounds(store)}
     assert claims <= committed  # the averager released any claim it held
@@ -375,7 +375,7 @@ def test_worker_that_lost_its_workdir_continues_from_the_newest_average(tmp_path
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2", num_workers=2)
     train(c, str(tmp_path / "w0"))
     store = S.Store(c.lofi.store)
-    own = S.read_params(store, S.load_checkpoint(store, "workers/0/4"))
+    own = S.read_params(store, S.load_snapshot(store, "workers/0/4"))
     S.push(store, 1, 4, {k: v + 1.0 for k, v in own.items()}, 64)  # a second worker's push
     assert run_round(store, AveragerConfig()).used == {0: 4, 1: 4}
     average = latest_average(store)
@@ -383,7 +383,7 @@ def test_worker_that_lost_its_workdir_continues_from_the_newest_average(tmp_path
     c.train.steps = 5
     train(c, str(tmp_path / "w0_new_vm"), hooks=[rec])
     assert list(rec.params) == [5]                       # continued after step 4
-    assert S.load_checkpoint(store, "workers/0/5").manifest["synced_round"] == 1
+    assert S.load_snapshot(store, "workers/0/5").manifest["synced_round"] == 1
     first_step = {k: rec.params[5][k] - average.params[k] for k in own}
     assert all(np.abs(d).max() < 0.1 for d in first_step.values())  # one step from round 1,
     assert any(np.abs(average.params[k] - own[k]).max() > 0.4 for k in own)  # not its own push
@@ -397,9 +397,9 @@ def test_worker_with_compression_pushes_int8_deltas_the_averager_reads_back(tmp_
     rec = _Recorder()
     train(c, str(tmp_path / "w0"), hooks=[rec])
     store = S.Store(c.lofi.store)
-    push = S.load_checkpoint(store, "workers/0/4")
+    push = S.load_snapshot(store, "workers/0/4")
     assert {e["encoding"] for e in push.leaves.values()} == {"q8delta"}
-    p0 = S.read_params(store, S.load_checkpoint(store, "average/0"))
+    p0 = S.read_params(store, S.load_snapshot(store, "average/0"))
     back = S.read_params(store, push)
     for k, trained in rec.params[4].items():  # within half an int8 step of each block's scale
         np.testing.assert_allclose(back[k], trained, atol=np.abs(trained - p0[k]).max() / 254

@@ -20,13 +20,13 @@ from jaxscale.lofi.accounting import accounting_lines, export_final
 from jaxscale.lofi.averager import AveragerConfig, describe, run_round
 from jaxscale.lofi.lease import DEFAULT_LEASE_S
 from jaxscale.lofi.localfs import check_store_root
-from jaxscale.lofi.store import Store, kvstore_spec, latest_average_checkpoint
+from jaxscale.lofi.store import Store, kvstore_spec, latest_average_snapshot
 
 _STORE = flags.DEFINE_string("store", None, "Store location (path, gs://, s3://).", required=True)
 _WATCH = flags.DEFINE_bool("watch", False, "Keep running rounds as workers push.")
 _REPAIR_INDEX = flags.DEFINE_bool(
     "repair_index", False, "No longer needed, and refused: stores have no index to repair "
-    "(committed checkpoints are found by listing their COMMIT markers under commits/).")
+    "(committed snapshots are found by listing their COMMIT markers under commits/).")
 _INTERVAL = flags.DEFINE_float("interval_s", 1.0, "Polling interval with --watch.")
 _AGG = flags.DEFINE_enum("aggregator", "mean", ["mean", "median", "trimmed_mean", "centered_clip"],
                          "How deltas are reduced.")
@@ -75,7 +75,7 @@ def main(argv):
     if _REPAIR_INDEX.value:
         raise ConfigError(paragraph(
             "--repair_index is no longer needed: a Lo-Fi store has no index any more. Committed",
-            "checkpoints are found by listing their COMMIT markers (STORE/commits/workers/ and",
+            "snapshots are found by listing their COMMIT markers (STORE/commits/workers/ and",
             "STORE/commits/average/), so nothing can be missing from a listing. Run the averager",
             "without --repair_index.",
         ))
@@ -90,7 +90,7 @@ def main(argv):
         time.sleep(_INTERVAL.value)
     if _FINAL.value:  # a round that found nothing new leaves the newest average as the final one
         print(f"final average exported to {export_final(_STORE.value, _FINAL.value)} "
-              f"(round {latest_average_checkpoint(store).manifest['round']})")
+              f"(round {latest_average_snapshot(store).manifest['round']})")
     print("\n".join(accounting_lines(_STORE.value)), flush=True)
 
 

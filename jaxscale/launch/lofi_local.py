@@ -8,7 +8,7 @@ import os
 from absl import app, flags
 
 from jaxscale.config import LOFI_SYNC_MODES
-from jaxscale.lofi.local import LofiJob, lofi_vm_commands, run_local
+from jaxscale.lofi.job import LofiJob, lofi_vm_commands, run_local
 
 _N = flags.DEFINE_integer("num_workers", 4, "Worker processes, each with its own mesh.")
 _DEV = flags.DEFINE_integer("devices_per_worker", 2, "Simulated CPU devices per worker.")

@@ -21,7 +21,7 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def _stored_and_raw(ckpt: store_lib.Checkpoint) -> tuple[int, int]:
+def _stored_and_raw(ckpt: store_lib.Snapshot) -> tuple[int, int]:
     """(bytes stored, bytes the same leaves take uncompressed)."""
     stored = raw = 0
     for e in ckpt.leaves.values():
@@ -44,11 +44,11 @@ def _worker_stats(store: store_lib.Store) -> dict[int, dict]:
     return out
 
 
-def _loadable(store: store_lib.Store, prefix: str) -> store_lib.Checkpoint | None:
+def _loadable(store: store_lib.Store, prefix: str) -> store_lib.Snapshot | None:
     """The checkpoint, or None where the rounds skip it (corrupt, partial): the accounting
     counts what was exchanged and never fails a run that already published."""
     try:
-        return store_lib.load_checkpoint(store, prefix)
+        return store_lib.load_snapshot(store, prefix)
     except store_lib.StoreError:
         return None
 
@@ -59,7 +59,7 @@ def store_totals(location: str) -> dict[str, float]:
     t = dict(pushed=0, pushed_raw=0, averaged=0, averager_io=0, worker_io=0, param_bytes=0)
     last_step: dict[int, int] = {}
     pushed_by: dict[int, int] = {}
-    for w, steps in store_lib.worker_checkpoints(store).items():
+    for w, steps in store_lib.worker_pushes(store).items():
         for step in steps:
             ckpt = _loadable(store, store_lib.worker_prefix(w, step))
             if ckpt is None:
@@ -113,7 +113,7 @@ def export_final(location: str, directory: str) -> str:
     from jaxscale.init_from import export_params
 
     store = store_lib.Store(location)
-    ckpt = store_lib.latest_average_checkpoint(store)
+    ckpt = store_lib.latest_average_snapshot(store)
     if ckpt is None:
         raise store_lib.StoreError(f"{location}: no complete average to export; run workers "
                                    "and at least one averaging round first.")

@@ -1,4 +1,5 @@
-"""Aggregators over workers' deltas: pure float32 array math that knows nothing of models.
+"""Aggregators over workers' deltas: pure float32 array math that knows nothing of models or
+storage (`stream.py` feeds them block by block, `averager.py` runs the rounds).
 
 Every aggregator takes `deltas` of shape (workers, n) — each worker's flattened difference from
 the previous average — and per-worker `weights` (samples seen), and returns the aggregated (n,)

@@ -1,11 +1,11 @@
-"""Averaging rounds: pick workers' newest complete pushes, stream them chunk by chunk, publish.
+"""The averager: decides what each averaging round uses, has `stream.py` compute it, publishes.
 
 A round uses, for each allowed worker, its newest committed push made since the previous round
 (at least `min_workers` of them, else nothing is published). Each contribution is validated
 (structure, shapes, dtypes, staleness) before any data is read; chunks are checked against their
 crc32c (by tensorstore) and for non-finite values while streaming, and a worker failing either is dropped and
 the round restarted without it. Deltas from the previous average are reduced in float32 by the
-chosen aggregator, one block of at most `chunk_budget_bytes` at a time (see `reduce.py`), so peak
+chosen aggregator, one block of at most `chunk_budget_bytes` at a time (see `stream.py`), so peak
 memory does not grow with model size. Round 0 is the initial weights (and the job's quorum
 settings), published by the first worker to start. A claim key makes racing averagers publish a
 round once; the claim and any unpublished data are released in a `finally`.
@@ -26,10 +26,10 @@ from jaxscale.lofi import fallback
 from jaxscale.lofi.diskfull import disk_full_error, is_disk_full
 from jaxscale.lofi.lease import DEFAULT_LEASE_S, Renewal, claim, holder, release
 from jaxscale.lofi.manifest import FORMAT
-from jaxscale.lofi.reduce import Abort, Drop, RoundInputs, reduce_round
-from jaxscale.lofi.store import (Checkpoint, LostRace, Store, StoreError, average_prefix, commit,
-                                 commit_key, load_checkpoint, worker_checkpoints, worker_prefix,
-                                 write_checkpoint)
+from jaxscale.lofi.stream import Abort, Drop, RoundInputs, stream_round
+from jaxscale.lofi.store import (LostRace, Snapshot, Store, StoreError, average_prefix, commit,
+                                 commit_key, load_snapshot, worker_prefix, worker_pushes,
+                                 write_snapshot)
 from jaxscale.lofi.trust import TrimError, round_step, step_problem, trim_count, worker_weights
 
 log = logging.getLogger("jaxscale.lofi")
@@ -84,7 +84,7 @@ def job_settings(store: Store) -> dict:
     """The `config.lofi` quorum settings (and the outer optimizer its `sync` implies) recorded
     in round 0 ({} if none; stores from before `sync` was recorded give no `outer`)."""
     try:
-        job = load_checkpoint(store, average_prefix(0)).manifest.get("job") or {}
+        job = load_snapshot(store, average_prefix(0)).manifest.get("job") or {}
     except StoreError:
         return {}
     if not job:  # round 0 published by hand (publish_initial without job settings)
@@ -143,14 +143,14 @@ def publish_initial(store: Store, params: dict, step: int = 0, job: dict | None 
         return False
     meta = {"kind": "average", "round": 0, "step": step, "samples_seen": 0, "contributors": {}}
     try:  # several first workers may race: each writes its own attempt, one commits
-        write_checkpoint(store, average_prefix(0), params,
+        write_snapshot(store, average_prefix(0), params,
                          {**meta, **({"job": job} if job else {})}, exclusive=True)
     except LostRace:
         return False
     return True
 
 
-def _structure_problem(ckpt: Checkpoint, base: Checkpoint) -> str | None:
+def _structure_problem(ckpt: Snapshot, base: Snapshot) -> str | None:
     mine, ref = ckpt.leaves, base.leaves
     if set(mine) != set(ref):
         extra, missing = sorted(set(mine) - set(ref)), sorted(set(ref) - set(mine))
@@ -162,7 +162,7 @@ def _structure_problem(ckpt: Checkpoint, base: Checkpoint) -> str | None:
     return None
 
 
-def _staleness(ckpt: Checkpoint, base: Checkpoint, cfg: AveragerConfig) -> str | None:
+def _staleness(ckpt: Snapshot, base: Snapshot, cfg: AveragerConfig) -> str | None:
     """Rounds between the average the push continued from and the base of this round."""
     behind = int(base.manifest["round"]) - int(ckpt.manifest.get("synced_round") or 0)
     if cfg.max_staleness and behind > cfg.max_staleness:
@@ -172,19 +172,19 @@ def _staleness(ckpt: Checkpoint, base: Checkpoint, cfg: AveragerConfig) -> str |
     return None
 
 
-def _candidates(store: Store, cfg: AveragerConfig, base: Checkpoint,
-                report: RoundReport) -> dict[int, Checkpoint]:
+def _candidates(store: Store, cfg: AveragerConfig, base: Snapshot,
+                report: RoundReport) -> dict[int, Snapshot]:
     """Each allowed worker's newest valid, fresh push made since the previous round."""
     used_before = {int(k): v for k, v in base.manifest.get("contributors", {}).items()}
-    found: dict[int, Checkpoint] = {}
-    for worker, steps in worker_checkpoints(store).items():
+    found: dict[int, Snapshot] = {}
+    for worker, steps in worker_pushes(store).items():
         if cfg.allowed_workers is not None and worker not in cfg.allowed_workers:
             report.skipped[worker] = "not in allowed_workers"
             continue
         fresh = [s for s in steps if s > used_before.get(worker, -1)]
         for step in reversed(fresh):  # newest complete first
             try:
-                ckpt = load_checkpoint(store, worker_prefix(worker, step))
+                ckpt = load_snapshot(store, worker_prefix(worker, step))
             except StoreError as e:
                 report.skipped[worker] = str(e)
                 continue
@@ -232,14 +232,14 @@ def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
         return report
 
 
-def _output_bytes(base: Checkpoint, cfg: AveragerConfig) -> int:
+def _output_bytes(base: Snapshot, cfg: AveragerConfig) -> int:
     """Bytes a round writes: the average (+ DiLoCo momentum, centered_clip scratch)."""
     values = sum(int(np.prod(e["shape"])) for e in base.leaves.values())
     extra = (cfg.outer == "diloco") + (cfg.aggregator == "centered_clip")
     return values * 4 * (1 + extra)
 
 
-def _round_on(store: Store, cfg: AveragerConfig, base: Checkpoint, round_: int,
+def _round_on(store: Store, cfg: AveragerConfig, base: Snapshot, round_: int,
               report: RoundReport) -> None:
     """The round `round_` built on `base` (raises BaseDamaged if `base` turns out damaged)."""
     workers = _candidates(store, cfg, base, report)
@@ -285,7 +285,7 @@ def _committed_note(store: Store, round_: int) -> str:
     """Why a round whose COMMIT exists is not published again: just published by another
     averager, or committed but corrupt (then no later round can build on it: say so)."""
     try:
-        load_checkpoint(store, average_prefix(round_))
+        load_snapshot(store, average_prefix(round_))
         return f"round {round_} was just published by another averager"
     except StoreError as e:
         return (f"average/{round_} is committed but does not verify ({e}), so no later round "
@@ -293,7 +293,7 @@ def _committed_note(store: Store, round_: int) -> str:
                 f"average/{round_}/ to republish it from the workers' pushes")
 
 
-def _quorum_note(workers: dict, cfg: AveragerConfig, base: Checkpoint,
+def _quorum_note(workers: dict, cfg: AveragerConfig, base: Snapshot,
                  report: RoundReport) -> str:
     if not workers and not report.skipped:  # e.g. a last `--final` run: nothing is lost
         return f"nothing new: no complete push since round {base.manifest['round']}"
@@ -301,8 +301,8 @@ def _quorum_note(workers: dict, cfg: AveragerConfig, base: Checkpoint,
             f"min_workers={cfg.min_workers}; nothing published")
 
 
-def _publish_until_quorum(store: Store, round_: int, base: Checkpoint,
-                          workers: dict[int, Checkpoint], cfg: AveragerConfig,
+def _publish_until_quorum(store: Store, round_: int, base: Snapshot,
+                          workers: dict[int, Snapshot], cfg: AveragerConfig,
                           report: RoundReport, data: str) -> None:
     """Publishes, dropping workers found corrupt or non-finite while streaming."""
     while True:
@@ -317,10 +317,10 @@ def _publish_until_quorum(store: Store, round_: int, base: Checkpoint,
             del workers[drop.worker]
 
 
-def _publish(store: Store, round_: int, base: Checkpoint, workers: dict[int, Checkpoint],
+def _publish(store: Store, round_: int, base: Snapshot, workers: dict[int, Snapshot],
              cfg: AveragerConfig, report: RoundReport, data: str) -> None:
     read0, written0 = store.bytes_read, store.bytes_written
-    leaves = reduce_round(RoundInputs(store, base, dict(workers), cfg, data))
+    leaves = stream_round(RoundInputs(store, base, dict(workers), cfg, data))
     prefix = average_prefix(round_)
     contributors = {**base.manifest.get("contributors", {}),
                     **{str(w): c.step for w, c in workers.items()}}

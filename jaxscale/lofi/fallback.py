@@ -18,8 +18,8 @@ import math
 from typing import Any
 
 from jaxscale.errors import paragraph
-from jaxscale.lofi.store import (Checkpoint, Store, StoreError, average_prefix, average_rounds,
-                                 load_checkpoint, read_params, read_range, worker_prefix)
+from jaxscale.lofi.store import (Snapshot, Store, StoreError, average_prefix, average_rounds,
+                                 load_snapshot, read_params, read_range, worker_prefix)
 
 log = logging.getLogger("jaxscale.lofi")
 _VERIFIED: set[tuple[str, str]] = set()   # (store, data directory) read back whole, this process
@@ -29,7 +29,7 @@ class BaseDamaged(StoreError):
     """The round's base average does not verify: the round must be built on an older one."""
 
 
-def base_and_damaged(store: Store, damaged: dict[int, str]) -> tuple[Checkpoint | None, int]:
+def base_and_damaged(store: Store, damaged: dict[int, str]) -> tuple[Snapshot | None, int]:
     """(the newest committed average that loads and is not in `damaged`, the newest committed
     round number). Rounds passed over are added to `damaged` with the reason."""
     rounds = average_rounds(store)
@@ -37,13 +37,13 @@ def base_and_damaged(store: Store, damaged: dict[int, str]) -> tuple[Checkpoint 
         if round_ in damaged:
             continue
         try:
-            return load_checkpoint(store, average_prefix(round_)), rounds[-1]
+            return load_snapshot(store, average_prefix(round_)), rounds[-1]
         except StoreError as e:
             damaged[round_] = str(e)
     return None, rounds[-1] if rounds else -1
 
 
-def verify(store: Store, ckpt: Checkpoint) -> None:
+def verify(store: Store, ckpt: Snapshot) -> None:
     """Reads every chunk of `ckpt` against its checksums (once per process): an idle averager
     checks the newest average, so a damaged one is replaced even when no push is new."""
     key = (store.location, ckpt.data)
@@ -59,12 +59,12 @@ def verify(store: Store, ckpt: Checkpoint) -> None:
     _VERIFIED.add(key)
 
 
-def note(store: Store, damaged: dict[int, str], base: Checkpoint, used: dict[int, int],
+def note(store: Store, damaged: dict[int, str], base: Snapshot, used: dict[int, int],
          round_: int) -> str:
     """What was done about the damaged rounds newer than `base`, for the round's report."""
     newest = max(damaged)
     try:
-        bad = load_checkpoint(store, average_prefix(newest)).manifest.get("contributors", {})
+        bad = load_snapshot(store, average_prefix(newest)).manifest.get("contributors", {})
         before = base.manifest.get("contributors", {})
         inputs = {int(w): s for w, s in bad.items() if before.get(w) != s}
     except StoreError:
@@ -80,7 +80,7 @@ def note(store: Store, damaged: dict[int, str], base: Checkpoint, used: dict[int
 
 
 def readable_average(store: Store, bad: set[int] | None = None
-                     ) -> tuple[Checkpoint, dict[str, Any]] | None:
+                     ) -> tuple[Snapshot, dict[str, Any]] | None:
     """The newest average whose data verifies, with its params; damaged ones are warned about
     (once each when the caller keeps `bad` across calls) and passed over."""
     bad = set() if bad is None else bad
@@ -88,7 +88,7 @@ def readable_average(store: Store, bad: set[int] | None = None
         if round_ in bad:
             continue
         try:
-            ckpt = load_checkpoint(store, average_prefix(round_))
+            ckpt = load_snapshot(store, average_prefix(round_))
             return ckpt, read_params(store, ckpt)
         except StoreError as e:
             bad.add(round_)
@@ -98,12 +98,12 @@ def readable_average(store: Store, bad: set[int] | None = None
 
 
 def own_push(store: Store, worker: int, steps: list[int], after: int, max_step: int
-             ) -> tuple[Checkpoint, dict[str, Any]] | None:
+             ) -> tuple[Snapshot, dict[str, Any]] | None:
     """A restarting worker's newest own push with a step in (after, max_step] that verifies,
     with its params; newer ones that do not are named in a warning."""
     for step in reversed([s for s in steps if after < s <= max_step]):
         try:
-            ckpt = load_checkpoint(store, worker_prefix(worker, step))
+            ckpt = load_snapshot(store, worker_prefix(worker, step))
             return ckpt, read_params(store, ckpt)
         except StoreError as e:
             log.warning("Lo-Fi worker %d: its push of step %d is corrupt (%s); falling back to "

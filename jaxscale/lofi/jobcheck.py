@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.lofi.store import Store, StoreError, average_prefix, load_checkpoint
+from jaxscale.lofi.store import Store, StoreError, average_prefix, load_snapshot
 
 
 def _differences(mine: Any, job: Any, path: str = "model") -> list[str]:
@@ -24,7 +24,7 @@ def _differences(mine: Any, job: Any, path: str = "model") -> list[str]:
 
 def _leaf_problem(store: Store, shapes: dict[str, tuple[tuple[int, ...], str]]) -> str | None:
     try:
-        leaves = load_checkpoint(store, average_prefix(0)).leaves
+        leaves = load_snapshot(store, average_prefix(0)).leaves
     except StoreError:
         return None  # no (readable) round 0 yet: this worker may be the one to publish it
     for leaf in sorted(set(leaves) | set(shapes)):

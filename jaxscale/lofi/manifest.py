@@ -4,7 +4,7 @@ A manifest is JSON written by another machine, so nothing in it is trusted: befo
 opened, its leaf paths must be plain relative paths (no `..`), shapes small non-negative ints,
 dtypes from a fixed list, `samples_seen` a finite non-negative integer (it weights the average)
 and rounds/steps non-negative integers. A failed check raises `StoreError` naming the
-checkpoint, the field and the fix. The data itself is checked by tensorstore: every array chunk
+snapshot, the field and the fix. The data itself is checked by tensorstore: every array chunk
 carries a zarr3 `crc32c` checksum, verified on read (`kv.py`).
 """
 
@@ -22,7 +22,7 @@ from jaxscale.errors import JaxscaleError, paragraph
 # kept per-chunk sums in the manifest and COMMIT beside the data; it is not read any more).
 FORMAT = 2
 # Values per stored chunk (1 MiB of float32), recorded in each manifest: few enough files or
-# bucket objects per checkpoint, small enough to stream in bounded memory.
+# bucket objects per snapshot, small enough to stream in bounded memory.
 CHUNK = 1 << 18
 MAX_INT = 1 << 62          # bound for steps, samples and sizes (JSON ints are unbounded)
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
@@ -33,14 +33,14 @@ KINDS = ("worker", "average", "params")
 
 
 class StoreError(JaxscaleError):
-    """A checkpoint in the store is partial, corrupt or does not match what was expected."""
+    """A snapshot in the store is partial, corrupt or does not match what was expected."""
 
 
 def check_leaf_path(leaf: Any, where: str) -> None:
     if not isinstance(leaf, str) or not _LEAF_RE.match(leaf) or ".." in leaf.split("/"):
         raise StoreError(paragraph(
             f"{where}: leaf path {leaf!r} is not a plain relative path (it is absolute, empty or",
-            "contains '..'), so it could escape the store. The checkpoint is rejected.",
+            "contains '..'), so it could escape the store. The snapshot is rejected.",
         ))
 
 
@@ -54,7 +54,7 @@ def _bad(where: str, field: str, value: Any, expected: str) -> StoreError:
     shown = shown if len(shown) < 80 else shown[:77] + "..."
     return StoreError(paragraph(
         f"{where}: manifest field {field} = {shown}, expected {expected}. The manifest was",
-        "written by a broken or hostile writer, so this checkpoint is rejected; re-push it",
+        "written by a broken or hostile writer, so this snapshot is rejected; re-push it",
         "from a healthy worker.",
     ))
 
@@ -95,7 +95,7 @@ def validate_manifest(m: Any, where: str) -> dict:
         raise _bad(where, "(top level)", m, "a JSON object")
     if m.get("format") != FORMAT:
         raise StoreError(paragraph(
-            f"{where}: checkpoint format {m.get('format')!r}, but this jaxscale reads format",
+            f"{where}: snapshot format {m.get('format')!r}, but this jaxscale reads format",
             f"{FORMAT} only (format 1 stores, with checksums in the manifest, are not read any",
             "more). Write the store with one jaxscale version: upgrade the older writer, or",
             "start a new store.",

@@ -1,4 +1,8 @@
-"""The Lo-Fi store: committed checkpoints of flat arrays in any tensorstore kvstore.
+"""The Lo-Fi store: committed snapshots of flat arrays in any tensorstore kvstore.
+
+A snapshot is one committed set of flat {leaf: array} weights with its manifest: a worker's
+push, a published average, or a params export (`--final`). ("Snapshot", not "checkpoint": a
+training run's orbax checkpoints are `jaxscale/checkpoint.py`'s, a different thing.)
 
 Layout (under the store root):
 
@@ -48,7 +52,7 @@ from jaxscale.lofi.manifest import (CHUNK, DTYPES, FORMAT, StoreError, check_lea
                                     chunk_of, validate_manifest)
 from jaxscale.quant import BLOCK, dequantize_blockwise, quantize_blockwise
 
-__all__ = ["CHUNK", "FORMAT", "StoreError", "check_leaf_path", "Store", "Checkpoint", "push",
+__all__ = ["CHUNK", "FORMAT", "StoreError", "check_leaf_path", "Store", "Snapshot", "push",
            "kvstore_spec", "commit_key"]
 _DTYPES = DTYPES
 COMMITS = "commits"
@@ -61,13 +65,13 @@ def _sha(data: bytes) -> str:
 
 
 def commit_key(prefix: str) -> str:
-    """The COMMIT marker of the checkpoint at `prefix` (e.g. `commits/workers/3/100`)."""
+    """The COMMIT marker of the snapshot at `prefix` (e.g. `commits/workers/3/100`)."""
     return f"{COMMITS}/{prefix}"
 
 
 @dataclass(frozen=True)
-class Checkpoint:
-    """A committed checkpoint: its key prefix and validated manifest."""
+class Snapshot:
+    """A committed snapshot: its key prefix and validated manifest."""
 
     prefix: str
     manifest: dict
@@ -97,7 +101,7 @@ def _write_leaf(store: Store, key: str, flat: np.ndarray, dtype: str) -> None:
 
 
 class LostRace(StoreError):
-    """Another writer committed this checkpoint first (this attempt's files were removed)."""
+    """Another writer committed this snapshot first (this attempt's files were removed)."""
 
 
 def attempt_dir() -> str:
@@ -105,12 +109,12 @@ def attempt_dir() -> str:
     return "d" + uuid.uuid4().hex[:16]
 
 
-def write_checkpoint(store: Store, prefix: str, params: Mapping[str, Any], meta: dict,
-                     base: Checkpoint | None = None, compress: bool = False,
-                     exclusive: bool = False) -> Checkpoint:
+def write_snapshot(store: Store, prefix: str, params: Mapping[str, Any], meta: dict,
+                     base: Snapshot | None = None, compress: bool = False,
+                     exclusive: bool = False) -> Snapshot:
     """Writes arrays, then the manifest, then COMMIT (the order readers rely on). With
     `exclusive` (pushes, averages) the data goes to a per-attempt directory and an already
-    committed checkpoint is never replaced; losing the race raises LostRace."""
+    committed snapshot is never replaced; losing the race raises LostRace."""
     if exclusive and "data" not in meta:
         meta = {**meta, "data": attempt_dir()}
     data = f"{prefix}/{meta['data']}" if "data" in meta else prefix
@@ -126,8 +130,8 @@ def write_checkpoint(store: Store, prefix: str, params: Mapping[str, Any], meta:
 
 
 def _write_checkpoint(store: Store, prefix: str, data: str, params: Mapping[str, Any],
-                      meta: dict, base: Checkpoint | None, compress: bool,
-                      exclusive: bool) -> Checkpoint:
+                      meta: dict, base: Snapshot | None, compress: bool,
+                      exclusive: bool) -> Snapshot:
     leaves = {}
     for leaf, value in sorted(params.items()):
         check_leaf_path(leaf, prefix)
@@ -148,13 +152,13 @@ def _write_checkpoint(store: Store, prefix: str, data: str, params: Mapping[str,
     if not commit(store, prefix, manifest, exclusive):
         if data != prefix:
             store.delete_prefix(data)
-        raise LostRace(f"{prefix}: another writer committed this checkpoint first; its data "
+        raise LostRace(f"{prefix}: another writer committed this snapshot first; its data "
                        "was left untouched and this attempt's removed.")
-    return Checkpoint(prefix, manifest)
+    return Snapshot(prefix, manifest)
 
 
 def commit(store: Store, prefix: str, manifest: dict, exclusive: bool = True) -> bool:
-    """Makes `manifest` the committed checkpoint at `prefix`; False if another won.
+    """Makes `manifest` the committed snapshot at `prefix`; False if another won.
 
     Callers have waited for every array write to complete: a completed tensorstore write is
     durable and whole (the file kvstore fsyncs a temporary file and renames it into place;
@@ -162,7 +166,7 @@ def commit(store: Store, prefix: str, manifest: dict, exclusive: bool = True) ->
     or half-written after it. `exclusive` (the manifest names its attempt directory in `data`):
     the manifest goes into that directory and COMMIT, created if absent, holds its sha256 and
     path: one conditional single-key write decides the race (which holds on s3 too, where
-    multi-key writes are not atomic), and a committed checkpoint is never overwritten.
+    multi-key writes are not atomic), and a committed snapshot is never overwritten.
     Otherwise (re-exports) the old COMMIT is removed first, so readers never mix the two."""
     data = json.dumps(manifest, sort_keys=True).encode()
     if not exclusive:
@@ -181,7 +185,7 @@ def committed_data(store: Store, prefix: str) -> str | None:
     return text.split(" ", 1)[1].split("/", 1)[0] if " " in text else None
 
 
-def load_checkpoint(store: Store, prefix: str) -> Checkpoint:
+def load_snapshot(store: Store, prefix: str) -> Snapshot:
     """The committed checkpoint at `prefix`, or StoreError saying why it is not usable."""
     localfs.check_path(store.spec, commit_key(prefix), leaf_is_dir=False)
     marker = store.read(commit_key(prefix))
@@ -207,11 +211,11 @@ def load_checkpoint(store: Store, prefix: str) -> Checkpoint:
     if relative and manifest.get("data") != relative.split("/", 1)[0]:
         raise StoreError(f"{prefix}: the committed manifest's data field names another "
                          "attempt's directory; rejected.")
-    return Checkpoint(prefix, manifest)
+    return Snapshot(prefix, manifest)
 
 
 # ----------------------------------------------------------------------------- reading data
-def _stored(ckpt: Checkpoint, kind: str, leaf: str) -> tuple[str, int, str]:
+def _stored(ckpt: Snapshot, kind: str, leaf: str) -> tuple[str, int, str]:
     """(key, stored size, dtype) of a leaf's array of `kind`: `arrays` (the values, or int8
     deltas padded to whole blocks when compressed), `scales` (one per block) or `momentum`."""
     entry = ckpt.leaves[leaf]
@@ -225,14 +229,14 @@ def _stored(ckpt: Checkpoint, kind: str, leaf: str) -> tuple[str, int, str]:
     return f"{ckpt.data}/{kind}/{leaf}", size, dtype
 
 
-def _start(store: Store, ckpt: Checkpoint, kind: str, leaf: str, a: int, b: int) -> Any:
+def _start(store: Store, ckpt: Snapshot, kind: str, leaf: str, a: int, b: int) -> Any:
     """Starts reading values [a, b) of a stored array: a tensorstore future. Opening checks the
     array's metadata against the manifest; reading checks every chunk's crc32c."""
     key, size, dtype = _stored(ckpt, kind, leaf)
     return store.open_array(key, size, dtype, ckpt.chunk)[a:b].read()
 
 
-def _finish(store: Store, ckpt: Checkpoint, leaf: str, start: Any) -> np.ndarray:
+def _finish(store: Store, ckpt: Snapshot, leaf: str, start: Any) -> np.ndarray:
     """The values of a read `start()` began (or raises), as a StoreError naming the damage."""
     try:
         values = np.asarray(start().result())
@@ -241,19 +245,19 @@ def _finish(store: Store, ckpt: Checkpoint, leaf: str, start: Any) -> np.ndarray
         what = ("checksum mismatch (crc32c): the stored data is corrupt" if "igest mismatch"
                 in text else "cannot read its data (truncated, missing or swapped files)")
         raise StoreError(paragraph(
-            f"{ckpt.prefix} leaf {leaf}: {what} ({text}). This checkpoint is skipped.",
+            f"{ckpt.prefix} leaf {leaf}: {what} ({text}). This snapshot is skipped.",
         )) from None
     store.bytes_read += values.nbytes
     return values
 
 
-def read_values(store: Store, ckpt: Checkpoint, kind: str, leaf: str, a: int,
+def read_values(store: Store, ckpt: Snapshot, kind: str, leaf: str, a: int,
                 b: int) -> np.ndarray:
     """Values [a, b) of one of a leaf's stored arrays (see `_stored`), verified."""
     return _finish(store, ckpt, leaf, lambda: _start(store, ckpt, kind, leaf, a, b))
 
 
-def read_range(store: Store, ckpt: Checkpoint, leaf: str, a: int, b: int) -> np.ndarray:
+def read_range(store: Store, ckpt: Snapshot, leaf: str, a: int, b: int) -> np.ndarray:
     """Values [a, b) of a leaf's flattened float32 view, verified."""
     entry = ckpt.leaves[leaf]
     if entry["encoding"] == "raw":
@@ -263,12 +267,12 @@ def read_range(store: Store, ckpt: Checkpoint, leaf: str, a: int, b: int) -> np.
     q = read_values(store, ckpt, "arrays", leaf, qa, qb)
     scales = read_values(store, ckpt, "scales", leaf, qa // BLOCK, qb // BLOCK)
     delta = dequantize_blockwise(q, scales, (qb - qa,))[a - qa:b - qa]
-    base = load_checkpoint(store, average_prefix(entry["base_round"]))
+    base = load_snapshot(store, average_prefix(entry["base_round"]))
     return delta + read_range(store, base, leaf, a, b)
 
 
-def start_reads(store: Store, ckpts: list[Checkpoint], leaf: str, a: int, b: int) -> list[Any]:
-    """Starts the raw reads of values [a, b) of a leaf in several checkpoints, so they run in
+def start_reads(store: Store, ckpts: list[Snapshot], leaf: str, a: int, b: int) -> list[Any]:
+    """Starts the raw reads of values [a, b) of a leaf in several snapshots, so they run in
     tensorstore's I/O threads while the caller computes (None where a read is compressed or
     cannot start: `read_many` then reads it itself and reports why)."""
     started = []
@@ -283,9 +287,9 @@ def start_reads(store: Store, ckpts: list[Checkpoint], leaf: str, a: int, b: int
     return started
 
 
-def read_many(store: Store, ckpts: list[Checkpoint], leaf: str, a: int, b: int,
+def read_many(store: Store, ckpts: list[Snapshot], leaf: str, a: int, b: int,
               started: list[Any] | None = None) -> list[np.ndarray | StoreError]:
-    """`read_range` of several checkpoints with their raw reads in flight together (the
+    """`read_range` of several snapshots with their raw reads in flight together (the
     averager's inner loop; `started` from `start_reads` if already begun); each result is the
     float32 values or the StoreError it raised."""
     started = start_reads(store, ckpts, leaf, a, b) if started is None else started
@@ -302,14 +306,14 @@ def read_many(store: Store, ckpts: list[Checkpoint], leaf: str, a: int, b: int,
     return out
 
 
-def read_leaf(store: Store, ckpt: Checkpoint | None, leaf: str) -> np.ndarray:
+def read_leaf(store: Store, ckpt: Snapshot | None, leaf: str) -> np.ndarray:
     """A whole leaf as float32 in its shape (workers loading an average; small reads)."""
     entry = ckpt.leaves[leaf]
     size = int(np.prod(entry["shape"]))
     return read_range(store, ckpt, leaf, 0, size).reshape(entry["shape"])
 
 
-def read_params(store: Store, ckpt: Checkpoint) -> dict[str, np.ndarray]:
+def read_params(store: Store, ckpt: Snapshot) -> dict[str, np.ndarray]:
     return {leaf: read_leaf(store, ckpt, leaf).astype(_DTYPES[e["dtype"]])
             for leaf, e in ckpt.leaves.items()}
 
@@ -325,7 +329,7 @@ def average_prefix(round_: int) -> str:
 
 def _committed(store: Store, root: str, depth: int) -> list[tuple[int, ...]]:
     """The numeric path parts (`depth` of them) of every COMMIT under `commits/<root>/`,
-    ascending: one listing of one key per committed checkpoint (anything else is ignored)."""
+    ascending: one listing of one key per committed snapshot (anything else is ignored)."""
     found = []
     for key in store.keys(f"{COMMITS}/{root}/"):
         parts = key.split("/")[2:]
@@ -334,7 +338,7 @@ def _committed(store: Store, root: str, depth: int) -> list[tuple[int, ...]]:
     return sorted(found)
 
 
-def worker_checkpoints(store: Store) -> dict[int, list[int]]:
+def worker_pushes(store: Store) -> dict[int, list[int]]:
     """{worker_id: committed steps, ascending}."""
     out: dict[int, list[int]] = {}
     for worker, step in _committed(store, "workers", 2):
@@ -346,12 +350,12 @@ def average_rounds(store: Store) -> list[int]:
     return [round_ for round_, in _committed(store, "average", 1)]
 
 
-def latest_average_checkpoint(store: Store) -> Checkpoint | None:
+def latest_average_snapshot(store: Store) -> Snapshot | None:
     """The newest average whose commit is valid (a corrupt newer one is skipped). Workers poll
-    this at sync points: each round's COMMIT is read once, by load_checkpoint, newest first."""
+    this at sync points: each round's COMMIT is read once, by load_snapshot, newest first."""
     for round_ in reversed(average_rounds(store)):
         try:
-            return load_checkpoint(store, average_prefix(round_))
+            return load_snapshot(store, average_prefix(round_))
         except StoreError:
             continue
     return None
@@ -383,14 +387,14 @@ def push(location: str | Store, worker_id: int, step: int, params: Mapping[str, 
     if store.read(commit_key(prefix)) is not None:
         return PushReport(prefix, 0, raw, skipped=True)
     before = store.bytes_written
-    base = latest_average_checkpoint(store) if compress else None
+    base = latest_average_snapshot(store) if compress else None
     meta = {"kind": "worker", "worker_id": int(worker_id), "step": int(step),
             "samples_seen": int(samples_seen),
             "base_round": int(base.manifest["round"]) if base else None,
             "synced_round": None if synced_round is None or synced_round < 0
             else int(synced_round)}
     try:
-        write_checkpoint(store, prefix, params, meta, base,
+        write_snapshot(store, prefix, params, meta, base,
                          compress=compress and base is not None, exclusive=True)
     except LostRace:  # another process pushed this worker step first: keep its push
         return PushReport(prefix, store.bytes_written - before, raw, skipped=True)

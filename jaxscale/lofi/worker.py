@@ -113,9 +113,9 @@ class LofiWorker:
         step = int(jax.device_get(state.step))
         if jax.process_index() == 0:
             store.write("config.json", config_json, if_absent=True)
-        if store_lib.latest_average_checkpoint(store) is None and jax.process_index() == 0:
+        if store_lib.latest_average_snapshot(store) is None and jax.process_index() == 0:
             averager_lib.publish_initial(store, _host_tree(state.params), job=self.job())
-        own = store_lib.worker_checkpoints(store).get(self.lofi.worker_id, [])
+        own = store_lib.worker_pushes(store).get(self.lofi.worker_id, [])
         latest = averager_lib.latest_average(store)
         if latest is not None and latest.step > MAX_STEP:  # never an int32 overflow
             latest = None
@@ -146,14 +146,14 @@ class LofiWorker:
         if not self.periodic:
             pushes = [s for s in own if s <= step]
             try:
-                push = store_lib.load_checkpoint(store, store_lib.worker_prefix(
+                push = store_lib.load_snapshot(store, store_lib.worker_prefix(
                     self.lofi.worker_id, pushes[-1])) if pushes else None
             except store_lib.StoreError:
                 push = None
             return int(push.manifest.get("synced_round") or 0) if push else 0
         for round_ in reversed(store_lib.average_rounds(store)):
             try:
-                if store_lib.load_checkpoint(store, store_lib.average_prefix(round_)).step <= step:
+                if store_lib.load_snapshot(store, store_lib.average_prefix(round_)).step <= step:
                     return round_
             except store_lib.StoreError:
                 continue
@@ -209,7 +209,7 @@ class LofiWorker:
         deadline = time.monotonic() + float(self.lofi.sync_timeout_s)
         damaged: set[int] = set()  # rounds that did not verify: the averager replaces them
         while time.monotonic() < deadline:
-            ckpt = store_lib.latest_average_checkpoint(self.store)
+            ckpt = store_lib.latest_average_snapshot(self.store)
             round_ = int(ckpt.manifest["round"]) if ckpt is not None else -1
             if (ckpt is not None and ckpt.step >= step and round_ > self.loaded_round
                     and round_ not in damaged):

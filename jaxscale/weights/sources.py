@@ -68,10 +68,10 @@ def open_weights(location: str) -> Weights:
         ))
     store = store_lib.Store(location)
     try:
-        ckpt = store_lib.load_checkpoint(store, "params")
+        ckpt = store_lib.load_snapshot(store, "params")
         kind = "params"
     except store_lib.StoreError:
-        ckpt, kind = store_lib.latest_average_checkpoint(store), "lofi_average"
+        ckpt, kind = store_lib.latest_average_snapshot(store), "lofi_average"
     if ckpt is not None:
         return _with_configs(Weights(location, kind, store_leaves(store, ckpt),
                                      step=ckpt.step), location)

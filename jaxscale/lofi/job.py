@@ -1,15 +1,16 @@
-"""Runs a whole Lo-Fi job on one machine: N worker processes (each its own simulated mesh) plus
-the averager, with one combined progress line and the other output under `[w0]`/`[avg]`.
+"""A whole Lo-Fi job: its worker and averager commands, run on one machine (`run_local`, behind
+`launch.lofi_local`) or printed as one command per TPU VM (`lofi_vm_commands`).
 
-Used by `python -m launch.lofi_local`; `lofi_vm_commands` prints the same job as one worker per
-TPU VM with a shared `gs://` store. SIGTERM/SIGINT stop every child (the averager releases its
-claim on the way out) so an interrupted job leaves only committed or ignorable data behind.
+On one machine: N worker processes (each its own simulated mesh) plus the averager, their
+output under `[w0]`/`[avg]`, and a combined progress line built from the workers'
+metrics.jsonl and the store (`progress.py`), printed whenever it changes. SIGTERM/SIGINT stop
+every child (the averager releases its claim on the way out) so an interrupted job leaves only
+committed or ignorable data behind.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -19,8 +20,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-_STEP_RE = re.compile(r"^step (\d+)/(\d+)\s*(.*?)(?: \(\d+s\))?$")
-_ROUND_RE = re.compile(r"^round (\d+): averaged (.*)$")
+from jaxscale.lofi.progress import JobProgress
+
+
+# glibc gives each of tensorstore's I/O threads a heap arena of its own, and the chunk buffers
+# they free stay in it: the averager's peak RSS grew by 40-90 MiB (bench/RESULTS.md). Two
+# arenas, glibc's documented environment tunable (other C libraries ignore it), keep it flat.
+AVERAGER_ENV = {"MALLOC_ARENA_MAX": "2"}
 
 
 def _quorum(train_flags: Sequence[str], num_workers: int) -> list[str]:
@@ -40,9 +46,12 @@ class LofiJob:
     outer: str = "none"
 
 
+    def worker_workdir(self, worker_id: int) -> str:
+        return os.path.join(self.workdir, f"worker{worker_id}")
+
     def worker_argv(self, worker_id: int, python: str = sys.executable) -> list[str]:
         return [python, "-m", "launch.train", *self.train_flags,
-                f"--workdir={os.path.join(self.workdir, f'worker{worker_id}')}",
+                f"--workdir={self.worker_workdir(worker_id)}",
                 f"--cpu_devices={self.devices_per_worker}",
                 "--config.lofi.enabled=True", f"--config.lofi.store={self.store}",
                 f"--config.lofi.worker_id={worker_id}",
@@ -56,62 +65,51 @@ class LofiJob:
 
 
 @dataclass
-class Progress:
-    """One status line for the whole job: each worker's step and loss, the newest round."""
+class Output:
+    """The job's terminal: children's lines prefixed by who wrote them, and the progress line
+    of `progress` whenever `show_progress` finds it changed (at most once a second)."""
 
-    num_workers: int
+    progress: JobProgress
     stream: object = sys.stdout
-    steps: dict[str, str] = field(default_factory=dict)
-    round: str = "-"
     lock: threading.Lock = field(default_factory=threading.Lock)
-    last_print: float = 0.0
-
-    def line(self) -> str:
-        workers = " | ".join(f"w{i} {self.steps.get(f'w{i}', 'starting')}"
-                             for i in range(self.num_workers))
-        return f"[lofi] {workers} | average round {self.round}"
 
     def feed(self, prefix: str, text: str) -> None:
-        """Step lines update the combined line; everything else is passed through."""
-        text = text.rstrip("\n")
-        step, round_ = _STEP_RE.match(text), _ROUND_RE.match(text)
         with self.lock:
-            if step:
-                self.steps[prefix] = f"{step[1]}/{step[2]} {step[3]}".strip()
-            else:
-                self.stream.write(f"[{prefix}] {text}\n")
-            if round_:
-                self.round = round_[1]
-            now = time.monotonic()
-            if (step or round_) and (now - self.last_print > 1.0 or step and step[1] == step[2]):
-                self.stream.write(self.line() + "\n")
-                self.last_print = now
+            self.stream.write(f"[{prefix}] {text.rstrip(chr(10))}\n")
             self.stream.flush()
 
+    def show_progress(self) -> None:
+        line = self.progress.poll()
+        if line is not None:
+            with self.lock:
+                self.stream.write(line + "\n")
+                self.stream.flush()
 
-def _pump(prefix: str, proc: subprocess.Popen, progress: Progress) -> None:
+
+def _pump(prefix: str, proc: subprocess.Popen, output: Output) -> None:
     for line in proc.stdout:
-        progress.feed(prefix, line)
+        output.feed(prefix, line)
 
 
 class _Children:
     """The job's processes. A signal only asks them to stop (SIGTERM, non-blocking, safe in a
     handler); `wait` polls, so it notices the request and SIGKILLs what outlives the grace."""
 
-    def __init__(self, progress: Progress, grace_s: float = 20.0):
-        self.progress, self.procs, self.threads = progress, [], []
+    def __init__(self, output: Output, grace_s: float = 20.0):
+        self.output, self.procs, self.threads = output, [], []
         self.stopping, self.grace_s = 0, grace_s
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.env.pop("XLA_FLAGS", None)  # each worker sets its own simulated device count
 
-    def start(self, argv: Sequence[str], prefix: str) -> subprocess.Popen:
+    def start(self, argv: Sequence[str], prefix: str,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
         proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=self.env)
-        thread = threading.Thread(target=_pump, args=(prefix, proc, self.progress), daemon=True)
+                                text=True, env={**self.env, **(env or {})})
+        thread = threading.Thread(target=_pump, args=(prefix, proc, self.output), daemon=True)
         thread.start()
         self.procs.append(proc)
         self.threads.append(thread)
-        self.progress.feed("lofi", f"started {prefix} (pid {proc.pid})")
+        self.output.feed("lofi", f"started {prefix} (pid {proc.pid})")
         return proc
 
     def request_stop(self, signum: int) -> None:
@@ -121,9 +119,13 @@ class _Children:
                 proc.terminate()
 
     def wait(self, procs: Sequence[subprocess.Popen]) -> list[int]:
-        """Exit codes of `procs`; if a stop was requested, of every child once all are gone."""
-        deadline = None
+        """Exit codes of `procs`; if a stop was requested, of every child once all are gone.
+        Shows the job's progress line while waiting, and once more at the end."""
+        deadline, shown = None, 0.0
         while True:
+            if time.monotonic() - shown >= 1.0:
+                self.output.show_progress()
+                shown = time.monotonic()
             if self.stopping:
                 procs = self.procs
                 deadline = deadline or time.monotonic() + self.grace_s
@@ -132,6 +134,7 @@ class _Children:
                         if proc.poll() is None:
                             proc.kill()
             if all(p.poll() is not None for p in procs):
+                self.output.show_progress()
                 return [p.returncode for p in procs]
             time.sleep(0.1)
 
@@ -143,7 +146,8 @@ def run_local(job: LofiJob, periodic: bool) -> int:
     model is left in the store and exported as a regular checkpoint under WORKDIR/final.
     SIGTERM / SIGINT stop every child and return 128 + the signal number.
     """
-    children = _Children(Progress(job.num_workers))
+    workdirs = [job.worker_workdir(i) for i in range(job.num_workers)]
+    children = _Children(Output(JobProgress(job.store, workdirs)))
 
     def on_signal(signum, frame):
         print(f"lofi_local: signal {signum}, stopping all workers and the averager",
@@ -161,7 +165,7 @@ def run_local(job: LofiJob, periodic: bool) -> int:
 
 def _run(job: LofiJob, periodic: bool, children: _Children) -> int:
     workers = [children.start(job.worker_argv(i), f"w{i}") for i in range(job.num_workers)]
-    watcher = children.start(job.averager_argv(), "avg") if periodic else None
+    watcher = children.start(job.averager_argv(), "avg", AVERAGER_ENV) if periodic else None
     codes = children.wait(workers)
     if watcher is not None:
         watcher.terminate()
@@ -171,7 +175,8 @@ def _run(job: LofiJob, periodic: bool, children: _Children) -> int:
     if any(codes):
         print(f"lofi_local: worker exit codes {codes}", file=sys.stderr)
         return 1
-    final = children.start(job.averager_argv(final=os.path.join(job.workdir, "final")), "avg")
+    final = children.start(job.averager_argv(final=os.path.join(job.workdir, "final")), "avg",
+                           AVERAGER_ENV)
     code = children.wait([final])[0]
     for t in children.threads:
         t.join(timeout=5)
@@ -191,11 +196,12 @@ def lofi_vm_commands(store: str, num_workers: int, train_flags: Sequence[str],
                               f"--config.lofi.store={store}", f"--config.lofi.worker_id={i}",
                               f"--config.lofi.num_workers={num_workers}",
                               *_quorum(train_flags, num_workers)])]
+    env = "".join(f"{k}={v} " for k, v in AVERAGER_ENV.items())
     averager = ["python", "-m", "launch.lofi_average", f"--store={store}",
                 f"--aggregator={aggregator}", f"--outer={outer}"]
     if periodic:
         lines += ["# any machine that reaches the store, while the workers run: the averager",
-                  shlex.join(averager + ["--watch"])]
+                  env + shlex.join(averager + ["--watch"])]
     lines += ["# after every worker has finished: the final average, exported for init_from",
-              shlex.join(averager + ["--final=runs/lofi_final"])]
+              env + shlex.join(averager + ["--final=runs/lofi_final"])]
     return lines

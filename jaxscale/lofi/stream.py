@@ -1,8 +1,12 @@
-"""Streaming reduction of one averaging round: every leaf, block by block, in bounded memory.
+"""Streams one averaging round: every leaf, block by block, through an aggregator, in bounded
+memory. (The three Lo-Fi averaging modules: `aggregate.py` is the pure math on one block,
+`stream.py` moves a round's data through it, `averager.py` decides what a round uses and
+publishes it.)
 
 Each block holds at most `chunk_budget_bytes` of float32 working data whatever the model size.
-Worker data is verified (each chunk's crc32c, by tensorstore as it reads) and checked for non-finite values as it streams; a failing
-worker raises `Drop` so the round restarts without it. `centered_clip` needs whole-model norms,
+Worker data is verified (each chunk's crc32c, by tensorstore as it reads) and checked for
+non-finite values as it streams; a failing worker raises `Drop` so the round restarts without
+it. `centered_clip` needs whole-model norms,
 so it runs in passes: the coordinate-wise median, then `iters` clip updates, keeping the centre
 `v` in float32 scratch arrays in the store (not in memory) next to the output.
 """
@@ -19,7 +23,7 @@ import numpy as np
 
 from jaxscale.errors import paragraph
 from jaxscale.lofi import aggregate
-from jaxscale.lofi.store import (CHUNK, Checkpoint, Store, StoreError, read_many, read_range,
+from jaxscale.lofi.store import (CHUNK, Snapshot, Store, StoreError, read_many, read_range,
                                  read_values, start_reads)
 from jaxscale.lofi.fallback import BaseDamaged
 from jaxscale.lofi.trust import worker_weights
@@ -42,8 +46,8 @@ class Abort(Exception):
 @dataclass
 class RoundInputs:
     store: Store
-    base: Checkpoint
-    workers: dict[int, Checkpoint]
+    base: Snapshot
+    workers: dict[int, Snapshot]
     cfg: Any                        # averager.AveragerConfig
     data: str                       # output arrays go under DATA/arrays, DATA/momentum
     scratch: dict = field(default_factory=dict)
@@ -87,7 +91,7 @@ def _blocks(inp: RoundInputs) -> Iterator[tuple[str, int, int]]:
             yield leaf, a, min(a + step, size)
 
 
-def _inputs(inp: RoundInputs) -> list[Checkpoint]:
+def _inputs(inp: RoundInputs) -> list[Snapshot]:
     return [inp.base] + [inp.workers[w] for w in inp.ids]
 
 
@@ -194,7 +198,7 @@ def _block_delta(inp: RoundInputs, leaf: str, a: int, b: int,
     return base_blk, delta
 
 
-def previous_momentum(store: Store, base: Checkpoint, leaf: str, a: int, b: int) -> np.ndarray:
+def previous_momentum(store: Store, base: Snapshot, leaf: str, a: int, b: int) -> np.ndarray:
     """The outer momentum persisted with the base average, crc32c-verified (zeros at first)."""
     if not base.leaves[leaf].get("momentum"):
         return np.zeros(b - a, np.float32)
@@ -213,7 +217,7 @@ def _as_output(new: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return new if new.dtype == dtype else new.astype(dtype)
 
 
-def reduce_round(inp: RoundInputs) -> dict[str, dict]:
+def stream_round(inp: RoundInputs) -> dict[str, dict]:
     """Writes every output leaf (and DiLoCo momentum); returns the manifest's leaf entries."""
     if inp.cfg.aggregator == "centered_clip":
         centered_clip_passes(inp)
