@@ -84,16 +84,24 @@ def make_generate(model_def: ModelDef, steps: int, temperature: float = 0.0,
     return jax.jit(run)
 
 
-def parse_prompt(text: str, ids: list[str], vocab_size: int) -> list[int]:
-    """Prompt token ids from `--prompt` text (byte-level models) or `--prompt_ids`, checked."""
+def parse_prompt(text: str, ids: list[str], vocab_size: int, tokenizer: Any = None
+                 ) -> list[int]:
+    """Prompt token ids from `--prompt` text (encoded by the model's tokenizer, or as bytes for
+    a byte-level model without one) or from `--prompt_ids`, checked."""
+    if text and ids:
+        raise GenerateError(paragraph(
+            "Both --prompt and --prompt_ids were given; they are two spellings of the prompt.",
+            "Keep --prompt for text (encoded with the model's tokenizer) or --prompt_ids for",
+            "token ids, not both.",
+        ))
     if ids:
         try:
             tokens = [int(str(i).strip()) for i in ids]
         except ValueError:
             raise GenerateError(paragraph(
                 f"--prompt_ids={','.join(map(str, ids))!r} is not a comma-separated list of",
-                "integers. Give token ids such as --prompt_ids=1,15043,29892 (no tokenizer is",
-                "bundled: tokenize with the model's own tokenizer).",
+                "integers. Give token ids such as --prompt_ids=1,15043,29892, or text with",
+                "--prompt when the model carries its tokenizer.",
             )) from None
         bad = [t for t in tokens if not 0 <= t < vocab_size]
         if bad:
@@ -102,16 +110,21 @@ def parse_prompt(text: str, ids: list[str], vocab_size: int) -> list[int]:
                 "Use ids from the tokenizer the model was trained with.",
             ))
         return tokens
-    if vocab_size != 256:
+    if tokenizer is None and vocab_size != 256:
         raise GenerateError(paragraph(
-            "--prompt text works only for byte-level models (vocab_size 256); this model has",
-            f"vocab_size={vocab_size}. Tokenize the prompt with the model's tokenizer and pass",
-            "--prompt_ids=ID,ID,...",
+            "--prompt text needs the model's tokenizer (only byte-level models, vocab_size 256,",
+            f"read it as bytes), and this model (vocab_size={vocab_size}) carries none: its directory has no tokenizer.json / tokenizer.model and its config",
+            "names no data.tokenizer. Copy the tokenizer into the directory, or tokenize the",
+            "prompt yourself and pass --prompt_ids=ID,ID,...",
         ))
-    tokens = list(text.encode())
+    if tokenizer is None:
+        tokens = list(text.encode())
+    else:
+        tokens = tokenizer.encode(text)
+        if tokenizer.bos_id is not None:
+            tokens = [tokenizer.bos_id] + list(tokens)
     if not tokens:
-        raise GenerateError("The prompt is empty: give --prompt text (byte-level models) or "
-                            "--prompt_ids=ID,ID,...")
+        raise GenerateError("The prompt is empty: give --prompt text or --prompt_ids=ID,ID,...")
     return tokens
 
 

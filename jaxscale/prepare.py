@@ -124,9 +124,10 @@ def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shard
     else:
         tok_path = "bytes"
     load_tokenizer(tok_path)  # fails clearly before any worker starts
-    tasks = [(r, lo, min(lo + CHUNK, rd.num_docs)) for r, rd in enumerate(readers)
-             for lo in range(0, rd.num_docs, CHUNK)]
     total_docs = sum(rd.num_docs for rd in readers)
+    chunk = max(1, min(CHUNK, total_docs // (4 * max(1, workers))))  # keep every worker busy
+    tasks = [(r, lo, min(lo + chunk, rd.num_docs)) for r, rd in enumerate(readers)
+             for lo in range(0, rd.num_docs, chunk)]
     shard_of = lambda doc: min(num_shards - 1, doc * num_shards // max(total_docs, 1))
     names = [f"data-{k:05d}-of-{num_shards:05d}.array_record" for k in range(num_shards)]
     writers = [ArrayRecordWriter(os.path.join(out, n), "group_size:1") for n in names]

@@ -169,3 +169,32 @@ def encode_document(tokenizer: Any, text: str) -> np.ndarray:
     if tokenizer.eos_id is not None:
         ids = list(ids) + [tokenizer.eos_id]
     return np.asarray(ids, dtype=np.uint32)
+
+
+def model_tokenizer(config: Any, *dirs: str) -> Any | None:
+    """The tokenizer a model carries: a tokenizer file in its directory (a `launch.convert`
+    output, a HF directory), else its training config's `data.tokenizer`; None for a
+    byte-level model trained without one (generation then reads the prompt as bytes)."""
+    for d in dirs:
+        if d and os.path.isdir(d) and any(os.path.isfile(os.path.join(d, n))
+                                          for n in ("tokenizer.json", "tokenizer.model")):
+            return load_tokenizer(d)
+    spec = config.get("data", {}).get("tokenizer", BYTES) if hasattr(config, "get") else BYTES
+    if spec in ("", BYTES):
+        return None
+    return load_tokenizer(spec)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json")
+
+
+def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
+    """Copies a model directory's tokenizer files (so a converted model carries its tokenizer)."""
+    import shutil
+    copied = []
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src_dir, name)):
+            shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+            copied.append(name)
+    return copied

@@ -154,3 +154,21 @@ def test_bad_requests_are_clear_errors(call, culprit):
         call()
     assert gen.parse_prompt("hi", [], 256) == [104, 105]
     assert gen.parse_prompt("", [" 3", "5"], 96) == [3, 5]
+
+
+def test_prompt_text_uses_the_tokenizer_and_both_prompt_flags_are_an_error(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello world"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    from jaxscale.config import base_config
+    from jaxscale.tokenizer import model_tokenizer
+    loaded = model_tokenizer(base_config(), str(tmp_path))
+    ids = gen.parse_prompt("hello world", [], 300, loaded)
+    assert ids[0] == loaded.bos_id == 0 and loaded.decode(ids) == "hello world"
+    with pytest.raises(gen.GenerateError, match="Both --prompt and --prompt_ids"):
+        gen.parse_prompt("hello", ["1"], 300, loaded)

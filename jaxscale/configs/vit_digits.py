@@ -23,8 +23,8 @@ def get_config(arg: str | None = None):
         num_kv_heads=4, max_len=17,  # read by config validation only (no kv groups in a ViT)
     ))
     # seq_len counts tokens per image (16 patches + class token); it only feeds tokens/s.
-    c.data = mlc.ConfigDict(dict(corpus="digits", seq_len=17, batch_size=64, eval_batches=0,
-                                 max_bytes=0, part="all"))
+    c.data.update(corpus="digits", seq_len=17, batch_size=64, eval_batches=0, max_bytes=0,
+                  part="all")
     c.optim.update(lr=2e-3, warmup_steps=30, weight_decay=0.05, b2=0.99)
     c.train.update(steps=600, log_every=20, eval_every=200)
     c.checkpoint.every = 600

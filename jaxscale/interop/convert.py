@@ -49,6 +49,8 @@ def hf_to_workdir(hf_dir: str, workdir: str, dtype: Any = None) -> dict:
     export_params(workdir, params, {"source": os.path.abspath(hf_dir)})
     with open(os.path.join(workdir, MODEL_CONFIG), "w") as f:
         json.dump(source.model_cfg, f, indent=2)
+    from jaxscale.tokenizer import copy_tokenizer_files
+    copy_tokenizer_files(hf_dir, workdir)  # the converted model carries its tokenizer
     return source.model_cfg
 
 

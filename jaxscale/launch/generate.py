@@ -3,8 +3,9 @@
     python -m launch.generate --workdir=DIR --prompt="def main(" --steps=64 [--temperature=0.8]
     python -m launch.generate --from_hf=HF_DIR --prompt_ids=1,15043 --max_new_tokens=16
 
-Byte-level models (vocab 256) take `--prompt` text; others take `--prompt_ids` (no tokenizer
-is bundled). Temperature 0 is greedy; sampling is reproducible with `--seed`. The parameters
+`--prompt` text is encoded and the output decoded with the model's tokenizer (a tokenizer file
+in its directory, or its training config's `data.tokenizer`; bytes for a byte-level model);
+`--prompt_ids` takes token ids and prints ids. Temperature 0 is greedy; sampling is reproducible with `--seed`. The parameters
 and the KV cache are sharded by the run's rules over `--cpu_devices` (or the accelerators).
 """
 
@@ -15,7 +16,7 @@ from jaxscale.errors import exit_on_user_error
 
 _WORKDIR = flags.DEFINE_string("workdir", "", "Training workdir or launch.convert output.")
 _FROM_HF = flags.DEFINE_string("from_hf", "", "Hugging Face Llama directory.")
-_PROMPT = flags.DEFINE_string("prompt", "", "Prompt text (byte-level models).")
+_PROMPT = flags.DEFINE_string("prompt", "", "Prompt text (encoded with the model's tokenizer).")
 _PROMPT_IDS = flags.DEFINE_list("prompt_ids", [], "Prompt token ids, comma-separated.")
 _STEPS = flags.DEFINE_integer("steps", 64, "Tokens to generate.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Alias of --steps (HF's name).")
@@ -31,14 +32,22 @@ def main(argv):
     runtime.setup()
     import numpy as np
     from jaxscale.generate import check_request, generate_from_config, load_model, parse_prompt
+    from jaxscale.tokenizer import model_tokenizer
 
     steps = _STEPS.value if _MAX_NEW.value is None else _MAX_NEW.value
     check_request(1, steps, _TEMPERATURE.value, max_len=0)  # before loading any weights
+    if _PROMPT.value and _PROMPT_IDS.value:
+        parse_prompt(_PROMPT.value, _PROMPT_IDS.value, 0)  # the two-spellings error
     config, params = load_model(_WORKDIR.value, _FROM_HF.value)
-    ids = parse_prompt(_PROMPT.value, _PROMPT_IDS.value, config.model.vocab_size)
+    tokenizer = model_tokenizer(config, _WORKDIR.value, _FROM_HF.value)
+    ids = parse_prompt(_PROMPT.value, _PROMPT_IDS.value, config.model.vocab_size, tokenizer)
     out = generate_from_config(config, params, np.asarray([ids]), steps,
                                _TEMPERATURE.value, _SEED.value)[0]
-    if config.model.vocab_size == 256 and not _PROMPT_IDS.value:
+    if _PROMPT_IDS.value:
+        print(",".join(str(int(t)) for t in out))
+    elif tokenizer is not None:
+        print(tokenizer.decode([int(t) for t in out]))
+    elif config.model.vocab_size == 256:
         print(bytes(int(t) for t in out).decode("utf-8", errors="replace"))
     else:
         print(",".join(str(int(t)) for t in out))
