@@ -1,6 +1,6 @@
 """Training on your own files: `config.data.sources` -> a deterministic weighted mixture of rows.
 
-Each source entry (`jaxscale.sources`) becomes rows (`jaxscale.packing`). Per source, a grain
+Each source entry (`jaxscale.documents`) becomes rows (`jaxscale.packing`). Per source, a grain
 `MapDataset` of row indices is sharded for Lo-Fi workers, shuffled with the run's seed and
 repeated; `MapDataset.mix` interleaves the sources by weight, deterministically. Global batches
 are formed from that index stream, and each process then reads only the documents of its own
@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.packing import PACKINGS, make_rows
-from jaxscale.sources import SourceSpec, expand, open_source, parse_sources
+from jaxscale.documents import SourceSpec, expand, open_source, parse_sources
 from jaxscale.tokenizer import BYTES, check_vocab, file_hash, load_tokenizer
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import tqdm
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.sources import (FORMATS, JsonlReader, ParquetReader, SourceSpec, TextReader,
+from jaxscale.documents import (FORMATS, JsonlReader, ParquetReader, SourceSpec, TextReader,
                               bad_record, expand)
 from jaxscale.tokenizer import encode_document, file_hash, load_tokenizer
 
