@@ -60,3 +60,17 @@ def test_two_averagers_racing_on_an_s3_round_commit_once(s3_location):
     assert S.average_rounds(st) == [0, 1]
     np.testing.assert_allclose(latest_average(st).params["layers/w"], base["layers/w"] + 1,
                                rtol=1e-6)
+
+
+@pytest.mark.xdist_group("seaweedfs")
+def test_lofi_store_on_an_unusable_bucket_is_one_paragraph(seaweedfs, monkeypatch):
+    """A worker or averager pointed at a missing bucket or with refused credentials stops at
+    once with the location and the fix, before any push or round."""
+    from jaxscale.storage import StorageError
+
+    server, bucket = seaweedfs
+    with pytest.raises(StorageError, match="bucket 'jaxscale-missing' does not exist"):
+        S.Store("s3://jaxscale-missing/lofi")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(StorageError, match=r"s3://.*/lofi/denied.*refused the credentials"):
+        S.Store(f"s3://{bucket}/lofi/denied")
