@@ -1,4 +1,4 @@
-"""The Lo-Fi store on real S3 servers (SeaweedFS and moto), reached through jaxscale.storage
+"""The Lo-Fi store on real S3 servers (SeaweedFS and moto) and a GCS emulator, through jaxscale.storage
 (endpoint from AWS_ENDPOINT_URL_S3, credentials from AWS_ACCESS_KEY_ID / _SECRET_): pushes are
 listed and read back, a round's average is bit-for-bit the average of the same pushes on a
 local disk, an uncommitted push is not used, and of two averagers racing on one round exactly
@@ -47,6 +47,18 @@ def test_round_on_an_s3_server_equals_the_local_store_bit_for_bit(s3_location, t
     again = latest_average(S.Store(s3_location)).params
     for leaf in want:
         np.testing.assert_array_equal(again[leaf], want[leaf])
+
+
+@pytest.mark.xdist_group("fake-gcs")
+def test_round_on_a_gcs_emulator_equals_the_local_store_bit_for_bit(fake_gcs, tmp_path):
+    """The gs:// data path (fake-gcs-server ignores generation preconditions: no race here)."""
+    _, bucket = fake_gcs
+    report, st = _round_of_three(f"gs://{bucket}/lofi/run1")
+    assert report.published and report.used == {0: 10, 1: 10, 2: 10}
+    _, local = _round_of_three(str(tmp_path / "store"))
+    got, want = latest_average(st).params, latest_average(local).params
+    for leaf in want:
+        np.testing.assert_array_equal(got[leaf], want[leaf])
 
 
 def test_two_averagers_racing_on_an_s3_round_commit_once(s3_location):
