@@ -1,5 +1,5 @@
-"""The Lo-Fi store on real S3 servers (SeaweedFS and moto) and a GCS emulator, through jaxscale.storage
-(endpoint from AWS_ENDPOINT_URL_S3, credentials from AWS_ACCESS_KEY_ID / _SECRET_): pushes are
+"""The Lo-Fi store on real S3 servers (SeaweedFS and moto) and a GCS emulator, through
+jaxscale.storage (endpoint from AWS_ENDPOINT_URL_S3, credentials from AWS_*): pushes are
 listed and read back, a round's average is bit-for-bit the average of the same pushes on a
 local disk, an uncommitted push is not used, and of two averagers racing on one round exactly
 one commit wins (both servers honour If-None-Match, which storage.py makes tensorstore send)."""
