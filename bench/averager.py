@@ -192,7 +192,13 @@ def main() -> None:
     p.add_argument("--cache", default="warm,cold", help="warm, cold or both (see above)")
     p.add_argument("--repeats", type=int, default=2,
                    help="averager rounds per measurement; the fastest counts (see above)")
+    p.add_argument("--store", default="",
+                   help="s3://bucket/prefix or gs://...: measure on that object store against "
+                        "tensorstore copying the same bytes there (endpoint and credentials "
+                        "from AWS_ENDPOINT_URL_S3 / AWS_* as everywhere, see jaxscale/storage.py)")
     args = p.parse_args()
+    if args.store:
+        return main_remote(args)
     caches = args.cache.split(",")
     if not set(caches) <= {"warm", "cold"}:
         raise SystemExit(f"--cache={args.cache}: use warm, cold or warm,cold")
@@ -244,6 +250,46 @@ def measure(root: str, size: int, cache: str, args: argparse.Namespace
     shutil.rmtree(path)
     return (r, (r["read"] + r["written"]) / r["seconds"] / 1e9, copy_bytes / copy_s / 1e9,
             ts_bytes / ts_s / 1e9)
+
+
+def main_remote(args: argparse.Namespace) -> None:
+    """The object-store variant: per size, a fresh store under `--store`, the tensorstore copy
+    of the round's bytes on the same server, then the averager's round(s) in a fresh process.
+    No page cache to evict and no raw copy (there is no file to memcpy): the bar is the ts copy."""
+    from jaxscale import storage
+    from jaxscale.lofi.store import Store, average_prefix, commit_key
+
+    storage.check(args.store)
+    print(f"\n{args.workers} workers, float32, mean, chunk budget {args.budget_mib} MiB, "
+          f"store {args.store} at {storage.s3_endpoint() or 'the provider'}")
+    print(f"{'model':>9} {'moved':>9} {'round':>7} {'averager':>10} {'ts copy':>10} "
+          f"{'ratio':>6} {'peak RSS':>9} {'RSS idle':>9}")
+    for size in [int(s) for s in args.sizes_mib.split(",")]:
+        location = storage.join(args.store, f"s{size}-{os.getpid()}")
+        make_store(location, size, args.workers)
+        ts_s, ts_bytes = ts_copy(location)
+        rounds = []
+        for attempt in range(args.repeats):
+            if attempt:  # the same round again: remove what the previous attempt published
+                store = Store(location)
+                store.delete(commit_key(average_prefix(1)))
+                store.delete_prefix(average_prefix(1))
+            out = subprocess.run([sys.executable, "-c", CHILD, location,
+                                  str(args.budget_mib << 20)], env={**os.environ,
+                                  "PYTHONPATH": ROOT}, cwd=ROOT, capture_output=True,
+                                 text=True, check=True)
+            rounds.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        r = min(rounds, key=lambda round_: round_["seconds"])
+        r["rss_mib"] = max(round_["rss_mib"] for round_ in rounds)
+        import tensorstore as ts
+
+        Store(location).kv.delete_range(ts.KvStore.KeyRange()).result()  # the whole run
+        avg_gbs = (r["read"] + r["written"]) / r["seconds"] / 1e9
+        ts_gbs = ts_bytes / ts_s / 1e9
+        print(f"{size:>5} MiB {(r['read'] + r['written']) / 2**20:>5.0f} MiB "
+              f"{r['seconds']:>5.2f} s {avg_gbs:>6.2f} GB/s {ts_gbs:>6.2f} GB/s "
+              f"{avg_gbs / ts_gbs:>5.0%} {r['rss_mib']:>5.0f} MiB {r['idle_rss_mib']:>5.0f} MiB",
+              flush=True)
 
 
 if __name__ == "__main__":

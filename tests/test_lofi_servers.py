@@ -1,5 +1,5 @@
-"""The Lo-Fi store on real S3 servers (SeaweedFS and moto), reached through jaxscale.storage
-(endpoint from AWS_ENDPOINT_URL_S3, credentials from AWS_ACCESS_KEY_ID / _SECRET_): pushes are
+"""The Lo-Fi store on real S3 servers (SeaweedFS and moto) and a GCS emulator, through
+jaxscale.storage (endpoint from AWS_ENDPOINT_URL_S3, credentials from AWS_*): pushes are
 listed and read back, a round's average is bit-for-bit the average of the same pushes on a
 local disk, an uncommitted push is not used, and of two averagers racing on one round exactly
 one commit wins (both servers honour If-None-Match, which storage.py makes tensorstore send)."""
@@ -49,6 +49,18 @@ def test_round_on_an_s3_server_equals_the_local_store_bit_for_bit(s3_location, t
         np.testing.assert_array_equal(again[leaf], want[leaf])
 
 
+@pytest.mark.xdist_group("fake-gcs")
+def test_round_on_a_gcs_emulator_equals_the_local_store_bit_for_bit(fake_gcs, tmp_path):
+    """The gs:// data path (fake-gcs-server ignores generation preconditions: no race here)."""
+    _, bucket = fake_gcs
+    report, st = _round_of_three(f"gs://{bucket}/lofi/run1")
+    assert report.published and report.used == {0: 10, 1: 10, 2: 10}
+    _, local = _round_of_three(str(tmp_path / "store"))
+    got, want = latest_average(st).params, latest_average(local).params
+    for leaf in want:
+        np.testing.assert_array_equal(got[leaf], want[leaf])
+
+
 def test_two_averagers_racing_on_an_s3_round_commit_once(s3_location):
     st = S.Store(s3_location)
     base = _params(0)
@@ -60,3 +72,17 @@ def test_two_averagers_racing_on_an_s3_round_commit_once(s3_location):
     assert S.average_rounds(st) == [0, 1]
     np.testing.assert_allclose(latest_average(st).params["layers/w"], base["layers/w"] + 1,
                                rtol=1e-6)
+
+
+@pytest.mark.xdist_group("seaweedfs")
+def test_lofi_store_on_an_unusable_bucket_is_one_paragraph(seaweedfs, monkeypatch):
+    """A worker or averager pointed at a missing bucket or with refused credentials stops at
+    once with the location and the fix, before any push or round."""
+    from jaxscale.storage import StorageError
+
+    server, bucket = seaweedfs
+    with pytest.raises(StorageError, match="bucket 'jaxscale-missing' does not exist"):
+        S.Store("s3://jaxscale-missing/lofi")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(StorageError, match=r"s3://.*/lofi/denied.*refused the credentials"):
+        S.Store(f"s3://{bucket}/lofi/denied")

@@ -31,6 +31,7 @@ NO_VALUE = b"\x02"          # tensorstore's "key absent" storage generation (cre
 # cores: chunk decoding interleaves with file waits.
 _CONTEXT = ts.Context(ts.Context.Spec(
     {"data_copy_concurrency": {"limit": max(4, 2 * (os.cpu_count() or 2))}}))
+_CHECKED: set[str] = set()  # locations storage.check passed in this process
 CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
 
@@ -55,6 +56,9 @@ class Store:
         self.location = location
         self.chunk = chunk
         self.spec = kvstore_spec(location)
+        if location not in _CHECKED:  # a bucket: fail fast, in one paragraph, if unusable
+            storage.check(location)
+            _CHECKED.add(location)
         self.kv = ts.KvStore.open(self.spec, context=_CONTEXT).result()
         self.bytes_read = 0
         self.bytes_written = 0

@@ -21,6 +21,7 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxscale import config as config_lib
+from jaxscale import storage
 from jaxscale.data import build_data
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.mesh import make_mesh, mesh_summary
@@ -71,6 +72,7 @@ class Trainer:
     def build(cls, config: mlc.ConfigDict, workdir: str,
               devices: Sequence[Any] | None = None) -> "Trainer":
         config_lib.validate(config)
+        storage.configure(config.get("storage"))  # S3 endpoint/region for every location
         if workdir and jax.process_index() == 0:
             config_lib.save_config(config, workdir)
         mesh = make_mesh(config.mesh, devices)
