@@ -25,7 +25,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 
 train: $(VENV)/.installed
-	$(PY) -m launch.train --config=configs/tiny_lm.py --workdir=$(WORKDIR) --cpu_devices=8
+	$(VENV)/bin/jaxscale train --config=tiny_lm --workdir=$(WORKDIR) --cpu_devices=8
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 --dist=loadgroup -q -rfE $(PYTEST_ARGS)

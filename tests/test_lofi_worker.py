@@ -189,7 +189,7 @@ import json, shlex, sys
 from absl import flags
 from jaxscale import cli
 from jaxscale.config import validate
-sys.argv = ["launch.train"] + shlex.split(sys.argv[1])[3:]  # config_flags reads sys.argv
+sys.argv = ["jaxscale train"] + shlex.split(sys.argv[1])[2:]  # config_flags reads sys.argv
 config = cli.define_config_file("config", "configs/tiny_lm.py", "")
 flags.DEFINE_string("workdir", None, "")
 cli.parse_flags(sys.argv)
@@ -205,7 +205,7 @@ def test_lofi_vm_dry_run_prints_one_valid_worker_per_vm_and_the_averager():
                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     commands = [l for l in out.stdout.splitlines() if l and not l.startswith("#")]
-    workers = [c for c in commands if "launch.train" in c]
+    workers = [c for c in commands if c.startswith("jaxscale train ")]
     assert len(workers) == 3 and len(commands) == 5
     for i, line in enumerate(workers):  # each command parses and validates as a real run would
         check = subprocess.run([sys.executable, "-c", CHECK_WORKER_FLAGS, line], env=ENV,

@@ -35,7 +35,7 @@ def main(argv):
     if _FROM_HF.value and _OUT.value:
         model_cfg = convert.hf_to_workdir(_FROM_HF.value, _OUT.value, _DTYPE.value)
         print(f"jaxscale: wrote {_OUT.value}/params and {_OUT.value}/{convert.MODEL_CONFIG}.")
-        print("Fine-tune with: python -m launch.train --config=CONFIG --workdir=RUN "
+        print("Fine-tune with: jaxscale train --config=CONFIG --workdir=RUN "
               f"--config.init_from={_OUT.value} " + " ".join(convert.override_flags(model_cfg)))
     elif _FROM_WORKDIR.value and _TO_HF.value:
         out = convert.workdir_to_hf(_FROM_WORKDIR.value, _TO_HF.value, _DTYPE.value,

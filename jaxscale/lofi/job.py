@@ -50,7 +50,7 @@ class LofiJob:
         return os.path.join(self.workdir, f"worker{worker_id}")
 
     def worker_argv(self, worker_id: int, python: str = sys.executable) -> list[str]:
-        return [python, "-m", "launch.train", *self.train_flags,
+        return [python, "-m", "jaxscale", "train", *self.train_flags,
                 f"--workdir={self.worker_workdir(worker_id)}",
                 f"--cpu_devices={self.devices_per_worker}",
                 "--config.lofi.enabled=True", f"--config.lofi.store={self.store}",
@@ -59,7 +59,7 @@ class LofiJob:
                 *_quorum(self.train_flags, self.num_workers)]
 
     def averager_argv(self, python: str = sys.executable, final: str | None = None) -> list[str]:
-        argv = [python, "-m", "launch.lofi_average", f"--store={self.store}",
+        argv = [python, "-m", "jaxscale", "lofi-average", f"--store={self.store}",
                 f"--aggregator={self.aggregator}", f"--outer={self.outer}"]
         return argv + ([f"--final={final}"] if final else ["--watch"])
 
@@ -191,13 +191,13 @@ def lofi_vm_commands(store: str, num_workers: int, train_flags: Sequence[str],
     lines = []
     for i in range(num_workers):
         lines += [f"# TPU VM {i}: worker {i} (its own devices, data shard {i}/{num_workers})",
-                  shlex.join(["python", "-m", "launch.train", *train_flags,
+                  shlex.join(["jaxscale", "train", *train_flags,
                               f"--workdir=runs/lofi_worker{i}", "--config.lofi.enabled=True",
                               f"--config.lofi.store={store}", f"--config.lofi.worker_id={i}",
                               f"--config.lofi.num_workers={num_workers}",
                               *_quorum(train_flags, num_workers)])]
     env = "".join(f"{k}={v} " for k, v in AVERAGER_ENV.items())
-    averager = ["python", "-m", "launch.lofi_average", f"--store={store}",
+    averager = ["jaxscale", "lofi-average", f"--store={store}",
                 f"--aggregator={aggregator}", f"--outer={outer}"]
     if periodic:
         lines += ["# any machine that reaches the store, while the workers run: the averager",
