@@ -63,7 +63,10 @@ def base_config() -> mlc.ConfigDict:
     c.model = mlc.ConfigDict(dict(
         name="llama", vocab_size=256, embed=128, num_layers=4, num_heads=4, num_kv_heads=2,
         head_dim=32, mlp=512, max_len=2048, rope_theta=10000.0, norm_eps=1e-5,
-        tie_embeddings=False, remat="none", attention="einsum"))
+        tie_embeddings=False, remat="none", attention="einsum",
+        # rotary scaling as HF `rope_scaling` (none | linear | llama3), see models/rope.py
+        rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0, rope_original_max_len=8192))
     c.data = mlc.ConfigDict(dict(
         corpus="stdlib",           # stdlib | digits | files (implied by a non-empty `sources`)
         max_bytes=4_000_000, seq_len=128, batch_size=32, eval_batches=4, part="all",
@@ -173,6 +176,26 @@ def _validate_mesh_use(c: mlc.ConfigDict) -> None:
             ))
 
 
+def _validate_rope(m: mlc.ConfigDict) -> None:
+    """Rotary scaling names and factors (a bad one would silently compute another model)."""
+    from jaxscale.models.rope import ROPE_SCALINGS
+
+    kind = m.get("rope_scaling", "none")
+    _require(kind in ROPE_SCALINGS,
+             f"model.rope_scaling={kind!r} is not a supported rotary scaling; use one of",
+             f"{', '.join(ROPE_SCALINGS)} (Llama 3.1 / 3.2 checkpoints use 'llama3', with",
+             "rope_factor, rope_low_freq_factor, rope_high_freq_factor and",
+             "rope_original_max_len).")
+    if kind == "none":
+        return
+    _require(m.rope_factor > 0, f"model.rope_factor={m.rope_factor} must be positive.")
+    _require(kind != "llama3" or (0 < m.rope_low_freq_factor < m.rope_high_freq_factor
+                                  and m.rope_original_max_len > 0),
+             f"model.rope_scaling='llama3' needs 0 < rope_low_freq_factor",
+             f"({m.rope_low_freq_factor}) < rope_high_freq_factor ({m.rope_high_freq_factor})",
+             f"and a positive rope_original_max_len ({m.rope_original_max_len}).")
+
+
 def _validate_choices(c: mlc.ConfigDict) -> None:
     """Names that would otherwise only fail deep inside model or optimizer construction."""
     from jaxscale.models.attention import ATTENTION_IMPLS  # lazy: keeps `import config` light
@@ -192,6 +215,7 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
              f"model.remat={m.get('remat')!r}: use one of {', '.join(REMAT_POLICIES)}.")
     _require(m.get("attention", "einsum") in ATTENTION_IMPLS,
              f"model.attention={m.get('attention')!r}: use one of {', '.join(ATTENTION_IMPLS)}.")
+    _validate_rope(m)
     _require(d.seq_len > 0 and d.batch_size > 0,
              f"data.seq_len={d.seq_len} and data.batch_size={d.batch_size} must be positive.")
     if d.get("sources") or d.corpus == "files":

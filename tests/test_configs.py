@@ -93,6 +93,37 @@ def test_variant_validates_and_shards_abstractly(filename, variant, tmp_path):
     assert rows % math.prod(mesh.shape[a] for a in batch_axes) == 0
 
 
+@pytest.mark.parametrize("fields, culprit", [
+    (dict(rope_scaling="yarn"), "model.rope_scaling='yarn' is not a supported rotary scaling; "
+                                "use one of none, linear, llama3"),
+    (dict(rope_scaling="dynamic"), "'dynamic'"),
+    (dict(rope_scaling="linear", rope_factor=0.0), "model.rope_factor=0.0 must be positive"),
+    (dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=4.0,
+          rope_high_freq_factor=1.0), r"needs 0 < rope_low_freq_factor \(4.0\)"),
+])
+def test_unknown_or_bad_rope_scaling_is_a_config_error(fields, culprit):
+    c = MODULES["tiny_lm.py"].get_config("test")
+    c.model.update(fields)
+    with pytest.raises(ConfigError, match=culprit):
+        config_lib.validate(c)
+
+
+def test_llama3_rope_scaling_from_config_fields():
+    """config.model.rope_* fields reach the model: llama3 and linear validate and change the
+    frequencies every attention layer rotates with."""
+    c = MODULES["tiny_lm.py"].get_config("test")
+    plain = LlamaConfig.from_config(c.model).rope.inv_frequencies(c.model.head_dim)
+    c.model.update(rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=64)
+    config_lib.validate(c)
+    scaled = LlamaConfig.from_config(c.model).rope.inv_frequencies(c.model.head_dim)
+    assert np.asarray(scaled)[0] == np.asarray(plain)[0]  # the fastest band is kept
+    np.testing.assert_allclose(np.asarray(scaled)[-1], np.asarray(plain)[-1] / 8.0, rtol=1e-6)
+    c.model.update(rope_scaling="linear", rope_factor=2.0)
+    config_lib.validate(c)
+    linear = LlamaConfig.from_config(c.model).rope.inv_frequencies(c.model.head_dim)
+    np.testing.assert_allclose(np.asarray(linear), np.asarray(plain) / 2.0, rtol=1e-6)
+
+
 def test_llama_parameter_counts():
     llama = MODULES["llama.py"]
     expected = {"125m": (120e6, 140e6), "1b": (1.0e9, 1.25e9), "7b": (6.6e9, 6.9e9)}

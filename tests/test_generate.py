@@ -113,8 +113,14 @@ def test_kv_cache_is_sharded_by_the_rules():
         assert cache[name].addressable_shards[0].data.shape == (2, 1, 8, 1, 16)
 
 
-def test_greedy_equals_transformers_generate(tmp_path):
-    """Greedy decoding of a converted HF Llama equals `transformers` greedy `generate`."""
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.5,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("rope_scaling", [None, LLAMA3_ROPE], ids=["plain", "llama3"])
+def test_greedy_equals_transformers_generate(tmp_path, rope_scaling):
+    """Greedy decoding of a converted HF Llama equals `transformers` greedy `generate`, also
+    with Llama 3 rope scaling (the KV-cache path rotates with the same scaled frequencies)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from jaxscale.interop import hf
@@ -123,7 +129,8 @@ def test_greedy_equals_transformers_generate(tmp_path):
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rope_theta=20000.0, bos_token_id=None, eos_token_id=None, pad_token_id=0)).eval()
+        rope_theta=20000.0, rope_scaling=rope_scaling, bos_token_id=None, eos_token_id=None,
+        pad_token_id=0)).eval()
     model.save_pretrained(str(tmp_path / "hf"))
     prompt = np.random.default_rng(0).integers(0, 96, (2, 6)).astype(np.int32)
     with torch.no_grad():
@@ -133,9 +140,36 @@ def test_greedy_equals_transformers_generate(tmp_path):
     got = gen.generate_from_config(config, params, prompt, steps=10)
     np.testing.assert_array_equal(got, ref)
     model_cfg, host = hf.load_llama(str(tmp_path / "hf"))
+    assert model_cfg["rope_scaling"] == ("llama3" if rope_scaling else "none")
     model_def = ModelDef.build(model_cfg, get_policy("32-true"))
     np.testing.assert_array_equal(
         np.asarray(gen.make_generate(model_def, 10)(host, prompt, jax.random.key(0))), ref)
+    # Equal tokens could hide small rotary differences: compare the cached logits themselves.
+    with torch.no_grad():
+        ref_logits = model(torch.from_numpy(ref).long()).logits.numpy()
+    err = np.max(np.abs(cached_logits(model_def, host, ref, 6) - ref_logits))
+    assert err < 1e-4
+    if rope_scaling:  # decoding with unscaled frequencies would be measurably off
+        plain_def = ModelDef.build(dict(model_cfg, rope_scaling="none"), get_policy("32-true"))
+        assert np.max(np.abs(cached_logits(plain_def, host, ref, 6) - ref_logits)) > 100 * err
+
+
+def cached_logits(model_def, params, tokens_BT, prefill):
+    """Logits of every position of `tokens_BT`, the first `prefill` at once, then one token at
+    a time through the KV cache (the decoding path of `make_generate`)."""
+    b, t = tokens_BT.shape
+
+    @jax.jit
+    def step(cache, tokens, start):
+        return gen.forward_cached(model_def.module(params), tokens, start, cache)[::-1]
+
+    cache = gen.init_cache(model_def.module(params).cfg, b, t, jnp.float32)
+    cache, first = step(cache, tokens_BT[:, :prefill], jnp.int32(0))
+    logits = [first]
+    for i in range(prefill, t):
+        cache, out = step(cache, tokens_BT[:, i:i + 1], jnp.int32(i))
+        logits.append(out)
+    return np.concatenate([np.asarray(x) for x in logits], axis=1)
 
 
 @pytest.mark.parametrize("call, culprit", [

@@ -16,6 +16,7 @@ from jaxscale.interop import hf  # noqa: E402
 from jaxscale.mesh import make_mesh  # noqa: E402
 from jaxscale.precision import get_policy  # noqa: E402
 from jaxscale.models import ModelDef  # noqa: E402
+from jaxscale.models.llama import LlamaConfig  # noqa: E402
 from jaxscale.train.state import param_specs  # noqa: E402
 from jaxscale.weights.tree import flatten
 
@@ -24,7 +25,16 @@ CONFIGS = {
     "mha_tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
     "gqa_theta": dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
                       rope_theta=500000.0, rms_norm_eps=1e-5, head_dim=8),
+    # Llama 3.1 / 3.2 scaling; with head_dim 8 and theta 1e4 the wavelengths (6.3, 63, 628,
+    # 6283) fall in all three bands (kept < 32/4 <= blended <= 32/0.5 < stretched).
+    "llama3": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.5,
+                                 "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 32}),
+    "linear": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                   rope_scaling={"rope_type": "linear", "factor": 4.0}),
 }
+SCALED = ("linear", "llama3")
 
 
 def make_hf(tmp_path, name="gqa_untied", **overrides):
@@ -54,15 +64,39 @@ def test_logits_match_transformers(tmp_path, name):
     model_cfg, params = hf.load_llama(path)
     assert model_cfg["tie_embeddings"] == CONFIGS[name]["tie_word_embeddings"]
     assert ("lm_head" in params) != model_cfg["tie_embeddings"]
-    tokens = np.random.default_rng(0).integers(0, 96, (2, 16)).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(0, 96, (2, 32)).astype(np.int32)
     with torch.no_grad():
         ref = model(torch.from_numpy(tokens).long()).logits.numpy()
     got = jax_logits(model_cfg, params, tokens)
     assert got.shape == ref.shape
-    assert np.max(np.abs(got - ref)) < 1e-4
+    err = np.max(np.abs(got - ref))
+    assert err < 1e-4
+    if name in SCALED:  # the scaling is read and matters: unscaled rotary misses the reference
+        assert model_cfg["rope_scaling"] == name
+        plain = jax_logits(dict(model_cfg, rope_scaling="none"), params, tokens)
+        assert np.max(np.abs(plain - ref)) > max(100 * err, 1e-5)
 
 
-@pytest.mark.parametrize("name", ["gqa_untied", "gqa_theta"])
+@pytest.mark.parametrize("name", SCALED)
+def test_rope_frequencies_match_transformers(tmp_path, name):
+    """The scaled frequencies equal transformers' own (its rotary module's inv_freq)."""
+    from jaxscale.models.rope import Rope
+    model, path = make_hf(tmp_path, name)
+    model_cfg, _ = hf.load_llama(path)
+    rope = LlamaConfig.from_config(model_cfg).rope
+    got = np.asarray(rope.inv_frequencies(model_cfg["head_dim"]))
+    ref = model.model.rotary_emb.inv_freq.numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    plain = np.asarray(Rope(rope.theta).inv_frequencies(model_cfg["head_dim"]))
+    if name == "llama3":  # kept, blended and stretched bands are all present
+        ratio = plain / got
+        assert np.isclose(ratio, 1.0).any() and np.isclose(ratio, 8.0).any()
+        assert ((ratio > 1.01) & (ratio < 7.99)).any()
+    else:
+        np.testing.assert_allclose(plain / got, 4.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gqa_untied", "gqa_theta", *SCALED])
 def test_round_trip_is_exact_and_loads_in_transformers(tmp_path, name):
     model, path = make_hf(tmp_path, name)
     model_cfg, params = hf.load_llama(path)
@@ -107,12 +141,16 @@ def test_sharded_index_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("change, culprit", [
-    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "linear"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
+     "type 'yarn' .* supports rope_type 'default', 'linear' and 'llama3'"),
+    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "type 'dynamic'"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(hidden_act="gelu"), "gelu"),
     (dict(sliding_window=16), "sliding_window"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+     "'llama3' lacks low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+    (dict(rope_scaling={"rope_type": "linear"}), "'linear' lacks factor"),
 ])
 def test_unsupported_configs_are_rejected(tmp_path, change, culprit):
     _, path = make_hf(tmp_path, "gqa_untied")

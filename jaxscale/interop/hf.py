@@ -18,8 +18,8 @@ directory like any other saved weights.
 
 jaxscale's Llama uses the Hugging Face "rotate half" rotary layout, so q/k need no permutation:
 every weight is only transposed and reshaped. Configurations the model cannot reproduce
-(rope scaling, sliding windows, attention or MLP biases, another activation) are rejected,
-never approximated.
+(rope scaling other than `linear` and `llama3`, sliding windows, attention or MLP biases,
+another activation) are rejected, never approximated.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxscale.errors import paragraph
+from jaxscale.interop.hf_rope import rope_from_hf, rope_scaling_to_hf
 from jaxscale.interop.safetensors_io import (ConversionError, SafetensorsReader, parse_dtype,
                                              write_checkpoint_files)
 from jaxscale.rules import AxisRules, normalize_rules
@@ -94,14 +95,7 @@ def llama_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> d
     if act not in ("silu", "swish"):
         raise ConversionError(f"{where}: hidden_act={act!r} is not supported; jaxscale's Llama "
                               "MLP is SwiGLU (silu). Convert a checkpoint with hidden_act='silu'.")
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConversionError(paragraph(
-            f"{where}: rope scaling of type {rope_type!r} ({rope}) is not implemented; jaxscale",
-            "applies plain rotary embeddings, so the converted model would compute different",
-            "logits. Use a checkpoint without rope_scaling (or rope_type='default').",
-        ))
+    rope_fields = rope_from_hf(hf, where)
     if hf.get("sliding_window") not in (None, 0):
         raise ConversionError(paragraph(
             f"{where}: sliding_window={hf['sliding_window']} (local attention) is not supported:",
@@ -110,7 +104,6 @@ def llama_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> d
         ))
     require_keys(hf, LLAMA_REQUIRED, where, "Llama")
     heads = int(hf["num_attention_heads"])
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     return dict(
         name="llama",
         vocab_size=int(hf["vocab_size"]),
@@ -121,15 +114,19 @@ def llama_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> d
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
         mlp=int(hf["intermediate_size"]),
         max_len=int(hf.get("max_position_embeddings", 2048)),
-        rope_theta=float(theta),
+        **rope_fields,  # rope_theta, rope_scaling and the scaling's parameters
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
 
 
 def llama_config_to_hf(model_cfg: Mapping[str, Any], dtype: str = "float32") -> dict:
-    """jaxscale `config.model` -> a `config.json` that `LlamaForCausalLM` loads."""
+    """jaxscale `config.model` -> a `config.json` that `LlamaForCausalLM` loads.
+
+    The rope scaling goes into both `rope_parameters` (transformers >= 5) and `rope_scaling`
+    (older releases), so either reads back the frequencies the model was converted with."""
     m = dict(model_cfg)
+    scaling = rope_scaling_to_hf(m)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": m["vocab_size"], "hidden_size": m["embed"],
@@ -137,9 +134,10 @@ def llama_config_to_hf(model_cfg: Mapping[str, Any], dtype: str = "float32") -> 
         "num_attention_heads": m["num_heads"], "num_key_value_heads": m["num_kv_heads"],
         "head_dim": m["head_dim"], "max_position_embeddings": m["max_len"],
         "rope_theta": m["rope_theta"], "rms_norm_eps": m["norm_eps"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": m["rope_theta"]},
+        "rope_parameters": {**(scaling or {"rope_type": "default"}),
+                            "rope_theta": m["rope_theta"]},
         "tie_word_embeddings": bool(m["tie_embeddings"]), "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "rope_scaling": None,
+        "attention_bias": False, "mlp_bias": False, "rope_scaling": scaling,
         "torch_dtype": dtype, "bos_token_id": None, "eos_token_id": None,
     }
 

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from einops import rearrange
 from flax import nnx
 
-from jaxscale.models.layers import param, project, rotary
+from jaxscale.models.layers import param, project
+from jaxscale.models.rope import Rope, rotary
 from jaxscale.precision import Policy
 from jaxscale.rules import constrain
 
@@ -160,8 +161,9 @@ class Attention(nnx.Module):
 
     LORA_WEIGHTS = ("wq", "wk", "wv", "wo")  # read through `project`: may carry LoRA adapters
 
-    def __init__(self, embed: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float,
-                 policy: Policy, impl: str, rngs: nnx.Rngs, *, stack: int | None = None):
+    def __init__(self, embed: int, heads: int, kv_heads: int, head_dim: int,
+                 rope: Rope | float, policy: Policy, impl: str, rngs: nnx.Rngs, *,
+                 stack: int | None = None):
         if heads % kv_heads:
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}.")
         check_impl(impl)
@@ -174,7 +176,8 @@ class Attention(nnx.Module):
                         fan_in=embed, **kw)
         self.wo = param(rngs, (heads, head_dim, embed), ("heads", "head_dim", "embed"),
                         fan_in=heads * head_dim, **kw)
-        self.rope_theta, self.policy, self.impl = rope_theta, policy, impl
+        self.rope = rope if isinstance(rope, Rope) else Rope(theta=float(rope))
+        self.policy, self.impl = policy, impl
 
     def __call__(self, x_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
                  cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None
@@ -186,9 +189,9 @@ class Attention(nnx.Module):
         q_BTHD = project(self, "wq", "bte,ehd->bthd", x_BTE, c)
         k_BTKD = project(self, "wk", "bte,ekd->btkd", x_BTE, c)
         v_BTKD = project(self, "wv", "bte,ekd->btkd", x_BTE, c)
-        q_BTHD = constrain(rotary(q_BTHD, positions_BT, self.rope_theta),
+        q_BTHD = constrain(rotary(q_BTHD, positions_BT, self.rope),
                            "batch", "length", "heads", "head_dim")
-        k_BTKD = constrain(rotary(k_BTKD, positions_BT, self.rope_theta),
+        k_BTKD = constrain(rotary(k_BTKD, positions_BT, self.rope),
                            "batch", "length", "kv", "head_dim")
         v_BTKD = constrain(v_BTKD, "batch", "length", "kv", "head_dim")
         t = x_BTE.shape[1]

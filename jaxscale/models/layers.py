@@ -5,7 +5,8 @@ rules module resolves them to PartitionSpecs. Layers can be created *stacked* (`
 parameter gets a leading `layers` dimension so the decoder can `scan` over depth (compile time
 independent of depth) and the pipeline can split that axis into stages.
 Shape suffixes: B batch, T length, E embed, H heads, K kv heads, G heads per kv head,
-D head dim, F mlp hidden, V vocab, S source length. Attention (and its KV cache): attention.py.
+D head dim, F mlp hidden, V vocab, S source length. Attention (and its KV cache): attention.py;
+rotary embeddings: rope.py.
 """
 
 from __future__ import annotations
@@ -122,18 +123,6 @@ class RMSNorm(nnx.Module):
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
         scale_11E = self.scale[...].astype(dtype)[None, None, :]
         return (x * scale_11E).astype(self.policy.compute)
-
-
-def rotary(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding in the "rotate half" layout (the Hugging Face Llama convention)."""
-    d = x_BTHD.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles_BTd = positions_BT[..., None].astype(jnp.float32) * inv_freq[None, None, :]
-    angles_BTD = jnp.concatenate([angles_BTd, angles_BTd], axis=-1)[:, :, None, :]
-    x = x_BTHD.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x * jnp.cos(angles_BTD) + rotated * jnp.sin(angles_BTD)).astype(x_BTHD.dtype)
 
 
 class MLP(nnx.Module):

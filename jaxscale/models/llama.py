@@ -21,6 +21,7 @@ from flax import nnx
 
 from jaxscale.models.attention import Attention, KVCache
 from jaxscale.models.layers import MLP, RMSNorm, param
+from jaxscale.models.rope import Rope
 from jaxscale.models.runner import LayerRunner
 from jaxscale.precision import Policy, get_policy
 from jaxscale.rules import constrain
@@ -45,6 +46,12 @@ class LlamaConfig:
     mlp: int = 512
     max_len: int = 2048
     rope_theta: float = 10000.0
+    # Rotary scaling (HF `rope_scaling`): none | linear | llama3; see jaxscale/models/rope.py.
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0       # llama3 only
+    rope_high_freq_factor: float = 4.0      # llama3 only
+    rope_original_max_len: int = 8192       # llama3 only: the pre-extension context length
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     remat: str = "none"
@@ -54,6 +61,13 @@ class LlamaConfig:
     def from_config(cls, model_cfg: Mapping[str, Any]) -> "LlamaConfig":
         fields = cls.__dataclass_fields__
         return cls(**{k: v for k, v in dict(model_cfg).items() if k in fields})
+
+    @property
+    def rope(self) -> Rope:
+        """The rotary settings every attention layer (and the KV-cache decoder) uses."""
+        return Rope(self.rope_theta, self.rope_scaling, self.rope_factor,
+                    self.rope_low_freq_factor, self.rope_high_freq_factor,
+                    self.rope_original_max_len)
 
     def num_params(self) -> int:
         e, f, l = self.embed, self.mlp, self.num_layers
@@ -69,7 +83,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs, stack: int):
         self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
         self.attn = Attention(cfg.embed, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                              cfg.rope_theta, policy, cfg.attention, rngs, stack=stack)
+                              cfg.rope, policy, cfg.attention, rngs, stack=stack)
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
         self.mlp = MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack)
 

@@ -1,0 +1,61 @@
+"""Hugging Face rope settings <-> jaxscale's `config.model.rope_*` fields.
+
+HF configs declare rotary scaling in `rope_scaling` (transformers < 5) or `rope_parameters`
+(transformers >= 5, which also holds `rope_theta`), with `rope_type` (or the older `type`).
+jaxscale computes `linear` and `llama3` (Llama 3.1 / 3.2) exactly (jaxscale/models/rope.py);
+any other type is refused, since approximating it would change the model's logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jaxscale.errors import paragraph
+from jaxscale.interop.safetensors_io import ConversionError
+
+
+ROPE_HF_KEYS = {  # jaxscale field -> HF rope_scaling key, per supported scaling type
+    "linear": {"rope_factor": "factor"},
+    "llama3": {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+               "rope_high_freq_factor": "high_freq_factor",
+               "rope_original_max_len": "original_max_position_embeddings"},
+}
+
+
+def rope_from_hf(hf: Mapping[str, Any], where: str) -> dict:
+    """The `rope_*` model fields of an HF config's `rope_scaling` / `rope_parameters`."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    theta = (rope.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta")
+             or hf.get("rope_theta") or 10000.0)
+    if kind == "default":
+        return dict(rope_theta=float(theta), rope_scaling="none")
+    if kind not in ROPE_HF_KEYS:
+        raise ConversionError(paragraph(
+            f"{where}: rope scaling of type {kind!r} ({dict(rope)}) is not implemented; jaxscale",
+            f"supports rope_type 'default', {' and '.join(map(repr, ROPE_HF_KEYS))} (Llama 3.1 /",
+            "3.2), and any other scaling would make the converted model compute different",
+            "logits. Convert a checkpoint with one of those rope types.",
+        ))
+    keys = ROPE_HF_KEYS[kind]
+    missing = [k for k in keys.values() if rope.get(k) is None]
+    if missing:
+        raise ConversionError(paragraph(
+            f"{where}: rope scaling {kind!r} lacks {', '.join(missing)}, which it needs",
+            f"({', '.join(keys.values())}); the file is truncated or hand-edited. Add the",
+            "values from the original checkpoint's config.json.",
+        ))
+    fields = {field: float(rope[key]) for field, key in keys.items()}
+    if "rope_original_max_len" in fields:
+        fields["rope_original_max_len"] = int(fields["rope_original_max_len"])
+    return dict(rope_theta=float(theta), rope_scaling=kind, **fields)
+
+
+def rope_scaling_to_hf(model_cfg: Mapping[str, Any]) -> dict | None:
+    """The HF `rope_scaling` dict of jaxscale model fields (None without a scaling)."""
+    kind = model_cfg.get("rope_scaling", "none")
+    if kind == "none":
+        return None
+    return {"rope_type": kind,
+            **{key: model_cfg[field] for field, key in ROPE_HF_KEYS[kind].items()}}
