@@ -23,10 +23,13 @@ from dataclasses import dataclass, field
 from jaxscale.lofi.progress import JobProgress
 
 
-# glibc gives each of tensorstore's I/O threads a heap arena of its own, and the chunk buffers
-# they free stay in it: the averager's peak RSS grew by 40-90 MiB (bench/RESULTS.md). Two
-# arenas, glibc's documented environment tunable (other C libraries ignore it), keep it flat.
-AVERAGER_ENV = {"MALLOC_ARENA_MAX": "2"}
+# glibc's documented environment tunables (other C libraries ignore them), no code: glibc gives
+# each of tensorstore's I/O threads a heap arena of its own, and the 1 MiB chunk buffers they
+# free stay in it (its dynamic mmap threshold soon moves them from mmap onto the heap), so the
+# averager's peak RSS grew by 40-90 MiB. Two arenas plus a fixed 512 KiB mmap threshold (every
+# chunk and block buffer is an mmap, returned to the kernel when freed) keep it flat and below
+# the old direct-I/O store's, at the cost of page faults: a slower round (bench/RESULTS.md).
+AVERAGER_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "524288"}
 
 
 def _quorum(train_flags: Sequence[str], num_workers: int) -> list[str]:
