@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxscale.errors import ConfigError
-from jaxscale.lofi import reduce as R
+from jaxscale.lofi import stream as R
 from jaxscale.lofi import store as S
 from jaxscale.lofi.accounting import accounting_lines
 from jaxscale.lofi.diskfull import DiskFullError

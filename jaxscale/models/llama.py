@@ -119,8 +119,10 @@ def scan_layers(block: Block, h_BTE: jax.Array, positions_BT: jax.Array,
         h_BTE, cache = jax.lax.scan(apply_cached, h_BTE, (state, cache))
         return h_BTE, cache.constrained()
 
+    packed = {} if segments_BT is None else {"segments_BT": segments_BT}  # ViT blocks: never
+
     def apply_one(h, layer_state):
-        return nnx.merge(graphdef, layer_state)(h, positions_BT, segments_BT=segments_BT), None
+        return nnx.merge(graphdef, layer_state)(h, positions_BT, **packed), None
 
     if remat != "none":
         apply_one = jax.checkpoint(apply_one, policy=REMAT_POLICIES[remat])
