@@ -113,14 +113,16 @@ def restore_params(root: str, step: int) -> dict:
     arrays on one device, whatever mesh wrote it: the target is built from the checkpoint's own
     metadata (orbax refuses a target-less restore across topologies)."""
     path = epath.Path(root) / str(step) / "state"
-    checkpointer = ocp.StandardCheckpointer()
-    with _quiet_absl():  # orbax warns that the per-item metadata file is absent: harmless
-        meta = checkpointer.metadata(path).item_metadata
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
-                          dict(meta.tree if hasattr(meta, "tree") else meta))
-    with _quiet_absl():
-        restored = checkpointer.restore(path, target)
+    # Closed even when the restore fails (a broken step the caller falls back past): an open
+    # checkpointer's background threads would print a traceback at interpreter exit.
+    with ocp.StandardCheckpointer() as checkpointer:
+        with _quiet_absl():  # orbax warns that the per-item metadata file is absent: harmless
+            meta = checkpointer.metadata(path).item_metadata
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
+                              dict(meta.tree if hasattr(meta, "tree") else meta))
+        with _quiet_absl():
+            restored = checkpointer.restore(path, target)
     return jax.device_get(restored)
 
 

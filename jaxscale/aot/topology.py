@@ -70,7 +70,10 @@ def require_libtpu() -> None:
 # libtpu would otherwise query the GCE metadata server for the attached TPU (there is none);
 # jax, unless limited to the CPU backend, would open a TPU backend, which takes libtpu's
 # process lock (/tmp/libtpu_lockfile) and so refuses the planner's second compiling process.
-_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu"}
+# ALLOW_MULTIPLE_LIBTPU_LOAD lifts that lock: compiling for a topology never opens a TPU, so
+# two compiling processes (the planner's, a test's, a user's second shell) cannot collide.
+_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 def compile_only_env() -> None:
