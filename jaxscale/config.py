@@ -191,7 +191,7 @@ def _validate_rope(m: mlc.ConfigDict) -> None:
     _require(m.rope_factor > 0, f"model.rope_factor={m.rope_factor} must be positive.")
     _require(kind != "llama3" or (0 < m.rope_low_freq_factor < m.rope_high_freq_factor
                                   and m.rope_original_max_len > 0),
-             f"model.rope_scaling='llama3' needs 0 < rope_low_freq_factor",
+             "model.rope_scaling='llama3' needs 0 < rope_low_freq_factor",
              f"({m.rope_low_freq_factor}) < rope_high_freq_factor ({m.rope_high_freq_factor})",
              f"and a positive rope_original_max_len ({m.rope_original_max_len}).")
 
