@@ -163,6 +163,12 @@ def bench_row(label, mesh, preset, pipeline, batch, accum) -> dict:
                ideal=total_state / (m.pipeline * m.fsdp * m.tensor),
                args=getattr(mem, "argument_size_in_bytes", 0),
                temp=getattr(mem, "temp_size_in_bytes", 0), got=got, want=want, notes=notes)
+    return _with_schedule_stats(row, found, params, c)
+
+
+def _with_schedule_stats(row: dict, found: list, params: int, c) -> dict:
+    """Adds the gradient reductions (count, inside a loop?) and the pipeline bubble to a row."""
+    m = c.mesh
     reduces = [x for x in found if x.kind in ("all-reduce", "reduce-scatter")
                and x.bytes >= params // (m.pipeline * m.fsdp * m.tensor * 4)]
     row["grad_reductions"] = (sum(x.executions for x in reduces), any(x.in_loop for x in reduces))
@@ -193,13 +199,7 @@ def bench_row_tpu(topology, label, mesh, preset, pipeline, batch, accum) -> dict
                ideal=(params + nbytes(abstract.opt_state)) / (m.pipeline * m.fsdp * m.tensor),
                args=report.argument_bytes, temp=report.temp_bytes, got=summarize(found),
                want=want, notes=notes, compile_s=report.compile_s)
-    reduces = [x for x in found if x.kind in ("all-reduce", "reduce-scatter")
-               and x.bytes >= params // (m.pipeline * m.fsdp * m.tensor * 4)]
-    row["grad_reductions"] = (sum(x.executions for x in reduces), any(x.in_loop for x in reduces))
-    if m.pipeline > 1:
-        row["bubble"] = get_schedule(c.pipeline.schedule).bubble_fraction(
-            m.pipeline, c.pipeline.microbatches, c.pipeline.repeats)
-    return row
+    return _with_schedule_stats(row, found, params, c)
 
 
 def kb(n: float) -> str:

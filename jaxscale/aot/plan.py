@@ -3,9 +3,8 @@
 Candidates are factorizations of the chip count over data / fsdp / tensor (and pipeline with
 its microbatches), rules presets, remat policies and per-chip micro-batches (gradient
 accumulation keeps the global batch). Invalid ones are pruned by the config validation; the
-rest are compiled by the TPU compiler in a worker process (libtpu holds a machine-wide lock,
-/tmp/libtpu_lockfile, so a second concurrent compiling process fails here; the worker keeps a
-crashing compile away from the search). Each result is cached on disk,
+rest are compiled by the TPU compiler in one worker process, one at a time (a large compile
+takes a core and gigabytes of memory; the worker keeps a crashing compile away from the search). Each result is cached on disk,
 keyed by a hash of the config and topology, so a rerun is instant), those over HBM (with a
 margin) dropped, and the rest ranked by the roofline step-time estimate (full overlap).
 """
