@@ -15,7 +15,11 @@ adapters, optimizer state and step are restored on top of it.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
+import sys
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -71,6 +75,7 @@ def newest_restorable(root: str, restore: Callable[[int], T],
             raise
         except Exception as e:  # noqa: BLE001 - any failure to read a step makes it unusable
             broken.append((step, e))
+            _drop_orphaned_read_errors()
             continue
         if broken:
             names = ", ".join(f"step {s} ({_short(e)})" for s, e in broken)
@@ -89,6 +94,45 @@ def newest_restorable(root: str, restore: Callable[[int], T],
         "every older step fails too. The files are truncated or corrupt; restore them from a",
         "copy, or start a fresh workdir.",
     )) from None
+
+
+_ORPHANED_READ = "Encountered error while reading array index"
+
+
+class _OrphanedReadFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _ORPHANED_READ not in record.getMessage()
+
+
+def _is_orphaned_read(error: BaseException | None) -> bool:
+    if error is None:
+        return False
+    if _ORPHANED_READ in str(error):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+            and any(f.name == "call_soon_threadsafe" for f in frames))
+
+
+@functools.cache
+def _drop_orphaned_read_errors() -> None:
+    """orbax gathers a step's array reads on an asyncio loop that it closes at the first
+    failure; the reads still in flight then fail unobserved, and asyncio (a log line), the
+    garbage collector ("Exception ignored") and tensorstore's completion callbacks (a closed
+    loop) echo them as tracebacks, sometimes at interpreter exit. The broken step is already
+    reported once, as a BrokenCheckpointWarning, so these echoes, and only these, are dropped
+    from then on."""
+    logging.getLogger("asyncio").addFilter(_OrphanedReadFilter())
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+    def unraisable_hook(report: Any) -> None:
+        if not _is_orphaned_read(report.exc_value):
+            unraisable(report)
+
+    def except_hook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        if not _is_orphaned_read(error):
+            excepthook(kind, error, tb)
+    sys.unraisablehook, sys.excepthook = unraisable_hook, except_hook
 
 
 def _short(error: Exception) -> str:
