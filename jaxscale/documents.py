@@ -5,9 +5,10 @@
 `DocSource`: a random-access list of documents (token arrays ending with EOS) plus their token
 lengths. Documents are addressed by index, so a process reads only the files, lines, row groups
 or records of the documents in its own rows. Lengths are free for `tokens` (file sizes) and for
-`array_record` shards written by `launch.prepare_data` (a lengths file beside each shard); the
-on-the-fly formats (`text`, `jsonl`, `parquet`) tokenize every document once to learn them, so
-large corpora should be prepared first. Bad records raise one-paragraph errors naming the file
+`array_record` shards written by `launch.prepare_data` (a lengths file beside each shard); for
+the on-the-fly formats (`text`, `jsonl`, `parquet`) each process tokenizes only its share of the
+files and the lengths are shared (`jaxscale.doc_index`), so large corpora are still best
+prepared once. Bad records raise one-paragraph errors naming the file
 and line (or skip and count them with `data.skip_bad_records`).
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxscale.doc_index import Exchange, build_index
 from jaxscale.errors import ConfigError, JaxscaleError, paragraph
 from jaxscale.tokenizer import encode_document
 
@@ -108,75 +110,136 @@ class DocSource:
 
 
 class _Tokenized:
-    """Shared by the on-the-fly formats: `text_of(i)` -> str, tokenized with EOS, cached."""
+    """Shared by the on-the-fly formats (`text`, `jsonl`, `parquet`); a *unit* is one file.
+
+    Documents are addressed by locators `(unit, j, byte offset)` (the offset is used by jsonl
+    only). `scan_unit(u)` lists a file's documents, and for jsonl that reads the file; nothing
+    is scanned or tokenized when a reader opens. `jaxscale.doc_index` scans and tokenizes each
+    process's own files once to learn token lengths, shares them between processes, and then
+    `attach`es the whole table, so `doc(i)` reads exactly document `i` and nothing else.
+    """
 
     tokenizer: Any
     skip_bad: bool
+    files: list[str]
+
+    def _setup(self, files: list[str], tokenizer: Any, skip_bad: bool) -> None:
+        self.files, self.tokenizer, self.skip_bad = files, tokenizer, skip_bad
+        self.skipped = 0
+        self.tokenized = 0  # documents tokenized by this process (per-host reading is tested)
+        self.locs: list[tuple[int, int, int]] = []
+        self._lengths = np.zeros(0, np.int64)
+
+    @property
+    def units(self) -> list[str]:
+        return self.files
+
+    def keep_units(self, keep: list[int]) -> None:
+        """Restricts the reader to these files (a Lo-Fi worker's shard)."""
+        self.files = [self.files[u] for u in keep]
+        self._tokens.cache_clear()  # locators name files by position
+        self._forget()
+
+    def _forget(self) -> None:
+        pass
+
+    def attach(self, locs: list[tuple[int, int, int]], lengths: np.ndarray | None) -> None:
+        """Sets the document table (every unit's locators, in unit order) and token lengths."""
+        self.locs, self._lengths = locs, lengths
+
+    def scan(self) -> None:
+        """Lists every document without tokenizing (the prepare step reads every text anyway)."""
+        self.attach([loc for u in range(len(self.units)) for loc in self.scan_unit(u)], None)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.locs)
+
+    @property
+    def keys(self) -> list[str]:
+        return [self.key(loc) for loc in self.locs]
+
+    def key(self, loc: tuple[int, int, int]) -> str:
+        return f"{os.path.basename(self.files[loc[0]])}:{loc[1]}"
+
+    def where(self, i: int) -> str:
+        return self.where_loc(self.locs[i])
+
+    def text_of(self, i: int) -> str | None:
+        return self.read_text(self.locs[i])
 
     def doc(self, i: int) -> np.ndarray:
-        return self._tokens(i)
+        return self._tokens(self.locs[i])
+
+    def tokens_at(self, loc: tuple[int, int, int]) -> np.ndarray:
+        return self._tokens(loc)
 
     @functools.lru_cache(maxsize=4096)
-    def _tokens(self, i: int) -> np.ndarray:
-        text = self.text_of(i)
+    def _tokens(self, loc: tuple[int, int, int]) -> np.ndarray:
+        self.tokenized += 1
+        text = self.read_text(loc)
         if text is None:  # a skipped bad record: an empty document
             return np.zeros(0, np.uint32)
         ids = encode_document(self.tokenizer, text)
         if len(ids) - (self.tokenizer.eos_id is not None) < 1:
-            bad_record(self, i, "is an empty document (shorter than one token)")
+            bad_record(self, loc, "is an empty document (shorter than one token)")
             return np.zeros(0, np.uint32)
         return ids
 
     def lengths(self) -> np.ndarray:
-        return np.asarray([len(self.doc(i)) for i in range(self.num_docs)], np.int64)
+        if self._lengths is None:
+            return np.asarray([len(self.doc(i)) for i in range(self.num_docs)], np.int64)
+        return self._lengths
 
 
 class TextReader(_Tokenized):
     """Plain text: one document per file."""
 
     def __init__(self, files: list[str], tokenizer: Any, skip_bad: bool):
-        self.files, self.tokenizer, self.skip_bad = files, tokenizer, skip_bad
-        self.num_docs = len(files)
-        self.keys = files
+        self._setup(files, tokenizer, skip_bad)
 
-    def where(self, i: int) -> str:
-        return self.files[i]
+    def scan_unit(self, u: int) -> list[tuple[int, int, int]]:
+        return [(u, 0, 0)]
 
-    def text_of(self, i: int) -> str | None:
+    def key(self, loc: tuple[int, int, int]) -> str:
+        return self.files[loc[0]]
+
+    def where_loc(self, loc: tuple[int, int, int]) -> str:
+        return self.files[loc[0]]
+
+    def read_text(self, loc: tuple[int, int, int]) -> str | None:
         try:
-            with open(self.files[i], encoding="utf-8") as f:
+            with open(self.files[loc[0]], encoding="utf-8") as f:
                 return f.read()
         except (OSError, UnicodeDecodeError) as e:
-            return bad_record(self, i, f"cannot be read as UTF-8 text ({e})")
+            return bad_record(self, loc, f"cannot be read as UTF-8 text ({e})")
 
 
 class JsonlReader(_Tokenized):
-    """JSON lines: one document per line, its text under `text_field`; lines found by offset."""
+    """JSON lines: one document per non-blank line, its text under `text_field`; lines are
+    found by byte offset, so a document is one seek and one line read."""
 
     def __init__(self, files: list[str], tokenizer: Any, skip_bad: bool, text_field: str):
-        self.files, self.tokenizer, self.skip_bad = files, tokenizer, skip_bad
+        self._setup(files, tokenizer, skip_bad)
         self.text_field = text_field
-        index = [(f, line, off) for f in files for line, off in enumerate(_line_offsets(f))]
-        self._index = index
-        self.num_docs = len(index)
-        self.keys = [f"{os.path.basename(f)}:{line}" for f, line, _ in index]
 
-    def where(self, i: int) -> str:
-        f, line, _ = self._index[i]
-        return f"{f} line {line + 1}"
+    def scan_unit(self, u: int) -> list[tuple[int, int, int]]:
+        return [(u, j, off) for j, off in enumerate(_line_offsets(self.files[u]))]
 
-    def text_of(self, i: int) -> str | None:
-        f, line, off = self._index[i]
-        with open(f, "rb") as fh:
-            fh.seek(off)
+    def where_loc(self, loc: tuple[int, int, int]) -> str:
+        return f"{self.files[loc[0]]} line {_line_number(self.files[loc[0]], loc[2])}"
+
+    def read_text(self, loc: tuple[int, int, int]) -> str | None:
+        with open(self.files[loc[0]], "rb") as fh:
+            fh.seek(loc[2])
             raw = fh.readline()
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return bad_record(self, i, f"is not valid JSON ({e.__class__.__name__}: {e})")
+            return bad_record(self, loc, f"is not valid JSON ({e.__class__.__name__}: {e})")
         if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
-            return bad_record(self, i, f"has no string field {self.text_field!r} (set "
-                        "--config.data.text_field to the field holding the text)")
+            return bad_record(self, loc, f"has no string field {self.text_field!r} (set "
+                              "--config.data.text_field to the field holding the text)")
         return record[self.text_field]
 
 
@@ -191,58 +254,61 @@ def _line_offsets(path: str) -> list[int]:
     return offsets
 
 
-def bad_record(reader: Any, i: int, what: str) -> None:
+def _line_number(path: str, offset: int) -> int:
+    """The 1-based line at `offset` (read only to name a bad record)."""
+    with open(path, "rb") as f:
+        return f.read(offset).count(b"\n") + 1
+
+
+def bad_record(reader: Any, loc: Any, what: str) -> None:
     if reader.skip_bad:
         reader.skipped = getattr(reader, "skipped", 0) + 1
         return None
+    where = reader.where_loc(loc) if isinstance(loc, tuple) else reader.where(loc)
     raise DataError(paragraph(
-        f"{reader.where(i)} {what}. Fix or remove the record, or set",
+        f"{where} {what}. Fix or remove the record, or set",
         "--config.data.skip_bad_records=True to skip and count bad records.",
     ))
 
 
 class ParquetReader(_Tokenized):
-    """Parquet: one document per row, its text in column `text_field`; read a row group at a time."""
+    """Parquet: one document per row, its text in column `text_field`; read a row group at a
+    time. Row counts come from each file's footer, so listing a file's documents reads no data."""
 
     def __init__(self, files: list[str], tokenizer: Any, skip_bad: bool, text_field: str):
-        import pyarrow.parquet as pq
-        self.files, self.tokenizer, self.skip_bad = files, tokenizer, skip_bad
+        self._setup(files, tokenizer, skip_bad)
         self.text_field = text_field
-        self._index = []  # (file, row group, first doc of the group, rows)
-        for f in files:
-            try:
-                meta = pq.ParquetFile(f).metadata
-            except Exception as e:  # pyarrow raises ArrowInvalid / OSError on bad files
-                raise DataError(paragraph(
-                    f"{f} cannot be read as parquet ({type(e).__name__}: {str(e)[:200]}); it is",
-                    "truncated or not a parquet file. Re-write it or remove it from the glob.",
-                )) from None
-            for g in range(meta.num_row_groups):
-                self._index.append((f, g, meta.row_group(g).num_rows))
-        self._starts = np.cumsum([0] + [n for _, _, n in self._index])
-        self.num_docs = int(self._starts[-1])
-        self.keys = [f"{os.path.basename(f)}:{g}:{r}" for f, g, n in self._index
-                     for r in range(n)]
 
-    def _locate(self, i: int) -> tuple[int, int]:
-        g = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return g, i - int(self._starts[g])
+    def _forget(self) -> None:
+        self._meta.cache_clear()
+        self._group.cache_clear()
 
-    def where(self, i: int) -> str:
-        g, r = self._locate(i)
-        return f"{self._index[g][0]} row {int(self._starts[g]) - self._file_start(g) + r}"
+    @functools.lru_cache(maxsize=64)
+    def _meta(self, u: int) -> np.ndarray:
+        """First row of each row group of file `u`, and the file's row count last."""
+        import pyarrow.parquet as pq
+        f = self.files[u]
+        try:
+            meta = pq.ParquetFile(f).metadata
+        except Exception as e:  # pyarrow raises ArrowInvalid / OSError on bad files
+            raise DataError(paragraph(
+                f"{f} cannot be read as parquet ({type(e).__name__}: {str(e)[:200]}); it is",
+                "truncated or not a parquet file. Re-write it or remove it from the glob.",
+            )) from None
+        return np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
 
-    def _file_start(self, g: int) -> int:
-        f = self._index[g][0]
-        first = next(k for k, entry in enumerate(self._index) if entry[0] == f)
-        return int(self._starts[first])
+    def scan_unit(self, u: int) -> list[tuple[int, int, int]]:
+        return [(u, j, 0) for j in range(int(self._meta(u)[-1]))]
+
+    def where_loc(self, loc: tuple[int, int, int]) -> str:
+        return f"{self.files[loc[0]]} row {loc[1]}"
 
     @functools.lru_cache(maxsize=8)
-    def _group(self, g: int) -> list:
+    def _group(self, u: int, g: int) -> list:
         import pyarrow.parquet as pq
-        f, group, _ = self._index[g]
+        f = self.files[u]
         try:
-            table = pq.ParquetFile(f).read_row_group(group, columns=[self.text_field])
+            table = pq.ParquetFile(f).read_row_group(g, columns=[self.text_field])
         except KeyError:
             raise DataError(paragraph(
                 f"{f} has no column {self.text_field!r}. Set --config.data.text_field to the",
@@ -250,16 +316,18 @@ class ParquetReader(_Tokenized):
             )) from None
         except Exception as e:
             raise DataError(paragraph(
-                f"{f} row group {group} cannot be read ({type(e).__name__}: {str(e)[:200]});",
+                f"{f} row group {g} cannot be read ({type(e).__name__}: {str(e)[:200]});",
                 "the file is truncated or corrupt. Re-write it or remove it from the glob.",
             )) from None
         return table.column(0).to_pylist()
 
-    def text_of(self, i: int) -> str | None:
-        g, r = self._locate(i)
-        text = self._group(g)[r]
+    def read_text(self, loc: tuple[int, int, int]) -> str | None:
+        u, j, _ = loc
+        starts = self._meta(u)
+        g = int(np.searchsorted(starts, j, side="right")) - 1
+        text = self._group(u, g)[j - int(starts[g])]
         if not isinstance(text, str):
-            return bad_record(self, i, f"has no text in column {self.text_field!r} ({text!r})")
+            return bad_record(self, loc, f"has no text in column {self.text_field!r} ({text!r})")
         return text
 
 
@@ -341,8 +409,13 @@ class TokenFileReader:
 
 
 def open_source(spec: SourceSpec, data_config: Any, tokenizer: Any,
-                field_name: str = "data.sources") -> DocSource:
-    """The `DocSource` of one `FORMAT=GLOB` entry."""
+                field_name: str = "data.sources", shard_index: int = 0, shard_count: int = 1,
+                process_index: int = 0, process_count: int = 1,
+                exchange: Exchange | None = None) -> DocSource:
+    """The `DocSource` of one `FORMAT=GLOB` entry, restricted to Lo-Fi shard `shard_index` of
+    `shard_count`: whole files of the on-the-fly formats, every `shard_count`-th document of
+    the others. On-the-fly formats are indexed here (`jaxscale.doc_index`): with `exchange`,
+    this process tokenizes only its share of the shard's files."""
     files = expand(spec, field_name)
     skip = bool(data_config.get("skip_bad_records", False))
     field = data_config.get("text_field", "text")
@@ -356,4 +429,16 @@ def open_source(spec: SourceSpec, data_config: Any, tokenizer: Any,
         reader = ArrayRecordReader(files)
     else:
         reader = TokenFileReader(files, data_config.get("token_dtype", "uint16"))
-    return DocSource(reader)
+    if isinstance(reader, _Tokenized):
+        if shard_count > 1 and len(files) < shard_count:
+            raise ConfigError(paragraph(
+                f"{field_name}: {spec.glob!r} matches {len(files)} {spec.format} files but",
+                f"lofi.num_workers={shard_count}; each Lo-Fi worker reads whole files of",
+                "on-the-fly formats. Split the data into at least as many files as workers,",
+                "or prepare it with launch.prepare_data (ArrayRecord is split by record).",
+            ))
+        if shard_count > 1:
+            reader.keep_units(list(range(shard_index, len(files), shard_count)))
+        build_index(reader, process_index, process_count, exchange)
+        return DocSource(reader)
+    return DocSource(reader, np.arange(shard_index, reader.num_docs, shard_count))

@@ -49,6 +49,7 @@ def open_readers(globs: list[str], fmt: str, text_field: str, tokenizer: Any = N
             out.append(JsonlReader(files, tokenizer, skip_bad, text_field))
         else:
             out.append(ParquetReader(files, tokenizer, skip_bad, text_field))
+        out[-1].scan()  # every document is read here anyway
     return out
 
 
