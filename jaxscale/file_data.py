@@ -134,6 +134,42 @@ def _eval_batches(rows: list, global_batch: int, count: int, process_index: int,
     return out
 
 
+def source_eval_batches(config: Any, sources: str, process_index: int, process_count: int,
+                        field_name: str = "--eval_sources") -> list[dict[str, np.ndarray]]:
+    """Every row of `sources` (`FORMAT=GLOB[@WEIGHT];...`) with the run's tokenizer, packing and
+    `seq_len`, as this host's rows of global batches, in order. The last batch is filled with
+    rows whose `mask` is 0 (and, when packed, segment ids 0), so every real token counts once."""
+    d = config.data
+    tokenizer = load_tokenizer(d.get("tokenizer", BYTES))
+    check_vocab(tokenizer, config.model.vocab_size, d.get("tokenizer", BYTES))
+    specs = parse_sources(sources, field_name)
+    if not specs:
+        raise ConfigError(f"{field_name} is empty; give e.g. 'text=/data/val/*.txt'.")
+    hosts = dict(process_index=process_index, process_count=process_count,
+                 exchange=default_exchange(process_count))
+    rows = [make_rows(s, d.get("packing", "concat"), d.seq_len, tokenizer.pad_id)
+            for s in _sources(specs, d, tokenizer, field_name, hosts)]
+    order = [(k, i) for k, r in enumerate(rows) for i in range(r.num_rows)]
+    if not order:
+        raise ConfigError(paragraph(
+            f"{field_name}={sources!r} gives no row of data.seq_len={d.seq_len} tokens (with",
+            f"data.packing={d.get('packing', 'concat')!r}): the files are too short. Give",
+            "longer or more documents.",
+        ))
+    global_batch, local = d.batch_size, d.batch_size // process_count
+    order += [None] * (-len(order) % global_batch)
+    template = rows[order[0][0]].row(order[0][1])
+    out = []
+    for b in range(len(order) // global_batch):
+        mine = order[b * global_batch + process_index * local:][:local]
+        got = [rows[m[0]].row(m[1]) if m else {k: np.zeros_like(v) for k, v in template.items()}
+               for m in mine]
+        batch = {key: np.stack([g[key] for g in got]) for key in template}
+        batch["mask"] = np.asarray([m is not None for m in mine], np.float32)
+        out.append(batch)
+    return out
+
+
 def files_data(config: Any, process_index: int, process_count: int,
                shard_index: int = 0, shard_count: int = 1) -> tuple[MixtureBatches, list]:
     """(training batches, held-out batches) of `config.data.sources`."""
