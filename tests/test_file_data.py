@@ -312,7 +312,8 @@ def test_length_index_each_process_tokenizes_only_its_own_files(corpus, fmt):
     and after the exchange every process holds the single-process table exactly."""
     import threading
     from jaxscale.doc_index import build_index
-    from jaxscale.documents import JsonlReader, ParquetReader, TextReader, expand, parse_sources
+    from jaxscale.documents import expand, parse_sources
+    from jaxscale.text_readers import JsonlReader, ParquetReader, TextReader
     root, _, _ = corpus
     tok = load_tokenizer(str(root / "prep"))
     files = expand(parse_sources(FORMATS[fmt](root))[0])
