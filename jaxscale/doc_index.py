@@ -17,6 +17,10 @@ The index is a few integers per document (an int32 length and an int64 offset); 
 at start-up (tokenizing 1/P of the corpus per process), which is why large corpora are better
 prepared once with `launch.prepare_data` (lengths stored beside the shards).
 
+A bad record met while indexing stops the process that owns its file with the usual one-paragraph
+error; its peers then stop at the all-gather (the launcher or JAX's coordination service ends
+them), as they would at any collective of a failed host.
+
 Processes simulated in one Python process (tests, `process_count != jax.process_count()`) have no
 peers to share with, so such a process indexes every file itself; rows are still the same.
 """
@@ -35,7 +39,7 @@ def jax_exchange(x_N: np.ndarray) -> np.ndarray:
     """The element-wise sum of `x_N` (int32) over every process of the jax job."""
     import jax
     from jax.experimental import multihost_utils
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or x_N.size == 0:  # sizes agree: counts are exchanged first
         return x_N
     gathered_PN = np.asarray(multihost_utils.process_allgather(x_N.astype(np.int32)))
     return gathered_PN.sum(axis=0, dtype=np.int64).astype(np.int32)
