@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale.doc_index import Exchange, build_index
+from jaxscale.doc_index import Exchange, IndexCache, build_index
 from jaxscale.errors import ConfigError, paragraph
+from jaxscale.tokenizer import BYTES, file_hash
 from jaxscale.text_readers import DataError, JsonlReader, ParquetReader, TextReader, Tokenized
 
 FORMATS = ("text", "jsonl", "parquet", "array_record", "tokens")
@@ -181,6 +182,18 @@ class TokenFileReader:
         return np.asarray([n for _, _, n in self._blocks], np.int64)
 
 
+def index_cache(spec: SourceSpec, data_config: Any) -> IndexCache | None:
+    """The on-disk index cache of `data.index_cache` ('' = none), salted with every setting
+    that changes a file's document table."""
+    directory = data_config.get("index_cache", "")
+    if not directory:
+        return None
+    salt = "|".join([spec.format, file_hash(data_config.get("tokenizer", BYTES)),
+                     data_config.get("text_field", "text"),
+                     str(bool(data_config.get("skip_bad_records", False)))])
+    return IndexCache(directory, salt)
+
+
 def open_source(spec: SourceSpec, data_config: Any, tokenizer: Any,
                 field_name: str = "data.sources", shard_index: int = 0, shard_count: int = 1,
                 process_index: int = 0, process_count: int = 1,
@@ -212,6 +225,7 @@ def open_source(spec: SourceSpec, data_config: Any, tokenizer: Any,
             ))
         if shard_count > 1:
             reader.keep_units(list(range(shard_index, len(files), shard_count)))
-        build_index(reader, process_index, process_count, exchange)
+        build_index(reader, process_index, process_count, exchange, index_cache(spec,
+                                                                                data_config))
         return DocSource(reader)
     return DocSource(reader, np.arange(shard_index, reader.num_docs, shard_count))

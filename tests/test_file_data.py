@@ -361,3 +361,23 @@ def test_lofi_workers_read_disjoint_covering_shards_of_files(corpus):
     c.lofi.update(worker_id=0, num_workers=3)
     with pytest.raises(ConfigError, match="matches 2 jsonl files but lofi.num_workers=3"):
         build_data(c, 0, 1, 0, 3)
+
+
+def test_index_cache_skips_tokenizing_again_and_notices_changed_files(corpus, tmp_path):
+    import shutil
+    root, _, _ = corpus
+    for k in range(2):
+        shutil.copy(root / f"part{k}.jsonl", tmp_path / f"part{k}.jsonl")
+    c = _config(root, f"jsonl={tmp_path}/*.jsonl", eval_sources=FORMATS["jsonl"](root),
+                index_cache=str(tmp_path / "cache"))
+    first = files_data(c, 0, 1)[0]
+    again = files_data(c, 0, 1)[0]
+    a, b = first.rows[0].source.reader, again.rows[0].source.reader
+    assert a.tokenized == 300 and b.tokenized == 0  # the second run only reads the cache
+    assert a.locs == b.locs and (a.lengths() == b.lengths()).all()
+    np.testing.assert_array_equal(next(first.iterator())["tokens"],
+                                  next(again.iterator())["tokens"])
+    with open(tmp_path / "part1.jsonl", "a") as f:  # a changed file is indexed afresh
+        f.write(json.dumps({"text": "the quick brown fox"}) + "\n")
+    changed = files_data(c, 0, 1)[0].rows[0].source.reader
+    assert changed.tokenized == 151 and changed.num_docs == 301
