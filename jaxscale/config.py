@@ -78,6 +78,7 @@ def base_config() -> mlc.ConfigDict:
         token_dtype="uint16",      # element type of `tokens` files
         packing="concat",          # concat | pack (first-fit, segment ids) | none (one doc per row)
         skip_bad_records=False,    # skip and count bad jsonl / parquet records instead of failing
+        index_cache="",            # directory keeping each process's text/jsonl/parquet length index
     ))
     c.optim = mlc.ConfigDict(dict(name="adamw", lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                                   weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,

@@ -111,8 +111,13 @@ def build_data(config: Any, process_index: int, process_count: int,
                                      shard_count)
 
 
-def heldout_batches(config: Any, process_index: int, process_count: int) -> list:
-    """Every held-out example of the config's dataset, as this host's rows of global batches."""
+def heldout_batches(config: Any, process_index: int, process_count: int,
+                    sources: str = "") -> list:
+    """Every held-out example of the config's dataset, as this host's rows of global batches;
+    with `sources` (`FORMAT=GLOB;...`), every row of those files instead, with the run's
+    tokenizer and packing (`launch.evaluate --eval_sources`)."""
+    if sources:
+        return file_data.source_eval_batches(config, sources, process_index, process_count)
     entry = dataset_for(config)
     if entry.heldout is not None:
         return entry.heldout(config, process_index, process_count)

@@ -5,9 +5,10 @@
 `DocSource`: a random-access list of documents (token arrays ending with EOS) plus their token
 lengths. Documents are addressed by index, so a process reads only the files, lines, row groups
 or records of the documents in its own rows. Lengths are free for `tokens` (file sizes) and for
-`array_record` shards written by `launch.prepare_data` (a lengths file beside each shard); the
-on-the-fly formats (`text`, `jsonl`, `parquet`) tokenize every document once to learn them, so
-large corpora should be prepared first. Bad records raise one-paragraph errors naming the file
+`array_record` shards written by `launch.prepare_data` (a lengths file beside each shard); for
+the on-the-fly formats (`text`, `jsonl`, `parquet`) each process tokenizes only its share of the
+files and the lengths are shared (`jaxscale.doc_index`), so large corpora are still best
+prepared once. Bad records raise one-paragraph errors naming the file
 and line (or skip and count them with `data.skip_bad_records`).
 """
 
@@ -15,22 +16,19 @@ from __future__ import annotations
 
 import functools
 import glob as globlib
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from jaxscale.errors import ConfigError, JaxscaleError, paragraph
-from jaxscale.tokenizer import encode_document
+from jaxscale.doc_index import Exchange, IndexCache, build_index
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.tokenizer import BYTES, file_hash
+from jaxscale.text_readers import DataError, JsonlReader, ParquetReader, TextReader, Tokenized
 
 FORMATS = ("text", "jsonl", "parquet", "array_record", "tokens")
 TOKEN_BLOCK = 1 << 16  # a `tokens` file is addressed in blocks of this many tokens
-
-
-class DataError(JaxscaleError):
-    """A data file is missing, unreadable or holds a bad record."""
 
 
 @dataclass(frozen=True)
@@ -105,162 +103,6 @@ class DocSource:
 
     def subset(self, keep: np.ndarray) -> "DocSource":
         return DocSource(self.reader, self.ids[keep])
-
-
-class _Tokenized:
-    """Shared by the on-the-fly formats: `text_of(i)` -> str, tokenized with EOS, cached."""
-
-    tokenizer: Any
-    skip_bad: bool
-
-    def doc(self, i: int) -> np.ndarray:
-        return self._tokens(i)
-
-    @functools.lru_cache(maxsize=4096)
-    def _tokens(self, i: int) -> np.ndarray:
-        text = self.text_of(i)
-        if text is None:  # a skipped bad record: an empty document
-            return np.zeros(0, np.uint32)
-        ids = encode_document(self.tokenizer, text)
-        if len(ids) - (self.tokenizer.eos_id is not None) < 1:
-            bad_record(self, i, "is an empty document (shorter than one token)")
-            return np.zeros(0, np.uint32)
-        return ids
-
-    def lengths(self) -> np.ndarray:
-        return np.asarray([len(self.doc(i)) for i in range(self.num_docs)], np.int64)
-
-
-class TextReader(_Tokenized):
-    """Plain text: one document per file."""
-
-    def __init__(self, files: list[str], tokenizer: Any, skip_bad: bool):
-        self.files, self.tokenizer, self.skip_bad = files, tokenizer, skip_bad
-        self.num_docs = len(files)
-        self.keys = files
-
-    def where(self, i: int) -> str:
-        return self.files[i]
-
-    def text_of(self, i: int) -> str | None:
-        try:
-            with open(self.files[i], encoding="utf-8") as f:
-                return f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            return bad_record(self, i, f"cannot be read as UTF-8 text ({e})")
-
-
-class JsonlReader(_Tokenized):
-    """JSON lines: one document per line, its text under `text_field`; lines found by offset."""
-
-    def __init__(self, files: list[str], tokenizer: Any, skip_bad: bool, text_field: str):
-        self.files, self.tokenizer, self.skip_bad = files, tokenizer, skip_bad
-        self.text_field = text_field
-        index = [(f, line, off) for f in files for line, off in enumerate(_line_offsets(f))]
-        self._index = index
-        self.num_docs = len(index)
-        self.keys = [f"{os.path.basename(f)}:{line}" for f, line, _ in index]
-
-    def where(self, i: int) -> str:
-        f, line, _ = self._index[i]
-        return f"{f} line {line + 1}"
-
-    def text_of(self, i: int) -> str | None:
-        f, line, off = self._index[i]
-        with open(f, "rb") as fh:
-            fh.seek(off)
-            raw = fh.readline()
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return bad_record(self, i, f"is not valid JSON ({e.__class__.__name__}: {e})")
-        if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
-            return bad_record(self, i, f"has no string field {self.text_field!r} (set "
-                        "--config.data.text_field to the field holding the text)")
-        return record[self.text_field]
-
-
-def _line_offsets(path: str) -> list[int]:
-    """Byte offsets of the non-blank lines of a file (blank lines are not documents)."""
-    offsets, pos = [], 0
-    with open(path, "rb") as f:
-        for raw in f:
-            if raw.strip():
-                offsets.append(pos)
-            pos += len(raw)
-    return offsets
-
-
-def bad_record(reader: Any, i: int, what: str) -> None:
-    if reader.skip_bad:
-        reader.skipped = getattr(reader, "skipped", 0) + 1
-        return None
-    raise DataError(paragraph(
-        f"{reader.where(i)} {what}. Fix or remove the record, or set",
-        "--config.data.skip_bad_records=True to skip and count bad records.",
-    ))
-
-
-class ParquetReader(_Tokenized):
-    """Parquet: one document per row, its text in column `text_field`; read a row group at a time."""
-
-    def __init__(self, files: list[str], tokenizer: Any, skip_bad: bool, text_field: str):
-        import pyarrow.parquet as pq
-        self.files, self.tokenizer, self.skip_bad = files, tokenizer, skip_bad
-        self.text_field = text_field
-        self._index = []  # (file, row group, first doc of the group, rows)
-        for f in files:
-            try:
-                meta = pq.ParquetFile(f).metadata
-            except Exception as e:  # pyarrow raises ArrowInvalid / OSError on bad files
-                raise DataError(paragraph(
-                    f"{f} cannot be read as parquet ({type(e).__name__}: {str(e)[:200]}); it is",
-                    "truncated or not a parquet file. Re-write it or remove it from the glob.",
-                )) from None
-            for g in range(meta.num_row_groups):
-                self._index.append((f, g, meta.row_group(g).num_rows))
-        self._starts = np.cumsum([0] + [n for _, _, n in self._index])
-        self.num_docs = int(self._starts[-1])
-        self.keys = [f"{os.path.basename(f)}:{g}:{r}" for f, g, n in self._index
-                     for r in range(n)]
-
-    def _locate(self, i: int) -> tuple[int, int]:
-        g = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return g, i - int(self._starts[g])
-
-    def where(self, i: int) -> str:
-        g, r = self._locate(i)
-        return f"{self._index[g][0]} row {int(self._starts[g]) - self._file_start(g) + r}"
-
-    def _file_start(self, g: int) -> int:
-        f = self._index[g][0]
-        first = next(k for k, entry in enumerate(self._index) if entry[0] == f)
-        return int(self._starts[first])
-
-    @functools.lru_cache(maxsize=8)
-    def _group(self, g: int) -> list:
-        import pyarrow.parquet as pq
-        f, group, _ = self._index[g]
-        try:
-            table = pq.ParquetFile(f).read_row_group(group, columns=[self.text_field])
-        except KeyError:
-            raise DataError(paragraph(
-                f"{f} has no column {self.text_field!r}. Set --config.data.text_field to the",
-                "column holding the text.",
-            )) from None
-        except Exception as e:
-            raise DataError(paragraph(
-                f"{f} row group {group} cannot be read ({type(e).__name__}: {str(e)[:200]});",
-                "the file is truncated or corrupt. Re-write it or remove it from the glob.",
-            )) from None
-        return table.column(0).to_pylist()
-
-    def text_of(self, i: int) -> str | None:
-        g, r = self._locate(i)
-        text = self._group(g)[r]
-        if not isinstance(text, str):
-            return bad_record(self, i, f"has no text in column {self.text_field!r} ({text!r})")
-        return text
 
 
 class ArrayRecordReader:
@@ -340,9 +182,26 @@ class TokenFileReader:
         return np.asarray([n for _, _, n in self._blocks], np.int64)
 
 
+def index_cache(spec: SourceSpec, data_config: Any) -> IndexCache | None:
+    """The on-disk index cache of `data.index_cache` ('' = none), salted with every setting
+    that changes a file's document table."""
+    directory = data_config.get("index_cache", "")
+    if not directory:
+        return None
+    salt = "|".join([spec.format, file_hash(data_config.get("tokenizer", BYTES)),
+                     data_config.get("text_field", "text"),
+                     str(bool(data_config.get("skip_bad_records", False)))])
+    return IndexCache(directory, salt)
+
+
 def open_source(spec: SourceSpec, data_config: Any, tokenizer: Any,
-                field_name: str = "data.sources") -> DocSource:
-    """The `DocSource` of one `FORMAT=GLOB` entry."""
+                field_name: str = "data.sources", shard_index: int = 0, shard_count: int = 1,
+                process_index: int = 0, process_count: int = 1,
+                exchange: Exchange | None = None) -> DocSource:
+    """The `DocSource` of one `FORMAT=GLOB` entry, restricted to Lo-Fi shard `shard_index` of
+    `shard_count`: whole files of the on-the-fly formats, every `shard_count`-th document of
+    the others. On-the-fly formats are indexed here (`jaxscale.doc_index`): with `exchange`,
+    this process tokenizes only its share of the shard's files."""
     files = expand(spec, field_name)
     skip = bool(data_config.get("skip_bad_records", False))
     field = data_config.get("text_field", "text")
@@ -356,4 +215,17 @@ def open_source(spec: SourceSpec, data_config: Any, tokenizer: Any,
         reader = ArrayRecordReader(files)
     else:
         reader = TokenFileReader(files, data_config.get("token_dtype", "uint16"))
-    return DocSource(reader)
+    if isinstance(reader, Tokenized):
+        if shard_count > 1 and len(files) < shard_count:
+            raise ConfigError(paragraph(
+                f"{field_name}: {spec.glob!r} matches {len(files)} {spec.format} files but",
+                f"lofi.num_workers={shard_count}; each Lo-Fi worker reads whole files of",
+                "on-the-fly formats. Split the data into at least as many files as workers,",
+                "or prepare it with launch.prepare_data (ArrayRecord is split by record).",
+            ))
+        if shard_count > 1:
+            reader.keep_units(list(range(shard_index, len(files), shard_count)))
+        build_index(reader, process_index, process_count, exchange, index_cache(spec,
+                                                                                data_config))
+        return DocSource(reader)
+    return DocSource(reader, np.arange(shard_index, reader.num_docs, shard_count))

@@ -3,7 +3,9 @@
 Rebuilds the run from `WORKDIR/config.json` (mesh, rules, precision, model, data), loads the
 newest checkpoint's parameters (LoRA adapters folded in) onto the mesh by the rules, and
 evaluates the held-out split of its dataset (`jaxscale.data.heldout_batches`: every test image
-for image datasets, padded and masked; the run's own held-out batches for text). Metrics are summed
+for image datasets, padded and masked; the run's own held-out batches for text), or every row
+of other text files (`eval_sources`, tokenized with the run's tokenizer, the last batch padded
+with masked rows). Metrics are summed
 per example/token and divided once at the end, so they do not depend on the batch split or the
 mesh.
 """
@@ -71,16 +73,17 @@ def read_config(workdir: str) -> mlc.ConfigDict:
         return mlc.ConfigDict(json.load(f))
 
 
-def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 0
-                    ) -> dict[str, float]:
-    """Metrics of `params` (flat or nested, host or device) on the config's held-out data."""
+def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 0,
+                    eval_sources: str = "") -> dict[str, float]:
+    """Metrics of `params` (flat or nested, host or device) on the config's held-out data, or
+    on every row of `eval_sources` (`FORMAT=GLOB;...`, read with the run's tokenizer)."""
     mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
     policy = get_policy(config.precision)
     model_def = ModelDef.build(config.model, policy)
     task = config.model.get("task", "lm")
     shardings = named_shardings(mesh, param_specs(model_def, rules, mesh))
     placed = unflatten(place(flatten(params), shardings, policy.param))
-    evals = heldout_batches(config, jax.process_index(), jax.process_count())
+    evals = heldout_batches(config, jax.process_index(), jax.process_count(), eval_sources)
     if max_batches:
         evals = evals[:max_batches]
     shapes = {k: (config.data.batch_size,) + v.shape[1:] for k, v in evals[0].items()}
@@ -105,9 +108,11 @@ def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 
             "examples": int(total["count"])}
 
 
-def evaluate_workdir(workdir: str, max_batches: int = 0) -> dict[str, float]:
-    """Metrics of the newest checkpoint (or params export) in `workdir`."""
+def evaluate_workdir(workdir: str, max_batches: int = 0, eval_sources: str = ""
+                     ) -> dict[str, float]:
+    """Metrics of the newest checkpoint (or params export) in `workdir`, on its held-out split
+    or on `eval_sources`."""
     from jaxscale.weights.sources import merged_params, open_weights
     config = read_config(workdir)
     params = merged_params(open_weights(workdir))  # LoRA adapters folded in (config.json)
-    return evaluate_params(config, params, max_batches)
+    return evaluate_params(config, params, max_batches, eval_sources)

@@ -1,8 +1,10 @@
 """Training on your own files: `config.data.sources` -> a deterministic weighted mixture of rows.
 
-Each source entry (`jaxscale.documents`) becomes rows (`jaxscale.packing`). Per source, a grain
-`MapDataset` of row indices is sharded for Lo-Fi workers, shuffled with the run's seed and
-repeated; `MapDataset.mix` interleaves the sources by weight, deterministically. Global batches
+Each source entry (`jaxscale.documents`) becomes rows (`jaxscale.packing`). A Lo-Fi worker opens
+only its shard of each source (whole files of text / jsonl / parquet, every n-th record of the
+prepared formats), and the token lengths that plan the rows of on-the-fly formats are learnt by
+each process tokenizing only its share of those files (`jaxscale.doc_index`). Per source, a grain
+`MapDataset` of row indices is shuffled with the run's seed and repeated; `MapDataset.mix` interleaves the sources by weight, deterministically. Global batches
 are formed from that index stream, and each process then reads only the documents of its own
 rows, so the global batch at a step is identical for any process count and mesh, and grain's
 iterator state (saved in checkpoints) resumes mid-epoch exactly. The held-out split is either
@@ -20,6 +22,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from jaxscale.doc_index import default_exchange
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.packing import PACKINGS, make_rows
 from jaxscale.documents import SourceSpec, expand, open_source, parse_sources
@@ -38,8 +41,6 @@ class MixtureBatches:
     global_batch: int
     process_index: int = 0
     process_count: int = 1
-    shard_index: int = 0
-    shard_count: int = 1
     seed: int = 0
 
     def dataset(self) -> grain.MapDataset:
@@ -50,11 +51,11 @@ class MixtureBatches:
             ))
         parts = []
         for k, src in enumerate(self.rows):
-            ids = grain.MapDataset.range(src.num_rows)[self.shard_index::self.shard_count]
+            ids = grain.MapDataset.range(src.num_rows)
             if len(ids) == 0:
                 raise ConfigError(paragraph(
-                    f"Source {k} of data.sources has no training row of data.seq_len tokens in",
-                    "this shard. Add documents, or lower data.seq_len.",
+                    f"Source {k} of data.sources has no training row of data.seq_len tokens (in",
+                    "this Lo-Fi worker's shard). Add documents, or lower data.seq_len.",
                 ))
             parts.append(ids.shuffle(seed=self.seed + 1000 * k).repeat(None)
                          .map(lambda i, k=k: (k, i)))
@@ -107,10 +108,11 @@ def check_prepared(spec: SourceSpec, tokenizer_spec: str, field_name: str) -> No
             ))
 
 
-def _sources(specs: list[SourceSpec], d: Any, tokenizer: Any, field_name: str) -> list:
+def _sources(specs: list[SourceSpec], d: Any, tokenizer: Any, field_name: str,
+             where: dict) -> list:
     for spec in specs:
         check_prepared(spec, d.get("tokenizer", BYTES), field_name)
-    return [open_source(s, d, tokenizer, field_name) for s in specs]
+    return [open_source(s, d, tokenizer, field_name, **where) for s in specs]
 
 
 def _eval_batches(rows: list, global_batch: int, count: int, process_index: int,
@@ -132,6 +134,42 @@ def _eval_batches(rows: list, global_batch: int, count: int, process_index: int,
     return out
 
 
+def source_eval_batches(config: Any, sources: str, process_index: int, process_count: int,
+                        field_name: str = "--eval_sources") -> list[dict[str, np.ndarray]]:
+    """Every row of `sources` (`FORMAT=GLOB[@WEIGHT];...`) with the run's tokenizer, packing and
+    `seq_len`, as this host's rows of global batches, in order. The last batch is filled with
+    rows whose `mask` is 0 (and, when packed, segment ids 0), so every real token counts once."""
+    d = config.data
+    tokenizer = load_tokenizer(d.get("tokenizer", BYTES))
+    check_vocab(tokenizer, config.model.vocab_size, d.get("tokenizer", BYTES))
+    specs = parse_sources(sources, field_name)
+    if not specs:
+        raise ConfigError(f"{field_name} is empty; give e.g. 'text=/data/val/*.txt'.")
+    hosts = dict(process_index=process_index, process_count=process_count,
+                 exchange=default_exchange(process_count))
+    rows = [make_rows(s, d.get("packing", "concat"), d.seq_len, tokenizer.pad_id)
+            for s in _sources(specs, d, tokenizer, field_name, hosts)]
+    order = [(k, i) for k, r in enumerate(rows) for i in range(r.num_rows)]
+    if not order:
+        raise ConfigError(paragraph(
+            f"{field_name}={sources!r} gives no row of data.seq_len={d.seq_len} tokens (with",
+            f"data.packing={d.get('packing', 'concat')!r}): the files are too short. Give",
+            "longer or more documents.",
+        ))
+    global_batch, local = d.batch_size, d.batch_size // process_count
+    order += [None] * (-len(order) % global_batch)
+    template = rows[order[0][0]].row(order[0][1])
+    out = []
+    for b in range(len(order) // global_batch):
+        mine = order[b * global_batch + process_index * local:][:local]
+        got = [rows[m[0]].row(m[1]) if m else {k: np.zeros_like(v) for k, v in template.items()}
+               for m in mine]
+        batch = {key: np.stack([g[key] for g in got]) for key in template}
+        batch["mask"] = np.asarray([m is not None for m in mine], np.float32)
+        out.append(batch)
+    return out
+
+
 def files_data(config: Any, process_index: int, process_count: int,
                shard_index: int = 0, shard_count: int = 1) -> tuple[MixtureBatches, list]:
     """(training batches, held-out batches) of `config.data.sources`."""
@@ -141,10 +179,13 @@ def files_data(config: Any, process_index: int, process_count: int,
     specs = parse_sources(d.sources)
     if not specs:
         raise ConfigError("data.corpus='files' needs data.sources, e.g. 'jsonl=/data/*.jsonl'.")
-    train = _sources(specs, d, tokenizer, "data.sources")
-    if d.get("eval_sources", ""):
+    exchange = default_exchange(process_count)
+    hosts = dict(process_index=process_index, process_count=process_count, exchange=exchange)
+    train = _sources(specs, d, tokenizer, "data.sources",
+                     dict(hosts, shard_index=shard_index, shard_count=shard_count))
+    if d.get("eval_sources", ""):  # every Lo-Fi worker evaluates on the same documents
         heldout = _sources(parse_sources(d.eval_sources, "data.eval_sources"), d, tokenizer,
-                           "data.eval_sources")
+                           "data.eval_sources", hosts)
     else:
         masks = [heldout_mask(s, d.get("eval_fraction", 0.05)) for s in train]
         heldout = [s.subset(m) for s, m in zip(train, masks) if m.any()]
@@ -152,7 +193,7 @@ def files_data(config: Any, process_index: int, process_count: int,
     packing = d.get("packing", "concat")
     rows = tuple(make_rows(s, packing, d.seq_len, tokenizer.pad_id) for s in train)
     batches = MixtureBatches(rows, tuple(s.weight for s in specs), d.batch_size, process_index,
-                             process_count, shard_index, shard_count, seed=config.seed)
+                             process_count, seed=config.seed)
     eval_rows = [make_rows(s, packing, d.seq_len, tokenizer.pad_id) for s in heldout]
     evals = _eval_batches(eval_rows, d.batch_size, d.eval_batches, process_index, process_count)
     return batches, evals

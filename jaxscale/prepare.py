@@ -23,8 +23,8 @@ import numpy as np
 import tqdm
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.documents import (FORMATS, JsonlReader, ParquetReader, SourceSpec, TextReader,
-                              bad_record, expand)
+from jaxscale.documents import FORMATS, SourceSpec, expand
+from jaxscale.text_readers import JsonlReader, ParquetReader, TextReader, bad_record
 from jaxscale.tokenizer import encode_document, file_hash, load_tokenizer
 
 TEXT_FORMATS = ("text", "jsonl", "parquet")
@@ -49,6 +49,7 @@ def open_readers(globs: list[str], fmt: str, text_field: str, tokenizer: Any = N
             out.append(JsonlReader(files, tokenizer, skip_bad, text_field))
         else:
             out.append(ParquetReader(files, tokenizer, skip_bad, text_field))
+        out[-1].scan()  # every document is read here anyway
     return out
 
 

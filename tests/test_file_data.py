@@ -289,3 +289,95 @@ def test_truncated_parquet_and_array_record_are_clear_errors(corpus, tmp_path):
     c = _config(root, f"tokens={tmp_path}/odd.bin", "concat")
     with pytest.raises(JaxscaleError, match=r"odd.bin has 3 bytes, not a multiple of 2"):
         files_data(c, 0, 1)
+
+
+class ThreadExchange:
+    """`count` simulated processes (threads) summing int32 arrays, as the all-gather does."""
+
+    def __init__(self, count: int):
+        import threading
+        self.barrier, self.parts = threading.Barrier(count, timeout=120), {}
+
+    def __call__(self, p: int, x):
+        self.parts[p] = x.copy()
+        self.barrier.wait()
+        total = sum(self.parts.values())
+        self.barrier.wait()
+        return total.astype(np.int32)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "text"])
+def test_length_index_each_process_tokenizes_only_its_own_files(corpus, fmt):
+    """The index of on-the-fly formats: process p scans and tokenizes only files p, p+P, ...,
+    and after the exchange every process holds the single-process table exactly."""
+    import threading
+    from jaxscale.doc_index import build_index
+    from jaxscale.documents import expand, parse_sources
+    from jaxscale.text_readers import JsonlReader, ParquetReader, TextReader
+    root, _, _ = corpus
+    tok = load_tokenizer(str(root / "prep"))
+    files = expand(parse_sources(FORMATS[fmt](root))[0])
+    make = {"jsonl": lambda: JsonlReader(files, tok, False, "text"),
+            "parquet": lambda: ParquetReader(files, tok, False, "body"),
+            "text": lambda: TextReader(files, tok, False)}[fmt]
+    alone = make()
+    build_index(alone, 0, 1)
+    count = 2
+    readers, exchange = [make() for _ in range(count)], ThreadExchange(count)
+    threads = [threading.Thread(target=build_index, args=(readers[p], p, count,
+                                                         lambda x, p=p: exchange(p, x)))
+               for p in range(count)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for p, r in enumerate(readers):
+        assert r.locs == alone.locs
+        np.testing.assert_array_equal(r.lengths(), alone.lengths())
+        own = [i for i, loc in enumerate(alone.locs) if loc[0] % count == p]
+        assert r.tokenized == len(own) > 0  # its own files' documents, nothing else
+        assert r.tokenized < alone.tokenized
+    assert sum(r.tokenized for r in readers) == alone.tokenized == len(alone.locs)
+
+
+def test_lofi_workers_read_disjoint_covering_shards_of_files(corpus):
+    """Each Lo-Fi worker (config.lofi.worker_id of num_workers) opens and tokenizes only its
+    own files; together the workers' training documents are every training document once."""
+    from jaxscale.data import build_data
+    root, docs, _ = corpus
+    # the same held-out documents for every worker
+    c = _config(root, FORMATS["jsonl"](root), eval_sources=FORMATS["jsonl"](root))
+    whole = files_data(c, 0, 1)[0].rows[0].source
+    seen = []
+    for w in range(2):
+        c.lofi.update(enabled=True, worker_id=w, num_workers=2)
+        batches, _ = build_data(c, 0, 1, c.lofi.worker_id, c.lofi.num_workers)
+        src = batches.rows[0].source
+        assert src.reader.files == whole.reader.files[w::2]
+        assert src.reader.tokenized == len(src)  # only its shard was tokenized
+        tok_texts = [src.reader.text_of(int(i)) for i in src.ids]
+        assert set(tok_texts) == set(docs[w]) and len(tok_texts) == len(docs[w])
+        next(batches.iterator())
+        seen += tok_texts
+    assert sorted(seen) == sorted(docs[0] + docs[1])
+    c.lofi.update(worker_id=0, num_workers=3)
+    with pytest.raises(ConfigError, match="matches 2 jsonl files but lofi.num_workers=3"):
+        build_data(c, 0, 1, 0, 3)
+
+
+def test_index_cache_skips_tokenizing_again_and_notices_changed_files(corpus, tmp_path):
+    import shutil
+    root, _, _ = corpus
+    for k in range(2):
+        shutil.copy(root / f"part{k}.jsonl", tmp_path / f"part{k}.jsonl")
+    c = _config(root, f"jsonl={tmp_path}/*.jsonl", eval_sources=FORMATS["jsonl"](root),
+                index_cache=str(tmp_path / "cache"))
+    first = files_data(c, 0, 1)[0]
+    again = files_data(c, 0, 1)[0]
+    a, b = first.rows[0].source.reader, again.rows[0].source.reader
+    assert a.tokenized == 300 and b.tokenized == 0  # the second run only reads the cache
+    assert a.locs == b.locs and (a.lengths() == b.lengths()).all()
+    np.testing.assert_array_equal(next(first.iterator())["tokens"],
+                                  next(again.iterator())["tokens"])
+    with open(tmp_path / "part1.jsonl", "a") as f:  # a changed file is indexed afresh
+        f.write(json.dumps({"text": "the quick brown fox"}) + "\n")
+    changed = files_data(c, 0, 1)[0].rows[0].source.reader
+    assert changed.tokenized == 151 and changed.num_docs == 301

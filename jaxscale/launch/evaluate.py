@@ -1,6 +1,7 @@
-"""Evaluate a workdir's newest weights on its held-out split.
+"""Evaluate a workdir's newest weights on its held-out split, or on any text files.
 
     python -m launch.evaluate --workdir=DIR [--cpu_devices=8] [--max_batches=N]
+    python -m launch.evaluate --workdir=DIR --eval_sources='text=/data/val/*.txt;jsonl=x.jsonl'
 
 Prints loss, perplexity (language models) and accuracy as one JSON line.
 """
@@ -14,6 +15,10 @@ from jaxscale.errors import exit_on_user_error
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A launch.train workdir.", required=True)
 _MAX_BATCHES = flags.DEFINE_integer("max_batches", 0, "Evaluate at most N batches (0: all).")
+_SOURCES = flags.DEFINE_string(
+    "eval_sources", "", "Evaluate on these files instead of the run's held-out split: "
+    "FORMAT=GLOB[;FORMAT=GLOB...] as config.data.eval_sources (text, jsonl, parquet, "
+    "array_record, tokens), tokenized with the run's tokenizer.")
 runtime.define_flags()
 
 
@@ -23,7 +28,7 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     runtime.setup()
     from jaxscale.evaluate import evaluate_workdir  # after the devices are configured
-    print(json.dumps(evaluate_workdir(_WORKDIR.value, _MAX_BATCHES.value)))
+    print(json.dumps(evaluate_workdir(_WORKDIR.value, _MAX_BATCHES.value, _SOURCES.value)))
 
 
 if __name__ == "__main__":
