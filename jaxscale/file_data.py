@@ -210,11 +210,6 @@ def validate_files(config: Any) -> None:
         ))
     if d.packing not in PACKINGS:
         make_rows(None, d.packing, d.seq_len, 0)  # raises the one-paragraph error
-    if d.packing != "concat" and config.mesh.pipeline * config.mesh.get("dcn_pipeline", 1) > 1:
-        raise ConfigError(paragraph(
-            f"data.packing={d.packing!r} gives rows with segment ids, which the pipeline",
-            "schedules do not take yet; use data.packing='concat' with mesh.pipeline > 1.",
-        ))
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1).")
     tokenizer = load_tokenizer(d.tokenizer)

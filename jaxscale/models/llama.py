@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -189,10 +189,9 @@ class Llama(nnx.Module):
         if run_layers is None:
             h_BTE = scan_layers(self.layers, h_BTE, positions_BT, self.cfg.remat,
                                 segments_BT=segments_BT)
-        elif segments_BT is not None:
-            raise ValueError(PIPELINE_SEGMENTS)
         else:
-            h_BTE = run_layers(self.layers, h_BTE, positions_BT)
+            packed = {} if segments_BT is None else {"segments_BT": segments_BT}
+            h_BTE = run_layers(self.layers, h_BTE, positions_BT, **packed)
         return self.head(h_BTE)
 
 
@@ -204,11 +203,6 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return jnp.mean(losses)
 
 
-PIPELINE_SEGMENTS = ("data.packing='pack' / 'none' (rows with segment ids) does not run through "
-                     "the pipeline schedules yet; use data.packing='concat' with "
-                     "mesh.pipeline > 1, or no pipeline.")
-
-
 def lm_loss(model: Llama, batch: Mapping[str, jax.Array],
             run_layers: LayerRunner | None = None) -> jax.Array:
     """Next-token loss of a decoder LM on `batch['tokens']` (B, T+1): inputs [:, :-1],
@@ -216,24 +210,79 @@ def lm_loss(model: Llama, batch: Mapping[str, jax.Array],
     Packed rows (`segment_ids`, `positions`) count only targets inside the same document."""
     tokens_BT1 = constrain(batch["tokens"], "batch", "length")
     if "segment_ids" in batch:
-        if run_layers is not None:
-            raise ValueError(PIPELINE_SEGMENTS)
-        losses_BT, mask_BT = packed_losses(model, batch)
-        return (losses_BT * mask_BT).sum() / jnp.maximum(mask_BT.sum(), 1.0)
+        if run_layers is not None and run_layers.fuses_loss:
+            return _fused_packed_loss(model, batch, run_layers)
+        losses_BT, mask_BT = packed_losses(model, batch, run_layers)
+        return (losses_BT * mask_BT).sum() / _target_count(batch, mask_BT)
     if run_layers is not None and run_layers.fuses_loss:
         return run_layers.fused_loss(model, tokens_BT1[:, :-1], tokens_BT1[:, 1:], cross_entropy)
     logits_BTV = model(tokens_BT1[:, :-1], run_layers=run_layers)
     return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
 
 
-def packed_losses(model: Llama, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Per-token losses (B, T) of packed rows and their float mask: 1 where the target lies in
-    the same document as the input (padding and document boundaries carry no loss)."""
+class _PackedRows(NamedTuple):
+    inputs_BT: jax.Array
+    targets_BT: jax.Array
+    positions_BT: jax.Array
+    segments_BT: jax.Array
+    same_BT: jax.Array  # True where the target lies in the input's document (carries loss)
+
+
+def _packed_rows(batch: Mapping[str, jax.Array]) -> _PackedRows:
     tokens_BT1 = constrain(batch["tokens"], "batch", "length")
     segments_BT1 = constrain(batch["segment_ids"], "batch", "length")
     positions_BT = constrain(batch["positions"], "batch", "length")[:, :-1]
-    logits_BTV = model(tokens_BT1[:, :-1], positions_BT, segments_BT=segments_BT1[:, :-1])
-    losses_BT = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BTV.astype(jnp.float32), tokens_BT1[:, 1:])
     same_BT = (segments_BT1[:, 1:] == segments_BT1[:, :-1]) & (segments_BT1[:, 1:] > 0)
-    return losses_BT, same_BT.astype(jnp.float32)
+    return _PackedRows(tokens_BT1[:, :-1], tokens_BT1[:, 1:], positions_BT,
+                       segments_BT1[:, :-1], same_BT)
+
+
+def with_target_counts(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """`batch` plus `targets_per_row` (B,): the whole batch's real targets / B on every row.
+
+    The packed loss is a mean over the batch's real targets. A step that splits the batch
+    (gradient accumulation, data replicas, pipeline microbatches) averages the parts' losses,
+    and parts hold different numbers of real targets; dividing each part by its rows' share of
+    the batch-wide count (not by its own count) keeps the average exactly the batch's mean."""
+    same_BT = _packed_rows(batch).same_BT
+    B = same_BT.shape[0]
+    count = jax.lax.stop_gradient(jnp.sum(same_BT).astype(jnp.float32))
+    return dict(batch, targets_per_row=jnp.full((B,), count / B, jnp.float32))
+
+
+def _target_count(batch: Mapping[str, jax.Array], same_BT: jax.Array) -> jax.Array:
+    """What these rows' summed loss is divided by (see `with_target_counts`), at least 1."""
+    count = (jnp.sum(batch["targets_per_row"]) if "targets_per_row" in batch
+             else jnp.sum(same_BT).astype(jnp.float32))
+    return jnp.maximum(count, 1.0)
+
+
+def packed_losses(model: Llama, batch: Mapping[str, jax.Array],
+                  run_layers: LayerRunner | None = None) -> tuple[jax.Array, jax.Array]:
+    """Per-token losses (B, T) of packed rows and their float mask: 1 where the target lies in
+    the same document as the input (padding and document boundaries carry no loss)."""
+    rows = _packed_rows(batch)
+    logits_BTV = model(rows.inputs_BT, rows.positions_BT, run_layers,
+                       segments_BT=rows.segments_BT)
+    losses_BT = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BTV.astype(jnp.float32), rows.targets_BT)
+    return losses_BT, rows.same_BT.astype(jnp.float32)
+
+
+def _fused_packed_loss(model: Llama, batch: Mapping[str, jax.Array],
+                       run_layers: LayerRunner) -> jax.Array:
+    """The packed rows' loss through a runner that fuses the loss (1F1B). Such a runner
+    averages per-microbatch losses, but microbatches hold different numbers of real targets:
+    each microbatch returns its masked loss *sum* over its fixed size b*T (targets outside the
+    document marked -1), so the schedule yields sum / (B*T), rescaled here to sum / count."""
+    rows = _packed_rows(batch)
+
+    def masked_sum(logits_bTV: jax.Array, targets_bT: jax.Array) -> jax.Array:
+        losses_bT = optax.softmax_cross_entropy_with_integer_labels(
+            logits_bTV.astype(jnp.float32), jnp.maximum(targets_bT, 0))
+        return jnp.sum(jnp.where(targets_bT >= 0, losses_bT, 0.0)) / targets_bT.size
+
+    targets_BT = jnp.where(rows.same_BT, rows.targets_BT, -1)
+    per_position = run_layers.fused_loss(model, rows.inputs_BT, targets_BT, masked_sum,
+                                         rows.positions_BT, rows.segments_BT)
+    return per_position * (rows.same_BT.size / _target_count(batch, rows.same_BT))

@@ -1,7 +1,7 @@
 """What a model's forward pass and a task loss ask of a layer runner (a pipeline schedule).
 
 A model runs its stacked layer block with `lax.scan` unless the step hands it a runner, which
-replaces that scan (`runner(block, h_BTE, positions_BT) -> h_BTE`, e.g. GPipe over the
+replaces that scan (`runner(block, h_BTE, positions_BT[, segments_BT]) -> h_BTE`, e.g. GPipe over the
 `pipeline` mesh axis). The train step and gradient accumulation read `microbatches` (batch rows
 must divide into them) and call `scaled(loss_scale)` under float16 loss scaling. A runner with
 `fuses_loss` (1F1B) runs the head and loss inside its schedule: a loss that supports that calls
@@ -23,13 +23,16 @@ class LayerRunner(Protocol):
     microbatches: int  # a batch's rows are split into this many microbatches
     fuses_loss: bool   # True: use `fused_loss` (layers + head + loss) instead of `__call__`
 
-    def __call__(self, block: Any, h_BTE: jax.Array, positions_BT: jax.Array | None
-                 ) -> jax.Array:
-        """Runs the stacked `block` over `h_BTE`, as the model's own scan would."""
+    def __call__(self, block: Any, h_BTE: jax.Array, positions_BT: jax.Array | None,
+                 segments_BT: jax.Array | None = None) -> jax.Array:
+        """Runs the stacked `block` over `h_BTE`, as the model's own scan would (packed rows:
+        `segments_BT`, the document id of each position, 0 on padding)."""
 
     def scaled(self, loss_scale: jax.Array) -> "LayerRunner":
         """This runner for a loss multiplied by `loss_scale` (float16 loss scaling)."""
 
     def fused_loss(self, model: Any, tokens_BT: jax.Array, targets_BT: jax.Array,
-                   loss_fn: LossFn) -> jax.Array:
-        """loss_fn(model.head(layers(model.embed(tokens))), targets), layers run by the runner."""
+                   loss_fn: LossFn, positions_BT: jax.Array | None = None,
+                   segments_BT: jax.Array | None = None) -> jax.Array:
+        """loss_fn(model.head(layers(model.embed(tokens))), targets), layers run by the runner
+        (mean of the microbatches' losses; packed rows pass their positions and segments)."""

@@ -82,8 +82,9 @@ def constrain_batch(x: jax.Array, mesh: Mesh, *lead) -> jax.Array:
 
 def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array, *,
                     mesh: Mesh, stages: int, microbatches: int, repeats: int,
-                    remat: str = "none") -> jax.Array:
-    """Runs the stacked `block` over `h_BTE` as an S-stage, M-microbatch, R-repeat pipeline."""
+                    remat: str = "none", segments_BT: jax.Array | None = None) -> jax.Array:
+    """Runs the stacked `block` over `h_BTE` as an S-stage, M-microbatch, R-repeat pipeline.
+    Packed rows: `segments_BT` (document ids) travel with their microbatch, as positions do."""
     S, M, R = stages, microbatches, repeats
     graphdef, state = nnx.split(block)
     num_layers = jax.tree.leaves(state)[0].shape[0]
@@ -96,11 +97,14 @@ def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array
     # Microbatch m takes rows m, m+M, m+2M, ...: every device keeps its own rows (no shuffle).
     x_MbTE = constrain_batch(h_BTE.reshape(mb, M, T, E).swapaxes(0, 1), mesh, None)
     pos_MbT = constrain_batch(positions_BT.reshape(mb, M, T).swapaxes(0, 1), mesh, None)
+    seg_MbT = None if segments_BT is None else constrain_batch(
+        segments_BT.reshape(mb, M, T).swapaxes(0, 1), mesh, None)
     weights = stage_layout(state, mesh, R, S)
     stage_ids = jnp.arange(S)
 
-    def stage_fn(stage_state, x_bTE, pos_bT):
-        return scan_layers(nnx.merge(graphdef, stage_state), x_bTE, pos_bT, remat)
+    def stage_fn(stage_state, x_bTE, pos_bT, seg_bT=None):
+        return scan_layers(nnx.merge(graphdef, stage_state), x_bTE, pos_bT, remat,
+                           segments_BT=seg_bT)
 
     run_stages = jax.vmap(stage_fn, spmd_axis_name="pipeline")
     pick_repeat = jax.vmap(lambda w, r: jax.tree.map(lambda a: a[r], w), in_axes=(1, 0),
@@ -113,11 +117,12 @@ def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array
         in_SbTE = constrain_batch(jnp.where(first, fresh_SbTE, state_SbTE), mesh, "pipeline")
         work_S = t - stage_ids                    # work item k = r*M + m on each stage
         pos_SbT = constrain_batch(pos_MbT[work_S % M], mesh, "pipeline")
+        rows = () if seg_MbT is None else (constrain_batch(seg_MbT[work_S % M], mesh, "pipeline"),)
         if R == 1:
             w_S = jax.tree.map(lambda a: a[0], weights)
         else:
             w_S = pick_repeat(weights, jnp.clip(work_S // M, 0, R - 1))
-        out_SbTE = constrain_batch(run_stages(w_S, in_SbTE, pos_SbT), mesh, "pipeline")
+        out_SbTE = constrain_batch(run_stages(w_S, in_SbTE, pos_SbT, *rows), mesh, "pipeline")
         next_SbTE = constrain_batch(jnp.roll(out_SbTE, 1, axis=0), mesh, "pipeline")
         # Slot 0 of `next` is the last stage's output for microbatch (t-S+1) mod M.
         done = first & (t >= S - 1)

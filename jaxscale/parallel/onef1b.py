@@ -45,6 +45,7 @@ from jaxscale.models.runner import LossFn
 from jaxscale.parallel.gpipe import constrain_batch, pipeline_layers, rules_axes, stage_layout
 from jaxscale.parallel.schedules import check_batch, check_layers
 Leaves = list[Any]  # flat parameter leaves; None where a leaf gets no gradient
+Rows = tuple[jax.Array, ...]  # per-row inputs of the layers: (positions[, segment ids])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,7 @@ class _Plan:
     mesh: Mesh
     stages: int
     microbatches: int
-    stage_fn: Callable[[Leaves, jax.Array, jax.Array], jax.Array]  # (w (P, ...), x, pos) -> y
+    stage_fn: Callable[..., jax.Array]  # (w (P, ...), x, pos[, segments]) -> y
     head_loss: Callable[[Leaves, jax.Array, jax.Array], jax.Array]  # (head, y, targets) -> loss
     layout: Callable[[Leaves], Leaves]  # (L, ...) layer leaves -> (S, P, ...) on `pipeline`
     layer_specs: tuple[PartitionSpec, ...]  # of the (S, P, ...) weight-gradient accumulators
@@ -116,13 +117,13 @@ def _stage_step(plan: _Plan, do_fwd: bool, do_head: bool, do_bwd: bool) -> Calla
     S, M, K = plan.stages, plan.microbatches, plan.slots
 
     def step(c: _Carry, w: Leaves, s: jax.Array, t: jax.Array, head: Leaves, seed_mb: jax.Array,
-             x_M: jax.Array, pos_M: jax.Array, tgt_M: jax.Array) -> _Carry:
+             x_M: jax.Array, rows_M: Rows, tgt_M: jax.Array) -> _Carry:
         m_f, m_b = t - s, t - (2 * S - 2) + s  # microbatches of this stage's forward, backward
         ok_f, ok_b = (m_f >= 0) & (m_f < M), (m_b >= 0) & (m_b < M)
         y, ct, stash, gh, loss = c.fwd, c.bwd, c.stash, c.gh, c.loss
         if do_fwd:
             x = jnp.where(s == 0, x_M[m_f % M], c.fwd)
-            y = plan.stage_fn(w, x, pos_M[m_f % M])
+            y = plan.stage_fn(w, x, *[a[m_f % M] for a in rows_M])
             stash = _write(stash, m_f % K, x, ok_f)
         if do_head:  # computed by every stage (lockstep), counted on the last only
             ok = (s == S - 1) & ok_f
@@ -135,7 +136,8 @@ def _stage_step(plan: _Plan, do_fwd: bool, do_head: bool, do_bwd: bool) -> Calla
         if not do_bwd:
             return c._replace(fwd=y, stash=stash, gh=gh, loss=loss)
         x_b = jax.lax.dynamic_index_in_dim(stash, m_b % K, 0, keepdims=False)
-        f = lambda d, x: plan.stage_fn(_join(d, w, plan.layer_diff), x, pos_M[m_b % M])
+        f = lambda d, x: plan.stage_fn(_join(d, w, plan.layer_diff), x,
+                                       *[a[m_b % M] for a in rows_M])
         _, pull = jax.vjp(f, _pick(w, plan.layer_diff), x_b)
         d_w, dx = pull(ct)
         buf = c.dx if c.dx is None else _write(c.dx, m_b % M, dx, (s == 0) & ok_b)
@@ -167,7 +169,7 @@ def _init_carry(plan: _Plan, w_SP: Leaves, head: Leaves, x_MbTE: jax.Array) -> _
         jnp.zeros((S,), jnp.float32)))
 
 
-def _run(plan: _Plan, w_SP: Leaves, head: Leaves, x_MbTE: jax.Array, pos_MbT: jax.Array,
+def _run(plan: _Plan, w_SP: Leaves, head: Leaves, x_MbTE: jax.Array, rows_M: Rows,
          tgt_MbT: jax.Array, seed: jax.Array) -> _Carry:
     """The three scans: warmup (forward only), steady (1F1B + head), cooldown (backward only)."""
     S, M = plan.stages, plan.microbatches
@@ -180,7 +182,7 @@ def _run(plan: _Plan, w_SP: Leaves, head: Leaves, x_MbTE: jax.Array, pos_MbT: ja
                         in_axes=(0, 0, 0, None, None, None, None, None, None))
 
         def body(c: _Carry, t: jax.Array, step=step, do_fwd=do_fwd, do_bwd=do_bwd):
-            c = step(c, w_SP, stage_ids, t, head, seed / M, x_MbTE, pos_MbT, tgt_MbT)
+            c = step(c, w_SP, stage_ids, t, head, seed / M, x_MbTE, rows_M, tgt_MbT)
             fwd = jnp.roll(c.fwd, 1, axis=0) if do_fwd else c.fwd  # to the next stage
             bwd = jnp.roll(c.bwd, -1, axis=0) if do_bwd else c.bwd  # to the previous stage
             return _constrain_carry(plan, c._replace(fwd=fwd, bwd=bwd)), None
@@ -190,7 +192,7 @@ def _run(plan: _Plan, w_SP: Leaves, head: Leaves, x_MbTE: jax.Array, pos_MbT: ja
 
 
 def _gradients(plan: _Plan, layers: Leaves, head: Leaves, h_BTE: jax.Array,
-               pos_BT: jax.Array, tgt_BT: jax.Array, seed: jax.Array
+               rows: Rows, tgt_BT: jax.Array, seed: jax.Array
                ) -> tuple[jax.Array, Leaves, Leaves, jax.Array | None]:
     """(loss, layer grads, head grads, input grad), all scaled by `seed`; None: no gradient."""
     M, mesh = plan.microbatches, plan.mesh
@@ -198,7 +200,8 @@ def _gradients(plan: _Plan, layers: Leaves, head: Leaves, h_BTE: jax.Array,
     b = B // M
     # Microbatch m takes rows m, m+M, ... (as in gpipe.py): every device keeps its rows.
     split = lambda x: constrain_batch(x.reshape(b, M, *x.shape[1:]).swapaxes(0, 1), mesh, None)
-    c = _run(plan, plan.layout(layers), head, split(h_BTE), split(pos_BT), split(tgt_BT), seed)
+    c = _run(plan, plan.layout(layers), head, split(h_BTE), tuple(split(a) for a in rows),
+             split(tgt_BT), seed)
     gw = [g if g is None else g.reshape((-1,) + g.shape[2:]) for g in c.gw]  # (S, P) -> L
     gh = [g if g is None else jnp.sum(g, axis=0) for g in c.gh]  # one reduce over `pipeline`
     dx = None if c.dx is None else constrain_batch(c.dx[0].swapaxes(0, 1).reshape(B, T, E), mesh)
@@ -216,20 +219,21 @@ def _head_diff(plan: _Plan, head: list[CustomVJPPrimal], h_BTE: jax.Array,
 
 
 def _fused(plan: _Plan, primal: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """(layers, head, h, positions, targets, seed) -> loss, differentiated by the schedule."""
+    """(layers, head, h, rows, targets, seed) -> loss, differentiated by the schedule; `rows`
+    is (positions,) or, for packed rows, (positions, segment ids)."""
 
     @jax.custom_vjp
-    def fused(layers, head, h_BTE, pos_BT, tgt_BT, seed):
-        return primal(layers, head, h_BTE, pos_BT, tgt_BT)
+    def fused(layers, head, h_BTE, rows, tgt_BT, seed):
+        return primal(layers, head, h_BTE, rows, tgt_BT)
 
-    def fwd(layers, head, h_BTE, pos_BT, tgt_BT, seed):
+    def fwd(layers, head, h_BTE, rows, tgt_BT, seed):
         # Only differentiated leaves get gradients: LoRA's frozen base weights and a frozen
         # embedding's input gradient cost nothing; nor does a head parameter the head never reads.
         v = custom_vjp_primal_tree_values
         p = dataclasses.replace(
             plan, layer_diff=tuple(x.perturbed for x in layers), want_dx=h_BTE.perturbed,
             head_diff=_head_diff(plan, head, h_BTE.value, tgt_BT.value))
-        loss, gw, gh, dx = _gradients(p, v(layers), v(head), h_BTE.value, pos_BT.value,
+        loss, gw, gh, dx = _gradients(p, v(layers), v(head), h_BTE.value, tuple(v(rows)),
                                       tgt_BT.value, seed.value)
         return loss, (gw, gh, dx, seed.value)
 
@@ -265,25 +269,30 @@ class OneFOneB:
     def scaled(self, loss_scale: jax.Array) -> "OneFOneB":
         return dataclasses.replace(self, seed=loss_scale)
 
-    def __call__(self, block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array):
+    def __call__(self, block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
+                 segments_BT: jax.Array | None = None):
         raise ConfigError(paragraph(
             "pipeline.schedule='1f1b' runs the loss inside the pipeline schedule, which only the",
             "language-model loss (model.task='lm') supports. Use --config.pipeline.schedule=gpipe",
             "(with --config.model.remat=full to save activation memory) for this model."))
 
     def fused_loss(self, model: nnx.Module, tokens_BT: jax.Array, targets_BT: jax.Array,
-                   loss_fn: LossFn) -> jax.Array:
+                   loss_fn: LossFn, positions_BT: jax.Array | None = None,
+                   segments_BT: jax.Array | None = None) -> jax.Array:
         """`loss_fn(model.head(layers(model.embed(tokens))), targets)` with the layers run as
-        a 1F1B pipeline. The model must expose `embed`, `layers` (a stacked block) and `head`.
+        a 1F1B pipeline, averaged over microbatches. The model must expose `embed`, `layers`
+        (a stacked block) and `head`. Packed rows pass their positions and segment ids.
         """
         B, T = tokens_BT.shape
         check_batch(B, self.microbatches)
-        positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        rows = (positions_BT,) if segments_BT is None else (positions_BT, segments_BT)
         h_BTE = model.embed(tokens_BT)
         plan, primal, layers, head = self._plan(model, loss_fn)
         check_layers(layers[0].shape[0], self.stages, 1)
         seed = jnp.ones((), jnp.float32) if self.seed is None else self.seed
-        return _fused(plan, primal)(layers, head, h_BTE, positions_BT, targets_BT,
+        return _fused(plan, primal)(layers, head, h_BTE, rows, targets_BT,
                                     jnp.asarray(seed, jnp.float32))
 
     def _plan(self, model: nnx.Module, loss_fn: LossFn
@@ -296,9 +305,10 @@ class OneFOneB:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), layers)
         variables = lambda s: jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
-        def stage_fn(w: Leaves, x_bTE: jax.Array, pos_bT: jax.Array) -> jax.Array:
+        def stage_fn(w: Leaves, x_bTE: jax.Array, pos_bT: jax.Array,
+                     seg_bT: jax.Array | None = None) -> jax.Array:
             block = nnx.merge(block_def, layer_tree.unflatten(w))
-            return scan_layers(block, x_bTE, pos_bT, self.remat)
+            return scan_layers(block, x_bTE, pos_bT, self.remat, segments_BT=seg_bT)
 
         def head_loss(head: Leaves, y_bTE: jax.Array, tgt_bT: jax.Array) -> jax.Array:
             m = nnx.merge(graphdef, abstract, head_tree.unflatten(head))
@@ -308,10 +318,11 @@ class OneFOneB:
             laid_out = stage_layout(layer_tree.unflatten(w), mesh, 1, S)
             return [a[0] for a in jax.tree.leaves(laid_out)]
 
-        def primal(w: Leaves, head: Leaves, h_BTE, pos_BT, tgt_BT) -> jax.Array:
-            y_BTE = pipeline_layers(nnx.merge(block_def, layer_tree.unflatten(w)), h_BTE, pos_BT,
-                                    mesh=mesh, stages=S, microbatches=self.microbatches,
-                                    repeats=1, remat=self.remat)
+        def primal(w: Leaves, head: Leaves, h_BTE, rows: Rows, tgt_BT) -> jax.Array:
+            y_BTE = pipeline_layers(nnx.merge(block_def, layer_tree.unflatten(w)), h_BTE,
+                                    rows[0], mesh=mesh, stages=S,
+                                    microbatches=self.microbatches, repeats=1, remat=self.remat,
+                                    segments_BT=rows[1] if len(rows) > 1 else None)
             return head_loss(head, y_BTE, tgt_BT)
 
         plan = _Plan(mesh, S, self.microbatches, stage_fn, head_loss, layout,

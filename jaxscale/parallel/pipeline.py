@@ -38,17 +38,18 @@ class PipelineRunner:
     remat: str = "none"
     fuses_loss: bool = False
 
-    def __call__(self, block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array | None
-                 ) -> jax.Array:
+    def __call__(self, block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array | None,
+                 segments_BT: jax.Array | None = None) -> jax.Array:
         return pipeline_layers(block, h_BTE, positions_BT, mesh=self.mesh, stages=self.stages,
                                microbatches=self.microbatches, repeats=self.repeats,
-                               remat=self.remat)
+                               remat=self.remat, segments_BT=segments_BT)
 
     def scaled(self, loss_scale: jax.Array) -> "PipelineRunner":
         return self  # the loss scale reaches these layers through ordinary autodiff
 
     def fused_loss(self, model: Any, tokens_BT: jax.Array, targets_BT: jax.Array,
-                   loss_fn: LossFn) -> jax.Array:
+                   loss_fn: LossFn, positions_BT: jax.Array | None = None,
+                   segments_BT: jax.Array | None = None) -> jax.Array:
         raise NotImplementedError("GPipe / circular runners do not fuse the loss "
                                   "(fuses_loss is False): call the runner instead.")
 

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxscale.models import ModelDef, get_loss
 from jaxscale.models.layers import adapter_dropout
+from jaxscale.models.llama import with_target_counts
 from jaxscale.models.runner import LayerRunner
 from jaxscale.parallel.accumulate import accumulate_per_replica
 from jaxscale.precision import DynamicLossScale, Policy
@@ -48,6 +49,8 @@ def accumulate_grads(params: Any, frozen: Any, batch: Batch, model_def: ModelDef
                      ) -> tuple[jax.Array, Any]:
     """Mean loss and gradients over `grad_accum` microbatches (equal to the large batch)."""
     grad_fn = lambda *a: jax.value_and_grad(loss_fn)(*a, loss_scale=loss_scale)
+    if "segment_ids" in batch and task == "lm":  # packed rows: split parts share one count
+        batch = with_target_counts(batch)
     if grad_accum > 1 or run_layers is not None:  # microbatch loops: reduce over data once
         once = accumulate_per_replica(
             lambda mb: grad_fn(params, frozen, mb, model_def, run_layers, task), params, batch,
