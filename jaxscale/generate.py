@@ -4,8 +4,10 @@ The cache belongs to the model: `Llama.init_cache` makes a stacked `KVCache` of 
 (layers, batch, max_len, kv, head_dim), and `model(tokens, cache=..., cache_index=...)` runs the
 model's own attention (models/attention.py, the one used for training) over it, returning the
 logits and the updated cache. The cache carries logical names, so the same rules that shard the
-parameters shard it (`batch` over data/fsdp, `kv` over tensor). Prompts in a batch have equal
-length; one jitted call runs the prefill and a `lax.scan` over the new tokens.
+parameters shard it (`batch` over data/fsdp, `kv` over tensor). Prompts of different lengths
+share a batch left-padded, with their lengths: padding gets segment id 0 and each row's
+positions start at its first real token, so every row decodes as its prompt would alone. One
+jitted call runs the prefill and a `lax.scan` over the new tokens.
 """
 
 from __future__ import annotations
@@ -37,9 +39,19 @@ def init_cache(cfg: Any, batch: int, max_len: int, dtype: Any) -> KVCache:
 
 
 def forward_cached(model: nnx.Module, tokens_BT: jax.Array, start: jax.Array,
-                   cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """Logits of `tokens_BT` placed at positions start.. given the cache; the updated cache."""
-    return model(tokens_BT, cache=cache, cache_index=start)
+                   cache: KVCache, **rows: jax.Array) -> tuple[jax.Array, KVCache]:
+    """Logits of `tokens_BT` placed at cache slots start.. (by default also their positions;
+    `rows` may give `positions_BT` and `segments_BT`) given the cache; the updated cache."""
+    return model(tokens_BT, cache=cache, cache_index=start, **rows)
+
+
+def left_padded_rows(lengths_B: jax.Array, width: int) -> dict[str, jax.Array]:
+    """Positions and segment ids of prompts of `lengths_B` tokens left-padded to `width`:
+    segment 0 on padding, 1 on the prompt, positions counted from each prompt's first token."""
+    pad_B1 = (width - lengths_B)[:, None]
+    slots_BT = jnp.arange(width, dtype=jnp.int32)[None]
+    return dict(positions_BT=jnp.maximum(slots_BT - pad_B1, 0),
+                segments_BT=(slots_BT >= pad_B1).astype(jnp.int32))
 
 
 def sample(logits_BV: jax.Array, rng: jax.Array, temperature: float) -> jax.Array:
@@ -52,21 +64,27 @@ def sample(logits_BV: jax.Array, rng: jax.Array, temperature: float) -> jax.Arra
 
 def make_generate(model_def: ModelDef, steps: int, temperature: float = 0.0,
                   rules: AxisRules | None = None, mesh: Mesh | None = None):
-    """A jitted `fn(params, prompt_BT, rng) -> tokens (B, T + steps)` (prompt included)."""
+    """A jitted `fn(params, prompt_BT, rng, lengths_B=None) -> tokens (B, T + steps)` (prompt
+    included). With `lengths_B`, the prompts are left-padded to T (see `left_padded_rows`)."""
     check_request(1, steps, temperature, max_len=0)
 
-    def generate(params: Mapping, prompt_BT: jax.Array, rng: jax.Array) -> jax.Array:
+    def generate(params: Mapping, prompt_BT: jax.Array, rng: jax.Array,
+                 lengths_B: jax.Array | None = None) -> jax.Array:
         model = model_def.module(params)
         b, t = prompt_BT.shape
         cache = model.init_cache(b, t + steps)
-        logits_BTV, cache = forward_cached(model, prompt_BT, jnp.int32(0), cache)
+        ragged = lengths_B is not None
+        prefill = left_padded_rows(lengths_B, t) if ragged else {}
+        logits_BTV, cache = forward_cached(model, prompt_BT, jnp.int32(0), cache, **prefill)
         rngs = jax.random.split(rng, steps)
         first = sample(logits_BTV[:, -1], rngs[0], temperature)
 
         def step(carry, xs):
             token_B, cache = carry
             pos, key = xs
-            logits, cache = forward_cached(model, token_B[:, None], pos, cache)
+            rows = dict(positions_BT=(pos - t + lengths_B)[:, None],
+                        segments_BT=jnp.ones((b, 1), jnp.int32)) if ragged else {}
+            logits, cache = forward_cached(model, token_B[:, None], pos, cache, **rows)
             nxt = sample(logits[:, -1], key, temperature)
             return (nxt, cache), token_B
 
@@ -75,11 +93,12 @@ def make_generate(model_def: ModelDef, steps: int, temperature: float = 0.0,
         new_BN = jnp.concatenate([tokens_NB.T, last[:, None]], axis=1)
         return jnp.concatenate([prompt_BT.astype(jnp.int32), new_BN], axis=1)
 
-    def run(params: Mapping, prompt_BT: jax.Array, rng: jax.Array) -> jax.Array:
+    def run(params: Mapping, prompt_BT: jax.Array, rng: jax.Array,
+            lengths_B: jax.Array | None = None) -> jax.Array:
         if rules is None or mesh is None:
-            return generate(params, prompt_BT, rng)
+            return generate(params, prompt_BT, rng, lengths_B)
         with use_rules(rules, mesh):
-            return generate(params, prompt_BT, rng)
+            return generate(params, prompt_BT, rng, lengths_B)
 
     return jax.jit(run)
 

@@ -9,9 +9,14 @@ segment ids (packed documents attend only within their own document) and whether
 so a kernel can use its own structured masking (the fused kernel's built-in causal mask) and
 others build the dense boolean mask with `Mask.dense`.
 
-Decoding keeps a `KVCache` (keys and values of every slot so far, written at a given index):
-`Attention(x, positions, cache, cache_index)` writes the new keys/values at `cache_index` and
-attends over the whole cache, masking the slots not yet written (they are "in the future").
+Decoding keeps a `KVCache` (keys, values and segment ids of every slot so far, written at a
+given index): `Attention(x, positions, cache, cache_index)` writes the new keys/values at
+`cache_index` and attends over the whole cache, masking the slots not yet written (they are "in
+the future"). Prompts of different lengths in one batch are left-padded with segment id 0 on the
+padding and 1 (or a document id) on real tokens, positions restarting at each row's first real
+token: a call that passes `segments_BT` sees only cached slots of its own segment, so every
+row decodes exactly as its prompt would alone. Calls without segments write segment 1 and
+mask nothing beyond causality; a padded batch must pass segments on every call.
 Shape suffixes: B batch, T query length, S key length (cache length), H heads, K kv heads,
 G heads per kv head, D head dim, E embed, L layers.
 """
@@ -41,7 +46,8 @@ LAYER_CACHE_AXES = CACHE_AXES[1:]
 
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values of every cache slot: (B, S, K, D) for one layer, (L, B, S, K, D) stacked.
+    """Keys and values of every cache slot: (B, S, K, D) for one layer, (L, B, S, K, D) stacked,
+    and each slot's segment id, (B, S) or (L, B, S) (0: padding or not yet written).
 
     A pytree, so a stacked cache scans over layers like the stacked parameters; `cache['k']`
     reads a field by name.
@@ -49,6 +55,7 @@ class KVCache:
 
     k: jax.Array
     v: jax.Array
+    segments: jax.Array
 
     @classmethod
     def zeros(cls, layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
@@ -56,16 +63,24 @@ class KVCache:
         """An empty stacked cache, sharded by the rules through its logical names."""
         zeros = lambda: constrain(jnp.zeros((layers, batch, max_len, kv_heads, head_dim), dtype),
                                   *CACHE_AXES)
-        return cls(zeros(), zeros())
+        segments = constrain(jnp.zeros((layers, batch, max_len), jnp.int32), *CACHE_AXES[:3])
+        return cls(zeros(), zeros(), segments)
 
     def constrained(self, axes: tuple[str, ...] = CACHE_AXES) -> "KVCache":
-        return KVCache(constrain(self.k, *axes), constrain(self.v, *axes))
+        return KVCache(constrain(self.k, *axes), constrain(self.v, *axes),
+                       constrain(self.segments, *axes[:-2]))
 
-    def write(self, k_BTKD: jax.Array, v_BTKD: jax.Array, index: jax.Array) -> "KVCache":
-        """This layer's cache with new keys/values written at slots index..index+T-1."""
+    def write(self, k_BTKD: jax.Array, v_BTKD: jax.Array, index: jax.Array,
+              segments_BT: jax.Array | None = None) -> "KVCache":
+        """This layer's cache with new keys/values (and segment ids, default 1) written at
+        slots index..index+T-1."""
         at = (0, index, 0, 0)
+        if segments_BT is None:
+            segments_BT = jnp.ones(k_BTKD.shape[:2], jnp.int32)
         return KVCache(jax.lax.dynamic_update_slice(self.k, k_BTKD.astype(self.k.dtype), at),
-                       jax.lax.dynamic_update_slice(self.v, v_BTKD.astype(self.v.dtype), at))
+                       jax.lax.dynamic_update_slice(self.v, v_BTKD.astype(self.v.dtype), at),
+                       jax.lax.dynamic_update_slice(
+                           self.segments, segments_BT.astype(jnp.int32), at[:2]))
 
     def __getitem__(self, name: str) -> jax.Array:
         return getattr(self, name)
@@ -94,11 +109,15 @@ class Mask:
         return cls(slots_1T, slots_1T, segments_BT, segments_BT, causal, aligned=True)
 
     @classmethod
-    def cached(cls, length: int, index: jax.Array, cache_len: int) -> "Mask":
+    def cached(cls, length: int, index: jax.Array, cache_len: int,
+               q_segments_BT: jax.Array | None = None,
+               k_segments_BS: jax.Array | None = None) -> "Mask":
         """`length` new queries at slots index.. over a cache of `cache_len` slots: a slot not
-        yet written lies after every query, so the causal test also hides it."""
+        yet written lies after every query, so the causal test also hides it. With segment
+        ids, a query sees only the cached slots of its own segment (never padding)."""
         q_1T = (index + jnp.arange(length, dtype=jnp.int32))[None]
-        return cls(q_1T, jnp.arange(cache_len, dtype=jnp.int32)[None])
+        return cls(q_1T, jnp.arange(cache_len, dtype=jnp.int32)[None], q_segments_BT,
+                   None if q_segments_BT is None else k_segments_BS)
 
     def dense(self) -> jax.Array | None:
         """Boolean (B or 1, T, S), True where the query may see the key; None: all visible."""
@@ -198,12 +217,10 @@ class Attention(nnx.Module):
         if cache is None:
             k_BSKD, v_BSKD, mask = k_BTKD, v_BTKD, Mask.sequence(t, segments_BT)
         else:
-            if segments_BT is not None:
-                raise ValueError("Segment ids are for training on packed rows; decoding with a "
-                                 "KV cache runs one document per row.")
-            cache = cache.write(k_BTKD, v_BTKD, cache_index).constrained(LAYER_CACHE_AXES)
+            cache = cache.write(k_BTKD, v_BTKD, cache_index, segments_BT)
+            cache = cache.constrained(LAYER_CACHE_AXES)
             k_BSKD, v_BSKD = cache.k.astype(c), cache.v.astype(c)
-            mask = Mask.cached(t, cache_index, cache.k.shape[1])
+            mask = Mask.cached(t, cache_index, cache.k.shape[1], segments_BT, cache.segments)
         out_BTHD = attend(q_BTHD, k_BSKD, v_BSKD, mask, impl=self.impl,
                           softmax_dtype=self.policy.dtype_for("softmax"))
         out_BTHD = constrain(out_BTHD, "batch", "length", "heads", "head_dim")

@@ -114,7 +114,8 @@ def scan_layers(block: Block, h_BTE: jax.Array, positions_BT: jax.Array,
     if cache is not None:
         def apply_cached(h, xs):
             layer_state, layer_cache = xs
-            return nnx.merge(graphdef, layer_state)(h, positions_BT, layer_cache, cache_index)
+            return nnx.merge(graphdef, layer_state)(h, positions_BT, layer_cache, cache_index,
+                                                    segments_BT)
 
         h_BTE, cache = jax.lax.scan(apply_cached, h_BTE, (state, cache))
         return h_BTE, cache.constrained()
@@ -184,7 +185,7 @@ class Llama(nnx.Module):
         h_BTE = self.embed(tokens_BT)
         if cache is not None:
             h_BTE, cache = scan_layers(self.layers, h_BTE, positions_BT, cache=cache,
-                                       cache_index=cache_index)
+                                       cache_index=cache_index, segments_BT=segments_BT)
             return self.head(h_BTE), cache
         if run_layers is None:
             h_BTE = scan_layers(self.layers, h_BTE, positions_BT, self.cfg.remat,
