@@ -13,17 +13,50 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from typing import Any
 
 from jaxscale import storage
 
 TB_UPLOAD_EVERY_S = 30.0  # events are a convenience: upload a growing file at most this often
 
 
+def _object(location: str) -> tuple[Any, str]:
+    """(tensorstore kvstore of the parent prefix, key) of a file on a bucket. Tensorstore, not
+    fsspec: one GET reads a whole object even while a writer replaces it (s3fs pins the ETag
+    across ranged reads and fails with FileExpired when the object changes under it)."""
+    import tensorstore as ts
+
+    parent, _, name = location.rstrip("/").rpartition("/")
+    return ts.KvStore.open(storage.kvstore_spec(parent)).result(), name
+
+
+def read_bytes(location: str) -> bytes | None:
+    """The file's bytes, or None if it does not exist."""
+    if storage.is_remote(location):
+        kv, key = _object(location)
+        got = kv.read(key).result()
+        return got.value if got.state == "value" else None
+    if not os.path.exists(location):
+        return None
+    with open(location, "rb") as f:
+        return f.read()
+
+
+def write_bytes(location: str, data: bytes) -> None:
+    """One PUT on a bucket (readers see the old or the new object); a plain write locally."""
+    if storage.is_remote(location):
+        kv, key = _object(location)
+        kv.write(key, data).result()
+        return
+    with open(location, "wb") as f:
+        f.write(data)
+
+
 def read_text(location: str) -> str | None:
     """The file's text, or None if it does not exist."""
     if storage.is_remote(location):
-        path = storage.epath(location)
-        return path.read_text() if path.exists() else None
+        data = read_bytes(location)
+        return None if data is None else data.decode()
     if not os.path.exists(location):
         return None
     with open(location) as f:
@@ -33,7 +66,7 @@ def read_text(location: str) -> str | None:
 def write_text(location: str, text: str) -> None:
     """Replaces the file atomically: one PUT on an object store, write-then-rename locally."""
     if storage.is_remote(location):
-        storage.epath(location).write_text(text)
+        write_bytes(location, text.encode())
         return
     os.makedirs(os.path.dirname(os.path.abspath(location)), exist_ok=True)
     tmp = location + ".tmp"
@@ -68,7 +101,7 @@ class TensorBoardMirror:
                 size = os.path.getsize(src)
                 if self._uploaded.get(rel) != size:
                     with open(src, "rb") as f:
-                        storage.epath(storage.join(self.remote, rel)).write_bytes(f.read())
+                        write_bytes(storage.join(self.remote, rel), f.read())
                     self._uploaded[rel] = size
 
     def close(self) -> None:

@@ -58,16 +58,8 @@ def hf_to_workdir(hf_dir: str, workdir: str, dtype: Any = None) -> dict:
     for name in TOKENIZER_FILES:  # the converted model carries its tokenizer
         if os.path.isfile(os.path.join(hf_dir, name)):
             with open(os.path.join(hf_dir, name), "rb") as f:
-                _write_bytes(storage.join(workdir, name), f.read())
+                workdir_files.write_bytes(storage.join(workdir, name), f.read())
     return source.model_cfg
-
-
-def _write_bytes(location: str, data: bytes) -> None:
-    if storage.is_remote(location):
-        storage.epath(location).write_bytes(data)
-    else:
-        with open(location, "wb") as f:
-            f.write(data)
 
 
 def local_only(path: str, flag: str) -> None:
