@@ -47,6 +47,7 @@ def _loss(records):
     return [(m["step"], m["loss"]) for m in records]
 
 
+@pytest.mark.slow  # several short training runs
 @pytest.mark.xdist_group("seaweedfs")
 def test_s3_workdir_holds_the_run_and_resumes_resharded(seaweedfs, tmp_path):
     server, bucket = seaweedfs
@@ -75,6 +76,7 @@ def test_s3_workdir_holds_the_run_and_resumes_resharded(seaweedfs, tmp_path):
     assert saved_steps(f"{workdir}/checkpoints") == [5, 3]
 
 
+@pytest.mark.slow  # several short training runs
 @pytest.mark.xdist_group("fake-gcs")
 def test_gs_workdir_on_fake_gcs_saves_and_resumes_exactly(fake_gcs, tmp_path):
     _, bucket = fake_gcs
@@ -191,6 +193,7 @@ def _convert_init_from_export(out, run, tmp_path):
         np.testing.assert_array_equal(v, np.asarray(trained[k]))
 
 
+@pytest.mark.slow  # several short training runs
 @pytest.mark.xdist_group("seaweedfs")
 def test_convert_and_init_from_through_s3(seaweedfs, tmp_path):
     _, bucket = seaweedfs
@@ -198,9 +201,28 @@ def test_convert_and_init_from_through_s3(seaweedfs, tmp_path):
 
 
 @pytest.mark.xdist_group("fake-gcs")
-def test_convert_and_init_from_through_gs(fake_gcs, tmp_path):
+def test_convert_out_to_gs_is_read_back_by_init_from(fake_gcs, tmp_path):
+    """The gs:// data path of convert --out and init_from's reader (the training side of
+    gs:// is covered by the workdir test above)."""
+    from jaxscale.init_from import check_model_config
+    from jaxscale.interop import convert, hf
+    from jaxscale.weights.sources import open_weights
+    from jaxscale.weights.tree import flatten
+    from tests.test_hf_llama import make_hf
+
     _, bucket = fake_gcs
-    _convert_init_from_export(f"gs://{bucket}/converted", f"gs://{bucket}/run", tmp_path)
+    _, path = make_hf(tmp_path, "gqa_untied", vocab_size=256)
+    out = f"gs://{bucket}/converted"
+    model_cfg = convert.hf_to_workdir(path, out)
+    config = _config(1, 1)
+    config.model.update(model_cfg)
+    check_model_config(out, config.model)  # reads gs://.../model_config.json
+    weights = open_weights(out)
+    assert weights.kind == "params" and weights.model_cfg == model_cfg
+    _, expected = hf.load_llama(path)
+    got = weights.arrays()
+    for k, v in flatten(expected).items():
+        np.testing.assert_array_equal(got[k], v)
 
 
 def test_hf_directories_must_be_local():
