@@ -315,18 +315,21 @@ class CheckpointHook:
 
 
 def _move(src: epath.Path, dst: epath.Path) -> None:
-    """Renames a step directory; on object stores (no directory rename) its objects are
-    copied, then the source deleted, commit file first so that it never looks complete."""
+    """Renames a step directory. Object stores have no directory rename: every object under
+    the step is copied by tensorstore (one GET and PUT each), then the commit file is deleted
+    first, so the source never looks complete with objects missing, then the rest."""
     if not str(src).startswith(("gs://", "s3://")):
         src.rename(dst)
         return
-    for f in sorted(src.rglob("*")):
-        if f.is_file():
-            target = dst / f.relative_to(src)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(f.read_bytes())
-    (src / orbax_storage.COMMIT_FILE).unlink(missing_ok=True)
-    src.rmtree()
+    import tensorstore as ts
+
+    source = ts.KvStore.open(storage.kvstore_spec(str(src))).result()
+    target = ts.KvStore.open(storage.kvstore_spec(str(dst))).result()
+    for key in source.list().result():
+        target.write(key, source.read(key).result().value).result()
+    commit = orbax_storage.COMMIT_FILE.encode()
+    source.delete_range(ts.KvStore.KeyRange(commit, commit + b"\x00")).result()
+    source.delete_range(ts.KvStore.KeyRange()).result()
 
 
 def _adapters_only(trainer: Any) -> bool:

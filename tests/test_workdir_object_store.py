@@ -92,15 +92,27 @@ def test_gs_workdir_on_fake_gcs_saves_and_resumes_exactly(fake_gcs, tmp_path):
 
 
 @pytest.mark.xdist_group("seaweedfs")
-def test_a_step_without_its_commit_file_is_not_restored(seaweedfs):
+def test_torn_and_broken_steps_on_s3_are_skipped_and_set_aside(seaweedfs):
     """A save killed on an object store leaves the step's objects but no commit marker: it is
-    neither listed nor restored."""
+    neither listed nor restored. A committed step whose data objects are gone is skipped with
+    one warning and moved aside to `<step>.broken` (copied, nothing deleted) on resume."""
+    from jaxscale.checkpoint import BrokenCheckpointWarning
+
     server, bucket = seaweedfs
     workdir = f"s3://{bucket}/run"
-    train(_config(2, 2), workdir)
+    train(_config(2, 1), workdir)
     storage.epath(f"{workdir}/checkpoints/4/state/_METADATA").write_text("{}")  # torn save
-    assert saved_steps(f"{workdir}/checkpoints") == [2]
-    assert Checkpointer(workdir, 2, 3).latest_step() == 2
+    assert saved_steps(f"{workdir}/checkpoints") == [2, 1]
+    assert Checkpointer(workdir, 1, 3).latest_step() == 2
+    data = [k for k in _keys(server, bucket, "run/checkpoints/2/state/") if "/d/" in k]
+    assert data
+    for key in data:  # step 2 loses its array data but keeps its commit marker
+        server.client().delete_object(Bucket=bucket, Key=key)
+    with pytest.warns(BrokenCheckpointWarning, match=r"step 2 .*moved aside to 2\.broken"):
+        train(_config(3, 1), workdir)
+    assert saved_steps(f"{workdir}/checkpoints") == [3, 2, 1]
+    assert "run/checkpoints/2.broken/commit_success.txt" in _keys(server, bucket, "run/")
+    assert [m["step"] for m in read_metrics(workdir)] == [1, 2, 3]
 
 
 ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
