@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import sys
 import traceback
 import warnings
@@ -30,6 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxscale import orbax_storage, storage
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.train.state import TrainState
 from jaxscale.weights.tree import flatten
@@ -47,12 +47,15 @@ T = TypeVar("T")
 
 
 def saved_steps(root: str) -> list[int]:
-    """Complete steps under a checkpoints directory, newest first (orbax renames a step's
-    temporary directory to its number only once the save is complete)."""
-    path = epath.Path(root)
+    """Complete steps under a checkpoints directory (a local path, gs:// or s3://), newest
+    first. Locally orbax renames a step's temporary directory to its number only once the save
+    is complete; on object stores a step is complete once its commit file exists."""
+    path = orbax_storage.path(root)
     if not path.is_dir():
         return []
-    return sorted((int(p.name) for p in path.iterdir() if p.name.isdigit()), reverse=True)
+    remote = storage.is_remote(root)
+    return sorted((int(p.name) for p in path.iterdir()
+                   if p.name.isdigit() and orbax_storage.is_complete(p, remote)), reverse=True)
 
 
 def newest_restorable(root: str, restore: Callable[[int], T],
@@ -156,7 +159,7 @@ def restore_params(root: str, step: int) -> dict:
     """The saved state of `step` (parameters, frozen base or its fingerprint, ...) as host
     arrays on one device, whatever mesh wrote it: the target is built from the checkpoint's own
     metadata (orbax refuses a target-less restore across topologies)."""
-    path = epath.Path(root) / str(step) / "state"
+    path = orbax_storage.path(root) / str(step) / "state"
     # Closed even when the restore fails (a broken step the caller falls back past): an open
     # checkpointer's background threads would print a traceback at interpreter exit.
     with ocp.StandardCheckpointer() as checkpointer:
@@ -227,10 +230,15 @@ class Checkpointer:
 
     def __init__(self, workdir: str, every: int, keep: int):
         self.every = every
-        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.directory = storage.join(workdir, "checkpoints")  # local paths made absolute
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=True,
+            atomicity_options=orbax_storage.atomicity_options(self.directory))
+        self.manager = ocp.CheckpointManager(self._path(), options=options)
+
+    def _path(self, *parts: str) -> epath.Path:
+        """The directory (or an entry under it) as the epath orbax reads and writes."""
+        return orbax_storage.path(storage.join(self.directory, *parts))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -245,7 +253,7 @@ class Checkpointer:
 
     def saved_keys(self, step: int) -> set[str]:
         """Top-level entries of a saved state ('frozen' or 'base_fingerprint', 'params', ...)."""
-        path = epath.Path(self.directory) / str(step) / "state"
+        path = self._path(str(step), "state")
         meta = ocp.StandardCheckpointHandler().metadata(path)
         return set(meta.tree if hasattr(meta, "tree") else meta)
 
@@ -292,12 +300,12 @@ class Checkpointer:
         moved = []
         if jax.process_index() == 0:
             for step in broken:
-                src = epath.Path(self.directory) / str(step)
-                dst = epath.Path(self.directory) / f"{step}.broken"
+                src = self._path(str(step))
+                dst = self._path(f"{step}.broken")
                 n = 1
                 while dst.exists():
-                    dst, n = epath.Path(self.directory) / f"{step}.broken{n}", n + 1
-                src.rename(dst)
+                    dst, n = self._path(f"{step}.broken{n}"), n + 1
+                _move(src, dst)
                 moved.append(dst.name)
         self.manager.reload()
         return (f"The broken step was moved aside to {', '.join(moved)} (nothing deleted) so "
@@ -348,6 +356,24 @@ class CheckpointHook:
             self.checkpointer.save(step, state, trainer.data_state, _adapters_only(trainer))
         self.checkpointer.close()
         return True
+
+
+def _move(src: epath.Path, dst: epath.Path) -> None:
+    """Renames a step directory. Object stores have no directory rename: every object under
+    the step is copied by tensorstore (one GET and PUT each), then the commit file is deleted
+    first, so the source never looks complete with objects missing, then the rest."""
+    if not str(src).startswith(("gs://", "s3://")):
+        src.rename(dst)
+        return
+    import tensorstore as ts
+
+    source = ts.KvStore.open(storage.kvstore_spec(str(src))).result()
+    target = ts.KvStore.open(storage.kvstore_spec(str(dst))).result()
+    for key in source.list().result():
+        target.write(key, source.read(key).result().value).result()
+    commit = orbax_storage.COMMIT_FILE.encode()
+    source.delete_range(ts.KvStore.KeyRange(commit, commit + b"\x00")).result()
+    source.delete_range(ts.KvStore.KeyRange()).result()
 
 
 def _adapters_only(trainer: Any) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 
 import ml_collections as mlc
 
+from jaxscale import storage, workdir_files
 from jaxscale.errors import ConfigError, paragraph
 
 LOFI_SYNC_MODES = ("end", "periodic", "diloco")  # config.lofi.sync
@@ -346,7 +347,13 @@ def _validate_lofi(lofi: mlc.ConfigDict) -> None:
 
 
 def save_config(c: mlc.ConfigDict, workdir: str) -> str:
-    """Writes the resolved config as JSON (tuples become lists) and returns its path."""
+    """Writes the resolved config as JSON (tuples become lists) and returns its path; a
+    gs:// or s3:// workdir gets it as one object."""
+    if storage.is_remote(workdir):
+        path = storage.join(workdir, "config.json")
+        workdir_files.write_text(path, json.dumps(c.to_dict(), indent=2, sort_keys=True,
+                                                  default=str))
+        return path
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ConfigError(f"--workdir={workdir} names an existing file, not a directory. Give "
                           "a new or existing directory path (the file is left untouched).")

@@ -38,9 +38,11 @@ def _saved_model_config(path: str) -> dict | None:
     too."""
     import json
 
-    from etils import epath
+    from jaxscale import storage
 
-    meta = epath.Path(path) / "model_config.json"
+    if str(path).startswith("memory://"):
+        return None
+    meta = storage.epath(storage.join(str(path), "model_config.json"))
     return json.loads(meta.read_text()) if meta.exists() else None
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.metrics import MetricsWriter
+from jaxscale.storage import is_remote
+from jaxscale.workdir_files import TensorBoardMirror
 
 
 class Logger:
@@ -57,14 +59,15 @@ class JsonlLogger(Logger):
 
 class TensorBoardLogger(Logger):
     """Scalars in WORKDIR/tensorboard/ (tensorboardX); events after the restored step of a
-    resumed run are purged (`purge_step`)."""
+    resumed run are purged (`purge_step`). On gs:// / s3:// the events are written to a local
+    mirror and uploaded (`workdir_files.TensorBoardMirror`)."""
 
     def __init__(self, trainer: Any, start_step: int):
         self._tb = None
         if trainer.is_primary and trainer.workdir:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(trainer.workdir, "tensorboard"),
-                                     purge_step=start_step + 1)
+            self._mirror = TensorBoardMirror(trainer.workdir)
+            self._tb = SummaryWriter(self._mirror.local, purge_step=start_step + 1)
 
     def on_metrics(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
         if self._tb is None:
@@ -73,11 +76,13 @@ class TensorBoardLogger(Logger):
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 self._tb.add_scalar(k, float(v), int(step))
         self._tb.flush()
+        self._mirror.sync()
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+            self._mirror.close()
 
 
 WANDB_MISSING = paragraph(
@@ -101,11 +106,14 @@ class WandbLogger(Logger):
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError(WANDB_MISSING)
         import wandb
-        workdir = os.path.abspath(trainer.workdir or "jaxscale")
+        remote = bool(trainer.workdir) and is_remote(trainer.workdir)
+        workdir = trainer.workdir.rstrip("/") if remote else os.path.abspath(
+            trainer.workdir or "jaxscale")
         run_id = hashlib.sha256(workdir.encode()).hexdigest()[:16]
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "jaxscale"),
                               name=os.path.basename(workdir), id=run_id, resume="allow",
-                              dir=trainer.workdir or None, config=trainer.config.to_dict())
+                              dir=None if remote else trainer.workdir or None,
+                              config=trainer.config.to_dict())
 
     def on_metrics(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
         if self.run is not None:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from jaxscale import storage, workdir_files
+
 # Dense (no sparsity) bf16 peak FLOP/s per device, i.e. per chip for TPUs and per GPU, and where
 # each number comes from (`PEAK_SOURCES`, same keys; the run banner prints the one it uses).
 PEAK_FLOPS: dict[str, float] = {
@@ -152,18 +154,26 @@ class MetricsWriter:
 
     Line format: `{"step": <int>, "<name>": <float|int|null>, ...}` with `step` first, metrics in
     the order given, and non-finite floats written as null. Each line is flushed at once so a
-    killed process leaves only complete lines. Disabled (non-primary processes) it does nothing.
+    killed process leaves only complete lines. On gs:// / s3:// (no append) the whole file is
+    rewritten as one object per write, so a reader sees every line up to the last write; and
+    TensorBoard writes to a local mirror that is uploaded (`workdir_files.TensorBoardMirror`).
+    Disabled (non-primary processes) it does nothing.
     """
 
     def __init__(self, workdir: str | None, enabled: bool = True, tensorboard: bool = True):
         self.enabled = bool(enabled and workdir)
         self.workdir = workdir
-        self.path = os.path.join(workdir, "metrics.jsonl") if workdir else None
+        self.path = storage.join(workdir, "metrics.jsonl") if workdir else None
+        self._remote = bool(workdir) and storage.is_remote(workdir)
         self._tensorboard = tensorboard
         self._tb: Any = None
+        self._mirror: Any = None
         self._purge_step: int | None = None
         self._file: TextIO | None = None
-        if self.enabled:
+        self._text = ""  # remote: the file's content, rewritten whole on every write
+        if self.enabled and self._remote:
+            self._text = workdir_files.read_text(self.path) or ""
+        elif self.enabled:
             os.makedirs(workdir, exist_ok=True)
             self._file = open(self.path, "a")
 
@@ -171,9 +181,17 @@ class MetricsWriter:
         """Created lazily so a resume can first tell TensorBoard which steps to purge."""
         if self._tb is None and self._tensorboard:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"),
-                                     purge_step=self._purge_step)
+            self._mirror = workdir_files.TensorBoardMirror(self.workdir)
+            self._tb = SummaryWriter(self._mirror.local, purge_step=self._purge_step)
         return self._tb
+
+    def _append(self, line: str) -> None:
+        if self._remote:
+            self._text += line
+            workdir_files.write_text(self.path, self._text)
+        else:
+            self._file.write(line)
+            self._file.flush()
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Logs `metrics` at `step` (numpy/jax scalars accepted)."""
@@ -181,14 +199,14 @@ class MetricsWriter:
             return
         values = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
         record = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._append(json.dumps(record) + "\n")
         tb = self._tb_writer()
         if tb is not None:
             for k, v in values.items():  # TensorBoard takes NaN/inf, so log the raw value
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     tb.add_scalar(k, float(v), int(step))
             tb.flush()
+            self._mirror.sync()
 
     def truncate_after(self, step: int) -> None:
         """Drops lines with step > `step`, so a run resumed from the checkpoint at `step`
@@ -198,29 +216,34 @@ class MetricsWriter:
             return
         self._purge_step = int(step) + 1
         kept = [r for r in read_metrics_file(self.path) if r["step"] <= step]
+        text = "".join(json.dumps(r) + "\n" for r in kept)
+        if self._remote:
+            self._text = text
+            workdir_files.write_text(self.path, text)  # one PUT: the old or the new object
+            return
         self._file.close()
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, self.path)  # atomic: a kill here leaves the old or the new file
+        workdir_files.write_text(self.path, text)  # atomic: a kill leaves old or new file
         self._file = open(self.path, "a")
 
     def close(self) -> None:
-        if self.enabled and self._file is not None:
-            self._file.close()
-            self._file = None
+        if self.enabled and (self._file is not None or self._remote):
+            if self._file is not None:
+                self._file.close()
+                self._file = None
             if self._tb is not None:
                 self._tb.close()
                 self._tb = None
+                self._mirror.close()
 
 
 def read_metrics_file(path: str) -> list[dict]:
-    """Parses a metrics.jsonl; a missing file is empty and an unparseable last line (a write
-    cut short by a crash on a filesystem without line-atomic appends) is ignored."""
-    if not os.path.exists(path):
+    """Parses a metrics.jsonl (a local path, gs:// or s3://); a missing file is empty and an
+    unparseable last line (a write cut short by a crash on a filesystem without line-atomic
+    appends) is ignored."""
+    text = workdir_files.read_text(path)
+    if text is None:
         return []
-    with open(path) as f:
-        lines = [line for line in f if line.strip()]
+    lines = [line for line in text.splitlines() if line.strip()]
     records = []
     for i, line in enumerate(lines):
         try:
@@ -234,7 +257,7 @@ def read_metrics_file(path: str) -> list[dict]:
 
 def read_metrics(workdir: str) -> list[dict]:
     """All records of WORKDIR/metrics.jsonl, in file order."""
-    return read_metrics_file(os.path.join(workdir, "metrics.jsonl"))
+    return read_metrics_file(storage.join(workdir, "metrics.jsonl"))
 
 
 class ProgressBar:

@@ -48,6 +48,12 @@ class Profiler:
         self.last = self.first + int(cfg.num_steps) - 1
         wanted = process_index == 0 or bool(cfg.all_processes)
         self.enabled = bool(workdir) and int(cfg.num_steps) > 0 and wanted
+        if self.enabled and "://" in workdir and not workdir.startswith("file://"):
+            raise JaxscaleError(paragraph(
+                f"config.train.profile asks for a trace, but --workdir={workdir} is a bucket and",
+                "profiler traces are written to a local directory. Profile a short run with a local",
+                "--workdir (the checkpoints of the bucket run are not needed for that), or set",
+                "--config.train.profile.num_steps=0."))
         self.directory = profile_dir(workdir, process_index) if self.enabled else None
         self.host_tracing = int(cfg.host_tracing)
         self.active = False

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxscale import storage, workdir_files
 from jaxscale.errors import paragraph
 from jaxscale.interop import hf
 from jaxscale.weights.sources import (MODEL_CONFIG, WeightsError, merged_params,
@@ -31,6 +32,8 @@ def _savers() -> dict[str, Callable]:
 
 def check_output_dir(path: str, flag: str) -> None:
     """An output directory may exist (files are replaced), but must not be a regular file."""
+    if storage.is_remote(path):  # gs:// / s3:// prefixes: no files in the way of a prefix
+        return
     if os.path.exists(path) and not os.path.isdir(path):
         raise hf.ConversionError(paragraph(
             f"{flag}={path} names an existing file, not a directory. Give a new or existing",
@@ -42,33 +45,46 @@ def hf_to_workdir(hf_dir: str, workdir: str, dtype: Any = None) -> dict:
     """Converts a HF checkpoint directory leaf by leaf; returns the model config written."""
     from jaxscale.init_from import export_params
 
+    local_only(hf_dir, "--from_hf")
     check_output_dir(workdir, "--out")
     source = open_huggingface(hf_dir)
     params = source.lazy_leaves(hf.parse_dtype(dtype) or np.dtype(np.float32))
-    os.makedirs(workdir, exist_ok=True)
+    if not storage.is_remote(workdir):
+        os.makedirs(workdir, exist_ok=True)
     export_params(workdir, params, {"source": os.path.abspath(hf_dir)})
-    with open(os.path.join(workdir, MODEL_CONFIG), "w") as f:
-        json.dump(source.model_cfg, f, indent=2)
-    from jaxscale.tokenizer import copy_tokenizer_files
-    copy_tokenizer_files(hf_dir, workdir)  # the converted model carries its tokenizer
+    workdir_files.write_text(storage.join(workdir, MODEL_CONFIG),
+                             json.dumps(source.model_cfg, indent=2))
+    from jaxscale.tokenizer import TOKENIZER_FILES
+    for name in TOKENIZER_FILES:  # the converted model carries its tokenizer
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            with open(os.path.join(hf_dir, name), "rb") as f:
+                workdir_files.write_bytes(storage.join(workdir, name), f.read())
     return source.model_cfg
+
+
+def local_only(path: str, flag: str) -> None:
+    """Hugging Face directories are read and written with local file APIs (safetensors maps
+    files): a bucket URL there is one paragraph, not an open() traceback."""
+    if "://" in str(path) and storage.parse(path).scheme != "file":
+        raise hf.ConversionError(paragraph(
+            f"{flag}={path} is a bucket URL; Hugging Face model directories must be local.",
+            "Copy it first (`gcloud storage cp -r` / `aws s3 cp --recursive`); the jaxscale side",
+            "(--out, --from_workdir, --config.init_from) may be gs:// or s3://."))
 
 
 def read_model_config(workdir: str) -> tuple[dict, Any]:
     """(config.model fields, config.lora or None) of a conversion output or training workdir."""
-    path = os.path.join(workdir, MODEL_CONFIG)
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f), None
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
+    text = workdir_files.read_text(storage.join(workdir, MODEL_CONFIG))
+    if text is not None:
+        return json.loads(text), None
+    text = workdir_files.read_text(storage.join(workdir, "config.json"))
+    if text is None:
         raise hf.ConversionError(paragraph(
             f"{workdir} has neither {MODEL_CONFIG} (written by launch.convert) nor config.json",
             "(written by launch.train), so the model's shape is unknown. Point --from_workdir at",
             "one of those.",
         ))
-    with open(path) as f:
-        config = json.load(f)
+    config = json.loads(text)
     return config["model"], config.get("lora")
 
 
@@ -93,6 +109,7 @@ def workdir_to_hf(workdir: str, out_dir: str, dtype: Any = None,
         raise hf.ConversionError(f"model.name={name!r} has no Hugging Face exporter; "
                                  f"supported: {sorted(savers)}.")
     hf.parse_dtype(dtype)  # an unsupported dtype fails before any weights are read
+    local_only(out_dir, "--to_hf")
     check_output_dir(out_dir, "--to_hf")
     return savers[name]((model_cfg, workdir_params(workdir, lora_cfg)), out_dir, dtype=dtype,
                         max_shard_size=max_shard_size)

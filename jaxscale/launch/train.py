@@ -8,12 +8,13 @@ On SIGTERM (a pre-emption) it saves at the current step and exits with status 75
 
 from absl import app, flags
 
-from jaxscale import cli, runtime
-from jaxscale.errors import ConfigError, exit_on_user_error, paragraph
+from jaxscale import cli, runtime, storage
+from jaxscale.errors import exit_on_user_error
 
 _CONFIG = cli.define_config_file("config", "configs/tiny_lm.py", "Experiment config.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics, checkpoints.",
-                               required=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for config.json, metrics, checkpoints: a local path, "
+    "gs://bucket/prefix or s3://bucket/prefix.", required=True)
 runtime.define_flags()
 
 
@@ -21,13 +22,7 @@ runtime.define_flags()
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    if "://" in _WORKDIR.value:
-        raise ConfigError(paragraph(
-            f"--workdir={_WORKDIR.value} is a URL; the workdir (config.json, metrics.jsonl,",
-            "TensorBoard events, checkpoints) must be a filesystem path. On several hosts use",
-            "one that every host sees at the same path: NFS / Filestore, or a bucket mounted",
-            "with gcsfuse (e.g. --workdir=/mnt/bucket/runs/1b). Lo-Fi stores may be URLs",
-            "(config.lofi.store=gs://...)."))
+    storage.epath(_WORKDIR.value)  # an unsupported scheme fails before devices start
     runtime.setup()
     from jaxscale.preemption import Preempted, exit_preempted
     from jaxscale.train.loop import train  # after the devices are configured

@@ -73,6 +73,8 @@ class Trainer:
               devices: Sequence[Any] | None = None) -> "Trainer":
         config_lib.validate(config)
         storage.configure(config.get("storage"))  # S3 endpoint/region for every location
+        if workdir:  # a bad scheme, dead endpoint, missing bucket or refused key: one paragraph
+            storage.check(workdir)
         if workdir and jax.process_index() == 0:
             config_lib.save_config(config, workdir)
         mesh = make_mesh(config.mesh, devices)

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxscale import storage
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.weights.leaf import Leaf
 from jaxscale.weights.tree import flatten, unflatten
@@ -58,7 +59,8 @@ def open_weights(location: str) -> Weights:
     from jaxscale.lofi import store as store_lib
 
     location = str(location)
-    if _is_dir(os.path.join(location, "checkpoints")) or _is_checkpoint_dir(location):
+    storage.parse(location)  # an unsupported scheme is one paragraph, not an fsspec error
+    if _is_dir(storage.join(location, "checkpoints")) or _is_checkpoint_dir(location):
         return _with_configs(_checkpoint_weights(location), location)
     if os.path.isfile(location):
         raise WeightsError(paragraph(
@@ -85,15 +87,20 @@ def open_weights(location: str) -> Weights:
     ))
 
 
+def _epath(path: str) -> Any:
+    """The epath of a location, with s3fs / gcsfs pointed at the configured servers."""
+    return storage.epath(path)
+
+
 def _is_dir(path: str) -> bool:
-    from etils import epath
-    return epath.Path(path).is_dir()
+    return not path.startswith("memory://") and _epath(path).is_dir()
 
 
 def _is_checkpoint_dir(path: str) -> bool:
     """A `WORKDIR/checkpoints` directory itself (numbered step directories, no params/)."""
-    from etils import epath
-    p = epath.Path(path)
+    if path.startswith("memory://"):
+        return False
+    p = _epath(path)
     return (p.name == "checkpoints" and p.is_dir()
             and any(c.name.isdigit() for c in p.iterdir()))
 
@@ -126,16 +133,17 @@ def _store_dtype(entry: dict) -> np.dtype:
 
 
 def _read_json(path: str) -> dict | None:
-    from etils import epath
-    p = epath.Path(path)
+    if path.startswith("memory://"):  # an in-process Lo-Fi store records no config files
+        return None
+    p = _epath(path)
     return json.loads(p.read_text()) if p.exists() else None
 
 
 def _with_configs(weights: Weights, location: str) -> Weights:
     """Adds the model (and LoRA) config a location records: `model_config.json` (a conversion
     output) or `config.json` (a training workdir, a Lo-Fi final export)."""
-    converted = _read_json(os.path.join(location, MODEL_CONFIG))
-    run = _read_json(os.path.join(location, "config.json"))
+    converted = _read_json(storage.join(location, MODEL_CONFIG))
+    run = _read_json(storage.join(location, "config.json"))
     if weights.kind == "checkpoint" and os.path.basename(location.rstrip("/")) == "checkpoints":
         run = run or _read_json(os.path.join(os.path.dirname(location.rstrip("/")),
                                              "config.json"))
@@ -172,10 +180,11 @@ def _checkpoint_weights(location: str) -> Weights:
     """Trainable + frozen parameters of the newest restorable step, on one device."""
     from jaxscale import checkpoint
 
-    root = location if _is_checkpoint_dir(location) else os.path.join(location, "checkpoints")
+    root = location if _is_checkpoint_dir(location) else storage.join(location, "checkpoints")
     step, restored = checkpoint.newest_restorable(
         root, lambda step: checkpoint.restore_params(root, step))
-    workdir = os.path.dirname(os.path.abspath(root))
+    workdir = (root.rstrip("/").rsplit("/", 1)[0] if storage.is_remote(root)
+               else os.path.dirname(os.path.abspath(root)))
     frozen = flatten(restored.get("frozen") or {})
     if "base_fingerprint" in restored:  # LoRA adapters only: rebuild the base the run used
         frozen = _rebuilt_base(workdir, np.asarray(restored["base_fingerprint"]))
@@ -195,7 +204,7 @@ def _rebuilt_base(workdir: str, fingerprint: np.ndarray) -> dict:
 
     from jaxscale.checkpoint import base_fingerprint, fingerprints_match
 
-    run = _read_json(os.path.join(workdir, "config.json"))
+    run = _read_json(storage.join(workdir, "config.json"))
     if run is None:
         raise WeightsError(f"{workdir}'s checkpoint holds LoRA adapters only, and the run's "
                            "config.json (needed to rebuild the frozen base) is missing.")

@@ -1,0 +1,108 @@
+"""The small files of a workdir (config.json, metrics.jsonl, TensorBoard events) on a local
+path, gs:// or s3://.
+
+Why a module: object stores have no append and no rename, but a single PUT replaces an object
+atomically, so on a bucket each file is rewritten whole (a reader sees the old or the new
+object, never a torn one), and TensorBoard, whose writer appends to local files, writes to a
+local mirror that is uploaded (`TensorBoardMirror`). Checkpoints are not here: orbax and
+tensorstore write them straight to the store (`jaxscale.orbax_storage`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+from jaxscale import storage
+
+TB_UPLOAD_EVERY_S = 30.0  # events are a convenience: upload a growing file at most this often
+
+
+def _object(location: str) -> tuple[Any, str]:
+    """(tensorstore kvstore of the parent prefix, key) of a file on a bucket. Tensorstore, not
+    fsspec: one GET reads a whole object even while a writer replaces it (s3fs pins the ETag
+    across ranged reads and fails with FileExpired when the object changes under it)."""
+    import tensorstore as ts
+
+    parent, _, name = location.rstrip("/").rpartition("/")
+    return ts.KvStore.open(storage.kvstore_spec(parent)).result(), name
+
+
+def read_bytes(location: str) -> bytes | None:
+    """The file's bytes, or None if it does not exist."""
+    if storage.is_remote(location):
+        kv, key = _object(location)
+        got = kv.read(key).result()
+        return got.value if got.state == "value" else None
+    if not os.path.exists(location):
+        return None
+    with open(location, "rb") as f:
+        return f.read()
+
+
+def write_bytes(location: str, data: bytes) -> None:
+    """One PUT on a bucket (readers see the old or the new object); a plain write locally."""
+    if storage.is_remote(location):
+        kv, key = _object(location)
+        kv.write(key, data).result()
+        return
+    with open(location, "wb") as f:
+        f.write(data)
+
+
+def read_text(location: str) -> str | None:
+    """The file's text, or None if it does not exist."""
+    if storage.is_remote(location):
+        data = read_bytes(location)
+        return None if data is None else data.decode()
+    if not os.path.exists(location):
+        return None
+    with open(location) as f:
+        return f.read()
+
+
+def write_text(location: str, text: str) -> None:
+    """Replaces the file atomically: one PUT on an object store, write-then-rename locally."""
+    if storage.is_remote(location):
+        write_bytes(location, text.encode())
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(location)), exist_ok=True)
+    tmp = location + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, location)
+
+
+class TensorBoardMirror:
+    """Where TensorBoard writes for a workdir: WORKDIR/tensorboard itself when local; for a
+    bucket, a local temporary directory whose event files are uploaded to
+    WORKDIR/tensorboard/ (`sync`: at most every TB_UPLOAD_EVERY_S, and always on `close`)."""
+
+    def __init__(self, workdir: str):
+        self.remote = storage.join(workdir, "tensorboard")
+        self.is_remote = storage.is_remote(workdir)
+        self.local = (tempfile.mkdtemp(prefix="jaxscale-tensorboard-") if self.is_remote
+                      else self.remote)
+        self._uploaded: dict[str, int] = {}
+        self._last = 0.0
+
+    def sync(self, force: bool = False) -> None:
+        """Uploads event files that grew since the last upload."""
+        if not self.is_remote or (not force and time.monotonic() - self._last
+                                  < TB_UPLOAD_EVERY_S):
+            return
+        self._last = time.monotonic()
+        for root, _, files in os.walk(self.local):
+            for name in files:
+                src = os.path.join(root, name)
+                rel = os.path.relpath(src, self.local)
+                size = os.path.getsize(src)
+                if self._uploaded.get(rel) != size:
+                    with open(src, "rb") as f:
+                        write_bytes(storage.join(self.remote, rel), f.read())
+                    self._uploaded[rel] = size
+
+    def close(self) -> None:
+        self.sync(force=True)
