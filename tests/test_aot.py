@@ -93,6 +93,49 @@ ENTRY %main (a: f32[8,4]) -> f32[8,4] {
                                                                         True)
 
 
+WINDOWED = """HloModule w, num_partitions=8
+
+%wcond (p: (f32[8,4], f32[8,4], u32[])) -> pred[] {
+  %p = (f32[8,4], f32[8,4], u32[]) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=2
+  %n = u32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%wbody (q: (f32[8,4], f32[8,4], u32[])) -> (f32[8,4], f32[8,4], u32[]) {
+  %q = (f32[8,4], f32[8,4], u32[]) parameter(0)
+  %x = f32[8,4] get-tuple-element(%q), index=0
+  %acc = f32[8,4] get-tuple-element(%q), index=1
+  %i = u32[] get-tuple-element(%q), index=2
+  %w = f32[4,4] constant({...})
+  %d0 = f32[8,4] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %d1 = f32[8,4] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %cp = f32[8,4] collective-permute(%x), source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},{5,6},{6,7},{7,0}}
+  %one = u32[] constant(1)
+  %i1 = u32[] add(%i, %one)
+  %i2 = u32[] add(%i1, %one)
+  %s = f32[8,4] add(%d0, %d1)
+  ROOT %t = (f32[8,4], f32[8,4], u32[]) tuple(%cp, %s, %i2)
+}
+
+ENTRY %main (a: f32[8,4]) -> f32[8,4] {
+  %a = f32[8,4] parameter(0)
+  %w = (f32[8,4], f32[8,4], u32[]) while(%a), condition=%wcond, body=%wbody
+  ROOT %r = f32[8,4] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_windowed_einsum_loop_counts_its_own_counter():
+    # libtpu's bidirectional windowed-einsum loops keep the counter last, run `i < N/2` in
+    # steps of 2 (two iterations unrolled into one body): reading element 0 of the tuple as
+    # the counter, or a step of 1, counted each such loop twice (the 1.9x of the 1B/7B steps).
+    module = hlo.parse(WINDOWED)
+    assert hlo.flops(module) == 2 * 2 * (2 * 8 * 4 * 4)  # 2 iterations x 2 dots
+    [cp] = hlo.collectives(module)
+    assert (cp.kind, cp.executions, cp.bytes) == ("collective-permute", 2, 8 * 4 * 4)
+
+
 def test_roofline_ring_formula_and_bounds():
     chip = CHIPS["v5p"]
     bw = chip.ring_bandwidth

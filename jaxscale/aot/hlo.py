@@ -124,17 +124,21 @@ def _live(instrs: list[Instr]) -> list[Instr]:
 
 
 def _trip_count(module: Module, instr: Instr) -> int:
-    """Iterations of a while loop: annotated, or from the condition `i < N` and the body's
-    step `i + k` (windowed-einsum loops may step by 2), counting from 0."""
+    """Iterations of a while loop: annotated, or read from the loop itself (libtpu does not
+    annotate): the condition compares one element k of the loop tuple with a constant N
+    (`i < N`), and the body updates element k as `i + a + b ...` (windowed-einsum loops keep
+    their counter last and advance it by 2 per iteration, two steps unrolled into one body).
+    Counting from 0, the loop runs ceil(N / step) times."""
     known = _TRIP.search(instr.rest)
     if known:
         return int(known.group(1))
     cond = re.search(r"condition=%([\w.\-]+)", instr.rest)
-    limit = _compare_limit(module.comps.get(cond.group(1), []) if cond else [])
-    if limit is None:
+    found = _compare_limit(module.comps.get(cond.group(1), []) if cond else [])
+    if found is None:
         return 1
+    limit, index = found
     body = re.search(r"body=%([\w.\-]+)", instr.rest)
-    step = _step(module.comps.get(body.group(1), []) if body else [])
+    step = _step(module.comps.get(body.group(1), []) if body else [], index)
     return max(1, -(-limit // step))
 
 
@@ -143,30 +147,54 @@ def _constants(instrs: list[Instr]) -> dict[str, int]:
             for c in [_CONST.search(f"constant({i.rest}")] if c}
 
 
-def _compare_limit(cond: list[Instr]) -> int | None:
-    consts = _constants(cond)
+def _operands(instr: Instr) -> list[str]:
+    return _OP.findall(instr.rest.split(")")[0])
+
+
+def _tuple_index(instr: Instr | None) -> int | None:
+    """k of `get-tuple-element(%param), index=k`, else None."""
+    if instr is None or instr.opcode != "get-tuple-element":
+        return None
+    m = re.search(r"index=(\d+)", instr.rest)
+    return int(m.group(1)) if m else None
+
+
+def _compare_limit(cond: list[Instr]) -> tuple[int, int] | None:
+    """(N, k) of a loop condition `get-tuple-element(p, index=k) < N`."""
+    consts, by_name = _constants(cond), {i.name: i for i in cond}
     for i in cond:
         if i.opcode == "compare" and "direction=LT" in i.rest:
-            for op in _OP.findall(i.rest.split(")")[0]):
-                if op in consts:
-                    return consts[op]
+            ops = _operands(i)
+            limit = next((consts[o] for o in ops if o in consts), None)
+            counter = next((by_name.get(o) for o in ops if o not in consts), None)
+            if limit is not None:
+                index = _tuple_index(counter)
+                return limit, 0 if index is None else index
     return None
 
 
-def _step(body: list[Instr]) -> int:
-    """k of the induction variable (element 0 of the loop tuple) updated as `i + k`."""
+def _step(body: list[Instr], index: int = 0) -> int:
+    """The increment of loop-tuple element `index` per iteration: the ROOT tuple's operand
+    `index`, followed through `add(x, constant)` chains back to `get-tuple-element(param,
+    index)`, summing the constants (1 where the update has another form)."""
     by_name = {i.name: i for i in body}
     consts = _constants(body)
-    root = next((i for i in body if i.opcode == "tuple" and i is body[-1]), None)
-    if root is None:
+    root = next((i for i in body if i.is_root), body[-1] if body else None)
+    if root is None or root.opcode != "tuple":
         return 1
-    first = _OP.findall(root.rest.split(")")[0])
-    update = by_name.get(first[0]) if first else None
-    if update is not None and update.opcode == "add":
-        for op in _OP.findall(update.rest.split(")")[0]):
-            if op in consts and consts[op] > 0:
-                return consts[op]
-    return 1
+    ops = _operands(root)
+    node, step = (by_name.get(ops[index]) if index < len(ops) else None), 0
+    while node is not None and node.opcode == "add":
+        ops = _operands(node)
+        const = [consts[o] for o in ops if o in consts]
+        rest = [o for o in ops if o not in consts]
+        if len(const) != 1 or len(rest) != 1:
+            return 1
+        step += const[0]
+        node = by_name.get(rest[0])
+    if _tuple_index(node) != index or step <= 0:
+        return 1
+    return step
 
 
 def _multiplicities(module: Module) -> dict[str, tuple[int, bool]]:
