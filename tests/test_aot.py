@@ -189,6 +189,25 @@ def test_compile_reports_memory_flops_and_collectives(compiled):
 
 
 @libtpu_test
+@pytest.mark.slow
+def test_compiled_flops_match_model_plus_remat_recompute(tmp_path):
+    # 1B widths, 2 layers, 2,048 tokens a chip over fsdp=8: large enough that libtpu turns the
+    # FSDP gathers into windowed-einsum loops (collective-permutes in loops), which the loop
+    # accounting once counted twice (1.9x). Full remat recomputes each layer's forward but its
+    # down projection: compiled = model + that recompute (aot.flops), 1.20x the model count.
+    out = tmp_path / "r.json"
+    proc = _run(["launch.compile", "--topology=v5p:2x2x2", "--config=configs/llama.py:1b",
+                 "--config.model.num_layers=2", "--config.data.batch_size=8",
+                 "--config.mesh.fsdp=8", f"--out={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert any(c["kind"] == "collective-permute" and c["in_loop"] for c in r["collectives"])
+    assert r["flops"] == pytest.approx(r["expected_flops"], rel=0.01)
+    assert 1.15 < r["expected_flops"] / r["model_flops"] < 1.25  # the remat factor
+    assert "compiled / expected = 1.00" in proc.stdout
+
+
+@libtpu_test
 def test_compile_mesh_mismatch_is_one_paragraph(tmp_path):
     proc = _run(["launch.compile", "--topology=v5p:2x2x1", *TINY, "--config.mesh.fsdp=3"],
                 tmp_path)
