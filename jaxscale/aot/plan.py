@@ -1,8 +1,9 @@
 """The sharding planner: enumerate candidate configs for a topology, compile each, rank them.
 
-Candidates are factorizations of the chip count over data / fsdp / tensor (and pipeline with
-its microbatches), rules presets, remat policies and per-chip micro-batches (gradient
-accumulation keeps the global batch). Invalid ones are pruned by the config validation; the
+Candidates are factorizations of the chip count over pipeline / data / fsdp / tensor, rules
+presets (each only on meshes where it differs from a simpler one), remat policies, per-chip
+micro-batches (gradient accumulation keeps the global batch) and, with pipeline stages, the
+schedule (1F1B, GPipe) and microbatch count, likeliest winners first (`_search_order`). Invalid ones are pruned by the config validation; the
 rest are compiled by the TPU compiler in one worker process, one at a time (a large compile
 takes a core and gigabytes of memory; the worker keeps a crashing compile away from the search). Each result is cached on disk,
 keyed by a hash of the config and topology, so a rerun is instant), those over HBM (with a
@@ -29,6 +30,12 @@ from jaxscale.errors import JaxscaleError
 
 PRESETS = ("fsdp", "fsdp_tp", "tp", "dp")
 REMATS = ("full", "dots", "none")
+SCHEDULES = ("1f1b", "gpipe")  # 1F1B first: GPipe's bubble with activations bounded by stages
+# The mesh axes each rules preset exists for: it is a candidate only where these are > 1, and
+# only on meshes whose axes > 1 it uses (besides `data` and `pipeline`, which every preset
+# uses): elsewhere it equals a simpler preset (`tp` at tensor=1 is `dp`; `dp` over `fsdp` is
+# `dp` over `data`), and compiling it again would only spend the budget.
+PRESET_AXES = {"fsdp": {"fsdp"}, "fsdp_tp": {"fsdp", "tensor"}, "tp": {"tensor"}, "dp": set()}
 
 
 @dataclass(frozen=True)
@@ -60,40 +67,84 @@ def _get(config: mlc.ConfigDict, key: str):
     return node
 
 
-def _factorizations(n: int) -> Iterator[tuple[int, int, int]]:
-    """(data, fsdp, tensor) with product n, tensor <= 8 (one ICI neighbourhood)."""
-    for tensor in (1, 2, 4, 8):
-        for data in range(1, n + 1):
-            if n % (tensor * data) == 0:
-                yield data, n // (tensor * data), tensor
+def _factorizations(n: int, num_layers: int) -> Iterator[tuple[int, int, int, int]]:
+    """(pipeline, data, fsdp, tensor) with product n: tensor <= 8 (one ICI neighbourhood),
+    pipeline stages in {1, 2, 4, 8} dividing the layers."""
+    for pipeline in (1, 2, 4, 8):
+        if n % pipeline or num_layers % pipeline:
+            continue
+        for tensor in (1, 2, 4, 8):
+            rest = n // pipeline
+            for data in range(1, rest + 1):
+                if rest % (tensor * data) == 0:
+                    yield pipeline, data, rest // (tensor * data), tensor
+
+
+def _preset_fits_mesh(preset: str, mesh: dict[str, int]) -> bool:
+    big = {axis for axis, size in mesh.items() if size > 1}
+    return PRESET_AXES[preset] <= big and big <= PRESET_AXES[preset] | {"data", "pipeline"}
+
+
+def _pipeline_options(stages: int, step_rows: int) -> list[dict]:
+    """Schedule and microbatch count per pipeline mesh: 4S, 2S and S microbatches (a smaller
+    bubble first) where the per-step batch divides; nothing to choose without stages."""
+    if stages == 1:
+        return [{}]
+    return [{"pipeline.schedule": schedule, "pipeline.microbatches": m}
+            for schedule in SCHEDULES for m in (4 * stages, 2 * stages, stages)
+            if step_rows % m == 0]
+
+
+def _micro_batches(per_chip: int) -> list[int]:
+    """Power-of-two sequences per chip and step, largest (no accumulation) first."""
+    return [m for m in sorted({1 << k for k in range(8)}, reverse=True)
+            if m <= per_chip and per_chip % m == 0]
+
+
+def _search_order(config: mlc.ConfigDict, cand: Candidate) -> tuple:
+    """Likeliest winners first: no pipeline, no tensor parallelism, FSDP over the most chips,
+    full remat (fits first), no accumulation (fewest weight gathers), 1F1B, most microbatches."""
+    c = apply(config, cand.overrides)
+    return (c.mesh.pipeline, c.mesh.tensor, -c.mesh.fsdp, REMATS.index(c.model.remat),
+            c.train.grad_accum, SCHEDULES.index(c.pipeline.schedule)
+            if c.mesh.pipeline > 1 else 0, -c.pipeline.microbatches,
+            PRESETS.index(c.rules_preset))
+
+
+def _valid(config: mlc.ConfigDict, overrides: dict) -> bool:
+    try:
+        config_lib.validate(apply(config, overrides))
+    except JaxscaleError:
+        return False
+    return True
 
 
 def candidates(config: mlc.ConfigDict, topology: Topology) -> list[Candidate]:
-    """Valid candidates, likeliest winners first (FSDP-heavy, full remat, large micro-batch)."""
-    n = topology.chips_per_slice
+    """Valid candidates over meshes, rules presets, remat policies, micro-batches (gradient
+    accumulation keeps the global batch) and pipeline schedules / microbatch counts, in
+    search order (`_search_order`)."""
+    n, slices = topology.chips_per_slice, topology.num_slices
     found = []
-    for (data, fsdp, tensor), preset, remat in itertools.product(
-            _factorizations(n), PRESETS, REMATS):
-        per_chip = config.data.batch_size // (data * fsdp * topology.num_slices)
-        for micro in sorted({1 << k for k in range(8)} & set(range(1, per_chip + 1)),
-                            reverse=True):
-            if per_chip % micro:
-                continue
-            overrides = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
-                         "mesh.pipeline": 1, "rules_preset": preset, "model.remat": remat,
-                         "train.grad_accum": per_chip // micro, "train.eval_every": 0}
-            if topology.num_slices > 1:
-                overrides["mesh.dcn_data"] = topology.num_slices
-            overrides = {k: v for k, v in overrides.items() if _get(config, k) != v}
-            try:
-                config_lib.validate(apply(config, overrides))
-            except JaxscaleError:
-                continue
-            found.append(Candidate(overrides))
-    full = lambda c: apply(config, c.overrides)
-    order = lambda c: (full(c).mesh.tensor, -full(c).mesh.fsdp, REMATS.index(full(c).model.remat),
-                       full(c).train.grad_accum, PRESETS.index(full(c).rules_preset))
-    return sorted(found, key=order)
+    for (pipeline, data, fsdp, tensor), preset, remat in itertools.product(
+            _factorizations(n, config.model.num_layers), PRESETS, REMATS):
+        mesh = {"data": data * slices, "pipeline": pipeline, "fsdp": fsdp, "tensor": tensor}
+        if not _preset_fits_mesh(preset, mesh):
+            continue
+        per_chip = config.data.batch_size // (data * fsdp * slices)
+        for micro in _micro_batches(per_chip):
+            accum = per_chip // micro
+            step_rows = config.data.batch_size // accum
+            for pipe in _pipeline_options(pipeline, step_rows):
+                overrides = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
+                             "mesh.pipeline": pipeline, "rules_preset": preset,
+                             "model.remat": remat, "train.grad_accum": accum,
+                             "train.eval_every": 0, **pipe}
+                if slices > 1:
+                    overrides["mesh.dcn_data"] = slices
+                overrides = {k: v for k, v in overrides.items() if _get(config, k) != v}
+                if _valid(config, overrides):
+                    found.append(Candidate(overrides))
+    return sorted(found, key=lambda cand: _search_order(config, cand))
 
 
 def cache_key(config: mlc.ConfigDict, topology: Topology) -> str:
@@ -128,29 +179,49 @@ def _config_json(config: mlc.ConfigDict, overrides: dict) -> str:
     return json.dumps(apply(config, overrides).to_dict(), default=list)
 
 
+def _dominated(cand: Candidate, fitting: list[Candidate]) -> bool:
+    """True if a fitting candidate differs only by less gradient accumulation: more
+    accumulation then only adds weight gathers and per-step overhead, it cannot win."""
+    same = lambda o: {k: v for k, v in o.items() if k != "train.grad_accum"}
+    accum = cand.overrides.get("train.grad_accum", 1)
+    return any(same(f.overrides) == same(cand.overrides)
+               and f.overrides.get("train.grad_accum", 1) < accum for f in fitting)
+
+
 def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
            max_candidates: int = 16, time_budget_s: float = 3600.0,
-           workers: int = 1) -> list[tuple[Candidate, dict]]:
-    """Compiles candidates in order until the budget is spent; returns (candidate, result)."""
-    todo = candidates(config, topology)[:max_candidates]
+           workers: int = 1, margin: float = 0.1) -> list[tuple[Candidate, dict]]:
+    """Compiles candidates in search order until `max_candidates` are compiled or the time
+    budget is spent; returns (candidate, result). A candidate is skipped when one with less
+    gradient accumulation and otherwise the same settings already fits (`_dominated`)."""
+    queue = candidates(config, topology)
     deadline = time.monotonic() + time_budget_s
     results: list[tuple[Candidate, dict]] = []
+    fitting: list[Candidate] = []
+    started = 0
     ctx = multiprocessing.get_context("spawn")  # libtpu and jax are not fork-safe
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
                                 initializer=compile_only_env) as pool:
-        pending = {}
-        queue = list(todo)
+        pending: dict = {}
         while queue or pending:
-            while queue and len(pending) < workers and time.monotonic() < deadline:
+            while (queue and len(pending) < workers and started < max_candidates
+                   and time.monotonic() < deadline):
                 cand = queue.pop(0)
+                if _dominated(cand, fitting):
+                    continue
                 job = pool.submit(_compile_one, _config_json(config, cand.overrides),
                                   topology, cache_dir)
                 pending[job] = cand
+                started += 1
             if not pending:
                 break
             done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
             for job in done:
-                results.append((pending.pop(job), job.result()))
+                cand, result = pending.pop(job), job.result()
+                results.append((cand, result))
+                if "error" not in result and result["total_bytes"] <= result["hbm_bytes"] * (
+                        1 - margin):
+                    fitting.append(cand)
     return results
 
 
