@@ -151,6 +151,29 @@ def test_roofline_ring_formula_and_bounds():
     assert est.mfu_full_overlap == pytest.approx(0.25 / est.full_overlap_s)
 
 
+def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
+    from jaxscale.aot.plan import Candidate, _dominated, apply, candidates
+
+    c = llama.get_config("tiny")
+    found = [apply(c, cand.overrides) for cand in candidates(c, parse_topology("v5p:2x2x2"))]
+    assert found[0].mesh.fsdp == 8 and found[0].mesh.pipeline == 1  # likeliest winner first
+    piped = [x for x in found if x.mesh.pipeline > 1]
+    assert {x.pipeline.schedule for x in piped} == {"1f1b", "gpipe"}
+    assert all(c.model.num_layers % x.mesh.pipeline == 0 for x in piped)
+    assert all((x.data.batch_size // x.train.grad_accum) % x.pipeline.microbatches == 0
+               for x in piped)
+    assert found.index(piped[0]) > max(i for i, x in enumerate(found) if x.mesh.pipeline == 1)
+    assert {x.model.remat for x in found} == {"full", "dots", "none"}
+    # `tp` without tensor parallelism is `dp`, and `dp` over fsdp is `dp` over data: not searched.
+    assert not any(x.rules_preset in ("tp", "fsdp_tp") and x.mesh.tensor == 1 for x in found)
+    assert not any(x.rules_preset == "dp" and x.mesh.fsdp > 1 for x in found)
+    # More accumulation than a fitting candidate with the same settings cannot win.
+    fits = Candidate({"mesh.fsdp": 8, "train.grad_accum": 2})
+    assert _dominated(Candidate({"mesh.fsdp": 8, "train.grad_accum": 4}), [fits])
+    assert not _dominated(Candidate({"mesh.fsdp": 8}), [fits])
+    assert not _dominated(Candidate({"mesh.fsdp": 4, "train.grad_accum": 4}), [fits])
+
+
 def _run(args, tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("XLA_FLAGS", None)
