@@ -175,8 +175,9 @@ def _compare_limit(cond: list[Instr]) -> tuple[int, int] | None:
 
 def _step(body: list[Instr], index: int = 0) -> int:
     """The increment of loop-tuple element `index` per iteration: the ROOT tuple's operand
-    `index`, followed through `add(x, constant)` chains back to `get-tuple-element(param,
-    index)`, summing the constants (1 where the update has another form)."""
+    `index`, followed through `add(x, constant)` chains (and copies) back to
+    `get-tuple-element(param, index)`, summing the constants (1 where the update has another
+    form)."""
     by_name = {i.name: i for i in body}
     consts = _constants(body)
     root = next((i for i in body if i.is_root), body[-1] if body else None)
@@ -184,8 +185,11 @@ def _step(body: list[Instr], index: int = 0) -> int:
         return 1
     ops = _operands(root)
     node, step = (by_name.get(ops[index]) if index < len(ops) else None), 0
-    while node is not None and node.opcode == "add":
+    while node is not None and node.opcode in ("add", "copy", "bitcast"):
         ops = _operands(node)
+        if node.opcode != "add":  # the optimized HLO copies the counter before adding
+            node = by_name.get(ops[0]) if ops else None
+            continue
         const = [consts[o] for o in ops if o in consts]
         rest = [o for o in ops if o not in consts]
         if len(const) != 1 or len(rest) != 1:
