@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ml_collections as mlc
 
@@ -40,7 +40,9 @@ PRESET_AXES = {"fsdp": {"fsdp"}, "fsdp_tp": {"fsdp", "tensor"}, "tp": {"tensor"}
 
 @dataclass(frozen=True)
 class Candidate:
-    overrides: dict  # dotted config field -> value
+    overrides: dict  # dotted config field -> value (those that differ from the config)
+    full: dict = field(default_factory=dict, compare=False)  # every searched field
+
 
     def label(self) -> str:
         return " ".join(f"{k.split('.')[-1]}={v}" for k, v in self.overrides.items())
@@ -101,14 +103,13 @@ def _micro_batches(per_chip: int) -> list[int]:
             if m <= per_chip and per_chip % m == 0]
 
 
-def _search_order(config: mlc.ConfigDict, cand: Candidate) -> tuple:
+def _search_order(cand: Candidate) -> tuple:
     """Likeliest winners first: no pipeline, no tensor parallelism, FSDP over the most chips,
     full remat (fits first), no accumulation (fewest weight gathers), 1F1B, most microbatches."""
-    c = apply(config, cand.overrides)
-    return (c.mesh.pipeline, c.mesh.tensor, -c.mesh.fsdp, REMATS.index(c.model.remat),
-            c.train.grad_accum, SCHEDULES.index(c.pipeline.schedule)
-            if c.mesh.pipeline > 1 else 0, -c.pipeline.microbatches,
-            PRESETS.index(c.rules_preset))
+    o = cand.overrides
+    return (o["mesh.pipeline"], o["mesh.tensor"], -o["mesh.fsdp"], REMATS.index(o["model.remat"]),
+            o["train.grad_accum"], SCHEDULES.index(o.get("pipeline.schedule", "1f1b")),
+            -o.get("pipeline.microbatches", 1), PRESETS.index(o["rules_preset"]))
 
 
 def _valid(config: mlc.ConfigDict, overrides: dict) -> bool:
@@ -119,10 +120,8 @@ def _valid(config: mlc.ConfigDict, overrides: dict) -> bool:
     return True
 
 
-def candidates(config: mlc.ConfigDict, topology: Topology) -> list[Candidate]:
-    """Valid candidates over meshes, rules presets, remat policies, micro-batches (gradient
-    accumulation keeps the global batch) and pipeline schedules / microbatch counts, in
-    search order (`_search_order`)."""
+def _all_candidates(config: mlc.ConfigDict, topology: Topology) -> list[Candidate]:
+    """Every combination, in search order, with every field spelled out (not yet validated)."""
     n, slices = topology.chips_per_slice, topology.num_slices
     found = []
     for (pipeline, data, fsdp, tensor), preset, remat in itertools.product(
@@ -133,18 +132,29 @@ def candidates(config: mlc.ConfigDict, topology: Topology) -> list[Candidate]:
         per_chip = config.data.batch_size // (data * fsdp * slices)
         for micro in _micro_batches(per_chip):
             accum = per_chip // micro
-            step_rows = config.data.batch_size // accum
-            for pipe in _pipeline_options(pipeline, step_rows):
-                overrides = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
-                             "mesh.pipeline": pipeline, "rules_preset": preset,
-                             "model.remat": remat, "train.grad_accum": accum,
-                             "train.eval_every": 0, **pipe}
-                if slices > 1:
-                    overrides["mesh.dcn_data"] = slices
-                overrides = {k: v for k, v in overrides.items() if _get(config, k) != v}
-                if _valid(config, overrides):
-                    found.append(Candidate(overrides))
-    return sorted(found, key=lambda cand: _search_order(config, cand))
+            for pipe in _pipeline_options(pipeline, config.data.batch_size // accum):
+                found.append(Candidate({
+                    "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
+                    "mesh.pipeline": pipeline, "rules_preset": preset, "model.remat": remat,
+                    "train.grad_accum": accum, "train.eval_every": 0, **pipe,
+                    **({"mesh.dcn_data": slices} if slices > 1 else {})}))
+    return sorted(found, key=_search_order)
+
+
+def iter_candidates(config: mlc.ConfigDict, topology: Topology) -> Iterator[Candidate]:
+    """Valid candidates over meshes, rules presets, remat policies, micro-batches (gradient
+    accumulation keeps the global batch) and pipeline schedules / microbatch counts, in
+    search order; each is validated only when reached (thousands exist for a large slice),
+    and its overrides keep only the fields that differ from the config."""
+    for cand in _all_candidates(config, topology):
+        overrides = {k: v for k, v in cand.overrides.items() if _get(config, k) != v}
+        if _valid(config, overrides):
+            yield Candidate(overrides, cand.overrides)
+
+
+def candidates(config: mlc.ConfigDict, topology: Topology) -> list[Candidate]:
+    """All valid candidates, in search order (`iter_candidates`)."""
+    return list(iter_candidates(config, topology))
 
 
 def cache_key(config: mlc.ConfigDict, topology: Topology) -> str:
@@ -182,10 +192,10 @@ def _config_json(config: mlc.ConfigDict, overrides: dict) -> str:
 def _dominated(cand: Candidate, fitting: list[Candidate]) -> bool:
     """True if a fitting candidate differs only by less gradient accumulation: more
     accumulation then only adds weight gathers and per-step overhead, it cannot win."""
-    same = lambda o: {k: v for k, v in o.items() if k != "train.grad_accum"}
-    accum = cand.overrides.get("train.grad_accum", 1)
-    return any(same(f.overrides) == same(cand.overrides)
-               and f.overrides.get("train.grad_accum", 1) < accum for f in fitting)
+    full = lambda c: c.full or c.overrides
+    same = lambda c: {k: v for k, v in full(c).items() if k != "train.grad_accum"}
+    accum = lambda c: full(c).get("train.grad_accum", 1)
+    return any(same(f) == same(cand) and accum(f) < accum(cand) for f in fitting)
 
 
 def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
@@ -194,7 +204,7 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
     """Compiles candidates in search order until `max_candidates` are compiled or the time
     budget is spent; returns (candidate, result). A candidate is skipped when one with less
     gradient accumulation and otherwise the same settings already fits (`_dominated`)."""
-    queue = candidates(config, topology)
+    queue = iter_candidates(config, topology)
     deadline = time.monotonic() + time_budget_s
     results: list[tuple[Candidate, dict]] = []
     fitting: list[Candidate] = []
@@ -203,10 +213,12 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
                                 initializer=compile_only_env) as pool:
         pending: dict = {}
-        while queue or pending:
-            while (queue and len(pending) < workers and started < max_candidates
+        while True:
+            while (len(pending) < workers and started < max_candidates
                    and time.monotonic() < deadline):
-                cand = queue.pop(0)
+                cand = next(queue, None)
+                if cand is None:
+                    break
                 if _dominated(cand, fitting):
                     continue
                 job = pool.submit(_compile_one, _config_json(config, cand.overrides),
