@@ -266,6 +266,14 @@ def test_every_tpu_target_has_a_topology():
     assert tpu_targets == set(TARGET_TOPOLOGIES)
     for target, name in TARGET_TOPOLOGIES.items():
         assert parse_topology(name).num_chips == llama.TARGETS[target].total
+    # Settings the TPU compiler chose override the estimate (1b on v5e-16: 8 x 2, not 2 x 8).
+    for (size, target), measured in llama.COMPILED.items():
+        assert measured.topology == TARGET_TOPOLOGIES[target]
+        assert measured.gib < llama.TARGETS[target].hbm_gib
+        c = llama.get_config(f"{size},{target}")
+        rows = c.data.batch_size // (c.train.grad_accum * llama.TARGETS[target].total)
+        assert rows == measured.micro_batch
+    assert llama.get_config("1b,v5e-16").train.grad_accum == 2
 
 
 @libtpu_test
