@@ -18,6 +18,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -104,10 +105,12 @@ def _micro_batches(per_chip: int) -> list[int]:
 
 
 def _search_order(cand: Candidate) -> tuple:
-    """Likeliest winners first: no pipeline, no tensor parallelism, FSDP over the most chips,
-    full remat (fits first), no accumulation (fewest weight gathers), 1F1B, most microbatches."""
+    """Likeliest winners first: no pipeline, full remat (the others rarely fit a large model:
+    7B on v5p-32 under `dots` needs 233 GB of temporaries per chip), no tensor parallelism,
+    FSDP over the most chips, no accumulation (fewest weight gathers), 1F1B, most
+    microbatches."""
     o = cand.overrides
-    return (o["mesh.pipeline"], o["mesh.tensor"], -o["mesh.fsdp"], REMATS.index(o["model.remat"]),
+    return (o["mesh.pipeline"], REMATS.index(o["model.remat"]), o["mesh.tensor"], -o["mesh.fsdp"],
             o["train.grad_accum"], SCHEDULES.index(o.get("pipeline.schedule", "1f1b")),
             -o.get("pipeline.microbatches", 1), PRESETS.index(o["rules_preset"]))
 
@@ -176,13 +179,28 @@ def _compile_one(config_json: str, topology: Topology, cache_dir: str) -> dict:
         report = compile_step(config, topology)
         result = {**report.to_json(), "estimate": vars(step_estimate(report))}
     except Exception as e:  # noqa: BLE001 - a failing candidate is reported, the search goes on
-        lines = [line for line in str(e).splitlines() if line.strip()]
-        return {"error": f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]}
+        result = _failure(e, topology)
+        if "error" in result:  # not cached: it may be this machine's (memory, a killed worker)
+            return result
     os.makedirs(cache_dir, exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)
     return result
+
+
+_HBM_OOM = re.compile(r"memory required for HLO temporaries \(([\d.]+)G\)")
+
+
+def _failure(e: Exception, topology: Topology) -> dict:
+    """A compile error as one line; libtpu's out-of-HBM refusal instead becomes a result over
+    HBM (its temporaries, a lower bound of the total), so the ranking can say by how much."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    oom = _HBM_OOM.search(str(e))
+    if oom:
+        return {"total_bytes": float(oom.group(1)) * 2**30, "hbm_bytes": topology.chip.hbm_bytes,
+                "over_hbm": "libtpu: CompileTimeHbmOom (temporaries alone)"}
+    return {"error": f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]}
 
 
 def _config_json(config: mlc.ConfigDict, overrides: dict) -> str:
@@ -265,6 +283,9 @@ def format_plan(results: list[tuple[Candidate, dict]], margin: float, top: int,
         mfu = f"{e['mfu_full_overlap']:.0%}" if e["mfu_full_overlap"] else "-"
         lines.append(f"{i:>2} {e['full_overlap_s'] * 1e3:>8.2f}..{e['no_overlap_s'] * 1e3:<9.2f}"
                      f" {mfu:>5} {gib(r['total_bytes']):>9}  {cand.label()}")
+    for cand, r in over:
+        lines.append(f"   over HBM: {cand.label()}: {gib(r['total_bytes'])} GiB per chip"
+                     + (f" ({r['over_hbm']})" if "over_hbm" in r else ""))
     for cand, r in failed:
         lines.append(f"   failed to compile: {cand.label()}: {r['error']}")
     if ok:
