@@ -115,7 +115,8 @@ def explain(c, kind: str, tpu: bool = False) -> str:
         if f > 1 and tpu:
             reasons.append("libtpu reduces each layer's gradient (41K parameters in this tiny "
                            "model) with an all-reduce and keeps its slice, not a reduce-scatter "
-                           "(same input bytes; the 1B/7B steps get reduce-scatters: `all-reduce-scatter` fusions or windowed-einsum loops)")
+                           "(same input bytes; the 1B/7B steps get reduce-scatters: "
+                           "`all-reduce-scatter` fusions or windowed-einsum loops)")
         elif f > 1:
             reasons.append("XLA:CPU reduces FSDP gradients with all-reduce + dynamic-slice "
                            "where GPU/TPU emit a reduce-scatter (same input bytes)")

@@ -110,7 +110,7 @@ WINDOWED = """HloModule w, num_partitions=8
   %w = f32[4,4] constant({...})
   %d0 = f32[8,4] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   %d1 = f32[8,4] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  %cp = f32[8,4] collective-permute(%x), source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},{5,6},{6,7},{7,0}}
+  %cp = f32[8,4] collective-permute(%x), source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}
   %one = u32[] constant(1)
   %i1 = u32[] add(%i, %one)
   %i2 = u32[] add(%i1, %one)

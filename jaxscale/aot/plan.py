@@ -3,11 +3,13 @@
 Candidates are factorizations of the chip count over pipeline / data / fsdp / tensor, rules
 presets (each only on meshes where it differs from a simpler one), remat policies, per-chip
 micro-batches (gradient accumulation keeps the global batch) and, with pipeline stages, the
-schedule (1F1B, GPipe) and microbatch count, likeliest winners first (`_search_order`). Invalid ones are pruned by the config validation; the
-rest are compiled by the TPU compiler in one worker process, one at a time (a large compile
-takes a core and gigabytes of memory; the worker keeps a crashing compile away from the search). Each result is cached on disk,
-keyed by a hash of the config and topology, so a rerun is instant), those over HBM (with a
-margin) dropped, and the rest ranked by the roofline step-time estimate (full overlap).
+schedule (1F1B, GPipe) and microbatch count, likeliest winners first (`_search_order`).
+Invalid ones are pruned by the config validation (lazily, when reached); the rest are compiled
+by the TPU compiler in one worker process, one at a time (a large compile takes a core and
+gigabytes of memory; the worker keeps a crashing compile away from the search), skipping those
+that cannot beat one that already fits (`_dominated`). Each result is cached on disk, keyed by
+a hash of the config and topology, so a rerun is instant; those over HBM (with a margin) are
+dropped, and the rest ranked by the roofline step-time estimate (full overlap).
 """
 
 from __future__ import annotations

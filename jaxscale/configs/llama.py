@@ -26,13 +26,14 @@ and data parallelism across hosts (`mesh.dcn_data`). The micro-batch is the larg
 whose estimated memory (`memory_estimate`: 22 bytes of state per parameter over the FSDP shards,
 one gathered layer, and activations under the size's remat policy) stays under 80% of a device's
 HBM. With accumulation, periodic evaluation is off (`train.eval_every=0`): the eval step runs
-the whole global batch at once. Where the TPU compiler has been asked (`COMPILED`: `jaxscale compile
---topology=...` with libtpu, no TPU needed), its per-chip memory decides instead: the estimate
-errs far on the safe side on TPU (1b,v5e-16: 10.2 GiB estimated at micro-batch 2, where libtpu
-needs 3.2 GiB; micro-batch 8 x accumulation 2 needs 8.4 GiB and gathers the FSDP weights a
-quarter as often). The other targets are starting points from the estimate, not optima. Combinations that cannot work
-(7b on v4-8, v5e-8 and v5e-16: not even one sequence fits; tiny on v5e-256: 64-wide embed over
-256 shards) are refused with the list of targets that do; `VARIANTS` lists those that work, and
+the whole global batch at once. Where the TPU compiler has been asked (`COMPILED`: `jaxscale
+compile --topology=...` with libtpu, no TPU needed), its per-chip memory decides instead: the
+estimate errs far on the safe side on TPU (1b,v5e-16: 10.2 GiB estimated at micro-batch 2,
+where libtpu needs 3.2 GiB; micro-batch 8 x accumulation 2 needs 8.4 GiB and gathers the FSDP
+weights a quarter as often). The other targets are starting points from the estimate, not
+optima. Combinations that cannot work (7b on v4-8, v5e-8 and v5e-16: not even one sequence
+fits; tiny on v5e-256: 64-wide embed over 256 shards) are refused with the list of targets
+that do; `VARIANTS` lists those that work, and
 `python configs/llama.py` prints each one's mesh, micro-batch, accumulation and estimate.
 Without a TARGET, sizes use all local devices (`data=-1` for 125m, `fsdp=-1` otherwise) and no
 accumulation. Tensor parallelism is not needed at these sizes; for larger meshes try
