@@ -140,6 +140,34 @@ def test_windowed_einsum_loop_counts_its_own_counter():
     assert hlo.flops(hlo.parse(optimized)) == hlo.flops(module)
 
 
+def test_a_collective_repeated_in_async_collective_fusions_counts_once():
+    # libtpu starts a weight gather in one fusion and finishes it in the fusion that computes
+    # with it: the same all-gather (same channel_id) appears in both computations.
+    text = """HloModule f, num_partitions=4
+
+%start (p0: bf16[2,8]) -> bf16[8,8] {
+  %p0 = bf16[2,8] parameter(0)
+  ROOT %ag1 = bf16[8,8] all-gather(%p0), channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%cont (p1: bf16[2,8]) -> bf16[8,8] {
+  %p1 = bf16[2,8] parameter(0)
+  ROOT %ag2 = bf16[8,8] all-gather(%p1), channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+ENTRY %main (a: bf16[2,8]) -> bf16[8,8] {
+  %a = bf16[2,8] parameter(0)
+  %s = bf16[8,8] fusion(%a), kind=kCustom, calls=%start
+  ROOT %c = bf16[8,8] fusion(%a), kind=kOutput, calls=%cont
+}
+"""
+    [ag] = hlo.collectives(text)
+    assert (ag.kind, ag.bytes, ag.executions, ag.channel) == ("all-gather", 128, 1, 7)
+    other = text.replace("channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}\n}\n\nENTRY",
+                         "channel_id=8, replica_groups={{0,1,2,3}}, dimensions={0}\n}\n\nENTRY")
+    assert len(hlo.collectives(other)) == 2  # two channels: two collectives
+
+
 def test_roofline_ring_formula_and_bounds():
     chip = CHIPS["v5p"]
     bw = chip.ring_bandwidth

@@ -268,7 +268,7 @@ def rank(results: list[tuple[Candidate, dict]], margin: float
             ok.append((cand, r))
         else:
             over.append((cand, r))
-    ok.sort(key=lambda cr: cr[1]["estimate"]["full_overlap_s"])
+    ok.sort(key=lambda cr: (cr[1]["estimate"]["full_overlap_s"], cr[1]["estimate"]["no_overlap_s"]))
     over.sort(key=lambda cr: cr[1]["total_bytes"] - cr[1]["hbm_bytes"] * (1 - margin))
     return ok, over, failed
 
