@@ -166,6 +166,11 @@ ENTRY %main (a: bf16[2,8]) -> bf16[8,8] {
     other = text.replace("channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}\n}\n\nENTRY",
                          "channel_id=8, replica_groups={{0,1,2,3}}, dimensions={0}\n}\n\nENTRY")
     assert len(hlo.collectives(other)) == 2  # two channels: two collectives
+    # One channel twice in one computation (a permute split in halves) is two transfers.
+    halves = text.replace("ROOT %ag2 = bf16[8,8] all-gather(%p1), channel_id=7",
+                          "%h = bf16[8,8] all-gather(%p1), channel_id=7, replica_groups={{0,1,2,3}}"
+                          ", dimensions={0}\n  ROOT %ag2 = bf16[8,8] all-gather(%p1), channel_id=7")
+    assert sum(c.total_bytes for c in hlo.collectives(halves)) == 2 * 128
 
 
 def test_roofline_ring_formula_and_bounds():

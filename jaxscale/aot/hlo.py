@@ -8,9 +8,10 @@ all-reduce, all-gather, reduce-scatter, collective-permute and all-to-all ops, i
 async `-start` forms; libtpu's `all-reduce-scatter` fusions (an all-reduce followed by a
 dynamic-slice, executed as a reduce-scatter) count as reduce-scatters, and the
 collective-permutes of windowed-einsum loops (FSDP gathers overlapped with matmuls) count once
-per loop iteration; a collective that libtpu's async collective fusions repeat (one
-channel_id in several fusions) counts once. Bytes: the gathered result for all-gather, the input for reduce-scatter, the
-payload otherwise; for a collective-permute the payload times the fraction of devices sending.
+per loop iteration (the loop's own counter and step: `_trip_count`); a collective that
+libtpu's async collective fusions repeat (one channel_id in several fusions) counts once.
+Bytes: the gathered result for all-gather, the input for reduce-scatter, the payload
+otherwise; for a collective-permute the payload times the fraction of devices sending.
 """
 
 from __future__ import annotations
@@ -286,23 +287,28 @@ def collectives(module: Module | str, slice_of: list[int] | None = None) -> list
                 len({slice_of[p] for p in g if p < len(slice_of)}) > 1
                 for g in (groups or [list(range(module.partitions))]))
             channel = _CHANNEL.search(ins.rest)
-            found.append(Collective(kind, size, count, looped, ins.name, group, dcn,
-                                    int(channel.group(1)) if channel else 0))
+            found.append((comp, Collective(kind, size, count, looped, ins.name, group, dcn,
+                                           int(channel.group(1)) if channel else 0)))
     return _one_per_channel(found)
 
 
-def _one_per_channel(found: list[Collective]) -> list[Collective]:
+def _one_per_channel(found: list[tuple[str, Collective]]) -> list[Collective]:
     """libtpu's async collective fusions repeat one collective (one channel_id) in the fusion
     that starts it and in each fusion that continues it while computing (7B on v5e-64: every
-    layer weight's gather 3 times): count each channel once, at its largest multiplicity."""
-    best: dict[tuple[str, int], Collective] = {}
+    layer weight's gather 3 times): per channel, count the ops of one computation only, the
+    one with the most bytes per step (ops sharing a channel in one computation, such as a
+    collective-permute split in two halves, all count)."""
+    groups: dict[tuple[str, int], dict[str, list[Collective]]] = defaultdict(
+        lambda: defaultdict(list))
     out = []
-    for c in found:
-        if not c.channel:
+    for comp, c in found:
+        if c.channel:
+            groups[(c.kind, c.channel)][comp].append(c)
+        else:
             out.append(c)
-        elif (key := (c.kind, c.channel)) not in best or c.executions > best[key].executions:
-            best[key] = c
-    return out + list(best.values())
+    for by_comp in groups.values():
+        out += max(by_comp.values(), key=lambda cs: sum(c.total_bytes for c in cs))
+    return out
 
 
 def summarize(found: list[Collective]) -> dict[str, tuple[int, int]]:
