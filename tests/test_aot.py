@@ -93,6 +93,86 @@ ENTRY %main (a: f32[8,4]) -> f32[8,4] {
                                                                         True)
 
 
+WINDOWED = """HloModule w, num_partitions=8
+
+%wcond (p: (f32[8,4], f32[8,4], u32[])) -> pred[] {
+  %p = (f32[8,4], f32[8,4], u32[]) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=2
+  %n = u32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%wbody (q: (f32[8,4], f32[8,4], u32[])) -> (f32[8,4], f32[8,4], u32[]) {
+  %q = (f32[8,4], f32[8,4], u32[]) parameter(0)
+  %x = f32[8,4] get-tuple-element(%q), index=0
+  %acc = f32[8,4] get-tuple-element(%q), index=1
+  %i = u32[] get-tuple-element(%q), index=2
+  %w = f32[4,4] constant({...})
+  %d0 = f32[8,4] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %d1 = f32[8,4] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %cp = f32[8,4] collective-permute(%x), source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}
+  %one = u32[] constant(1)
+  %i1 = u32[] add(%i, %one)
+  %i2 = u32[] add(%i1, %one)
+  %s = f32[8,4] add(%d0, %d1)
+  ROOT %t = (f32[8,4], f32[8,4], u32[]) tuple(%cp, %s, %i2)
+}
+
+ENTRY %main (a: f32[8,4]) -> f32[8,4] {
+  %a = f32[8,4] parameter(0)
+  %w = (f32[8,4], f32[8,4], u32[]) while(%a), condition=%wcond, body=%wbody
+  ROOT %r = f32[8,4] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_windowed_einsum_loop_counts_its_own_counter():
+    # libtpu's bidirectional windowed-einsum loops keep the counter last, run `i < N/2` in
+    # steps of 2 (two iterations unrolled into one body): reading element 0 of the tuple as
+    # the counter, or a step of 1, counted each such loop twice (the 1.9x of the 1B/7B steps).
+    module = hlo.parse(WINDOWED)
+    assert hlo.flops(module) == 2 * 2 * (2 * 8 * 4 * 4)  # 2 iterations x 2 dots
+    [cp] = hlo.collectives(module)
+    assert (cp.kind, cp.executions, cp.bytes) == ("collective-permute", 2, 8 * 4 * 4)
+    # After optimization libtpu copies the counter and adds 2 at once.
+    optimized = WINDOWED.replace("%i1 = u32[] add(%i, %one)", "%i1 = u32[] copy(%i)").replace(
+        "%one = u32[] constant(1)", "%one = u32[] constant(2)")
+    assert hlo.flops(hlo.parse(optimized)) == hlo.flops(module)
+
+
+def test_a_collective_repeated_in_async_collective_fusions_counts_once():
+    # libtpu starts a weight gather in one fusion and finishes it in the fusion that computes
+    # with it: the same all-gather (same channel_id) appears in both computations.
+    text = """HloModule f, num_partitions=4
+
+%start (p0: bf16[2,8]) -> bf16[8,8] {
+  %p0 = bf16[2,8] parameter(0)
+  ROOT %ag1 = bf16[8,8] all-gather(%p0), channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%cont (p1: bf16[2,8]) -> bf16[8,8] {
+  %p1 = bf16[2,8] parameter(0)
+  ROOT %ag2 = bf16[8,8] all-gather(%p1), channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+ENTRY %main (a: bf16[2,8]) -> bf16[8,8] {
+  %a = bf16[2,8] parameter(0)
+  %s = bf16[8,8] fusion(%a), kind=kCustom, calls=%start
+  ROOT %c = bf16[8,8] fusion(%a), kind=kOutput, calls=%cont
+}
+"""
+    [ag] = hlo.collectives(text)
+    assert (ag.kind, ag.bytes, ag.executions, ag.channel) == ("all-gather", 128, 1, 7)
+    other = text.replace("channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}\n}\n\nENTRY",
+                         "channel_id=8, replica_groups={{0,1,2,3}}, dimensions={0}\n}\n\nENTRY")
+    assert len(hlo.collectives(other)) == 2  # two channels: two collectives
+    # One channel twice in one computation (a permute split in halves) is two transfers.
+    halves = text.replace("ROOT %ag2 = bf16[8,8] all-gather(%p1), channel_id=7",
+                          "%h = bf16[8,8] all-gather(%p1), channel_id=7, replica_groups={{0,1,2,3}}"
+                          ", dimensions={0}\n  ROOT %ag2 = bf16[8,8] all-gather(%p1), channel_id=7")
+    assert sum(c.total_bytes for c in hlo.collectives(halves)) == 2 * 128
+
+
 def test_roofline_ring_formula_and_bounds():
     chip = CHIPS["v5p"]
     bw = chip.ring_bandwidth
@@ -106,6 +186,29 @@ def test_roofline_ring_formula_and_bounds():
     assert est.no_overlap_s == pytest.approx(est.compute_s + est.ici_s)
     assert est.full_overlap_s == pytest.approx(max(est.compute_s, est.ici_s))
     assert est.mfu_full_overlap == pytest.approx(0.25 / est.full_overlap_s)
+
+
+def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
+    from jaxscale.aot.plan import Candidate, _dominated, apply, candidates
+
+    c = llama.get_config("tiny")
+    found = [apply(c, cand.overrides) for cand in candidates(c, parse_topology("v5p:2x2x2"))]
+    assert found[0].mesh.fsdp == 8 and found[0].mesh.pipeline == 1  # likeliest winner first
+    piped = [x for x in found if x.mesh.pipeline > 1]
+    assert {x.pipeline.schedule for x in piped} == {"1f1b", "gpipe"}
+    assert all(c.model.num_layers % x.mesh.pipeline == 0 for x in piped)
+    assert all((x.data.batch_size // x.train.grad_accum) % x.pipeline.microbatches == 0
+               for x in piped)
+    assert found.index(piped[0]) > max(i for i, x in enumerate(found) if x.mesh.pipeline == 1)
+    assert {x.model.remat for x in found} == {"full", "dots", "none"}
+    # `tp` without tensor parallelism is `dp`, and `dp` over fsdp is `dp` over data: not searched.
+    assert not any(x.rules_preset in ("tp", "fsdp_tp") and x.mesh.tensor == 1 for x in found)
+    assert not any(x.rules_preset == "dp" and x.mesh.fsdp > 1 for x in found)
+    # More accumulation than a fitting candidate with the same settings cannot win.
+    fits = Candidate({"mesh.fsdp": 8, "train.grad_accum": 2})
+    assert _dominated(Candidate({"mesh.fsdp": 8, "train.grad_accum": 4}), [fits])
+    assert not _dominated(Candidate({"mesh.fsdp": 8}), [fits])
+    assert not _dominated(Candidate({"mesh.fsdp": 4, "train.grad_accum": 4}), [fits])
 
 
 def _run(args, tmp_path):
@@ -146,6 +249,25 @@ def test_compile_reports_memory_flops_and_collectives(compiled):
 
 
 @libtpu_test
+@pytest.mark.slow
+def test_compiled_flops_match_model_plus_remat_recompute(tmp_path):
+    # 1B widths, 2 layers, 2,048 tokens a chip over fsdp=8: large enough that libtpu turns the
+    # FSDP gathers into windowed-einsum loops (collective-permutes in loops), which the loop
+    # accounting once counted twice (1.9x). Full remat recomputes each layer's forward but its
+    # down projection: compiled = model + that recompute (aot.flops), 1.20x the model count.
+    out = tmp_path / "r.json"
+    proc = _run(["launch.compile", "--topology=v5p:2x2x2", "--config=configs/llama.py:1b",
+                 "--config.model.num_layers=2", "--config.data.batch_size=8",
+                 "--config.mesh.fsdp=8", f"--out={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert any(c["kind"] == "collective-permute" and c["in_loop"] for c in r["collectives"])
+    assert r["flops"] == pytest.approx(r["expected_flops"], rel=0.01)
+    assert 1.15 < r["expected_flops"] / r["model_flops"] < 1.25  # the remat factor
+    assert "compiled / expected = 1.00" in proc.stdout
+
+
+@libtpu_test
 def test_compile_mesh_mismatch_is_one_paragraph(tmp_path):
     proc = _run(["launch.compile", "--topology=v5p:2x2x1", *TINY, "--config.mesh.fsdp=3"],
                 tmp_path)
@@ -177,6 +299,14 @@ def test_every_tpu_target_has_a_topology():
     assert tpu_targets == set(TARGET_TOPOLOGIES)
     for target, name in TARGET_TOPOLOGIES.items():
         assert parse_topology(name).num_chips == llama.TARGETS[target].total
+    # Settings the TPU compiler chose override the estimate (1b on v5e-16: 8 x 2, not 2 x 8).
+    for (size, target), measured in llama.COMPILED.items():
+        assert measured.topology == TARGET_TOPOLOGIES[target]
+        assert measured.gib < llama.TARGETS[target].hbm_gib
+        c = llama.get_config(f"{size},{target}")
+        rows = c.data.batch_size // (c.train.grad_accum * llama.TARGETS[target].total)
+        assert rows == measured.micro_batch
+    assert llama.get_config("1b,v5e-16").train.grad_accum == 2
 
 
 @libtpu_test

@@ -19,6 +19,7 @@ from typing import Any
 import ml_collections as mlc
 
 from jaxscale import config as config_lib
+from jaxscale.aot import flops as flops_lib
 from jaxscale.aot import hlo
 from jaxscale.aot.topology import Topology, TopologyError, topology_devices
 from jaxscale.errors import MeshError, paragraph
@@ -40,6 +41,7 @@ class StepReport:
     flops: float                 # per chip per step, loop bodies x trip counts
     flops_cost_analysis: float   # the compiler's cost analysis (loop bodies counted once)
     model_flops: float | None    # analytic, per chip per step (PaLM convention)
+    expected_flops: float | None = None  # model FLOPs + the remat recompute (aot.flops)
     collectives: list[dict] = field(default_factory=list)
     compile_s: float = 0.0
     tokens_per_step: int = 0
@@ -80,17 +82,6 @@ def _mesh_for(config: mlc.ConfigDict, topology: Topology, devices: list) -> Any:
         )) from None
 
 
-def _model_flops(config: mlc.ConfigDict, num_chips: int) -> float | None:
-    from jaxscale.metrics import llama_flops_per_token
-
-    m, d = config.model, config.data
-    if m.get("name", "llama") != "llama":
-        return None
-    per_token = llama_flops_per_token(m.num_layers, m.embed, m.num_heads, m.num_kv_heads,
-                                      m.head_dim, m.mlp, m.vocab_size, d.seq_len)
-    return per_token * d.batch_size * d.seq_len / num_chips
-
-
 def compile_step(config: mlc.ConfigDict, topology: Topology,
                  hlo_dir: str | None = None) -> StepReport:
     """Compiles config's train step for `topology`; raises JaxscaleErrors for bad input."""
@@ -128,7 +119,8 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
         generated_code_bytes=mem.generated_code_size_in_bytes,
         flops=hlo.flops(partitioned), flops_cost_analysis=float(cost.get("flops", 0.0)),
-        model_flops=_model_flops(config, topology.num_chips),
+        model_flops=flops_lib.model_flops(config, topology.num_chips),
+        expected_flops=flops_lib.expected_flops(config, topology.num_chips),
         collectives=[asdict(c) for c in hlo.collectives(optimized, slices)],
         compile_s=elapsed, tokens_per_step=config.data.batch_size * config.data.seq_len,
         hlo_path=text_path if hlo_dir else None)

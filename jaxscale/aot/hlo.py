@@ -8,8 +8,10 @@ all-reduce, all-gather, reduce-scatter, collective-permute and all-to-all ops, i
 async `-start` forms; libtpu's `all-reduce-scatter` fusions (an all-reduce followed by a
 dynamic-slice, executed as a reduce-scatter) count as reduce-scatters, and the
 collective-permutes of windowed-einsum loops (FSDP gathers overlapped with matmuls) count once
-per loop iteration. Bytes: the gathered result for all-gather, the input for reduce-scatter, the
-payload otherwise; for a collective-permute the payload times the fraction of devices sending.
+per loop iteration (the loop's own counter and step: `_trip_count`); a collective that
+libtpu's async collective fusions repeat (one channel_id in several fusions) counts once.
+Bytes: the gathered result for all-gather, the input for reduce-scatter, the payload
+otherwise; for a collective-permute the payload times the fraction of devices sending.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _CONST = re.compile(r"constant\((-?\d+)\)")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_CHANNEL = re.compile(r"channel_id=(\d+)")
 _FUSED_COLLECTIVE = "all-reduce-scatter"  # libtpu's reduce-scatter, as a fusion
 
 
@@ -69,6 +72,7 @@ class Collective:
     name: str
     group: int = 0      # devices per replica group (0: unknown)
     dcn: bool = False   # a group spans several slices
+    channel: int = 0    # channel_id (0: none)
 
     @property
     def total_bytes(self) -> int:
@@ -124,17 +128,21 @@ def _live(instrs: list[Instr]) -> list[Instr]:
 
 
 def _trip_count(module: Module, instr: Instr) -> int:
-    """Iterations of a while loop: annotated, or from the condition `i < N` and the body's
-    step `i + k` (windowed-einsum loops may step by 2), counting from 0."""
+    """Iterations of a while loop: annotated, or read from the loop itself (libtpu does not
+    annotate): the condition compares one element k of the loop tuple with a constant N
+    (`i < N`), and the body updates element k as `i + a + b ...` (windowed-einsum loops keep
+    their counter last and advance it by 2 per iteration, two steps unrolled into one body).
+    Counting from 0, the loop runs ceil(N / step) times."""
     known = _TRIP.search(instr.rest)
     if known:
         return int(known.group(1))
     cond = re.search(r"condition=%([\w.\-]+)", instr.rest)
-    limit = _compare_limit(module.comps.get(cond.group(1), []) if cond else [])
-    if limit is None:
+    found = _compare_limit(module.comps.get(cond.group(1), []) if cond else [])
+    if found is None:
         return 1
+    limit, index = found
     body = re.search(r"body=%([\w.\-]+)", instr.rest)
-    step = _step(module.comps.get(body.group(1), []) if body else [])
+    step = _step(module.comps.get(body.group(1), []) if body else [], index)
     return max(1, -(-limit // step))
 
 
@@ -143,30 +151,58 @@ def _constants(instrs: list[Instr]) -> dict[str, int]:
             for c in [_CONST.search(f"constant({i.rest}")] if c}
 
 
-def _compare_limit(cond: list[Instr]) -> int | None:
-    consts = _constants(cond)
+def _operands(instr: Instr) -> list[str]:
+    return _OP.findall(instr.rest.split(")")[0])
+
+
+def _tuple_index(instr: Instr | None) -> int | None:
+    """k of `get-tuple-element(%param), index=k`, else None."""
+    if instr is None or instr.opcode != "get-tuple-element":
+        return None
+    m = re.search(r"index=(\d+)", instr.rest)
+    return int(m.group(1)) if m else None
+
+
+def _compare_limit(cond: list[Instr]) -> tuple[int, int] | None:
+    """(N, k) of a loop condition `get-tuple-element(p, index=k) < N`."""
+    consts, by_name = _constants(cond), {i.name: i for i in cond}
     for i in cond:
         if i.opcode == "compare" and "direction=LT" in i.rest:
-            for op in _OP.findall(i.rest.split(")")[0]):
-                if op in consts:
-                    return consts[op]
+            ops = _operands(i)
+            limit = next((consts[o] for o in ops if o in consts), None)
+            counter = next((by_name.get(o) for o in ops if o not in consts), None)
+            if limit is not None:
+                index = _tuple_index(counter)
+                return limit, 0 if index is None else index
     return None
 
 
-def _step(body: list[Instr]) -> int:
-    """k of the induction variable (element 0 of the loop tuple) updated as `i + k`."""
+def _step(body: list[Instr], index: int = 0) -> int:
+    """The increment of loop-tuple element `index` per iteration: the ROOT tuple's operand
+    `index`, followed through `add(x, constant)` chains (and copies) back to
+    `get-tuple-element(param, index)`, summing the constants (1 where the update has another
+    form)."""
     by_name = {i.name: i for i in body}
     consts = _constants(body)
-    root = next((i for i in body if i.opcode == "tuple" and i is body[-1]), None)
-    if root is None:
+    root = next((i for i in body if i.is_root), body[-1] if body else None)
+    if root is None or root.opcode != "tuple":
         return 1
-    first = _OP.findall(root.rest.split(")")[0])
-    update = by_name.get(first[0]) if first else None
-    if update is not None and update.opcode == "add":
-        for op in _OP.findall(update.rest.split(")")[0]):
-            if op in consts and consts[op] > 0:
-                return consts[op]
-    return 1
+    ops = _operands(root)
+    node, step = (by_name.get(ops[index]) if index < len(ops) else None), 0
+    while node is not None and node.opcode in ("add", "copy", "bitcast"):
+        ops = _operands(node)
+        if node.opcode != "add":  # the optimized HLO copies the counter before adding
+            node = by_name.get(ops[0]) if ops else None
+            continue
+        const = [consts[o] for o in ops if o in consts]
+        rest = [o for o in ops if o not in consts]
+        if len(const) != 1 or len(rest) != 1:
+            return 1
+        step += const[0]
+        node = by_name.get(rest[0])
+    if _tuple_index(node) != index or step <= 0:
+        return 1
+    return step
 
 
 def _multiplicities(module: Module) -> dict[str, tuple[int, bool]]:
@@ -250,8 +286,29 @@ def collectives(module: Module | str, slice_of: list[int] | None = None) -> list
             dcn = bool(slice_of) and any(
                 len({slice_of[p] for p in g if p < len(slice_of)}) > 1
                 for g in (groups or [list(range(module.partitions))]))
-            found.append(Collective(kind, size, count, looped, ins.name, group, dcn))
-    return found
+            channel = _CHANNEL.search(ins.rest)
+            found.append((comp, Collective(kind, size, count, looped, ins.name, group, dcn,
+                                           int(channel.group(1)) if channel else 0)))
+    return _one_per_channel(found)
+
+
+def _one_per_channel(found: list[tuple[str, Collective]]) -> list[Collective]:
+    """libtpu's async collective fusions repeat one collective (one channel_id) in the fusion
+    that starts it and in each fusion that continues it while computing (7B on v5e-64: every
+    layer weight's gather 3 times): per channel, count the ops of one computation only, the
+    one with the most bytes per step (ops sharing a channel in one computation, such as a
+    collective-permute split in two halves, all count)."""
+    groups: dict[tuple[str, int], dict[str, list[Collective]]] = defaultdict(
+        lambda: defaultdict(list))
+    out = []
+    for comp, c in found:
+        if c.channel:
+            groups[(c.kind, c.channel)][comp].append(c)
+        else:
+            out.append(c)
+    for by_comp in groups.values():
+        out += max(by_comp.values(), key=lambda cs: sum(c.total_bytes for c in cs))
+    return out
 
 
 def summarize(found: list[Collective]) -> dict[str, tuple[int, int]]:

@@ -1,12 +1,15 @@
 """The sharding planner: enumerate candidate configs for a topology, compile each, rank them.
 
-Candidates are factorizations of the chip count over data / fsdp / tensor (and pipeline with
-its microbatches), rules presets, remat policies and per-chip micro-batches (gradient
-accumulation keeps the global batch). Invalid ones are pruned by the config validation; the
-rest are compiled by the TPU compiler in one worker process, one at a time (a large compile
-takes a core and gigabytes of memory; the worker keeps a crashing compile away from the search). Each result is cached on disk,
-keyed by a hash of the config and topology, so a rerun is instant), those over HBM (with a
-margin) dropped, and the rest ranked by the roofline step-time estimate (full overlap).
+Candidates are factorizations of the chip count over pipeline / data / fsdp / tensor, rules
+presets (each only on meshes where it differs from a simpler one), remat policies, per-chip
+micro-batches (gradient accumulation keeps the global batch) and, with pipeline stages, the
+schedule (1F1B, GPipe) and microbatch count, likeliest winners first (`_search_order`).
+Invalid ones are pruned by the config validation (lazily, when reached); the rest are compiled
+by the TPU compiler in one worker process, one at a time (a large compile takes a core and
+gigabytes of memory; the worker keeps a crashing compile away from the search), skipping those
+that cannot beat one that already fits (`_dominated`). Each result is cached on disk, keyed by
+a hash of the config and topology, so a rerun is instant; those over HBM (with a margin) are
+dropped, and the rest ranked by the roofline step-time estimate (full overlap).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ml_collections as mlc
 
@@ -29,11 +33,19 @@ from jaxscale.errors import JaxscaleError
 
 PRESETS = ("fsdp", "fsdp_tp", "tp", "dp")
 REMATS = ("full", "dots", "none")
+SCHEDULES = ("1f1b", "gpipe")  # 1F1B first: GPipe's bubble with activations bounded by stages
+# The mesh axes each rules preset exists for: it is a candidate only where these are > 1, and
+# only on meshes whose axes > 1 it uses (besides `data` and `pipeline`, which every preset
+# uses): elsewhere it equals a simpler preset (`tp` at tensor=1 is `dp`; `dp` over `fsdp` is
+# `dp` over `data`), and compiling it again would only spend the budget.
+PRESET_AXES = {"fsdp": {"fsdp"}, "fsdp_tp": {"fsdp", "tensor"}, "tp": {"tensor"}, "dp": set()}
 
 
 @dataclass(frozen=True)
 class Candidate:
-    overrides: dict  # dotted config field -> value
+    overrides: dict  # dotted config field -> value (those that differ from the config)
+    full: dict = field(default_factory=dict, compare=False)  # every searched field
+
 
     def label(self) -> str:
         return " ".join(f"{k.split('.')[-1]}={v}" for k, v in self.overrides.items())
@@ -60,40 +72,94 @@ def _get(config: mlc.ConfigDict, key: str):
     return node
 
 
-def _factorizations(n: int) -> Iterator[tuple[int, int, int]]:
-    """(data, fsdp, tensor) with product n, tensor <= 8 (one ICI neighbourhood)."""
-    for tensor in (1, 2, 4, 8):
-        for data in range(1, n + 1):
-            if n % (tensor * data) == 0:
-                yield data, n // (tensor * data), tensor
+def _factorizations(n: int, num_layers: int) -> Iterator[tuple[int, int, int, int]]:
+    """(pipeline, data, fsdp, tensor) with product n: tensor <= 8 (one ICI neighbourhood),
+    pipeline stages in {1, 2, 4, 8} dividing the layers."""
+    for pipeline in (1, 2, 4, 8):
+        if n % pipeline or num_layers % pipeline:
+            continue
+        for tensor in (1, 2, 4, 8):
+            rest = n // pipeline
+            for data in range(1, rest + 1):
+                if rest % (tensor * data) == 0:
+                    yield pipeline, data, rest // (tensor * data), tensor
+
+
+def _preset_fits_mesh(preset: str, mesh: dict[str, int]) -> bool:
+    big = {axis for axis, size in mesh.items() if size > 1}
+    return PRESET_AXES[preset] <= big and big <= PRESET_AXES[preset] | {"data", "pipeline"}
+
+
+def _pipeline_options(stages: int, step_rows: int) -> list[dict]:
+    """Schedule and microbatch count per pipeline mesh: 4S, 2S and S microbatches (a smaller
+    bubble first) where the per-step batch divides; nothing to choose without stages."""
+    if stages == 1:
+        return [{}]
+    return [{"pipeline.schedule": schedule, "pipeline.microbatches": m}
+            for schedule in SCHEDULES for m in (4 * stages, 2 * stages, stages)
+            if step_rows % m == 0]
+
+
+def _micro_batches(per_chip: int) -> list[int]:
+    """Power-of-two sequences per chip and step, largest (no accumulation) first."""
+    return [m for m in sorted({1 << k for k in range(8)}, reverse=True)
+            if m <= per_chip and per_chip % m == 0]
+
+
+def _search_order(cand: Candidate) -> tuple:
+    """Likeliest winners first: no pipeline, full remat (the others rarely fit a large model:
+    7B on v5p-32 under `dots` needs 233 GB of temporaries per chip), no tensor parallelism,
+    FSDP over the most chips, no accumulation (fewest weight gathers), 1F1B, most
+    microbatches."""
+    o = cand.overrides
+    return (o["mesh.pipeline"], REMATS.index(o["model.remat"]), o["mesh.tensor"], -o["mesh.fsdp"],
+            o["train.grad_accum"], SCHEDULES.index(o.get("pipeline.schedule", "1f1b")),
+            -o.get("pipeline.microbatches", 1), PRESETS.index(o["rules_preset"]))
+
+
+def _valid(config: mlc.ConfigDict, overrides: dict) -> bool:
+    try:
+        config_lib.validate(apply(config, overrides))
+    except JaxscaleError:
+        return False
+    return True
+
+
+def _all_candidates(config: mlc.ConfigDict, topology: Topology) -> list[Candidate]:
+    """Every combination, in search order, with every field spelled out (not yet validated)."""
+    n, slices = topology.chips_per_slice, topology.num_slices
+    found = []
+    for (pipeline, data, fsdp, tensor), preset, remat in itertools.product(
+            _factorizations(n, config.model.num_layers), PRESETS, REMATS):
+        mesh = {"data": data * slices, "pipeline": pipeline, "fsdp": fsdp, "tensor": tensor}
+        if not _preset_fits_mesh(preset, mesh):
+            continue
+        per_chip = config.data.batch_size // (data * fsdp * slices)
+        for micro in _micro_batches(per_chip):
+            accum = per_chip // micro
+            for pipe in _pipeline_options(pipeline, config.data.batch_size // accum):
+                found.append(Candidate({
+                    "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
+                    "mesh.pipeline": pipeline, "rules_preset": preset, "model.remat": remat,
+                    "train.grad_accum": accum, "train.eval_every": 0, **pipe,
+                    **({"mesh.dcn_data": slices} if slices > 1 else {})}))
+    return sorted(found, key=_search_order)
+
+
+def iter_candidates(config: mlc.ConfigDict, topology: Topology) -> Iterator[Candidate]:
+    """Valid candidates over meshes, rules presets, remat policies, micro-batches (gradient
+    accumulation keeps the global batch) and pipeline schedules / microbatch counts, in
+    search order; each is validated only when reached (thousands exist for a large slice),
+    and its overrides keep only the fields that differ from the config."""
+    for cand in _all_candidates(config, topology):
+        overrides = {k: v for k, v in cand.overrides.items() if _get(config, k) != v}
+        if _valid(config, overrides):
+            yield Candidate(overrides, cand.overrides)
 
 
 def candidates(config: mlc.ConfigDict, topology: Topology) -> list[Candidate]:
-    """Valid candidates, likeliest winners first (FSDP-heavy, full remat, large micro-batch)."""
-    n = topology.chips_per_slice
-    found = []
-    for (data, fsdp, tensor), preset, remat in itertools.product(
-            _factorizations(n), PRESETS, REMATS):
-        per_chip = config.data.batch_size // (data * fsdp * topology.num_slices)
-        for micro in sorted({1 << k for k in range(8)} & set(range(1, per_chip + 1)),
-                            reverse=True):
-            if per_chip % micro:
-                continue
-            overrides = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
-                         "mesh.pipeline": 1, "rules_preset": preset, "model.remat": remat,
-                         "train.grad_accum": per_chip // micro, "train.eval_every": 0}
-            if topology.num_slices > 1:
-                overrides["mesh.dcn_data"] = topology.num_slices
-            overrides = {k: v for k, v in overrides.items() if _get(config, k) != v}
-            try:
-                config_lib.validate(apply(config, overrides))
-            except JaxscaleError:
-                continue
-            found.append(Candidate(overrides))
-    full = lambda c: apply(config, c.overrides)
-    order = lambda c: (full(c).mesh.tensor, -full(c).mesh.fsdp, REMATS.index(full(c).model.remat),
-                       full(c).train.grad_accum, PRESETS.index(full(c).rules_preset))
-    return sorted(found, key=order)
+    """All valid candidates, in search order (`iter_candidates`)."""
+    return list(iter_candidates(config, topology))
 
 
 def cache_key(config: mlc.ConfigDict, topology: Topology) -> str:
@@ -115,8 +181,9 @@ def _compile_one(config_json: str, topology: Topology, cache_dir: str) -> dict:
         report = compile_step(config, topology)
         result = {**report.to_json(), "estimate": vars(step_estimate(report))}
     except Exception as e:  # noqa: BLE001 - a failing candidate is reported, the search goes on
-        lines = [line for line in str(e).splitlines() if line.strip()]
-        return {"error": f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]}
+        result = _failure(e, topology)
+        if "error" in result:  # not cached: it may be this machine's (memory, a killed worker)
+            return result
     os.makedirs(cache_dir, exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
@@ -124,33 +191,69 @@ def _compile_one(config_json: str, topology: Topology, cache_dir: str) -> dict:
     return result
 
 
+_HBM_OOM = re.compile(r"memory required for HLO temporaries \(([\d.]+)G\)")
+
+
+def _failure(e: Exception, topology: Topology) -> dict:
+    """A compile error as one line; libtpu's out-of-HBM refusal instead becomes a result over
+    HBM (its temporaries, a lower bound of the total), so the ranking can say by how much."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    oom = _HBM_OOM.search(str(e))
+    if oom:
+        return {"total_bytes": float(oom.group(1)) * 2**30, "hbm_bytes": topology.chip.hbm_bytes,
+                "over_hbm": "libtpu: CompileTimeHbmOom (temporaries alone)"}
+    return {"error": f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]}
+
+
 def _config_json(config: mlc.ConfigDict, overrides: dict) -> str:
     return json.dumps(apply(config, overrides).to_dict(), default=list)
 
 
+def _dominated(cand: Candidate, fitting: list[Candidate]) -> bool:
+    """True if a fitting candidate differs only by less gradient accumulation: more
+    accumulation then only adds weight gathers and per-step overhead, it cannot win."""
+    full = lambda c: c.full or c.overrides
+    same = lambda c: {k: v for k, v in full(c).items() if k != "train.grad_accum"}
+    accum = lambda c: full(c).get("train.grad_accum", 1)
+    return any(same(f) == same(cand) and accum(f) < accum(cand) for f in fitting)
+
+
 def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
            max_candidates: int = 16, time_budget_s: float = 3600.0,
-           workers: int = 1) -> list[tuple[Candidate, dict]]:
-    """Compiles candidates in order until the budget is spent; returns (candidate, result)."""
-    todo = candidates(config, topology)[:max_candidates]
+           workers: int = 1, margin: float = 0.1) -> list[tuple[Candidate, dict]]:
+    """Compiles candidates in search order until `max_candidates` are compiled or the time
+    budget is spent; returns (candidate, result). A candidate is skipped when one with less
+    gradient accumulation and otherwise the same settings already fits (`_dominated`)."""
+    queue = iter_candidates(config, topology)
     deadline = time.monotonic() + time_budget_s
     results: list[tuple[Candidate, dict]] = []
+    fitting: list[Candidate] = []
+    started = 0
     ctx = multiprocessing.get_context("spawn")  # libtpu and jax are not fork-safe
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
                                 initializer=compile_only_env) as pool:
-        pending = {}
-        queue = list(todo)
-        while queue or pending:
-            while queue and len(pending) < workers and time.monotonic() < deadline:
-                cand = queue.pop(0)
+        pending: dict = {}
+        while True:
+            while (len(pending) < workers and started < max_candidates
+                   and time.monotonic() < deadline):
+                cand = next(queue, None)
+                if cand is None:
+                    break
+                if _dominated(cand, fitting):
+                    continue
                 job = pool.submit(_compile_one, _config_json(config, cand.overrides),
                                   topology, cache_dir)
                 pending[job] = cand
+                started += 1
             if not pending:
                 break
             done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
             for job in done:
-                results.append((pending.pop(job), job.result()))
+                cand, result = pending.pop(job), job.result()
+                results.append((cand, result))
+                if "error" not in result and result["total_bytes"] <= result["hbm_bytes"] * (
+                        1 - margin):
+                    fitting.append(cand)
     return results
 
 
@@ -165,7 +268,7 @@ def rank(results: list[tuple[Candidate, dict]], margin: float
             ok.append((cand, r))
         else:
             over.append((cand, r))
-    ok.sort(key=lambda cr: cr[1]["estimate"]["full_overlap_s"])
+    ok.sort(key=lambda cr: (cr[1]["estimate"]["full_overlap_s"], cr[1]["estimate"]["no_overlap_s"]))
     over.sort(key=lambda cr: cr[1]["total_bytes"] - cr[1]["hbm_bytes"] * (1 - margin))
     return ok, over, failed
 
@@ -182,6 +285,9 @@ def format_plan(results: list[tuple[Candidate, dict]], margin: float, top: int,
         mfu = f"{e['mfu_full_overlap']:.0%}" if e["mfu_full_overlap"] else "-"
         lines.append(f"{i:>2} {e['full_overlap_s'] * 1e3:>8.2f}..{e['no_overlap_s'] * 1e3:<9.2f}"
                      f" {mfu:>5} {gib(r['total_bytes']):>9}  {cand.label()}")
+    for cand, r in over:
+        lines.append(f"   over HBM: {cand.label()}: {gib(r['total_bytes'])} GiB per chip"
+                     + (f" ({r['over_hbm']})" if "over_hbm" in r else ""))
     for cand, r in failed:
         lines.append(f"   failed to compile: {cand.label()}: {r['error']}")
     if ok:

@@ -51,7 +51,12 @@ def format_report(report: StepReport) -> str:
     ]
     if r.model_flops:
         lines.append(f"  analytic model FLOPs {r.model_flops:.3e} per chip: compiled / model = "
-                     f"{r.flops / r.model_flops:.2f} (remat recompute, attention, duplication)")
+                     f"{r.flops / r.model_flops:.2f}")
+    if r.model_flops and r.expected_flops:
+        lines.append(f"  model + remat recompute {r.expected_flops:.3e} (remat factor "
+                     f"{r.expected_flops / r.model_flops:.2f}): compiled / expected = "
+                     f"{r.flops / r.expected_flops:.2f} (above 1: pipeline bubbles, duplicated "
+                     "compute)")
     lines += ["collectives per chip per step (TPU compiler):"] + collective_table(r.collectives)
     lines += [
         "step time ESTIMATE (roofline: peak compute, ring collectives at link bandwidth; not a"

@@ -26,11 +26,14 @@ and data parallelism across hosts (`mesh.dcn_data`). The micro-batch is the larg
 whose estimated memory (`memory_estimate`: 22 bytes of state per parameter over the FSDP shards,
 one gathered layer, and activations under the size's remat policy) stays under 80% of a device's
 HBM. With accumulation, periodic evaluation is off (`train.eval_every=0`): the eval step runs
-the whole global batch at once. These are starting points from that estimate, not measured
-optima (for 1b,v5e-16 it says 10.2 GiB; XLA's CPU compiler reports 0.8 GiB of arguments + 5.5
-GiB of temporaries for that step, so it errs on the safe side). Combinations that cannot work
-(7b on v4-8, v5e-8 and v5e-16: not even one sequence fits; tiny on v5e-256: 64-wide embed over
-256 shards) are refused with the list of targets that do; `VARIANTS` lists those that work, and
+the whole global batch at once. Where the TPU compiler has been asked (`COMPILED`: `jaxscale
+compile --topology=...` with libtpu, no TPU needed), its per-chip memory decides instead: the
+estimate errs far on the safe side on TPU (1b,v5e-16: 10.2 GiB estimated at micro-batch 2,
+where libtpu needs 3.2 GiB; micro-batch 8 x accumulation 2 needs 8.4 GiB and gathers the FSDP
+weights a quarter as often). The other targets are starting points from the estimate, not
+optima. Combinations that cannot work (7b on v4-8, v5e-8 and v5e-16: not even one sequence
+fits; tiny on v5e-256: 64-wide embed over 256 shards) are refused with the list of targets
+that do; `VARIANTS` lists those that work, and
 `python configs/llama.py` prints each one's mesh, micro-batch, accumulation and estimate.
 Without a TARGET, sizes use all local devices (`data=-1` for 125m, `fsdp=-1` otherwise) and no
 accumulation. Tensor parallelism is not needed at these sizes; for larger meshes try
@@ -105,6 +108,24 @@ TARGETS: dict[str, Target] = {
     "v5e-64": Target(64, 1, 16.0), "v5e-256": Target(256, 1, 16.0),
     "h100x8": Target(8, 1, 80.0, gpu=True), "2xh100x8": Target(8, 2, 80.0, gpu=True),
 }
+@dataclass(frozen=True)
+class Compiled:
+    """A target's micro-batch chosen with the TPU compiler, not the estimate: `jaxscale compile
+    --topology=TOPOLOGY --config=configs/llama.py:SIZE,TARGET` (libtpu 0.0.52) reports `gib`
+    per chip (arguments + temporaries) at this micro-batch. The estimate errs on the safe side
+    on TPU (1b on v5e-16: 10.2 GiB estimated at micro-batch 2, 3.2 GiB compiled), which would
+    leave most of the HBM idle and gather the FSDP weights 4x as often as needed."""
+
+    micro_batch: int
+    gib: float
+    topology: str
+
+
+# Measured (tests/test_aot.py::test_preset_fits_its_target compiles every TPU preset).
+COMPILED: dict[tuple[str, str], Compiled] = {
+    ("1b", "v5e-16"): Compiled(8, 8.4, "v5e:4x4"),
+    ("7b", "v5e-64"): Compiled(8, 12.9, "v5e:8x8"),  # `jaxscale plan`'s winner on v5e-64
+}
 STATE_BYTES_PER_PARAM = 22  # f32 weights, Adam mu/nu, gradient, accumulator; bf16 copy
 HBM_FRACTION = 0.8          # headroom for XLA's own buffers, collectives and fragmentation
 
@@ -135,9 +156,12 @@ def memory_estimate(size: str, target: Target, micro_batch: int) -> int:
     return state + gathered + micro_batch * per_seq
 
 
-def micro_batch(size: str, target: Target) -> int:
-    """Largest power-of-two sequences per device that fit, at most the device's share of the
-    global batch (0: not even one fits)."""
+def micro_batch(size: str, target: Target, name: str | None = None) -> int:
+    """The micro-batch the TPU compiler chose for SIZE on target `name` (`COMPILED`), else the
+    largest power-of-two sequences per device whose estimate fits, at most the device's share
+    of the global batch (0: not even one fits)."""
+    if (size, name) in COMPILED:
+        return COMPILED[(size, name)].micro_batch
     limit = SIZES[size].batch // min(target.total, SIZES[size].batch)
     budget = HBM_FRACTION * target.hbm_gib * 2**30
     b = 1 << int(math.log2(limit))
@@ -207,7 +231,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.data.eval_batches = 2
     if target_name is not None:
         t = TARGETS[target_name]
-        b = micro_batch(size_name, t)
+        b = micro_batch(size_name, t, target_name)
         batch = max(s.batch, t.total)
         axis = "data" if s.strategy == "dp" else "fsdp"
         c.mesh.update(data=1, fsdp=1, dcn_data=t.slices)
@@ -226,19 +250,22 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
 
 
 def plan_table() -> str:
-    """One line per SIZE,TARGET: what the target sets, and the memory estimate behind it."""
+    """One line per SIZE,TARGET: what the target sets, the estimate, and the TPU compiler's
+    per-chip memory where it chose the micro-batch (`COMPILED`)."""
     lines = []
     for v in VARIANTS:
         size, target = parse_arg(v)
         if target is None:
             continue
         c, t = get_config(v), TARGETS[target]
-        b = micro_batch(size, t)
+        b = micro_batch(size, t, target)
         mesh = " ".join(f"{k}={c.mesh[k]}" for k in ("data", "fsdp", "dcn_data") if c.mesh[k] > 1)
+        compiled = COMPILED.get((size, target))
         lines.append(f"{v:<16} {c.rules_preset:<5} {mesh:<22} micro-batch {b:>2} x "
                      f"{c.train.grad_accum:>2} accumulation = {c.data.batch_size:>3} x "
                      f"{c.data.seq_len}  ~{memory_estimate(size, t, b) / 2**30:5.1f} of "
-                     f"{t.hbm_gib:.0f} GiB")
+                     f"{t.hbm_gib:.0f} GiB estimated"
+                     + (f", {compiled.gib:.1f} compiled" if compiled else ""))
     return "\n".join(lines)
 
 

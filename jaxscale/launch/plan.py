@@ -38,7 +38,7 @@ def main(argv):
     topology = parse_topology(_TOPOLOGY.value, _SLICES.value)
     require_libtpu()
     results = search(_CONFIG.value, topology, _CACHE.value, _MAX.value, _BUDGET.value,
-                     _WORKERS.value)
+                     _WORKERS.value, _MARGIN.value)
     print(format_plan(results, _MARGIN.value, _TOP.value, topology))
 
 
