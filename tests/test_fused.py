@@ -106,3 +106,29 @@ def test_legacy_training_checkpoint_refuses_to_resume_naming_the_fix(model, tmp_
     text = str(e.value)
     assert "step 3" in text and "fused" in text and "--config.init_from" in text
     assert (tmp_path / "checkpoints" / "3").is_dir()  # nothing moved aside or deleted
+
+
+def test_gpipe_head_runs_split_over_stages():
+    """Under GPipe the head's logits are split over `pipeline` by rows (each stage computes the
+    head once for its share, not every stage for every row), and the logits equal the scan's."""
+    from jaxscale.mesh import make_mesh
+    from jaxscale.parallel.pipeline import make_layer_runner
+    from jaxscale.presets import PRESETS
+    from jaxscale.rules import AxisRules, use_rules
+
+    mesh = make_mesh({"pipeline": 2, "data": 4})
+    model_def = ModelDef.build(MODEL, get_policy("32-true"))
+    params = model_def.init_params(jax.random.key(0))
+    runner = make_layer_runner(dict(microbatches=2), mesh, num_layers=MODEL["num_layers"])
+    rules = AxisRules(tuple(PRESETS["pp"]))
+    tokens = jnp.arange(16 * 6).reshape(16, 6) % MODEL["vocab_size"]
+
+    def logits(params, run_layers):
+        with use_rules(rules, mesh):
+            return model_def.module(params)(tokens, run_layers=run_layers)
+
+    got = jax.jit(logits, static_argnums=1)(params, runner)
+    want = jax.jit(logits, static_argnums=1)(params, None)
+    assert "pipeline" in str(got.sharding.spec[0]), got.sharding.spec
+    assert "pipeline" not in str(want.sharding.spec[0])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -28,7 +28,7 @@ bit-for-bit). `fuse_legacy` converts a flat parameter dict of the old layout on 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,8 +86,8 @@ class Fused:
         """The fused array of `parts`, zeros where a part is missing (e.g. a LoRA delta of the
         parts a target names only); `fused_like` gives the shape and dtype."""
         zeros = self.split(_xp(fused_like).zeros(fused_like.shape, fused_like.dtype))
-        return self.join(*[parts.get(name, z) if parts.get(name) is not None else z
-                           for name, z in zip(self.parts, zeros)])
+        given = [parts.get(name) for name in self.parts]
+        return self.join(*[z if g is None else g for g, z in zip(given, zeros)])
 
 
 QKV = Fused(("wq", "wk", "wv"),
@@ -129,7 +129,8 @@ def fuse_parts(flat: Mapping[str, Any], join: Callable[[Fused, list[Any]], Any] 
             keys = [f"{prefix}{module}/{p}" for p in spec.parts]
             if all(k in flat for k in keys):
                 values = [out.pop(k) for k in keys]
-                out[f"{prefix}{name}"] = (join or _join)(spec, values)
+                out[f"{prefix}{name}"] = (join(spec, values) if join is not None
+                                          else spec.join(*values))
     return out
 
 
@@ -147,7 +148,3 @@ def unfuse(flat: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
             out[f"{prefix}{module}/{name}"] = value
         split.append(path)
     return out, split
-
-
-def _join(spec: Fused, values: Sequence[Any]) -> Any:
-    return spec.join(*values)
