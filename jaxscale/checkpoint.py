@@ -31,7 +31,9 @@ from etils import epath
 
 from jaxscale import orbax_storage, storage
 from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.models.fused import is_legacy
 from jaxscale.train.state import TrainState
+from jaxscale.weights.legacy import LEGACY_RESUME
 from jaxscale.weights.tree import flatten
 
 
@@ -265,6 +267,7 @@ class Checkpointer:
         fingerprint."""
         def attempt(step: int) -> tuple[bool, dict]:
             adapters_only = "base_fingerprint" in self.saved_keys(step)
+            self._check_layout(step)
             target = _target(state, shardings, adapters_only)
             args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                       data=ocp.args.JsonRestore())
@@ -293,6 +296,18 @@ class Checkpointer:
                             opt_state=s["opt_state"], rng=jax.random.wrap_key_data(s["rng"]),
                             extra=s["extra"])
         return new, dict(restored["data"] or {}) or None
+
+    def _check_layout(self, step: int) -> None:
+        """A pre-fusion Llama checkpoint (separate wq/wk/wv, w_gate/w_up) gets one clear error
+        naming the fix (`weights/legacy.py`), not a restore failure taken for a broken step."""
+        path = epath.Path(self.directory) / str(step) / "state"
+        meta = ocp.StandardCheckpointHandler().metadata(path)
+        tree = meta.tree if hasattr(meta, "tree") else meta
+        saved = {f"{part}/{k}": None for part in ("params", "frozen")
+                 for k in flatten(dict(tree.get(part) or {}))}
+        if is_legacy(saved):
+            raise CheckpointError(paragraph(
+                f"Checkpoint step {step} under {self.directory}", *LEGACY_RESUME))
 
     def _set_aside(self, broken: list[int]) -> str:
         """Renames broken steps to `<step>.broken` (kept for inspection, ignored by orbax) so

@@ -41,6 +41,7 @@ DEFAULT_RULES: list[tuple[str, Any]] = [
     ("norm", None),
     ("layers", "pipeline"),
     ("lora_rank", None),
+    ("fused", None),  # the q/k/v and gate/up parts of a fused weight (models/fused.py)
 ]
 
 

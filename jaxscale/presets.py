@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 _BATCH = ("batch", ("data", "fsdp"))
-_REPLICATED = [("length", None), ("head_dim", None), ("norm", None), ("lora_rank", None)]
+_REPLICATED = [("length", None), ("head_dim", None), ("norm", None), ("lora_rank", None),
+               ("fused", None)]  # the q/k/v and gate/up parts of a fused weight
 _STAGES = [("layers", "pipeline")]
 _TP = [("vocab", "tensor"), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor")]
 _FSDP = [("embed", "fsdp"), ("mlp", "fsdp"), ("vocab", "fsdp")]

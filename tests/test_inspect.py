@@ -9,13 +9,13 @@ def test_report_lists_every_param_and_divides_bytes():
     c.mesh.update(data=1, fsdp=8)
     report = build_report(c, compile_step=True)
     paths = {r.path for r in report.rows}
-    assert {"embedding", "layers/attn/wq", "layers/mlp/w_down", "lm_head"} <= paths
-    wq = next(r for r in report.rows if r.path == "layers/attn/wq")
+    assert {"embedding", "layers/attn/wqkv", "layers/mlp/w_down", "lm_head"} <= paths
+    wq = next(r for r in report.rows if r.path == "layers/attn/wqkv")  # q/k/v, fused
     assert wq.bytes_per_device * 8 == wq.bytes_total
     assert report.opt_bytes_per_device >= 2 * report.params_bytes_per_device * 0.99
     assert report.compiled_memory.argument_size_in_bytes > 0
     text = format_report(report)
-    assert "layers/attn/wq" in text and "('layers', 'embed', 'heads', 'head_dim')" in text
+    assert "layers/attn/wqkv" in text and "('layers', 'embed', 'kv', 'fused', 'head_dim')" in text
     assert report.replicated_warning() is None
 
 
@@ -24,7 +24,7 @@ def test_warns_naming_replicated_tensors():
     c.mesh.update(data=1, fsdp=8)
     c.rules = [("batch", ("data", "fsdp")), ("mlp", "fsdp")]  # attention weights stay whole
     warning = build_report(c, compile_step=False).replicated_warning()
-    assert warning is not None and "layers/attn/wq" in warning and "replicated" in warning
+    assert warning is not None and "layers/attn/wqkv" in warning and "replicated" in warning
 
 
 def test_lora_adapters_are_listed_trainable_and_sharded():

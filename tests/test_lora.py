@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
 from jaxscale.models import lora
+from jaxscale.models.fused import LLAMA_FUSED
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
 from jaxscale.models import ModelDef
@@ -56,15 +57,29 @@ def _dims(spec, ndim):
     return tuple(spec) + (None,) * (ndim - len(spec))
 
 
+def _base_weight(base, logical):
+    """(stored weight, logical renames) of an adapted weight: a part of a fused weight
+    (`attn/wq` of `attn/wqkv`) follows the fused one, whose `kv` dimension holds the query
+    heads grouped by kv head (models/fused.py)."""
+    if base in logical:
+        return base, {}
+    for fused_path, spec in LLAMA_FUSED.items():
+        module, leaf = fused_path.split("/")
+        for part in spec.parts:
+            if base.endswith(f"{module}/{part}"):
+                return base[: -len(part)] + leaf, {"heads": "kv"}
+    raise KeyError(base)
+
+
 def assert_adapters_follow_base(specs, logical, adapter_paths):
     """Each adapter dimension is sharded exactly as the base weight's dimension of the same
     logical name (the same rules resolve both); the rank dimension is replicated."""
     checked = 0
     for path in adapter_paths:
-        base = path[: -len("_lora_a")]
+        base, rename = _base_weight(path[: -len("_lora_a")], logical)
         base_axes = dict(zip(logical[base], _dims(specs[base], len(logical[base]))))
         for name, mesh_axes in zip(logical[path], _dims(specs[path], len(logical[path]))):
-            expected = None if name == "lora_rank" else base_axes[name]
+            expected = None if name == "lora_rank" else base_axes[rename.get(name, name)]
             assert mesh_axes == expected, (path, name, mesh_axes, expected)
             checked += mesh_axes is not None
     assert checked, "no adapter dimension is sharded at all"

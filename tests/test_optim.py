@@ -82,13 +82,14 @@ def test_adam8bit_tracks_adamw_and_is_sharded_like_params():
         assert mu.dtype == jnp.int8 and mu.shape == params[path].shape
         assert mu.sharding == params[path].sharding, path
         assert flatten(opt.nu_q)[path].sharding == params[path].sharding
-    wq_scale = flatten(opt.mu_scale)["layers/attn/wq"]
+    wq_scale = flatten(opt.mu_scale)["layers/attn/wqkv"]
     P = jax.sharding.PartitionSpec
     # Per-block scales keep the parameter's sharding on every dimension but the (blocked) last.
-    wq_spec = tuple(params["layers/attn/wq"].sharding.spec)
-    assert wq_spec[1:3] == ("fsdp", "tensor")  # (L, embed, heads, head_dim)
-    assert wq_scale.sharding == NamedSharding(trainer.ctx.mesh, P(*wq_spec[:3], None))
-    assert wq_scale.shape == params["layers/attn/wq"].shape[:-1] + (1,)
+    wq_spec = tuple(params["layers/attn/wqkv"].sharding.spec)
+    wq_spec += (None,) * (5 - len(wq_spec))
+    assert wq_spec[1:3] == ("fsdp", "tensor")  # (L, embed, kv, G + 2, head_dim)
+    assert wq_scale.sharding == NamedSharding(trainer.ctx.mesh, P(*wq_spec[:4], None))
+    assert wq_scale.shape == params["layers/attn/wqkv"].shape[:-1] + (1,)
 
 
 def test_sgd_nesterov_option():

@@ -36,13 +36,15 @@ def test_sharded_init_matches_rules():
     assert set(params) == set(specs)
     for path, arr in params.items():
         assert arr.sharding == NamedSharding(mesh, specs[path]), path
-    # The FSDP/TP-sharded weight really is split: each device holds 1/4 of wq.
-    wq = params["layers/attn/wq"]
+    # The FSDP/TP-sharded weight really is split: each device holds 1/4 of the fused q/k/v
+    # (L, embed, kv, G + 2, head_dim), kv heads (with their query heads) over `tensor`.
+    wq = params["layers/attn/wqkv"]
     # (layers on `pipeline` costs nothing on this pipeline=1 mesh.)
-    assert specs["layers/attn/wq"] == jax.sharding.PartitionSpec("pipeline", "fsdp", "tensor", None)
+    assert specs["layers/attn/wqkv"] == jax.sharding.PartitionSpec(
+        "pipeline", "fsdp", "tensor", None, None)
     assert wq.addressable_shards[0].data.size * 4 == wq.size
     # Adam moments are sharded like their parameters.
-    mu = flatten(state.opt_state[1][0].mu)["layers/attn/wq"]
+    mu = flatten(state.opt_state[1][0].mu)["layers/attn/wqkv"]
     assert mu.sharding == wq.sharding
 
 

@@ -17,7 +17,9 @@ a mesh is `jaxscale.weights.place`, and `jaxscale.weights.sources.open_weights` 
 directory like any other saved weights.
 
 jaxscale's Llama uses the Hugging Face "rotate half" rotary layout, so q/k need no permutation:
-every weight is only transposed and reshaped. Configurations the model cannot reproduce
+every weight is only transposed and reshaped (q/k/v and gate/up are also joined into the fused
+`wqkv` / `w_gate_up` on import and split on export, `models/fused.py`: exact, so round trips
+stay bit for bit). Configurations the model cannot reproduce
 (rope scaling other than `linear` and `llama3`, sliding windows, attention or MLP biases,
 another activation) are rejected, never approximated.
 """
@@ -39,6 +41,7 @@ from jaxscale.errors import paragraph
 from jaxscale.interop.hf_rope import rope_from_hf, rope_scaling_to_hf
 from jaxscale.interop.safetensors_io import (ConversionError, SafetensorsReader, parse_dtype,
                                              write_checkpoint_files)
+from jaxscale.models.fused import GATE_UP, QKV
 from jaxscale.rules import AxisRules, normalize_rules
 from jaxscale.weights.leaf import Leaf as LazyLeaf
 from jaxscale.weights.place import named_shardings, place
@@ -146,31 +149,53 @@ def llama_config_to_hf(model_cfg: Mapping[str, Any], dtype: str = "float32") -> 
 @dataclass(frozen=True)
 class Leaf:
     """One jaxscale parameter: its HF tensor name (with `{i}` for stacked layers) and the
-    transforms between the HF tensor of one layer and jaxscale's layout of that layer."""
+    transforms between the HF tensor of one layer and jaxscale's layout of that layer. A fused
+    parameter (`models/fused.py`) names several HF tensors: `to_jax` then takes them all (in
+    `hf_name` order) and `to_hf` returns them as a tuple."""
 
-    hf_name: str
-    to_jax: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
+    hf_name: str | tuple[str, ...]
+    to_jax: Callable[..., np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray | tuple[np.ndarray, ...]]
     stacked: bool = True
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.hf_name,) if isinstance(self.hf_name, str) else self.hf_name
+
+    def layer_names(self, i: int | None) -> tuple[str, ...]:
+        return tuple(n.format(i=i) for n in self.names) if self.stacked else self.names
+
+    def from_hf(self, get: Callable[[str], np.ndarray], i: int | None = None) -> np.ndarray:
+        """jaxscale's layout of layer `i` (or of an unstacked leaf), reading through `get`."""
+        return self.to_jax(*[get(n) for n in self.layer_names(i)])
+
+    def hf_arrays(self, w: np.ndarray) -> tuple[np.ndarray, ...]:
+        out = self.to_hf(w)
+        return out if isinstance(self.hf_name, tuple) else (out,)
 
 
 def llama_leaves(model_cfg: Mapping[str, Any]) -> dict[str, Leaf]:
-    """{jaxscale path: Leaf} for every parameter of a Llama with `model_cfg`."""
+    """{jaxscale path: Leaf} for every parameter of a Llama with `model_cfg`. q/k/v and
+    gate/up are stored fused (`models/fused.py`): they join and split their HF tensors."""
     h, k, d, e = (model_cfg[n] for n in ("num_heads", "num_kv_heads", "head_dim", "embed"))
     ident = lambda x: x
     p = "model.layers.{i}."
+    q_in, q_out = _heads_in(h, e, d)
+    kv_in, kv_out = _heads_in(k, e, d)
     leaves = {
         "embedding": Leaf("model.embed_tokens.weight", ident, ident, stacked=False),
         "final_norm/scale": Leaf("model.norm.weight", ident, ident, stacked=False),
         "layers/attn_norm/scale": Leaf(p + "input_layernorm.weight", ident, ident),
         "layers/mlp_norm/scale": Leaf(p + "post_attention_layernorm.weight", ident, ident),
-        "layers/attn/wq": Leaf(p + "self_attn.q_proj.weight", *_heads_in(h, e, d)),
-        "layers/attn/wk": Leaf(p + "self_attn.k_proj.weight", *_heads_in(k, e, d)),
-        "layers/attn/wv": Leaf(p + "self_attn.v_proj.weight", *_heads_in(k, e, d)),
+        "layers/attn/wqkv": Leaf(  # HF q (H*D, E), k, v (K*D, E) <-> (E, K, G + 2, D)
+            tuple(p + f"self_attn.{n}_proj.weight" for n in "qkv"),
+            lambda q, k_, v: QKV.join(q_in(q), kv_in(k_), kv_in(v)),
+            lambda w: tuple(f(x) for f, x in zip((q_out, kv_out, kv_out), QKV.split(w)))),
         "layers/attn/wo": Leaf(p + "self_attn.o_proj.weight",  # (E, H*D) <-> (H, D, E)
                                lambda w: w.T.reshape(h, d, e), lambda w: w.reshape(h * d, e).T),
-        "layers/mlp/w_gate": Leaf(p + "mlp.gate_proj.weight", _t, _t),
-        "layers/mlp/w_up": Leaf(p + "mlp.up_proj.weight", _t, _t),
+        "layers/mlp/w_gate_up": Leaf(  # HF gate, up (F, E) <-> (E, 2, F)
+            (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            lambda g, u: GATE_UP.join(g.T, u.T), lambda w: tuple(x.T for x in GATE_UP.split(w))),
         "layers/mlp/w_down": Leaf(p + "mlp.down_proj.weight", _t, _t),
     }
     if not model_cfg["tie_embeddings"]:
@@ -210,10 +235,10 @@ class Source:
         leaf = self.leaves[path]
         index = index or (slice(None),) * len(shape)
         if not leaf.stacked:
-            return np.asarray(leaf.to_jax(self.reader.get(leaf.hf_name))[index], dtype=dtype)
+            return np.asarray(leaf.from_hf(self.reader.get)[index], dtype=dtype)
         layers = range(*index[0].indices(shape[0]))
-        return np.stack([np.asarray(leaf.to_jax(self.reader.get(leaf.hf_name.format(i=i)))
-                                    [index[1:]], dtype=dtype) for i in layers])
+        return np.stack([np.asarray(leaf.from_hf(self.reader.get, i)[index[1:]], dtype=dtype)
+                         for i in layers])
 
     def lazy_leaves(self, dtype: Any) -> dict[str, LazyLeaf]:
         """{path: Leaf} in `dtype` after checking each leaf's shape against config.json; a
@@ -227,8 +252,8 @@ class Source:
 
     def check_shape(self, path: str, expected: tuple[int, ...]) -> None:
         leaf = self.leaves[path]
-        name = leaf.hf_name.format(i=0)
-        got = tuple(leaf.to_jax(self.reader.get(name)).shape)
+        name = ", ".join(leaf.layer_names(0))
+        got = tuple(leaf.from_hf(self.reader.get, 0).shape)
         if got != tuple(expected[1:] if leaf.stacked else expected):
             raise ConversionError(paragraph(
                 f"Tensor {name} converts to shape {got} for jaxscale leaf {path}, but config.json",
@@ -303,17 +328,16 @@ def hf_tensors(flat_params: Mapping[str, Any], leaves: Mapping[str, Leaf], dtype
         v = flat_params[path]
         dt = np.dtype(dtype or v.dtype)
         empty = np.empty(v.shape[1:] if leaf.stacked else v.shape, dtype=np.uint8)
-        shape = tuple(leaf.to_hf(empty).shape)  # untouched pages: no real allocation
-        names = ([leaf.hf_name.format(i=i) for i in range(v.shape[0])] if leaf.stacked
-                 else [leaf.hf_name])
-        specs += [(n, shape, dt) for n in names]
+        shapes = [a.shape for a in leaf.hf_arrays(empty)]  # untouched pages: no allocation
+        for i in (range(v.shape[0]) if leaf.stacked else [None]):
+            specs += [(n, tuple(s), dt) for n, s in zip(leaf.layer_names(i), shapes)]
 
     def arrays() -> Iterator[np.ndarray]:
         for path, leaf in leaves.items():
             arr = np.asarray(jax.device_get(flat_params[path]))
             arr = arr.astype(dtype) if dtype is not None else arr
             for layer in (arr if leaf.stacked else [arr]):
-                yield np.ascontiguousarray(leaf.to_hf(layer))
+                yield from (np.ascontiguousarray(a) for a in leaf.hf_arrays(layer))
 
     return specs, arrays()
 

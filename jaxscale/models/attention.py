@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from einops import rearrange
 from flax import nnx
 
+from jaxscale.models.fused import FUSED_AXIS, QKV
 from jaxscale.models.layers import param, project
 from jaxscale.models.rope import Rope, rotary
 from jaxscale.precision import Policy
@@ -178,7 +179,11 @@ def check_impl(impl: str) -> None:
 class Attention(nnx.Module):
     """Grouped-query causal attention; shards over `batch`, `heads` and `kv`."""
 
-    LORA_WEIGHTS = ("wq", "wk", "wv", "wo")  # read through `project`: may carry LoRA adapters
+    # Read through `project`: may carry LoRA adapters. q/k/v are the parts of one fused weight
+    # `wqkv` (E, K, G + 2, D), grouped by kv head (`models/fused.py` says why): one matmul, so
+    # one input all-reduce under tensor parallelism.
+    LORA_WEIGHTS = ("wq", "wk", "wv", "wo")
+    FUSED = {"wqkv": QKV}
 
     def __init__(self, embed: int, heads: int, kv_heads: int, head_dim: int,
                  rope: Rope | float, policy: Policy, impl: str, rngs: nnx.Rngs, *,
@@ -187,12 +192,8 @@ class Attention(nnx.Module):
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}.")
         check_impl(impl)
         kw = dict(stack=stack, dtype=policy.param)
-        self.wq = param(rngs, (embed, heads, head_dim), ("embed", "heads", "head_dim"),
-                        fan_in=embed, **kw)
-        self.wk = param(rngs, (embed, kv_heads, head_dim), ("embed", "kv", "head_dim"),
-                        fan_in=embed, **kw)
-        self.wv = param(rngs, (embed, kv_heads, head_dim), ("embed", "kv", "head_dim"),
-                        fan_in=embed, **kw)
+        self.wqkv = param(rngs, (embed, kv_heads, heads // kv_heads + 2, head_dim),
+                          ("embed", "kv", FUSED_AXIS, "head_dim"), fan_in=embed, **kw)
         self.wo = param(rngs, (heads, head_dim, embed), ("heads", "head_dim", "embed"),
                         fan_in=heads * head_dim, **kw)
         self.rope = rope if isinstance(rope, Rope) else Rope(theta=float(rope))
@@ -205,9 +206,9 @@ class Attention(nnx.Module):
         values written at `cache_index`), attending over every slot written so far. With
         `segments_BT` (packed documents), a query sees only keys of its own segment."""
         c = self.policy.compute
-        q_BTHD = project(self, "wq", "bte,ehd->bthd", x_BTE, c)
-        k_BTKD = project(self, "wk", "bte,ekd->btkd", x_BTE, c)
-        v_BTKD = project(self, "wv", "bte,ekd->btkd", x_BTE, c)
+        qkv_BTKCD = constrain(project(self, "wqkv", "bte,ekcd->btkcd", x_BTE, c),
+                              "batch", "length", "kv", FUSED_AXIS, "head_dim")
+        q_BTHD, k_BTKD, v_BTKD = QKV.split(qkv_BTKCD)
         q_BTHD = constrain(rotary(q_BTHD, positions_BT, self.rope),
                            "batch", "length", "heads", "head_dim")
         k_BTKD = constrain(rotary(k_BTKD, positions_BT, self.rope),

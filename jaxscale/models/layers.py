@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxscale.models.fused import FUSED_AXIS, GATE_UP
 from jaxscale.precision import Policy
 from jaxscale.rules import constrain
 
@@ -51,14 +52,30 @@ def lora_delta(a: jax.Array, b: jax.Array, scale: float, ndim: int) -> jax.Array
     return scale * jnp.einsum(f"{l}{i}z,{l}z{o}->{l}{i}{o}", a, b)
 
 
-def weight(module: nnx.Module, name: str) -> jax.Array:
-    """`module.<name>`, plus its low-rank delta when `models/lora.py` attached adapters to it."""
-    w = getattr(module, name)[...]
+def _adapter_delta(module: nnx.Module, name: str, ndim: int) -> jax.Array | None:
+    """scale * A.B of the adapters `models/lora.py` attached for weight `name`, if any."""
     a = getattr(module, f"{name}_lora_a", None)
     if a is None:
-        return w
+        return None
     b, scale = getattr(module, f"{name}_lora_b")[...], getattr(module, f"{name}_lora_scale")
-    return w + lora_delta(a[...], b, scale, w.ndim).astype(w.dtype)
+    return lora_delta(a[...], b, scale, ndim)
+
+
+def weight(module: nnx.Module, name: str) -> jax.Array:
+    """`module.<name>`, plus its low-rank delta when `models/lora.py` attached adapters to it.
+
+    A fused weight (`module.FUSED[name]`, see `models/fused.py`) takes adapters per part
+    (`wq_lora_a`, ...): their deltas are joined into its layout, zeros for parts without."""
+    w = getattr(module, name)[...]
+    fused = getattr(type(module), "FUSED", {}).get(name)
+    if fused is not None:
+        deltas = {p: _adapter_delta(module, p, w.ndim - 1) for p in fused.parts}
+        if all(d is None for d in deltas.values()):
+            return w
+        return w + fused.zero_filled(w, {p: None if d is None else d.astype(w.dtype)
+                                         for p, d in deltas.items()})
+    delta = _adapter_delta(module, name, w.ndim)
+    return w if delta is None else w + delta.astype(w.dtype)
 
 
 # The key for LoRA dropout, set by the train step only (`adapter_dropout`): evaluation, export
@@ -81,20 +98,39 @@ def project(module: nnx.Module, name: str, eq: str, x: jax.Array, dtype) -> jax.
 
     Normally the adapters are folded into the weight (`weight`: one matmul, sharded like W).
     While training with lora.dropout > 0 they act on a dropped-out copy of the input instead,
-    x.W + scale * (drop(x).A).B as in the LoRA paper, so each example gets its own mask.
+    x.W + scale * (drop(x).A).B as in the LoRA paper, so each example gets its own mask. A fused
+    weight adds each adapted part's term in its slot of the fused output.
     """
-    rate = getattr(module, f"{name}_lora_dropout", 0.0)
     key = _DROPOUT_KEY.get()
-    if not rate or key is None or not hasattr(module, f"{name}_lora_a"):
-        return jnp.einsum(eq, x, weight(module, name).astype(dtype))
+    fused = getattr(type(module), "FUSED", {}).get(name)
+    parts = fused.parts if fused is not None else (name,)
+    adapted = [p for p in parts if hasattr(module, f"{p}_lora_a")]
     w = getattr(module, name)[...]
-    a, b = getattr(module, f"{name}_lora_a")[...], getattr(module, f"{name}_lora_b")[...]
-    if a.ndim + b.ndim - 2 != w.ndim:  # a stacked (unscanned) weight: no per-layer path here
+    part_ndim = w.ndim - (fused is not None)
+    a0 = getattr(module, f"{adapted[0]}_lora_a")[...] if adapted else None
+    if (key is None or not any(getattr(module, f"{p}_lora_dropout", 0.0) for p in adapted)
+            # a stacked (unscanned) weight: no per-layer path here
+            or a0.ndim + getattr(module, f"{adapted[0]}_lora_b").ndim - 2 != part_ndim):
         return jnp.einsum(eq, x, weight(module, name).astype(dtype))
     (xs, ws), out = eq.split("->")[0].split(","), eq.split("->")[1]
-    ins, outs = ws[:a.ndim - 1], ws[a.ndim - 1:]
+    n_in = a0.ndim - 1
+    y = jnp.einsum(eq, x, w.astype(dtype))
+    deltas = {p: _dropout_term(module, p, xs, ws[:n_in], x, dtype, key).astype(y.dtype)
+              for p in adapted}
+    if fused is not None:
+        return y + fused.zero_filled(y, deltas)
+    batch = "".join(ch for ch in xs if ch not in ws[:n_in])
+    return y + jnp.einsum(f"{batch}{ws[n_in:]}->{out}", deltas[name])
+
+
+def _dropout_term(module: nnx.Module, name: str, xs: str, ins: str, x: jax.Array, dtype,
+                  key: jax.Array) -> jax.Array:
+    """scale * (drop(x).A).B for the adapters of weight `name`: (batch dims.., out dims..)."""
+    rate = getattr(module, f"{name}_lora_dropout", 0.0)
+    a, b = getattr(module, f"{name}_lora_a")[...], getattr(module, f"{name}_lora_b")[...]
     batch = "".join(ch for ch in xs if ch not in ins)
-    z = next(ch for ch in "zyxwvu" if ch not in eq)
+    z = next(ch for ch in "zyxwvu" if ch not in xs + ins)
+    outs = "".join(ch for ch in "mnopqrs" if ch not in xs + ins)[:b.ndim - 1]
     # Distinct masks per projection (its name), per layer of a scanned stack (the layer's own
     # adapter values differ) and per microbatch / data replica / pipeline stage (their inputs
     # differ; a recomputation sees the same input, so the same mask), without threading keys
@@ -107,9 +143,8 @@ def project(module: nnx.Module, name: str, eq: str, x: jax.Array, dtype) -> jax.
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     dropped = jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))
     h = jnp.einsum(f"{xs},{ins}{z}->{batch}{z}", dropped, a.astype(dtype))
-    delta = jnp.einsum(f"{batch}{z},{z}{outs}->{out}", h, b.astype(dtype))
-    y = jnp.einsum(eq, x, w.astype(dtype))
-    return y + (getattr(module, f"{name}_lora_scale") * delta).astype(y.dtype)
+    delta = jnp.einsum(f"{batch}{z},{z}{outs}->{batch}{outs}", h, b.astype(dtype))
+    return getattr(module, f"{name}_lora_scale") * delta
 
 
 class RMSNorm(nnx.Module):
@@ -126,22 +161,27 @@ class RMSNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: column-parallel gate/up over `mlp`, row-parallel down back to `embed`."""
+    """SwiGLU: column-parallel gate/up over `mlp`, row-parallel down back to `embed`.
+
+    Gate and up are one fused weight (E, 2, F) (`models/fused.py`: one matmul, so one input
+    all-reduce under tensor parallelism); LoRA still targets them as `w_gate` / `w_up`."""
 
     LORA_WEIGHTS = ("w_gate", "w_up", "w_down")
+    FUSED = {"w_gate_up": GATE_UP}
 
     def __init__(self, embed: int, hidden: int, policy: Policy, rngs: nnx.Rngs, *,
                  stack: int | None = None):
         kw = dict(stack=stack, dtype=policy.param)
-        self.w_gate = param(rngs, (embed, hidden), ("embed", "mlp"), fan_in=embed, **kw)
-        self.w_up = param(rngs, (embed, hidden), ("embed", "mlp"), fan_in=embed, **kw)
+        # Two fan-in scaled normals: the same initial distribution as separate gate/up.
+        self.w_gate_up = param(rngs, (embed, 2, hidden), ("embed", FUSED_AXIS, "mlp"),
+                               fan_in=embed, **kw)
         self.w_down = param(rngs, (hidden, embed), ("mlp", "embed"), fan_in=hidden, **kw)
         self.policy = policy
 
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         c = self.policy.compute
-        gate_BTF = project(self, "w_gate", "bte,ef->btf", x_BTE, c)
-        up_BTF = project(self, "w_up", "bte,ef->btf", x_BTE, c)
+        gate_up_BT2F = project(self, "w_gate_up", "bte,ecf->btcf", x_BTE, c)
+        gate_BTF, up_BTF = GATE_UP.split(gate_up_BT2F)
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, "batch", "length", "mlp")
         out_BTE = project(self, "w_down", "btf,fe->bte", h_BTF, c)
         return constrain(out_BTE, "batch", "length", "embed")

@@ -10,6 +10,7 @@ The language-model task loss (`lm_loss`, next-token cross entropy) lives here, b
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -193,6 +194,10 @@ class Llama(nnx.Module):
         else:
             packed = {} if segments_BT is None else {"segments_BT": segments_BT}
             h_BTE = run_layers(self.layers, h_BTE, positions_BT, **packed)
+            # A pipeline runner may split the head's rows over its stages (computed once, not
+            # once per stage); see `parallel/gpipe.batch_over_stages`.
+            with getattr(run_layers, "head_scope", contextlib.nullcontext)():
+                return self.head(h_BTE)
         return self.head(h_BTE)
 
 

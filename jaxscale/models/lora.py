@@ -8,6 +8,9 @@ a tensor-parallel `heads` output dimension in B. B starts at zero, so a fresh ad
 model unchanged. Which dimensions of W are inputs: a weight whose last axis is `embed` projects
 back into the residual stream, so its last dimension is the output (`wo`, `w_down`); for every
 other weight the first (non-`layers`) dimension is the input (`wq`, `wk`, `wv`, `w_gate`, `w_up`).
+The Llama stores q/k/v and gate/up fused (`wqkv`, `w_gate_up`, see `models/fused.py`); adapters
+still target and name the parts (`attn/wq` -> `wq_lora_a`), so LoRA configs, checkpoints and
+ranks mean what they did, and `layers.weight` joins the parts' deltas into the fused weight.
 Any module listing a weight in its `LORA_WEIGHTS` (it reads it through `layers.project`) can
 take adapters: the Llama's `Attention` / `MLP` and the ViT's `SelfAttention` / `GeluMLP`.
 
@@ -33,6 +36,7 @@ from flax import nnx, traverse_util
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models import ModelDef
+from jaxscale.models.fused import fuse_parts, unfuse
 from jaxscale.models.layers import adapter_dropout, lora_delta
 
 __all__ = ["adapter_dropout", "add_adapters", "adapter_params", "is_adapter", "merge",
@@ -75,31 +79,51 @@ def _split_axes(axes: tuple, shape: tuple) -> tuple[int, int]:
     return lead, n_in
 
 
+def _candidates(module: nnx.Module) -> list[tuple[str, tuple, tuple, Any, str | None]]:
+    """(name, logical axes, shape, dtype, fused weight or None) of every weight of `module`
+    that might take adapters: its parameters, and the parts of its fused weights
+    (`models/fused.py`: adapters of `wq` live beside `wqkv` and are joined into it)."""
+    fused = getattr(type(module), "FUSED", {})
+    out = []
+    for name, var in list(vars(module).items()):
+        if not isinstance(var, nnx.Param) or is_adapter(name):
+            continue
+        axes, shape = tuple(var.get_metadata()["logical_axes"]), tuple(var.shape)
+        if name not in fused:
+            out.append((name, axes, shape, var.dtype, None))
+            continue
+        spec, lead = fused[name], axes[:1] if axes[0] == "layers" else ()
+        part_shapes = [p.shape for p in jax.eval_shape(spec.split, jax.ShapeDtypeStruct(
+            shape, var.dtype))]
+        out += [(part, lead + part_axes, tuple(part_shape), var.dtype, name)
+                for part, part_axes, part_shape in zip(spec.parts, spec.part_axes, part_shapes)]
+    return out
+
+
 def add_adapters(model: nnx.Module, lora_cfg: Any, rngs: nnx.Rngs) -> nnx.Module:
-    """Attaches A (normal / sqrt(fan_in)) and B (zeros) to every matched weight, in place."""
+    """Attaches A (normal / sqrt(fan_in)) and B (zeros) to every matched weight, in place.
+    A part of a fused weight matches by its own path (`attn/wq`) or the fused one (`attn/wqkv`)."""
     patterns = [re.compile(t) for t in lora_cfg.targets]
     rank, scale = int(lora_cfg.rank), float(lora_cfg.alpha) / int(lora_cfg.rank)
     matched, unsupported = [], []
     for path, module in list(nnx.iter_modules(model)):
-        for name, var in list(vars(module).items()):
-            if not isinstance(var, nnx.Param) or is_adapter(name):
-                continue
+        for name, axes, shape, dtype, fused in _candidates(module):
             full = "/".join(map(str, (*path, name)))
-            if not any(p.search(full) for p in patterns):
+            paths = [full] + ([] if fused is None else ["/".join(map(str, (*path, fused)))])
+            if not any(p.search(f) for p in patterns for f in paths):
                 continue
-            if name not in getattr(type(module), "LORA_WEIGHTS", ()) or len(var.shape) < 2:
+            if name not in getattr(type(module), "LORA_WEIGHTS", ()) or len(shape) < 2:
                 unsupported.append(full)
                 continue
-            axes, shape = tuple(var.get_metadata()["logical_axes"]), tuple(var.shape)
             lead, n_in = _split_axes(axes, shape)
             a_shape = shape[:lead + n_in] + (rank,)
             b_shape = shape[:lead] + (rank,) + shape[lead + n_in:]
             fan_in = math.prod(shape[lead:lead + n_in])
-            a = jax.random.normal(rngs.params(), a_shape, var.dtype) / math.sqrt(fan_in)
+            a = jax.random.normal(rngs.params(), a_shape, dtype) / math.sqrt(fan_in)
             setattr(module, f"{name}_lora_a", nnx.Param(
-                a.astype(var.dtype), logical_axes=axes[:lead + n_in] + ("lora_rank",)))
+                a.astype(dtype), logical_axes=axes[:lead + n_in] + ("lora_rank",)))
             setattr(module, f"{name}_lora_b", nnx.Param(
-                jax.numpy.zeros(b_shape, var.dtype),
+                jax.numpy.zeros(b_shape, dtype),
                 logical_axes=axes[:lead] + ("lora_rank",) + axes[lead + n_in:]))
             setattr(module, f"{name}_lora_scale", scale)
             setattr(module, f"{name}_lora_dropout", float(lora_cfg.dropout))
@@ -142,7 +166,7 @@ def adapter_params(params: Mapping) -> dict:
 def merge(params: Mapping, lora_cfg: Any) -> dict:
     """Base weights with the adapters folded in (W + alpha/rank A.B) and the adapters removed:
     a plain parameter dict for the model without LoRA (export, serving, conversion)."""
-    flat = _flatten(params)
+    flat, fused = unfuse(_flatten(params))  # adapters of `wq` fold into the part `wq`
     scale = float(lora_cfg.alpha) / int(lora_cfg.rank)
     out = {k: v for k, v in flat.items() if not is_adapter(k)}
     for key in flat:
@@ -157,4 +181,4 @@ def merge(params: Mapping, lora_cfg: Any) -> dict:
             w = flat[base]
             delta = lora_delta(flat[key], flat[base + "_lora_b"], scale, w.ndim)
             out[base] = (w + delta.astype(w.dtype)).astype(w.dtype)
-    return _unflatten(out)
+    return _unflatten(fuse_parts(out) if fused else out)

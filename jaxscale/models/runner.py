@@ -5,7 +5,9 @@ replaces that scan (`runner(block, h_BTE, positions_BT[, segments_BT]) -> h_BTE`
 `pipeline` mesh axis). The train step and gradient accumulation read `microbatches` (batch rows
 must divide into them) and call `scaled(loss_scale)` under float16 loss scaling. A runner with
 `fuses_loss` (1F1B) runs the head and loss inside its schedule: a loss that supports that calls
-`fused_loss` in place of the model's forward. The implementations live in `jaxscale/parallel/`.
+`fused_loss` in place of the model's forward. A runner may also offer `head_scope()`, a context
+the model runs its head in after the layers (GPipe: rows split over the stages, so the head is
+computed once rather than on every stage). The implementations live in `jaxscale/parallel/`.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ The 1F1B schedule (onef1b.py) reuses this module's public layout helpers (`stage
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -29,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.models.llama import scan_layers
 from jaxscale.parallel.schedules import check_batch, check_layers, get_schedule
-from jaxscale.rules import AxisRules, active_rules
+from jaxscale.rules import AxisRules, active_rules, use_rules
 
 
 def rules_axes(var: nnx.Variable, mesh: Mesh) -> list:
@@ -78,6 +81,27 @@ def constrain_batch(x: jax.Array, mesh: Mesh, *lead) -> jax.Array:
     """`x` (lead..., batch, ...) with its batch dimension sharded as the rules shard `batch`."""
     return jax.lax.with_sharding_constraint(
         x, NamedSharding(mesh, _batch_spec(mesh, x.shape, tuple(lead))))
+
+
+@contextlib.contextmanager
+def batch_over_stages(mesh: Mesh) -> Iterator[None]:
+    """Activation rules with `batch` also split over `pipeline`, for what runs after the stages.
+
+    Why: the layers' output leaves the pipeline on the last stage's devices; computed under the
+    ordinary rules (batch replicated over `pipeline`) the LM head, the biggest matmul of a step
+    with its (B, T, V) logits, would run S times, once per stage on every row. Under these rules
+    each stage computes the head and loss for 1/S of the rows (only its share of the logits
+    exists), and the pipeline output is scattered to them instead of broadcast."""
+    active = active_rules()
+    if active is None or mesh.shape.get("pipeline", 1) == 1:
+        yield
+        return
+    rules, _ = active
+    axes = lambda a: () if a is None else ((a,) if isinstance(a, str) else tuple(a))
+    split = tuple((name, axes(a) + ("pipeline",) if name == "batch" and "pipeline" not in axes(a)
+                   else a) for name, a in rules.rules)
+    with use_rules(AxisRules(split, rules.strict, rules.indivisible), mesh):
+        yield
 
 
 def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array, *,
@@ -138,4 +162,5 @@ def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array
     iterations = get_schedule("circular").iterations(S, M, R)
     (_, io_SMbTE), _ = jax.lax.scan(iteration, (state_SbTE, io_SMbTE), jnp.arange(iterations))
     out_MbTE = constrain_batch(io_SMbTE[0], mesh, None)
-    return constrain_batch(out_MbTE.swapaxes(0, 1).reshape(B, T, E), mesh)
+    with batch_over_stages(mesh):  # rows leave for the head split over stages, not broadcast
+        return constrain_batch(out_MbTE.swapaxes(0, 1).reshape(B, T, E), mesh)

@@ -9,6 +9,7 @@ and its checks are in schedules.py (re-exported here: `SCHEDULES`, `get_schedule
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from jax.sharding import Mesh
 from jaxscale.errors import ConfigError
 from jaxscale.models.llama import REMAT_POLICIES
 from jaxscale.models.runner import LayerRunner, LossFn
-from jaxscale.parallel.gpipe import pipeline_layers
+from jaxscale.parallel.gpipe import batch_over_stages, pipeline_layers
 from jaxscale.parallel.onef1b import OneFOneB
 from jaxscale.parallel.schedules import SCHEDULES, check_layers, get_schedule
 
@@ -43,6 +44,10 @@ class PipelineRunner:
         return pipeline_layers(block, h_BTE, positions_BT, mesh=self.mesh, stages=self.stages,
                                microbatches=self.microbatches, repeats=self.repeats,
                                remat=self.remat, segments_BT=segments_BT)
+
+    def head_scope(self) -> contextlib.AbstractContextManager:
+        """The model's head runs split over stages by batch rows (`gpipe.batch_over_stages`)."""
+        return batch_over_stages(self.mesh)
 
     def scaled(self, loss_scale: jax.Array) -> "PipelineRunner":
         return self  # the loss scale reaches these layers through ordinary autodiff

@@ -25,6 +25,7 @@ import numpy as np
 from jaxscale import storage
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.weights.leaf import Leaf
+from jaxscale.weights.legacy import fuse_legacy_leaves
 from jaxscale.weights.tree import flatten, unflatten
 
 MODEL_CONFIG = "model_config.json"  # config.model fields of a launch.convert output
@@ -141,7 +142,9 @@ def _read_json(path: str) -> dict | None:
 
 def _with_configs(weights: Weights, location: str) -> Weights:
     """Adds the model (and LoRA) config a location records: `model_config.json` (a conversion
-    output) or `config.json` (a training workdir, a Lo-Fi final export)."""
+    output) or `config.json` (a training workdir, a Lo-Fi final export). Llama weights of the
+    pre-fusion layout are converted on load (`weights/legacy.py`)."""
+    weights.leaves = fuse_legacy_leaves(weights.leaves)
     converted = _read_json(storage.join(location, MODEL_CONFIG))
     run = _read_json(storage.join(location, "config.json"))
     if weights.kind == "checkpoint" and os.path.basename(location.rstrip("/")) == "checkpoints":
