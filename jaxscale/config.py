@@ -95,7 +95,8 @@ def base_config() -> mlc.ConfigDict:
     c.checkpoint = mlc.ConfigDict(dict(every=0, keep=3))
     # Object stores (jaxscale/storage.py): empty = AWS_ENDPOINT_URL_S3 / AWS_REGION / AWS.
     # Credentials never go here: they come from the standard AWS / Google credential chains.
-    c.storage = mlc.ConfigDict(dict(s3_endpoint="", s3_region="", timeout_s=30.0))
+    c.storage = mlc.ConfigDict(dict(s3_endpoint="", s3_region="", timeout_s=30.0,
+                                     retry_s=300.0))
     c.lofi = mlc.ConfigDict(dict(
         enabled=False,
         store="",                  # local path, file://, gs://bucket/prefix, s3://..., memory://
@@ -141,6 +142,11 @@ def validate(c: mlc.ConfigDict) -> None:
              f"rules_indivisible={c.rules_indivisible!r}: use 'error' or 'replicate'.")
     _validate_train_extras(t)
     _validate_lofi(c.lofi)
+    st = c.get("storage", {})
+    _require(st.get("timeout_s", 30.0) > 0 and st.get("retry_s", 300.0) >= 0,
+             f"storage.timeout_s={st.get('timeout_s')} must be > 0 (seconds one object-store "
+             f"request may take) and storage.retry_s={st.get('retry_s')} >= 0 (seconds a Lo-Fi "
+             "store outage is ridden out before the run stops; 0: fail at the first error).")
     _require(d.part in ("all", "a", "b"),
              f"data.part={d.part!r}: use 'all', or 'a'/'b' for the two disjoint halves.")
     _validate_choices(c)

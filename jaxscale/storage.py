@@ -22,6 +22,7 @@ from jaxscale.errors import JaxscaleError, paragraph
 
 SCHEMES = ("file://", "gs://", "s3://", "memory://")
 DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_RETRY_S = 300.0   # how long Lo-Fi store operations ride out an outage (lofi/retry.py)
 # S3-compatible servers other than AWS honour If-None-Match / If-Match on PUT (measured on
 # SeaweedFS and moto, see README), but tensorstore only sends them to *.amazonaws.com unless
 # told to: without them its create-if-absent is a HEAD then a PUT, which two writers can race.
@@ -34,11 +35,13 @@ class StorageError(JaxscaleError):
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Where S3 requests go and how long a first contact may take (config.storage)."""
+    """Where S3 requests go, how long one request may take, and how long an outage is
+    ridden out before giving up (config.storage)."""
 
     s3_endpoint: str = ""
     s3_region: str = ""
     timeout_s: float = DEFAULT_TIMEOUT_S
+    retry_s: float = DEFAULT_RETRY_S
 
 
 _settings = Settings()
@@ -205,6 +208,12 @@ def _fsspec_classes():
             yield fsspec.registry.get_filesystem_class(name)
         except (ImportError, ValueError):
             continue
+
+
+def endpoint_of(location: str) -> str:
+    """The URL requests for `location` go to (for error messages)."""
+    loc = parse(location)
+    return _endpoint_of(loc) if loc.remote else loc.url()
 
 
 def _endpoint_of(loc: Location) -> str:

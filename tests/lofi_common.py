@@ -15,6 +15,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIG = S.CHUNK * 3 + 123  # a leaf spanning several chunks and larger than the test budget
 TINY_BUDGET = AveragerConfig(chunk_budget_bytes=1)
 
+# A worker process (python -c KILL_MID_PUSH STORE) SIGKILLed after its first leaf of worker 3's
+# step 7 is written: a push with data but no COMMIT.
+KILL_MID_PUSH = """
+import os, signal, sys, numpy as np
+from jaxscale.lofi import store as S
+real = S._write_leaf
+calls = []
+def dying(*a, **k):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*a, **k)
+S._write_leaf = dying
+S.push(sys.argv[1], 3, 7, {"a": np.ones(10, np.float32), "b": np.ones(5, np.float32)}, 1)
+"""
+
 
 def _params(seed, scale=1.0, dtype=np.float32):
     rng = np.random.default_rng(seed)

@@ -85,6 +85,9 @@ class Server:
         raise NotImplementedError
 
     def start(self) -> "Server":
+        """Starts the process and waits until it answers. Call it from a thread that outlives
+        the server (the main thread): the child is killed when the thread that forked it ends
+        (PR_SET_PDEATHSIG), so a killed pytest leaves no server behind."""
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, cwd=self.dir,

@@ -4,12 +4,18 @@ listed and read back, a round's average is bit-for-bit the average of the same p
 local disk, an uncommitted push is not used, and of two averagers racing on one round exactly
 one commit wins (both servers honour If-None-Match, which storage.py makes tensorstore send)."""
 
+import os
+import signal
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
-from tests.lofi_common import _params, _push, race_two_averagers, uncommit
+from tests.lofi_common import (KILL_MID_PUSH, ROOT, _params, _push, race_two_averagers,
+                                uncommit)
 
 SERVERS = [pytest.param("seaweedfs", marks=pytest.mark.xdist_group("seaweedfs")),
            pytest.param("moto", marks=pytest.mark.xdist_group("moto"))]
@@ -86,3 +92,22 @@ def test_lofi_store_on_an_unusable_bucket_is_one_paragraph(seaweedfs, monkeypatc
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     with pytest.raises(StorageError, match=r"s3://.*/lofi/denied.*refused the credentials"):
         S.Store(f"s3://{bucket}/lofi/denied")
+
+
+def test_worker_killed_mid_push_on_an_s3_server_leaves_nothing_a_reader_uses(s3_location):
+    st = S.Store(s3_location)
+    publish_initial(st, {"a": np.zeros(10, np.float32), "b": np.zeros(5, np.float32)})
+    _push(st, 0, 7, {"a": np.full(10, 2, np.float32), "b": np.full(5, 2, np.float32)})
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", KILL_MID_PUSH, s3_location], env=env, cwd=ROOT,
+                          capture_output=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert st.keys("workers/3/7/")  # its first leaf reached the server...
+    assert S.worker_pushes(st) == {0: [7]}  # ...but without a COMMIT nobody lists or reads it
+    report = run_round(st, AveragerConfig(chunk_budget_bytes=1))
+    assert report.published and report.used == {0: 7}
+    # The restarted worker pushes the same step again, into a fresh attempt directory.
+    again = _push(st, 3, 7, {"a": np.full(10, 4, np.float32), "b": np.full(5, 4, np.float32)})
+    assert not again.skipped and S.worker_pushes(st) == {0: [7], 3: [7]}
+    np.testing.assert_array_equal(S.read_params(st, S.load_snapshot(st, "workers/3/7"))["a"],
+                                  np.full(10, 4, np.float32))

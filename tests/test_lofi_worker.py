@@ -20,6 +20,7 @@ from jaxscale.evaluate import evaluate_params, evaluate_workdir, read_config
 from jaxscale.interop.convert import workdir_to_hf
 from jaxscale.lofi.accounting import accounting_lines, export_final
 from jaxscale.train.loop import train
+from tests.lofi_common import KILL_MID_PUSH
 from jaxscale.weights.sources import open_weights
 from jaxscale.weights.tree import flatten
 
@@ -157,21 +158,6 @@ def test_worker_resumed_from_its_own_checkpoint_reports_the_round_it_continued_f
     store = S.Store(c.lofi.store)
     assert S.worker_pushes(store)[0] == [2, 4, 6]
     assert S.load_snapshot(store, "workers/0/6").manifest["synced_round"] == 0
-
-
-KILL_MID_PUSH = """
-import os, signal, sys, numpy as np
-from jaxscale.lofi import store as S
-real = S._write_leaf
-calls = []
-def dying(*a, **k):
-    calls.append(1)
-    if len(calls) == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(*a, **k)
-S._write_leaf = dying
-S.push(sys.argv[1], 3, 7, {"a": np.ones(10, np.float32), "b": np.ones(5, np.float32)}, 1)
-"""
 
 
 def test_worker_killed_mid_push_leaves_no_visible_checkpoint(tmp_path):

@@ -28,8 +28,8 @@ from jaxscale.lofi.lease import DEFAULT_LEASE_S, Renewal, claim, holder, release
 from jaxscale.lofi.manifest import FORMAT
 from jaxscale.lofi.stream import Abort, Drop, RoundInputs, stream_round
 from jaxscale.lofi.store import (LostRace, Snapshot, Store, StoreError, average_prefix, commit,
-                                 commit_key, load_snapshot, worker_prefix, worker_pushes,
-                                 write_snapshot)
+                                 commit_key, committed_data, load_snapshot, worker_prefix,
+                                 worker_pushes, write_snapshot)
 from jaxscale.lofi.trust import TrimError, round_step, step_problem, trim_count, worker_weights
 
 log = logging.getLogger("jaxscale.lofi")
@@ -335,7 +335,7 @@ def _publish(store: Store, round_: int, base: Snapshot, workers: dict[int, Snaps
                 "io": {"bytes_read": store.bytes_read - read0,
                        "bytes_written": store.bytes_written - written0},
                 "contributors": contributors, "leaves": leaves}
-    if not commit(store, prefix, manifest):
+    if not commit(store, prefix, manifest) and committed_data(store, prefix) != manifest["data"]:
         raise Abort(f"round {round_} was committed by another averager first; this one's "
                     "data was discarded")
     report.round, report.used = round_, {w: c.step for w, c in workers.items()}

@@ -54,12 +54,14 @@ class Renewal:
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
-            result = self.store.kv.read(self.key).result()
-            value = bytes(result.value) if result.state == "value" else None
-            if holder(value) != self.token_id:
-                return  # released, or taken over by another averager
-            self.store.kv.write(self.key, claim_value(self.token_id),
-                                if_equal=result.stamp.generation).result()
+            try:
+                value, generation = self.store.read_stamped(self.key)
+                if holder(value) != self.token_id:
+                    return  # released, or taken over by another averager
+                self.store.write(self.key, claim_value(self.token_id),
+                                 if_generation=generation)
+            except Exception as e:  # noqa: BLE001 - an outage: the averager's own I/O reports it
+                log.debug("claim renewal of %s failed (%s); trying again", self.key, e)
 
 
 def claim(store: Store, round_: int, timeout_s: float) -> bytes | None:
@@ -97,4 +99,4 @@ def release(store: Store, round_: int, token: bytes, data: str) -> None:
     key = f"{average_prefix(round_)}/CLAIM"
     value, generation = store.read_stamped(key)
     if holder(value) == holder(token):  # renewed since: same holder, newer time
-        store.kv.write(key, None, if_equal=generation).result()
+        store.write(key, None, if_generation=generation)

@@ -48,6 +48,7 @@ from jaxscale.errors import paragraph
 from jaxscale.lofi import localfs
 from jaxscale.lofi.diskfull import disk_full_error, is_disk_full
 from jaxscale.lofi.kv import Store, kvstore_spec
+from jaxscale.lofi.retry import StoreUnavailable
 from jaxscale.lofi.manifest import (CHUNK, DTYPES, FORMAT, StoreError, check_leaf_path,
                                     chunk_of, validate_manifest)
 from jaxscale.quant import BLOCK, dequantize_blockwise, quantize_blockwise
@@ -96,7 +97,8 @@ class Snapshot:
 
 
 def _write_leaf(store: Store, key: str, flat: np.ndarray, dtype: str) -> None:
-    store.array(key, flat.size, dtype).write(flat).result()
+    array = store.array(key, flat.size, dtype)
+    store.started(f"writing {key}", lambda: array.write(flat), flat.nbytes).result()
     store.bytes_written += flat.nbytes
 
 
@@ -149,12 +151,19 @@ def _write_checkpoint(store: Store, prefix: str, data: str, params: Mapping[str,
         leaves[leaf] = entry
     manifest = {"format": FORMAT, "jaxscale_version": __version__, "created": time.time(),
                 "chunk": store.chunk, **meta, "leaves": leaves}
-    if not commit(store, prefix, manifest, exclusive):
+    if not commit(store, prefix, manifest, exclusive) and not _ours(store, prefix, data):
         if data != prefix:
             store.delete_prefix(data)
         raise LostRace(f"{prefix}: another writer committed this snapshot first; its data "
                        "was left untouched and this attempt's removed.")
     return Snapshot(prefix, manifest)
+
+
+def _ours(store: Store, prefix: str, data: str) -> bool:
+    """Whether the COMMIT of `prefix` names this attempt's `data` directory: a conditional
+    write retried after a lost response finds its own earlier success, which must not be taken
+    for a lost race (deleting the data a COMMIT names)."""
+    return data != prefix and committed_data(store, prefix) == data.rsplit("/", 1)[1]
 
 
 def commit(store: Store, prefix: str, manifest: dict, exclusive: bool = True) -> bool:
@@ -230,16 +239,20 @@ def _stored(ckpt: Snapshot, kind: str, leaf: str) -> tuple[str, int, str]:
 
 
 def _start(store: Store, ckpt: Snapshot, kind: str, leaf: str, a: int, b: int) -> Any:
-    """Starts reading values [a, b) of a stored array: a tensorstore future. Opening checks the
-    array's metadata against the manifest; reading checks every chunk's crc32c."""
+    """Starts reading values [a, b) of a stored array: a future (retried across outages).
+    Opening checks the array's metadata against the manifest; reading checks every chunk's
+    crc32c."""
     key, size, dtype = _stored(ckpt, kind, leaf)
-    return store.open_array(key, size, dtype, ckpt.chunk)[a:b].read()
+    return store.started(f"reading {key}", lambda: store.open_array(
+        key, size, dtype, ckpt.chunk)[a:b].read(), (b - a) * np.dtype(_DTYPES[dtype]).itemsize)
 
 
 def _finish(store: Store, ckpt: Snapshot, leaf: str, start: Any) -> np.ndarray:
     """The values of a read `start()` began (or raises), as a StoreError naming the damage."""
     try:
         values = np.asarray(start().result())
+    except StoreUnavailable:  # the server, not the snapshot: never skip a healthy push for it
+        raise
     except Exception as e:  # corrupt, truncated or missing chunks, swapped metadata
         text = str(e)
         what = ("checksum mismatch (crc32c): the stored data is corrupt" if "igest mismatch"

@@ -156,6 +156,15 @@ def _scratch(inp: RoundInputs, leaf: str):
     return inp.scratch[leaf]
 
 
+def _read_scratch(inp: RoundInputs, leaf: str, a: int, b: int) -> np.ndarray:
+    scratch = _scratch(inp, leaf)
+    v = np.asarray(inp.store.started(f"reading scratch of {leaf}",
+                                     lambda: scratch[a:b].read(), 4 * (b - a)).result(),
+                   np.float32)
+    inp.store.bytes_read += v.nbytes
+    return v
+
+
 def _clip_pass(inp: RoundInputs, scales: np.ndarray | None) -> np.ndarray:
     """One streamed pass: v = median (scales None) or a clip update; returns ||d_i - v||^2."""
     sq = np.zeros(len(inp.workers), np.float64)
@@ -165,14 +174,12 @@ def _clip_pass(inp: RoundInputs, scales: np.ndarray | None) -> np.ndarray:
         if scales is None:
             v = np.empty(b - a, np.float32)
         else:
-            v = np.asarray(_scratch(inp, leaf)[a:b].read().result(), np.float32)
-            inp.store.bytes_read += v.nbytes
+            v = _read_scratch(inp, leaf, a, b)
         for part, deltas in pieces:
             v[part] = (aggregate.median(deltas, weights) if scales is None
                        else aggregate.clip_update(v[part], deltas, weights, scales))
             sq += aggregate.sq_dist(v[part], deltas)
-        _scratch(inp, leaf)[a:b] = v
-        inp.store.bytes_written += v.nbytes
+        _write_block(inp.store, _scratch(inp, leaf), a, v).result()
     return sq
 
 
@@ -187,9 +194,7 @@ def _block_delta(inp: RoundInputs, leaf: str, a: int, b: int,
                  started: list[Any]) -> tuple[np.ndarray, np.ndarray]:
     if inp.cfg.aggregator == "centered_clip":
         base_blk = read_range(inp.store, inp.base, leaf, a, b)
-        v = np.asarray(_scratch(inp, leaf)[a:b].read().result(), np.float32)
-        inp.store.bytes_read += v.nbytes
-        return base_blk, v
+        return base_blk, _read_scratch(inp, leaf, a, b)
     base_blk, pieces = delta_pieces(inp, leaf, a, b, started)
     reducer, weights = aggregate.get_aggregator(inp.cfg.aggregator), inp.weights
     delta = np.empty(base_blk.size, np.float32)  # becomes the output
@@ -270,4 +275,5 @@ def _write_block(store: Store, array: Any, a: int, values: np.ndarray) -> Any:
     """Starts writing `values` at [a, a + n) of an output array (tensorstore computes each
     chunk's crc32c as it encodes it): a future."""
     store.bytes_written += values.nbytes
-    return array[a:a + values.size].write(values)
+    return store.started(f"writing block {a} of {array.kvstore.path}",
+                         lambda: array[a:a + values.size].write(values), values.nbytes)
