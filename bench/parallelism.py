@@ -137,7 +137,11 @@ def explain(c, kind: str, tpu: bool = False) -> str:
                            "gathering once per step would trade it for memory)")
         if t > 1:
             reasons.append("XLA gathers some vocab-sharded logits")
-        reasons.append("token/position resharding for the embedding lookup")
+        if p > 1 and pc.schedule != "1f1b":
+            reasons.append("the head's rows, split over stages, are gathered back for the "
+                           "loss and its gradient")
+        else:
+            reasons.append("token/position resharding for the embedding lookup")
     elif kind == "collective-permute":
         it = get_schedule(pc.schedule).iterations(p, pc.microbatches, r)
         reasons.append(f"the rotating buffer moves in all {it} iterations, {p - 1} of them "
@@ -147,8 +151,11 @@ def explain(c, kind: str, tpu: bool = False) -> str:
         reasons.append(f"circular schedule: block weights re-laid out from natural layer order "
                        f"to (repeats={r}, stages, per-stage) and their gradients back" if r > 1
                        else "embedding lookup / scatter-add on a sharded table")
-    else:
+    elif f > 1:
         reasons.append("gradient reduce-scatter per pipeline iteration (ZeRO-3 style)")
+    else:
+        reasons.append("the head weight's gradient, summed over the stages that each computed "
+                       "the head for 1/S of the rows")
     return "; ".join(reasons)
 
 
