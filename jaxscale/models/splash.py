@@ -12,8 +12,9 @@ What runs where:
   in `einsum`, attends to itself, so no row is fully masked), length a multiple of 128 (the
   kernel's lane width; blocks of 512, 256 or 128, whichever divides it): the kernel.
 - Decoding against a KV cache (`Mask.cached`, not aligned), or a length not a multiple of 128:
-  the `fallback` kernel (`attention.py` passes `einsum_attention`). Decoding is memory-bound and its score matrix is (T_new, S), small; a
-  training length off the 128 grid warns once, since it is the case the kernel is for.
+  the `fallback` kernel (`attention.py` passes `einsum_attention`). Decoding is memory-bound
+  and its score matrix is (T_new, S), small; a training length off the 128 grid warns once,
+  since it is the case the kernel is for.
 - Not on TPU: the kernel in Pallas interpret mode: exact but slow (tests), warned once.
 
 Grouped-query attention runs natively: the kernel's MHA form takes K kv heads for H query heads
