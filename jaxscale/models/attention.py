@@ -34,9 +34,9 @@ import jax.numpy as jnp
 from einops import rearrange
 from flax import nnx
 
+from jaxscale.models import splash
 from jaxscale.models.fused import FUSED_AXIS, QKV
 from jaxscale.models.layers import param, project
-from jaxscale.models import splash
 from jaxscale.models.mask import Mask
 from jaxscale.models.rope import Rope, rotary
 from jaxscale.precision import Policy

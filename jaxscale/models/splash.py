@@ -47,6 +47,7 @@ from jaxscale.models.mask import Mask
 from jaxscale.rules import AxisRules, active_rules
 
 Kernel = Callable[..., jax.Array]  # (q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype) -> out_BTHD
+Run = Callable[..., jax.Array]     # (q_BTHD, k_BSKD, v_BSKD, segments_BT | None) -> out_BTHD
 
 LANES = 128                    # the kernel's kv block must be a multiple of this
 BLOCKS = (512, 256, 128)       # tile sizes tried, largest first (MaxText's default is 512)
@@ -101,7 +102,7 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mas
     return _sharded(run, active[0], active[1], q_BTHD, k_BSKD, v_BSKD, segments_BT)
 
 
-def _kernel_call(block: int, causal: bool, interpret: bool):
+def _kernel_call(block: int, causal: bool, interpret: bool) -> Run:
     """(q_BTHD, k_BSKD, v_BSKD, segments_BT | None) -> out_BTHD on one device's shard."""
 
     def run(q_BTHD, k_BSKD, v_BSKD, segments_BT):
@@ -127,7 +128,7 @@ def _kernel_call(block: int, causal: bool, interpret: bool):
     return run
 
 
-def _sharded(run, rules: AxisRules, mesh: jax.sharding.Mesh, q_BTHD: jax.Array,
+def _sharded(run: Run, rules: AxisRules, mesh: jax.sharding.Mesh, q_BTHD: jax.Array,
              k_BSKD: jax.Array, v_BSKD: jax.Array, segments_BT: jax.Array | None) -> jax.Array:
     """`run` in a shard_map over the active mesh, specs from the rules: every shard holds whole
     sequences (length and head_dim are never split here) of its own query and kv heads."""
