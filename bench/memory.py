@@ -8,10 +8,12 @@ Analytic bytes per parameter are printed next to the measured ones.
 
     python bench/memory.py [--layers=16]
     python bench/memory.py --topology=v5p:2x2x2,v5e:4x4 [--sizes=1b,7b] [--micro_batch=1]
+        [--attention=einsum,splash] [--remat=full]
 
-With `--topology`, the 1B / 7B presets (fsdp over the slice, full remat, bf16-mixed, seq 2048,
-`--micro_batch` sequences per chip) are compiled by libtpu for each topology ahead of time
-(`jaxscale.aot.compile`): per-chip arguments, temporaries and total against the chip's HBM.
+With `--topology`, the 1B / 7B presets (fsdp over the slice, `--remat` (full), bf16-mixed, seq
+2048, `--micro_batch` sequences per chip, each `--attention` implementation) are compiled by
+libtpu for each topology ahead of time (`jaxscale.aot.compile`): per-chip arguments,
+temporaries and total against the chip's HBM, and the FLOPs (splash's analytic share named).
 """
 
 from __future__ import annotations
@@ -121,32 +123,39 @@ def measure(c, precision: str, rank: int, optim: str) -> dict:
             "compile_s": time.perf_counter() - start}
 
 
-def tpu_table(topologies: str, sizes: str, micro_batch: int) -> None:
-    """The presets compiled by the TPU compiler for each topology."""
+def tpu_table(topologies: str, sizes: str, micro_batch: int, attentions: str = "einsum",
+              remat: str = "full") -> None:
+    """The presets compiled by the TPU compiler for each topology and attention kernel."""
     from configs import llama
     from jaxscale.aot.compile import compile_step
     from jaxscale.aot.report import step_estimate
     from jaxscale.aot.topology import parse_topology
 
     gib = lambda b: f"{b / 2**30:7.2f}"
-    print(f"| {'preset':5s} | {'topology':10s} | {'mesh':>8s} | {'batch':>5s} | {'args':>7s} | "
-          f"{'temp':>7s} | {'total':>7s} | {'HBM':>7s} | fits | {'step ms (estimate)':>18s} | "
+    print(f"| {'preset':5s} | {'attention':9s} | {'topology':10s} | {'mesh':>8s} | "
+          f"{'batch':>5s} | {'args':>7s} | {'temp':>7s} | {'total':>7s} | {'HBM':>7s} | fits | "
+          f"{'FLOPs/chip':>10s} | {'of which analytic':>17s} | {'step ms (estimate)':>18s} | "
           f"compile s |")
-    print("|" + "|".join("-" * w for w in (7, 12, 10, 7, 9, 9, 9, 9, 6, 20, 11)) + "|")
+    print("|" + "|".join("-" * w for w in (7, 11, 12, 10, 7, 9, 9, 9, 9, 6, 12, 19, 20, 11))
+          + "|")
     for name in topologies.split(","):
         topo = parse_topology(name)
         for size in sizes.split(","):
-            c = llama.get_config(size)
-            c.mesh.update(data=1, fsdp=topo.num_chips)
-            c.data.batch_size = micro_batch * topo.num_chips
-            c.precision = "bf16-mixed"
-            r = compile_step(c, topo)
-            e = step_estimate(r)
-            print(f"| {size:5s} | {name:10s} | fsdp={topo.num_chips:<3d} | {c.data.batch_size:>5d}"
-                  f" | {gib(r.argument_bytes)} | {gib(r.temp_bytes)} | {gib(r.total_bytes)} | "
-                  f"{gib(r.hbm_bytes)} | {'yes' if r.fits else 'NO':4s} | "
-                  f"{e.full_overlap_s * 1e3:8.0f}..{e.no_overlap_s * 1e3:<8.0f} | "
-                  f"{r.compile_s:9.0f} |", flush=True)
+            for attention in attentions.split(","):
+                c = llama.get_config(size)
+                c.mesh.update(data=1, fsdp=topo.num_chips)
+                c.data.batch_size = micro_batch * topo.num_chips
+                c.model.update(attention=attention, remat=remat)
+                c.precision = "bf16-mixed"
+                r = compile_step(c, topo)
+                e = step_estimate(r)
+                print(f"| {size:5s} | {attention:9s} | {name:10s} | fsdp={topo.num_chips:<3d} | "
+                      f"{c.data.batch_size:>5d} | {gib(r.argument_bytes)} | {gib(r.temp_bytes)} | "
+                      f"{gib(r.total_bytes)} | {gib(r.hbm_bytes)} | "
+                      f"{'yes' if r.fits else 'NO':4s} | "
+                      f"{r.flops:10.3e} | {r.kernel_flops:17.3e} | "
+                      f"{e.full_overlap_s * 1e3:8.0f}..{e.no_overlap_s * 1e3:<8.0f} | "
+                      f"{r.compile_s:9.0f} |", flush=True)
 
 
 def main() -> None:
@@ -155,9 +164,11 @@ def main() -> None:
     parser.add_argument("--topology", default=None, help="comma-separated TPU topologies")
     parser.add_argument("--sizes", default="1b,7b")
     parser.add_argument("--micro_batch", type=int, default=1)
+    parser.add_argument("--attention", default="einsum", help="comma-separated: einsum,splash")
+    parser.add_argument("--remat", default="full", help="model.remat of the --topology table")
     args = parser.parse_args()
     if args.topology:
-        tpu_table(args.topology, args.sizes, args.micro_batch)
+        tpu_table(args.topology, args.sizes, args.micro_batch, args.attention, args.remat)
         return
     gib = lambda b: f"{b / 2**30:7.3f}"
     devices = jax.device_count()

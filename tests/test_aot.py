@@ -140,6 +140,37 @@ def test_windowed_einsum_loop_counts_its_own_counter():
     assert hlo.flops(hlo.parse(optimized)) == hlo.flops(module)
 
 
+def test_pallas_kernel_calls_are_counted_with_their_loop_trips():
+    # A Pallas kernel is a `tpu_custom_call` with no dot inside: `flops` cannot see it, so its
+    # executions are counted for the report to add (and label) the kernel's FLOPs.
+    text = """HloModule k, num_partitions=1
+
+%cond (p: (s32[], f32[8,4])) -> pred[] {
+  %p = (s32[], f32[8,4]) parameter(0)
+  %c = s32[] constant(3)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+%body (q: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %q = (s32[], f32[8,4]) parameter(0)
+  %i = s32[] get-tuple-element(%q), index=0
+  %x = f32[8,4] get-tuple-element(%q), index=1
+  %k = f32[8,4] custom-call(%x), custom_call_target="tpu_custom_call", backend_config={}
+  ROOT %t = (s32[], f32[8,4]) tuple(%i, %k)
+}
+
+ENTRY %main (a: f32[8,4]) -> f32[8,4] {
+  %a = f32[8,4] parameter(0)
+  %w = (s32[], f32[8,4]) while(%a), condition=%cond, body=%body
+  %o = f32[8,4] custom-call(%a), custom_call_target="Sharding"
+  ROOT %r = f32[8,4] get-tuple-element(%w), index=1
+}
+"""
+    module = hlo.parse(text)
+    assert hlo.kernel_calls(module) == 3 and hlo.flops(module) == 0
+
+
 def test_a_collective_repeated_in_async_collective_fusions_counts_once():
     # libtpu starts a weight gather in one fusion and finishes it in the fusion that computes
     # with it: the same all-gather (same channel_id) appears in both computations.
@@ -209,6 +240,13 @@ def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
     assert _dominated(Candidate({"mesh.fsdp": 8, "train.grad_accum": 4}), [fits])
     assert not _dominated(Candidate({"mesh.fsdp": 8}), [fits])
     assert not _dominated(Candidate({"mesh.fsdp": 4, "train.grad_accum": 4}), [fits])
+    # The attention implementation is a choice where the splash kernel applies (length on its
+    # 128 grid): splash first, einsum too; the tiny preset's 64 tokens keep einsum alone.
+    assert {x.model.attention for x in found} == {"einsum"}
+    c.data.seq_len = 256
+    found = [apply(c, cand.overrides) for cand in candidates(c, parse_topology("v5p:2x2x2"))]
+    assert found[0].model.attention == "splash"
+    assert {x.model.attention for x in found} == {"splash", "einsum"}
 
 
 def _run(args, tmp_path):
@@ -265,6 +303,24 @@ def test_compiled_flops_match_model_plus_remat_recompute(tmp_path):
     assert r["flops"] == pytest.approx(r["expected_flops"], rel=0.01)
     assert 1.15 < r["expected_flops"] / r["model_flops"] < 1.25  # the remat factor
     assert "compiled / expected = 1.00" in proc.stdout
+
+
+@libtpu_test
+@pytest.mark.slow
+def test_splash_attention_compiles_for_tpu_with_its_flops_labelled(tmp_path):
+    # The Pallas kernel lowers for the TPU topology (Mosaic), runs in the layer loop (fwd, the
+    # remat's fwd again, dq, dkv per layer) and its FLOPs, invisible to the dot count, are
+    # added analytically and said so; with them compiled = model + recompute, as for einsum.
+    out = tmp_path / "r.json"
+    proc = _run(["launch.compile", "--topology=v5p:2x2x1", "--config=configs/llama.py:1b",
+                 "--config.model.num_layers=2", "--config.data.batch_size=4",
+                 "--config.mesh.fsdp=4", "--config.model.attention=splash", f"--out={out}"],
+                tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["kernel_calls"] == 4 * 2 and r["kernel_flops"] > 0
+    assert r["flops"] == pytest.approx(r["expected_flops"], rel=0.01)
+    assert "ANALYTIC for 8 Pallas kernel calls" in proc.stdout
 
 
 @libtpu_test

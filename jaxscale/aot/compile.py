@@ -3,8 +3,9 @@
 `compile_step(config, topology)` builds the step `launch.train` would run (`train.build`), on a
 mesh of the topology's compile-only devices, lowers it against abstract arrays (nothing is
 allocated or executed), compiles it with libtpu, and returns the compiler's own accounting:
-memory per chip, FLOPs (loop bodies multiplied by their trip counts) and collectives, read from
-the optimized HLO that libtpu dumps (`compiled.as_text()` fails on these executables).
+memory per chip, FLOPs (loop bodies multiplied by their trip counts; Pallas kernels such as
+splash attention, which hold no countable dot, added analytically and labelled) and collectives,
+read from the HLO that libtpu dumps (`compiled.as_text()` fails on these executables).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class StepReport:
     flops_cost_analysis: float   # the compiler's cost analysis (loop bodies counted once)
     model_flops: float | None    # analytic, per chip per step (PaLM convention)
     expected_flops: float | None = None  # model FLOPs + the remat recompute (aot.flops)
+    kernel_calls: int = 0        # Pallas kernel (custom call) executions per chip per step
+    kernel_flops: float = 0.0    # their FLOPs, analytic, included in `flops` (aot.flops)
     collectives: list[dict] = field(default_factory=list)
     compile_s: float = 0.0
     tokens_per_step: int = 0
@@ -107,6 +110,8 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         with open(_dumped(dump, "after_tpu-spmd-partitioning*.txt")) as f:
             partitioned = hlo.parse(f.read())
     elapsed = time.perf_counter() - start
+    calls = hlo.kernel_calls(partitioned)
+    in_kernels = flops_lib.kernel_flops(config, topology.num_chips) if calls else 0.0
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):
@@ -118,9 +123,11 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
         alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
         generated_code_bytes=mem.generated_code_size_in_bytes,
-        flops=hlo.flops(partitioned), flops_cost_analysis=float(cost.get("flops", 0.0)),
+        flops=hlo.flops(partitioned) + in_kernels,
+        flops_cost_analysis=float(cost.get("flops", 0.0)),
         model_flops=flops_lib.model_flops(config, topology.num_chips),
         expected_flops=flops_lib.expected_flops(config, topology.num_chips),
+        kernel_calls=calls, kernel_flops=in_kernels,
         collectives=[asdict(c) for c in hlo.collectives(optimized, slices)],
         compile_s=elapsed, tokens_per_step=config.data.batch_size * config.data.seq_len,
         hlo_path=text_path if hlo_dir else None)

@@ -11,6 +11,12 @@ saves every matmul output (no matmul recomputed); `dots_no_batch` saves those wi
 dimensions, i.e. all but the two attention einsums (QK^T and AV), which are recomputed.
 So compiled FLOPs = model + recompute, to within the matmuls outside the model (none on these
 steps); a pipeline adds its bubble iterations on top (they compute on padding).
+
+With `model.attention=splash` the attention matmuls run inside Pallas kernels, custom calls
+with no dot in the HLO to count: `kernel_flops` is what the compiled count then misses, the
+attention part of model + recompute (counted as the einsum computes it; the kernel itself skips
+the tiles a causal mask hides and recomputes QK^T in its backward pass, so its true count
+differs), which the report adds and labels as analytic.
 """
 
 from __future__ import annotations
@@ -42,6 +48,26 @@ def recompute_flops_per_token(config: mlc.ConfigDict) -> float:
     else:  # 'none', 'dots': every matmul output is kept
         per_layer = 0.0
     return m.num_layers * per_layer
+
+
+def _attention_flops_per_token(config: mlc.ConfigDict) -> float:
+    """Attention matmul FLOPs per token of the step: the model count's 12·L·H·Q·T (forward and
+    backward) plus the forward QK^T and AV again where remat recomputes them."""
+    m, t = config.model, config.data.seq_len
+    recomputed = m.remat in ("full", "dots_no_batch")
+    return (12.0 + 4.0 * recomputed) * m.num_layers * m.num_heads * m.head_dim * t
+
+
+def kernel_flops(config: mlc.ConfigDict, num_chips: int) -> float:
+    """Attention FLOPs per chip per step done inside Pallas kernels (`model.attention=splash`
+    where the kernel applies), invisible to the HLO dot count; 0 otherwise."""
+    from jaxscale.models.splash import block_size
+
+    m, d = config.model, config.data
+    if (m.get("name", "llama") != "llama" or m.get("attention", "einsum") != "splash"
+            or block_size(d.seq_len) is None):
+        return 0.0
+    return _attention_flops_per_token(config) * d.batch_size * d.seq_len / num_chips
 
 
 def expected_flops(config: mlc.ConfigDict, num_chips: int) -> float | None:

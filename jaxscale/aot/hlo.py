@@ -339,6 +339,16 @@ def flops(module: Module) -> float:
     return total
 
 
+def kernel_calls(module: Module) -> int:
+    """Executions per device per step of Pallas TPU kernels (`tpu_custom_call` custom calls,
+    e.g. splash attention), loop bodies x trip counts. Their FLOPs are not in `flops`: a custom
+    call carries no dot to count, so whoever reports FLOPs must add them (`aot.flops`)."""
+    pallas = 'custom_call_target="tpu_custom_call"'
+    return sum(module.mult.get(comp, (0, False))[0]
+               for comp, instrs in module.live.items() for ins in instrs
+               if ins.opcode == "custom-call" and pallas in ins.rest)
+
+
 def _param_shape(module: Module, comp: str, name: str) -> str:
     m = re.search(rf"{re.escape(name)}: ([^,)]*\])", module.params.get(comp, ""))
     return m.group(1) if m else ""

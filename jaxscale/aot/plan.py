@@ -1,7 +1,8 @@
 """The sharding planner: enumerate candidate configs for a topology, compile each, rank them.
 
 Candidates are factorizations of the chip count over pipeline / data / fsdp / tensor, rules
-presets (each only on meshes where it differs from a simpler one), remat policies, per-chip
+presets (each only on meshes where it differs from a simpler one), remat policies, the attention
+implementation (`splash`, the Pallas TPU kernel, and `einsum`, where the kernel applies), per-chip
 micro-batches (gradient accumulation keeps the global batch) and, with pipeline stages, the
 schedule (1F1B, GPipe) and microbatch count, likeliest winners first (`_search_order`).
 Invalid ones are pruned by the config validation (lazily, when reached); the rest are compiled
@@ -33,6 +34,9 @@ from jaxscale.errors import JaxscaleError
 
 PRESETS = ("fsdp", "fsdp_tp", "tp", "dp")
 REMATS = ("full", "dots", "none")
+# Splash first: it never holds the (B, H, T, T) scores einsum keeps, so for the same settings it
+# fits wherever einsum does (1B without remat, 64 x 2,048 tokens on v5p-16: see README).
+ATTENTIONS = ("splash", "einsum")
 SCHEDULES = ("1f1b", "gpipe")  # 1F1B first: GPipe's bubble with activations bounded by stages
 # The mesh axes each rules preset exists for: it is a candidate only where these are > 1, and
 # only on meshes whose axes > 1 it uses (besides `data` and `pipeline`, which every preset
@@ -106,13 +110,27 @@ def _micro_batches(per_chip: int) -> list[int]:
             if m <= per_chip and per_chip % m == 0]
 
 
+def _attentions(config: mlc.ConfigDict) -> tuple[str, ...]:
+    """The attention implementations to search: splash and einsum where the splash kernel
+    applies (a Llama, a sequence length on its 128 grid), else the config's own."""
+    from jaxscale.models.splash import block_size
+
+    m = config.model
+    if m.get("name", "llama") == "llama" and block_size(config.data.seq_len) is not None:
+        return ATTENTIONS
+    return (m.get("attention", "einsum"),)
+
+
 def _search_order(cand: Candidate) -> tuple:
     """Likeliest winners first: no pipeline, full remat (the others rarely fit a large model:
-    7B on v5p-32 under `dots` needs 233 GB of temporaries per chip), no tensor parallelism,
-    FSDP over the most chips, no accumulation (fewest weight gathers), 1F1B, most
-    microbatches."""
+    7B on v5p-32 under `dots` needs 233 GB of temporaries per chip), splash attention (less
+    memory than einsum at the same settings), no tensor parallelism, FSDP over the most chips,
+    no accumulation (fewest weight gathers), 1F1B, most microbatches."""
     o = cand.overrides
-    return (o["mesh.pipeline"], REMATS.index(o["model.remat"]), o["mesh.tensor"], -o["mesh.fsdp"],
+    attention = o["model.attention"]
+    return (o["mesh.pipeline"], REMATS.index(o["model.remat"]),
+            ATTENTIONS.index(attention) if attention in ATTENTIONS else len(ATTENTIONS),
+            o["mesh.tensor"], -o["mesh.fsdp"],
             o["train.grad_accum"], SCHEDULES.index(o.get("pipeline.schedule", "1f1b")),
             -o.get("pipeline.microbatches", 1), PRESETS.index(o["rules_preset"]))
 
@@ -129,8 +147,8 @@ def _all_candidates(config: mlc.ConfigDict, topology: Topology) -> list[Candidat
     """Every combination, in search order, with every field spelled out (not yet validated)."""
     n, slices = topology.chips_per_slice, topology.num_slices
     found = []
-    for (pipeline, data, fsdp, tensor), preset, remat in itertools.product(
-            _factorizations(n, config.model.num_layers), PRESETS, REMATS):
+    for (pipeline, data, fsdp, tensor), preset, remat, attention in itertools.product(
+            _factorizations(n, config.model.num_layers), PRESETS, REMATS, _attentions(config)):
         mesh = {"data": data * slices, "pipeline": pipeline, "fsdp": fsdp, "tensor": tensor}
         if not _preset_fits_mesh(preset, mesh):
             continue
@@ -141,16 +159,17 @@ def _all_candidates(config: mlc.ConfigDict, topology: Topology) -> list[Candidat
                 found.append(Candidate({
                     "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
                     "mesh.pipeline": pipeline, "rules_preset": preset, "model.remat": remat,
+                    "model.attention": attention,
                     "train.grad_accum": accum, "train.eval_every": 0, **pipe,
                     **({"mesh.dcn_data": slices} if slices > 1 else {})}))
     return sorted(found, key=_search_order)
 
 
 def iter_candidates(config: mlc.ConfigDict, topology: Topology) -> Iterator[Candidate]:
-    """Valid candidates over meshes, rules presets, remat policies, micro-batches (gradient
-    accumulation keeps the global batch) and pipeline schedules / microbatch counts, in
-    search order; each is validated only when reached (thousands exist for a large slice),
-    and its overrides keep only the fields that differ from the config."""
+    """Valid candidates over meshes, rules presets, remat policies, attention implementations,
+    micro-batches (gradient accumulation keeps the global batch) and pipeline schedules /
+    microbatch counts, in search order; each is validated only when reached (thousands exist
+    for a large slice), and its overrides keep only the fields that differ from the config."""
     for cand in _all_candidates(config, topology):
         overrides = {k: v for k, v in cand.overrides.items() if _get(config, k) != v}
         if _valid(config, overrides):

@@ -49,6 +49,13 @@ def format_report(report: StepReport) -> str:
         f"FLOPs per chip per step: {r.flops:.3e} compiled (matmuls, loops x trip counts; "
         f"cost analysis, loop bodies once: {r.flops_cost_analysis:.3e})",
     ]
+    if r.kernel_calls:
+        lines.append(
+            f"  of which {r.kernel_flops:.3e} ANALYTIC for {r.kernel_calls} Pallas kernel calls "
+            "(splash attention: custom calls carry no dot to count; counted as einsum attention "
+            "would compute them)" if r.kernel_flops else
+            f"  NOT counted: {r.kernel_calls} Pallas kernel calls (custom calls carry no dot to "
+            "count); FLOPs and MFU below miss their share")
     if r.model_flops:
         lines.append(f"  analytic model FLOPs {r.model_flops:.3e} per chip: compiled / model = "
                      f"{r.flops / r.model_flops:.2f}")

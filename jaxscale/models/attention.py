@@ -6,8 +6,9 @@ and the ViT's bidirectional attention both call it. Kernels are an explicit tabl
 (`ATTENTION_IMPLS`, chosen by `model.attention`). A `Mask` is described, not materialised: query
 and key *slots* (index in the sequence or the KV cache, not the rotary positions), optional
 segment ids (packed documents attend only within their own document) and whether it is causal,
-so a kernel can use its own structured masking (the fused kernel's built-in causal mask) and
-others build the dense boolean mask with `Mask.dense`.
+so a kernel can use its own structured masking (the fused kernel's built-in causal mask, the
+splash kernel's causal mask and segment ids; `models/splash.py`) and others build the dense
+boolean mask with `Mask.dense`.
 
 Decoding keeps a `KVCache` (keys, values and segment ids of every slot so far, written at a
 given index): `Attention(x, positions, cache, cache_index)` writes the new keys/values at
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import flax.struct
@@ -34,8 +34,10 @@ import jax.numpy as jnp
 from einops import rearrange
 from flax import nnx
 
+from jaxscale.models import splash
 from jaxscale.models.fused import FUSED_AXIS, QKV
 from jaxscale.models.layers import param, project
+from jaxscale.models.mask import Mask
 from jaxscale.models.rope import Rope, rotary
 from jaxscale.precision import Policy
 from jaxscale.rules import constrain
@@ -87,50 +89,6 @@ class KVCache:
         return getattr(self, name)
 
 
-@dataclass(frozen=True)
-class Mask:
-    """Which keys each query sees: same segment (when given) and, if causal, key slot <= query
-    slot. Slots shared by every row have a leading 1 (1, T) so no (B, T, S) mask is built.
-    `aligned`: the queries are exactly the keys (one whole sequence, no cache), which lets a
-    fused kernel use its built-in causal mask."""
-
-    q_slots_BT: jax.Array
-    k_slots_BS: jax.Array
-    q_segments_BT: jax.Array | None = None
-    k_segments_BS: jax.Array | None = None
-    causal: bool = True
-    aligned: bool = False
-
-    @classmethod
-    def sequence(cls, length: int, segments_BT: jax.Array | None = None,
-                 causal: bool = True) -> "Mask":
-        """Self-attention over one whole sequence per row (training, evaluation, a prefill
-        without cache); `segments_BT` (B, T) ids keep packed documents apart."""
-        slots_1T = jnp.arange(length, dtype=jnp.int32)[None]
-        return cls(slots_1T, slots_1T, segments_BT, segments_BT, causal, aligned=True)
-
-    @classmethod
-    def cached(cls, length: int, index: jax.Array, cache_len: int,
-               q_segments_BT: jax.Array | None = None,
-               k_segments_BS: jax.Array | None = None) -> "Mask":
-        """`length` new queries at slots index.. over a cache of `cache_len` slots: a slot not
-        yet written lies after every query, so the causal test also hides it. With segment
-        ids, a query sees only the cached slots of its own segment (never padding)."""
-        q_1T = (index + jnp.arange(length, dtype=jnp.int32))[None]
-        return cls(q_1T, jnp.arange(cache_len, dtype=jnp.int32)[None], q_segments_BT,
-                   None if q_segments_BT is None else k_segments_BS)
-
-    def dense(self) -> jax.Array | None:
-        """Boolean (B or 1, T, S), True where the query may see the key; None: all visible."""
-        visible = None
-        if self.causal:
-            visible = self.k_slots_BS[:, None, :] <= self.q_slots_BT[:, :, None]
-        if self.q_segments_BT is not None:
-            same = self.q_segments_BT[:, :, None] == self.k_segments_BS[:, None, :]
-            visible = same if visible is None else visible & same
-        return visible
-
-
 def einsum_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                      mask: Mask | None, softmax_dtype: Any) -> jax.Array:
     """Grouped-query attention written out: the reference every other kernel must match."""
@@ -157,10 +115,19 @@ def fused_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
         q_BTHD, k_BSKD, v_BSKD, mask=None if visible_BTS is None else visible_BTS[:, None])
 
 
+def splash_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
+                     mask: Mask | None, softmax_dtype: Any) -> jax.Array:
+    """The Pallas TPU splash kernel (`models/splash.py`): scores never reach HBM. Decoding
+    against a cache, and lengths off its 128 grid, run `einsum_attention` instead."""
+    return splash.attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype,
+                            fallback=einsum_attention)
+
+
 # Attention kernels by `model.attention`: (q, k, v, mask, softmax dtype) -> out (B, T, H, D).
 ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
     "einsum": einsum_attention,
     "dot_product_attention": fused_attention,
+    "splash": splash_attention,
 }
 
 

@@ -56,7 +56,9 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     remat: str = "none"
-    attention: str = "einsum"  # or "dot_product_attention" (fused; cuDNN flash on GPUs)
+    # or "dot_product_attention" (fused; cuDNN flash on GPUs), or "splash" (the Pallas TPU
+    # flash kernel: no score matrix in HBM; models/splash.py)
+    attention: str = "einsum"
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any]) -> "LlamaConfig":
