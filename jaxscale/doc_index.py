@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxscale import data_files
+
 Exchange = Callable[[np.ndarray], np.ndarray]  # int32 array -> its sum over all processes
 
 
@@ -64,16 +66,16 @@ def _as_int32(x_N: np.ndarray) -> np.ndarray:
 class IndexCache:
     """Per-file index results on local disk (`data.index_cache`), so that a resumed or repeated
     run does not tokenize its files again. An entry is named by the file's absolute path, size
-    and modification time and by `salt` (format, tokenizer hash, text field, skip setting), so
-    a changed file or tokenizer is indexed afresh. Entries are plain `.npz` arrays (no pickle),
+    and modification time (an object's URL, size and ETag or generation) and by `salt`
+    (format, tokenizer hash, text field, skip setting), so a changed file or tokenizer is
+    indexed afresh. Entries are plain `.npz` arrays (no pickle),
     written to a temporary name and renamed, so a crash never leaves a torn entry."""
 
     def __init__(self, directory: str, salt: str):
         self.directory, self.salt = os.path.expanduser(directory), salt
 
     def _path(self, path: str) -> str:
-        st = os.stat(path)
-        key = f"{self.salt}|{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
+        key = f"{self.salt}|{data_files.fingerprint(path)}"
         return os.path.join(self.directory, hashlib.sha1(key.encode()).hexdigest() + ".npz")
 
     def load(self, path: str) -> tuple[np.ndarray, np.ndarray, int] | None:

@@ -1,4 +1,5 @@
-"""Document sources on disk, read one document at a time: text, jsonl, parquet, array_record, tokens.
+"""Document sources on disk or in a bucket, read one document at a time: text, jsonl, parquet,
+array_record, tokens.
 
 `config.data.sources` is a `;`-separated list of `FORMAT=GLOB` entries with an optional
 `@WEIGHT` (e.g. `jsonl=/data/web/*.jsonl@3;text=/data/books/*.txt@1`). Each entry becomes a
@@ -15,13 +16,13 @@ and line (or skip and count them with `data.skip_bad_records`).
 from __future__ import annotations
 
 import functools
-import glob as globlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from jaxscale import data_files
 from jaxscale.doc_index import Exchange, IndexCache, build_index
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.tokenizer import BYTES, file_hash
@@ -65,8 +66,16 @@ def parse_sources(spec: str, field_name: str = "data.sources") -> list[SourceSpe
 
 
 def expand(spec: SourceSpec, field_name: str = "data.sources") -> list[str]:
-    files = sorted(globlib.glob(os.path.expanduser(spec.glob), recursive=True))
-    files = [f for f in files if os.path.isfile(f)]
+    """The files of a source entry, sorted: a local glob, or a gs:// / s3:// one."""
+    if spec.format == "array_record" and not data_files.is_local(spec.glob):
+        raise ConfigError(paragraph(
+            f"{field_name}: {spec.glob!r} names ArrayRecord shards in a bucket, but the",
+            "array_record library reads local files only. Mount the bucket on each host",
+            "(gcsfuse, mountpoint-s3) and give the mounted path, or copy the prepared",
+            "directory to local disk; text, jsonl, parquet and tokens sources are read from",
+            "buckets directly.",
+        ))
+    files = data_files.glob(spec.glob)
     if not files:
         raise ConfigError(paragraph(
             f"{field_name}: the glob {spec.glob!r} ({spec.format}) matches no file. Check the",
@@ -161,7 +170,7 @@ class TokenFileReader:
         self.files, self.dtype = files, np.dtype(dtype)
         self._blocks = []  # (file, start token, length)
         for f in files:
-            size = os.path.getsize(f)
+            size = data_files.size(f)
             if size % self.dtype.itemsize:
                 raise DataError(paragraph(
                     f"{f} has {size} bytes, not a multiple of {self.dtype.itemsize}: it is not a",
@@ -174,8 +183,13 @@ class TokenFileReader:
 
     def doc(self, i: int) -> np.ndarray:
         f, start, n = self._blocks[i]
-        arr = np.memmap(f, dtype=self.dtype, mode="r", offset=start * self.dtype.itemsize,
-                        shape=(n,))
+        offset = start * self.dtype.itemsize
+        if data_files.is_local(f):
+            arr = np.memmap(data_files.local_path(f), dtype=self.dtype, mode="r",
+                            offset=offset, shape=(n,))
+        else:  # one range request for the block
+            arr = np.frombuffer(data_files.read_range(f, offset, offset + n * self.dtype.itemsize),
+                                self.dtype)
         return np.asarray(arr, dtype=np.uint32)
 
     def lengths(self) -> np.ndarray:

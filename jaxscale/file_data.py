@@ -22,6 +22,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from jaxscale import storage
 from jaxscale.doc_index import default_exchange
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.packing import PACKINGS, make_rows
@@ -214,6 +215,7 @@ def validate_files(config: Any) -> None:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1).")
     tokenizer = load_tokenizer(d.tokenizer)
     check_vocab(tokenizer, config.model.vocab_size, d.tokenizer)
+    storage.configure(config.get("storage"))  # bucket globs: the run's endpoint and region
     for name in ("sources", "eval_sources"):
         for spec in parse_sources(d[name], f"data.{name}"):
             expand(spec, f"data.{name}")  # a glob matching nothing fails here

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import tqdm
 
+from jaxscale import data_files
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.documents import FORMATS, SourceSpec, expand
 from jaxscale.text_readers import JsonlReader, ParquetReader, TextReader, bad_record
@@ -105,6 +106,13 @@ def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shard
             skip_bad: bool = False) -> dict:
     """Writes the prepared dataset into `out` and returns its metadata."""
     from array_record.python.array_record_module import ArrayRecordWriter
+    if not data_files.is_local(out):
+        raise ConfigError(paragraph(
+            f"--out={out}: the prepared dataset is written as ArrayRecord shards, which the",
+            "array_record library writes (and training reads) as local files only. Give a local",
+            "directory or a mounted bucket (gcsfuse, mountpoint-s3); --sources may be",
+            "gs:// or s3:// globs.",
+        ))
     if os.path.exists(os.path.join(out, "metadata.json")):
         raise ConfigError(paragraph(
             f"{out} already holds a prepared dataset (metadata.json); it is never overwritten.",

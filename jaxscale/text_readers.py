@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxscale import data_files
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.tokenizer import encode_document
 
@@ -125,8 +126,8 @@ class TextReader(Tokenized):
 
     def read_text(self, loc: tuple[int, int, int]) -> str | None:
         try:
-            with open(self.files[loc[0]], encoding="utf-8") as f:
-                return f.read()
+            with data_files.open_binary(self.files[loc[0]]) as f:
+                return f.read().decode("utf-8")
         except (OSError, UnicodeDecodeError) as e:
             return bad_record(self, loc, f"cannot be read as UTF-8 text ({e})")
 
@@ -146,9 +147,7 @@ class JsonlReader(Tokenized):
         return f"{self.files[loc[0]]} line {_line_number(self.files[loc[0]], loc[2])}"
 
     def read_text(self, loc: tuple[int, int, int]) -> str | None:
-        with open(self.files[loc[0]], "rb") as fh:
-            fh.seek(loc[2])
-            raw = fh.readline()
+        raw = data_files.read_line(self.files[loc[0]], loc[2])
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -162,7 +161,7 @@ class JsonlReader(Tokenized):
 def _line_offsets(path: str) -> list[int]:
     """Byte offsets of the non-blank lines of a file (blank lines are not documents)."""
     offsets, pos = [], 0
-    with open(path, "rb") as f:
+    with data_files.open_binary(path) as f:
         for raw in f:
             if raw.strip():
                 offsets.append(pos)
@@ -172,8 +171,7 @@ def _line_offsets(path: str) -> list[int]:
 
 def _line_number(path: str, offset: int) -> int:
     """The 1-based line at `offset` (read only to name a bad record)."""
-    with open(path, "rb") as f:
-        return f.read(offset).count(b"\n") + 1
+    return data_files.read_range(path, 0, offset).count(b"\n") + 1
 
 
 def bad_record(reader: Any, loc: Any, what: str) -> None:
@@ -205,7 +203,8 @@ class ParquetReader(Tokenized):
         import pyarrow.parquet as pq
         f = self.files[u]
         try:
-            meta = pq.ParquetFile(f).metadata
+            with data_files.open_binary(f) as fh:
+                meta = pq.ParquetFile(fh).metadata
         except Exception as e:  # pyarrow raises ArrowInvalid / OSError on bad files
             raise DataError(paragraph(
                 f"{f} cannot be read as parquet ({type(e).__name__}: {str(e)[:200]}); it is",
@@ -224,7 +223,8 @@ class ParquetReader(Tokenized):
         import pyarrow.parquet as pq
         f = self.files[u]
         try:
-            table = pq.ParquetFile(f).read_row_group(g, columns=[self.text_field])
+            with data_files.open_binary(f) as fh:
+                table = pq.ParquetFile(fh).read_row_group(g, columns=[self.text_field])
         except KeyError:
             raise DataError(paragraph(
                 f"{f} has no column {self.text_field!r}. Set --config.data.text_field to the",
