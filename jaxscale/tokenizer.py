@@ -5,7 +5,9 @@ special tokens, as the stdlib demo uses), a path to a `tokenizer.json` or to a d
 one (as a converted Llama carries), or a path to a SentencePiece `.model`. The libraries made for
 the job do the work (`tokenizers`, `sentencepiece`); this module only opens them behind one small
 interface and reads their BOS / EOS / pad ids. `file_hash` identifies a tokenizer file so that a
-prepared dataset can refuse to be trained with another tokenizer.
+prepared dataset can refuse to be trained with another tokenizer. A tokenizer in a bucket
+(`gs://`, `s3://`: a converted model written there carries its tokenizer.json) is copied once
+into a local cache, since both libraries read local files only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jaxscale import data_files, storage
 from jaxscale.errors import ConfigError, paragraph
 
 BYTES = "bytes"
@@ -104,8 +107,43 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
+CACHE_DIR = os.path.join("~", ".cache", "jaxscale", "tokenizers")
+
+
+def _local_copy(url: str) -> str:
+    """The tokenizer file a bucket URL names (itself, or a directory's tokenizer.json /
+    tokenizer.model), copied once per object version into CACHE_DIR."""
+    names = ("tokenizer.json", "tokenizer.model")
+    candidates = [url] if url.endswith((".json", ".model")) else [storage.join(url, n)
+                                                                   for n in names]
+    for candidate in candidates:
+        try:
+            version = data_files.fingerprint(candidate)
+        except (FileNotFoundError, OSError):
+            continue
+        digest = hashlib.sha1(version.encode()).hexdigest()[:16]
+        local = os.path.join(os.path.expanduser(CACHE_DIR), digest, candidate.rsplit("/", 1)[1])
+        if not os.path.isfile(local):
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            with data_files.open_binary(candidate) as f:
+                data = f.read()
+            tmp = f"{local}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, local)
+        return local
+    raise ConfigError(paragraph(
+        f"data.tokenizer={url!r}: no tokenizer.json or tokenizer.model there. Point it at the",
+        "tokenizer file itself or at a directory holding one (a `launch.convert --out` in a",
+        "bucket carries the model's tokenizer).",
+    ))
+
+
 def resolve_path(spec: str) -> str:
-    """The tokenizer file `spec` names (a directory means its tokenizer.json / tokenizer.model)."""
+    """The tokenizer file `spec` names (a directory means its tokenizer.json / tokenizer.model);
+    a bucket URL gives its local cached copy."""
+    if not data_files.is_local(spec):
+        return _local_copy(spec)
     if os.path.isdir(spec):
         for name in ("tokenizer.json", "tokenizer.model"):
             if os.path.isfile(os.path.join(spec, name)):
@@ -176,6 +214,11 @@ def model_tokenizer(config: Any, *dirs: str) -> Any | None:
     output, a HF directory), else its training config's `data.tokenizer`; None for a
     byte-level model trained without one (generation then reads the prompt as bytes)."""
     for d in dirs:
+        if d and not data_files.is_local(d):
+            try:
+                return load_tokenizer(d)
+            except ConfigError:  # no tokenizer file in that bucket directory
+                continue
         if d and os.path.isdir(d) and any(os.path.isfile(os.path.join(d, n))
                                           for n in ("tokenizer.json", "tokenizer.model")):
             return load_tokenizer(d)

@@ -120,3 +120,22 @@ def test_gs_sources_on_a_gcs_emulator(fake_gcs, corpus):
         storage.epath(f"gs://{bucket}/corpus/{name}").write_bytes((corpus / name).read_bytes())
     _assert_same_batches(_first_batches(_config(corpus, "jsonl", f"gs://{bucket}/corpus")),
                          _first_batches(_config(corpus, "jsonl", str(corpus))))
+
+
+@pytest.mark.xdist_group("seaweedfs")
+def test_a_tokenizer_in_a_bucket_is_the_local_one(seaweedfs, corpus, tmp_path, monkeypatch):
+    """A converted model written to a bucket carries its tokenizer.json there: naming the
+    bucket directory as data.tokenizer loads it (cached locally) with the same hash."""
+    from jaxscale import tokenizer as T
+    server, bucket = seaweedfs
+    monkeypatch.setattr(T, "CACHE_DIR", str(tmp_path / "cache"))
+    client = server.client()
+    client.put_object(Bucket=bucket, Key="model/tokenizer.json",
+                      Body=(corpus / "prep" / "tokenizer.json").read_bytes())
+    remote = f"s3://{bucket}/model"
+    assert T.file_hash(remote) == T.file_hash(str(corpus / "prep"))
+    c = _config(corpus, "jsonl", str(corpus))
+    c.data.tokenizer = remote
+    _assert_same_batches(_first_batches(c), _first_batches(_config(corpus, "jsonl", str(corpus))))
+    with pytest.raises(ConfigError, match=r"no tokenizer.json or tokenizer.model there"):
+        T.load_tokenizer(f"s3://{bucket}/nothing")
