@@ -139,3 +139,20 @@ def test_a_tokenizer_in_a_bucket_is_the_local_one(seaweedfs, corpus, tmp_path, m
     _assert_same_batches(_first_batches(c), _first_batches(_config(corpus, "jsonl", str(corpus))))
     with pytest.raises(ConfigError, match=r"no tokenizer.json or tokenizer.model there"):
         T.load_tokenizer(f"s3://{bucket}/nothing")
+
+
+@pytest.mark.xdist_group("seaweedfs")
+def test_lines_are_read_by_ranges_across_request_boundaries(seaweedfs, monkeypatch):
+    """A jsonl line longer than one range request, and a last line without a newline that
+    ends exactly on a request boundary, read back whole."""
+    from jaxscale import data_files
+    server, bucket = seaweedfs
+    monkeypatch.setattr(data_files, "LINE_READ", 16)
+    lines = [b'{"text": "a"}\n', b'{"text": "' + b"x" * 40 + b'"}\n', b'{"text": "bcde"}']
+    assert len(lines[-1]) == 16
+    server.client().put_object(Bucket=bucket, Key="lines.jsonl", Body=b"".join(lines))
+    url, offset = f"s3://{bucket}/lines.jsonl", 0
+    for line in lines:
+        assert data_files.read_line(url, offset) == line
+        offset += len(line)
+    assert data_files.size(url) == offset

@@ -115,7 +115,7 @@ class Retry:
     def _exhausted(self, what: str, budget: float) -> StoreUnavailable:
         return StoreUnavailable(paragraph(
             f"The Lo-Fi store {self.location} has not answered for {budget:.0f} s (while",
-            f"{what}; last error: {self._cause}). Nothing partial was published: a snapshot",
+            f"{what}; first error: {self._cause}). Nothing partial was published: a snapshot",
             "becomes visible only through its COMMIT, written last. Check that the endpoint",
             f"({storage.endpoint_of(self.location)}) is up and reachable from this machine,",
             "then restart this process (a worker resumes from its checkpoint, the averager from",
