@@ -118,9 +118,6 @@ class TextReader(Tokenized):
     def scan_unit(self, u: int) -> list[tuple[int, int, int]]:
         return [(u, 0, 0)]
 
-    def key(self, loc: tuple[int, int, int]) -> str:
-        return self.files[loc[0]]
-
     def where_loc(self, loc: tuple[int, int, int]) -> str:
         return self.files[loc[0]]
 

@@ -2,7 +2,6 @@
 give exactly the batches of the same files on a local disk, read by range requests; a glob
 matching nothing and ArrayRecord shards in a bucket are one-paragraph errors."""
 
-import json
 import random
 
 import numpy as np
@@ -13,6 +12,7 @@ from jaxscale.errors import ConfigError
 from jaxscale.file_data import files_data, validate_files
 from jaxscale.prepare import prepare
 from jaxscale.tokenizer import load_tokenizer
+from tests.text_corpus import write_corpus
 
 WORDS = "the quick brown fox jumps over lazy dog data model token train jax grain".split()
 FORMATS = {"jsonl": "*.jsonl", "parquet": "*.parquet", "tokens": "flat.bin", "text": "text/*.txt"}
@@ -22,18 +22,11 @@ FORMATS = {"jsonl": "*.jsonl", "parquet": "*.parquet", "tokens": "flat.bin", "te
 def corpus(tmp_path_factory):
     """Two jsonl files, the same documents as parquet, text files and a token file, and a
     trained tokenizer (kept local: only the data goes to the bucket)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     root = tmp_path_factory.mktemp("bucket-corpus")
     rng = random.Random(0)
     docs = [[" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 60))) for _ in range(80)]
             for _ in range(2)]
-    for k, part in enumerate(docs):
-        (root / f"part{k}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
-        pq.write_table(pa.table({"text": part}), root / f"part{k}.parquet", row_group_size=30)
-    (root / "text").mkdir()
-    for i, t in enumerate(docs[0][:40]):
-        (root / "text" / f"{i:03d}.txt").write_text(t)
+    write_corpus(root, docs, row_group_size=30, text_files=40)
     prepare([str(root / "*.jsonl")], "jsonl", str(root / "prep"), train_vocab=300,
             num_shards=1, workers=1)
     tok = load_tokenizer(str(root / "prep"))

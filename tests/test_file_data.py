@@ -12,6 +12,7 @@ from jaxscale.file_data import files_data
 from jaxscale.packing import first_fit
 from jaxscale.prepare import prepare
 from jaxscale.tokenizer import load_tokenizer
+from tests.text_corpus import write_corpus
 
 WORDS = "the quick brown fox jumps over lazy dog data model token train jax grain".split()
 
@@ -24,16 +25,9 @@ def _docs(seed: int, n: int) -> list[str]:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Two jsonl files, the same documents as text / parquet / tokens, and a prepared dataset."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     root = tmp_path_factory.mktemp("corpus")
     docs = [_docs(0, 150), _docs(1, 150)]
-    for k, part in enumerate(docs):
-        (root / f"part{k}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
-        pq.write_table(pa.table({"body": part}), root / f"part{k}.parquet", row_group_size=40)
-    (root / "text").mkdir()
-    for i, t in enumerate(docs[0][:60]):
-        (root / "text" / f"{i:03d}.txt").write_text(t)
+    write_corpus(root, docs, parquet_field="body")
     meta = prepare([str(root / "*.jsonl")], "jsonl", str(root / "prep"), train_vocab=300,
                    num_shards=3, workers=1)
     tok = load_tokenizer(str(root / "prep"))
