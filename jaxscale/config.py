@@ -66,6 +66,7 @@ def base_config() -> mlc.ConfigDict:
         name="llama", vocab_size=256, embed=128, num_layers=4, num_heads=4, num_kv_heads=2,
         head_dim=32, mlp=512, max_len=2048, rope_theta=10000.0, norm_eps=1e-5,
         tie_embeddings=False, remat="none", attention="einsum",
+        loss_chunks=1,  # LM head + loss over the sequence in this many chunks (less memory)
         # rotary scaling as HF `rope_scaling` (none | linear | llama3), see models/rope.py
         rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0,
         rope_high_freq_factor=4.0, rope_original_max_len=8192))
@@ -225,6 +226,11 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
     _require(m.get("attention", "einsum") in ATTENTION_IMPLS,
              f"model.attention={m.get('attention')!r}: use one of {', '.join(ATTENTION_IMPLS)}.")
     _validate_rope(m)
+    chunks = m.get("loss_chunks", 1)
+    _require(isinstance(chunks, int) and chunks >= 1 and d.seq_len % chunks == 0,
+             f"model.loss_chunks={chunks!r} must be a positive divisor of data.seq_len",
+             f"({d.seq_len}): the LM head and loss run over the sequence in that many chunks",
+             "(1: all at once; 4-16 cut the float32 logits' memory that many times).")
     _require(d.seq_len > 0 and d.batch_size > 0,
              f"data.seq_len={d.seq_len} and data.batch_size={d.batch_size} must be positive.")
     if d.get("sources") or d.corpus == "files":

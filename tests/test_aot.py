@@ -7,6 +7,7 @@ test process) on a 4-chip v5p slice with the tiny Llama; they are skipped withou
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -240,6 +241,17 @@ def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
     assert _dominated(Candidate({"mesh.fsdp": 8, "train.grad_accum": 4}), [fits])
     assert not _dominated(Candidate({"mesh.fsdp": 8}), [fits])
     assert not _dominated(Candidate({"mesh.fsdp": 4, "train.grad_accum": 4}), [fits])
+    # So does a chunked loss where the whole one fits; where it does not, chunking is tried
+    # before more accumulation.
+    whole = Candidate({"mesh.fsdp": 8, "model.loss_chunks": 1})
+    assert _dominated(Candidate({"mesh.fsdp": 8, "model.loss_chunks": 8}), [whole])
+    assert not _dominated(Candidate({"mesh.fsdp": 8, "model.loss_chunks": 1}), [whole])
+    assert not _dominated(Candidate({"mesh.fsdp": 8, "model.loss_chunks": 1}),
+                          [Candidate({"mesh.fsdp": 8, "model.loss_chunks": 8})])
+    mesh_of = lambda x: (x.mesh.pipeline, x.mesh.fsdp, x.mesh.data, x.mesh.tensor, x.rules_preset,
+                         x.model.remat, x.model.attention)
+    first = [x for x in found if mesh_of(x) == mesh_of(found[0])]
+    assert [(x.train.grad_accum, x.model.loss_chunks) for x in first[:3]] == [(1, 1), (1, 8), (2, 1)]
     # The attention implementation is a choice where the splash kernel applies (length on its
     # 128 grid): splash first, einsum too; the tiny preset's 64 tokens keep einsum alone.
     assert {x.model.attention for x in found} == {"einsum"}
@@ -311,16 +323,32 @@ def test_splash_attention_compiles_for_tpu_with_its_flops_labelled(tmp_path):
     # The Pallas kernel lowers for the TPU topology (Mosaic), runs in the layer loop (fwd, the
     # remat's fwd again, dq, dkv per layer) and its FLOPs, invisible to the dot count, are
     # added analytically and said so; with them compiled = model + recompute, as for einsum.
+    # The chunked loss recomputes the head's forward (2·E·V a token, 13% of this model's
+    # count), which the expected count includes.
     out = tmp_path / "r.json"
     proc = _run(["launch.compile", "--topology=v5p:2x2x1", "--config=configs/llama.py:1b",
                  "--config.model.num_layers=2", "--config.data.batch_size=4",
-                 "--config.mesh.fsdp=4", "--config.model.attention=splash", f"--out={out}"],
-                tmp_path)
+                 "--config.mesh.fsdp=4", "--config.model.attention=splash",
+                 "--config.model.loss_chunks=4", f"--out={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["kernel_calls"] == 4 * 2 and r["kernel_flops"] > 0
     assert r["flops"] == pytest.approx(r["expected_flops"], rel=0.01)
     assert "ANALYTIC for 8 Pallas kernel calls" in proc.stdout
+
+
+@libtpu_test
+def test_compile_refused_for_hbm_is_one_paragraph_with_the_fixes(tmp_path):
+    # libtpu stops with CompileTimeHbmOom (einsum scores of 256 sequences of 2,048 tokens a
+    # chip): one paragraph with its sizes and what would make the step fit, no traceback.
+    proc = _run(["launch.compile", "--topology=v5e:2x2", *TINY, "--config.mesh.fsdp=4",
+                 "--config.data.seq_len=2048", "--config.model.max_len=2048",
+                 "--config.data.batch_size=1024"], tmp_path)
+    assert proc.returncode == 2
+    err = proc.stderr[proc.stderr.index("jaxscale: error:"):]
+    assert re.search(r"Does not fit v5e:2x2: .* temporaries alone need [\d.]+ GiB per chip "
+                     r"against the 15.75 GiB .* model.loss_chunks=8", err), err
+    assert "Traceback" not in proc.stderr
 
 
 @libtpu_test

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,7 +24,37 @@ from jaxscale import config as config_lib
 from jaxscale.aot import flops as flops_lib
 from jaxscale.aot import hlo
 from jaxscale.aot.topology import Topology, TopologyError, topology_devices
-from jaxscale.errors import MeshError, paragraph
+from jaxscale.errors import JaxscaleError, MeshError, paragraph
+
+# What makes a step need less HBM per chip, most effective first (this error and the planner).
+FIT_ADVICE = ("more chips (a larger topology or --num_slices), model.remat=full, "
+              "model.loss_chunks=8 (the LM head and loss a chunk at a time), "
+              "model.attention=splash, train.grad_accum (fewer sequences at once), "
+              "precision=bf16-true, optim.name=adamw8bit (8-bit Adam states), or LoRA "
+              "(lora.rank=16) for fine-tuning")
+_HBM_OOM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds? available HBM \(([\d.]+)G\)")
+
+
+class HbmOom(JaxscaleError):
+    """libtpu refused to compile: the step's temporaries alone exceed the chip's HBM."""
+
+    def __init__(self, message: str, temp_bytes: float, available_bytes: float):
+        super().__init__(message)
+        self.temp_bytes, self.available_bytes = temp_bytes, available_bytes
+
+
+def _hbm_oom(error: Exception, topology: Topology) -> HbmOom | None:
+    """libtpu's CompileTimeHbmOom as a one-paragraph error (its sizes are GiB, printed "G")."""
+    found = _HBM_OOM.search(str(error))
+    if not found:
+        return None
+    temp, available = (float(g) * 2**30 for g in found.groups())
+    return HbmOom(paragraph(
+        f"Does not fit {topology.label()}: libtpu refused to compile the step, whose",
+        f"temporaries alone need {temp / 2**30:.2f} GiB per chip against the",
+        f"{available / 2**30:.2f} GiB it can use ({(temp - available) / 2**30:.2f} GiB over;",
+        "arguments such as weights and optimizer state come on top). To fit:",
+        f"{FIT_ADVICE}; `launch.plan` searches these for you."), temp, available)
 
 
 @dataclass
@@ -103,7 +134,13 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         dump = hlo_dir or tmp
         options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True,
                    "xla_dump_hlo_pass_re": "spmd-partitioning"}
-        compiled = train_fn.lower(abstract, batch).compile(compiler_options=options)
+        try:
+            compiled = train_fn.lower(abstract, batch).compile(compiler_options=options)
+        except Exception as e:  # noqa: BLE001 - only libtpu's out-of-HBM refusal is rewritten
+            oom = _hbm_oom(e, topology)
+            if oom is None:
+                raise
+            raise oom from None
         text_path = _dumped(dump, "after_optimizations.txt")
         with open(text_path) as f:
             optimized = hlo.parse(f.read())

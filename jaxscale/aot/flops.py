@@ -9,7 +9,8 @@ MLP's down projection, whose output is the layer's output and is not needed to d
 the layer (XLA drops it as dead code): q/k/v/o, gate/up, and both attention einsums. `dots`
 saves every matmul output (no matmul recomputed); `dots_no_batch` saves those without batch
 dimensions, i.e. all but the two attention einsums (QK^T and AV), which are recomputed.
-So compiled FLOPs = model + recompute, to within the matmuls outside the model (none on these
+`model.loss_chunks > 1` recomputes each chunk's logits (the head's forward matmul, 2·E·V per
+token) in the backward pass. So compiled FLOPs = model + recompute, to within the matmuls outside the model (none on these
 steps); a pipeline adds its bubble iterations on top (they compute on padding).
 
 With `model.attention=splash` the attention matmuls run inside Pallas kernels, custom calls
@@ -37,7 +38,8 @@ def model_flops(config: mlc.ConfigDict, num_chips: int) -> float | None:
 
 
 def recompute_flops_per_token(config: mlc.ConfigDict) -> float:
-    """Matmul FLOPs per token that the backward pass recomputes under `model.remat`."""
+    """Matmul FLOPs per token that the backward pass recomputes under `model.remat` (and the
+    head's, under `model.loss_chunks`)."""
     m, t = config.model, config.data.seq_len
     attention = 4.0 * m.num_heads * m.head_dim * t          # QK^T and AV, forward, per layer
     if m.remat == "full":
@@ -47,7 +49,8 @@ def recompute_flops_per_token(config: mlc.ConfigDict) -> float:
         per_layer = attention
     else:  # 'none', 'dots': every matmul output is kept
         per_layer = 0.0
-    return m.num_layers * per_layer
+    head = 2.0 * m.embed * m.vocab_size if m.get("loss_chunks", 1) > 1 else 0.0
+    return m.num_layers * per_layer + head
 
 
 def _attention_flops_per_token(config: mlc.ConfigDict) -> float:

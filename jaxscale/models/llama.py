@@ -11,6 +11,7 @@ The language-model task loss (`lm_loss`, next-token cross entropy) lives here, b
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -56,6 +57,10 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     remat: str = "none"
+    # The LM head and loss run over the sequence in this many strided chunks, each recomputed
+    # in the backward pass (`head_losses`): the (batch, length, vocab) float32 logits and their
+    # gradient exist one chunk at a time. 1: the whole sequence at once.
+    loss_chunks: int = 1
     # or "dot_product_attention" (fused; cuDNN flash on GPUs), or "splash" (the Pallas TPU
     # flash kernel: no score matrix in HBM; models/splash.py)
     attention: str = "einsum"
@@ -185,30 +190,71 @@ class Llama(nnx.Module):
             start = 0 if cache is None else cache_index
             positions_BT = jnp.broadcast_to(start + jnp.arange(tokens_BT.shape[1]),
                                             tokens_BT.shape)
-        h_BTE = self.embed(tokens_BT)
         if cache is not None:
-            h_BTE, cache = scan_layers(self.layers, h_BTE, positions_BT, cache=cache,
-                                       cache_index=cache_index, segments_BT=segments_BT)
+            h_BTE, cache = scan_layers(self.layers, self.embed(tokens_BT), positions_BT,
+                                       cache=cache, cache_index=cache_index,
+                                       segments_BT=segments_BT)
             return self.head(h_BTE), cache
+        h_BTE = self.hidden(tokens_BT, positions_BT, run_layers, segments_BT)
+        with head_scope(run_layers):
+            return self.head(h_BTE)
+
+    def hidden(self, tokens_BT: jax.Array, positions_BT: jax.Array,
+               run_layers: LayerRunner | None = None,
+               segments_BT: jax.Array | None = None) -> jax.Array:
+        """The last layer's output (before the final norm and head): the layers scanned, or
+        run by `run_layers` (a pipeline schedule)."""
+        h_BTE = self.embed(tokens_BT)
         if run_layers is None:
-            h_BTE = scan_layers(self.layers, h_BTE, positions_BT, self.cfg.remat,
-                                segments_BT=segments_BT)
-        else:
-            packed = {} if segments_BT is None else {"segments_BT": segments_BT}
-            h_BTE = run_layers(self.layers, h_BTE, positions_BT, **packed)
-            # A pipeline runner may split the head's rows over its stages (computed once, not
-            # once per stage); see `parallel/gpipe.batch_over_stages`.
-            with getattr(run_layers, "head_scope", contextlib.nullcontext)():
-                return self.head(h_BTE)
-        return self.head(h_BTE)
+            return scan_layers(self.layers, h_BTE, positions_BT, self.cfg.remat,
+                               segments_BT=segments_BT)
+        packed = {} if segments_BT is None else {"segments_BT": segments_BT}
+        return run_layers(self.layers, h_BTE, positions_BT, **packed)
+
+
+def head_scope(run_layers: LayerRunner | None) -> contextlib.AbstractContextManager:
+    """The context the head runs in after `run_layers`: a pipeline runner may split the head's
+    rows over its stages (computed once, not once per stage; `parallel/gpipe.batch_over_stages`)."""
+    return getattr(run_layers, "head_scope", contextlib.nullcontext)()
+
+
+def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Per-position cross entropy (B, T), computed in float32 whatever the compute dtype."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32),
+                                                           targets_BT)
+
+
+def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Per-position losses (B, T) of the head on the last layer's output `h_BTE`.
+
+    With `model.cfg.loss_chunks = n > 1` the positions are split into n chunks, chunk k holding
+    positions k, k+n, k+2n, ... (strided, so a sharded `length` stays sharded within a chunk),
+    and a scan computes head and loss chunk by chunk, recomputing each chunk's logits in the
+    backward pass: the float32 logits and their gradient, (B, T, V) each and the largest
+    activations of a step with a big vocabulary, exist 1/n at a time, for one more head
+    forward pass of compute."""
+    n = model.cfg.loss_chunks
+    if n == 1:
+        return token_losses(model.head(h_BTE), targets_BT)
+    B, T, E = h_BTE.shape
+    if T % n:
+        raise ValueError(f"model.loss_chunks={n} must divide the sequence length {T}.")
+    to_chunks = lambda x: jnp.moveaxis(x.reshape(B, T // n, n, *x.shape[2:]), 2, 0)
+    h_nBCE = constrain(to_chunks(h_BTE), None, "batch", "length", "embed")
+
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    def chunk(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        h_BCE, targets_BC = xs
+        return None, token_losses(model.head(h_BCE), targets_BC)
+
+    _, losses_nBC = jax.lax.scan(chunk, None, (h_nBCE, to_chunks(targets_BT)))
+    return jnp.moveaxis(losses_nBC, 0, 2).reshape(B, T)
 
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy, reduced in float32 whatever the compute dtype."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BTV.astype(jnp.float32), targets_BT)
-    return jnp.mean(losses)
+def mean_head_loss(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy of the head on the last layer's output."""
+    return jnp.mean(head_losses(model, h_BTE, targets_BT))
 
 
 def lm_loss(model: Llama, batch: Mapping[str, jax.Array],
@@ -223,9 +269,13 @@ def lm_loss(model: Llama, batch: Mapping[str, jax.Array],
         losses_BT, mask_BT = packed_losses(model, batch, run_layers)
         return (losses_BT * mask_BT).sum() / _target_count(batch, mask_BT)
     if run_layers is not None and run_layers.fuses_loss:
-        return run_layers.fused_loss(model, tokens_BT1[:, :-1], tokens_BT1[:, 1:], cross_entropy)
-    logits_BTV = model(tokens_BT1[:, :-1], run_layers=run_layers)
-    return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
+        return run_layers.fused_loss(model, tokens_BT1[:, :-1], tokens_BT1[:, 1:],
+                                     mean_head_loss)
+    inputs_BT = tokens_BT1[:, :-1]
+    positions_BT = jnp.broadcast_to(jnp.arange(inputs_BT.shape[1]), inputs_BT.shape)
+    h_BTE = model.hidden(inputs_BT, positions_BT, run_layers)
+    with head_scope(run_layers):
+        return mean_head_loss(model, h_BTE, tokens_BT1[:, 1:])
 
 
 class _PackedRows(NamedTuple):
@@ -270,10 +320,9 @@ def packed_losses(model: Llama, batch: Mapping[str, jax.Array],
     """Per-token losses (B, T) of packed rows and their float mask: 1 where the target lies in
     the same document as the input (padding and document boundaries carry no loss)."""
     rows = _packed_rows(batch)
-    logits_BTV = model(rows.inputs_BT, rows.positions_BT, run_layers,
-                       segments_BT=rows.segments_BT)
-    losses_BT = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BTV.astype(jnp.float32), rows.targets_BT)
+    h_BTE = model.hidden(rows.inputs_BT, rows.positions_BT, run_layers, rows.segments_BT)
+    with head_scope(run_layers):
+        losses_BT = head_losses(model, h_BTE, rows.targets_BT)
     return losses_BT, rows.same_BT.astype(jnp.float32)
 
 
@@ -285,9 +334,8 @@ def _fused_packed_loss(model: Llama, batch: Mapping[str, jax.Array],
     document marked -1), so the schedule yields sum / (B*T), rescaled here to sum / count."""
     rows = _packed_rows(batch)
 
-    def masked_sum(logits_bTV: jax.Array, targets_bT: jax.Array) -> jax.Array:
-        losses_bT = optax.softmax_cross_entropy_with_integer_labels(
-            logits_bTV.astype(jnp.float32), jnp.maximum(targets_bT, 0))
+    def masked_sum(micro: Llama, h_bTE: jax.Array, targets_bT: jax.Array) -> jax.Array:
+        losses_bT = head_losses(micro, h_bTE, jnp.maximum(targets_bT, 0))
         return jnp.sum(jnp.where(targets_bT >= 0, losses_bT, 0.0)) / targets_bT.size
 
     targets_BT = jnp.where(rows.same_BT, rows.targets_BT, -1)

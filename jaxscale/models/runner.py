@@ -17,7 +17,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-LossFn = Callable[[jax.Array, jax.Array], jax.Array]  # (logits, targets) -> mean loss
+# (model, last layer's output h_BTE, targets_BT) -> the loss of the model's head on h
+# (`models.llama.head_losses`: the head and loss together, so they may run chunk by chunk).
+LossFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 
 
 @runtime_checkable
@@ -36,5 +38,5 @@ class LayerRunner(Protocol):
     def fused_loss(self, model: Any, tokens_BT: jax.Array, targets_BT: jax.Array,
                    loss_fn: LossFn, positions_BT: jax.Array | None = None,
                    segments_BT: jax.Array | None = None) -> jax.Array:
-        """loss_fn(model.head(layers(model.embed(tokens))), targets), layers run by the runner
+        """loss_fn(model, layers(model.embed(tokens)), targets), layers run by the runner
         (mean of the microbatches' losses; packed rows pass their positions and segments)."""

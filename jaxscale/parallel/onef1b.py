@@ -279,7 +279,7 @@ class OneFOneB:
     def fused_loss(self, model: nnx.Module, tokens_BT: jax.Array, targets_BT: jax.Array,
                    loss_fn: LossFn, positions_BT: jax.Array | None = None,
                    segments_BT: jax.Array | None = None) -> jax.Array:
-        """`loss_fn(model.head(layers(model.embed(tokens))), targets)` with the layers run as
+        """`loss_fn(model, layers(model.embed(tokens)), targets)` with the layers run as
         a 1F1B pipeline, averaged over microbatches. The model must expose `embed`, `layers`
         (a stacked block) and `head`. Packed rows pass their positions and segment ids.
         """
@@ -312,7 +312,7 @@ class OneFOneB:
 
         def head_loss(head: Leaves, y_bTE: jax.Array, tgt_bT: jax.Array) -> jax.Array:
             m = nnx.merge(graphdef, abstract, head_tree.unflatten(head))
-            return loss_fn(m.head(y_bTE), tgt_bT)
+            return loss_fn(m, y_bTE, tgt_bT)
 
         def layout(w: Leaves) -> Leaves:
             laid_out = stage_layout(layer_tree.unflatten(w), mesh, 1, S)

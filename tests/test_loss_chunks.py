@@ -1,0 +1,93 @@
+"""`model.loss_chunks`: the LM head and loss computed chunk by chunk give the loss and
+gradients of the whole-sequence head (plain and packed rows, sharded, under GPipe and inside
+the 1F1B schedule), and
+the chunked step really holds only a chunk of logits at a time."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny_lm
+from jaxscale import config as config_lib
+from jaxscale.errors import ConfigError
+from jaxscale.models import ModelDef
+from jaxscale.models.llama import lm_loss
+from jaxscale.precision import get_policy
+from jaxscale.train.loop import Trainer
+from tests.helpers import run_steps
+
+RNG = np.random.default_rng(7)
+TOKENS = RNG.integers(0, 256, (4, 65)).astype(np.int32)
+# Packed rows: documents of 20 / 30 / 15 tokens, then one of 40 followed by padding (segment 0).
+SEGMENTS = np.stack([np.repeat([1, 2, 3], [20, 30, 15]), np.repeat([1, 0], [40, 25])] * 2)
+POSITIONS = np.stack([np.concatenate([np.arange(n) for n in (20, 30, 15)]),
+                      np.concatenate([np.arange(40), np.zeros(25, int)])] * 2)
+
+
+def _loss_and_grads(chunks: int, batch: dict) -> tuple[jax.Array, dict]:
+    c = tiny_lm.get_config("test")
+    c.model.update(loss_chunks=chunks, vocab_size=256)
+    model_def = ModelDef.build(c.model, get_policy("32-true"))
+    params = model_def.init_params(jax.random.key(3))
+    loss = lambda p: lm_loss(model_def.module(p), batch)
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("chunks", [4, 64])
+def test_chunked_loss_and_gradients_equal_the_whole_sequence(chunks, packed):
+    batch = {"tokens": TOKENS}
+    if packed:
+        batch.update(segment_ids=SEGMENTS.astype(np.int32), positions=POSITIONS.astype(np.int32))
+    (loss, grads), (want, want_grads) = _loss_and_grads(chunks, batch), _loss_and_grads(1, batch)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    chex.assert_trees_all_close(grads, want_grads, atol=1e-6, rtol=1e-5)
+
+
+def test_chunked_step_holds_a_chunk_of_logits_not_the_whole_sequence():
+    """The compiled step's temporaries shrink by about the float32 logits and their gradient."""
+    def temp_bytes(chunks: int) -> int:
+        c = tiny_lm.get_config("test")
+        c.model.update(loss_chunks=chunks, vocab_size=8192, embed=64, mlp=128, num_layers=1)
+        model_def = ModelDef.build(c.model, get_policy("bf16-mixed"))
+        params = model_def.init_params(jax.random.key(0))
+        tokens = jnp.zeros((8, 513), jnp.int32)
+        grad = jax.jit(jax.grad(lambda p, t: lm_loss(model_def.module(p), {"tokens": t})))
+        return grad.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+
+    logits = 8 * 512 * 8192 * 4  # (B, T, V) float32: 128 MiB
+    whole, chunked = temp_bytes(1), temp_bytes(16)
+    assert whole > 2 * logits  # the logits and their gradient
+    assert chunked < whole - 1.5 * logits, (whole, chunked)
+
+
+def _losses(mesh: dict, preset: str, chunks: int, **train) -> np.ndarray:
+    c = tiny_lm.get_config("test")
+    c.model.update(loss_chunks=chunks)
+    c.data.update(seq_len=64, batch_size=8)
+    c.mesh.update({**dict(data=1, pipeline=1, fsdp=1, tensor=1), **mesh})
+    c.rules_preset = preset
+    for key, value in train.items():
+        (c.pipeline if key in ("microbatches", "schedule") else c.train)[key] = value
+    return run_steps(Trainer.build(c, workdir=None), 2)[0]
+
+
+@pytest.mark.parametrize("mesh, preset, train", [
+    (dict(fsdp=4, tensor=2), "fsdp_tp", {}),                         # vocab over `tensor`
+    (dict(pipeline=2, data=2, tensor=2), "pp", dict(microbatches=2)),  # GPipe's head scope
+    (dict(pipeline=2, data=2, tensor=2), "pp", dict(microbatches=4, schedule="1f1b")),  # fused
+])
+def test_sharded_training_with_chunks_equals_without(mesh, preset, train):
+    np.testing.assert_allclose(_losses(mesh, preset, 8, **train),
+                               _losses(mesh, preset, 1, **train), rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [0, 3])
+def test_loss_chunks_must_divide_the_sequence(chunks):
+    c = tiny_lm.get_config("test")
+    c.data.seq_len, c.model.loss_chunks = 64, chunks
+    with pytest.raises(ConfigError, match=r"model.loss_chunks=.* must be a positive divisor of "
+                                          r"data.seq_len \(64\)"):
+        config_lib.validate(c)
