@@ -49,6 +49,8 @@ ROWS = [  # (label, mesh, preset, pipeline, batch, grad_accum)
     ("fsdp=8", dict(fsdp=8), "fsdp", {}, 16, 1),
     ("tensor=4,data=2", dict(tensor=4, data=2), "tp", {}, 16, 1),
     ("pipeline=4,data=2 M=4", dict(pipeline=4, data=2), "pp", dict(microbatches=4), 16, 1),
+    ("pipeline=4,data=2 M=4 1F1B", dict(pipeline=4, data=2), "pp",
+     dict(microbatches=4, schedule="1f1b"), 16, 1),
     ("pipeline=2,fsdp=2,tensor=2 M=4", dict(pipeline=2, fsdp=2, tensor=2), "pp",
      dict(microbatches=4), 16, 1),
     ("data=2,fsdp=2,tensor=2", dict(data=2, fsdp=2, tensor=2), "fsdp_tp", {}, 16, 1),
@@ -121,8 +123,9 @@ def explain(c, kind: str, tpu: bool = False) -> str:
             reasons.append("XLA:CPU reduces FSDP gradients with all-reduce + dynamic-slice "
                            "where GPU/TPU emit a reduce-scatter (same input bytes)")
         if p > 1 and pc.schedule == "1f1b":
-            reasons.append("every stage computes the head, so the last stage's outputs are "
-                           "broadcast over `pipeline` (fwd) and their gradient reduced (bwd)")
+            reasons.append("the head runs once per microbatch with its positions split over "
+                           "the stages (onef1b._head_step): the stages' head-gradient sums are "
+                           "reduced over `pipeline` at the end of the step")
         elif p > 1:
             reasons.append("the head runs on 1/S of the rows on each stage "
                            "(gpipe.batch_over_stages): its weight gradient is summed over "
@@ -137,7 +140,11 @@ def explain(c, kind: str, tpu: bool = False) -> str:
                            "gathering once per step would trade it for memory)")
         if t > 1:
             reasons.append("XLA gathers some vocab-sharded logits")
-        if p > 1 and pc.schedule != "1f1b":
+        if p > 1 and pc.schedule == "1f1b":
+            reasons.append("the gradient of each microbatch's last-stage output, computed by "
+                           "the stages for 1/S of its positions each, is gathered back to the "
+                           "last stage (once per microbatch)")
+        elif p > 1:
             reasons.append("the head's rows, split over stages, are gathered back for the "
                            "loss and its gradient")
         else:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.attention import Attention, KVCache
 from jaxscale.models.layers import MLP, RMSNorm, param
 from jaxscale.models.rope import Rope
@@ -238,7 +239,10 @@ def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Ar
         return token_losses(model.head(h_BTE), targets_BT)
     B, T, E = h_BTE.shape
     if T % n:
-        raise ValueError(f"model.loss_chunks={n} must divide the sequence length {T}.")
+        raise ConfigError(paragraph(
+            f"model.loss_chunks={n} must divide the sequence length, {T} here: the LM head and",
+            "loss run over the positions in that many equal chunks. Use a divisor of the",
+            "length (1: no chunks)."))
     to_chunks = lambda x: jnp.moveaxis(x.reshape(B, T // n, n, *x.shape[2:]), 2, 0)
     h_nBCE = constrain(to_chunks(h_BTE), None, "batch", "length", "embed")
 
@@ -249,7 +253,6 @@ def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Ar
 
     _, losses_nBC = jax.lax.scan(chunk, None, (h_nBCE, to_chunks(targets_BT)))
     return jnp.moveaxis(losses_nBC, 0, 2).reshape(B, T)
-
 
 
 def mean_head_loss(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:

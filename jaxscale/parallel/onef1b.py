@@ -7,8 +7,9 @@ cotangent arrives, so at most 2S-1 microbatches are ever in flight on a stage, w
 
 How, still in lockstep with every stage vmapped over `pipeline` (`spmd_axis_name`) as in
 gpipe.py: stage s runs the forward of microbatch m at iteration t = m + s and its backward at
-t = m + 2S-2-s. The last stage runs the forward, the head + loss and their vjp, then the backward
-of the same microbatch in one iteration; every other stage gets its cotangent one iteration after
+t = m + 2S-2-s. In one iteration the last stage runs the forward, then the head + loss and
+their vjp (split by positions over all stages, so computed once: `_head_step`), then the backward
+of the same microbatch; every other stage gets its cotangent one iteration after
 the stage behind it produced it (`jnp.roll` by -1, the mirror of the forward's roll by +1). A
 stage stashes only its *input* for microbatches in flight, in a ring of K = 2S-1 slots (slot
 m mod K: stage 0 has 2S-2 microbatches between forward and backward, plus the one written this
@@ -77,8 +78,8 @@ class _Carry(NamedTuple):
     stash: jax.Array  # (S, K, b, T, E) inputs of the microbatches in flight
     dx: jax.Array | None  # (S, M, b, T, E) input gradients, written by stage 0 only
     gw: Leaves  # (S, P, ...) weight-gradient sums
-    gh: Leaves  # (S, ...) head-gradient sums (only the last stage's are nonzero)
-    loss: jax.Array  # (S,) sum of microbatch losses (idem)
+    gh: Leaves  # (S, ...) head-gradient sums, each stage's over its share of the positions
+    loss: jax.Array  # (S,) sums of the stages' shares of the microbatch losses
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -112,38 +113,65 @@ def _read_by(fn: Callable, *args: Any) -> list[bool]:
 
 
 # ----------------------------------------------------------------------------- the schedule
-def _stage_step(plan: _Plan, do_fwd: bool, do_head: bool, do_bwd: bool) -> Callable:
-    """One iteration's work on one stage (vmapped over stages by the caller)."""
+def _stage_step(plan: _Plan, do_fwd: bool, do_bwd: bool) -> Callable:
+    """One iteration's forward or backward on one stage (vmapped over stages by the caller)."""
     S, M, K = plan.stages, plan.microbatches, plan.slots
 
-    def step(c: _Carry, w: Leaves, s: jax.Array, t: jax.Array, head: Leaves, seed_mb: jax.Array,
-             x_M: jax.Array, rows_M: Rows, tgt_M: jax.Array) -> _Carry:
+    def step(c: _Carry, w: Leaves, s: jax.Array, t: jax.Array, x_M: jax.Array, rows_M: Rows
+             ) -> _Carry:
         m_f, m_b = t - s, t - (2 * S - 2) + s  # microbatches of this stage's forward, backward
         ok_f, ok_b = (m_f >= 0) & (m_f < M), (m_b >= 0) & (m_b < M)
-        y, ct, stash, gh, loss = c.fwd, c.bwd, c.stash, c.gh, c.loss
         if do_fwd:
             x = jnp.where(s == 0, x_M[m_f % M], c.fwd)
             y = plan.stage_fn(w, x, *[a[m_f % M] for a in rows_M])
-            stash = _write(stash, m_f % K, x, ok_f)
-        if do_head:  # computed by every stage (lockstep), counted on the last only
-            ok = (s == S - 1) & ok_f
-            f = lambda d, y: plan.head_loss(_join(d, head, plan.head_diff), y, tgt_M[m_f % M])
-            loss_m, pull = jax.vjp(f, _pick(head, plan.head_diff), y)
-            d_head, d_y = pull(seed_mb.astype(loss_m.dtype))
-            gh = _accumulate(gh, d_head, ok)
-            loss = loss + jnp.where(ok, loss_m, 0).astype(loss.dtype)
-            ct = jnp.where(s == S - 1, d_y, ct)
-        if not do_bwd:
-            return c._replace(fwd=y, stash=stash, gh=gh, loss=loss)
-        x_b = jax.lax.dynamic_index_in_dim(stash, m_b % K, 0, keepdims=False)
+            return c._replace(fwd=y, stash=_write(c.stash, m_f % K, x, ok_f))
+        x_b = jax.lax.dynamic_index_in_dim(c.stash, m_b % K, 0, keepdims=False)
         f = lambda d, x: plan.stage_fn(_join(d, w, plan.layer_diff), x,
                                        *[a[m_b % M] for a in rows_M])
         _, pull = jax.vjp(f, _pick(w, plan.layer_diff), x_b)
-        d_w, dx = pull(ct)
+        d_w, dx = pull(c.bwd)
         buf = c.dx if c.dx is None else _write(c.dx, m_b % M, dx, (s == 0) & ok_b)
-        return _Carry(y, dx, stash, buf, _accumulate(c.gw, d_w, ok_b), gh, loss)
+        return c._replace(bwd=dx, dx=buf, gw=_accumulate(c.gw, d_w, ok_b))
 
     return step
+
+
+def _head_step(plan: _Plan, c: _Carry, t: jax.Array, head: Leaves, seed_mb: jax.Array,
+               tgt_M: jax.Array) -> _Carry:
+    """Head + loss and their vjp for the microbatch the last stage just finished, computed once.
+
+    Why not inside the vmapped stage step: the stages run in lockstep, so a head there would
+    be computed by every stage (S times the biggest matmul of the step) and discarded on all
+    but the last. Here the last stage's output is split by positions over the stages (position
+    p to stage p mod S, as `models.llama.head_losses` chunks them): each stage computes the
+    head, loss and gradients of 1/S of the positions against its own head-gradient sum (one
+    reduce over `pipeline` at the end, as before), and the cotangent goes back to the last
+    stage. The loss is a mean over positions, so the mean of the S equal parts' losses is the
+    microbatch's loss."""
+    S, mesh = plan.stages, plan.mesh
+    y_bTE = c.fwd[S - 1]
+    b, T = y_bTE.shape[:2]
+    if T % S:
+        raise ConfigError(paragraph(
+            f"pipeline.schedule='1f1b' splits the LM head's {T} positions over the {S}",
+            "pipeline stages (so that the head is computed once, not once per stage), which",
+            "needs a sequence length divisible by mesh.pipeline. Use a data.seq_len that",
+            f"is a multiple of {S}, or --config.pipeline.schedule=gpipe."))
+    split = lambda x: constrain_batch(
+        jnp.moveaxis(x.reshape(b, T // S, S, *x.shape[2:]), 2, 0), mesh, "pipeline")
+    tgt_bT = jax.lax.dynamic_index_in_dim(tgt_M, t - (S - 1), 0, keepdims=False)
+    on_stages = lambda h, spec: h if h is None else jax.lax.with_sharding_constraint(
+        jnp.broadcast_to(h, (S,) + h.shape), NamedSharding(mesh, spec))
+    head_S = [on_stages(h, spec) for h, spec in zip(_pick(head, plan.head_diff), plan.head_specs)]
+    part = lambda d, y, tgt: plan.head_loss(_join(d, head, plan.head_diff), y, tgt)
+    loss_S, pull = jax.vjp(
+        lambda d, y: jax.vmap(part, spmd_axis_name="pipeline")(d, y, split(tgt_bT)),
+        head_S, split(y_bTE))
+    d_head, d_y = pull(jnp.full((S,), seed_mb / S, loss_S.dtype))
+    d_y = jnp.moveaxis(d_y, 0, 2).reshape(y_bTE.shape)
+    gh = [a if a is None else a + g.astype(a.dtype) for a, g in zip(c.gh, d_head)]
+    return c._replace(bwd=c.bwd.at[S - 1].set(d_y.astype(c.bwd.dtype)), gh=gh,
+                      loss=c.loss + (loss_S / S).astype(c.loss.dtype))
 
 
 def _constrain_carry(plan: _Plan, c: _Carry) -> _Carry:
@@ -177,12 +205,18 @@ def _run(plan: _Plan, w_SP: Leaves, head: Leaves, x_MbTE: jax.Array, rows_M: Row
     phases = ((True, False, False, 0, S - 1), (True, True, True, S - 1, M + S - 1),
               (False, False, True, M + S - 1, M + 2 * S - 2))
     c = _init_carry(plan, w_SP, head, x_MbTE)
+    staged = lambda fwd: jax.vmap(_stage_step(plan, fwd, not fwd), spmd_axis_name="pipeline",
+                                  in_axes=(0, 0, 0, None, None, None))
+    forward, backward = staged(True), staged(False)
     for do_fwd, do_head, do_bwd, start, stop in phases:
-        step = jax.vmap(_stage_step(plan, do_fwd, do_head, do_bwd), spmd_axis_name="pipeline",
-                        in_axes=(0, 0, 0, None, None, None, None, None, None))
 
-        def body(c: _Carry, t: jax.Array, step=step, do_fwd=do_fwd, do_bwd=do_bwd):
-            c = step(c, w_SP, stage_ids, t, head, seed / M, x_MbTE, rows_M, tgt_MbT)
+        def body(c: _Carry, t: jax.Array, do_fwd=do_fwd, do_head=do_head, do_bwd=do_bwd):
+            if do_fwd:
+                c = forward(c, w_SP, stage_ids, t, x_MbTE, rows_M)
+            if do_head:
+                c = _head_step(plan, c, t, head, seed / M, tgt_MbT)
+            if do_bwd:
+                c = backward(c, w_SP, stage_ids, t, x_MbTE, rows_M)
             fwd = jnp.roll(c.fwd, 1, axis=0) if do_fwd else c.fwd  # to the next stage
             bwd = jnp.roll(c.bwd, -1, axis=0) if do_bwd else c.bwd  # to the previous stage
             return _constrain_carry(plan, c._replace(fwd=fwd, bwd=bwd)), None
