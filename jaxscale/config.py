@@ -139,6 +139,12 @@ def validate(c: mlc.ConfigDict) -> None:
     _require(micro >= 1 and (d.batch_size // t.grad_accum) % micro == 0,
              f"The per-step batch {d.batch_size // t.grad_accum} is not divisible by "
              f"pipeline.microbatches={micro}; choose a batch that the microbatches divide.")
+    stages = c.mesh.pipeline
+    _require(c.pipeline.schedule != "1f1b" or stages <= 1 or d.seq_len % stages == 0,
+             f"pipeline.schedule='1f1b' splits the LM head's data.seq_len={d.seq_len} positions",
+             f"over the mesh.pipeline={stages} stages (so that the head is computed once, not",
+             "once per stage), which needs a sequence length divisible by the stage count.",
+             "Use such a data.seq_len, or --config.pipeline.schedule=gpipe.")
     _require(c.rules_indivisible in ("error", "replicate"),
              f"rules_indivisible={c.rules_indivisible!r}: use 'error' or 'replicate'.")
     _validate_train_extras(t)

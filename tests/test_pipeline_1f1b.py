@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
 from jaxscale.mesh import make_mesh
 from jaxscale.parallel.pipeline import SCHEDULES, make_layer_runner
@@ -89,3 +90,10 @@ def test_1f1b_config_errors():
     with pytest.raises(ConfigError, match="only the\\s+language-model loss"):
         runner(None, None, None)  # a model that is not an LM calls it as a layer runner
     assert SCHEDULES["1f1b"].bubble_fraction(4, 8, 1) == SCHEDULES["gpipe"].bubble_fraction(4, 8, 1)
+    # The head's positions are split over the stages: the length must divide among them.
+    c = make_config({"pipeline": 4, "data": 2}, "pp", microbatches=4, schedule="1f1b")
+    c.data.seq_len = 30
+    with pytest.raises(ConfigError, match=r"seq_len=30 positions over the mesh.pipeline=4"):
+        config_lib.validate(c)
+    c.pipeline.schedule = "gpipe"
+    config_lib.validate(c)
