@@ -97,3 +97,6 @@ def test_1f1b_config_errors():
         config_lib.validate(c)
     c.pipeline.schedule = "gpipe"
     config_lib.validate(c)
+    c.data.seq_len, c.model.loss_chunks, c.pipeline.schedule = 32, 16, "1f1b"
+    with pytest.raises(ConfigError, match=r"model.loss_chunks=16 must divide the 8 positions"):
+        config_lib.validate(c)

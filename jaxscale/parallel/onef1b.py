@@ -113,8 +113,9 @@ def _read_by(fn: Callable, *args: Any) -> list[bool]:
 
 
 # ----------------------------------------------------------------------------- the schedule
-def _stage_step(plan: _Plan, do_fwd: bool, do_bwd: bool) -> Callable:
-    """One iteration's forward or backward on one stage (vmapped over stages by the caller)."""
+def _stage_step(plan: _Plan, do_fwd: bool) -> Callable:
+    """One iteration's forward (`do_fwd`) or backward on one stage (vmapped over stages by the
+    caller)."""
     S, M, K = plan.stages, plan.microbatches, plan.slots
 
     def step(c: _Carry, w: Leaves, s: jax.Array, t: jax.Array, x_M: jax.Array, rows_M: Rows
@@ -205,7 +206,7 @@ def _run(plan: _Plan, w_SP: Leaves, head: Leaves, x_MbTE: jax.Array, rows_M: Row
     phases = ((True, False, False, 0, S - 1), (True, True, True, S - 1, M + S - 1),
               (False, False, True, M + S - 1, M + 2 * S - 2))
     c = _init_carry(plan, w_SP, head, x_MbTE)
-    staged = lambda fwd: jax.vmap(_stage_step(plan, fwd, not fwd), spmd_axis_name="pipeline",
+    staged = lambda fwd: jax.vmap(_stage_step(plan, fwd), spmd_axis_name="pipeline",
                                   in_axes=(0, 0, 0, None, None, None))
     forward, backward = staged(True), staged(False)
     for do_fwd, do_head, do_bwd, start, stop in phases:
