@@ -139,18 +139,6 @@ def validate(c: mlc.ConfigDict) -> None:
     _require(micro >= 1 and (d.batch_size // t.grad_accum) % micro == 0,
              f"The per-step batch {d.batch_size // t.grad_accum} is not divisible by "
              f"pipeline.microbatches={micro}; choose a batch that the microbatches divide.")
-    stages, chunks = c.mesh.pipeline, m.get("loss_chunks", 1)
-    _require(c.pipeline.schedule != "1f1b" or stages <= 1 or d.seq_len % stages == 0,
-             f"pipeline.schedule='1f1b' splits the LM head's data.seq_len={d.seq_len} positions",
-             f"over the mesh.pipeline={stages} stages (so that the head is computed once, not",
-             "once per stage), which needs a sequence length divisible by the stage count.",
-             "Use such a data.seq_len, or --config.pipeline.schedule=gpipe.")
-    _require(c.pipeline.schedule != "1f1b" or stages <= 1 or not isinstance(chunks, int)
-             or chunks < 1 or d.seq_len % (stages * chunks) == 0,
-             f"model.loss_chunks={chunks} must divide the {d.seq_len // max(stages, 1)} positions",
-             f"each of the mesh.pipeline={stages} stages computes the 1F1B head for",
-             f"(data.seq_len={d.seq_len} / {stages}). Use fewer loss chunks (a divisor of",
-             f"{d.seq_len // max(stages, 1)}) or a longer sequence.")
     _require(c.rules_indivisible in ("error", "replicate"),
              f"rules_indivisible={c.rules_indivisible!r}: use 'error' or 'replicate'.")
     _validate_train_extras(t)
@@ -243,6 +231,18 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
              f"model.loss_chunks={chunks!r} must be a positive divisor of data.seq_len",
              f"({d.seq_len}): the LM head and loss run over the sequence in that many chunks",
              "(1: all at once; 4-16 cut the float32 logits' memory that many times).")
+    stages = c.mesh.pipeline
+    if c.pipeline.schedule == "1f1b" and stages > 1:  # the head's positions split over stages
+        _require(d.seq_len % stages == 0,
+                 f"pipeline.schedule='1f1b' splits the LM head's data.seq_len={d.seq_len}",
+                 f"positions over the mesh.pipeline={stages} stages (so that the head is",
+                 "computed once, not once per stage), which needs a sequence length divisible",
+                 "by the stage count. Use such a data.seq_len, or --config.pipeline.schedule=gpipe.")
+        _require((d.seq_len // stages) % chunks == 0,
+                 f"model.loss_chunks={chunks} must divide the {d.seq_len // stages} positions",
+                 f"each of the mesh.pipeline={stages} stages computes the 1F1B head for",
+                 f"(data.seq_len={d.seq_len} / {stages}). Use fewer loss chunks (a divisor of",
+                 f"{d.seq_len // stages}) or a longer sequence.")
     _require(d.seq_len > 0 and d.batch_size > 0,
              f"data.seq_len={d.seq_len} and data.batch_size={d.batch_size} must be positive.")
     if d.get("sources") or d.corpus == "files":

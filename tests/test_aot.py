@@ -323,7 +323,7 @@ def test_splash_attention_compiles_for_tpu_with_its_flops_labelled(tmp_path):
     # The Pallas kernel lowers for the TPU topology (Mosaic), runs in the layer loop (fwd, the
     # remat's fwd again, dq, dkv per layer) and its FLOPs, invisible to the dot count, are
     # added analytically and said so; with them compiled = model + recompute, as for einsum.
-    # The chunked loss recomputes the head's forward (2·E·V a token, 13% of this model's
+    # The chunked loss recomputes the head's forward (2·E·V a token, 11% of this model's
     # count), which the expected count includes.
     out = tmp_path / "r.json"
     proc = _run(["launch.compile", "--topology=v5p:2x2x1", "--config=configs/llama.py:1b",

@@ -10,8 +10,9 @@ the layer (XLA drops it as dead code): q/k/v/o, gate/up, and both attention eins
 saves every matmul output (no matmul recomputed); `dots_no_batch` saves those without batch
 dimensions, i.e. all but the two attention einsums (QK^T and AV), which are recomputed.
 `model.loss_chunks > 1` recomputes each chunk's logits (the head's forward matmul, 2·E·V per
-token) in the backward pass. So compiled FLOPs = model + recompute, to within the matmuls outside the model (none on these
-steps); a pipeline adds its bubble iterations on top (they compute on padding).
+token) in the backward pass. So compiled FLOPs = model + recompute, to within the matmuls
+outside the model (none on these steps); a pipeline adds its bubble iterations on top (they
+compute on padding).
 
 With `model.attention=splash` the attention matmuls run inside Pallas kernels, custom calls
 with no dot in the HLO to count: `kernel_flops` is what the compiled count then misses, the

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import ml_collections as mlc
 
 from jaxscale import config as config_lib
-from jaxscale.aot.compile import FIT_ADVICE
+from jaxscale.aot.compile import FIT_ADVICE, HbmOom
 from jaxscale.aot.topology import Topology, compile_only_env
 from jaxscale.errors import JaxscaleError
 
@@ -39,8 +39,9 @@ REMATS = ("full", "dots", "none")
 # fits wherever einsum does (1B without remat, 64 x 2,048 tokens on v5p-16: see README).
 ATTENTIONS = ("splash", "einsum")
 # The LM head and loss whole, then in 8 chunks (`model.loss_chunks`): chunking costs one more
-# head forward pass (under 1% of a 7B step) and saves most of the float32 logits and their
-# gradient, 16 GiB per chip for 7B under fsdp=4 x tensor=4 at 512 x 2,048 tokens on v5p-16.
+# head forward pass (0.5% of the compiled FLOPs of a 7B step) and keeps only a chunk of the
+# float32 logits and their gradient: 10 GiB less temporaries per chip for 7B under fsdp=4 x
+# tensor=4 at 512 x 2,048 tokens on v5p-16 (96.25 -> 86.22 GiB, bench/RESULTS.md).
 LOSS_CHUNKS = (1, 8)
 SCHEDULES = ("1f1b", "gpipe")  # 1F1B first: GPipe's bubble with activations bounded by stages
 # The mesh axes each rules preset exists for: it is a candidate only where these are > 1, and
@@ -228,8 +229,6 @@ def _compile_one(config_json: str, topology: Topology, cache_dir: str) -> dict:
 def _failure(e: Exception, topology: Topology) -> dict:
     """A compile error as one line; libtpu's out-of-HBM refusal instead becomes a result over
     HBM (its temporaries, a lower bound of the total), so the ranking can say by how much."""
-    from jaxscale.aot.compile import HbmOom
-
     if isinstance(e, HbmOom):
         return {"total_bytes": e.temp_bytes, "hbm_bytes": topology.chip.hbm_bytes,
                 "over_hbm": "libtpu: CompileTimeHbmOom (temporaries alone)"}
