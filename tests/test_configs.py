@@ -142,11 +142,13 @@ def test_hardware_targets_set_what_they_promise():
     assert c.model.attention == "dot_product_attention" and c.precision == "bf16-mixed"
     assert (c.mesh.fsdp, c.rules_preset, c.model.remat) == (8, "fsdp", "full")
     c = llama.get_config("1b,v5e-16")
-    assert (c.mesh.fsdp, c.model.attention, c.data.batch_size) == (16, "einsum", 256)
+    assert (c.mesh.fsdp, c.model.attention, c.data.batch_size) == (16, "splash", 256)
+    assert llama.get_config("tiny,v5e-16").model.attention == "einsum"  # 64 tokens: off-grid
     assert llama.get_config("125m,v4-8").mesh.data == 4
     assert llama.get_config("1b,2xh100x8").mesh.dcn_data == 2
-    with pytest.raises(ConfigError, match="does not fit v5e-16.*Targets that fit 7b: v4-32"):
-        llama.get_config("7b,v5e-16")
+    with pytest.raises(ConfigError, match="does not fit v5e-8.*TPU compiler.*Targets that fit "
+                       "7b: v4-32, v5e-16"):
+        llama.get_config("7b,v5e-8")
     with pytest.raises(ConfigError, match="SIZE in tiny, 125m, 1b, 7b"):
         llama.get_config("2b")
 

@@ -7,8 +7,9 @@ loss whole or in chunks (`model.loss_chunks`), per-chip
 micro-batches (gradient accumulation keeps the global batch) and, with pipeline stages, the
 schedule (1F1B, GPipe) and microbatch count, likeliest winners first (`_search_order`).
 Invalid ones are pruned by the config validation (lazily, when reached); the rest are compiled
-by the TPU compiler in one worker process, one at a time (a large compile takes a core and
-gigabytes of memory; the worker keeps a crashing compile away from the search), skipping those
+by the TPU compiler in worker processes, several at once (`workers`, default one per two cores:
+a large compile keeps about 1.6 cores busy; workers keep a crashing compile away from the
+search, and libtpu's process lock is lifted for compile-only use), skipping those
 that cannot beat one that already fits (`_dominated`). Each result is cached on disk, keyed by
 a hash of the config and topology, so a rerun is instant; those over HBM (with a margin) are
 dropped, and the rest ranked by the roofline step-time estimate (full overlap).
@@ -29,7 +30,8 @@ from dataclasses import dataclass, field
 import ml_collections as mlc
 
 from jaxscale import config as config_lib
-from jaxscale.aot.compile import FIT_ADVICE, HbmOom
+from jaxscale.aot.compile import HbmOom, fit_advice
+from jaxscale.aot.guess import no_remat_bytes
 from jaxscale.aot.topology import Topology, compile_only_env
 from jaxscale.errors import JaxscaleError
 
@@ -135,15 +137,24 @@ def _loss_chunks(config: mlc.ConfigDict) -> tuple[int, ...]:
     return (m.get("loss_chunks", 1),)
 
 
-def _search_order(cand: Candidate) -> tuple:
-    """Likeliest winners first: no pipeline, full remat (the others rarely fit a large model:
-    7B on v5p-32 under `dots` needs 233 GB of temporaries per chip), splash attention (less
-    memory than einsum at the same settings), no tensor parallelism, FSDP over the most chips,
-    no accumulation (fewest weight gathers), the loss whole then chunked (a little more compute,
-    much less memory: tried before accumulating), 1F1B, most microbatches."""
+def _remat_order(config: mlc.ConfigDict, mesh: dict[str, int], accum: int, attention: str,
+                 chunks: int, budget: float) -> tuple[str, ...]:
+    """No remat first where the analytic guess says it fits the HBM budget (no recompute: it
+    wins where it fits), else full remat first (the others rarely fit a large model: 7B on
+    v5p-32 under `dots` needs 233 GB of temporaries per chip)."""
+    guess = no_remat_bytes(config, mesh, accum, attention, chunks)
+    return tuple(reversed(REMATS)) if guess is not None and guess <= budget else REMATS
+
+
+def _search_order(cand: Candidate, remats: tuple[str, ...] = REMATS) -> tuple:
+    """Likeliest winners first: no pipeline, the remat policy in `remats` order
+    (`_remat_order`), splash attention (less memory than einsum at the same settings), no
+    tensor parallelism, FSDP over the most chips, no accumulation (fewest weight gathers), the
+    loss whole then chunked (a little more compute, much less memory: tried before
+    accumulating), 1F1B, most microbatches."""
     o = cand.overrides
     attention = o["model.attention"]
-    return (o["mesh.pipeline"], REMATS.index(o["model.remat"]),
+    return (o["mesh.pipeline"], remats.index(o["model.remat"]),
             ATTENTIONS.index(attention) if attention in ATTENTIONS else len(ATTENTIONS),
             o["mesh.tensor"], -o["mesh.fsdp"], o["train.grad_accum"],
             o.get("model.loss_chunks", 1), SCHEDULES.index(o.get("pipeline.schedule", "1f1b")),
@@ -158,9 +169,11 @@ def _valid(config: mlc.ConfigDict, overrides: dict) -> bool:
     return True
 
 
-def _all_candidates(config: mlc.ConfigDict, topology: Topology) -> list[Candidate]:
+def _all_candidates(config: mlc.ConfigDict, topology: Topology,
+                    margin: float = 0.1) -> list[Candidate]:
     """Every combination, in search order, with every field spelled out (not yet validated)."""
     n, slices = topology.chips_per_slice, topology.num_slices
+    budget = topology.chip.hbm_bytes * (1 - margin)
     found = []
     for (pipeline, data, fsdp, tensor), preset, remat, attention, chunks in itertools.product(
             _factorizations(n, config.model.num_layers), PRESETS, REMATS, _attentions(config),
@@ -171,30 +184,34 @@ def _all_candidates(config: mlc.ConfigDict, topology: Topology) -> list[Candidat
         per_chip = config.data.batch_size // (data * fsdp * slices)
         for micro in _micro_batches(per_chip):
             accum = per_chip // micro
+            remats = _remat_order(config, mesh, accum, attention, chunks, budget)
             for pipe in _pipeline_options(pipeline, config.data.batch_size // accum):
-                found.append(Candidate({
+                cand = Candidate({
                     "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
                     "mesh.pipeline": pipeline, "rules_preset": preset, "model.remat": remat,
                     "model.attention": attention, "model.loss_chunks": chunks,
                     "train.grad_accum": accum, "train.eval_every": 0, **pipe,
-                    **({"mesh.dcn_data": slices} if slices > 1 else {})}))
-    return sorted(found, key=_search_order)
+                    **({"mesh.dcn_data": slices} if slices > 1 else {})})
+                found.append((_search_order(cand, remats), cand))
+    return [cand for _, cand in sorted(found, key=lambda x: x[0])]
 
 
-def iter_candidates(config: mlc.ConfigDict, topology: Topology) -> Iterator[Candidate]:
+def iter_candidates(config: mlc.ConfigDict, topology: Topology,
+                    margin: float = 0.1) -> Iterator[Candidate]:
     """Valid candidates over meshes, rules presets, remat policies, attention implementations,
     micro-batches (gradient accumulation keeps the global batch) and pipeline schedules /
     microbatch counts, in search order; each is validated only when reached (thousands exist
     for a large slice), and its overrides keep only the fields that differ from the config."""
-    for cand in _all_candidates(config, topology):
+    for cand in _all_candidates(config, topology, margin):
         overrides = {k: v for k, v in cand.overrides.items() if _get(config, k) != v}
         if _valid(config, overrides):
             yield Candidate(overrides, cand.overrides)
 
 
-def candidates(config: mlc.ConfigDict, topology: Topology) -> list[Candidate]:
+def candidates(config: mlc.ConfigDict, topology: Topology,
+               margin: float = 0.1) -> list[Candidate]:
     """All valid candidates, in search order (`iter_candidates`)."""
-    return list(iter_candidates(config, topology))
+    return list(iter_candidates(config, topology, margin))
 
 
 def cache_key(config: mlc.ConfigDict, topology: Topology) -> str:
@@ -202,8 +219,9 @@ def cache_key(config: mlc.ConfigDict, topology: Topology) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def _compile_one(config_json: str, topology: Topology, cache_dir: str) -> dict:
-    """Runs in a worker process: compile, estimate, cache. Errors come back as one line."""
+def compile_cached(config_json: str, topology: Topology, cache_dir: str) -> dict:
+    """Compile (in this process: the planner runs it in a worker), estimate, cache by
+    `cache_key`. Errors come back as one line; an out-of-HBM refusal as a result over HBM."""
     from jaxscale.aot.compile import compile_step
     from jaxscale.aot.report import step_estimate
 
@@ -240,55 +258,100 @@ def _config_json(config: mlc.ConfigDict, overrides: dict) -> str:
     return json.dumps(apply(config, overrides).to_dict(), default=list)
 
 
+# What a candidate pays, per searched field, where everything else is equal: more
+# accumulation adds weight gathers and per-step overhead, more loss chunks head recompute, and
+# remat recompute (none < dots < full), each with the same collectives or more.
+_COSTS = {"train.grad_accum": lambda v: v, "model.loss_chunks": lambda v: v,
+          "model.remat": lambda v: ("none", "dots", "full").index(v)}
+
+
 def _dominated(cand: Candidate, fitting: list[Candidate]) -> bool:
-    """True if a fitting candidate differs only by less gradient accumulation and no more loss
-    chunks (or by fewer chunks alone): more accumulation only adds weight gathers and per-step
-    overhead, more chunks only head recompute; the candidate cannot win."""
+    """True if a fitting candidate differs only by costing no more in every `_COSTS` field
+    (less accumulation, fewer loss chunks, less remat): the candidate cannot win."""
     full = lambda c: c.full or c.overrides
-    cost_keys = ("train.grad_accum", "model.loss_chunks")
-    same = lambda c: {k: v for k, v in full(c).items() if k not in cost_keys}
-    costs = lambda c: tuple(full(c).get(k, 1) for k in cost_keys)
+    same = lambda c: {k: v for k, v in full(c).items() if k not in _COSTS}
+    costs = lambda c: tuple(f(full(c)[k]) if k in full(c) else 0 for k, f in _COSTS.items())
     return any(same(f) == same(cand) and costs(f) != costs(cand)
                and all(a <= b for a, b in zip(costs(f), costs(cand))) for f in fitting)
 
 
 def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
            max_candidates: int = 16, time_budget_s: float = 3600.0,
-           workers: int = 1, margin: float = 0.1) -> list[tuple[Candidate, dict]]:
-    """Compiles candidates in search order until `max_candidates` are compiled or the time
-    budget is spent; returns (candidate, result). A candidate is skipped when one with less
-    gradient accumulation and otherwise the same settings already fits (`_dominated`)."""
-    queue = iter_candidates(config, topology)
+           workers: int = 0, margin: float = 0.1) -> list[tuple[Candidate, dict]]:
+    """Compiles candidates in search order, `workers` at once (0: one per two cores), until
+    `max_candidates` are compiled or the time budget is spent; returns (candidate, result) in
+    search order. A candidate that cannot beat an earlier one that fits (`_dominated`) is
+    skipped, or, if it was already compiling when that one was found to fit, dropped and its
+    place given to the next: so the result is the same for any number of workers."""
+    workers = workers or max(1, (os.cpu_count() or 2) // 2)
+    queue = iter_candidates(config, topology, margin)
     deadline = time.monotonic() + time_budget_s
-    results: list[tuple[Candidate, dict]] = []
-    fitting: list[Candidate] = []
-    started = 0
-    ctx = multiprocessing.get_context("spawn")  # libtpu and jax are not fork-safe
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
-                                initializer=compile_only_env) as pool:
-        pending: dict = {}
+    results: list[tuple[int, Candidate, dict]] = []
+    started, exhausted, pending = 0, False, {}
+    pool = _pool(workers)
+    try:
         while True:
-            while (len(pending) < workers and started < max_candidates
-                   and time.monotonic() < deadline):
+            kept, fitting = _kept(results, margin)
+            while (not exhausted and len(kept) + len(pending) < max_candidates
+                   and len(pending) < workers and time.monotonic() < deadline):
                 cand = next(queue, None)
-                if cand is None:
-                    break
-                if _dominated(cand, fitting):
+                exhausted = cand is None
+                if cand is None or _dominated(cand, fitting):
                     continue
-                job = pool.submit(_compile_one, _config_json(config, cand.overrides),
+                job = pool.submit(compile_cached, _config_json(config, cand.overrides),
                                   topology, cache_dir)
-                pending[job] = cand
+                pending[job] = (started, cand)
                 started += 1
             if not pending:
-                break
+                return [(cand, r) for _, cand, r in kept]
             done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-            for job in done:
-                cand, result = pending.pop(job), job.result()
-                results.append((cand, result))
-                if "error" not in result and result["total_bytes"] <= result["hbm_bytes"] * (
-                        1 - margin):
-                    fitting.append(cand)
-    return results
+            results += [(*pending.pop(job), _result(job)) for job in done]
+            if any(_died(r) for _, _, r in results[-len(done):]):
+                pool.shutdown(cancel_futures=True)  # a dead worker breaks the pool: start anew
+                results += [(*where, _result(job)) for job, where in pending.items()]
+                pending, pool = {}, _pool(workers)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _fits(result: dict, margin: float) -> bool:
+    return "error" not in result and result["total_bytes"] <= result["hbm_bytes"] * (1 - margin)
+
+
+def _kept(results: list[tuple[int, Candidate, dict]], margin: float
+          ) -> tuple[list[tuple[int, Candidate, dict]], list[Candidate]]:
+    """The results in search order without those an earlier fitting one dominates, and the
+    fitting candidates among them."""
+    kept, fitting = [], []
+    for index, cand, result in sorted(results, key=lambda x: x[0]):
+        if not _dominated(cand, fitting):
+            kept.append((index, cand, result))
+            if _fits(result, margin):
+                fitting.append(cand)
+    return kept, fitting
+
+
+def _pool(workers: int) -> cf.ProcessPoolExecutor:
+    ctx = multiprocessing.get_context("spawn")  # libtpu and jax are not fork-safe
+    return cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
+                                  initializer=compile_only_env)
+
+
+_DIED = "the compiling process died"
+
+
+def _died(result: dict) -> bool:
+    return result.get("error", "").startswith(_DIED)
+
+
+def _result(job: cf.Future) -> dict:
+    """A compile's result; a worker killed mid-compile (out of memory, a libtpu crash) fails
+    only its candidates, and the search goes on in a new pool."""
+    try:
+        return job.result()
+    except (cf.process.BrokenProcessPool, cf.CancelledError):
+        return {"error": f"{_DIED} (out of memory? a libtpu crash?); rerun "
+                         "`launch.compile` on this candidate alone to see why"}
 
 
 def rank(results: list[tuple[Candidate, dict]], margin: float
@@ -298,7 +361,7 @@ def rank(results: list[tuple[Candidate, dict]], margin: float
     for cand, r in results:
         if "error" in r:
             failed.append((cand, r))
-        elif r["total_bytes"] <= r["hbm_bytes"] * (1 - margin):
+        elif _fits(r, margin):
             ok.append((cand, r))
         else:
             over.append((cand, r))
@@ -308,7 +371,7 @@ def rank(results: list[tuple[Candidate, dict]], margin: float
 
 
 def format_plan(results: list[tuple[Candidate, dict]], margin: float, top: int,
-                topology: Topology) -> str:
+                topology: Topology, config: mlc.ConfigDict) -> str:
     ok, over, failed = rank(results, margin)
     gib = lambda n: f"{n / 2**30:.1f}"
     lines = [f"{len(results)} candidates compiled for {topology.label()}: {len(ok)} fit with a "
@@ -332,5 +395,5 @@ def format_plan(results: list[tuple[Candidate, dict]], margin: float, top: int,
             f"No candidate fits. Closest: {cand.label()} at {gib(r['total_bytes'])} GiB per chip, "
             f"over the {gib(r['hbm_bytes'] * (1 - margin))} GiB budget by "
             f"{gib(r['total_bytes'] - r['hbm_bytes'] * (1 - margin))} GiB. To fit: "
-            f"{FIT_ADVICE}.")
+            f"{fit_advice(apply(config, cand.overrides))}.")
     return "\n".join(lines)

@@ -17,24 +17,25 @@ TARGET (one slice or host; data-parallel across the `Nx` hosts of a multi-host t
     v5e-8, v5e-16, v5e-64, v5e-256   TPU v5e, that many chips of 16 GiB
     h100x8, 2xh100x8            one / two hosts of 8 H100 80 GB GPUs (cuDNN fused attention)
 
-A target sets the mesh, the rules preset, `bf16-mixed` precision, and the micro-batch and
-gradient accumulation: the global batch (sequences x seq_len) is a property of the SIZE (125m:
-256 x 1024, 1b: 256 x 2048, 7b: 512 x 2048), so results are comparable across hardware, and the
-target only decides how many sequences a device processes at once. 125m is data-parallel (`dp`:
-its whole Adam state fits every device); tiny, 1b and 7b use FSDP (`fsdp`) over the slice/host,
-and data parallelism across hosts (`mesh.dcn_data`). The micro-batch is the largest power of two
-whose estimated memory (`memory_estimate`: 22 bytes of state per parameter over the FSDP shards,
-one gathered layer, and activations under the size's remat policy) stays under 80% of a device's
-HBM. With accumulation, periodic evaluation is off (`train.eval_every=0`): the eval step runs
-the whole global batch at once. Where the TPU compiler has been asked (`COMPILED`: `jaxscale
-compile --topology=...` with libtpu, no TPU needed), its per-chip memory decides instead: the
-estimate errs far on the safe side on TPU (1b,v5e-16: 10.2 GiB estimated at micro-batch 2,
-where libtpu needs 3.2 GiB; micro-batch 8 x accumulation 2 needs 8.4 GiB and gathers the FSDP
-weights a quarter as often). The other targets are starting points from the estimate, not
-optima. Combinations that cannot work (7b on v4-8, v5e-8 and v5e-16: not even one sequence
-fits; tiny on v5e-256: 64-wide embed over 256 shards) are refused with the list of targets
-that do; `VARIANTS` lists those that work, and
-`python configs/llama.py` prints each one's mesh, micro-batch, accumulation and estimate.
+A target sets the mesh, the rules preset, `bf16-mixed` precision, the attention kernel, and
+the micro-batch and gradient accumulation: the global batch (sequences x seq_len) is a property
+of the SIZE (125m: 256 x 1024, 1b: 256 x 2048, 7b: 512 x 2048), so results are comparable
+across hardware, and the target only decides how many sequences a device processes at once.
+125m is data-parallel (`dp`: its whole Adam state fits every device); tiny, 1b and 7b use FSDP
+(`fsdp`) over the slice/host, and data parallelism across hosts (`mesh.dcn_data`). Attention
+is cuDNN's fused kernel on GPUs and the Pallas splash kernel on TPUs (where the length suits
+it), so no target keeps the (T x T) scores in HBM. On TPU targets the micro-batch is the TPU
+compiler's (`COMPILED`, printed by `python bench/presets.py`, which compiles each SIZE,TARGET
+for the slice with libtpu, no TPU needed): the largest power of two that leaves 10% of HBM
+free. On GPU targets it is the largest power of two whose estimate (`memory_estimate`: 22
+bytes of state per parameter over the FSDP shards, one gathered layer, and activations under
+the size's remat policy) stays under 80% of a device's HBM; on TPU that estimate erred far
+on the safe side (1b,v5e-16: 10.2 GiB estimated at micro-batch 2, where libtpu needs 3.2).
+With accumulation, periodic evaluation is off (`train.eval_every=0`): the eval step runs the
+whole global batch at once. Combinations that cannot work (7b on v4-8 and v5e-8: the
+compiler needs more than their HBM for one sequence; tiny on v5e-256: 64-wide embed over 256
+shards) are refused with the list of targets that do; `VARIANTS` lists those that work, and
+`python configs/llama.py` prints each one's mesh, micro-batch, accumulation and memory.
 Without a TARGET, sizes use all local devices (`data=-1` for 125m, `fsdp=-1` otherwise) and no
 accumulation. Tensor parallelism is not needed at these sizes; for larger meshes try
 `--config.rules_preset=fsdp_tp --config.mesh.tensor=4`.
@@ -74,12 +75,14 @@ class Size:
 
 @dataclass(frozen=True)
 class Target:
-    """Hardware: devices per slice (or host), slices (hosts) over DCN, memory per device."""
+    """Hardware: devices per slice (or host), slices (hosts) over DCN, memory per device, and
+    for a TPU slice the libtpu topology name `jaxscale compile --topology` takes."""
 
     devices: int
     slices: int
     hbm_gib: float
     gpu: bool = False
+    topology: str | None = None
 
     @property
     def total(self) -> int:
@@ -102,30 +105,64 @@ SIZES: dict[str, Size] = {
                     head_dim=128, mlp=11008, max_len=4096),
                "fsdp", "full", seq_len=2048, batch=512, lr=3e-4, warmup=2000, steps=100_000),
 }
+# TPU HBM as the chips table has it (jaxscale/aot/chips.py): v4 32 GiB, v5e 16 GB = 14.9 GiB.
+# The v4 suffix counts TensorCores (2 per chip), so v4-8 is 4 chips.
 TARGETS: dict[str, Target] = {
-    "v4-8": Target(4, 1, 32.0), "v4-32": Target(16, 1, 32.0),
-    "v5e-8": Target(8, 1, 16.0), "v5e-16": Target(16, 1, 16.0),
-    "v5e-64": Target(64, 1, 16.0), "v5e-256": Target(256, 1, 16.0),
+    "v4-8": Target(4, 1, 32.0, topology="v4:2x2x1"),
+    "v4-32": Target(16, 1, 32.0, topology="v4:2x2x4"),
+    "v5e-8": Target(8, 1, 14.9, topology="v5e:2x4"),
+    "v5e-16": Target(16, 1, 14.9, topology="v5e:4x4"),
+    "v5e-64": Target(64, 1, 14.9, topology="v5e:8x8"),
+    "v5e-256": Target(256, 1, 14.9, topology="v5e:16x16"),
     "h100x8": Target(8, 1, 80.0, gpu=True), "2xh100x8": Target(8, 2, 80.0, gpu=True),
 }
+
+
 @dataclass(frozen=True)
 class Compiled:
-    """A target's micro-batch chosen with the TPU compiler, not the estimate: `jaxscale compile
-    --topology=TOPOLOGY --config=configs/llama.py:SIZE,TARGET` (libtpu 0.0.52) reports `gib`
-    per chip (arguments + temporaries) at this micro-batch. The estimate errs on the safe side
-    on TPU (1b on v5e-16: 10.2 GiB estimated at micro-batch 2, 3.2 GiB compiled), which would
-    leave most of the HBM idle and gather the FSDP weights 4x as often as needed."""
+    """A TPU target's micro-batch as the TPU compiler chose it, not the estimate:
+    `python bench/presets.py` compiles SIZE,TARGET for the target's topology (libtpu 0.0.52,
+    nothing runs) at each power-of-two micro-batch, largest first, and keeps the first whose
+    total per chip (arguments + temporaries) leaves 10% of HBM free (`FIT_MARGIN`, the
+    planner's default). `gib` is that total; with `micro_batch` 0 not even one sequence fits
+    and `gib` is what the compiler asked for at one (a lower bound where libtpu refused the
+    step outright: its temporaries alone). `step_ms` is the roofline step-time ESTIMATE (full
+    overlap, no overlap), never a measurement."""
 
     micro_batch: int
     gib: float
-    topology: str
+    step_ms: tuple[float, float] = (0.0, 0.0)
 
 
-# Measured (tests/test_aot.py::test_preset_fits_its_target compiles every TPU preset).
+FIT_MARGIN = 0.1  # fraction of HBM a compiled TPU preset leaves free
+# Printed by `python bench/presets.py` (libtpu 0.0.52); checked against the compiler in every
+# `make test` (tests/test_aot.py::test_preset_fits_its_target).
 COMPILED: dict[tuple[str, str], Compiled] = {
-    ("1b", "v5e-16"): Compiled(8, 8.4, "v5e:4x4"),
-    ("7b", "v5e-64"): Compiled(8, 12.9, "v5e:8x8"),  # `jaxscale plan`'s winner on v5e-64
+    ("tiny", "v4-8"): Compiled(4, 0.00, (0.005211, 0.005806)),
+    ("tiny", "v4-32"): Compiled(1, 0.00, (0.007359, 0.007508)),
+    ("tiny", "v5e-8"): Compiled(2, 0.00, (0.00651, 0.006925)),
+    ("tiny", "v5e-16"): Compiled(1, 0.00, (0.007359, 0.007567)),
+    ("tiny", "v5e-64"): Compiled(1, 0.00, (0.01132, 0.01152)),
+    ("125m", "v4-8"): Compiled(32, 28.50, (183.6, 191.6)),
+    ("125m", "v4-32"): Compiled(16, 13.73, (45.89, 52.77)),
+    ("125m", "v5e-8"): Compiled(8, 9.13, (128.1, 137.5)),
+    ("125m", "v5e-16"): Compiled(8, 9.13, (64.06, 74.12)),
+    ("125m", "v5e-64"): Compiled(4, 4.86, (16.02, 23.23)),
+    ("125m", "v5e-256"): Compiled(1, 2.74, (7.302, 11.31)),
+    ("1b", "v4-8"): Compiled(32, 19.10, (4154, 4257)),
+    ("1b", "v4-32"): Compiled(16, 9.16, (1038, 1159)),
+    ("1b", "v5e-8"): Compiled(16, 10.77, (2899, 3149)),
+    ("1b", "v5e-16"): Compiled(16, 9.31, (1450, 1570)),
+    ("1b", "v5e-64"): Compiled(4, 2.18, (362.4, 449.2)),
+    ("1b", "v5e-256"): Compiled(1, 1.06, (90.6, 177.6)),
+    ("7b", "v4-8"): Compiled(0, 35.30, (0, 0)),
+    ("7b", "v4-32"): Compiled(16, 24.29, (12870, 14344)),
+    ("7b", "v5e-8"): Compiled(0, 18.42, (0, 0)),
+    ("7b", "v5e-16"): Compiled(4, 12.77, (17965, 23739)),
+    ("7b", "v5e-64"): Compiled(8, 11.46, (4491, 5018)),
+    ("7b", "v5e-256"): Compiled(2, 2.98, (1123, 1653)),
 }
+SPLASH_LANES = 128  # the splash kernel needs lengths on its 128 grid (models/splash.py)
 STATE_BYTES_PER_PARAM = 22  # f32 weights, Adam mu/nu, gradient, accumulator; bf16 copy
 HBM_FRACTION = 0.8          # headroom for XLA's own buffers, collectives and fragmentation
 
@@ -156,16 +193,17 @@ def memory_estimate(size: str, target: Target, micro_batch: int) -> int:
     return state + gathered + micro_batch * per_seq
 
 
-def micro_batch(size: str, target: Target, name: str | None = None) -> int:
-    """The micro-batch the TPU compiler chose for SIZE on target `name` (`COMPILED`), else the
-    largest power-of-two sequences per device whose estimate fits, at most the device's share
-    of the global batch (0: not even one fits)."""
-    if (size, name) in COMPILED:
-        return COMPILED[(size, name)].micro_batch
-    limit = SIZES[size].batch // min(target.total, SIZES[size].batch)
-    budget = HBM_FRACTION * target.hbm_gib * 2**30
+def micro_batch(size: str, target: str) -> int:
+    """Sequences per device at once on TARGET: the TPU compiler's choice (`COMPILED`), else the
+    largest power of two whose estimate fits, at most the device's share of the global batch
+    (0: not even one fits)."""
+    if (size, target) in COMPILED:
+        return COMPILED[(size, target)].micro_batch
+    t = TARGETS[target]
+    limit = SIZES[size].batch // min(t.total, SIZES[size].batch)
+    budget = HBM_FRACTION * t.hbm_gib * 2**30
     b = 1 << int(math.log2(limit))
-    while b and memory_estimate(size, target, b) > budget:
+    while b and memory_estimate(size, t, b) > budget:
         b //= 2
     return b
 
@@ -176,7 +214,12 @@ def why_not(size: str, target: str) -> str | None:
     if s.strategy == "fsdp" and s.model["embed"] % t.devices:
         return (f"FSDP over its {t.devices} devices would split the {s.model['embed']}-wide embed "
                 "dimension unevenly")
-    if micro_batch(size, t) == 0:
+    if micro_batch(size, target) == 0:
+        compiled = COMPILED.get((size, target))
+        if compiled:
+            return (f"its training state and one sequence need {compiled.gib:.1f} GiB per chip "
+                    f"or more as the TPU compiler has it, over {1 - FIT_MARGIN:.0%} of the "
+                    f"{t.hbm_gib:.1f} GiB of HBM")
         return (f"its training state and one sequence need about "
                 f"{memory_estimate(size, t, 1) / 2**30:.0f} GiB per device, more than "
                 f"{HBM_FRACTION:.0%} of the {t.hbm_gib:.0f} GiB of HBM")
@@ -211,7 +254,14 @@ def parse_arg(arg: str | None) -> tuple[str, str | None]:
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
-    size_name, target_name = parse_arg(arg)
+    return build(*parse_arg(arg))
+
+
+def build(size_name: str, target_name: str | None = None,
+          micro: int | None = None) -> mlc.ConfigDict:
+    """The config of SIZE on TARGET with `micro` sequences per device at once (default: the
+    target's `micro_batch`). Unchecked: `get_config` refuses combinations that do not fit;
+    `bench/presets.py` calls this to find out which do."""
     s = SIZES[size_name]
     c = base_config()
     c.model.update(s.model, remat=s.remat)
@@ -230,42 +280,55 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.checkpoint.every = 0
         c.data.eval_batches = 2
     if target_name is not None:
-        t = TARGETS[target_name]
-        b = micro_batch(size_name, t, target_name)
-        batch = max(s.batch, t.total)
-        axis = "data" if s.strategy == "dp" else "fsdp"
-        c.mesh.update(data=1, fsdp=1, dcn_data=t.slices)
-        c.mesh[axis] = t.devices
-        c.data.batch_size = batch
-        c.train.grad_accum = batch // (b * t.total)
-        if c.train.grad_accum > 1:
-            # The eval step runs the whole global batch in one forward pass (it does not
-            # accumulate), i.e. grad_accum times a micro-batch's logits and attention scores:
-            # off by default here; lower data.batch_size to evaluate.
-            c.train.eval_every = 0
-        c.precision = "bf16-mixed"
-        if t.gpu:
-            c.model.attention = "dot_product_attention"
+        _apply_target(c, size_name, target_name, micro)
     return c
 
 
+def _apply_target(c: mlc.ConfigDict, size_name: str, target_name: str,
+                  micro: int | None) -> None:
+    s, t = SIZES[size_name], TARGETS[target_name]
+    b = micro_batch(size_name, target_name) if micro is None else micro
+    batch = max(s.batch, t.total)
+    axis = "data" if s.strategy == "dp" else "fsdp"
+    c.mesh.update(data=1, fsdp=1, dcn_data=t.slices)
+    c.mesh[axis] = t.devices
+    c.data.batch_size = batch
+    c.train.grad_accum = batch // (b * t.total)
+    if c.train.grad_accum > 1:
+        # The eval step runs the whole global batch in one forward pass (it does not
+        # accumulate), i.e. grad_accum times a micro-batch's logits and attention scores:
+        # off by default here; lower data.batch_size to evaluate.
+        c.train.eval_every = 0
+    c.precision = "bf16-mixed"
+    if t.gpu:
+        c.model.attention = "dot_product_attention"
+    elif s.seq_len % SPLASH_LANES == 0:
+        # TPU: the Pallas splash kernel never holds the (B, H, T, T) float32 scores that
+        # einsum keeps in HBM (1B at 64 x 2,048 tokens on v5p-16: 21.9 against 69.4 GiB of
+        # temporaries); the planner picks it on every slice it was run for (README).
+        c.model.attention = "splash"
+
+
 def plan_table() -> str:
-    """One line per SIZE,TARGET: what the target sets, the estimate, and the TPU compiler's
-    per-chip memory where it chose the micro-batch (`COMPILED`)."""
+    """One line per SIZE,TARGET: what the target sets, and the per-chip memory with its source:
+    the TPU compiler's (`COMPILED`, with the step-time estimate) or the estimate's."""
     lines = []
     for v in VARIANTS:
         size, target = parse_arg(v)
         if target is None:
             continue
         c, t = get_config(v), TARGETS[target]
-        b = micro_batch(size, t, target)
+        b = micro_batch(size, target)
         mesh = " ".join(f"{k}={c.mesh[k]}" for k in ("data", "fsdp", "dcn_data") if c.mesh[k] > 1)
         compiled = COMPILED.get((size, target))
+        ms = lambda x: f"{x:,.0f}" if x >= 10 else f"{x:.2g}"
+        memory = (f"{compiled.gib:5.1f} of {t.hbm_gib:4.1f} GiB compiled, step "
+                  f"{ms(compiled.step_ms[0])}..{ms(compiled.step_ms[1])} ms ESTIMATE"
+                  if compiled else f"~{memory_estimate(size, t, b) / 2**30:5.1f} of "
+                  f"{t.hbm_gib:4.1f} GiB estimated")
         lines.append(f"{v:<16} {c.rules_preset:<5} {mesh:<22} micro-batch {b:>2} x "
                      f"{c.train.grad_accum:>2} accumulation = {c.data.batch_size:>3} x "
-                     f"{c.data.seq_len}  ~{memory_estimate(size, t, b) / 2**30:5.1f} of "
-                     f"{t.hbm_gib:.0f} GiB estimated"
-                     + (f", {compiled.gib:.1f} compiled" if compiled else ""))
+                     f"{c.data.seq_len}  {memory}")
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """Find the fastest sharding that fits a TPU topology, by compiling candidates (no TPU needed):
 
     python -m launch.plan --topology=v5p:2x4x4 --config=configs/llama.py:7b \
-        [--top=3] [--hbm_margin=0.1] [--max_candidates=16] [--time_budget_s=3600]
+        [--top=3] [--hbm_margin=0.1] [--max_candidates=16] [--time_budget_s=3600] [--workers=N]
 
 Ranks by a roofline step-time ESTIMATE; prints the winner's --config.* overrides.
 """
@@ -20,8 +20,8 @@ _TOP = flags.DEFINE_integer("top", 3, "How many ranked candidates to print.")
 _MARGIN = flags.DEFINE_float("hbm_margin", 0.1, "Fraction of HBM kept free.")
 _MAX = flags.DEFINE_integer("max_candidates", 16, "Compile at most this many candidates.")
 _BUDGET = flags.DEFINE_float("time_budget_s", 3600.0, "Start no compile after this many s.")
-_WORKERS = flags.DEFINE_integer("workers", 1, "Compiling processes (libtpu allows one per "
-                                 "machine: /tmp/libtpu_lockfile).")
+_WORKERS = flags.DEFINE_integer("workers", 0, "Compiling processes at once (0: one per two "
+                                 "cores; a large compile keeps about 1.6 cores busy).")
 _CACHE = flags.DEFINE_string("cache_dir", os.path.expanduser("~/.cache/jaxscale/plan"),
                              "Compiled results, by hash of config and topology.")
 
@@ -39,7 +39,7 @@ def main(argv):
     require_libtpu()
     results = search(_CONFIG.value, topology, _CACHE.value, _MAX.value, _BUDGET.value,
                      _WORKERS.value, _MARGIN.value)
-    print(format_plan(results, _MARGIN.value, _TOP.value, topology))
+    print(format_plan(results, _MARGIN.value, _TOP.value, topology, _CONFIG.value))
 
 
 if __name__ == "__main__":

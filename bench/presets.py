@@ -1,0 +1,149 @@
+"""Every TPU preset of `configs/llama.py`, sized by the TPU compiler (libtpu, nothing runs).
+
+For each SIZE and TPU TARGET, compiles `llama.build(SIZE, TARGET, micro)` for the target's
+topology at each power-of-two micro-batch (sequences per chip at once; gradient accumulation
+keeps the global batch), largest first, and keeps the first whose total per chip leaves
+`llama.FIT_MARGIN` of HBM free: fewer micro-batches mean fewer FSDP weight gathers per step.
+Prints a markdown table (the README's presets table) and the `COMPILED` entries for
+`configs/llama.py`. Results are cached like the planner's (`--cache_dir`), so a rerun is quick.
+With `--check`, compiles each preset as `configs/llama.py` now sets it (one compile each) and
+writes the results as JSON (`--json`): `make test` checks them against `COMPILED`.
+
+    python bench/presets.py [--sizes=tiny,125m,1b,7b] [--targets=v5e-16,...] [--workers=1]
+    python bench/presets.py --check --json=presets.json [--cache_dir=DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from jaxscale.aot.topology import compile_only_env  # noqa: E402
+
+compile_only_env()
+
+from configs import llama  # noqa: E402
+
+
+def choose(size: str, target: str, cache_dir: str) -> dict:
+    """In a worker process: the largest micro-batch that fits with the margin, and its result
+    (micro 0 and the result at 1 when none fits)."""
+    from jaxscale.aot.plan import compile_cached
+    from jaxscale.aot.topology import parse_topology
+
+    t = llama.TARGETS[target]
+    topology = parse_topology(t.topology)
+    per_chip = max(llama.SIZES[size].batch, t.total) // t.total
+    micros = [m for m in (1 << k for k in range(per_chip.bit_length() - 1, -1, -1))
+              if per_chip % m == 0]
+    tried = []
+    for micro in micros:
+        config = llama.build(size, target, micro)
+        r = compile_cached(json.dumps(config.to_dict(), default=list), topology, cache_dir)
+        tried.append((micro, r))
+        if "error" in r:
+            return {"size": size, "target": target, "micro": micro, "result": r, "tried": tried}
+        if r["total_bytes"] <= r["hbm_bytes"] * (1 - llama.FIT_MARGIN):
+            return {"size": size, "target": target, "micro": micro, "result": r, "tried": tried}
+    return {"size": size, "target": target, "micro": 0, "result": tried[-1][1], "tried": tried}
+
+
+def check(variant: str, cache_dir: str) -> dict:
+    """In a worker process: the preset as configured, compiled for its target's topology."""
+    from jaxscale.aot.plan import compile_cached
+    from jaxscale.aot.topology import parse_topology
+
+    size, target = llama.parse_arg(variant)
+    config = llama.get_config(variant)
+    topology = parse_topology(llama.TARGETS[target].topology)
+    r = compile_cached(json.dumps(config.to_dict(), default=list), topology, cache_dir)
+    micro = llama.micro_batch(size, target)
+    return {"size": size, "target": target, "micro": micro, "result": r, "tried": [(micro, r)]}
+
+
+def row(found: dict) -> str:
+    size, target, micro, r = found["size"], found["target"], found["micro"], found["result"]
+    t = llama.TARGETS[target]
+    gib = lambda n: f"{n / 2**30:.2f}"
+    if "error" in r:
+        return f"| `{size},{target}` | {t.topology} | - | - | failed: {r['error']} | | | |"
+    per_chip = max(llama.SIZES[size].batch, t.total) // t.total
+    accum = per_chip // micro if micro else "-"
+    mesh = ("data" if llama.SIZES[size].strategy == "dp" else "fsdp") + f"={t.devices}"
+    e = r.get("estimate")
+    step = f"{_ms(e['full_overlap_s'])}..{_ms(e['no_overlap_s'])}" if e and micro else "-"
+    mfu = f"{e['mfu_full_overlap']:.0%}" if e and micro and e["mfu_full_overlap"] else "-"
+    total = gib(r["total_bytes"]) + ("" if micro else " at 1: does not fit") + (
+        " (libtpu refused: temporaries alone)" if "over_hbm" in r else "")
+    compile_s = sum(x.get("compile_s", 0.0) for _, x in found["tried"])
+    return (f"| `{size},{target}` | {t.topology} | {mesh} | {micro or '-'} x {accum} | {total} |"
+            f" {gib(r['hbm_bytes'])} | {step} | {mfu} | {len(found['tried'])}, "
+            f"{compile_s:.0f} s |")
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 1 else f"{ms:.3f}"
+
+
+def compiled_entry(found: dict) -> str:
+    r, micro = found["result"], found["micro"]
+    e = r.get("estimate") or {"full_overlap_s": 0.0, "no_overlap_s": 0.0}
+    ms = lambda s: f"{s * 1e3:.0f}" if s >= 1 else f"{s * 1e3:.4g}"
+    step = f"({ms(e['full_overlap_s'])}, {ms(e['no_overlap_s'])})" if micro else "(0, 0)"
+    return (f"    ({found['size']!r}, {found['target']!r}): "
+            f"Compiled({micro}, {r['total_bytes'] / 2**30:.2f}, {step}),")
+
+
+def tpu_variants(sizes: list[str], targets: list[str], check: bool) -> list[tuple[str, str]]:
+    """(size, target) pairs: the presets that exist (`--check`), else every pair whose FSDP
+    shards divide the embed dimension, to ask the compiler which fit."""
+    if check:
+        return [llama.parse_arg(v) for v in llama.VARIANTS
+                if "," in v and v.split(",")[0] in sizes and v.split(",")[1] in targets]
+    return [(s, t) for s in sizes for t in targets
+            if not (llama.SIZES[s].strategy == "fsdp"
+                    and llama.SIZES[s].model["embed"] % llama.TARGETS[t].devices)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=",".join(llama.SIZES))
+    tpu = [name for name, t in llama.TARGETS.items() if t.topology]
+    parser.add_argument("--targets", default=",".join(tpu))
+    parser.add_argument("--check", action="store_true", help="compile the presets as set")
+    parser.add_argument("--json", default=None, help="write {variant: result} here")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--cache_dir", default=os.path.expanduser("~/.cache/jaxscale/plan"))
+    args = parser.parse_args()
+    jobs = tpu_variants(args.sizes.split(","), args.targets.split(","), args.check)
+    print("| preset | topology | mesh | micro-batch x accumulation | compiled GiB/chip | "
+          "HBM GiB | step ms ESTIMATE | MFU (est.) | compiles, s |")
+    print("|---|---|---|---|---:|---:|---|---:|---|")
+    found = []
+    ctx = multiprocessing.get_context("spawn")  # libtpu and jax are not fork-safe
+    with cf.ProcessPoolExecutor(args.workers, mp_context=ctx,
+                                initializer=compile_only_env) as pool:
+        tasks = ([pool.submit(check, f"{s},{t}", args.cache_dir) for s, t in jobs] if args.check
+                 else [pool.submit(choose, s, t, args.cache_dir) for s, t in jobs])
+        for task in tasks:
+            found.append(task.result())
+            print(row(found[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{x['size']},{x['target']}": x["result"] for x in found}, f)
+    if not args.check:
+        print("\nCOMPILED = {")
+        print("\n".join(compiled_entry(f) for f in found if "error" not in f["result"]))
+        print("}")
+
+
+if __name__ == "__main__":
+    main()
