@@ -22,7 +22,8 @@ from jaxscale.aot.topology import TopologyError, has_libtpu, parse_topology
 from jaxscale.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# libtpu allows one process per machine (/tmp/libtpu_lockfile): one xdist worker runs these.
+# One xdist worker runs these (`--dist=loadgroup`): a TPU compile keeps about 1.6 cores busy,
+# so two at once on a 2-core machine would only slow each other and the rest of the suite.
 needs_libtpu = [pytest.mark.skipif(not has_libtpu(),
                                    reason="libtpu is not installed (pip install 'jaxscale[tpu]')"),
                 pytest.mark.xdist_group("libtpu")]

@@ -27,7 +27,6 @@ from jaxscale.aot.topology import Topology, TopologyError, topology_devices
 from jaxscale.errors import JaxscaleError, MeshError, paragraph
 
 
-
 def fit_advice(config: mlc.ConfigDict) -> str:
     """What would make `config`'s step need less HBM per chip, most effective first, leaving
     out what it does already (this module's out-of-HBM error and the planner)."""
