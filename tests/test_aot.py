@@ -359,6 +359,36 @@ def test_splash_attention_compiles_for_tpu_with_its_flops_labelled(tmp_path):
 
 
 @libtpu_test
+@pytest.mark.parametrize("dcn, kinds, groups", [
+    (["--num_slices=2", "--config.mesh.dcn_data=2"], {"all-reduce"}, {2}),
+    # FSDP and data parallelism over 2 x 2 slices: pairs of slices, and the loss over all 4.
+    (["--num_slices=4", "--config.mesh.dcn_data=2", "--config.mesh.dcn_fsdp=2"],
+     {"all-reduce", "all-gather", "all-to-all"}, {2, 4}),
+    (["--num_slices=2", "--config.mesh.dcn_pipeline=2", "--config.pipeline.microbatches=4"],
+     {"all-reduce", "all-gather", "reduce-scatter", "collective-permute"}, {2}),
+], ids=["dcn_data", "dcn_data_fsdp", "dcn_pipeline"])
+def test_multislice_collectives_cross_dcn(dcn, kinds, groups, tmp_path):
+    # libtpu compiles one slice's program and hands what crosses slices to the Megascale
+    # runtime as host-transfer sends: those are the DCN collectives, in groups of slices, and
+    # the collectives that only feed them (the FSDP reduce-scatter before the data-parallel
+    # all-reduce) still count.
+    out = tmp_path / "r.json"
+    proc = _run(["launch.compile", "--topology=v5e:2x2", *TINY, "--config.mesh.fsdp=4",
+                 *dcn, f"--out={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    across = [c for c in r["collectives"] if c["dcn"]]
+    assert {c["kind"] for c in across} == kinds
+    assert {c["group"] for c in across} == groups
+    assert all(c["executions"] >= 1 for c in r["collectives"]), r["collectives"]
+    assert r["estimate"]["dcn_s"] > 0 and re.search(r"all-reduce +DCN", proc.stdout)
+    if dcn[-1] == "--config.mesh.dcn_data=2":  # the gradients, reduce-scattered within a slice
+        params = llama.num_params("tiny")
+        grads = sum(c["bytes"] * c["executions"] for c in across)
+        assert params * 2 / 4 <= grads <= params * 4, grads
+
+
+@libtpu_test
 def test_compile_refused_for_hbm_is_one_paragraph_with_the_fixes(tmp_path):
     # libtpu stops with CompileTimeHbmOom (einsum scores of 256 sequences of 2,048 tokens a
     # chip): one paragraph with its sizes and what would make the step fit, no traceback.

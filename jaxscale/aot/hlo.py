@@ -42,6 +42,15 @@ _CONST = re.compile(r"constant\((-?\d+)\)")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _CHANNEL = re.compile(r"channel_id=(\d+)")
 _FUSED_COLLECTIVE = "all-reduce-scatter"  # libtpu's reduce-scatter, as a fusion
+# Multi-slice: libtpu compiles one slice's program and hands the collectives that cross slices
+# to the Megascale runtime as host-transfer `send`s, their kind and groups in attributes.
+_MEGASCALE_KIND = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
+_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
+                    "REDUCE_SCATTER": "reduce-scatter", "ALL_TO_ALL": "all-to-all",
+                    "ONE_TO_ONE": "collective-permute"}
+_MEGASCALE_SLICES = re.compile(r'_xla_megascale_target="\{([\d,]+)\}x')  # "{1,2}x{0:3}"
+_MEGASCALE_GROUP = re.compile(r"_xla_megascale_target=\{\{([\d,]+)\}")      # {{100000,200000},..
+_SIDE_EFFECTS = ("send", "send-done", "outfeed")  # live without feeding the ROOT
 
 
 @dataclass(frozen=True)
@@ -112,13 +121,15 @@ def parse(hlo: str) -> Module:
 
 
 def _live(instrs: list[Instr]) -> list[Instr]:
-    """The instructions the ROOT depends on: the HLO right after SPMD partitioning still holds
-    the dots that windowed-einsum loops replaced (dead until DCE), which must not count."""
+    """The instructions the ROOT or a side effect (a send across slices) depends on: the HLO
+    right after SPMD partitioning still holds the dots that windowed-einsum loops replaced
+    (dead until DCE), which must not count."""
     if not instrs:
         return instrs
     by_name = {i.name: i for i in instrs}
     root = next((i for i in instrs if i.is_root), instrs[-1])
-    seen, stack = {root.name}, [root]
+    stack = [root] + [i for i in instrs if i.opcode in _SIDE_EFFECTS]
+    seen = {i.name for i in stack}
     while stack:
         for op in _OP.findall(stack.pop().rest.split("), ")[0]):
             if op in by_name and op not in seen:
@@ -262,6 +273,8 @@ def collectives(module: Module | str, slice_of: list[int] | None = None) -> list
         count, looped = module.mult.get(comp, (0, False))
         for ins in instrs:
             kind = ins.opcode[:-6] if ins.opcode.endswith("-start") else ins.opcode
+            if kind == "send" and _MEGASCALE_KIND.search(ins.rest):
+                found.append((comp, _megascale(ins, count, looped)))
             if kind not in KINDS:
                 continue
             size = shape_bytes(ins.shape)
@@ -290,6 +303,27 @@ def collectives(module: Module | str, slice_of: list[int] | None = None) -> list
             found.append((comp, Collective(kind, size, count, looped, ins.name, group, dcn,
                                            int(channel.group(1)) if channel else 0)))
     return _one_per_channel(found)
+
+
+def _megascale(ins: Instr, count: int, looped: bool) -> Collective:
+    """A collective across slices, as libtpu hands it to the Megascale runtime: the send's
+    payload (times the slices for an all-gather, whose bytes are the gathered result), in a
+    group of as many slices as its target names (device ids are slice * 100000 + chip)."""
+    kind = _MEGASCALE_KINDS.get(_MEGASCALE_KIND.search(ins.rest).group(1), "all-to-all")
+    payload = _ARRAY.search(ins.shape)
+    size = shape_bytes(payload.group(0)) if payload else 0
+    compact, listed = _MEGASCALE_SLICES.search(ins.rest), _MEGASCALE_GROUP.search(ins.rest)
+    if compact:
+        slices = len(compact.group(1).split(","))
+    elif listed:
+        slices = len({int(x) // 100000 for x in listed.group(1).split(",")})
+    else:
+        slices = 2  # one-to-one pairs {{a->b},...}
+    if kind == "all-gather":
+        size *= slices
+    channel = _CHANNEL.search(ins.rest)
+    return Collective(kind, size, count, looped, ins.name, slices, True,
+                      int(channel.group(1)) if channel else 0)
 
 
 def _one_per_channel(found: list[tuple[str, Collective]]) -> list[Collective]:
