@@ -35,7 +35,7 @@ from configs import llama  # noqa: E402
 def choose(size: str, target: str, cache_dir: str) -> dict:
     """In a worker process: the largest micro-batch that fits with the margin, and its result
     (micro 0 and the result at 1 when none fits)."""
-    from jaxscale.aot.plan import compile_cached
+    from jaxscale.aot.search import compile_cached
     from jaxscale.aot.topology import parse_topology
 
     t = llama.TARGETS[target]
@@ -57,7 +57,7 @@ def choose(size: str, target: str, cache_dir: str) -> dict:
 
 def check(variant: str, cache_dir: str) -> dict:
     """In a worker process: the preset as configured, compiled for its target's topology."""
-    from jaxscale.aot.plan import compile_cached
+    from jaxscale.aot.search import compile_cached
     from jaxscale.aot.topology import parse_topology
 
     size, target = llama.parse_arg(variant)
@@ -69,6 +69,8 @@ def check(variant: str, cache_dir: str) -> dict:
 
 
 def row(found: dict) -> str:
+    """One markdown row: the preset, its slice, micro-batch x accumulation, compiled memory,
+    the step-time estimate and the compiles it took."""
     size, target, micro, r = found["size"], found["target"], found["micro"], found["result"]
     t = llama.TARGETS[target]
     gib = lambda n: f"{n / 2**30:.2f}"
@@ -89,11 +91,13 @@ def row(found: dict) -> str:
 
 
 def _ms(seconds: float) -> str:
+    """Milliseconds with the digits that matter, from 0.005 to 23,739."""
     ms = seconds * 1e3
     return f"{ms:,.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 1 else f"{ms:.3f}"
 
 
 def compiled_entry(found: dict) -> str:
+    """The `COMPILED` line of configs/llama.py for one SIZE,TARGET."""
     r, micro = found["result"], found["micro"]
     e = r.get("estimate") or {"full_overlap_s": 0.0, "no_overlap_s": 0.0}
     ms = lambda s: f"{s * 1e3:.0f}" if s >= 1 else f"{s * 1e3:.4g}"
@@ -102,10 +106,11 @@ def compiled_entry(found: dict) -> str:
             f"Compiled({micro}, {r['total_bytes'] / 2**30:.2f}, {step}),")
 
 
-def tpu_variants(sizes: list[str], targets: list[str], check: bool) -> list[tuple[str, str]]:
+def tpu_variants(sizes: list[str], targets: list[str], existing: bool
+                 ) -> list[tuple[str, str]]:
     """(size, target) pairs: the presets that exist (`--check`), else every pair whose FSDP
     shards divide the embed dimension, to ask the compiler which fit."""
-    if check:
+    if existing:
         return [llama.parse_arg(v) for v in llama.VARIANTS
                 if "," in v and v.split(",")[0] in sizes and v.split(",")[1] in targets]
     return [(s, t) for s in sizes for t in targets
@@ -114,6 +119,7 @@ def tpu_variants(sizes: list[str], targets: list[str], check: bool) -> list[tupl
 
 
 def main() -> None:
+    """Prints the table (and `COMPILED`, unless --check); --json writes every result."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(llama.SIZES))
     tpu = [name for name, t in llama.TARGETS.items() if t.topology]

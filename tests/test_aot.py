@@ -1,38 +1,25 @@
-"""Ahead-of-time compilation for TPU topologies (`launch.compile`, `launch.plan`), the HLO
-accounting, the roofline estimate, and the config error for an unused mesh axis.
+"""Ahead-of-time compilation for TPU topologies (`launch.compile`): the HLO accounting, the
+roofline estimate, and the config error for an unused mesh axis. The planner's tests are in
+test_plan.py, the presets' in test_presets.py.
 
-The compile tests run the entry points in subprocesses (libtpu is loaded there, never in the
-test process) on a 4-chip v5p slice with the tiny Llama; they are skipped without libtpu.
+The compile tests run the entry point in subprocesses (libtpu is loaded there, never in the
+test process) on small v5p / v5e slices; they are skipped without libtpu.
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from aot_common import TINY, libtpu_test, run_module
 from configs import llama
 from jaxscale import config as config_lib
 from jaxscale.aot import hlo
 from jaxscale.aot.chips import CHIPS
+from jaxscale.aot.groups import replica_groups
 from jaxscale.aot.roofline import collective_seconds, estimate
-from jaxscale.aot.topology import TopologyError, has_libtpu, parse_topology
+from jaxscale.aot.topology import TopologyError, parse_topology
 from jaxscale.errors import ConfigError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# One xdist worker runs these (`--dist=loadgroup`): a TPU compile keeps about 1.6 cores busy,
-# so two at once on a 2-core machine would only slow each other and the rest of the suite.
-needs_libtpu = [pytest.mark.skipif(not has_libtpu(),
-                                   reason="libtpu is not installed (pip install 'jaxscale[tpu]')"),
-                pytest.mark.xdist_group("libtpu")]
-
-
-def libtpu_test(fn):
-    for mark in needs_libtpu:
-        fn = mark(fn)
-    return fn
 
 
 def test_unused_mesh_axis_is_a_config_error():
@@ -53,13 +40,13 @@ def test_unknown_topology_lists_the_known_ones():
 
 
 def test_replica_groups_in_every_hlo_format():
-    assert hlo._groups("replica_groups={{0,1},{2,3}}, x", 4) == [[0, 1], [2, 3]]
-    assert hlo._groups("replica_groups=[2,4]<=[8], x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert hlo._groups("replica_groups=[4,2]<=[2,4]T(1,0), x", 8) == [[0, 4], [1, 5], [2, 6],
+    assert replica_groups("replica_groups={{0,1},{2,3}}, x", 4) == [[0, 1], [2, 3]]
+    assert replica_groups("replica_groups=[2,4]<=[8], x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert replica_groups("replica_groups=[4,2]<=[2,4]T(1,0), x", 8) == [[0, 4], [1, 5], [2, 6],
                                                                        [3, 7]]
-    assert hlo._groups("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, x", 4) == [
+    assert replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, x", 4) == [
         [0, 1], [2, 3]]
-    assert hlo._groups("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}, x", 4) == [
+    assert replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}, x", 4) == [
         [0, 2], [1, 3]]
 
 
@@ -221,82 +208,10 @@ def test_roofline_ring_formula_and_bounds():
     assert est.mfu_full_overlap == pytest.approx(0.25 / est.full_overlap_s)
 
 
-def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
-    from jaxscale.aot.plan import Candidate, _dominated, apply, candidates
-
-    c = llama.get_config("tiny")
-    found = [apply(c, cand.overrides) for cand in candidates(c, parse_topology("v5p:2x2x2"))]
-    assert found[0].mesh.fsdp == 8 and found[0].mesh.pipeline == 1  # likeliest winner first
-    piped = [x for x in found if x.mesh.pipeline > 1]
-    assert {x.pipeline.schedule for x in piped} == {"1f1b", "gpipe"}
-    assert all(c.model.num_layers % x.mesh.pipeline == 0 for x in piped)
-    assert all((x.data.batch_size // x.train.grad_accum) % x.pipeline.microbatches == 0
-               for x in piped)
-    assert found.index(piped[0]) > max(i for i, x in enumerate(found) if x.mesh.pipeline == 1)
-    assert {x.model.remat for x in found} == {"full", "dots", "none"}
-    # `tp` without tensor parallelism is `dp`, and `dp` over fsdp is `dp` over data: not searched.
-    assert not any(x.rules_preset in ("tp", "fsdp_tp") and x.mesh.tensor == 1 for x in found)
-    assert not any(x.rules_preset == "dp" and x.mesh.fsdp > 1 for x in found)
-    # More accumulation than a fitting candidate with the same settings cannot win.
-    fits = Candidate({"mesh.fsdp": 8, "train.grad_accum": 2})
-    assert _dominated(Candidate({"mesh.fsdp": 8, "train.grad_accum": 4}), [fits])
-    assert not _dominated(Candidate({"mesh.fsdp": 8}), [fits])
-    assert not _dominated(Candidate({"mesh.fsdp": 4, "train.grad_accum": 4}), [fits])
-    # So does a chunked loss where the whole one fits; where it does not, chunking is tried
-    # before more accumulation.
-    whole = Candidate({"mesh.fsdp": 8, "model.loss_chunks": 1})
-    assert _dominated(Candidate({"mesh.fsdp": 8, "model.loss_chunks": 8}), [whole])
-    assert not _dominated(Candidate({"mesh.fsdp": 8, "model.loss_chunks": 1}), [whole])
-    assert not _dominated(Candidate({"mesh.fsdp": 8, "model.loss_chunks": 1}),
-                          [Candidate({"mesh.fsdp": 8, "model.loss_chunks": 8})])
-    mesh_of = lambda x: (x.mesh.pipeline, x.mesh.fsdp, x.mesh.data, x.mesh.tensor, x.rules_preset,
-                         x.model.remat, x.model.attention)
-    first = [x for x in found if mesh_of(x) == mesh_of(found[0])]
-    assert [(x.train.grad_accum, x.model.loss_chunks) for x in first[:3]] == [(1, 1), (1, 8), (2, 1)]
-    # The attention implementation is a choice where the splash kernel applies (length on its
-    # 128 grid): splash first, einsum too; the tiny preset's 64 tokens keep einsum alone.
-    assert {x.model.attention for x in found} == {"einsum"}
-    c.data.seq_len = 256
-    found = [apply(c, cand.overrides) for cand in candidates(c, parse_topology("v5p:2x2x2"))]
-    assert found[0].model.attention == "splash"
-    assert {x.model.attention for x in found} == {"splash", "einsum"}
-
-
-def test_planner_tries_no_remat_first_only_where_the_guess_says_it_fits():
-    from jaxscale.aot.plan import Candidate, _dominated, apply, iter_candidates
-
-    first = lambda c, topology: apply(c, next(iter_candidates(c, parse_topology(topology))).overrides)
-    # 1B at 4 sequences of 2,048 a chip on v5p-16: compiled without remat it needs 22.7 GiB of
-    # 95 (bench/RESULTS.md) and skips the 1.24x recompute, so it is tried first.
-    c = llama.get_config("1b")
-    c.data.batch_size = 64
-    assert first(c, "v5p:2x2x4").model.remat == "none"
-    # 7B at 16 sequences a chip on v5p-32 would need about 180 GB of activations: full first.
-    assert first(llama.get_config("7b"), "v5p:2x4x4").model.remat == "full"
-    # On v5e-16 (16 GB a chip) the same 1B step is guessed over: full first.
-    assert first(c, "v5e:4x4").model.remat == "full"
-    # Where no remat fits, more remat with the same settings cannot win.
-    none = Candidate({"mesh.fsdp": 8, "model.remat": "none"})
-    assert _dominated(Candidate({"mesh.fsdp": 8, "model.remat": "full"}), [none])
-    assert not _dominated(Candidate({"mesh.fsdp": 8, "model.remat": "none"}),
-                          [Candidate({"mesh.fsdp": 8, "model.remat": "full"})])
-
-
-def _run(args, tmp_path):
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
-    env.pop("JAX_PLATFORMS", None)
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
-
-
-TINY = ["--config=configs/llama.py:tiny", "--config.precision=bf16-mixed"]
-
-
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot") / "report.json"
-    proc = _run(["launch.compile", "--topology=v5p:2x2x1", *TINY, "--config.mesh.fsdp=4",
+    proc = run_module(["launch.compile", "--topology=v5p:2x2x1", *TINY, "--config.mesh.fsdp=4",
                  f"--out={out}"], out.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, json.loads(out.read_text())
@@ -327,7 +242,7 @@ def test_compiled_flops_match_model_plus_remat_recompute(tmp_path):
     # accounting once counted twice (1.9x). Full remat recomputes each layer's forward but its
     # down projection: compiled = model + that recompute (aot.flops), 1.20x the model count.
     out = tmp_path / "r.json"
-    proc = _run(["launch.compile", "--topology=v5p:2x2x2", "--config=configs/llama.py:1b",
+    proc = run_module(["launch.compile", "--topology=v5p:2x2x2", "--config=configs/llama.py:1b",
                  "--config.model.num_layers=2", "--config.data.batch_size=8",
                  "--config.mesh.fsdp=8", f"--out={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -347,7 +262,7 @@ def test_splash_attention_compiles_for_tpu_with_its_flops_labelled(tmp_path):
     # The chunked loss recomputes the head's forward (2·E·V a token, 11% of this model's
     # count), which the expected count includes.
     out = tmp_path / "r.json"
-    proc = _run(["launch.compile", "--topology=v5p:2x2x1", "--config=configs/llama.py:1b",
+    proc = run_module(["launch.compile", "--topology=v5p:2x2x1", "--config=configs/llama.py:1b",
                  "--config.model.num_layers=2", "--config.data.batch_size=4",
                  "--config.mesh.fsdp=4", "--config.model.attention=splash",
                  "--config.model.loss_chunks=4", f"--out={out}"], tmp_path)
@@ -373,7 +288,7 @@ def test_multislice_collectives_cross_dcn(dcn, kinds, groups, tmp_path):
     # the collectives that only feed them (the FSDP reduce-scatter before the data-parallel
     # all-reduce) still count.
     out = tmp_path / "r.json"
-    proc = _run(["launch.compile", "--topology=v5e:2x2", *TINY, "--config.mesh.fsdp=4",
+    proc = run_module(["launch.compile", "--topology=v5e:2x2", *TINY, "--config.mesh.fsdp=4",
                  *dcn, f"--out={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -385,14 +300,14 @@ def test_multislice_collectives_cross_dcn(dcn, kinds, groups, tmp_path):
     if dcn[-1] == "--config.mesh.dcn_data=2":  # the gradients, reduce-scattered within a slice
         params = llama.num_params("tiny")
         grads = sum(c["bytes"] * c["executions"] for c in across)
-        assert params * 2 / 4 <= grads <= params * 4, grads
+        assert params * 2 / 4 <= grads <= params * 2, grads  # bf16: a shard .. one copy
 
 
 @libtpu_test
 def test_compile_refused_for_hbm_is_one_paragraph_with_the_fixes(tmp_path):
     # libtpu stops with CompileTimeHbmOom (einsum scores of 256 sequences of 2,048 tokens a
     # chip): one paragraph with its sizes and what would make the step fit, no traceback.
-    proc = _run(["launch.compile", "--topology=v5e:2x2", *TINY, "--config.mesh.fsdp=4",
+    proc = run_module(["launch.compile", "--topology=v5e:2x2", *TINY, "--config.mesh.fsdp=4",
                  "--config.data.seq_len=2048", "--config.model.max_len=2048",
                  "--config.data.batch_size=1024"], tmp_path)
     assert proc.returncode == 2
@@ -404,109 +319,7 @@ def test_compile_refused_for_hbm_is_one_paragraph_with_the_fixes(tmp_path):
 
 @libtpu_test
 def test_compile_mesh_mismatch_is_one_paragraph(tmp_path):
-    proc = _run(["launch.compile", "--topology=v5p:2x2x1", *TINY, "--config.mesh.fsdp=3"],
+    proc = run_module(["launch.compile", "--topology=v5p:2x2x1", *TINY, "--config.mesh.fsdp=3"],
                 tmp_path)
     assert proc.returncode == 2
     assert "v5p:2x2x1 (4 chips)" in proc.stderr and "Traceback" not in proc.stderr
-
-
-@libtpu_test
-@pytest.mark.slow
-def test_plan_ranks_compiled_candidates_and_caches(tmp_path):
-    # Two compiling processes at once (libtpu's process lock is lifted for compile-only use);
-    # the rerun, one process from the cache, prints the same table in the same order.
-    args = ["launch.plan", "--topology=v5p:2x2x1", *TINY, "--max_candidates=3", "--top=3",
-            f"--cache_dir={tmp_path}"]
-    proc = _run([*args, "--workers=2"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "3 candidates compiled" in proc.stdout and "winner: --config." in proc.stdout
-    cached = sorted(tmp_path.glob("*.json"))  # 3, and any compiled alongside, then dropped
-    assert len(cached) >= 3
-    again = _run([*args, "--workers=1"], tmp_path)
-    assert again.stdout == proc.stdout
-    assert sorted(tmp_path.glob("*.json")) == cached  # nothing compiled again
-
-
-@libtpu_test
-def test_plan_with_nothing_fitting_names_the_closest_and_what_is_left_to_try(tmp_path):
-    # 1B on one 16 GB v5e chip: its state alone is 13 GB, so libtpu refuses every candidate.
-    # The advice leaves out what the candidates do already (full remat, splash attention).
-    proc = _run(["launch.plan", "--topology=v5e:1x1", "--config=configs/llama.py:1b",
-                 "--config.data.batch_size=1", "--max_candidates=2",
-                 f"--cache_dir={tmp_path}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "0 fit with a 10% HBM margin, 2 do not" in proc.stdout
-    advice = re.search(r"No candidate fits\. Closest: (.*) at [\d.]+ GiB per chip, over the "
-                       r"13\.4 GiB budget by [\d.]+ GiB\. To fit: (.*)\.", proc.stdout)
-    assert advice, proc.stdout
-    assert "attention=splash" in advice[1]
-    assert "more chips" in advice[2] and "optim.name=adam8bit" in advice[2]
-    assert "remat=full" not in advice[2] and "attention=splash" not in advice[2]
-
-
-def test_a_compiling_process_that_dies_fails_only_its_candidate():
-    import concurrent.futures as cf
-    import multiprocessing
-
-    from jaxscale.aot.plan import _result
-
-    with cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        result = _result(pool.submit(os._exit, 1))  # a worker killed mid-compile
-    assert result["error"].startswith("the compiling process died")
-
-
-TPU_TARGETS = {name: t for name, t in llama.TARGETS.items() if not t.gpu}
-PRESET_VARIANTS = [v for v in llama.VARIANTS if "," in v and v.split(",")[1] in TPU_TARGETS]
-
-
-def test_every_tpu_preset_is_sized_by_the_compiler():
-    for name, target in TPU_TARGETS.items():
-        assert parse_topology(target.topology).num_chips == target.total, name
-    # Every SIZE,TARGET pair the compiler was asked about has its answer in COMPILED, and the
-    # variants are exactly those it said fit (`bench/presets.py`), except where FSDP cannot
-    # split the embed dimension (never compiled).
-    for size, spec in llama.SIZES.items():
-        for target, t in TPU_TARGETS.items():
-            divides = spec.strategy == "dp" or spec.model["embed"] % t.devices == 0
-            compiled = llama.COMPILED.get((size, target))
-            assert (compiled is not None) == divides, (size, target)
-            if compiled is None:
-                continue
-            fits = compiled.micro_batch > 0
-            assert (f"{size},{target}" in llama.VARIANTS) == fits, (size, target)
-            assert (compiled.gib <= (1 - llama.FIT_MARGIN) * t.hbm_gib) == fits, (size, target)
-            if fits:
-                c = llama.get_config(f"{size},{target}")
-                rows = c.data.batch_size // (c.train.grad_accum * t.total)
-                assert rows == compiled.micro_batch and compiled.step_ms[0] > 0
-    with pytest.raises(ConfigError, match="as the TPU compiler has it"):
-        llama.get_config("7b,v5e-8")
-
-
-# Every preset that names a TPU target, compiled for its slice in every `make test` by one
-# `bench/presets.py --check` process (about 4 minutes on a quiet 2-core VM: 1 s for tiny up to
-# 35 s for 7b,v5e-256): each must leave the preset margin of HBM free, and the compiler must
-# still need what `bench/presets.py` recorded in COMPILED.
-@pytest.fixture(scope="module")
-def presets_compiled(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("presets")
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
-    env.pop("JAX_PLATFORMS", None)
-    proc = subprocess.run([sys.executable, "bench/presets.py", "--check", f"--json={tmp}/r.json",
-                           f"--cache_dir={tmp}/cache"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=3600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((tmp / "r.json").read_text())
-
-
-@libtpu_test
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", PRESET_VARIANTS)
-def test_preset_fits_its_target(variant, presets_compiled):
-    report = presets_compiled[variant]
-    assert "error" not in report, report
-    gib = report["total_bytes"] / 2**30
-    assert report["total_bytes"] <= (1 - llama.FIT_MARGIN) * report["hbm_bytes"], f"{gib:.2f} GiB"
-    assert gib == pytest.approx(llama.COMPILED[llama.parse_arg(variant)].gib, abs=0.02), (
-        f"{variant}: the compiler now needs {gib:.2f} GiB per chip; rerun bench/presets.py")

@@ -23,24 +23,9 @@ import ml_collections as mlc
 from jaxscale import config as config_lib
 from jaxscale.aot import flops as flops_lib
 from jaxscale.aot import hlo
+from jaxscale.aot.choices import fit_advice, require_language_model
 from jaxscale.aot.topology import Topology, TopologyError, topology_devices
 from jaxscale.errors import JaxscaleError, MeshError, paragraph
-
-
-def fit_advice(config: mlc.ConfigDict) -> str:
-    """What would make `config`'s step need less HBM per chip, most effective first, leaving
-    out what it does already (this module's out-of-HBM error and the planner)."""
-    m, lora_rank = config.model, config.get("lora", {}).get("rank", 0)
-    fixes = [(True, "more chips (a larger topology or --num_slices)"),
-             (m.get("remat", "none") != "full", "model.remat=full"),
-             (m.get("loss_chunks", 1) == 1,
-              "model.loss_chunks=8 (the LM head and loss a chunk at a time)"),
-             (m.get("attention", "einsum") == "einsum", "model.attention=splash"),
-             (True, "train.grad_accum (fewer sequences at once)"),
-             (config.precision != "bf16-true", "precision=bf16-true"),
-             (config.optim.name != "adam8bit", "optim.name=adam8bit (8-bit Adam states)"),
-             (not lora_rank, "or LoRA (lora.rank=16) for fine-tuning")]
-    return ", ".join(text for applies, text in fixes if applies)
 
 
 _HBM_OOM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds? available HBM \(([\d.]+)G\)")
@@ -54,7 +39,8 @@ class HbmOom(JaxscaleError):
         self.temp_bytes, self.available_bytes = temp_bytes, available_bytes
 
 
-def _hbm_oom(error: Exception, topology: Topology, config: mlc.ConfigDict) -> HbmOom | None:
+def _hbm_oom(error: Exception, topology: Topology, config: mlc.ConfigDict,
+             rows_per_chip: float) -> HbmOom | None:
     """libtpu's CompileTimeHbmOom as a one-paragraph error (its sizes are GiB, printed "G")."""
     found = _HBM_OOM.search(str(error))
     if not found:
@@ -65,7 +51,8 @@ def _hbm_oom(error: Exception, topology: Topology, config: mlc.ConfigDict) -> Hb
         f"temporaries alone need {temp / 2**30:.2f} GiB per chip against the",
         f"{available / 2**30:.2f} GiB it can use ({(temp - available) / 2**30:.2f} GiB over;",
         "arguments such as weights and optimizer state come on top). To fit:",
-        f"{fit_advice(config)}; `launch.plan` searches these for you."), temp, available)
+        f"{fit_advice(config, rows_per_chip)}; `launch.plan` searches these for you."),
+        temp, available)
 
 
 @dataclass
@@ -134,6 +121,7 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
     from jaxscale.train.step import jit_steps
 
     config_lib.validate(config)
+    require_language_model(config)
     devices = topology_devices(topology)
     mesh = _mesh_for(config, topology, devices)
     start = time.perf_counter()
@@ -148,7 +136,9 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         try:
             compiled = train_fn.lower(abstract, batch).compile(compiler_options=options)
         except Exception as e:  # noqa: BLE001 - only libtpu's out-of-HBM refusal is rewritten
-            oom = _hbm_oom(e, topology, config)
+            rows = config.data.batch_size / (
+                config.train.grad_accum * mesh.shape["data"] * mesh.shape["fsdp"])
+            oom = _hbm_oom(e, topology, config, rows)
             if oom is None:
                 raise
             raise oom from None

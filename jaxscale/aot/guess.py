@@ -6,9 +6,10 @@ fits it wins; but for large models it needs several times the HBM (7B at 16 sequ
 about 180 GB of saved activations), and trying it first would spend the budget on refusals.
 This guess decides which to try first. It is never reported and never decides a fit: the
 compiler does (`aot.compile`). Its counts alone fell short of libtpu 0.0.52's totals by 1.27x
-to 1.58x (1B at 4 sequences of 2,048 a chip on v5p-16: 17.0 against 22.6 GiB; 7B at 4 a chip
-on v5p-32: 47.6 against 68.4; 7B at 1 a chip on v5e-64: 12.7 against over 20, refused), so
-they are scaled by `CALIBRATION`, which tells those three apart.
+to 1.58x: 1B at 4 sequences of 2,048 a chip on v5p-16, 20.0 / 18.0 / 17.0 against 25.4 / 23.3 /
+22.6 GiB (data=4 fsdp=4, data=2 fsdp=8, fsdp=16); 7B at 4 a chip on v5p-32, 47.6 against 68.4;
+7B at 1 a chip on v5e-64, 12.7 against at least 20.1 (refused: 18.9 GiB of temporaries and 1.2
+of arguments). So they are scaled by `CALIBRATION`, which tells these apart.
 """
 
 from __future__ import annotations

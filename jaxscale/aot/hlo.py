@@ -10,18 +10,24 @@ dynamic-slice, executed as a reduce-scatter) count as reduce-scatters, and the
 collective-permutes of windowed-einsum loops (FSDP gathers overlapped with matmuls) count once
 per loop iteration (the loop's own counter and step: `_trip_count`); a collective that
 libtpu's async collective fusions repeat (one channel_id in several fusions) counts once.
-Bytes: the gathered result for all-gather, the input for reduce-scatter, the payload
-otherwise; for a collective-permute the payload times the fraction of devices sending.
+Across slices libtpu compiles one slice's program and hands the collectives that leave it to
+its Megascale runtime as host-transfer sends: those count as DCN collectives, and what only
+feeds a send stays live. Bytes: the gathered result for all-gather, the input for
+reduce-scatter, the payload otherwise; for a collective-permute the payload times the fraction
+of devices sending.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import numpy as np
+
+from jaxscale.aot.groups import replica_groups
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
@@ -35,9 +41,6 @@ _CALLS = re.compile(r"(?:body|calls|to_apply|condition|true_computation|false_co
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
-_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _CONST = re.compile(r"constant\((-?\d+)\)")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _CHANNEL = re.compile(r"channel_id=(\d+)")
@@ -48,7 +51,7 @@ _MEGASCALE_KIND = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
 _MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
                     "REDUCE_SCATTER": "reduce-scatter", "ALL_TO_ALL": "all-to-all",
                     "ONE_TO_ONE": "collective-permute"}
-_MEGASCALE_SLICES = re.compile(r'_xla_megascale_target="\{([\d,]+)\}x')  # "{1,2}x{0:3}"
+_MEGASCALE_SLICES = re.compile(r'_xla_megascale_target="\{([\d,:]+)\}x')  # "{1,2}x{0:3}"
 _MEGASCALE_GROUP = re.compile(r"_xla_megascale_target=\{\{([\d,]+)\}")      # {{100000,200000},..
 _SIDE_EFFECTS = ("send", "send-done", "outfeed")  # live without feeding the ROOT
 
@@ -235,36 +238,10 @@ def _multiplicities(module: Module) -> dict[str, tuple[int, bool]]:
     return dict(mult)
 
 
-def _groups(rest: str, partitions: int) -> list[list[int]] | None:
-    """The replica groups of a collective as lists of partition ids (None: all devices)."""
-    m = _GROUPS_LIST.search(rest)
-    if m:
-        groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}",
-                                                                          m.group(1))]
-        return groups or None
-    m = _GROUPS_IOTA.search(rest)
-    if m:
-        out_shape = [int(x) for x in m.group(1).split(",")]
-        ids = np.arange(math.prod(int(x) for x in m.group(2).split(",")))
-        ids = ids.reshape([int(x) for x in m.group(2).split(",")])
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(out_shape[0], -1).tolist()
-    m = _GROUPS_MESH.search(rest)
-    if m:
-        axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
-        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
-        chosen = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(2))]
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
-        others = [i for i in range(len(sizes)) if i not in chosen]
-        grouped = ids.transpose(others + chosen)
-        return grouped.reshape(-1, math.prod(sizes[i] for i in chosen) or 1).tolist()
-    return None
-
-
 def collectives(module: Module | str, slice_of: list[int] | None = None) -> list[Collective]:
-    """Every collective of the module (or HLO text); `slice_of[p]` (multi-slice) marks DCN
-    groups."""
+    """Every collective of the module (or HLO text), DCN ones included: on libtpu, the
+    Megascale sends of a multi-slice program (`_megascale`); elsewhere, groups that span
+    several slices by `slice_of[p]`, the slice of each partition."""
     if isinstance(module, str):
         module = parse(module)
     shapes = {i.name: i.shape for instrs in module.comps.values() for i in instrs}
@@ -274,7 +251,8 @@ def collectives(module: Module | str, slice_of: list[int] | None = None) -> list
         for ins in instrs:
             kind = ins.opcode[:-6] if ins.opcode.endswith("-start") else ins.opcode
             if kind == "send" and _MEGASCALE_KIND.search(ins.rest):
-                found.append((comp, _megascale(ins, count, looped)))
+                found.append((comp, _megascale(ins, count, looped,
+                                               len(set(slice_of)) if slice_of else 2)))
             if kind not in KINDS:
                 continue
             size = shape_bytes(ins.shape)
@@ -292,7 +270,7 @@ def collectives(module: Module | str, slice_of: list[int] | None = None) -> list
                 size = size * pairs.group(1).count("{") // max(module.partitions, 1)
                 if ins.opcode.endswith("-start"):
                     size //= 2  # the async form's shape holds the payload twice (in, out)
-            groups = _groups(ins.rest, module.partitions)
+            groups = replica_groups(ins.rest, module.partitions)
             group = len(groups[0]) if groups else module.partitions
             if kind == "collective-permute":
                 group = 2
@@ -305,25 +283,42 @@ def collectives(module: Module | str, slice_of: list[int] | None = None) -> list
     return _one_per_channel(found)
 
 
-def _megascale(ins: Instr, count: int, looped: bool) -> Collective:
+def _megascale(ins: Instr, count: int, looped: bool, num_slices: int) -> Collective:
     """A collective across slices, as libtpu hands it to the Megascale runtime: the send's
     payload (times the slices for an all-gather, whose bytes are the gathered result), in a
-    group of as many slices as its target names (device ids are slice * 100000 + chip)."""
-    kind = _MEGASCALE_KINDS.get(_MEGASCALE_KIND.search(ins.rest).group(1), "all-to-all")
+    group of as many slices as its target names: `{1,2}x{0:3}` (slices x chips, `a:b` an
+    inclusive range), `{{100000,200000},...}` (device ids slice * 100000 + chip) or
+    `{{100000->200000},...}` (one-to-one pairs). A form this does not know counts as all
+    `num_slices` slices, with a warning."""
+    transfer = _MEGASCALE_KIND.search(ins.rest).group(1)
+    kind = _MEGASCALE_KINDS.get(transfer)
+    if kind is None:
+        _warn_once(f"unknown Megascale transfer type {transfer}: counted as an all-to-all")
+        kind = "all-to-all"
     payload = _ARRAY.search(ins.shape)
     size = shape_bytes(payload.group(0)) if payload else 0
     compact, listed = _MEGASCALE_SLICES.search(ins.rest), _MEGASCALE_GROUP.search(ins.rest)
     if compact:
-        slices = len(compact.group(1).split(","))
+        slices = sum(int(b) - int(a) + 1 if b else 1
+                     for a, _, b in (part.partition(":") for part in compact.group(1).split(",")))
     elif listed:
         slices = len({int(x) // 100000 for x in listed.group(1).split(",")})
+    elif kind == "collective-permute":
+        slices = 2
     else:
-        slices = 2  # one-to-one pairs {{a->b},...}
+        _warn_once(f"unknown Megascale target in {ins.name}: counted over all slices")
+        slices = num_slices
     if kind == "all-gather":
         size *= slices
     channel = _CHANNEL.search(ins.rest)
     return Collective(kind, size, count, looped, ins.name, slices, True,
                       int(channel.group(1)) if channel else 0)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logging.warning("HLO accounting: %s (a libtpu version jaxscale was not tested with?)",
+                    message)
 
 
 def _one_per_channel(found: list[tuple[str, Collective]]) -> list[Collective]:

@@ -102,8 +102,11 @@ def topology_devices(topology: Topology) -> list[Any]:
         if "lockfile" not in str(e):
             raise
         raise TopologyError(paragraph(
-            "Another process on this machine is using libtpu (it allows one at a time, by",
-            "/tmp/libtpu_lockfile): wait for that compile to finish, or stop it, and retry.",
+            "libtpu refused to load: another process on this machine holds its lock",
+            "(/tmp/libtpu_lockfile). jaxscale lifts that lock for compile-only use",
+            "(ALLOW_MULTIPLE_LIBTPU_LOAD=1), so either that variable was set to something",
+            "else here, or a process is using a real TPU: unset the variable, or wait for",
+            "that process to finish, and retry.",
         )) from None
     devices = list(desc.devices)
     if len(devices) != topology.num_chips:  # guards the one-device-per-chip assumption

@@ -24,10 +24,10 @@ across hardware, and the target only decides how many sequences a device process
 125m is data-parallel (`dp`: its whole Adam state fits every device); tiny, 1b and 7b use FSDP
 (`fsdp`) over the slice/host, and data parallelism across hosts (`mesh.dcn_data`). Attention
 is cuDNN's fused kernel on GPUs and the Pallas splash kernel on TPUs (where the length suits
-it), so no target keeps the (T x T) scores in HBM. On TPU targets the micro-batch is the TPU
-compiler's (`COMPILED`, printed by `python bench/presets.py`, which compiles each SIZE,TARGET
-for the slice with libtpu, no TPU needed): the largest power of two that leaves 10% of HBM
-free. On GPU targets it is the largest power of two whose estimate (`memory_estimate`: 22
+it), so no 125m, 1b or 7b target keeps the (T x T) scores in HBM. On TPU targets the
+micro-batch is the TPU compiler's (`COMPILED`, printed by `python bench/presets.py`, which
+compiles each SIZE,TARGET for the slice with libtpu, no TPU needed): the largest power of two
+that leaves 10% of HBM free. On GPU targets it is the largest power of two whose estimate (`memory_estimate`: 22
 bytes of state per parameter over the FSDP shards, one gathered layer, and activations under
 the size's remat policy) stays under 80% of a device's HBM; on TPU that estimate erred far
 on the safe side (1b,v5e-16: 10.2 GiB estimated at micro-batch 2, where libtpu needs 3.2).
@@ -162,7 +162,6 @@ COMPILED: dict[tuple[str, str], Compiled] = {
     ("7b", "v5e-64"): Compiled(8, 11.46, (4491, 5018)),
     ("7b", "v5e-256"): Compiled(2, 2.98, (1123, 1653)),
 }
-SPLASH_LANES = 128  # the splash kernel needs lengths on its 128 grid (models/splash.py)
 STATE_BYTES_PER_PARAM = 22  # f32 weights, Adam mu/nu, gradient, accumulator; bf16 copy
 HBM_FRACTION = 0.8          # headroom for XLA's own buffers, collectives and fragmentation
 
@@ -286,6 +285,9 @@ def build(size_name: str, target_name: str | None = None,
 
 def _apply_target(c: mlc.ConfigDict, size_name: str, target_name: str,
                   micro: int | None) -> None:
+    """What a hardware target sets: mesh, micro-batch and accumulation, precision, attention."""
+    from jaxscale.models.splash import block_size  # lazy: loading a config stays light
+
     s, t = SIZES[size_name], TARGETS[target_name]
     b = micro_batch(size_name, target_name) if micro is None else micro
     batch = max(s.batch, t.total)
@@ -302,7 +304,7 @@ def _apply_target(c: mlc.ConfigDict, size_name: str, target_name: str,
     c.precision = "bf16-mixed"
     if t.gpu:
         c.model.attention = "dot_product_attention"
-    elif s.seq_len % SPLASH_LANES == 0:
+    elif block_size(s.seq_len) is not None:  # a length on the kernel's 128 grid
         # TPU: the Pallas splash kernel never holds the (B, H, T, T) float32 scores that
         # einsum keeps in HBM (1B at 64 x 2,048 tokens on v5p-16: 21.9 against 69.4 GiB of
         # temporaries); the planner picks it on every slice it was run for (README).

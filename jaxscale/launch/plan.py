@@ -32,7 +32,8 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     from jaxscale.aot.topology import compile_only_env
     compile_only_env()  # before jax opens a backend
-    from jaxscale.aot.plan import format_plan, search
+    from jaxscale.aot.plan import format_plan
+    from jaxscale.aot.search import search
     from jaxscale.aot.topology import parse_topology, require_libtpu
 
     topology = parse_topology(_TOPOLOGY.value, _SLICES.value)

@@ -1,0 +1,69 @@
+"""The memory-relevant choices a language-model config can make, and advice built from them.
+
+One place says which attention kernels and loss chunkings apply to a config, so that the
+planner searches exactly those and the out-of-HBM advice (`launch.compile`'s error, the
+planner's "no candidate fits") suggests only what applies and what the config does not do yet.
+"""
+
+from __future__ import annotations
+
+import ml_collections as mlc
+
+from jaxscale.errors import ConfigError, paragraph
+
+# Splash first: it never holds the (B, H, T, T) scores einsum keeps, so for the same settings it
+# fits wherever einsum does (1B without remat, 64 x 2,048 tokens on v5p-16: see README).
+ATTENTIONS = ("splash", "einsum")
+# The LM head and loss whole, then in 8 chunks (`model.loss_chunks`): chunking costs one more
+# head forward pass (0.5% of the compiled FLOPs of a 7B step) and keeps only a chunk of the
+# float32 logits and their gradient: 10 GiB less temporaries per chip for 7B under fsdp=4 x
+# tensor=4 at 512 x 2,048 tokens on v5p-16 (96.25 -> 86.22 GiB, bench/RESULTS.md).
+LOSS_CHUNKS = (1, 8)
+ADAM = ("adamw", "adam")  # the optimizers whose two float32 moments 8-bit Adam replaces
+
+
+def require_language_model(config: mlc.ConfigDict) -> None:
+    """AOT compilation builds a language-model step (token batches): refuse anything else."""
+    name = config.model.get("name", "llama")
+    if name != "llama":
+        raise ConfigError(paragraph(
+            f"Ahead-of-time compilation and planning build a language model's train step on",
+            f"token batches; model.name={name!r} is not one. Use a Llama config (e.g.",
+            "--config=llama:1b), or measure this model with `launch.inspect` on CPU devices.",
+        ))
+
+
+def attentions(config: mlc.ConfigDict) -> tuple[str, ...]:
+    """The attention kernels that apply: splash and einsum where the splash kernel can run
+    (a sequence length on its 128 grid), else the config's own."""
+    from jaxscale.models.splash import block_size
+
+    if block_size(config.data.seq_len) is not None:
+        return ATTENTIONS
+    return (config.model.get("attention", "einsum"),)
+
+
+def loss_chunks(config: mlc.ConfigDict) -> tuple[int, ...]:
+    """The loss chunkings that apply: whole, and chunked where the length divides."""
+    return tuple(n for n in LOSS_CHUNKS if config.data.seq_len % n == 0)
+
+
+def fit_advice(config: mlc.ConfigDict, rows_per_chip: float | None = None) -> str:
+    """What would make `config`'s step need less HBM per chip, most effective first: only what
+    applies to it and what it does not do already (`rows_per_chip`: sequences a chip takes at
+    once; accumulation is advised only where that is more than one)."""
+    m = config.model
+    attention = m.get("attention", "einsum")
+    chunks = max(LOSS_CHUNKS)
+    fixes = [(True, "more chips (a larger topology or --num_slices)"),
+             (m.get("remat", "none") != "full", "model.remat=full"),
+             (m.get("loss_chunks", 1) == 1 and chunks in loss_chunks(config),
+              f"model.loss_chunks={chunks} (the LM head and loss a chunk at a time)"),
+             (attention != "splash" and "splash" in attentions(config),
+              "model.attention=splash"),
+             (rows_per_chip is None or rows_per_chip > 1,
+              "train.grad_accum (fewer sequences at once)"),
+             (config.precision != "bf16-true", "precision=bf16-true"),
+             (config.optim.name in ADAM, "optim.name=adam8bit (8-bit Adam states)"),
+             (not config.lora.rank, "LoRA (lora.rank=16) for fine-tuning")]
+    return ", ".join(text for applies, text in fixes if applies)

@@ -1,0 +1,159 @@
+"""The planner's search: compile candidates in worker processes, cache each result on disk.
+
+`plan.py` says which candidates exist, in which order, and which cannot win; this module runs
+the TPU compiler on them, `workers` at once (a large compile keeps about 1.6 cores busy; a
+worker keeps a crashing compile away from the search, and libtpu's process lock is lifted for
+compile-only use), keyed on disk by a hash of config and topology so a rerun is instant. The
+result is the same for any number of workers: candidates come back in search order, and one
+that an earlier fitting candidate dominates is dropped even if it was compiling meanwhile.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+
+import ml_collections as mlc
+
+from jaxscale.aot.compile import HbmOom
+from jaxscale.aot.plan import Candidate, apply, dominated, fits, iter_candidates
+from jaxscale.aot.topology import Topology, compile_only_env
+
+CompileFn = Callable[[str, Topology, str], dict]  # (config JSON, topology, cache dir) -> result
+_DIED = "the compiling process died"
+
+
+def cache_key(config: mlc.ConfigDict, topology: Topology) -> str:
+    text = json.dumps([config.to_dict(), topology.label()], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def compile_cached(config_json: str, topology: Topology, cache_dir: str) -> dict:
+    """Compile (in this process: the planner runs it in a worker), estimate, cache by
+    `cache_key`. Errors come back as one line; an out-of-HBM refusal as a result over HBM."""
+    from jaxscale.aot.compile import compile_step
+    from jaxscale.aot.report import step_estimate
+
+    config = mlc.ConfigDict(json.loads(config_json))
+    path = os.path.join(cache_dir, cache_key(config, topology) + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    try:
+        report = compile_step(config, topology)
+        result = {**report.to_json(), "estimate": vars(step_estimate(report))}
+    except Exception as e:  # noqa: BLE001 - a failing candidate is reported, the search goes on
+        result = _failure(e, topology)
+        if "error" in result:  # not cached: it may be this machine's (memory, a killed worker)
+            return result
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+    return result
+
+
+def _failure(e: Exception, topology: Topology) -> dict:
+    """A compile error as one line; libtpu's out-of-HBM refusal instead becomes a result over
+    HBM (its temporaries, a lower bound of the total), so the ranking can say by how much."""
+    if isinstance(e, HbmOom):
+        return {"total_bytes": e.temp_bytes, "hbm_bytes": topology.chip.hbm_bytes,
+                "over_hbm": "libtpu: CompileTimeHbmOom (temporaries alone)"}
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return {"error": f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]}
+
+
+def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
+           max_candidates: int = 16, time_budget_s: float = 3600.0, workers: int = 0,
+           margin: float = 0.1, compile_fn: CompileFn = compile_cached
+           ) -> list[tuple[Candidate, dict]]:
+    """Compiles candidates in search order, `workers` at once (0: one per two cores), until
+    `max_candidates` are kept or the time budget is spent; returns (candidate, result) in
+    search order. A candidate that cannot beat an earlier one that fits (`dominated`) is
+    skipped, or, if it was already compiling when that one was found to fit, dropped and its
+    place given to the next."""
+    workers = workers or max(1, len(os.sched_getaffinity(0)) // 2)
+    queue = iter_candidates(config, topology, margin)
+    deadline = time.monotonic() + time_budget_s
+    results: list[tuple[int, Candidate, dict]] = []
+    started, exhausted, pending = 0, False, {}
+    pool = _pool(workers)
+    job_of = lambda cand: (compile_fn, _config_json(config, cand.overrides), topology, cache_dir)
+    try:
+        while True:
+            kept, fitting = _kept(results, margin)
+            while (not exhausted and len(kept) + len(pending) < max_candidates
+                   and len(pending) < workers and time.monotonic() < deadline):
+                cand = next(queue, None)
+                exhausted = cand is None
+                if cand is not None and not dominated(cand, fitting):
+                    pending[pool.submit(*job_of(cand))] = (started, cand)
+                    started += 1
+            if not pending:
+                return [(cand, r) for _, cand, r in kept]
+            done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            finished = [(pending.pop(job), _result(job)) for job in done]
+            suspects = [where for where, r in finished if _died(r)]
+            if suspects:  # a dead worker breaks the pool, failing every compile in it
+                pool.shutdown(cancel_futures=True)
+                suspects += list(pending.values())
+                finished = [(w, r) for w, r in finished if not _died(r)] + (
+                    [(w, _alone(*job_of(w[1]))) for w in suspects] if len(suspects) > 1
+                    else [(suspects[0], _died_result())])
+                pending, pool = {}, _pool(workers)
+            results += [(*where, r) for where, r in finished]
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _config_json(config: mlc.ConfigDict, overrides: dict) -> str:
+    return json.dumps(apply(config, overrides).to_dict(), default=list)
+
+
+def _kept(results: list[tuple[int, Candidate, dict]], margin: float
+          ) -> tuple[list[tuple[int, Candidate, dict]], list[Candidate]]:
+    """The results in search order without those an earlier fitting one dominates, and the
+    fitting candidates among them."""
+    kept, fitting = [], []
+    for index, cand, result in sorted(results, key=lambda x: x[0]):
+        if not dominated(cand, fitting):
+            kept.append((index, cand, result))
+            if fits(result, margin):
+                fitting.append(cand)
+    return kept, fitting
+
+
+def _pool(workers: int) -> cf.ProcessPoolExecutor:
+    """Compiling processes, spawned (libtpu and jax are not fork-safe), compile-only env."""
+    ctx = multiprocessing.get_context("spawn")
+    return cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
+                                  initializer=compile_only_env)
+
+
+def _alone(compile_fn: CompileFn, *args) -> dict:
+    """One compile in a pool of its own: after a worker died with others compiling beside
+    it, each of them runs again alone, so that only the one that dies fails."""
+    with _pool(1) as pool:
+        return _result(pool.submit(compile_fn, *args))
+
+
+def _died(result: dict) -> bool:
+    return result.get("error", "").startswith(_DIED)
+
+
+def _died_result() -> dict:
+    return {"error": f"{_DIED} (out of memory? a libtpu crash?); rerun `launch.compile` on "
+                     "this candidate alone to see why"}
+
+
+def _result(job: cf.Future) -> dict:
+    """A compile's result, or `_died_result` where its worker was killed mid-compile."""
+    try:
+        return job.result()
+    except (cf.process.BrokenProcessPool, cf.CancelledError):
+        return _died_result()

@@ -1,0 +1,79 @@
+"""The Llama presets of `configs/llama.py` on TPU targets, sized and checked by the TPU
+compiler (`bench/presets.py`); skipped without libtpu.
+"""
+
+import json
+import re
+
+import pytest
+
+from aot_common import libtpu_test, run
+from configs import llama
+from jaxscale.aot.topology import parse_topology
+from jaxscale.errors import ConfigError
+
+
+TPU_TARGETS = {name: t for name, t in llama.TARGETS.items() if not t.gpu}
+PRESET_VARIANTS = [v for v in llama.VARIANTS if "," in v and v.split(",")[1] in TPU_TARGETS]
+
+
+def test_every_tpu_preset_is_sized_by_the_compiler():
+    for name, target in TPU_TARGETS.items():
+        assert parse_topology(target.topology).num_chips == target.total, name
+    # Every SIZE,TARGET pair the compiler was asked about has its answer in COMPILED, and the
+    # variants are exactly those it said fit (`bench/presets.py`), except where FSDP cannot
+    # split the embed dimension (never compiled).
+    for size, spec in llama.SIZES.items():
+        for target, t in TPU_TARGETS.items():
+            divides = spec.strategy == "dp" or spec.model["embed"] % t.devices == 0
+            compiled = llama.COMPILED.get((size, target))
+            assert (compiled is not None) == divides, (size, target)
+            if compiled is None:
+                continue
+            fits = compiled.micro_batch > 0
+            assert (compiled.gib <= (1 - llama.FIT_MARGIN) * t.hbm_gib) == fits, (size, target)
+            if fits:
+                c = llama.get_config(f"{size},{target}")
+                rows = c.data.batch_size // (c.train.grad_accum * t.total)
+                assert rows == compiled.micro_batch and compiled.step_ms[0] > 0
+    with pytest.raises(ConfigError, match="as the TPU compiler has it"):
+        llama.get_config("7b,v5e-8")
+
+
+# Every preset that names a TPU target, compiled for its slice in every `make test` by one
+# `bench/presets.py --check` process (about 4 minutes on a quiet 2-core VM: 1 s for tiny up to
+# 35 s for 7b,v5e-256): each must leave the preset margin of HBM free, and the compiler must
+# still need what `bench/presets.py` recorded in COMPILED.
+@pytest.fixture(scope="module")
+def presets_compiled(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("presets")
+    proc = run(["bench/presets.py", "--check", f"--json={tmp}/r.json",
+                f"--cache_dir={tmp}/cache"], tmp, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp / "r.json").read_text())
+
+
+@libtpu_test
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", PRESET_VARIANTS)
+def test_preset_fits_its_target(variant, presets_compiled):
+    report = presets_compiled[variant]
+    assert "error" not in report, report
+    gib = report["total_bytes"] / 2**30
+    assert report["total_bytes"] <= (1 - llama.FIT_MARGIN) * report["hbm_bytes"], f"{gib:.2f} GiB"
+    assert gib == pytest.approx(llama.COMPILED[llama.parse_arg(variant)].gib, abs=0.02), (
+        f"{variant}: the compiler now needs {gib:.2f} GiB per chip; rerun bench/presets.py")
+
+
+@libtpu_test
+def test_the_sweep_reproduces_what_compiled_records(tmp_path):
+    # bench/presets.py's search: micro-batches largest first until one leaves 10% of HBM free.
+    # On v4-8 tiny takes its chips' whole share at once; 125m does not fit 64 sequences of
+    # 1,024 a chip at once (28.5 GiB at 32 of the 28.8 GiB budget): it tries 64, then takes 32.
+    proc = run(["bench/presets.py", "--sizes=tiny,125m", "--targets=v4-8",
+                f"--cache_dir={tmp_path}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = dict(re.findall(r"\('(\w+)', 'v4-8'\): Compiled\((\d+), ", proc.stdout))
+    assert {s: int(m) for s, m in found.items()} == {
+        s: llama.COMPILED[(s, "v4-8")].micro_batch for s in ("tiny", "125m")}
+    assert "| `125m,v4-8` | v4:2x2x1 | data=4 | 32 x 2 |" in proc.stdout
