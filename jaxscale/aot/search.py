@@ -77,7 +77,7 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
     search order. A candidate that cannot beat an earlier one that fits (`dominated`) is
     skipped, or, if it was already compiling when that one was found to fit, dropped and its
     place given to the next."""
-    workers = workers or max(1, len(os.sched_getaffinity(0)) // 2)
+    workers = workers or max(1, _cores() // 2)
     queue = iter_candidates(config, topology, margin)
     deadline = time.monotonic() + time_budget_s
     results: list[tuple[int, Candidate, dict]] = []
@@ -109,6 +109,13 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
             results += [(*where, r) for where, r in finished]
     finally:
         pool.shutdown(cancel_futures=True)
+
+
+def _cores() -> int:
+    """The cores this process may run on (Linux: its affinity mask), else the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 2
 
 
 def _config_json(config: mlc.ConfigDict, overrides: dict) -> str:
