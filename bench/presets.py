@@ -7,7 +7,7 @@ keeps the global batch), largest first, and keeps the first whose total per chip
 Prints a markdown table (the README's presets table) and the `COMPILED` entries for
 `configs/llama.py`. Results are cached like the planner's (`--cache_dir`), so a rerun is quick.
 With `--check`, compiles each preset as `configs/llama.py` now sets it (one compile each, 21
-in all, about 4 minutes on a quiet 2-core VM) and exits 1 naming any that no longer leaves 10%
+in all, 5.5 minutes on a quiet 2-core VM) and exits 1 naming any that no longer leaves 10%
 of HBM free or needs other memory than `COMPILED` records; `--json` writes the results.
 
     python bench/presets.py [--sizes=tiny,125m,1b,7b] [--targets=v5e-16,...] [--workers=1]
@@ -31,6 +31,7 @@ from jaxscale.aot.topology import compile_only_env  # noqa: E402
 compile_only_env()
 
 from configs import llama  # noqa: E402
+from jaxscale.aot.plan import fits  # noqa: E402
 
 
 def choose(size: str, target: str, cache_dir: str) -> dict:
@@ -39,9 +40,8 @@ def choose(size: str, target: str, cache_dir: str) -> dict:
     from jaxscale.aot.search import compile_cached
     from jaxscale.aot.topology import parse_topology
 
-    t = llama.TARGETS[target]
-    topology = parse_topology(t.topology)
-    per_chip = max(llama.SIZES[size].batch, t.total) // t.total
+    topology = parse_topology(llama.TARGETS[target].topology)
+    per_chip = _per_chip(size, target)
     micros = [m for m in (1 << k for k in range(per_chip.bit_length() - 1, -1, -1))
               if per_chip % m == 0]
     tried = []
@@ -49,11 +49,14 @@ def choose(size: str, target: str, cache_dir: str) -> dict:
         config = llama.build(size, target, micro)
         r = compile_cached(json.dumps(config.to_dict(), default=list), topology, cache_dir)
         tried.append((micro, r))
-        if "error" in r:
-            return {"size": size, "target": target, "micro": micro, "result": r, "tried": tried}
-        if r["total_bytes"] <= r["hbm_bytes"] * (1 - llama.FIT_MARGIN):
+        if "error" in r or fits(r, llama.FIT_MARGIN):
             return {"size": size, "target": target, "micro": micro, "result": r, "tried": tried}
     return {"size": size, "target": target, "micro": 0, "result": tried[-1][1], "tried": tried}
+
+
+def _per_chip(size: str, target: str) -> int:
+    """Sequences per chip and step: the accumulation the preset needs at micro-batch 1."""
+    return llama.build(size, target, 1).train.grad_accum
 
 
 def check(variant: str, cache_dir: str) -> dict:
@@ -77,8 +80,7 @@ def row(found: dict) -> str:
     gib = lambda n: f"{n / 2**30:.2f}"
     if "error" in r:
         return f"| `{size},{target}` | {t.topology} | - | - | failed: {r['error']} | | | |"
-    per_chip = max(llama.SIZES[size].batch, t.total) // t.total
-    accum = per_chip // micro if micro else "-"
+    accum = _per_chip(size, target) // micro if micro else "-"
     mesh = ("data" if llama.SIZES[size].strategy == "dp" else "fsdp") + f"={t.devices}"
     e = r.get("estimate")
     step = f"{_ms(e['full_overlap_s'])}..{_ms(e['no_overlap_s'])}" if e and micro else "-"
@@ -128,7 +130,7 @@ def problems(found: list[dict]) -> list[str]:
         recorded = llama.COMPILED[(x["size"], x["target"])].gib
         if "error" in r:
             out.append(f"{name}: {r['error']}")
-        elif r["total_bytes"] > (1 - llama.FIT_MARGIN) * r["hbm_bytes"]:
+        elif not fits(r, llama.FIT_MARGIN):
             out.append(f"{name}: {r['total_bytes'] / 2**30:.2f} GiB per chip leaves less than "
                        f"{llama.FIT_MARGIN:.0%} of {r['hbm_bytes'] / 2**30:.1f} GiB free")
         elif abs(r["total_bytes"] / 2**30 - recorded) > 0.02:

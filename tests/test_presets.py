@@ -52,7 +52,7 @@ def _tightest(size: str) -> str:
 
 # Compiled for its slice by one `bench/presets.py --check` process: in every `make test` the
 # tightest TPU preset of each size (4 compiles, about a minute on 2 cores); with
-# JAXSCALE_COMPILE_PRESETS=1 every one of them (21, about 4 minutes on a quiet 2-core VM,
+# JAXSCALE_COMPILE_PRESETS=1 every one of them (21, 5.5 minutes on a quiet 2-core VM,
 # twice that beside the rest of the suite, which would take `make test` too close to CI's
 # 30 minutes). `python bench/presets.py --check` runs the same full check on its own.
 CHECKED = (PRESET_VARIANTS if os.environ.get("JAXSCALE_COMPILE_PRESETS")

@@ -48,6 +48,12 @@ def loss_chunks(config: mlc.ConfigDict) -> tuple[int, ...]:
     return tuple(n for n in LOSS_CHUNKS if config.data.seq_len % n == 0)
 
 
+def rows_per_chip(config: mlc.ConfigDict, data: int, fsdp: int) -> float:
+    """Sequences a chip takes at once: the global batch over the batch-sharding axes (`data`
+    including its slices) and the accumulated micro-batches."""
+    return config.data.batch_size / (config.train.grad_accum * data * fsdp)
+
+
 def fit_advice(config: mlc.ConfigDict, rows_per_chip: float | None = None) -> str:
     """What would make `config`'s step need less HBM per chip, most effective first: only what
     applies to it and what it does not do already (`rows_per_chip`: sequences a chip takes at

@@ -23,10 +23,9 @@ import ml_collections as mlc
 from jaxscale import config as config_lib
 from jaxscale.aot import flops as flops_lib
 from jaxscale.aot import hlo
-from jaxscale.aot.choices import fit_advice, require_language_model
+from jaxscale.aot.choices import fit_advice, require_language_model, rows_per_chip
 from jaxscale.aot.topology import Topology, TopologyError, topology_devices
 from jaxscale.errors import JaxscaleError, MeshError, paragraph
-
 
 _HBM_OOM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds? available HBM \(([\d.]+)G\)")
 
@@ -136,8 +135,7 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         try:
             compiled = train_fn.lower(abstract, batch).compile(compiler_options=options)
         except Exception as e:  # noqa: BLE001 - only libtpu's out-of-HBM refusal is rewritten
-            rows = config.data.batch_size / (
-                config.train.grad_accum * mesh.shape["data"] * mesh.shape["fsdp"])
+            rows = rows_per_chip(config, mesh.shape["data"], mesh.shape["fsdp"])
             oom = _hbm_oom(e, topology, config, rows)
             if oom is None:
                 raise

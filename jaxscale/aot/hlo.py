@@ -26,7 +26,6 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-
 from jaxscale.aot.groups import replica_groups
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")

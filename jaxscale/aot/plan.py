@@ -21,7 +21,7 @@ import ml_collections as mlc
 
 from jaxscale import config as config_lib
 from jaxscale.aot.choices import (ATTENTIONS, attentions, fit_advice, loss_chunks,
-                                   require_language_model)
+                                   require_language_model, rows_per_chip)
 from jaxscale.aot.guess import no_remat_bytes
 from jaxscale.aot.topology import Topology
 from jaxscale.errors import JaxscaleError
@@ -219,13 +219,6 @@ def rank(results: list[tuple[Candidate, dict]], margin: float
     return ok, over, failed
 
 
-def _rows_per_chip(cand: Candidate, batch_size: int) -> float:
-    """Sequences a chip takes at once under the candidate."""
-    f = cand.full
-    return batch_size / (f["train.grad_accum"] * f["mesh.data"] * f.get("mesh.dcn_data", 1)
-                         * f["mesh.fsdp"])
-
-
 def format_plan(results: list[tuple[Candidate, dict]], margin: float, top: int,
                 topology: Topology, config: mlc.ConfigDict) -> str:
     """The ranked table, those over HBM and those that failed, and the winner's flags (or,
@@ -249,8 +242,9 @@ def format_plan(results: list[tuple[Candidate, dict]], margin: float, top: int,
         lines.append(f"winner: {ok[0][0].flags()}")
     elif over:
         cand, r = over[0]
-        advice = fit_advice(apply(config, cand.overrides),
-                            _rows_per_chip(cand, config.data.batch_size))
+        closest = apply(config, cand.overrides)
+        m = closest.mesh
+        advice = fit_advice(closest, rows_per_chip(closest, m.data * m.dcn_data, m.fsdp))
         lines.append(
             f"No candidate fits. Closest: {cand.label()} at {gib(r['total_bytes'])} GiB per chip, "
             f"over the {gib(r['hbm_bytes'] * (1 - margin))} GiB budget by "
