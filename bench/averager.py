@@ -195,7 +195,7 @@ def main() -> None:
     p.add_argument("--store", default="",
                    help="s3://bucket/prefix or gs://...: measure on that object store against "
                         "tensorstore copying the same bytes there (endpoint and credentials "
-                        "from AWS_ENDPOINT_URL_S3 / AWS_* as everywhere, see jaxscale/storage.py)")
+                        "from AWS_ENDPOINT_URL_S3 / AWS_* as everywhere, see jaxscale/storage/locations.py)")
     args = p.parse_args()
     if args.store:
         return main_remote(args)
@@ -256,7 +256,7 @@ def main_remote(args: argparse.Namespace) -> None:
     """The object-store variant: per size, a fresh store under `--store`, the tensorstore copy
     of the round's bytes on the same server, then the averager's round(s) in a fresh process.
     No page cache to evict and no raw copy (there is no file to memcpy): the bar is the ts copy."""
-    from jaxscale import storage
+    from jaxscale.storage import locations as storage
     from jaxscale.lofi.store import Store, average_prefix, commit_key
 
     storage.check(args.store)

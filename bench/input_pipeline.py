@@ -18,9 +18,9 @@ import numpy as np  # noqa: E402
 
 from configs import llama  # noqa: E402
 from jaxscale.config import base_config  # noqa: E402
-from jaxscale.file_data import files_data  # noqa: E402
-from jaxscale.metrics import PEAK_FLOPS, llama_flops_per_token  # noqa: E402
-from jaxscale.tokenizer import load_tokenizer  # noqa: E402
+from jaxscale.data.mixture import files_data  # noqa: E402
+from jaxscale.observe.metrics import PEAK_FLOPS, llama_flops_per_token  # noqa: E402
+from jaxscale.data.tokenizer import load_tokenizer  # noqa: E402
 
 
 def tokens_per_s(sources: str, tokenizer: str, vocab: int, packing: str, batches: int) -> float:

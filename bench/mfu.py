@@ -6,7 +6,7 @@
 
 Times the real jitted train step (AdamW, donated state, explicit shardings) on synthetic tokens
 after `--warmup` untimed steps, blocking on the result of every timed step. MFU uses the PaLM
-FLOP convention of `jaxscale.metrics.llama_flops_per_token` and the peak table there. The model
+FLOP convention of `jaxscale.observe.metrics.llama_flops_per_token` and the peak table there. The model
 shape comes from `configs/llama.py:1b` when that preset exists, else the fallback below (the
 Llama 3.2 1B shape with a 32k vocabulary). Prints one JSON line; `--out` also writes it.
 """
@@ -51,7 +51,7 @@ def measure(config, warmup: int, steps: int) -> dict:
     import numpy as np
 
     from jaxscale.mesh import make_mesh
-    from jaxscale.metrics import llama_flops_per_token, mfu
+    from jaxscale.observe.metrics import llama_flops_per_token, mfu
     from jaxscale.precision import get_policy
     from jaxscale.rules import AxisRules
     from jaxscale.train.optim import make_optimizer

@@ -204,7 +204,7 @@ def bench_row_tpu(topology, label, mesh, preset, pipeline, batch, accum) -> dict
     from jaxscale.aot.compile import compile_step
     from jaxscale.aot.hlo import Collective
     from jaxscale.mesh import make_mesh
-    from jaxscale.sharding_report import per_device_bytes as shard_bytes
+    from jaxscale.observe.sharding_report import per_device_bytes as shard_bytes
     from jaxscale.train.build import build_step
 
     c = make_config(mesh, preset, pipeline, batch, accum)

@@ -29,7 +29,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxscale import orbax_storage, storage
+from jaxscale.storage import orbax_paths
+from jaxscale.storage import locations
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.models.fused import is_legacy
 from jaxscale.train.state import TrainState
@@ -52,12 +53,12 @@ def saved_steps(root: str) -> list[int]:
     """Complete steps under a checkpoints directory (a local path, gs:// or s3://), newest
     first. Locally orbax renames a step's temporary directory to its number only once the save
     is complete; on object stores a step is complete once its commit file exists."""
-    path = orbax_storage.path(root)
+    path = orbax_paths.path(root)
     if not path.is_dir():
         return []
-    remote = storage.is_remote(root)
+    remote = locations.is_remote(root)
     return sorted((int(p.name) for p in path.iterdir()
-                   if p.name.isdigit() and orbax_storage.is_complete(p, remote)), reverse=True)
+                   if p.name.isdigit() and orbax_paths.is_complete(p, remote)), reverse=True)
 
 
 def newest_restorable(root: str, restore: Callable[[int], T],
@@ -161,7 +162,7 @@ def restore_params(root: str, step: int) -> dict:
     """The saved state of `step` (parameters, frozen base or its fingerprint, ...) as host
     arrays on one device, whatever mesh wrote it: the target is built from the checkpoint's own
     metadata (orbax refuses a target-less restore across topologies)."""
-    path = orbax_storage.path(root) / str(step) / "state"
+    path = orbax_paths.path(root) / str(step) / "state"
     # Closed even when the restore fails (a broken step the caller falls back past): an open
     # checkpointer's background threads would print a traceback at interpreter exit.
     with ocp.StandardCheckpointer() as checkpointer:
@@ -232,15 +233,15 @@ class Checkpointer:
 
     def __init__(self, workdir: str, every: int, keep: int):
         self.every = every
-        self.directory = storage.join(workdir, "checkpoints")  # local paths made absolute
+        self.directory = locations.join(workdir, "checkpoints")  # local paths made absolute
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=True,
-            atomicity_options=orbax_storage.atomicity_options(self.directory))
+            atomicity_options=orbax_paths.atomicity_options(self.directory))
         self.manager = ocp.CheckpointManager(self._path(), options=options)
 
     def _path(self, *parts: str) -> epath.Path:
         """The directory (or an entry under it) as the epath orbax reads and writes."""
-        return orbax_storage.path(storage.join(self.directory, *parts))
+        return orbax_paths.path(locations.join(self.directory, *parts))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -382,11 +383,11 @@ def _move(src: epath.Path, dst: epath.Path) -> None:
         return
     import tensorstore as ts
 
-    source = ts.KvStore.open(storage.kvstore_spec(str(src))).result()
-    target = ts.KvStore.open(storage.kvstore_spec(str(dst))).result()
+    source = ts.KvStore.open(locations.kvstore_spec(str(src))).result()
+    target = ts.KvStore.open(locations.kvstore_spec(str(dst))).result()
     for key in source.list().result():
         target.write(key, source.read(key).result().value).result()
-    commit = orbax_storage.COMMIT_FILE.encode()
+    commit = orbax_paths.COMMIT_FILE.encode()
     source.delete_range(ts.KvStore.KeyRange(commit, commit + b"\x00")).result()
     source.delete_range(ts.KvStore.KeyRange()).result()
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import ml_collections as mlc
 
-from jaxscale import storage, workdir_files
+from jaxscale.storage import locations as storage
+from jaxscale.storage import workdir_files
 from jaxscale.errors import ConfigError, paragraph
 
 LOFI_SYNC_MODES = ("end", "periodic", "diloco")  # config.lofi.sync
@@ -88,13 +89,13 @@ def base_config() -> mlc.ConfigDict:
                                   clip_norm=1.0, momentum=0.9, nesterov=False))
     c.train = mlc.ConfigDict(dict(
         steps=200, log_every=10, eval_every=100, grad_accum=1, skip_nonfinite=False,
-        loggers=("jsonl", "tensorboard"),  # names in jaxscale.loggers.LOGGERS (+ "wandb")
+        loggers=("jsonl", "tensorboard"),  # names in jaxscale.observe.loggers.LOGGERS (+ "wandb")
         # jax.profiler trace of num_steps steps from start_step into WORKDIR/profile (0: off);
         # host_tracing: host tracer level 0-3; all_processes: every process, not only process 0.
         profile=dict(start_step=3, num_steps=0, host_tracing=2, all_processes=False)))
     c.pipeline = mlc.ConfigDict(dict(microbatches=1, repeats=1, schedule="gpipe"))
     c.checkpoint = mlc.ConfigDict(dict(every=0, keep=3))
-    # Object stores (jaxscale/storage.py): empty = AWS_ENDPOINT_URL_S3 / AWS_REGION / AWS.
+    # Object stores (jaxscale/storage/locations.py): empty = AWS_ENDPOINT_URL_S3 / AWS_REGION / AWS.
     # Credentials never go here: they come from the standard AWS / Google credential chains.
     c.storage = mlc.ConfigDict(dict(s3_endpoint="", s3_region="", timeout_s=30.0,
                                      retry_s=300.0))
@@ -246,7 +247,7 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
     _require(d.seq_len > 0 and d.batch_size > 0,
              f"data.seq_len={d.seq_len} and data.batch_size={d.batch_size} must be positive.")
     if d.get("sources") or d.corpus == "files":
-        from jaxscale.file_data import validate_files
+        from jaxscale.data.mixture import validate_files
         validate_files(c)
     elif d.corpus == "stdlib" and "vocab_size" in m:
         _require(m.vocab_size >= BYTE_VOCAB,
@@ -331,7 +332,7 @@ def _same_kind(value: Any, expected: Any) -> bool:
 
 def _validate_train_extras(t: mlc.ConfigDict) -> None:
     """The loggers by name, and the profiled step range."""
-    from jaxscale.loggers import check_names  # lazy: keeps `import config` light
+    from jaxscale.observe.loggers import check_names  # lazy: keeps `import config` light
     check_names(list(t.loggers))
     p = t.profile
     _require(p.start_step >= 1 and p.num_steps >= 0,

@@ -2,7 +2,7 @@
 
 Rebuilds the run from `WORKDIR/config.json` (mesh, rules, precision, model, data), loads the
 newest checkpoint's parameters (LoRA adapters folded in) onto the mesh by the rules, and
-evaluates the held-out split of its dataset (`jaxscale.data.heldout_batches`: every test image
+evaluates the held-out split of its dataset (`jaxscale.data.registry.heldout_batches`: every test image
 for image datasets, padded and masked; the run's own held-out batches for text), or every row
 of other text files (`eval_sources`, tokenized with the run's tokenizer, the last batch padded
 with masked rows). Metrics are summed
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_collections as mlc
 import optax
 
-from jaxscale.data import heldout_batches
+from jaxscale.data.registry import heldout_batches
 from jaxscale.errors import JaxscaleError
 from jaxscale.mesh import make_mesh
 from jaxscale.precision import get_policy

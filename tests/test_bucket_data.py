@@ -9,9 +9,9 @@ import pytest
 
 from jaxscale.config import base_config
 from jaxscale.errors import ConfigError
-from jaxscale.file_data import files_data, validate_files
-from jaxscale.prepare import prepare
-from jaxscale.tokenizer import load_tokenizer
+from jaxscale.data.mixture import files_data, validate_files
+from jaxscale.data.prepare import prepare
+from jaxscale.data.tokenizer import load_tokenizer
 from tests.text_corpus import write_corpus
 
 WORDS = "the quick brown fox jumps over lazy dog data model token train jax grain".split()
@@ -108,9 +108,9 @@ def test_prepare_reads_its_sources_from_a_bucket(seaweedfs, corpus, tmp_path):
 @pytest.mark.xdist_group("fake-gcs")
 def test_gs_sources_on_a_gcs_emulator(fake_gcs, corpus):
     server, bucket = fake_gcs
-    from jaxscale import storage
+    from jaxscale.storage import locations
     for name in ("part0.jsonl", "part1.jsonl"):
-        storage.epath(f"gs://{bucket}/corpus/{name}").write_bytes((corpus / name).read_bytes())
+        locations.epath(f"gs://{bucket}/corpus/{name}").write_bytes((corpus / name).read_bytes())
     _assert_same_batches(_first_batches(_config(corpus, "jsonl", f"gs://{bucket}/corpus")),
                          _first_batches(_config(corpus, "jsonl", str(corpus))))
 
@@ -119,7 +119,7 @@ def test_gs_sources_on_a_gcs_emulator(fake_gcs, corpus):
 def test_a_tokenizer_in_a_bucket_is_the_local_one(seaweedfs, corpus, tmp_path, monkeypatch):
     """A converted model written to a bucket carries its tokenizer.json there: naming the
     bucket directory as data.tokenizer loads it (cached locally) with the same hash."""
-    from jaxscale import tokenizer as T
+    from jaxscale.data import tokenizer as T
     server, bucket = seaweedfs
     monkeypatch.setattr(T, "CACHE_DIR", str(tmp_path / "cache"))
     client = server.client()
@@ -138,7 +138,7 @@ def test_a_tokenizer_in_a_bucket_is_the_local_one(seaweedfs, corpus, tmp_path, m
 def test_lines_are_read_by_ranges_across_request_boundaries(seaweedfs, monkeypatch):
     """A jsonl line longer than one range request, and a last line without a newline that
     ends exactly on a request boundary, read back whole."""
-    from jaxscale import data_files
+    from jaxscale.storage import data_files
     server, bucket = seaweedfs
     monkeypatch.setattr(data_files, "LINE_READ", 16)
     lines = [b'{"text": "a"}\n', b'{"text": "' + b"x" * 40 + b'"}\n', b'{"text": "bcde"}']

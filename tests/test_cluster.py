@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxscale.cluster import check_tpu_flags, remote_path, tpu_pod_commands
+from jaxscale.runtime.pod_commands import check_tpu_flags, remote_path, tpu_pod_commands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxscale.data import Batches, eval_batches, load_corpus
+from jaxscale.data.registry import Batches, eval_batches, load_corpus
 from jaxscale.errors import ConfigError
 
 

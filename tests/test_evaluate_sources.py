@@ -65,7 +65,7 @@ def test_loss_on_text_files_equals_each_document_alone_for_any_batch_size(setup)
 
 
 def test_concat_rows_pad_the_last_batch_with_masked_rows(setup):
-    from jaxscale.file_data import source_eval_batches
+    from jaxscale.data.mixture import source_eval_batches
     root, c, _ = setup
     c = c.copy_and_resolve_references()
     c.data.update(packing="concat", seq_len=8, batch_size=8)

@@ -8,10 +8,10 @@ import pytest
 
 from jaxscale.config import base_config, validate
 from jaxscale.errors import ConfigError, JaxscaleError
-from jaxscale.file_data import files_data
-from jaxscale.packing import first_fit
-from jaxscale.prepare import prepare
-from jaxscale.tokenizer import load_tokenizer
+from jaxscale.data.mixture import files_data
+from jaxscale.data.packing import first_fit
+from jaxscale.data.prepare import prepare
+from jaxscale.data.tokenizer import load_tokenizer
 from tests.text_corpus import write_corpus
 
 WORDS = "the quick brown fox jumps over lazy dog data model token train jax grain".split()
@@ -305,9 +305,9 @@ def test_length_index_each_process_tokenizes_only_its_own_files(corpus, fmt):
     """The index of on-the-fly formats: process p scans and tokenizes only files p, p+P, ...,
     and after the exchange every process holds the single-process table exactly."""
     import threading
-    from jaxscale.doc_index import build_index
-    from jaxscale.documents import expand, parse_sources
-    from jaxscale.text_readers import JsonlReader, ParquetReader, TextReader
+    from jaxscale.data.doc_index import build_index
+    from jaxscale.data.sources import expand, parse_sources
+    from jaxscale.data.readers import JsonlReader, ParquetReader, TextReader
     root, _, _ = corpus
     tok = load_tokenizer(str(root / "prep"))
     files = expand(parse_sources(FORMATS[fmt](root))[0])
@@ -335,7 +335,7 @@ def test_length_index_each_process_tokenizes_only_its_own_files(corpus, fmt):
 def test_lofi_workers_read_disjoint_covering_shards_of_files(corpus):
     """Each Lo-Fi worker (config.lofi.worker_id of num_workers) opens and tokenizes only its
     own files; together the workers' training documents are every training document once."""
-    from jaxscale.data import build_data
+    from jaxscale.data.registry import build_data
     root, docs, _ = corpus
     # the same held-out documents for every worker
     c = _config(root, FORMATS["jsonl"](root), eval_sources=FORMATS["jsonl"](root))

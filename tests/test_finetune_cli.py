@@ -99,7 +99,7 @@ def test_vit_export_reimport_finetune_evaluate(tmp_path):
     """A digits ViT trained here goes out to transformers (same logits) and comes back as the
     pretrained start of a fine-tune that keeps its accuracy; evaluation counts all 359 images."""
     from jaxscale.interop import convert
-    from jaxscale.vision_data import load_digits
+    from jaxscale.data.images import load_digits
 
     pre, hf_dir, conv, run = (str(tmp_path / n) for n in ("pre", "hf", "conv", "run"))
     cli("launch.train", "--config=configs/vit_digits.py:test", f"--workdir={pre}",

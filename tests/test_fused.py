@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxscale.checkpoint import Checkpointer, CheckpointError
-from jaxscale.init_from import export_params
+from jaxscale.weights.init_from import export_params
 from jaxscale.models import ModelDef
 from jaxscale.models.fused import GATE_UP, QKV, fuse_parts, is_legacy, unfuse
 from jaxscale.precision import get_policy

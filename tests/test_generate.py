@@ -200,7 +200,7 @@ def test_prompt_text_uses_the_tokenizer_and_both_prompt_flags_are_an_error(tmp_p
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tok.save(str(tmp_path / "tokenizer.json"))
     from jaxscale.config import base_config
-    from jaxscale.tokenizer import model_tokenizer
+    from jaxscale.data.tokenizer import model_tokenizer
     loaded = model_tokenizer(base_config(), str(tmp_path))
     ids = gen.parse_prompt("hello world", [], 300, loaded)
     assert ids[0] == loaded.bos_id == 0 and loaded.decode(ids) == "hello world"

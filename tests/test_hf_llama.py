@@ -306,7 +306,7 @@ def test_convert_finetune_export(tmp_path):
 def test_init_from_refuses_a_model_config_that_differs(tmp_path):
     """Equal shapes but another norm_eps / rope_theta would silently compute a different model:
     a converted workdir names the flags to add."""
-    from jaxscale.init_from import InitFromError, check_model_config
+    from jaxscale.weights.init_from import InitFromError, check_model_config
     from jaxscale.interop import convert
 
     _, path = make_hf(tmp_path, "gqa_theta")

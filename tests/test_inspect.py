@@ -1,7 +1,7 @@
 """The sharding inspector: every parameter listed, per-device totals, replication warning."""
 
 from configs.tiny_lm import get_config
-from jaxscale.sharding_report import build_report, format_report
+from jaxscale.observe.sharding_report import build_report, format_report
 
 
 def test_report_lists_every_param_and_divides_bytes():

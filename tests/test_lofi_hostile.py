@@ -17,7 +17,7 @@ from jaxscale.errors import ConfigError
 from jaxscale.lofi import stream as R
 from jaxscale.lofi import store as S
 from jaxscale.lofi.accounting import accounting_lines
-from jaxscale.lofi.diskfull import DiskFullError
+from jaxscale.storage.diskfull import DiskFullError
 from jaxscale.lofi.averager import (AveragerConfig, describe, latest_average, publish_initial,
                                     run_round)
 from tests.lofi_common import ROOT, TINY_BUDGET, _params, _push, _reference, data_dir

@@ -17,10 +17,10 @@ import time
 import numpy as np
 import pytest
 
-from jaxscale import storage
+from jaxscale.storage import locations
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
-from jaxscale.lofi.retry import StoreUnavailable
+from jaxscale.storage.retry import StoreUnavailable
 from tests import servers
 from tests.lofi_common import ROOT, _params, _push, data_dir
 
@@ -41,9 +41,9 @@ def own_seaweedfs():
 def location(own_seaweedfs, monkeypatch):
     for key, value in own_seaweedfs.env().items():
         monkeypatch.setenv(key, value)
-    storage.configure(retry_s=120.0, timeout_s=30.0)
+    locations.configure(retry_s=120.0, timeout_s=30.0)
     yield f"s3://{own_seaweedfs.make_bucket()}/lofi"
-    storage.configure()
+    locations.configure()
 
 
 def _three_pushes(location: str) -> tuple[S.Store, dict]:
@@ -87,7 +87,7 @@ def test_a_round_rides_out_a_server_restart_and_publishes_the_same_average(
 def test_an_outage_longer_than_the_budget_stops_in_one_paragraph_and_commits_nothing(
         own_seaweedfs, location):
     st, _ = _three_pushes(location)
-    storage.configure(retry_s=3.0, timeout_s=30.0)
+    locations.configure(retry_s=3.0, timeout_s=30.0)
     own_seaweedfs.kill()
     try:
         began = time.monotonic()

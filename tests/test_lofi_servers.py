@@ -1,5 +1,5 @@
 """The Lo-Fi store on real S3 servers (SeaweedFS and moto) and a GCS emulator, through
-jaxscale.storage (endpoint from AWS_ENDPOINT_URL_S3, credentials from AWS_*): pushes are
+jaxscale.storage.locations (endpoint from AWS_ENDPOINT_URL_S3, credentials from AWS_*): pushes are
 listed and read back, a round's average is bit-for-bit the average of the same pushes on a
 local disk, an uncommitted push is not used, and of two averagers racing on one round exactly
 one commit wins (both servers honour If-None-Match, which storage.py makes tensorstore send)."""
@@ -84,7 +84,7 @@ def test_two_averagers_racing_on_an_s3_round_commit_once(s3_location):
 def test_lofi_store_on_an_unusable_bucket_is_one_paragraph(seaweedfs, monkeypatch):
     """A worker or averager pointed at a missing bucket or with refused credentials stops at
     once with the location and the fix, before any push or round."""
-    from jaxscale.storage import StorageError
+    from jaxscale.storage.locations import StorageError
 
     server, bucket = seaweedfs
     with pytest.raises(StorageError, match="bucket 'jaxscale-missing' does not exist"):

@@ -9,7 +9,7 @@ import pytest
 from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
-from jaxscale.quant import dequantize_blockwise, quantize_blockwise
+from jaxscale.train.quant import dequantize_blockwise, quantize_blockwise
 from tests.lofi_common import (TINY_BUDGET, _params, _push, _reference, data_dir, tamper,
                                 uncommit)
 

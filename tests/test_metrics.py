@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from jaxscale import metrics
-from jaxscale.metrics import (MetricsWriter, ProgressBar, llama_flops_per_token, mfu, peak_flops,
+from jaxscale.observe import metrics
+from jaxscale.observe.metrics import (MetricsWriter, ProgressBar, llama_flops_per_token, mfu, peak_flops,
                               read_metrics)
 
 
@@ -130,7 +130,7 @@ def test_every_shipped_model_has_a_flop_count():
 
 
 def test_throughput_window_mfu():
-    from jaxscale.throughput import Throughput
+    from jaxscale.observe.throughput import Throughput
     meter = Throughput(1000, 6e9, 4, "TPU v4")
     meter.compiled(5.0)
     meter.first_step_done(1, 0.5)

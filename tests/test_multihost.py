@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from jaxscale import runtime
+from jaxscale.runtime import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = ["--config=configs/tiny_lm.py:test", "--config.train.steps=3"]
@@ -120,14 +120,14 @@ def test_launcher_stops_the_others_when_one_process_fails(tmp_path):
 def test_incomplete_flags_are_refused_before_jax_starts(monkeypatch):
     for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(runtime.DistributedError, match="Incomplete multi-host flags"):
-        runtime.init_distributed(None, 2, 0)
-    with pytest.raises(runtime.DistributedError, match="Incomplete multi-host flags"):
-        runtime.init_distributed("localhost:1", 2, 2)
+    with pytest.raises(distributed.DistributedError, match="Incomplete multi-host flags"):
+        distributed.init_distributed(None, 2, 0)
+    with pytest.raises(distributed.DistributedError, match="Incomplete multi-host flags"):
+        distributed.init_distributed("localhost:1", 2, 2)
 
 
 def test_join_timeout_messages_name_the_missing_processes():
-    msg = runtime.join_timeout_message
+    msg = distributed.join_timeout_message
     assert "but process 1 never joined" in msg("h:1", 2, 0, 10, None)
     assert "one or more of processes [1, 2, 3] never joined" in msg("h:1", 4, 0, 10, None)
     assert "one or more of processes [1, 3] never joined" in msg("h:1", 4, 2, 10, True)
@@ -140,8 +140,8 @@ def test_join_timeout_messages_name_the_missing_processes():
 def test_lone_process_of_a_detected_cluster_is_refused(monkeypatch):
     """Under SLURM with 4 tasks, a process that ends up alone must not train a copy."""
     monkeypatch.setenv("SLURM_NTASKS", "4")
-    assert runtime.detected_num_processes() == 4
-    with pytest.raises(runtime.DistributedError, match="4 processes were expected"):
-        runtime.check_not_alone(None)
+    assert distributed.detected_num_processes() == 4
+    with pytest.raises(distributed.DistributedError, match="4 processes were expected"):
+        distributed.check_not_alone(None)
     monkeypatch.setenv("SLURM_NTASKS", "1")
-    runtime.check_not_alone(None)
+    distributed.check_not_alone(None)

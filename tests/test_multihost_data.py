@@ -18,7 +18,7 @@ MULTIHOST = [sys.executable, "-m", "launch.local_multihost", "--num_processes=2"
 PROBE = '''
 import json
 from absl import app, flags
-from jaxscale import runtime
+from jaxscale.runtime import distributed
 _DATA = flags.DEFINE_string("data", None, "")
 runtime.define_flags()
 
@@ -26,7 +26,7 @@ def main(argv):
     runtime.setup()
     import jax
     from jaxscale.config import base_config
-    from jaxscale.file_data import files_data
+    from jaxscale.data.mixture import files_data
     c = base_config()
     c.model.vocab_size = 320
     c.data.update(sources=f"jsonl={_DATA.value}/docs/*.jsonl", tokenizer=f"{_DATA.value}/prep",

@@ -12,10 +12,11 @@ import types
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale import loggers, throughput
+from jaxscale.observe import loggers
+from jaxscale.observe import throughput
 from jaxscale.errors import ConfigError
-from jaxscale.metrics import read_metrics
-from jaxscale.profiling import ProfileError, format_summary, summarize
+from jaxscale.observe.metrics import read_metrics
+from jaxscale.observe.profiling import ProfileError, format_summary, summarize
 from jaxscale.train.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

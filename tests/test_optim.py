@@ -136,7 +136,7 @@ def test_optimizer_state_is_sharded_like_the_parameters(name):
     from jaxscale.mesh import make_mesh
     from jaxscale.precision import get_policy
     from jaxscale.rules import AxisRules
-    from jaxscale.sharding_report import per_device_bytes
+    from jaxscale.observe.sharding_report import per_device_bytes
     from jaxscale.models import ModelDef
     from jaxscale.train.state import abstract_state, derived_spec, init_state
 

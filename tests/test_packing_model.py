@@ -10,7 +10,7 @@ import pytest
 from configs import tiny_lm
 from jaxscale.models.attention import ATTENTION_IMPLS
 from jaxscale.models.llama import lm_loss, packed_losses
-from jaxscale.packing import SegmentRows
+from jaxscale.data.packing import SegmentRows
 from jaxscale.precision import get_policy
 from jaxscale.models import ModelDef
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale.packing import SegmentRows
+from jaxscale.data.packing import SegmentRows
 from jaxscale.rules import use_rules
 from jaxscale.train.loop import Trainer
 from jaxscale.train.step import accumulate_grads

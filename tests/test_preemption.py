@@ -13,8 +13,8 @@ import time
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale.metrics import read_metrics
-from jaxscale.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
+from jaxscale.observe.metrics import read_metrics
+from jaxscale.runtime.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
 from jaxscale.train.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

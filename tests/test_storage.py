@@ -1,4 +1,4 @@
-"""jaxscale/storage.py against real servers: the kvstore spec and the epath of one location
+"""jaxscale/storage/locations.py against real servers: the kvstore spec and the epath of one location
 reach the same bytes on SeaweedFS, moto and fake-gcs-server; a bad scheme, an unreachable
 or silent endpoint, a missing bucket and refused credentials are one-paragraph errors; and
 which servers honour conditional writes (recorded in the README) is measured here."""
@@ -9,8 +9,8 @@ import threading
 import pytest
 import tensorstore as ts
 
-from jaxscale import storage
-from jaxscale.storage import StorageError
+from jaxscale.storage import locations as storage
+from jaxscale.storage.locations import StorageError
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,9 @@ pytest.importorskip("sklearn")
 
 from configs import vit_digits  # noqa: E402
 from jaxscale import config as config_lib  # noqa: E402
-from jaxscale import evaluate, vision_data  # noqa: E402
-from jaxscale.metrics import read_metrics  # noqa: E402
+from jaxscale import evaluate  # noqa: E402
+from jaxscale.data import images as vision_data
+from jaxscale.observe.metrics import read_metrics  # noqa: E402
 from jaxscale.train import loop  # noqa: E402
 
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale import storage
+from jaxscale.storage import locations as storage
 from jaxscale.checkpoint import Checkpointer, saved_steps
-from jaxscale.metrics import read_metrics
-from jaxscale.storage import StorageError
+from jaxscale.observe.metrics import read_metrics
+from jaxscale.storage.locations import StorageError
 from jaxscale.train.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -247,7 +247,7 @@ def test_convert_and_init_from_through_s3(seaweedfs, tmp_path):
 def test_convert_out_to_gs_is_read_back_by_init_from(fake_gcs, tmp_path):
     """The gs:// data path of convert --out and init_from's reader (the training side of
     gs:// is covered by the workdir test above)."""
-    from jaxscale.init_from import check_model_config
+    from jaxscale.weights.init_from import check_model_config
     from jaxscale.interop import convert, hf
     from jaxscale.weights.sources import open_weights
     from jaxscale.weights.tree import flatten

@@ -28,7 +28,7 @@ import ml_collections as mlc
 
 def model_flops(config: mlc.ConfigDict, num_chips: int) -> float | None:
     """Analytic model FLOPs per chip per step (PaLM convention), or None for non-Llama models."""
-    from jaxscale.metrics import llama_flops_per_token
+    from jaxscale.observe.metrics import llama_flops_per_token
 
     m, d = config.model, config.data
     if m.get("name", "llama") != "llama":

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale import storage, workdir_files
+from jaxscale.storage import locations
+from jaxscale.storage import workdir_files
 from jaxscale.errors import paragraph
 from jaxscale.interop import hf
 from jaxscale.weights.sources import (MODEL_CONFIG, WeightsError, merged_params,
@@ -32,7 +33,7 @@ def _savers() -> dict[str, Callable]:
 
 def check_output_dir(path: str, flag: str) -> None:
     """An output directory may exist (files are replaced), but must not be a regular file."""
-    if storage.is_remote(path):  # gs:// / s3:// prefixes: no files in the way of a prefix
+    if locations.is_remote(path):  # gs:// / s3:// prefixes: no files in the way of a prefix
         return
     if os.path.exists(path) and not os.path.isdir(path):
         raise hf.ConversionError(paragraph(
@@ -43,29 +44,29 @@ def check_output_dir(path: str, flag: str) -> None:
 
 def hf_to_workdir(hf_dir: str, workdir: str, dtype: Any = None) -> dict:
     """Converts a HF checkpoint directory leaf by leaf; returns the model config written."""
-    from jaxscale.init_from import export_params
+    from jaxscale.weights.init_from import export_params
 
     local_only(hf_dir, "--from_hf")
     check_output_dir(workdir, "--out")
     source = open_huggingface(hf_dir)
     params = source.lazy_leaves(hf.parse_dtype(dtype) or np.dtype(np.float32))
-    if not storage.is_remote(workdir):
+    if not locations.is_remote(workdir):
         os.makedirs(workdir, exist_ok=True)
     export_params(workdir, params, {"source": os.path.abspath(hf_dir)})
-    workdir_files.write_text(storage.join(workdir, MODEL_CONFIG),
+    workdir_files.write_text(locations.join(workdir, MODEL_CONFIG),
                              json.dumps(source.model_cfg, indent=2))
-    from jaxscale.tokenizer import TOKENIZER_FILES
+    from jaxscale.data.tokenizer import TOKENIZER_FILES
     for name in TOKENIZER_FILES:  # the converted model carries its tokenizer
         if os.path.isfile(os.path.join(hf_dir, name)):
             with open(os.path.join(hf_dir, name), "rb") as f:
-                workdir_files.write_bytes(storage.join(workdir, name), f.read())
+                workdir_files.write_bytes(locations.join(workdir, name), f.read())
     return source.model_cfg
 
 
 def local_only(path: str, flag: str) -> None:
     """Hugging Face directories are read and written with local file APIs (safetensors maps
     files): a bucket URL there is one paragraph, not an open() traceback."""
-    if "://" in str(path) and storage.parse(path).scheme != "file":
+    if "://" in str(path) and locations.parse(path).scheme != "file":
         raise hf.ConversionError(paragraph(
             f"{flag}={path} is a bucket URL; Hugging Face model directories must be local.",
             "Copy it first (`gcloud storage cp -r` / `aws s3 cp --recursive`); the jaxscale side",
@@ -74,10 +75,10 @@ def local_only(path: str, flag: str) -> None:
 
 def read_model_config(workdir: str) -> tuple[dict, Any]:
     """(config.model fields, config.lora or None) of a conversion output or training workdir."""
-    text = workdir_files.read_text(storage.join(workdir, MODEL_CONFIG))
+    text = workdir_files.read_text(locations.join(workdir, MODEL_CONFIG))
     if text is not None:
         return json.loads(text), None
-    text = workdir_files.read_text(storage.join(workdir, "config.json"))
+    text = workdir_files.read_text(locations.join(workdir, "config.json"))
     if text is None:
         raise hf.ConversionError(paragraph(
             f"{workdir} has neither {MODEL_CONFIG} (written by launch.convert) nor config.json",

@@ -10,7 +10,7 @@ import json
 
 from absl import app, flags
 
-from jaxscale import runtime
+from jaxscale.runtime import distributed
 from jaxscale.errors import exit_on_user_error
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A launch.train workdir.", required=True)
@@ -19,14 +19,14 @@ _SOURCES = flags.DEFINE_string(
     "eval_sources", "", "Evaluate on these files instead of the run's held-out split: "
     "FORMAT=GLOB[;FORMAT=GLOB...] as config.data.eval_sources (text, jsonl, parquet, "
     "array_record, tokens), tokenized with the run's tokenizer.")
-runtime.define_flags()
+distributed.define_flags()
 
 
 @exit_on_user_error
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    runtime.setup()
+    distributed.setup()
     from jaxscale.evaluate import evaluate_workdir  # after the devices are configured
     print(json.dumps(evaluate_workdir(_WORKDIR.value, _MAX_BATCHES.value, _SOURCES.value)))
 

@@ -11,7 +11,7 @@ and the KV cache are sharded by the run's rules over `--cpu_devices` (or the acc
 
 from absl import app, flags
 
-from jaxscale import runtime
+from jaxscale.runtime import distributed
 from jaxscale.errors import exit_on_user_error
 
 _WORKDIR = flags.DEFINE_string("workdir", "", "Training workdir or launch.convert output.")
@@ -22,17 +22,17 @@ _STEPS = flags.DEFINE_integer("steps", 64, "Tokens to generate.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Alias of --steps (HF's name).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; >0: sampling temperature.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
-runtime.define_flags()
+distributed.define_flags()
 
 
 @exit_on_user_error
 def main(argv):
     if len(argv) > 1 or not (_WORKDIR.value or _FROM_HF.value):
         raise app.UsageError("Give --workdir or --from_hf (and --prompt or --prompt_ids).")
-    runtime.setup()
+    distributed.setup()
     import numpy as np
     from jaxscale.generate import check_request, generate_from_config, load_model, parse_prompt
-    from jaxscale.tokenizer import model_tokenizer
+    from jaxscale.data.tokenizer import model_tokenizer
 
     steps = _STEPS.value if _MAX_NEW.value is None else _MAX_NEW.value
     check_request(1, steps, _TEMPERATURE.value, max_len=0)  # before loading any weights

@@ -2,20 +2,21 @@
 
 from absl import app, flags
 
-from jaxscale import cli, runtime
+from jaxscale import cli
+from jaxscale.runtime import distributed
 from jaxscale.errors import exit_on_user_error
 
 _CONFIG = cli.define_config_file("config", "configs/tiny_lm.py", "Experiment config.")
 _COMPILE = flags.DEFINE_bool("compile", True, "Compile the train step for its memory analysis.")
-runtime.define_flags()
+distributed.define_flags()
 
 
 @exit_on_user_error
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    runtime.setup()
-    from jaxscale.sharding_report import build_report, format_report
+    distributed.setup()
+    from jaxscale.observe.sharding_report import build_report, format_report
     print(format_report(build_report(_CONFIG.value, _COMPILE.value)))
 
 

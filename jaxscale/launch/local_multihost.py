@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from jaxscale.preemption import PREEMPTED_EXIT
+from jaxscale.runtime.preemption import PREEMPTED_EXIT
 
 _N = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _DEV = flags.DEFINE_integer("devices_per_process", 4, "Simulated CPU devices per process.")
@@ -45,7 +45,7 @@ def _pump(prefix: str, proc: subprocess.Popen) -> None:
 
 def run_group(commands: dict[str, Sequence[str]], grace_s: float) -> int:
     """Runs `commands` in parallel with prefixed output; 0 if all succeed, 75 if all stopped
-    for a pre-emption (`jaxscale.preemption.PREEMPTED_EXIT`), else 1.
+    for a pre-emption (`jaxscale.runtime.preemption.PREEMPTED_EXIT`), else 1.
 
     Once one fails, the others are stopped after `grace_s`: a survivor would otherwise sit in
     the join or in a collective waiting for its dead peer until JAX's timeouts (minutes).

@@ -15,7 +15,7 @@ import time
 
 from absl import app, flags
 
-from jaxscale import storage
+from jaxscale.storage import locations
 from jaxscale.errors import ConfigError, exit_on_user_error, paragraph
 from jaxscale.lofi.accounting import accounting_lines, export_final
 from jaxscale.lofi.averager import AveragerConfig, describe, run_round
@@ -46,7 +46,7 @@ _LEASE = flags.DEFINE_float(
     "holder renews it while alive, so after a crash another averager takes the round over this "
     "soon. Keep it well under the workers' config.lofi.sync_timeout_s.", lower_bound=0.0)
 _RETRY = flags.DEFINE_float(
-    "store_retry_s", storage.DEFAULT_RETRY_S, "How long an object-store outage is ridden out "
+    "store_retry_s", locations.DEFAULT_RETRY_S, "How long an object-store outage is ridden out "
     "(bounded backoff) before the averager stops with an error; 0: stop at the first error.",
     lower_bound=0.0)
 _FINAL = flags.DEFINE_string("final", None, "Run a last round, export the average to DIR.")
@@ -84,7 +84,7 @@ def main(argv):
             "STORE/commits/average/), so nothing can be missing from a listing. Run the averager",
             "without --repair_index.",
         ))
-    storage.configure(retry_s=_RETRY.value)  # endpoint and region: AWS_* variables
+    locations.configure(retry_s=_RETRY.value)  # endpoint and region: AWS_* variables
     check_store_root(_STORE.value, kvstore_spec(_STORE.value), must_exist=not _WATCH.value)
     store = Store(_STORE.value)
     while True:  # the job settings appear with round 0, possibly after the averager started

@@ -7,7 +7,7 @@ import sys
 
 from absl import app, flags
 
-from jaxscale.plotting import plot_runs
+from jaxscale.observe.plots import plot_runs
 
 _OUT = flags.DEFINE_string("out", "curves.png", "PNG file to write.")
 

@@ -33,7 +33,7 @@ _SKIP = flags.DEFINE_bool("skip_bad_records", False, "Skip and count bad records
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    from jaxscale.prepare import prepare
+    from jaxscale.data.prepare import prepare
     meta = prepare(_SOURCES.value, _FORMAT.value, _OUT.value, _TOKENIZER.value, _SHARDS.value,
                    _WORKERS.value, _TRAIN.value, _FIELD.value, _SKIP.value)
     print(json.dumps({k: meta[k] for k in ("documents", "tokens", "skipped_records",

@@ -16,7 +16,7 @@ _TOP = flags.DEFINE_integer("top", 15, "How many ops to list.")
 def main(argv):
     if len(argv) != 2:
         raise app.UsageError("Usage: python -m launch.profile_summary WORKDIR [--top=N]")
-    from jaxscale.profiling import format_summary, summarize
+    from jaxscale.observe.profiling import format_summary, summarize
     print(format_summary(summarize(argv[1]), _TOP.value))
 
 

@@ -2,7 +2,7 @@
 
     python -m launch.tpu_pod --tpu=NAME --zone=ZONE [--project=P] [--dry_run] -- <train flags>
 
-The commands are built by `jaxscale.cluster.tpu_pod_commands`; `--dry_run` prints them.
+The commands are built by `jaxscale.runtime.pod_commands.tpu_pod_commands`; `--dry_run` prints them.
 """
 
 import shlex
@@ -11,7 +11,7 @@ import sys
 
 from absl import app, flags
 
-from jaxscale.cluster import check_tpu_flags, tpu_pod_commands
+from jaxscale.runtime.pod_commands import check_tpu_flags, tpu_pod_commands
 
 _TPU = flags.DEFINE_string("tpu", None, "TPU VM name (gcloud compute tpus tpu-vm list).")
 _ZONE = flags.DEFINE_string("zone", None, "Zone of the TPU VM, e.g. us-central2-b.")

@@ -3,28 +3,30 @@
 Any config field can be overridden (`--config.mesh.fsdp=4 --config.train.steps=20`);
 `--cpu_devices=N` simulates N CPU devices (applied before JAX initialises its backends).
 On SIGTERM (a pre-emption) it saves at the current step and exits with status 75
-(`jaxscale.preemption.PREEMPTED_EXIT`); the same command then resumes.
+(`jaxscale.runtime.preemption.PREEMPTED_EXIT`); the same command then resumes.
 """
 
 from absl import app, flags
 
-from jaxscale import cli, runtime, storage
+from jaxscale import cli
+from jaxscale.runtime import distributed
+from jaxscale.storage import locations
 from jaxscale.errors import exit_on_user_error
 
 _CONFIG = cli.define_config_file("config", "configs/tiny_lm.py", "Experiment config.")
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for config.json, metrics, checkpoints: a local path, "
     "gs://bucket/prefix or s3://bucket/prefix.", required=True)
-runtime.define_flags()
+distributed.define_flags()
 
 
 @exit_on_user_error
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    storage.epath(_WORKDIR.value)  # an unsupported scheme fails before devices start
-    runtime.setup()
-    from jaxscale.preemption import Preempted, exit_preempted
+    locations.epath(_WORKDIR.value)  # an unsupported scheme fails before devices start
+    distributed.setup()
+    from jaxscale.runtime.preemption import Preempted, exit_preempted
     from jaxscale.train.loop import train  # after the devices are configured
     try:
         train(_CONFIG.value, _WORKDIR.value)

@@ -110,7 +110,7 @@ def export_final(location: str, directory: str) -> str:
     """Writes DIR/params/ (read by `launch.train --config.init_from=DIR`) and DIR/config.json
     (the workers' resolved config, so `launch.evaluate --workdir=DIR` and `launch.convert
     --from_workdir=DIR` can rebuild the model)."""
-    from jaxscale.init_from import export_params
+    from jaxscale.weights.init_from import export_params
 
     store = store_lib.Store(location)
     ckpt = store_lib.latest_average_snapshot(store)

@@ -23,7 +23,7 @@ from jaxscale import __version__
 from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.lofi import fallback
-from jaxscale.lofi.diskfull import disk_full_error, is_disk_full
+from jaxscale.storage.diskfull import disk_full_error, is_disk_full
 from jaxscale.lofi.lease import DEFAULT_LEASE_S, Renewal, claim, holder, release
 from jaxscale.lofi.manifest import FORMAT
 from jaxscale.lofi.stream import Abort, Drop, RoundInputs, stream_round

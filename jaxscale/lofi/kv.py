@@ -26,10 +26,10 @@ from typing import Any
 
 import tensorstore as ts
 
-from jaxscale import storage
+from jaxscale.storage import locations as storage
 from jaxscale.lofi.localfs import check_path
 from jaxscale.lofi.manifest import CHUNK
-from jaxscale.lofi.retry import REQUEST_RETRIES, Retry, RetryingFuture
+from jaxscale.storage.retry import REQUEST_RETRIES, Retry, RetryingFuture
 
 NO_VALUE = b"\x02"          # tensorstore's "key absent" storage generation (create-if-absent)
 # Shared so memory:// stores are visible across opens in a process. More copy threads than
@@ -43,7 +43,7 @@ CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "cr
 
 def kvstore_spec(location: str) -> dict:
     """`path`, `file://path`, `gs://bucket/prefix`, `s3://bucket/prefix`, `memory://name`:
-    jaxscale.storage's one parser (S3 endpoint and region from config.storage / AWS_*)."""
+    jaxscale.storage.locations's one parser (S3 endpoint and region from config.storage / AWS_*)."""
     return storage.kvstore_spec(location)
 
 

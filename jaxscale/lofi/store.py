@@ -46,12 +46,12 @@ import numpy as np
 from jaxscale import __version__
 from jaxscale.errors import paragraph
 from jaxscale.lofi import localfs
-from jaxscale.lofi.diskfull import disk_full_error, is_disk_full
+from jaxscale.storage.diskfull import disk_full_error, is_disk_full
 from jaxscale.lofi.kv import Store, kvstore_spec
-from jaxscale.lofi.retry import StoreUnavailable
+from jaxscale.storage.retry import StoreUnavailable
 from jaxscale.lofi.manifest import (CHUNK, DTYPES, FORMAT, StoreError, check_leaf_path,
                                     chunk_of, validate_manifest)
-from jaxscale.quant import BLOCK, dequantize_blockwise, quantize_blockwise
+from jaxscale.train.quant import BLOCK, dequantize_blockwise, quantize_blockwise
 
 __all__ = ["CHUNK", "FORMAT", "StoreError", "check_leaf_path", "Store", "Snapshot", "push",
            "kvstore_spec", "commit_key"]

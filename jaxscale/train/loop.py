@@ -4,7 +4,7 @@
 definition, optimizer, sharded state, jitted steps, data); `Trainer.run()` compiles the train
 step ahead of time (timed as `compile_s`), then loops. Periodic work (evaluation, checkpoints,
 Lo-Fi pushes) are `Hook`s called after each step; a hook may return a replacement state (e.g.
-after loading an average). Loggers (`jaxscale.loggers`, named by `config.train.loggers`) are
+after loading an average). Loggers (`jaxscale.observe.loggers`, named by `config.train.loggers`) are
 hooks too: on logged steps every hook with an `on_metrics` method receives the step's metrics.
 A profiler trace (`config.train.profile`) and pre-emption (SIGTERM: save at the same step on
 every host, then raise `Preempted`) hang off the same loop. Only process 0 logs.
@@ -21,18 +21,18 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxscale import config as config_lib
-from jaxscale import storage
-from jaxscale.data import build_data
+from jaxscale.storage import locations
+from jaxscale.data.registry import build_data
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.mesh import make_mesh, mesh_summary
-from jaxscale.loggers import make_loggers
-from jaxscale.metrics import ProgressBar, model_flops_per_token, peak_flops_source
+from jaxscale.observe.loggers import make_loggers
+from jaxscale.observe.metrics import ProgressBar, model_flops_per_token, peak_flops_source
 from jaxscale.models import lora
-from jaxscale.preemption import Preempted, PreemptionWatch
-from jaxscale.profiling import Profiler
+from jaxscale.runtime.preemption import Preempted, PreemptionWatch
+from jaxscale.observe.profiling import Profiler
 from jaxscale.train.build import build_step
 from jaxscale.train.state import TrainState, init_state
-from jaxscale.throughput import Stopwatch, Throughput
+from jaxscale.observe.throughput import Stopwatch, Throughput
 from jaxscale.weights.tree import flatten, unflatten
 from jaxscale.train.step import StepContext, batch_sharding, jit_steps
 
@@ -72,9 +72,9 @@ class Trainer:
     def build(cls, config: mlc.ConfigDict, workdir: str,
               devices: Sequence[Any] | None = None) -> "Trainer":
         config_lib.validate(config)
-        storage.configure(config.get("storage"))  # S3 endpoint/region for every location
+        locations.configure(config.get("storage"))  # S3 endpoint/region for every location
         if workdir:  # a bad scheme, dead endpoint, missing bucket or refused key: one paragraph
-            storage.check(workdir)
+            locations.check(workdir)
         if workdir and jax.process_index() == 0:
             config_lib.save_config(config, workdir)
         mesh = make_mesh(config.mesh, devices)
@@ -217,7 +217,7 @@ def _init_from(path: str, state: TrainState, shardings: TrainState,
     Leaves are read and placed one at a time (`weights.sources.open_weights` +
     `weights.place`), so a converted model never sits whole on the host.
     """
-    from jaxscale.init_from import InitFromError, check_matches, check_model_config
+    from jaxscale.weights.init_from import InitFromError, check_matches, check_model_config
     from jaxscale.weights.place import place
     from jaxscale.weights.sources import WeightsError, open_weights
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale import storage
+from jaxscale.storage import locations
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.weights.leaf import Leaf
 from jaxscale.weights.legacy import fuse_legacy_leaves
@@ -60,8 +60,8 @@ def open_weights(location: str) -> Weights:
     from jaxscale.lofi import store as store_lib
 
     location = str(location)
-    storage.parse(location)  # an unsupported scheme is one paragraph, not an fsspec error
-    if _is_dir(storage.join(location, "checkpoints")) or _is_checkpoint_dir(location):
+    locations.parse(location)  # an unsupported scheme is one paragraph, not an fsspec error
+    if _is_dir(locations.join(location, "checkpoints")) or _is_checkpoint_dir(location):
         return _with_configs(_checkpoint_weights(location), location)
     if os.path.isfile(location):
         raise WeightsError(paragraph(
@@ -90,7 +90,7 @@ def open_weights(location: str) -> Weights:
 
 def _epath(path: str) -> Any:
     """The epath of a location, with s3fs / gcsfs pointed at the configured servers."""
-    return storage.epath(path)
+    return locations.epath(path)
 
 
 def _is_dir(path: str) -> bool:
@@ -145,8 +145,8 @@ def _with_configs(weights: Weights, location: str) -> Weights:
     output) or `config.json` (a training workdir, a Lo-Fi final export). Llama weights of the
     pre-fusion layout are converted on load (`weights/legacy.py`)."""
     weights.leaves = fuse_legacy_leaves(weights.leaves)
-    converted = _read_json(storage.join(location, MODEL_CONFIG))
-    run = _read_json(storage.join(location, "config.json"))
+    converted = _read_json(locations.join(location, MODEL_CONFIG))
+    run = _read_json(locations.join(location, "config.json"))
     if weights.kind == "checkpoint" and os.path.basename(location.rstrip("/")) == "checkpoints":
         run = run or _read_json(os.path.join(os.path.dirname(location.rstrip("/")),
                                              "config.json"))
@@ -183,10 +183,10 @@ def _checkpoint_weights(location: str) -> Weights:
     """Trainable + frozen parameters of the newest restorable step, on one device."""
     from jaxscale import checkpoint
 
-    root = location if _is_checkpoint_dir(location) else storage.join(location, "checkpoints")
+    root = location if _is_checkpoint_dir(location) else locations.join(location, "checkpoints")
     step, restored = checkpoint.newest_restorable(
         root, lambda step: checkpoint.restore_params(root, step))
-    workdir = (root.rstrip("/").rsplit("/", 1)[0] if storage.is_remote(root)
+    workdir = (root.rstrip("/").rsplit("/", 1)[0] if locations.is_remote(root)
                else os.path.dirname(os.path.abspath(root)))
     frozen = flatten(restored.get("frozen") or {})
     if "base_fingerprint" in restored:  # LoRA adapters only: rebuild the base the run used
@@ -207,7 +207,7 @@ def _rebuilt_base(workdir: str, fingerprint: np.ndarray) -> dict:
 
     from jaxscale.checkpoint import base_fingerprint, fingerprints_match
 
-    run = _read_json(storage.join(workdir, "config.json"))
+    run = _read_json(locations.join(workdir, "config.json"))
     if run is None:
         raise WeightsError(f"{workdir}'s checkpoint holds LoRA adapters only, and the run's "
                            "config.json (needed to rebuild the frozen base) is missing.")

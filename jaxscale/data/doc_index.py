@@ -7,7 +7,7 @@ tokenizing the whole corpus, the files (*units*) are dealt out: process `p` of `
 tokenizes files `p, p + P, ...` and the per-file results (document counts, jsonl line offsets,
 token lengths) are summed across processes with one all-gather (`jax.experimental.multihost_utils`).
 Every process then holds the same document table, plans the same rows, and during training reads
-only the documents of its own rows (`jaxscale.file_data`). A process never reads another's files
+only the documents of its own rows (`jaxscale.data.mixture`). A process never reads another's files
 to build the index.
 
 Why this and not lanes of per-host document streams: the checkpointed iterator state stays
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale import data_files
+from jaxscale.storage import data_files
 
 Exchange = Callable[[np.ndarray], np.ndarray]  # int32 array -> its sum over all processes
 

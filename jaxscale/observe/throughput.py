@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from jaxscale.metrics import mfu
+from jaxscale.observe.metrics import mfu
 
 
 class Throughput:

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import tqdm
 
-from jaxscale import data_files
+from jaxscale.storage import data_files
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.documents import FORMATS, SourceSpec, expand
-from jaxscale.text_readers import JsonlReader, ParquetReader, TextReader, bad_record
-from jaxscale.tokenizer import encode_document, file_hash, load_tokenizer
+from jaxscale.data.sources import FORMATS, SourceSpec, expand
+from jaxscale.data.readers import JsonlReader, ParquetReader, TextReader, bad_record
+from jaxscale.data.tokenizer import encode_document, file_hash, load_tokenizer
 
 TEXT_FORMATS = ("text", "jsonl", "parquet")
 SPECIAL_TOKENS = ("<|endoftext|>", "<pad>")  # EOS and pad of a trained tokenizer
@@ -126,7 +126,7 @@ def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shard
     if train_vocab:
         train_tokenizer(readers, train_vocab, tok_path)
     elif tokenizer != "bytes":
-        from jaxscale.tokenizer import resolve_path
+        from jaxscale.data.tokenizer import resolve_path
         src = resolve_path(tokenizer)
         tok_path = os.path.join(out, os.path.basename(src))
         shutil.copyfile(src, tok_path)  # the prepared data carries its tokenizer

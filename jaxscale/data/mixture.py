@@ -1,9 +1,9 @@
 """Training on your own files: `config.data.sources` -> a deterministic weighted mixture of rows.
 
-Each source entry (`jaxscale.documents`) becomes rows (`jaxscale.packing`). A Lo-Fi worker opens
+Each source entry (`jaxscale.data.sources`) becomes rows (`jaxscale.data.packing`). A Lo-Fi worker opens
 only its shard of each source (whole files of text / jsonl / parquet, every n-th record of the
 prepared formats), and the token lengths that plan the rows of on-the-fly formats are learnt by
-each process tokenizing only its share of those files (`jaxscale.doc_index`). Per source, a grain
+each process tokenizing only its share of those files (`jaxscale.data.doc_index`). Per source, a grain
 `MapDataset` of row indices is shuffled with the run's seed and repeated; `MapDataset.mix` interleaves the sources by weight, deterministically. Global batches
 are formed from that index stream, and each process then reads only the documents of its own
 rows, so the global batch at a step is identical for any process count and mesh, and grain's
@@ -22,12 +22,12 @@ from typing import Any
 import grain
 import numpy as np
 
-from jaxscale import storage
-from jaxscale.doc_index import default_exchange
+from jaxscale.storage import locations
+from jaxscale.data.doc_index import default_exchange
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.packing import PACKINGS, make_rows
-from jaxscale.documents import SourceSpec, expand, open_source, parse_sources
-from jaxscale.tokenizer import BYTES, check_vocab, file_hash, load_tokenizer
+from jaxscale.data.packing import PACKINGS, make_rows
+from jaxscale.data.sources import SourceSpec, expand, open_source, parse_sources
+from jaxscale.data.tokenizer import BYTES, check_vocab, file_hash, load_tokenizer
 
 
 PREFETCH = 16  # global batches read ahead per process
@@ -215,7 +215,7 @@ def validate_files(config: Any) -> None:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1).")
     tokenizer = load_tokenizer(d.tokenizer)
     check_vocab(tokenizer, config.model.vocab_size, d.tokenizer)
-    storage.configure(config.get("storage"))  # bucket globs: the run's endpoint and region
+    locations.configure(config.get("storage"))  # bucket globs: the run's endpoint and region
     for name in ("sources", "eval_sources"):
         for spec in parse_sources(d[name], f"data.{name}"):
             expand(spec, f"data.{name}")  # a glob matching nothing fails here

@@ -1,4 +1,4 @@
-"""Orbax checkpoints on every location `jaxscale.storage` accepts, s3:// included.
+"""Orbax checkpoints on every location `jaxscale.storage.locations` accepts, s3:// included.
 
 Why this module exists: orbax 0.12 builds the tensorstore kvstore spec of every array from the
 checkpoint path itself (`tensorstore_utils.build_kvstore_tspec`), and knows only two kinds of
@@ -25,7 +25,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
-from jaxscale import storage
+from jaxscale.storage import locations
 
 COMMIT_FILE = "commit_success.txt"  # orbax's marker of a finished step (commit-file protocol)
 _GS_ALIAS = "gs://"
@@ -38,7 +38,7 @@ def _to_s3(spec: Any) -> Any:
     if not isinstance(spec, dict):
         return spec
     if spec.get("driver") in ("gcs", "gcs_grpc") and "bucket" in spec:
-        s3 = storage.kvstore_spec(f"s3://{spec['bucket']}")
+        s3 = locations.kvstore_spec(f"s3://{spec['bucket']}")
         extra = {k: v for k, v in spec.items() if k not in ("driver", "bucket", "path")}
         return {**s3, **extra, "path": spec.get("path", "")}
     return {k: _to_s3(v) for k, v in spec.items()}
@@ -57,7 +57,7 @@ def _wrap(build: Any) -> Any:
 
 
 def install() -> None:
-    """Routes orbax's s3:// array specs through `jaxscale.storage` (idempotent)."""
+    """Routes orbax's s3:// array specs through `jaxscale.storage.locations` (idempotent)."""
     current = _ts_utils.build_kvstore_tspec
     if not getattr(current, "jaxscale_s3", False):
         _ts_utils.build_kvstore_tspec = _wrap(current)
@@ -65,7 +65,7 @@ def install() -> None:
 
 def atomicity_options(location: str) -> Any:
     """Commit-file steps on object stores (no atomic rename there), orbax's default locally."""
-    if not storage.is_remote(location):
+    if not locations.is_remote(location):
         return None
     return ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
 
@@ -73,7 +73,7 @@ def atomicity_options(location: str) -> Any:
 def path(location: str) -> Any:
     """The `etils.epath.Path` orbax should be given for `location` (adapter installed)."""
     install()
-    return storage.epath(location)
+    return locations.epath(location)
 
 
 def is_complete(step_dir: Any, remote: bool) -> bool:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from jaxscale import storage
+from jaxscale.storage import locations
 from jaxscale.errors import paragraph
 
 log = logging.getLogger("jaxscale.lofi")
@@ -46,7 +46,7 @@ _TRANSIENT = re.compile(
     re.IGNORECASE)
 
 
-class StoreUnavailable(storage.StorageError):
+class StoreUnavailable(locations.StorageError):
     """The store did not answer for longer than the retry budget (not a damaged snapshot)."""
 
 
@@ -60,7 +60,7 @@ class Retry:
 
     def __init__(self, location: str):
         self.location = location
-        self.enabled = storage.is_remote(location)
+        self.enabled = locations.is_remote(location)
         self._lock = threading.Lock()
         self._down_since: float | None = None   # monotonic time the current outage began
         self._cause = ""
@@ -74,12 +74,12 @@ class Retry:
         delay = FIRST_BACKOFF_S
         while True:
             try:
-                result = op(storage.settings().timeout_s + nbytes / MIN_BYTES_PER_S)
+                result = op(locations.settings().timeout_s + nbytes / MIN_BYTES_PER_S)
             except Exception as e:  # noqa: BLE001 - classified just below
                 if not is_transient(e):
                     raise
                 waited = self._failed(what, e)
-                budget = storage.settings().retry_s
+                budget = locations.settings().retry_s
                 if waited >= budget:
                     raise self._exhausted(what, budget) from None
                 time.sleep(min(delay, budget - waited))
@@ -100,7 +100,7 @@ class Retry:
                 self._down_since, self._cause = now, _short(error)
                 log.warning("Lo-Fi store %s did not answer (%s while %s); retrying for up to "
                             "%.0f s (config.storage.retry_s)", self.location, self._cause, what,
-                            storage.settings().retry_s)
+                            locations.settings().retry_s)
             return now - self._down_since
 
     def _succeeded(self) -> None:
@@ -117,7 +117,7 @@ class Retry:
             f"The Lo-Fi store {self.location} has not answered for {budget:.0f} s (while",
             f"{what}; first error: {self._cause}). Nothing partial was published: a snapshot",
             "becomes visible only through its COMMIT, written last. Check that the endpoint",
-            f"({storage.endpoint_of(self.location)}) is up and reachable from this machine,",
+            f"({locations.endpoint_of(self.location)}) is up and reachable from this machine,",
             "then restart this process (a worker resumes from its checkpoint, the averager from",
             "the store), or allow longer outages with config.storage.retry_s (workers) or",
             "--store_retry_s (launch.lofi_average).",

@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.metrics import MetricsWriter
-from jaxscale.storage import is_remote
-from jaxscale.workdir_files import TensorBoardMirror
+from jaxscale.observe.metrics import MetricsWriter
+from jaxscale.storage.locations import is_remote
+from jaxscale.storage.workdir_files import TensorBoardMirror
 
 
 class Logger:

@@ -8,7 +8,7 @@ lengths. Documents are addressed by index, so a process reads only the files, li
 or records of the documents in its own rows. Lengths are free for `tokens` (file sizes) and for
 `array_record` shards written by `launch.prepare_data` (a lengths file beside each shard); for
 the on-the-fly formats (`text`, `jsonl`, `parquet`) each process tokenizes only its share of the
-files and the lengths are shared (`jaxscale.doc_index`), so large corpora are still best
+files and the lengths are shared (`jaxscale.data.doc_index`), so large corpora are still best
 prepared once. Bad records raise one-paragraph errors naming the file
 and line (or skip and count them with `data.skip_bad_records`).
 """
@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale import data_files
-from jaxscale.doc_index import Exchange, IndexCache, build_index
+from jaxscale.storage import data_files
+from jaxscale.data.doc_index import Exchange, IndexCache, build_index
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.tokenizer import BYTES, file_hash
-from jaxscale.text_readers import DataError, JsonlReader, ParquetReader, TextReader, Tokenized
+from jaxscale.data.tokenizer import BYTES, file_hash
+from jaxscale.data.readers import DataError, JsonlReader, ParquetReader, TextReader, Tokenized
 
 FORMATS = ("text", "jsonl", "parquet", "array_record", "tokens")
 TOKEN_BLOCK = 1 << 16  # a `tokens` file is addressed in blocks of this many tokens
@@ -214,7 +214,7 @@ def open_source(spec: SourceSpec, data_config: Any, tokenizer: Any,
                 exchange: Exchange | None = None) -> DocSource:
     """The `DocSource` of one `FORMAT=GLOB` entry, restricted to Lo-Fi shard `shard_index` of
     `shard_count`: whole files of the on-the-fly formats, every `shard_count`-th document of
-    the others. On-the-fly formats are indexed here (`jaxscale.doc_index`): with `exchange`,
+    the others. On-the-fly formats are indexed here (`jaxscale.data.doc_index`): with `exchange`,
     this process tokenizes only its share of the shard's files."""
     files = expand(spec, field_name)
     skip = bool(data_config.get("skip_bad_records", False))

@@ -4,8 +4,8 @@
 (seed 0, independent of the run's seed) holds out 20% as the test split, so every run and mesh
 evaluates on the same images. Training batches come from a grain `MapDataset` shuffled with the
 run's seed, grouped into global batches of which each host keeps its own rows, exactly like the
-text data in `jaxscale.data`; batches are `{'images': (B, 8, 8, 1) float32 in [0, 1],
-'labels': (B,) int32}`. `jaxscale.data.DATASETS['digits']` names the two builders below.
+text data in `jaxscale.data.registry`; batches are `{'images': (B, 8, 8, 1) float32 in [0, 1],
+'labels': (B,) int32}`. `jaxscale.data.registry.DATASETS['digits']` names the two builders below.
 """
 
 from __future__ import annotations

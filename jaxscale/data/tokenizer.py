@@ -19,7 +19,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxscale import data_files, storage
+from jaxscale.storage import data_files
+from jaxscale.storage import locations
 from jaxscale.errors import ConfigError, paragraph
 
 BYTES = "bytes"
@@ -114,7 +115,7 @@ def _local_copy(url: str) -> str:
     """The tokenizer file a bucket URL names (itself, or a directory's tokenizer.json /
     tokenizer.model), copied once per object version into CACHE_DIR."""
     names = ("tokenizer.json", "tokenizer.model")
-    candidates = [url] if url.endswith((".json", ".model")) else [storage.join(url, n)
+    candidates = [url] if url.endswith((".json", ".model")) else [locations.join(url, n)
                                                                    for n in names]
     for candidate in candidates:
         try:

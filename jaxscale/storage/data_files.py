@@ -7,7 +7,7 @@ request, never a download of the whole file. These few functions are the readers
 reach a file, so the two cases stay the same everywhere: `glob` expands a pattern (fsspec's
 glob for buckets, sorted full URLs), `size` and `read_range` are stateless (safe from grain's
 reader threads), `open_binary` streams a whole file (a jsonl file's line scan, parquet's
-random access). Endpoints and credentials come from `jaxscale.storage` (config.storage or
+random access). Endpoints and credentials come from `jaxscale.storage.locations` (config.storage or
 the standard AWS_* / Google variables), as for every other location.
 """
 
@@ -17,25 +17,25 @@ import glob as globlib
 import os
 from typing import IO, Any
 
-from jaxscale import storage
+from jaxscale.storage import locations
 
 LINE_READ = 1 << 16  # bytes fetched per request while looking for the end of a jsonl line
 
 
-def _fs(location: storage.Location) -> Any:
+def _fs(location: locations.Location) -> Any:
     import fsspec
 
-    storage.epath(location.url())  # applies the endpoint / emulator settings to fsspec
+    locations.epath(location.url())  # applies the endpoint / emulator settings to fsspec
     return fsspec.filesystem("gcs" if location.scheme == "gs" else "s3")
 
 
-def _key(location: storage.Location) -> str:
+def _key(location: locations.Location) -> str:
     return f"{location.bucket}/{location.path}"
 
 
 def glob(pattern: str) -> list[str]:
     """The files matching `pattern` (`**` recurses), sorted; URLs keep their scheme."""
-    loc = storage.parse(pattern)
+    loc = locations.parse(pattern)
     if not loc.remote:  # names as the pattern gives them (relative stays relative)
         local = pattern[len("file://"):] if pattern.startswith("file://") else pattern
         found = globlib.glob(os.path.expanduser(local), recursive=True)
@@ -46,14 +46,14 @@ def glob(pattern: str) -> list[str]:
 
 
 def size(path: str) -> int:
-    loc = storage.parse(path)
+    loc = locations.parse(path)
     return os.path.getsize(loc.path) if not loc.remote else int(_fs(loc).size(_key(loc)))
 
 
 def fingerprint(path: str) -> str:
     """Names this version of a file (for caches): path, size and modification time, or for
     an object its URL, size and ETag / generation (a rewritten object gets a new one)."""
-    loc = storage.parse(path)
+    loc = locations.parse(path)
     if not loc.remote:
         st = os.stat(loc.path)
         return f"{loc.path}|{st.st_size}|{st.st_mtime_ns}"
@@ -65,7 +65,7 @@ def fingerprint(path: str) -> str:
 
 def read_range(path: str, start: int, end: int) -> bytes:
     """Bytes [start, end) of a file: one seek and read, or one HTTP range request."""
-    loc = storage.parse(path)
+    loc = locations.parse(path)
     if loc.remote:
         return _fs(loc).cat_file(_key(loc), start=start, end=end)
     with open(loc.path, "rb") as f:
@@ -75,7 +75,7 @@ def read_range(path: str, start: int, end: int) -> bytes:
 
 def read_line(path: str, offset: int) -> bytes:
     """The line starting at byte `offset` (with its newline, if any)."""
-    loc = storage.parse(path)
+    loc = locations.parse(path)
     if not loc.remote:
         with open(loc.path, "rb") as f:
             f.seek(offset)
@@ -98,12 +98,12 @@ def read_line(path: str, offset: int) -> bytes:
 
 def open_binary(path: str) -> IO[bytes]:
     """A seekable binary file object (buffered range requests for a bucket object)."""
-    loc = storage.parse(path)
+    loc = locations.parse(path)
     return open(loc.path, "rb") if not loc.remote else _fs(loc).open(_key(loc), "rb")
 
 
 def is_local(path: str) -> bool:
-    return not storage.parse(path).remote
+    return not locations.parse(path).remote
 
 
 def local_path(path: str) -> str:

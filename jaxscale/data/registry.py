@@ -3,7 +3,7 @@
 Each entry names how to build training batches and the full held-out split (`Dataset`), so the
 training loop and `launch.evaluate` ask this module alone. The `stdlib` demo reads the Python
 standard library's own sources as bytes: files are split into train / held-out by a hash of
-their path (stable across runs), concatenated and cut into windows by `jaxscale.batching`.
+their path (stable across runs), concatenated and cut into windows by `jaxscale.data.batching`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale import file_data, vision_data
-from jaxscale.batching import Batches, eval_batches
+from jaxscale.data import mixture
+from jaxscale.data import images
+from jaxscale.data.batching import Batches, eval_batches
 from jaxscale.errors import ConfigError, paragraph
 
 __all__ = ["Batches", "DATASETS", "Dataset", "build_data", "eval_batches", "heldout_batches",
@@ -89,8 +90,8 @@ class Dataset:
 # `config.data.corpus` -> its Dataset. An explicit table: every dataset is listed here.
 DATASETS: dict[str, Dataset] = {
     "stdlib": Dataset(stdlib_data),
-    "digits": Dataset(vision_data.digits_data, vision_data.digits_test_batches),
-    "files": Dataset(file_data.files_data),
+    "digits": Dataset(images.digits_data, images.digits_test_batches),
+    "files": Dataset(mixture.files_data),
 }
 
 
@@ -117,7 +118,7 @@ def heldout_batches(config: Any, process_index: int, process_count: int,
     with `sources` (`FORMAT=GLOB;...`), every row of those files instead, with the run's
     tokenizer and packing (`launch.evaluate --eval_sources`)."""
     if sources:
-        return file_data.source_eval_batches(config, sources, process_index, process_count)
+        return mixture.source_eval_batches(config, sources, process_index, process_count)
     entry = dataset_for(config)
     if entry.heldout is not None:
         return entry.heldout(config, process_index, process_count)

@@ -15,7 +15,10 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from jaxscale import storage, workdir_files
+from jaxscale.storage import locations
+
+# Dense (no sparsity) bf16 peak FLOP/s per device, i.e. per chip for TPUs and per GPU, and where
+from jaxscale.storage import workdir_files
 
 # Dense (no sparsity) bf16 peak FLOP/s per device, i.e. per chip for TPUs and per GPU, and where
 # each number comes from (`PEAK_SOURCES`, same keys; the run banner prints the one it uses).
@@ -163,8 +166,8 @@ class MetricsWriter:
     def __init__(self, workdir: str | None, enabled: bool = True, tensorboard: bool = True):
         self.enabled = bool(enabled and workdir)
         self.workdir = workdir
-        self.path = storage.join(workdir, "metrics.jsonl") if workdir else None
-        self._remote = bool(workdir) and storage.is_remote(workdir)
+        self.path = locations.join(workdir, "metrics.jsonl") if workdir else None
+        self._remote = bool(workdir) and locations.is_remote(workdir)
         self._tensorboard = tensorboard
         self._tb: Any = None
         self._mirror: Any = None
@@ -257,7 +260,7 @@ def read_metrics_file(path: str) -> list[dict]:
 
 def read_metrics(workdir: str) -> list[dict]:
     """All records of WORKDIR/metrics.jsonl, in file order."""
-    return read_metrics_file(storage.join(workdir, "metrics.jsonl"))
+    return read_metrics_file(locations.join(workdir, "metrics.jsonl"))
 
 
 class ProgressBar:

@@ -38,11 +38,11 @@ def _saved_model_config(path: str) -> dict | None:
     too."""
     import json
 
-    from jaxscale import storage
+    from jaxscale.storage import locations
 
     if str(path).startswith("memory://"):
         return None
-    meta = storage.epath(storage.join(str(path), "model_config.json"))
+    meta = locations.epath(locations.join(str(path), "model_config.json"))
     return json.loads(meta.read_text()) if meta.exists() else None
 
 

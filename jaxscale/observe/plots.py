@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from jaxscale.metrics import read_metrics
+from jaxscale.observe.metrics import read_metrics
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -5,7 +5,7 @@ Why a module: object stores have no append and no rename, but a single PUT repla
 atomically, so on a bucket each file is rewritten whole (a reader sees the old or the new
 object, never a torn one), and TensorBoard, whose writer appends to local files, writes to a
 local mirror that is uploaded (`TensorBoardMirror`). Checkpoints are not here: orbax and
-tensorstore write them straight to the store (`jaxscale.orbax_storage`).
+tensorstore write them straight to the store (`jaxscale.storage.orbax_paths`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import tempfile
 import time
 from typing import Any
 
-from jaxscale import storage
+from jaxscale.storage import locations
 
 TB_UPLOAD_EVERY_S = 30.0  # events are a convenience: upload a growing file at most this often
 
@@ -27,12 +27,12 @@ def _object(location: str) -> tuple[Any, str]:
     import tensorstore as ts
 
     parent, _, name = location.rstrip("/").rpartition("/")
-    return ts.KvStore.open(storage.kvstore_spec(parent)).result(), name
+    return ts.KvStore.open(locations.kvstore_spec(parent)).result(), name
 
 
 def read_bytes(location: str) -> bytes | None:
     """The file's bytes, or None if it does not exist."""
-    if storage.is_remote(location):
+    if locations.is_remote(location):
         kv, key = _object(location)
         got = kv.read(key).result()
         return got.value if got.state == "value" else None
@@ -44,7 +44,7 @@ def read_bytes(location: str) -> bytes | None:
 
 def write_bytes(location: str, data: bytes) -> None:
     """One PUT on a bucket (readers see the old or the new object); a plain write locally."""
-    if storage.is_remote(location):
+    if locations.is_remote(location):
         kv, key = _object(location)
         kv.write(key, data).result()
         return
@@ -54,7 +54,7 @@ def write_bytes(location: str, data: bytes) -> None:
 
 def read_text(location: str) -> str | None:
     """The file's text, or None if it does not exist."""
-    if storage.is_remote(location):
+    if locations.is_remote(location):
         data = read_bytes(location)
         return None if data is None else data.decode()
     if not os.path.exists(location):
@@ -65,7 +65,7 @@ def read_text(location: str) -> str | None:
 
 def write_text(location: str, text: str) -> None:
     """Replaces the file atomically: one PUT on an object store, write-then-rename locally."""
-    if storage.is_remote(location):
+    if locations.is_remote(location):
         write_bytes(location, text.encode())
         return
     os.makedirs(os.path.dirname(os.path.abspath(location)), exist_ok=True)
@@ -81,8 +81,8 @@ class TensorBoardMirror:
     WORKDIR/tensorboard/ (`sync`: at most every TB_UPLOAD_EVERY_S, and always on `close`)."""
 
     def __init__(self, workdir: str):
-        self.remote = storage.join(workdir, "tensorboard")
-        self.is_remote = storage.is_remote(workdir)
+        self.remote = locations.join(workdir, "tensorboard")
+        self.is_remote = locations.is_remote(workdir)
         self.local = (tempfile.mkdtemp(prefix="jaxscale-tensorboard-") if self.is_remote
                       else self.remote)
         self._uploaded: dict[str, int] = {}
@@ -101,7 +101,7 @@ class TensorBoardMirror:
                 size = os.path.getsize(src)
                 if self._uploaded.get(rel) != size:
                     with open(src, "rb") as f:
-                        write_bytes(storage.join(self.remote, rel), f.read())
+                        write_bytes(locations.join(self.remote, rel), f.read())
                     self._uploaded[rel] = size
 
     def close(self) -> None:

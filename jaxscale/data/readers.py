@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale import data_files
+from jaxscale.storage import data_files
 from jaxscale.errors import JaxscaleError, paragraph
-from jaxscale.tokenizer import encode_document
+from jaxscale.data.tokenizer import encode_document
 
 
 class DataError(JaxscaleError):
@@ -31,7 +31,7 @@ class Tokenized:
 
     Documents are addressed by locators `(unit, j, byte offset)` (the offset is used by jsonl
     only). `scan_unit(u)` lists a file's documents, and for jsonl that reads the file; nothing
-    is scanned or tokenized when a reader opens. `jaxscale.doc_index` scans and tokenizes each
+    is scanned or tokenized when a reader opens. `jaxscale.data.doc_index` scans and tokenizes each
     process's own files once to learn token lengths, shares them between processes, and then
     `attach`es the whole table, so `doc(i)` reads exactly document `i` and nothing else.
     """
