@@ -19,7 +19,8 @@ import numpy as np  # noqa: E402
 from configs import llama  # noqa: E402
 from jaxscale.config import base_config  # noqa: E402
 from jaxscale.data.mixture import files_data  # noqa: E402
-from jaxscale.observe.metrics import PEAK_FLOPS, llama_flops_per_token  # noqa: E402
+from jaxscale.hardware import PEAK_FLOPS  # noqa: E402
+from jaxscale.observe.metrics import llama_flops_per_token  # noqa: E402
 from jaxscale.data.tokenizer import load_tokenizer  # noqa: E402
 
 

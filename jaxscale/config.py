@@ -210,7 +210,7 @@ def _validate_rope(m: mlc.ConfigDict) -> None:
 def _validate_choices(c: mlc.ConfigDict) -> None:
     """Names that would otherwise only fail deep inside model or optimizer construction."""
     from jaxscale.models.attention import ATTENTION_IMPLS  # lazy: keeps `import config` light
-    from jaxscale.models.llama import REMAT_POLICIES
+    from jaxscale.models.scan import REMAT_POLICIES
     from jaxscale.precision import get_policy
     from jaxscale.presets import PRESETS
     from jaxscale.train.optim import OPTIMIZERS

@@ -8,9 +8,11 @@ import os
 import numpy as np
 import pytest
 
+from jaxscale import hardware
 from jaxscale.observe import metrics
-from jaxscale.observe.metrics import (MetricsWriter, ProgressBar, llama_flops_per_token, mfu, peak_flops,
-                              read_metrics)
+from jaxscale.hardware import peak_flops
+from jaxscale.observe.metrics import MetricsWriter, llama_flops_per_token, mfu, read_metrics
+from jaxscale.observe.progress import ProgressBar
 
 
 @pytest.mark.parametrize("kind, expected", [
@@ -105,14 +107,14 @@ def test_progress_bar_plain_lines():
 
 def test_peak_table_covers_issue_hardware():
     for kind in ("TPU v4", "TPU v5e", "TPU v5p", "TPU v6e", "A100", "H100", "H200"):
-        assert kind in metrics.PEAK_FLOPS and math.isfinite(metrics.PEAK_FLOPS[kind])
+        assert kind in hardware.PEAK_FLOPS and math.isfinite(hardware.PEAK_FLOPS[kind])
 
 
 def test_every_peak_names_its_source():
-    assert set(metrics.PEAK_SOURCES) == set(metrics.PEAK_FLOPS)
-    assert metrics.peak_flops_source("NVIDIA H100 80GB HBM3").startswith("H100: NVIDIA H100")
-    assert metrics.peak_flops_source("TPU v5 lite").startswith("TPU v5 lite: https://")
-    assert metrics.peak_flops_source("cpu") is None
+    assert set(hardware.PEAK_SOURCES) == set(hardware.PEAK_FLOPS)
+    assert hardware.peak_flops_source("NVIDIA H100 80GB HBM3").startswith("H100: NVIDIA H100")
+    assert hardware.peak_flops_source("TPU v5 lite").startswith("TPU v5 lite: https://")
+    assert hardware.peak_flops_source("cpu") is None
 
 
 def test_vit_flops_by_hand():

@@ -10,7 +10,7 @@ import pytest
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError, JaxscaleError
 from jaxscale.mesh import make_mesh
-from jaxscale.models.llama import scan_layers
+from jaxscale.models.scan import scan_layers
 from jaxscale.parallel.pipeline import SCHEDULES, get_schedule, make_layer_runner
 from jaxscale.precision import get_policy
 from jaxscale.presets import PRESETS
@@ -127,7 +127,7 @@ def test_default_rules_put_layer_stages_on_pipeline():
 def test_vit_runs_through_the_pipeline():
     """Models without positions (ViT) pipeline too, and equal their plain scan."""
     from configs.vit_digits import get_config as vit_config
-    from jaxscale.models.vit import scan_layers as vit_scan
+    from jaxscale.models.scan import scan_layers as vit_scan
 
     c = vit_config("test")
     model_def = ModelDef.build(c.model, get_policy("32-true"))

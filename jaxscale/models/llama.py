@@ -26,17 +26,9 @@ from jaxscale.models.attention import Attention, KVCache
 from jaxscale.models.layers import MLP, RMSNorm, param
 from jaxscale.models.rope import Rope
 from jaxscale.models.runner import LayerRunner
+from jaxscale.models.scan import check_remat, scan_layers
 from jaxscale.precision import Policy, get_policy
 from jaxscale.rules import constrain
-
-# `jax.checkpoint` policies by config name: which intermediates the backward pass may keep.
-REMAT_POLICIES: dict[str, Any] = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -110,42 +102,10 @@ class Block(nnx.Module):
         return h_BTE if cache is None else (h_BTE, cache)
 
 
-def scan_layers(block: Block, h_BTE: jax.Array, positions_BT: jax.Array,
-                remat: str = "none", cache: KVCache | None = None,
-                cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None
-                ) -> jax.Array | tuple[jax.Array, KVCache]:
-    """Applies a stacked `block` layer by layer with `lax.scan` (optionally rematerialised).
-
-    With a stacked `cache` (L, B, S, K, D) each layer reads and writes its own slice, and the
-    result is (h, updated cache).
-    """
-    graphdef, state = nnx.split(block)
-    if cache is not None:
-        def apply_cached(h, xs):
-            layer_state, layer_cache = xs
-            return nnx.merge(graphdef, layer_state)(h, positions_BT, layer_cache, cache_index,
-                                                    segments_BT)
-
-        h_BTE, cache = jax.lax.scan(apply_cached, h_BTE, (state, cache))
-        return h_BTE, cache.constrained()
-
-    packed = {} if segments_BT is None else {"segments_BT": segments_BT}  # ViT blocks: never
-
-    def apply_one(h, layer_state):
-        return nnx.merge(graphdef, layer_state)(h, positions_BT, **packed), None
-
-    if remat != "none":
-        apply_one = jax.checkpoint(apply_one, policy=REMAT_POLICIES[remat])
-    h_BTE, _ = jax.lax.scan(apply_one, h_BTE, state)
-    return h_BTE
-
-
 class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, policy: Policy | None = None):
         policy = policy or get_policy("32-true")
-        if cfg.remat not in REMAT_POLICIES:
-            raise ValueError(f"Unknown remat policy {cfg.remat!r}; "
-                             f"use one of {list(REMAT_POLICIES)}.")
+        check_remat(cfg.remat)
         self.cfg, self.policy = cfg, policy
         self.embedding = param(rngs, (cfg.vocab_size, cfg.embed), ("vocab", "embed"),
                                fan_in=1, dtype=policy.param)

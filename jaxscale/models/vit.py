@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxscale.models.attention import attend
 from jaxscale.models.layers import param, project
-from jaxscale.models.llama import REMAT_POLICIES, scan_layers
+from jaxscale.models.scan import check_remat, scan_layers
 from jaxscale.models.runner import LayerRunner
 from jaxscale.precision import Policy, get_policy
 from jaxscale.rules import constrain
@@ -145,9 +145,7 @@ class EncoderBlock(nnx.Module):
 class ViT(nnx.Module):
     def __init__(self, cfg: ViTConfig, rngs: nnx.Rngs, policy: Policy | None = None):
         policy = policy or get_policy("32-true")
-        if cfg.remat not in REMAT_POLICIES:
-            raise ValueError(f"Unknown remat policy {cfg.remat!r}; "
-                             f"use one of {list(REMAT_POLICIES)}.")
+        check_remat(cfg.remat)
         self.cfg, self.policy = cfg, policy
         p, e, dt = cfg.patch_size, cfg.embed, policy.param
         self.patch_kernel = param(rngs, (p, p, cfg.channels, e), (None, None, None, "embed"),

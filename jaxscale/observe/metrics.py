@@ -1,4 +1,5 @@
-"""Metrics: metrics.jsonl + TensorBoard, model FLOPs utilisation, and a terminal progress bar.
+"""Metrics: metrics.jsonl + TensorBoard and model FLOPs utilisation (the progress line is in
+`jaxscale.observe.progress`, peak FLOP/s in `jaxscale.hardware`).
 
 `metrics.jsonl` is the source of truth (tests, `launch.plot` and resume all read it); TensorBoard
 is a convenience view of the same numbers. Only process 0 writes either (`enabled=False`
@@ -10,71 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from jaxscale.storage import locations
-
-# Dense (no sparsity) bf16 peak FLOP/s per device, i.e. per chip for TPUs and per GPU, and where
-from jaxscale.storage import workdir_files
-
-# Dense (no sparsity) bf16 peak FLOP/s per device, i.e. per chip for TPUs and per GPU, and where
-# each number comes from (`PEAK_SOURCES`, same keys; the run banner prints the one it uses).
-PEAK_FLOPS: dict[str, float] = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-    "A100": 312e12,
-    "H100": 989e12,
-    "H100 PCIe": 756e12,
-    "H200": 989e12,
-}
-_V5E = "https://cloud.google.com/tpu/docs/v5e (197 TFLOP/s bf16 per chip)"
-_V5P = "https://cloud.google.com/tpu/docs/v5p (459 TFLOP/s bf16 per chip)"
-_V6E = "https://cloud.google.com/tpu/docs/v6e (Trillium, 918 TFLOP/s bf16 per chip)"
-_H100 = "NVIDIA H100 datasheet, SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity / 2"
-PEAK_SOURCES: dict[str, str] = {
-    "TPU v4": "https://cloud.google.com/tpu/docs/v4 (275 TFLOP/s bf16 per chip)",
-    "TPU v5 lite": _V5E, "TPU v5e": _V5E,
-    "TPU v5p": _V5P, "TPU v5": _V5P,
-    "TPU v6 lite": _V6E, "TPU v6e": _V6E,
-    "A100": "NVIDIA A100 datasheet, BF16 Tensor Core dense (SXM and PCIe alike): 312 TFLOPS",
-    "H100": _H100,
-    "H100 PCIe": "NVIDIA H100 datasheet, PCIe: BF16 Tensor Core 1,513 TFLOPS with sparsity / 2",
-    "H200": "NVIDIA H200 datasheet: the H100 SXM's compute (989 TFLOPS dense bf16), more HBM",
-}
-
-
-def _peak_key(device_kind: str) -> str | None:
-    kind = device_kind.lower()
-    for name in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if name.lower() in kind:
-            return name
-    return None
-
-
-def peak_flops_source(device_kind: str) -> str | None:
-    """Where the peak used for `device_kind` comes from (None when it has no known peak)."""
-    key = _peak_key(device_kind)
-    return f"{key}: {PEAK_SOURCES[key]}" if key else None
-
-
-def peak_flops(device_kind: str) -> float | None:
-    """Peak bf16 FLOP/s for a jax `device.device_kind` string; None for CPUs and unknown kinds.
-
-    Matching is by case-insensitive substring, longest key first, so 'TPU v5 lite' wins over
-    'TPU v5' and 'NVIDIA H100 PCIe' over 'H100', while vendor strings such as
-    'NVIDIA H100 80GB HBM3' or 'NVIDIA A100-SXM4-80GB' need no entry of their own. Returning
-    None (rather than guessing) keeps a bogus MFU out of the logs on hardware we do not know.
-    """
-    key = _peak_key(device_kind)
-    return PEAK_FLOPS[key] if key else None
+from jaxscale.hardware import peak_flops
+from jaxscale.storage import locations, workdir_files
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, num_devices: int,
@@ -261,59 +202,3 @@ def read_metrics_file(path: str) -> list[dict]:
 def read_metrics(workdir: str) -> list[dict]:
     """All records of WORKDIR/metrics.jsonl, in file order."""
     return read_metrics_file(locations.join(workdir, "metrics.jsonl"))
-
-
-class ProgressBar:
-    """A tqdm bar on a terminal; without a TTY (CI logs) a plain line every `print_every` steps.
-
-    Shows step/total, loss, tokens/s, and the latest eval loss once one is known.
-    """
-
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True,
-                 print_every: int | None = None, stream: TextIO | None = None):
-        self.enabled, self.total = enabled, total
-        self._stream = stream or sys.stdout
-        self._bar: Any = None
-        self._last = initial
-        self._printed = initial
-        self._print_every = print_every or max(1, total // 20)
-        self._eval_loss: float | None = None
-        self._start = time.perf_counter()
-        if enabled and self._stream.isatty():
-            from tqdm import tqdm
-            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                             file=self._stream)
-
-    def _fields(self, metrics: Mapping[str, Any]) -> dict[str, str]:
-        shown = {}
-        if metrics.get("loss") is not None:
-            shown["loss"] = f"{float(metrics['loss']):.4f}"
-        if metrics.get("tokens_per_s") is not None:
-            shown["tok/s"] = f"{float(metrics['tokens_per_s']):,.0f}"
-        if metrics.get("eval_loss") is not None:
-            self._eval_loss = float(metrics["eval_loss"])
-        if self._eval_loss is not None:
-            shown["eval"] = f"{self._eval_loss:.4f}"
-        return shown
-
-    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Advances to `step` (absolute, not a delta) and shows `metrics`."""
-        if not self.enabled:
-            return
-        shown = self._fields(metrics)
-        if self._bar is not None:
-            self._bar.update(step - self._last)
-            self._bar.set_postfix(shown)
-        elif (step - self._printed >= self._print_every or step >= self.total
-              or "eval_loss" in metrics):
-            elapsed = time.perf_counter() - self._start
-            text = " ".join(f"{k}={v}" for k, v in shown.items())
-            print(f"step {step}/{self.total} {text} ({elapsed:.0f}s)", file=self._stream,
-                  flush=True)
-            self._printed = step
-        self._last = step
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale.models.llama import scan_layers
+from jaxscale.models.scan import scan_layers
 from jaxscale.parallel.schedules import check_batch, check_layers, get_schedule
 from jaxscale.rules import AxisRules, active_rules, use_rules
 

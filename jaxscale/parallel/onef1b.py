@@ -41,7 +41,7 @@ from jax.custom_derivatives import (CustomVJPPrimal, SymbolicZero,
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.llama import scan_layers
+from jaxscale.models.scan import scan_layers
 from jaxscale.models.runner import LossFn
 from jaxscale.parallel.gpipe import constrain_batch, pipeline_layers, rules_axes, stage_layout
 from jaxscale.parallel.schedules import check_batch, check_layers

@@ -18,8 +18,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxscale.errors import ConfigError
-from jaxscale.models.llama import REMAT_POLICIES
+from jaxscale.models.scan import check_remat
 from jaxscale.models.runner import LayerRunner, LossFn
 from jaxscale.parallel.gpipe import batch_over_stages, pipeline_layers
 from jaxscale.parallel.onef1b import OneFOneB
@@ -70,8 +69,7 @@ def make_layer_runner(pipeline_cfg: Mapping[str, Any], mesh: Mesh, remat: str = 
     schedule = get_schedule(pipeline_cfg.get("schedule", "gpipe"))
     microbatches = int(pipeline_cfg.get("microbatches", 1))
     repeats = int(pipeline_cfg.get("repeats", 1))
-    if remat not in REMAT_POLICIES:
-        raise ConfigError(f"Unknown remat policy {remat!r}; use one of {list(REMAT_POLICIES)}.")
+    check_remat(remat)
     if stages == 1:
         return None
     schedule.check(stages, microbatches, repeats)

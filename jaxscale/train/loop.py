@@ -26,7 +26,9 @@ from jaxscale.data.registry import build_data
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.mesh import make_mesh, mesh_summary
 from jaxscale.observe.loggers import make_loggers
-from jaxscale.observe.metrics import ProgressBar, model_flops_per_token, peak_flops_source
+from jaxscale.hardware import peak_flops_source
+from jaxscale.observe.metrics import model_flops_per_token
+from jaxscale.observe.progress import ProgressBar
 from jaxscale.models import lora
 from jaxscale.runtime.preemption import Preempted, PreemptionWatch
 from jaxscale.observe.profiling import Profiler

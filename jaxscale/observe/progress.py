@@ -1,0 +1,64 @@
+"""The terminal progress line of a run: a tqdm bar on a TTY, a plain line every N steps in logs."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+
+class ProgressBar:
+    """A tqdm bar on a terminal; without a TTY (CI logs) a plain line every `print_every` steps.
+
+    Shows step/total, loss, tokens/s, and the latest eval loss once one is known.
+    """
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True,
+                 print_every: int | None = None, stream: TextIO | None = None):
+        self.enabled, self.total = enabled, total
+        self._stream = stream or sys.stdout
+        self._bar: Any = None
+        self._last = initial
+        self._printed = initial
+        self._print_every = print_every or max(1, total // 20)
+        self._eval_loss: float | None = None
+        self._start = time.perf_counter()
+        if enabled and self._stream.isatty():
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                             file=self._stream)
+
+    def _fields(self, metrics: Mapping[str, Any]) -> dict[str, str]:
+        shown = {}
+        if metrics.get("loss") is not None:
+            shown["loss"] = f"{float(metrics['loss']):.4f}"
+        if metrics.get("tokens_per_s") is not None:
+            shown["tok/s"] = f"{float(metrics['tokens_per_s']):,.0f}"
+        if metrics.get("eval_loss") is not None:
+            self._eval_loss = float(metrics["eval_loss"])
+        if self._eval_loss is not None:
+            shown["eval"] = f"{self._eval_loss:.4f}"
+        return shown
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Advances to `step` (absolute, not a delta) and shows `metrics`."""
+        if not self.enabled:
+            return
+        shown = self._fields(metrics)
+        if self._bar is not None:
+            self._bar.update(step - self._last)
+            self._bar.set_postfix(shown)
+        elif (step - self._printed >= self._print_every or step >= self.total
+              or "eval_loss" in metrics):
+            elapsed = time.perf_counter() - self._start
+            text = " ".join(f"{k}={v}" for k, v in shown.items())
+            print(f"step {step}/{self.total} {text} ({elapsed:.0f}s)", file=self._stream,
+                  flush=True)
+            self._printed = step
+        self._last = step
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
