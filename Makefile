@@ -28,6 +28,7 @@ train: $(VENV)/.installed
 	$(VENV)/bin/jaxscale train --config=tiny_lm --workdir=$(WORKDIR) --cpu_devices=8
 
 test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -n 2 --dist=loadgroup -q -rfE $(PYTEST_ARGS)
 
 clean:

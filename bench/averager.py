@@ -46,9 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from jaxscale.lofi.job import AVERAGER_ENV  # noqa: E402  (as launch.lofi_local starts it)
+from jaxscale.lofi.job import AVERAGER_ENV  # as launch.lofi_local starts it
 
 LEAF = 1 << 24  # 16M float32 values = 64 MiB per leaf
 CRC = 4  # bytes of crc32c at the end of each chunk file
@@ -56,7 +56,7 @@ CRC = 4  # bytes of crc32c at the end of each chunk file
 CHILD = """
 import json, sys, time
 from jaxscale.lofi.averager import AveragerConfig, run_round
-from jaxscale.lofi.store import Store
+from jaxscale.weights.kv import Store
 def hwm_mib():  # this process's peak RSS (VmHWM; ru_maxrss would include the parent's pre-exec)
     line = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
     return int(line.split()[1]) / 1024
@@ -73,7 +73,8 @@ print(json.dumps({"seconds": seconds, "read": report.bytes_read, "written": repo
 
 def make_store(path: str, size_mib: int, workers: int) -> None:
     from jaxscale.lofi.averager import publish_initial
-    from jaxscale.lofi.store import Store, push
+    from jaxscale.lofi.store import push
+    from jaxscale.weights.kv import Store
 
     store = Store(path)
     n = size_mib * 2**20 // 4
@@ -164,7 +165,9 @@ def ts_copy(path: str) -> tuple[float, int]:
     """The round's reads and write through tensorstore alone: every pushed leaf and the base,
     block by block, and the base written to a fresh array (fsynced per chunk by tensorstore's
     file kvstore, as the averager's output is)."""
-    from jaxscale.lofi.store import Store, average_prefix, load_snapshot, worker_pushes
+    from jaxscale.lofi.store import worker_pushes
+    from jaxscale.weights.kv import Store
+    from jaxscale.weights.snapshot import average_prefix, load_snapshot
 
     store = Store(path)
     ckpts = [load_snapshot(store, average_prefix(0))] + [
@@ -257,7 +260,8 @@ def main_remote(args: argparse.Namespace) -> None:
     of the round's bytes on the same server, then the averager's round(s) in a fresh process.
     No page cache to evict and no raw copy (there is no file to memcpy): the bar is the ts copy."""
     from jaxscale.storage import locations as storage
-    from jaxscale.lofi.store import Store, average_prefix, commit_key
+    from jaxscale.weights.kv import Store
+    from jaxscale.weights.snapshot import average_prefix, commit_key
 
     storage.check(args.store)
     print(f"\n{args.workers} workers, float32, mean, chunk budget {args.budget_mib} MiB, "

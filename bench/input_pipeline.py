@@ -14,14 +14,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from configs import llama  # noqa: E402
-from jaxscale.config import base_config  # noqa: E402
-from jaxscale.data.mixture import files_data  # noqa: E402
-from jaxscale.hardware import PEAK_FLOPS  # noqa: E402
-from jaxscale.observe.metrics import llama_flops_per_token  # noqa: E402
-from jaxscale.data.tokenizer import load_tokenizer  # noqa: E402
+from configs import llama
+from jaxscale.config import base_config
+from jaxscale.data.mixture import files_data
+from jaxscale.data.tokenizer import load_tokenizer
+from jaxscale.hardware import PEAK_FLOPS
+from jaxscale.observe.metrics import model_flops_per_token
 
 
 def tokens_per_s(sources: str, tokenizer: str, vocab: int, packing: str, batches: int) -> float:
@@ -53,8 +53,7 @@ def main() -> None:
         np.concatenate([np.frombuffer(src[i], np.uint32) for i in range(len(src))]
                        ).astype(np.uint16).tofile(flat)
     m = llama.get_config("1b").model
-    fpt = llama_flops_per_token(m.num_layers, m.embed, m.num_heads, m.num_kv_heads, m.head_dim,
-                                m.mlp, m.vocab_size, 2048)
+    fpt = model_flops_per_token(m, 2048)
     v5p = 0.45 * PEAK_FLOPS["TPU v5p"] / fpt
     print(f"1B preset at 45% MFU on one v5p chip: {v5p:,.0f} tokens/s; "
           f"tiny_lm step here: {a.step_tokens_per_s:,.0f} tokens/s")

@@ -1,4 +1,4 @@
-"""Which Lo-Fi aggregators hold against how many hostile workers (README's threat model).
+"""Which Lo-Fi aggregators hold against how many hostile workers (the threat model of docs/lofi.md).
 
 Each of N workers pushes a delta from the previous average; honest deltas are one true update
 plus per-worker noise of the same size. f of them are hostile and push one of the attacks
@@ -23,8 +23,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jaxscale.lofi import aggregate  # noqa: E402
-from jaxscale.lofi.trust import worker_weights  # noqa: E402
+from jaxscale.lofi import aggregate
+from jaxscale.lofi.trust import worker_weights
 
 ATTACKS = {
     "x1000": lambda honest, rng: 1000.0 * honest[0],           # one push scaled up

@@ -3,7 +3,8 @@
 The ~1.1B-parameter Llama of `configs/llama.py:1b` on an 8-device CPU mesh with fsdp=8,
 evaluated abstractly: the state's shapes and shardings come from `jax.eval_shape` (nothing
 allocated), the per-device bytes from each leaf's shard shape, and the compiled train step's
-`memory_analysis()` from `jax.jit(...).lower(abstract args).compile()` (compiled, never run).
+`memory_analysis()` from lowering against abstract arguments (compiled, never run). The step is
+the one `launch.train` runs (`train.build.build_step`, jitted and lowered as the loop does).
 Analytic bytes per parameter are printed next to the measured ones.
 
     python bench/memory.py [--layers=16]
@@ -29,19 +30,14 @@ sys.path.insert(0, ROOT)
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from jaxscale.config import base_config  # noqa: E402
-from jaxscale.mesh import make_mesh  # noqa: E402
-from jaxscale.models import lora  # noqa: E402
-from jaxscale.precision import DynamicLossScale, get_policy  # noqa: E402
-from jaxscale.rules import AxisRules  # noqa: E402
-from jaxscale.train.optim import make_optimizer  # noqa: E402
-from jaxscale.models import ModelDef  # noqa: E402
-from jaxscale.train.state import abstract_state  # noqa: E402
-from jaxscale.train.step import StepContext, jit_steps  # noqa: E402
+from jaxscale.config import base_config
+from jaxscale.mesh import make_mesh
+from jaxscale.models import lora
+from jaxscale.train.build import batch_spec, build_step
 
 # name: (precision, lora rank, optimizer). The analytic bytes per parameter (`analytic`) are
 # computed from the shapes alone: AdamW keeps two moments in the parameter dtype; 8-bit Adam two
@@ -101,24 +97,17 @@ def device_bytes(tree) -> tuple[int, int]:
 
 def measure(c, precision: str, rank: int, optim: str) -> dict:
     c.precision, c.lora.rank, c.optim.name = precision, rank, optim
-    mesh, rules, policy = make_mesh(c.mesh), AxisRules.from_config(c), get_policy(precision)
-    base_def = ModelDef.build(c.model, policy)
-    model_def = lora.with_adapters(base_def, c.lora)
-    optimizer, lr = make_optimizer(c.optim, 1000)
-    scaler = DynamicLossScale.from_config(c.loss_scale) if policy.loss_scaling else None
-    abstract, shardings = abstract_state(model_def, optimizer, rules, mesh, lora.trainable(c.lora),
-                                         scaler.init if scaler else dict)
-    ctx = StepContext(model_def, optimizer, lr, policy, rules, mesh, loss_scale=scaler)
-    shapes = {"tokens": (c.data.batch_size, c.data.seq_len + 1)}
-    train, _ = jit_steps(ctx, shardings, shapes)
-    batch = {"tokens": jax.ShapeDtypeStruct(shapes["tokens"], jax.numpy.int32)}
+    setup = build_step(c, make_mesh(c.mesh))
+    abstract, shardings = setup.abstract_state()
     start = time.perf_counter()
-    memory = train.lower(abstract, batch).compile().memory_analysis()
+    lowered = setup.lower(batch_spec(c), (abstract, shardings))
+    memory = lowered.compile().memory_analysis()
     params, params_repl = device_bytes((abstract.params, abstract.frozen))
     opt, opt_repl = device_bytes(abstract.opt_state)
-    n = base_def.num_params()
+    shapes = setup.ctx.model_def.shapes()
+    n = sum(math.prod(s.shape) for p, s in shapes.items() if not lora.is_adapter(p))
     return {"n": n, "params": params, "opt": opt, "repl": params_repl + opt_repl,
-            "analytic": analytic_bytes(model_def.shapes(), optim, bool(rank)) / n,
+            "analytic": analytic_bytes(shapes, optim, bool(rank)) / n,
             "args": memory.argument_size_in_bytes, "temp": memory.temp_size_in_bytes,
             "compile_s": time.perf_counter() - start}
 

@@ -4,11 +4,13 @@
     python -m bench.mfu --smoke              # tiny shape on any backend (checks the script)
     python -m bench.mfu --attention=dot_product_attention --remat=dots --batch=8
 
-Times the real jitted train step (AdamW, donated state, explicit shardings) on synthetic tokens
-after `--warmup` untimed steps, blocking on the result of every timed step. MFU uses the PaLM
-FLOP convention of `jaxscale.observe.metrics.llama_flops_per_token` and the peak table there. The model
-shape comes from `configs/llama.py:1b` when that preset exists, else the fallback below (the
-Llama 3.2 1B shape with a 32k vocabulary). Prints one JSON line; `--out` also writes it.
+Times the train step `launch.train` runs (`train.build.build_step`, initialised and jitted as
+the loop does: AdamW, donated state, explicit shardings) on
+synthetic tokens after `--warmup` untimed steps, blocking on the result of every timed step. MFU
+uses the PaLM FLOP convention of the model's table entry (`observe.metrics.model_flops_per_token`,
+what the training loop logs) and the peak table of `jaxscale.hardware`. The model shape comes
+from `configs/llama.py:1b` when that preset exists, else the fallback below (the Llama 3.2 1B
+shape with a 32k vocabulary). Prints one JSON line; `--out` also writes it.
 """
 
 from __future__ import annotations
@@ -50,26 +52,20 @@ def measure(config, warmup: int, steps: int) -> dict:
     import jax
     import numpy as np
 
+    from jaxscale import config as config_lib
     from jaxscale.mesh import make_mesh
-    from jaxscale.observe.metrics import llama_flops_per_token, mfu
-    from jaxscale.precision import get_policy
-    from jaxscale.rules import AxisRules
-    from jaxscale.train.optim import make_optimizer
-    from jaxscale.models import ModelDef
-    from jaxscale.train.state import init_state
-    from jaxscale.train.step import StepContext, jit_steps
+    from jaxscale.observe.metrics import mfu, model_flops_per_token
+    from jaxscale.train.build import batch_spec, build_step
 
+    config_lib.validate(config)
     one = config.mesh.data == 1  # --smoke: one device even where several are simulated
     mesh = make_mesh(config.mesh, jax.devices()[:1] if one else None)
-    rules = AxisRules.from_config(config)
-    policy = get_policy(config.precision)
-    model_def = ModelDef.build(config.model, policy)
-    optimizer, lr = make_optimizer(config.optim, config.train.steps)
-    state, shardings = init_state(model_def, optimizer, rules, mesh, config.seed)
-    ctx = StepContext(model_def, optimizer, lr, policy, rules, mesh)
+    setup = build_step(config, mesh)
+    state, shardings = setup.init_state(config.seed)
+    spec = batch_spec(config)
+    train_fn = setup.jit(shardings, spec)
     b, t, v = config.data.batch_size, config.data.seq_len, config.model.vocab_size
-    train_fn, _ = jit_steps(ctx, shardings, {"tokens": (b, t + 1)})
-    tokens = np.random.default_rng(0).integers(0, v, (b, t + 1)).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(0, v, spec["tokens"].shape).astype(np.int32)
     batch = {"tokens": jax.device_put(tokens)}
     for _ in range(warmup):
         state, metrics = train_fn(state, batch)
@@ -83,15 +79,14 @@ def measure(config, warmup: int, steps: int) -> dict:
     m = config.model
     step_time = float(np.median(times))
     tokens_per_s = b * t / step_time
-    fpt = llama_flops_per_token(m.num_layers, m.embed, m.num_heads, m.num_kv_heads, m.head_dim,
-                                m.mlp, m.vocab_size, t)
+    fpt = model_flops_per_token(m, t)
     device = jax.devices()[0]
     n = mesh.devices.size
     return {"device": device.device_kind, "num_devices": n,
-            "params": model_def.num_params(), "precision": config.precision,
+            "params": setup.ctx.model_def.num_params(), "precision": config.precision,
             "attention": m.attention, "remat": m.remat, "batch": b, "seq_len": t,
             "step_time_s": step_time, "tokens_per_s": tokens_per_s,
-            "mfu": mfu(fpt, tokens_per_s, n, device.device_kind),
+            "mfu": mfu(fpt, tokens_per_s, n, device.device_kind) if fpt else None,
             "loss": float(metrics["loss"])}
 
 

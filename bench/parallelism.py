@@ -35,14 +35,14 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import optax  # noqa: E402
+import jax
+import optax
 
-from configs.tiny_lm import get_config  # noqa: E402
-from jaxscale.aot.hlo import KINDS, collectives, summarize  # noqa: E402
-from jaxscale.parallel.pipeline import get_schedule  # noqa: E402
-from jaxscale.rules import use_rules  # noqa: E402
-from jaxscale.train.loop import Trainer  # noqa: E402
+from configs.tiny_lm import get_config
+from jaxscale.aot.hlo import KINDS, collectives, summarize
+from jaxscale.parallel.pipeline import get_schedule
+from jaxscale.rules import use_rules
+from jaxscale.train.loop import Trainer
 
 ROWS = [  # (label, mesh, preset, pipeline, batch, grad_accum)
     ("data=8", dict(data=8), "dp", {}, 16, 1),
@@ -203,8 +203,8 @@ def bench_row_tpu(topology, label, mesh, preset, pipeline, batch, accum) -> dict
     """The row compiled for a TPU topology: the compiler's memory and collectives."""
     from jaxscale.aot.compile import compile_step
     from jaxscale.aot.hlo import Collective
+    from jaxscale.aot.sharding_report import per_device_bytes as shard_bytes
     from jaxscale.mesh import make_mesh
-    from jaxscale.observe.sharding_report import per_device_bytes as shard_bytes
     from jaxscale.train.build import build_step
 
     c = make_config(mesh, preset, pipeline, batch, accum)
@@ -295,7 +295,7 @@ def overhead(steps: int) -> None:
         state, _ = trainer.train_fn(state, batch)
         params, opt_state, _ = fast(params, opt_state, batch["tokens"])
     jax.block_until_ready((state, params))
-    for i in range(steps):  # interleaved so that machine noise hits both alike
+    for _ in range(steps):  # interleaved so that machine noise hits both alike
         t0 = time.perf_counter()
         state, metrics = trainer.train_fn(state, batch)
         jax.block_until_ready(metrics)

@@ -28,10 +28,10 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
-from configs.tiny_lm import get_config  # noqa: E402
-from jaxscale.train.loop import Trainer  # noqa: E402
+from configs.tiny_lm import get_config
+from jaxscale.train.loop import Trainer
 
 STAGES, DATA = 4, 2
 # (schedule, remat): GPipe without / with per-layer remat, 1F1B (which rematerialises each

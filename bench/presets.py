@@ -4,11 +4,11 @@ For each SIZE and TPU TARGET, compiles `llama.build(SIZE, TARGET, micro)` for th
 topology at each power-of-two micro-batch (sequences per chip at once; gradient accumulation
 keeps the global batch), largest first, and keeps the first whose total per chip leaves
 `llama.FIT_MARGIN` of HBM free: fewer micro-batches mean fewer FSDP weight gathers per step.
-Prints a markdown table (the README's presets table) and the `COMPILED` entries for
+Prints a markdown table (the presets table of bench/RESULTS.md) and the `COMPILED` entries for
 `configs/llama.py`. Results are cached like the planner's (`--cache_dir`), so a rerun is quick.
-With `--check`, compiles each preset as `configs/llama.py` now sets it (one compile each, 21
-in all, 5.5 minutes on a quiet 2-core VM) and exits 1 naming any that no longer leaves 10%
-of HBM free or needs other memory than `COMPILED` records; `--json` writes the results.
+With `--check`, compiles each preset as `configs/llama.py` now sets it (one compile each; how
+long the 21 take is in bench/RESULTS.md) and exits 1 naming any that no longer leaves 10% of
+HBM free or needs other memory than `COMPILED` records; `--json` writes the results.
 
     python bench/presets.py [--sizes=tiny,125m,1b,7b] [--targets=v5e-16,...] [--workers=1]
     python bench/presets.py --check [--variants="1b,v5e-8;7b,v5e-16"] [--json=presets.json]
@@ -26,12 +26,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jaxscale.aot.topology import compile_only_env  # noqa: E402
+from jaxscale.aot.topology import compile_only_env
 
 compile_only_env()
 
-from configs import llama  # noqa: E402
-from jaxscale.aot.plan import fits  # noqa: E402
+from configs import llama
+from jaxscale.aot.plan import fits
 
 
 def choose(size: str, target: str, cache_dir: str) -> dict:

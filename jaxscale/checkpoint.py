@@ -29,10 +29,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxscale.storage import orbax_paths
-from jaxscale.storage import locations
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.models.fused import is_legacy
+from jaxscale.storage import locations, orbax_paths
 from jaxscale.train.state import TrainState
 from jaxscale.weights.legacy import LEGACY_RESUME
 from jaxscale.weights.tree import flatten
@@ -79,7 +78,7 @@ def newest_restorable(root: str, restore: Callable[[int], T],
             value = restore(step)
         except JaxscaleError:
             raise
-        except Exception as e:  # noqa: BLE001 - any failure to read a step makes it unusable
+        except Exception as e:  # any failure to read a step makes it unusable
             broken.append((step, e))
             _drop_orphaned_read_errors()
             continue
@@ -142,8 +141,13 @@ def _drop_orphaned_read_errors() -> None:
 
 
 def _short(error: Exception) -> str:
-    """The first line of an error, at most 200 characters (tensorstore's run to pages)."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    """The first line of an error, at most 200 characters (tensorstore's run to pages). orbax
+    wraps a failed array read as "... See full TensorStore details: <bound method ...>" (it
+    formats a method, not its result): the read's own error, which it wraps, is shown instead."""
+    text = str(error).strip()
+    if " See full TensorStore details" in text and error.__context__ is not None:
+        text = f"{text.split(' See full TensorStore details')[0]} {_short(error.__context__)}"
+    text = text.splitlines()[0] if text else type(error).__name__
     return text if len(text) <= 200 else text[:197] + "..."
 
 
@@ -345,35 +349,6 @@ class Checkpointer:
         self.manager.close()
 
 
-class CheckpointHook:
-    """Loop hook: checks finiteness (never overwrite good checkpoints with NaNs), then saves."""
-
-    def __init__(self, checkpointer: Checkpointer):
-        self.checkpointer = checkpointer
-
-    def after_step(self, trainer: Any, state: TrainState, step: int) -> None:
-        if self.checkpointer.every and step % self.checkpointer.every == 0:
-            trainer.check_finite(state)
-            self.checkpointer.save(step, state, trainer.data_state, _adapters_only(trainer))
-
-    def at_end(self, trainer: Any, state: TrainState) -> None:
-        step = int(jax.device_get(state.step))
-        if self.checkpointer.every and self.checkpointer.latest_step() != step:
-            trainer.check_finite(state)
-            self.checkpointer.save(step, state, trainer.data_state, _adapters_only(trainer))
-        self.checkpointer.close()
-
-    def at_preemption(self, trainer: Any, state: TrainState, step: int) -> bool:
-        """Saves at `step` (every host calls this at the same step) unless the periodic save
-        just did, and waits until the write is complete: the process exits next."""
-        self.checkpointer.wait()
-        if self.checkpointer.latest_step() != step:
-            trainer.check_finite(state)
-            self.checkpointer.save(step, state, trainer.data_state, _adapters_only(trainer))
-        self.checkpointer.close()
-        return True
-
-
 def _move(src: epath.Path, dst: epath.Path) -> None:
     """Renames a step directory. Object stores have no directory rename: every object under
     the step is copied by tensorstore (one GET and PUT each), then the commit file is deleted
@@ -391,7 +366,3 @@ def _move(src: epath.Path, dst: epath.Path) -> None:
     source.delete_range(ts.KvStore.KeyRange(commit, commit + b"\x00")).result()
     source.delete_range(ts.KvStore.KeyRange()).result()
 
-
-def _adapters_only(trainer: Any) -> bool:
-    lora = trainer.config.get("lora")
-    return bool(lora and lora.rank and lora.get("save_adapters_only", False))

@@ -6,7 +6,9 @@ type is "FATAL Flags parsing error", and an error raised by a config file's `get
 wrapped around that file's whole traceback. `parse_flags` is an absl `flags_parser`
 (`app.run(main, flags_parser=cli.parse_flags)`) that turns all of these into one
 `jaxscale: error:` paragraph naming the field, its type and the valid fields, and exits 2 like
-`errors.exit_on_user_error` does for errors raised later.
+`errors.exit_on_user_error` does for errors raised later. A config file that does not parse, or
+whose `get_config` raises, is named with the user's own innermost frame (file, line, code) and
+the error, without absl's, runpy's and importlib's frames.
 
 absl users put flags in any order, but ml_collections applies a `--config.a.b=v` override to
 whatever config the flag holds when absl reaches it: given before `--config=FILE`, the override
@@ -24,16 +26,25 @@ import importlib.util
 import os
 import re
 import sys
+import sysconfig
+import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from absl import flags
 
 from jaxscale import configs
-from jaxscale.errors import paragraph
+from jaxscale.errors import JaxscaleError, paragraph
 
 FLAGS = flags.FLAGS
 EXIT_CODE = 2
+# Errors of the flags themselves (ml_collections raises these for a bad `--config.a.b=v`).
+_FLAG_ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError)
+# Frames that are not the user's: Python's own, installed packages', jaxscale's (but the
+# bundled configs are config files like the user's).
+_FRAMEWORK = tuple(sorted({os.path.realpath(sysconfig.get_paths()[key]) + os.sep
+                           for key in ("stdlib", "platstdlib", "purelib", "platlib")}))
+_PACKAGE = os.path.dirname(os.path.realpath(__file__)) + os.sep
 
 
 def parse_flags(argv: Sequence[str]) -> list[str]:
@@ -44,8 +55,9 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
         for name in _config_flag_names():
             _touch(FLAGS[name].value)  # a missing config file only raises when first read
         return rest
-    except (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError) as e:
-        fail(describe(e, argv))
+    except Exception as e:  # those of a config file's code; the flags' own; else re-raised
+        _fail_on_user_error(e, argv)
+        raise
 
 
 def config_first(argv: Sequence[str], names: Sequence[str]) -> list[str]:
@@ -78,8 +90,9 @@ def define_config_file(name: str, default: str, help_string: str) -> Any:
     sys.argv[:] = config_first(sys.argv, [name])
     try:
         return config_flags.DEFINE_config_file(name, default, help_string)
-    except (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError) as e:
-        fail(describe(e, sys.argv, {name: default}))
+    except Exception as e:  # those of a config file's code; the flags' own; else re-raised
+        _fail_on_user_error(e, sys.argv, {name: default})
+        raise
 
 
 def resolve_config_files(argv: Sequence[str]) -> list[str]:
@@ -99,6 +112,60 @@ def resolve_config_files(argv: Sequence[str]) -> list[str]:
 def fail(message: str) -> NoReturn:
     print(f"jaxscale: error: {message}", file=sys.stderr)
     sys.exit(EXIT_CODE)
+
+
+def _fail_on_user_error(error: Exception, argv: Sequence[str],
+                        defaults: dict[str, str] | None = None) -> None:
+    """Exits with one paragraph if `error` is the user's: raised by a config file's code (not a
+    JaxscaleError, whose message is that paragraph already) or by the flags; else returns."""
+    if defaults is None:
+        defaults = {n: FLAGS[n].default_as_str.strip("'") for n in _config_flag_names()}
+    if not isinstance(error, JaxscaleError):
+        files = {os.path.realpath(_spec(argv, name, default).split(":", 1)[0]): name
+                 for name, default in defaults.items()}
+        broken = config_file_error(error, files)
+        if broken:
+            fail(broken)
+    if isinstance(error, _FLAG_ERRORS):
+        fail(describe(error, argv, defaults))
+
+
+def config_file_error(error: BaseException, files: dict[str, str]) -> str | None:
+    """One paragraph for an error out of loading a config file (`files`: its real path -> its
+    flag's name): a syntax error, or anything its code or `get_config` raised. It names the file,
+    the user's own innermost frame (file, line, code) and the error. None for other errors."""
+    frames = traceback.extract_tb(error.__traceback__)
+    through = [f for f in frames if os.path.realpath(f.filename) in files]
+    syntax = isinstance(error, SyntaxError) and error.filename is not None
+    if not through and not (syntax and os.path.realpath(error.filename) in files):
+        return None
+    path = through[0].filename if through else error.filename
+    flag = files[os.path.realpath(path)]
+    if syntax:
+        where = f"{error.filename}, line {error.lineno}"
+        code, message = (error.text or "").strip(), error.msg
+    else:
+        frame = ([f for f in frames if _is_users(f.filename)] or through)[-1]
+        where = f"{frame.filename}, line {frame.lineno}, in {frame.name}"
+        code, message = (frame.line or "").strip(), str(error)
+    message = paragraph(*message.splitlines()).rstrip(".")
+    code = f": `{code}`." if code else "."
+    hint = ("Bundled configs are imported as `jaxscale.configs.NAME` (`configs.NAME` only "
+            "from a checkout's root)." if isinstance(error, ModuleNotFoundError)
+            and (error.name or "").split(".")[0] == "configs" else "")
+    return paragraph(f"--{flag}={path}: the config file failed to load with",
+                     f"{type(error).__name__}: {message}, at {where}{code}", hint,
+                     "Fix the file and run the command again.")
+
+
+def _is_users(filename: str) -> bool:
+    """Whether a frame's file is the user's code (a config file, a module of their own)."""
+    if filename.startswith("<"):  # <frozen importlib._bootstrap>, <string>
+        return False
+    path = os.path.realpath(filename)
+    if path.startswith(_PACKAGE):
+        return path.startswith(os.path.realpath(configs.DIRECTORY) + os.sep)
+    return not path.startswith(_FRAMEWORK)
 
 
 def _config_flag_names() -> list[str]:
@@ -133,7 +200,7 @@ def describe(error: BaseException, argv: Sequence[str],
         config = _load(argv, name, default)
         if config is None:
             continue
-        for path, value in overrides:
+        for path, _ in overrides:
             problem = _unknown_field(config, path, name)
             if problem:
                 return paragraph(f"--{name}.{path}: {problem}")

@@ -18,32 +18,18 @@ from typing import Any
 
 import ml_collections as mlc
 
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.presets import PRESETS
 from jaxscale.storage import locations as storage
 from jaxscale.storage import workdir_files
-from jaxscale.errors import ConfigError, paragraph
 
 LOFI_SYNC_MODES = ("end", "periodic", "diloco")  # config.lofi.sync
 
-# Default rules: a batch sharded over data+fsdp, FSDP on the embed dimension of weights
-# (falling back to the mlp/vocab dimension), tensor parallelism over heads, kv and mlp, and the
-# stacked layer dimension over pipeline stages (free when mesh.pipeline is 1). Equal to the
-# `fsdp_tp` preset; every mesh shape works with them.
-DEFAULT_RULES: list[tuple[str, Any]] = [
-    ("batch", ("data", "fsdp")),
-    ("length", None),
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("kv", "tensor"),
-    ("mlp", "tensor"),
-    ("embed", "fsdp"),
-    ("mlp", "fsdp"),
-    ("vocab", "fsdp"),
-    ("head_dim", None),
-    ("norm", None),
-    ("layers", "pipeline"),
-    ("lora_rank", None),
-    ("fused", None),  # the q/k/v and gate/up parts of a fused weight (models/fused.py)
-]
+# The default rules are the `fsdp_tp` preset (jaxscale/presets.py): a batch sharded over
+# data+fsdp, FSDP on the embed dimension of weights (falling back to mlp/vocab), tensor
+# parallelism over heads, kv and mlp, and the stacked layer dimension over pipeline stages (free
+# when mesh.pipeline is 1). Every mesh shape works with them.
+DEFAULT_RULES: list[tuple[str, Any]] = PRESETS["fsdp_tp"]
 
 
 def base_config() -> mlc.ConfigDict:
@@ -169,8 +155,6 @@ def _rule_axes(rules: Any) -> set[str]:
 def _validate_mesh_use(c: mlc.ConfigDict) -> None:
     """A mesh axis > 1 that no rule uses only duplicates work (e.g. the `fsdp` preset with
     mesh.tensor=4 compiles to 4x the compute and 4x the state per chip): refuse it."""
-    from jaxscale.presets import PRESETS
-
     rules = PRESETS[c.rules_preset] if c.rules_preset else c.rules
     used = _rule_axes(rules)
     for axis in ("data", "pipeline", "fsdp", "tensor"):
@@ -212,7 +196,6 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
     from jaxscale.models.attention import ATTENTION_IMPLS  # lazy: keeps `import config` light
     from jaxscale.models.scan import REMAT_POLICIES
     from jaxscale.precision import get_policy
-    from jaxscale.presets import PRESETS
     from jaxscale.train.optim import OPTIMIZERS
 
     m, d = c.model, c.data
@@ -277,8 +260,9 @@ def check_fields(c: mlc.ConfigDict) -> None:
     built in Python, before anything is built.
     """
     reference = base_config()
-    from jaxscale.models import lookup  # lazy: importing the models pulls in jax
+    from jaxscale.models import lookup, task_of  # lazy: importing the models pulls in jax
     config_cls, _ = lookup(c.model.get("name", "llama"))
+    task_of(c.model)  # a model.task the model has, named with the tasks it has
     reference.model = mlc.ConfigDict({**_MODEL_COMMON, **{
         k: f.default for k, f in config_cls.__dataclass_fields__.items()}})
     _check_group(c, reference, "config", model_path="config.model")

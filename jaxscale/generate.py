@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxscale.errors import JaxscaleError, paragraph
-from jaxscale.models import ModelDef
+from jaxscale.models import ModelDef, entry_of
 from jaxscale.models.attention import CACHE_AXES, KVCache  # noqa: F401 (the cache's names)
 from jaxscale.rules import AxisRules, use_rules
 
@@ -188,7 +188,7 @@ def load_model(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
             from jaxscale.evaluate import read_config
             config = read_config(workdir)
         config.model.update(model_cfg)
-    if config.model.get("name", "llama") != "llama":
+    if not hasattr(entry_of(config.model).module_cls, "init_cache"):  # no KV cache to decode
         raise GenerateError(f"model.name={config.model.name!r}: generation needs a decoder LM "
                             "(a Llama); image classifiers have nothing to generate.")
     return config, params

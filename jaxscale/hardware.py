@@ -1,63 +1,152 @@
-"""Hardware facts: peak FLOP/s per device kind, with where each number comes from.
+"""The one hardware table: per chip (a TPU chip, a GPU), peak compute, memory and link bandwidths,
+with where each number comes from.
 
-One table per fact: MFU (`jaxscale.observe.metrics`), the presets and the planner read the
-peaks here, never a copy of their own.
+MFU (`jaxscale.observe.metrics` through `peak_flops`), the Llama presets' hardware targets
+(`configs/llama.py`) and ahead-of-time compilation (`jaxscale.aot`: topologies, the compile
+report's fit, the roofline estimate, the planner's HBM budget) all read `CHIPS`; none keeps a
+number of its own. Capacities are bytes, bandwidths bytes per second, all per chip (per GPU). A
+field is None where no public figure is known: nothing estimates with a guess.
+
+`usable_hbm_bytes` is what the TPU compiler lets one program use, which is not the documented
+capacity (v4: less; v5e, v5p, v6e: more than the decimal "GB" the documentation prints). libtpu
+prints it in its compile-time out-of-memory error (`available HBM (31.24G)`, GiB), and
+tests/test_hardware.py asks the installed libtpu for it, so the table cannot drift from it.
 """
 
 from __future__ import annotations
 
-# Dense (no sparsity) bf16 peak FLOP/s per device, i.e. per chip for TPUs and per GPU, and where
-# each number comes from (`PEAK_SOURCES`, same keys; the run banner prints the one it uses).
+from dataclasses import dataclass
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One accelerator's facts. `device_kinds` are the substrings of jax's `device.device_kind`
+    that name it ('TPU v5 lite' is a v5e); `generation` is libtpu's topology prefix for TPUs."""
+
+    device_kinds: tuple[str, ...]
+    peak_bf16_flops: float               # dense (no sparsity) bf16 FLOP/s
+    hbm_bytes: float | None              # documented HBM capacity (None: it varies by model)
+    source: str                          # where the numbers come from (the run banner prints it)
+    usable_hbm_bytes: float | None = None  # what libtpu lets a program use (TPUs)
+    ici_bidir_bytes_s: float | None = None  # chip-to-chip links, all ports, both ways (NVLink)
+    ici_ports: int | None = None         # inter-chip links of a TPU chip
+    dcn_bytes_s: float | None = None     # data-centre network (between TPU slices)
+    host_bytes_s: float | None = None    # host <-> device (PCIe), both ways
+    generation: str | None = None        # TPUs: libtpu's name, 'v5p' in 'v5p:2x2x1'
+    torus_dims: int | None = None        # TPUs: 2 (v5e, v6e) or 3 (v4, v5p)
+    max_chips: int | None = None         # TPUs: the largest single slice
+    chip_config: str | None = None       # TPUs: libtpu chip_config_name ('megacore': 1 device)
+
+    @property
+    def name(self) -> str:
+        return self.device_kinds[0]
+
+    @property
+    def hbm_limit_bytes(self) -> float | None:
+        """The HBM a program may fill: the compiler's own limit where known, else the capacity."""
+        return self.usable_hbm_bytes or self.hbm_bytes
+
+    @property
+    def ring_bandwidth(self) -> float:
+        """Bytes/s one TPU chip moves along a bidirectional ring over one mesh axis: the two
+        links of that axis (one per neighbour), each carrying data both ways: bidirectional ICI
+        per chip x 2 links / ports."""
+        if self.ici_bidir_bytes_s is None or not self.ici_ports:
+            raise ValueError(f"{self.name}: no ICI bandwidth and port count in the hardware table")
+        return self.ici_bidir_bytes_s * 2 / self.ici_ports
+
+
+_LIBTPU = "usable HBM: libtpu 0.0.52's CompileTimeHbmOom, 'available HBM ({}G)'"
+_NVIDIA = "NVLink and PCIe (both ways) from the same datasheet; HBM in binary units, as stacks are"
+
+CHIPS: dict[str, Chip] = {
+    # ICI 2,400 Gbps per chip as compared on the v5p page. No DCN figure is published for v4:
+    # the v5p one (50 Gbps per chip) is assumed.
+    "v4": Chip(("TPU v4",), 275e12, 32 * GiB,
+               "https://cloud.google.com/tpu/docs/v4 (275 TFLOP/s bf16, 32 GiB HBM2, 6 ICI links "
+               "per chip); ICI 2,400 Gbps and DCN (v5p's, assumed) from "
+               "https://cloud.google.com/tpu/docs/v5p; " + _LIBTPU.format("30.75"),
+               usable_hbm_bytes=30.75 * GiB, ici_bidir_bytes_s=2400e9 / 8, ici_ports=6,
+               dcn_bytes_s=50e9 / 8, generation="v4", torus_dims=3, max_chips=4096,
+               chip_config="megacore"),
+    # Per host 2 x 100 Gbps NICs for 8 chips.
+    "v5e": Chip(("TPU v5 lite", "TPU v5e"), 197e12, 16 * GB,
+                "https://cloud.google.com/tpu/docs/v5e (197 TFLOP/s bf16 per chip, 16 GB HBM); "
+                "ICI 1,600 Gbps, 4 ports, NICs: the v5e column of "
+                "https://cloud.google.com/tpu/docs/v6e; " + _LIBTPU.format("15.75"),
+                usable_hbm_bytes=15.75 * GiB, ici_bidir_bytes_s=1600e9 / 8, ici_ports=4,
+                dcn_bytes_s=2 * 100e9 / 8 / 8, generation="v5e", torus_dims=2, max_chips=256),
+    "v5p": Chip(("TPU v5p", "TPU v5"), 459e12, 95 * GiB,
+                "https://cloud.google.com/tpu/docs/v5p (459 TFLOP/s bf16 per chip); 95 GiB HBM, "
+                "ICI 1,200 GB/s both ways per chip, 3D torus, DCN 50 Gbps per chip: "
+                "https://cloud.google.com/tpu/docs/v5p-training; " + _LIBTPU.format("95.73"),
+                usable_hbm_bytes=95.73 * GiB, ici_bidir_bytes_s=1200e9, ici_ports=6,
+                dcn_bytes_s=50e9 / 8, generation="v5p", torus_dims=3, max_chips=6144,
+                chip_config="megacore"),
+    # Per host 4 x 200 Gbps NICs for 8 chips.
+    "v6e": Chip(("TPU v6 lite", "TPU v6e"), 918e12, 32 * GB,
+                "https://cloud.google.com/tpu/docs/v6e (Trillium, 918 TFLOP/s bf16 per chip, "
+                "32 GB HBM, ICI 3,584 Gbps, 4 ports, 2D torus); " + _LIBTPU.format("31.24"),
+                usable_hbm_bytes=31.24 * GiB, ici_bidir_bytes_s=3584e9 / 8, ici_ports=4,
+                dcn_bytes_s=4 * 200e9 / 8 / 8, generation="v6e", torus_dims=2, max_chips=256),
+    "a100": Chip(("A100",), 312e12, None,
+                 "NVIDIA A100 datasheet, BF16 Tensor Core dense (SXM and PCIe alike): 312 TFLOPS; "
+                 "40 or 80 GB HBM by model; NVLink 600 GB/s, PCIe Gen4 64 GB/s (SXM)",
+                 ici_bidir_bytes_s=600e9, host_bytes_s=64e9),
+    "h100": Chip(("H100",), 989e12, 80 * GiB,
+                 "NVIDIA H100 datasheet, SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity / 2; "
+                 "80 GB HBM3; NVLink 900 GB/s, PCIe Gen5 128 GB/s. " + _NVIDIA,
+                 ici_bidir_bytes_s=900e9, host_bytes_s=128e9),
+    "h100-pcie": Chip(("H100 PCIe",), 756e12, 80 * GiB,
+                      "NVIDIA H100 datasheet, PCIe: BF16 Tensor Core 1,513 TFLOPS with sparsity "
+                      "/ 2; 80 GB HBM2e; NVLink bridge 600 GB/s, PCIe Gen5 128 GB/s. " + _NVIDIA,
+                      ici_bidir_bytes_s=600e9, host_bytes_s=128e9),
+    "h200": Chip(("H200",), 989e12, 141 * GiB,
+                 "NVIDIA H200 datasheet, SXM: the H100 SXM's compute (989 TFLOPS dense bf16), "
+                 "141 GB HBM3e; NVLink 900 GB/s, PCIe Gen5 128 GB/s. " + _NVIDIA,
+                 ici_bidir_bytes_s=900e9, host_bytes_s=128e9),
+}
+
+# TPU chips by libtpu generation name ('v5p'), for topologies such as 'v5p:2x2x1'.
+TPUS: dict[str, Chip] = {c.generation: c for c in CHIPS.values() if c.generation}
+
+# Views of the table by device kind, for MFU and the run banner (no numbers of their own).
 PEAK_FLOPS: dict[str, float] = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-    "A100": 312e12,
-    "H100": 989e12,
-    "H100 PCIe": 756e12,
-    "H200": 989e12,
-}
-_V5E = "https://cloud.google.com/tpu/docs/v5e (197 TFLOP/s bf16 per chip)"
-_V5P = "https://cloud.google.com/tpu/docs/v5p (459 TFLOP/s bf16 per chip)"
-_V6E = "https://cloud.google.com/tpu/docs/v6e (Trillium, 918 TFLOP/s bf16 per chip)"
-_H100 = "NVIDIA H100 datasheet, SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity / 2"
-PEAK_SOURCES: dict[str, str] = {
-    "TPU v4": "https://cloud.google.com/tpu/docs/v4 (275 TFLOP/s bf16 per chip)",
-    "TPU v5 lite": _V5E, "TPU v5e": _V5E,
-    "TPU v5p": _V5P, "TPU v5": _V5P,
-    "TPU v6 lite": _V6E, "TPU v6e": _V6E,
-    "A100": "NVIDIA A100 datasheet, BF16 Tensor Core dense (SXM and PCIe alike): 312 TFLOPS",
-    "H100": _H100,
-    "H100 PCIe": "NVIDIA H100 datasheet, PCIe: BF16 Tensor Core 1,513 TFLOPS with sparsity / 2",
-    "H200": "NVIDIA H200 datasheet: the H100 SXM's compute (989 TFLOPS dense bf16), more HBM",
-}
+    kind: c.peak_bf16_flops for c in CHIPS.values() for kind in c.device_kinds}
+PEAK_SOURCES: dict[str, str] = {kind: c.source for c in CHIPS.values() for kind in c.device_kinds}
+_BY_KIND: dict[str, Chip] = {kind: c for c in CHIPS.values() for kind in c.device_kinds}
 
 
-def _peak_key(device_kind: str) -> str | None:
+def _kind_key(device_kind: str) -> str | None:
     kind = device_kind.lower()
-    for name in sorted(PEAK_FLOPS, key=len, reverse=True):
+    for name in sorted(_BY_KIND, key=len, reverse=True):
         if name.lower() in kind:
             return name
     return None
 
 
+def chip_of(device_kind: str) -> Chip | None:
+    """The table entry for a jax `device.device_kind` string; None for CPUs and unknown kinds.
+
+    Matching is by case-insensitive substring, longest key first, so 'TPU v5 lite' wins over
+    'TPU v5' and 'NVIDIA H100 PCIe' over 'H100', while vendor strings such as
+    'NVIDIA H100 80GB HBM3' or 'NVIDIA A100-SXM4-80GB' need no entry of their own.
+    """
+    key = _kind_key(device_kind)
+    return _BY_KIND[key] if key else None
+
+
 def peak_flops_source(device_kind: str) -> str | None:
     """Where the peak used for `device_kind` comes from (None when it has no known peak)."""
-    key = _peak_key(device_kind)
+    key = _kind_key(device_kind)
     return f"{key}: {PEAK_SOURCES[key]}" if key else None
 
 
 def peak_flops(device_kind: str) -> float | None:
-    """Peak bf16 FLOP/s for a jax `device.device_kind` string; None for CPUs and unknown kinds.
-
-    Matching is by case-insensitive substring, longest key first, so 'TPU v5 lite' wins over
-    'TPU v5' and 'NVIDIA H100 PCIe' over 'H100', while vendor strings such as
-    'NVIDIA H100 80GB HBM3' or 'NVIDIA A100-SXM4-80GB' need no entry of their own. Returning
-    None (rather than guessing) keeps a bogus MFU out of the logs on hardware we do not know.
-    """
-    key = _peak_key(device_kind)
-    return PEAK_FLOPS[key] if key else None
+    """Peak bf16 FLOP/s for a jax `device.device_kind` string; None for CPUs and unknown kinds
+    (rather than a guess, which would put a bogus MFU in the logs)."""
+    chip = chip_of(device_kind)
+    return chip.peak_bf16_flops if chip else None

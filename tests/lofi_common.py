@@ -10,9 +10,12 @@ import numpy as np
 from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, run_round
+from jaxscale.weights import snapshot as W
+from jaxscale.weights.kv import Store
+from jaxscale.weights.manifest import CHUNK
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIG = S.CHUNK * 3 + 123  # a leaf spanning several chunks and larger than the test budget
+BIG = CHUNK * 3 + 123  # a leaf spanning several chunks and larger than the test budget
 TINY_BUDGET = AveragerConfig(chunk_budget_bytes=1)
 
 # A worker process (python -c KILL_MID_PUSH STORE) SIGKILLed after its first leaf of worker 3's
@@ -20,14 +23,15 @@ TINY_BUDGET = AveragerConfig(chunk_budget_bytes=1)
 KILL_MID_PUSH = """
 import os, signal, sys, numpy as np
 from jaxscale.lofi import store as S
-real = S._write_leaf
+from jaxscale.weights import snapshot as W
+real = W._write_leaf
 calls = []
 def dying(*a, **k):
     calls.append(1)
     if len(calls) == 2:
         os.kill(os.getpid(), signal.SIGKILL)
     return real(*a, **k)
-S._write_leaf = dying
+W._write_leaf = dying
 S.push(sys.argv[1], 3, 7, {"a": np.ones(10, np.float32), "b": np.ones(5, np.float32)}, 1)
 """
 
@@ -58,22 +62,22 @@ def _reference(name, base, pushed, weights, **kw):
 def tamper(st, prefix, edit) -> None:
     """Edits the committed manifest at `prefix` in place and re-signs COMMIT: what an attacker
     with write access to the store could do (chunk checksums cannot stop it; validation must)."""
-    relative = f"{S.committed_data(st, prefix)}/manifest.json"
+    relative = f"{W.committed_data(st, prefix)}/manifest.json"
     manifest = json.loads(st.read(f"{prefix}/{relative}"))
     edit(manifest)
     data = json.dumps(manifest, sort_keys=True).encode()
     st.kv.write(f"{prefix}/{relative}", data).result()
-    st.kv.write(S.commit_key(prefix), f"{S._sha(data)} {relative}".encode()).result()
+    st.kv.write(W.commit_key(prefix), f"{W._sha(data)} {relative}".encode()).result()
 
 
 def uncommit(st, prefix) -> None:
     """Removes the COMMIT of `prefix`: a writer killed after its data, before its marker."""
-    st.delete(S.commit_key(prefix))
+    st.delete(W.commit_key(prefix))
 
 
 def data_dir(st, prefix) -> str:
     """Where the committed attempt at `prefix` keeps its arrays."""
-    return f"{prefix}/{S.committed_data(st, prefix)}"
+    return f"{prefix}/{W.committed_data(st, prefix)}"
 
 
 def race_two_averagers(location: str, cfg: AveragerConfig) -> list:
@@ -82,7 +86,7 @@ def race_two_averagers(location: str, cfg: AveragerConfig) -> list:
 
     def averager():
         barrier.wait()
-        reports.append(run_round(S.Store(location), cfg))
+        reports.append(run_round(Store(location), cfg))
 
     threads = [threading.Thread(target=averager) for _ in range(2)]
     for t in threads:

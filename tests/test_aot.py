@@ -15,11 +15,11 @@ from aot_common import TINY, libtpu_test, run_module
 from configs import llama
 from jaxscale import config as config_lib
 from jaxscale.aot import hlo
-from jaxscale.aot.chips import CHIPS
 from jaxscale.aot.groups import replica_groups
 from jaxscale.aot.roofline import collective_seconds, estimate
 from jaxscale.aot.topology import TopologyError, parse_topology
 from jaxscale.errors import ConfigError
+from jaxscale.hardware import TPUS
 
 
 def test_unused_mesh_axis_is_a_config_error():
@@ -193,8 +193,31 @@ ENTRY %main (a: bf16[2,8]) -> bf16[8,8] {
     assert sum(c.total_bytes for c in hlo.collectives(halves)) == 2 * 128
 
 
+def test_the_planner_guess_is_the_memory_model_and_names_no_model():
+    import inspect
+
+    from configs import vit_digits
+    from jaxscale.aot import guess
+    from jaxscale.aot.memory import state_bytes_per_param, step_bytes
+
+    assert "llama" not in inspect.getsource(guess).lower()
+    c = llama.get_config("1b")
+    dims = guess.dims_of(c)  # the parameter count from the model table
+    assert dims.num_params == llama.num_params("1b") and dims.embed == c.model.embed
+    mesh = {"data": 2, "fsdp": 8, "tensor": 1, "pipeline": 1}
+    tokens = c.data.batch_size / (2 * 8 * 4) * c.data.seq_len
+    assert c.precision == "bf16-mixed"  # f32 weights, bf16 compute copy, an accumulator:
+    state = state_bytes_per_param(4, 2, accumulate=True)
+    assert guess.no_remat_bytes(c, dims, mesh, 4, "splash", 8) == pytest.approx(
+        guess.CALIBRATION * step_bytes(dims, tokens=tokens, seq_len=c.data.seq_len,
+                                       state_bytes=state, param_shards=8, loss_chunks=8))
+    assert guess.no_remat_bytes(c, dims, {**mesh, "pipeline": 2}, 4, "splash", 8) is None
+    # A model without an LM head's widths has no guess (and the planner its default order).
+    assert guess.dims_of(vit_digits.get_config()) is None
+
+
 def test_roofline_ring_formula_and_bounds():
-    chip = CHIPS["v5p"]
+    chip = TPUS["v5p"]
     bw = chip.ring_bandwidth
     assert collective_seconds("all-gather", 8e9, 8, bw) == pytest.approx(7e9 / bw)
     assert collective_seconds("all-reduce", 8e9, 8, bw) == pytest.approx(14e9 / bw)
@@ -222,6 +245,9 @@ def test_compile_reports_memory_flops_and_collectives(compiled):
     text, report = compiled
     assert report["num_chips"] == 4 and report["mesh"]["fsdp"] == 4
     assert 0 < report["total_bytes"] < report["hbm_bytes"] and report["fits"]
+    # The verdict is against what libtpu lets a program use, which the report names.
+    assert report["hbm_limit_bytes"] == TPUS["v5p"].usable_hbm_bytes
+    assert "HBM (libtpu lets a program use 95.73 GiB): fits" in text
     # Loop bodies x trip counts: without remat the matmul FLOPs are the model's (PaLM count,
     # whose attention term equals the einsum attention's); the cost analysis counts each loop
     # body once and so reports less.

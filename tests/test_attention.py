@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from configs import tiny_lm
+from jaxscale.models import ModelDef
 from jaxscale.models.attention import ATTENTION_IMPLS, KVCache, Mask, attend
 from jaxscale.precision import get_policy
-from jaxscale.models import ModelDef
 
 
 def _qkv(b=2, t=6, s=6, h=4, k=2, d=8, seed=0):

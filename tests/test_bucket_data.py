@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from jaxscale.config import base_config
-from jaxscale.errors import ConfigError
 from jaxscale.data.mixture import files_data, validate_files
 from jaxscale.data.prepare import prepare
 from jaxscale.data.tokenizer import load_tokenizer
+from jaxscale.errors import ConfigError
 from tests.text_corpus import write_corpus
 
 WORDS = "the quick brown fox jumps over lazy dog data model token train jax grain".split()

@@ -14,7 +14,8 @@ import pytest
 
 from configs.tiny_lm import get_config
 from jaxscale.checkpoint import Checkpointer
-from jaxscale.train.loop import NonFiniteError, Trainer, _attach_checkpoints, train
+from jaxscale.train.hooks import NonFiniteError
+from jaxscale.train.loop import Trainer, _attach_checkpoints, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}

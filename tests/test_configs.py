@@ -18,11 +18,10 @@ from jax.sharding import AbstractMesh
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
 from jaxscale.mesh import MESH_AXES, resolve_mesh_shape
-from jaxscale.models import lora
+from jaxscale.models import ModelDef, lora
 from jaxscale.models.llama import LlamaConfig
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules
-from jaxscale.models import ModelDef
 from jaxscale.train.state import param_specs
 from jaxscale.weights.tree import flatten
 
@@ -151,6 +150,23 @@ def test_hardware_targets_set_what_they_promise():
         llama.get_config("7b,v5e-8")
     with pytest.raises(ConfigError, match="SIZE in tiny, 125m, 1b, 7b"):
         llama.get_config("2b")
+
+
+def test_gpu_presets_size_with_the_one_memory_model():
+    from jaxscale.aot.memory import Dims, state_bytes_per_param, step_bytes
+
+    llama = MODULES["llama.py"]
+    # f32 weights, Adam's two moments, gradient, accumulator, bf16 copy.
+    assert llama.STATE_BYTES_PER_PARAM == state_bytes_per_param() == 22
+    s, t = llama.SIZES["7b"], llama.TARGETS["h100x8"]
+    dims = Dims.from_model(s.model, llama.num_params("7b"))
+    assert llama.memory_estimate("7b", t, 2) == int(step_bytes(
+        dims, tokens=2 * s.seq_len, seq_len=s.seq_len, state_bytes=22, param_shards=8,
+        remat="full"))
+    # The largest power of two under 80% of the device's HBM (the hardware table's).
+    b = llama.micro_batch("7b", "h100x8")
+    budget = llama.HBM_FRACTION * t.hbm_gib * 2**30
+    assert llama.memory_estimate("7b", t, b) <= budget < llama.memory_estimate("7b", t, 2 * b)
 
 
 def _run(*args, timeout=300):

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from jaxscale.config import base_config, validate
-from jaxscale.errors import ConfigError, JaxscaleError
 from jaxscale.data.mixture import files_data
 from jaxscale.data.packing import first_fit
 from jaxscale.data.prepare import prepare
 from jaxscale.data.tokenizer import load_tokenizer
+from jaxscale.errors import ConfigError, JaxscaleError
 from tests.text_corpus import write_corpus
 
 WORDS = "the quick brown fox jumps over lazy dog data model token train jax grain".split()
@@ -305,9 +305,10 @@ def test_length_index_each_process_tokenizes_only_its_own_files(corpus, fmt):
     """The index of on-the-fly formats: process p scans and tokenizes only files p, p+P, ...,
     and after the exchange every process holds the single-process table exactly."""
     import threading
+
     from jaxscale.data.doc_index import build_index
-    from jaxscale.data.sources import expand, parse_sources
     from jaxscale.data.readers import JsonlReader, ParquetReader, TextReader
+    from jaxscale.data.sources import expand, parse_sources
     root, _, _ = corpus
     tok = load_tokenizer(str(root / "prep"))
     files = expand(parse_sources(FORMATS[fmt](root))[0])

@@ -98,8 +98,8 @@ def test_llama_convert_finetune_evaluate_generate_export(tmp_path):
 def test_vit_export_reimport_finetune_evaluate(tmp_path):
     """A digits ViT trained here goes out to transformers (same logits) and comes back as the
     pretrained start of a fine-tune that keeps its accuracy; evaluation counts all 359 images."""
-    from jaxscale.interop import convert
     from jaxscale.data.images import load_digits
+    from jaxscale.interop import convert
 
     pre, hf_dir, conv, run = (str(tmp_path / n) for n in ("pre", "hf", "conv", "run"))
     cli("launch.train", "--config=configs/vit_digits.py:test", f"--workdir={pre}",
@@ -110,8 +110,8 @@ def test_vit_export_reimport_finetune_evaluate(tmp_path):
     with torch.no_grad():
         ref = model(pixel_values=torch.from_numpy(images.transpose(0, 3, 1, 2))).logits.numpy()
     model_cfg, _ = convert.read_model_config(pre)
-    from jaxscale.precision import get_policy
     from jaxscale.models import ModelDef
+    from jaxscale.precision import get_policy
     model_def = ModelDef.build(model_cfg, get_policy("32-true"))
     ours = np.asarray(model_def.module(convert.workdir_params(pre))(images))
     assert np.max(np.abs(ours - ref)) < 1e-4

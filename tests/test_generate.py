@@ -5,15 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import tiny_lm
 from jaxscale import generate as gen
 from jaxscale.mesh import make_mesh
-from jaxscale.precision import get_policy
-from jax.sharding import NamedSharding, PartitionSpec
-
-from jaxscale.rules import AxisRules, use_rules
 from jaxscale.models import ModelDef
+from jaxscale.precision import get_policy
+from jaxscale.rules import AxisRules, use_rules
 from jaxscale.train.state import init_state
 
 

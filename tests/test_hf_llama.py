@@ -6,18 +6,18 @@ import os
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 import pytest
+from jax.sharding import NamedSharding
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxscale.interop import hf  # noqa: E402
-from jaxscale.mesh import make_mesh  # noqa: E402
-from jaxscale.precision import get_policy  # noqa: E402
-from jaxscale.models import ModelDef  # noqa: E402
-from jaxscale.models.llama import LlamaConfig  # noqa: E402
-from jaxscale.train.state import param_specs  # noqa: E402
+from jaxscale.interop import hf
+from jaxscale.mesh import make_mesh
+from jaxscale.models import ModelDef
+from jaxscale.models.llama import LlamaConfig
+from jaxscale.precision import get_policy
+from jaxscale.train.state import param_specs
 from jaxscale.weights.tree import flatten
 
 CONFIGS = {
@@ -306,8 +306,8 @@ def test_convert_finetune_export(tmp_path):
 def test_init_from_refuses_a_model_config_that_differs(tmp_path):
     """Equal shapes but another norm_eps / rope_theta would silently compute a different model:
     a converted workdir names the flags to add."""
-    from jaxscale.weights.init_from import InitFromError, check_model_config
     from jaxscale.interop import convert
+    from jaxscale.weights.init_from import InitFromError, check_model_config
 
     _, path = make_hf(tmp_path, "gqa_theta")
     converted = str(tmp_path / "converted")
@@ -321,10 +321,10 @@ def test_init_from_refuses_a_model_config_that_differs(tmp_path):
 def test_init_from_reads_and_places_one_leaf_at_a_time(tmp_path, monkeypatch):
     """config.init_from never loads the whole params export: each leaf is read from the store,
     placed into its sharding and dropped before the next is read."""
+    from jaxscale.interop import convert
+    from jaxscale.weights import snapshot as store_lib
     from jaxscale.weights.place import place
     from jaxscale.weights.sources import open_weights
-    from jaxscale.interop import convert
-    from jaxscale.lofi import store as store_lib
 
     _, path = make_hf(tmp_path, "gqa_untied")
     converted = str(tmp_path / "converted")

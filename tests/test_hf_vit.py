@@ -11,11 +11,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxscale.interop import hf, hf_vit  # noqa: E402
-from jaxscale.mesh import make_mesh  # noqa: E402
-from jaxscale.precision import get_policy  # noqa: E402
-from jaxscale.models import ModelDef  # noqa: E402
-from jaxscale.train.state import param_specs  # noqa: E402
+from jaxscale.interop import hf, hf_vit
+from jaxscale.mesh import make_mesh
+from jaxscale.models import ModelDef
+from jaxscale.precision import get_policy
+from jaxscale.train.state import param_specs
 from jaxscale.weights.tree import flatten
 
 

@@ -1,7 +1,18 @@
-"""The sharding inspector: every parameter listed, per-device totals, replication warning."""
+"""The sharding inspector: every parameter listed, per-device totals, replication warning, and
+the train step it compiles is the one `launch.train` compiles."""
 
+import dataclasses
+import json
+
+import jax
+import pytest
+
+from configs import vit_digits
 from configs.tiny_lm import get_config
-from jaxscale.observe.sharding_report import build_report, format_report
+from jaxscale.aot.sharding_report import build_report, fingerprint, format_report
+from jaxscale.mesh import make_mesh
+from jaxscale.train.build import batch_spec, build_step
+from jaxscale.train.loop import Trainer
 
 
 def test_report_lists_every_param_and_divides_bytes():
@@ -48,3 +59,60 @@ def test_lora_adapters_are_listed_trainable_and_sharded():
     text = format_report(report)
     assert "layers/attn/wq_lora_a" in text and "lora_rank" in text and "frozen" in text
     assert f"{len(adapters)} of {len(rows)} tensors trainable" in text
+
+
+def trainer_program(config) -> jax.stages.Lowered:
+    """The program `launch.train` compiles: `Trainer.build`'s jitted step lowered on its first
+    batch, as `Trainer._compile` does (nothing is run)."""
+    trainer = Trainer.build(config, workdir=None)
+    batch = trainer.to_global(next(trainer.batches.iterator()))
+    return trainer.train_fn.lower(trainer.state, batch)
+
+
+def pipeline_config():
+    c = get_config("test")
+    c.mesh.update(data=4, pipeline=2)
+    c.rules_preset = "pp"
+    c.pipeline.update(microbatches=2)
+    return c
+
+
+def lora_config():
+    c = get_config("test")
+    c.mesh.update(data=1, fsdp=4, tensor=2)
+    c.lora.update(rank=4, targets=("attn/w[qo]$", "mlp/w_down"))
+    c.train.skip_nonfinite = True
+    return c
+
+
+@pytest.mark.parametrize("make_config, left_out", [
+    (pipeline_config, dict(run_layers=None)),  # the pipeline runner
+    (lora_config, dict(skip_nonfinite=False)),
+])
+def test_inspector_compiles_the_training_step(make_config, left_out):
+    """`launch.inspect` reports the program `launch.train` runs: the same lowered step (so the
+    same compiled memory) for a pipeline and a LoRA config, where a step assembled by hand
+    without the pipeline runner or `skip_nonfinite` is a different program."""
+    c = make_config()
+    report = build_report(c, compile_step=True)
+    assert report.compiled_memory.argument_size_in_bytes > 0
+    assert report.step_fingerprint == fingerprint(trainer_program(c))
+    setup = build_step(c, make_mesh(c.mesh))
+    partial = dataclasses.replace(setup, ctx=dataclasses.replace(setup.ctx, **left_out))
+    assert fingerprint(partial.lower(batch_spec(c))) != report.step_fingerprint
+
+
+@pytest.mark.slow
+def test_batches_of_other_datasets_match_the_training_step(tmp_path):
+    """The batch the inspector lowers against is the one the loop feeds: images and labels for
+    the ViT, tokens with segment ids and positions for packed file sources."""
+    texts = [f"def f{i}(): return {i * i}" for i in range(400)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    packed = get_config("test")
+    packed.data.update(sources=f"jsonl={tmp_path}/docs.jsonl", packing="pack",
+                       eval_fraction=0.2, eval_batches=1)
+    for c in (vit_digits.get_config("test"), packed):
+        c.mesh.update(data=8)
+        lowered = build_step(c, make_mesh(c.mesh)).lower(batch_spec(c))
+        assert fingerprint(lowered) == fingerprint(trainer_program(c))
+    assert set(batch_spec(packed)) == {"tokens", "segment_ids", "positions"}

@@ -15,11 +15,26 @@ import pytest
 from jaxscale.errors import ConfigError
 from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
-from jaxscale.lofi.averager import (AveragerConfig, job_settings, latest_average, publish_initial,
-                                    run_round)
-from tests.lofi_common import (ROOT, TINY_BUDGET, _params, _push, _reference,
-                                race_two_averagers, tamper, uncommit)
-
+from jaxscale.lofi.averager import (
+    AveragerConfig,
+    job_settings,
+    latest_average,
+    publish_initial,
+    run_round,
+)
+from jaxscale.weights import snapshot as W
+from jaxscale.weights.kv import Store
+from jaxscale.weights.manifest import CHUNK, StoreError
+from tests.lofi_common import (
+    ROOT,
+    TINY_BUDGET,
+    _params,
+    _push,
+    _reference,
+    race_two_averagers,
+    tamper,
+    uncommit,
+)
 
 # ------------------------------------------------------------------ hostile or broken manifests
 _tamper = tamper
@@ -49,8 +64,8 @@ def test_hostile_manifest_fields_are_rejected_naming_the_field(store, case):
     _push(store, 0, 5, _params(1))
     _push(store, 1, 5, _params(2))
     _tamper(store, "workers/1/5", edit)
-    with pytest.raises(S.StoreError, match=field):
-        S.load_snapshot(store, "workers/1/5")
+    with pytest.raises(StoreError, match=field):
+        W.load_snapshot(store, "workers/1/5")
     report = run_round(store, TINY_BUDGET)
     assert report.used == {0: 5} and field in report.skipped[1]
 
@@ -58,9 +73,9 @@ def test_hostile_manifest_fields_are_rejected_naming_the_field(store, case):
 def test_unparseable_manifest_is_rejected(store):
     _push(store, 0, 5, _params(1))
     store.kv.write("workers/0/5/manifest.json", b"{not json").result()
-    store.kv.write(S.commit_key("workers/0/5"), S._sha(b"{not json").encode()).result()
-    with pytest.raises(S.StoreError, match="not valid JSON"):
-        S.load_snapshot(store, "workers/0/5")
+    store.kv.write(W.commit_key("workers/0/5"), W._sha(b"{not json").encode()).result()
+    with pytest.raises(StoreError, match="not valid JSON"):
+        W.load_snapshot(store, "workers/0/5")
 
 
 def test_sample_weights_must_be_finite_and_non_negative():
@@ -79,7 +94,7 @@ def test_zero_samples_everywhere_means_equal_weights(store):
 
 # ------------------------------------------------------------------ exact global centered clip
 def test_centered_clip_uses_whole_model_norms_exactly(tmp_path):
-    st = S.Store(str(tmp_path / "cc"))
+    st = Store(str(tmp_path / "cc"))
     base = _params(0)
     publish_initial(st, base)
     rng = np.random.default_rng(7)
@@ -95,13 +110,13 @@ def test_centered_clip_uses_whole_model_norms_exactly(tmp_path):
     for leaf in base:
         np.testing.assert_allclose(got[leaf], ref[leaf], rtol=1e-5, atol=1e-6)
     # Clipping each chunk-sized block on its own norm gives a visibly different answer.
-    w_delta = pushed[3]["layers/w"].ravel()[:S.CHUNK] - base["layers/w"].ravel()[:S.CHUNK]
-    deltas = np.stack([p["layers/w"].ravel()[:S.CHUNK] - base["layers/w"].ravel()[:S.CHUNK]
+    w_delta = pushed[3]["layers/w"].ravel()[:CHUNK] - base["layers/w"].ravel()[:CHUNK]
+    deltas = np.stack([p["layers/w"].ravel()[:CHUNK] - base["layers/w"].ravel()[:CHUNK]
                        for p in pushed])
     per_block = aggregate.centered_clip(deltas, np.array(samples), tau=20.0)
-    assert np.abs(per_block - (got["layers/w"].ravel()[:S.CHUNK]
-                               - base["layers/w"].ravel()[:S.CHUNK])).max() > 1e-3
-    assert w_delta.size == S.CHUNK
+    assert np.abs(per_block - (got["layers/w"].ravel()[:CHUNK]
+                               - base["layers/w"].ravel()[:CHUNK])).max() > 1e-3
+    assert w_delta.size == CHUNK
 
 
 # ------------------------------------------------------------------ store integrity
@@ -110,12 +125,12 @@ def test_committed_push_is_never_overwritten_and_partial_push_is_redone(store):
     _push(store, 0, 5, first)
     again = S.push(store, 0, 5, _params(2), samples_seen=1)
     assert again.skipped and again.bytes_written == 0
-    back = S.read_params(store, S.load_snapshot(store, "workers/0/5"))
+    back = W.read_params(store, W.load_snapshot(store, "workers/0/5"))
     np.testing.assert_array_equal(back["b"], first["b"])
     _push(store, 0, 6, _params(3))
     uncommit(store, "workers/0/6")  # killed between manifest and COMMIT
     assert not S.push(store, 0, 6, _params(4), samples_seen=1).skipped
-    back = S.read_params(store, S.load_snapshot(store, "workers/0/6"))
+    back = W.read_params(store, W.load_snapshot(store, "workers/0/6"))
     np.testing.assert_array_equal(back["b"], _params(4)["b"])
 
 
@@ -133,7 +148,7 @@ def test_staleness_is_measured_in_rounds_against_the_base_average(store):
 
 
 def test_job_settings_from_round_0_are_the_averager_defaults(tmp_path):
-    st = S.Store(str(tmp_path / "job"))
+    st = Store(str(tmp_path / "job"))
     publish_initial(st, _params(0), job={"allowed_workers": [0, 1], "min_workers": 2,
                                          "max_staleness": 3})
     cfg = AveragerConfig().with_job(st)
@@ -145,23 +160,23 @@ def test_job_settings_from_round_0_are_the_averager_defaults(tmp_path):
     assert not report.published and "min_workers=2" in report.note
     assert report.skipped[5] == "not in allowed_workers"
     assert cfg.outer == "none"  # a store from before the sync mode was recorded
-    bare = S.Store(str(tmp_path / "bare"))  # round 0 published without job settings
+    bare = Store(str(tmp_path / "bare"))  # round 0 published without job settings
     publish_initial(bare, _params(0))
     assert job_settings(bare) == {}
 
 
 def test_job_sync_mode_sets_the_outer_optimizer_and_bad_settings_are_named(tmp_path):
-    st = S.Store(str(tmp_path / "job"))
+    st = Store(str(tmp_path / "job"))
     publish_initial(st, _params(0), job={"allowed_workers": None, "min_workers": 1,
                                          "max_staleness": 0, "sync": "diloco"})
     assert AveragerConfig().with_job(st).outer == "diloco"
     assert AveragerConfig().with_job(st, frozenset({"outer"})).outer == "none"  # flag wins
     with pytest.raises(ConfigError, match=r"min_workers=0 \(at least 1.*outer='sgd'"):
         AveragerConfig(min_workers=0, outer="sgd")
-    bad = S.Store(str(tmp_path / "bad"))
+    bad = Store(str(tmp_path / "bad"))
     publish_initial(bad, _params(0), job={"allowed_workers": None, "min_workers": 1,
                                           "max_staleness": 0, "sync": "sometimes"})
-    with pytest.raises(S.StoreError, match="job settings .* malformed"):
+    with pytest.raises(StoreError, match="job settings .* malformed"):
         AveragerConfig().with_job(bad)
 
 
@@ -169,7 +184,7 @@ def test_diloco_momentum_is_checksummed(store, tmp_path):
     cfg = AveragerConfig(outer="diloco", chunk_budget_bytes=1)
     _push(store, 0, 5, {k: v + 1 for k, v in _params(0).items()})
     assert run_round(store, cfg).round == 1
-    data = S.load_snapshot(store, "average/1").data
+    data = W.load_snapshot(store, "average/1").data
     chunk = tmp_path / "store" / data / "momentum" / "b" / "c" / "0"
     raw = bytearray(chunk.read_bytes())
     raw[-1] ^= 0x01
@@ -177,7 +192,7 @@ def test_diloco_momentum_is_checksummed(store, tmp_path):
     _push(store, 0, 10, {k: v + 2 for k, v in _params(0).items()})
     report = run_round(store, cfg)
     assert not report.published and "momentum" in report.note and "checksum" in report.note
-    assert S.average_rounds(store) == [0, 1]
+    assert W.average_rounds(store) == [0, 1]
     assert store.read("average/2/CLAIM") is None  # released: a repaired store can go on
 
 
@@ -186,7 +201,7 @@ def test_nonfinite_average_is_not_published_and_claim_released(store):
     _push(store, 0, 5, huge)
     report = run_round(store, AveragerConfig(outer="diloco", chunk_budget_bytes=1))
     assert not report.published and "non-finite" in report.note and "robust" in report.note
-    assert S.average_rounds(store) == [0]
+    assert W.average_rounds(store) == [0]
     assert store.keys("average/1/") == []  # no claim, no half-written data left
 
 
@@ -212,9 +227,9 @@ def test_two_racing_averagers_publish_the_round_once(store):
         _push(store, w, 5, _params(w + 1))
     reports = race_two_averagers(store.location, TINY_BUDGET)
     assert sorted(r.published for r in reports) == [False, True]
-    assert S.average_rounds(store) == [0, 1]
-    avg = S.load_snapshot(store, "average/1")
-    S.read_params(store, avg)  # every chunk verifies
+    assert W.average_rounds(store) == [0, 1]
+    avg = W.load_snapshot(store, "average/1")
+    W.read_params(store, avg)  # every chunk verifies
     dirs = {k.split("/")[2] for k in store.keys("average/1/") if k.count("/") > 2}
     assert dirs == {avg.manifest["data"]}  # the loser left nothing behind
 
@@ -236,11 +251,11 @@ def _stall_a_then_run_b(store, monkeypatch, attr, stall):
     monkeypatch.setattr(A, attr, wrapped)
     out = {}
     a = threading.Thread(name="A", target=lambda: out.update(
-        a=run_round(S.Store(store.location), TINY_BUDGET)))
+        a=run_round(Store(store.location), TINY_BUDGET)))
     a.start()
     stalled.wait(60)
     b = run_round(store, dataclasses.replace(TINY_BUDGET, claim_timeout_s=0.0))
-    expected = S.read_params(store, S.load_snapshot(store, "average/1"))
+    expected = W.read_params(store, W.load_snapshot(store, "average/1"))
     resume.set()
     a.join()
     return out["a"], b, expected
@@ -253,7 +268,7 @@ def test_presumed_dead_averager_waking_up_cannot_damage_the_round(store, monkeyp
     a, b, expected = _stall_a_then_run_b(store, monkeypatch, "stream_round", lambda inp: None)
     assert b.round == 1
     assert not a.published and "another averager" in a.note
-    got = S.read_params(store, S.load_snapshot(store, "average/1"))
+    got = W.read_params(store, W.load_snapshot(store, "average/1"))
     np.testing.assert_array_equal(got["layers/w"], expected["layers/w"])
 
 
@@ -269,9 +284,9 @@ def test_averager_stalled_between_manifest_and_commit_cannot_damage_the_round(st
 
     a, b, expected = _stall_a_then_run_b(store, monkeypatch, "commit", half_commit)
     assert b.published and b.round == 1 and not a.published
-    ours = S.committed_data(store, "average/1")
+    ours = W.committed_data(store, "average/1")
     assert {k.split("/")[2] for k in store.keys("average/1/") if k.count("/") > 2} == {ours}
-    got = S.read_params(store, S.load_snapshot(store, "average/1"))
+    got = W.read_params(store, W.load_snapshot(store, "average/1"))
     np.testing.assert_array_equal(got["layers/w"], expected["layers/w"])
     _push(store, 0, 6, _params(3))
     assert run_round(store, TINY_BUDGET).round == 2
@@ -281,14 +296,14 @@ def test_interrupt_after_commit_never_unpublishes_the_round(store, monkeypatch):
     """SystemExit (a SIGTERM'd watcher) right after the commit, while tidying scratch space:
     the published round's data stays; workers can read it."""
     _push(store, 0, 5, _params(1))
-    real = S.Store.delete_prefix
+    real = Store.delete_prefix
 
     def interrupted(self, prefix):
         if prefix.endswith("/scratch"):
             raise SystemExit(143)
         return real(self, prefix)
 
-    monkeypatch.setattr(S.Store, "delete_prefix", interrupted)
+    monkeypatch.setattr(Store, "delete_prefix", interrupted)
     with pytest.raises(SystemExit):
         run_round(store, TINY_BUDGET)
     average = latest_average(store)
@@ -299,7 +314,7 @@ def test_two_processes_pushing_one_worker_step_keep_the_first(store):
     first = _push(store, 0, 5, _params(1))
     second = _push(store, 0, 5, _params(2))
     assert not first.skipped and second.skipped
-    got = S.read_params(store, S.load_snapshot(store, "workers/0/5"))
+    got = W.read_params(store, W.load_snapshot(store, "workers/0/5"))
     np.testing.assert_array_equal(got["b"], _params(1)["b"])
 
 
@@ -327,14 +342,14 @@ def test_averager_killed_mid_write_leaves_previous_average_newest(store):
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == -signal.SIGKILL
     assert store.read("average/2/CLAIM") is not None and store.keys("average/2/")  # half done
-    assert S.average_rounds(store) == [0, 1]
+    assert W.average_rounds(store) == [0, 1]
     reloaded = latest_average(store)  # what a worker reloading now gets
     assert reloaded.round == 1
     np.testing.assert_array_equal(reloaded.params["layers/w"], before.params["layers/w"])
     assert "another averager" in run_round(store, TINY_BUDGET).note  # claim still fresh
     report = run_round(store, dataclasses.replace(TINY_BUDGET, claim_timeout_s=0.0))
     assert report.round == 2 and report.used == {0: 10}
-    S.read_params(store, S.load_snapshot(store, "average/2"))
+    W.read_params(store, W.load_snapshot(store, "average/2"))
 
 
 def test_wrong_dtype_or_tree_is_rejected_naming_the_leaf(store):
@@ -367,7 +382,7 @@ def test_corrupt_committed_round_is_reported_not_waited_for(store):
     _push(store, 0, 5, _params(1))
     assert run_round(store, TINY_BUDGET).round == 1
     tamper(store, "average/1", lambda m: None)  # re-signed, still valid ...
-    store.kv.write(S.commit_key("average/1"), b"0" * 64 + b" " + S.committed_data(
+    store.kv.write(W.commit_key("average/1"), b"0" * 64 + b" " + W.committed_data(
         store, "average/1").encode() + b"/manifest.json").result()  # ... now it is not
     _push(store, 0, 6, _params(2))
     report = run_round(store, TINY_BUDGET)  # built on round 0, the newest that verifies

@@ -14,12 +14,19 @@ import numpy as np
 import pytest
 
 from jaxscale.errors import ConfigError
-from jaxscale.lofi import stream as R
 from jaxscale.lofi import store as S
+from jaxscale.lofi import stream as R
 from jaxscale.lofi.accounting import accounting_lines
+from jaxscale.lofi.averager import (
+    AveragerConfig,
+    describe,
+    latest_average,
+    publish_initial,
+    run_round,
+)
 from jaxscale.storage.diskfull import DiskFullError
-from jaxscale.lofi.averager import (AveragerConfig, describe, latest_average, publish_initial,
-                                    run_round)
+from jaxscale.weights import snapshot as W
+from jaxscale.weights.kv import Store
 from tests.lofi_common import ROOT, TINY_BUDGET, _params, _push, _reference, data_dir
 
 JOB = {"allowed_workers": [0, 1, 2, 3], "min_workers": 1, "max_staleness": 0, "sync": "end",
@@ -30,7 +37,7 @@ JOB = {"allowed_workers": [0, 1, 2, 3], "min_workers": 1, "max_staleness": 0, "s
 def job_store(tmp_path):
     """A store whose round 0 records the job settings a worker writes (train.steps=100,
     per-worker batch 4)."""
-    st = S.Store(str(tmp_path / "job_store"))
+    st = Store(str(tmp_path / "job_store"))
     publish_initial(st, _params(0), job=JOB)
     return st
 
@@ -40,7 +47,7 @@ def _shifted(offset, seed=0):
 
 
 def _avg(st, round_):
-    return S.read_params(st, S.load_snapshot(st, f"average/{round_}"))
+    return W.read_params(st, W.load_snapshot(st, f"average/{round_}"))
 
 
 def test_trimmed_mean_trims_one_per_side_with_4_workers_and_says_so(store):
@@ -57,7 +64,7 @@ def test_trimmed_mean_trims_one_per_side_with_4_workers_and_says_so(store):
     for k in base:  # every coordinate stays inside the honest workers' range
         assert np.all(got[k] >= np.minimum.reduce([h[k] for h in honest]) - 1e-5)
         assert np.all(got[k] <= np.maximum.reduce([h[k] for h in honest]) + 1e-5)
-    assert S.load_snapshot(store, "average/1").manifest["trimmed"] == {"per_side": 1, "of": 4}
+    assert W.load_snapshot(store, "average/1").manifest["trimmed"] == {"per_side": 1, "of": 4}
 
 
 def test_trimmed_mean_refuses_a_trim_that_removes_nothing(store):
@@ -67,7 +74,7 @@ def test_trimmed_mean_refuses_a_trim_that_removes_nothing(store):
     _push(store, 1, 5, _shifted(2.0))
     report = run_round(store, dataclasses.replace(TINY_BUDGET, aggregator="trimmed_mean"))
     assert not report.published and "cannot drop a value at each end" in report.note
-    assert S.average_rounds(store) == [0] and store.read("average/1/CLAIM") is None
+    assert W.average_rounds(store) == [0] and store.read("average/1/CLAIM") is None
 
 
 @pytest.mark.parametrize("aggregator", ["mean", "centered_clip"])
@@ -103,12 +110,12 @@ def test_impossible_step_is_rejected_and_round_step_is_not_one_workers_claim(job
     report = run_round(job_store, cfg)
     assert report.used == {0: 10, 1: 10}
     assert "beyond" in report.skipped[2] and "rejected" in report.skipped[2]
-    assert S.load_snapshot(job_store, "average/1").step == 10
+    assert W.load_snapshot(job_store, "average/1").step == 10
     # Within the job's steps, a single worker's claim still does not set the round's step.
     for w, s in ((0, 20), (1, 20), (2, 90)):
         _push(job_store, w, s, _shifted(0.4))
     assert run_round(job_store, cfg).used == {0: 20, 1: 20, 2: 90}
-    assert S.load_snapshot(job_store, "average/2").step == 20
+    assert W.load_snapshot(job_store, "average/2").step == 20
 
 
 def test_step_beyond_int32_is_rejected_without_job_settings(store):
@@ -134,7 +141,7 @@ def test_unreadable_manifest_or_commit_costs_one_push_not_the_accounting(job_sto
     _push(job_store, 1, 5, _shifted(2.0))
     _push(job_store, 2, 5, _shifted(3.0))
     os.remove(_local(job_store, f"{data_dir(job_store, 'workers/1/5')}/manifest.json"))
-    with open(_local(job_store, S.commit_key("workers/2/5")), "wb") as f:
+    with open(_local(job_store, W.commit_key("workers/2/5")), "wb") as f:
         f.write(b"\xff\x00 not a commit")
     proc = _lofi_average(f"--store={job_store.location}", f"--final={tmp_path / 'final'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -171,7 +178,7 @@ def test_a_fifo_in_the_store_is_skipped_not_waited_on(job_store, where):
     _push(job_store, 1, 5, _shifted(2.0))
     key = (f"{data_dir(job_store, 'workers/1/5')}/arrays/layers/w/c/1" if where == "chunk"
            else f"{data_dir(job_store, 'workers/1/5')}/manifest.json" if where == "manifest"
-           else S.commit_key("workers/1/5"))
+           else W.commit_key("workers/1/5"))
     os.remove(_local(job_store, key))
     os.mkfifo(_local(job_store, key))
     proc = _lofi_average(f"--store={job_store.location}")
@@ -238,7 +245,7 @@ def _metric_steps(workdir):
 
 
 def _first_leaf(st, prefix):
-    return sorted(S.load_snapshot(st, prefix).leaves)[0]
+    return sorted(W.load_snapshot(st, prefix).leaves)[0]
 
 
 @pytest.mark.slow
@@ -250,7 +257,7 @@ def test_worker_restarts_past_a_corrupt_push_a_damaged_average_and_a_hostile_ste
     c.train.steps = 4
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2", num_workers=2)
     train(c, str(tmp_path / "w0"))
-    store = S.Store(c.lofi.store)
+    store = Store(c.lofi.store)
     _flip_a_bit(store, "workers/0/4", _first_leaf(store, "workers/0/4"))
     c.train.steps = 6
     os.remove(tmp_path / "w0" / "metrics.jsonl")
@@ -260,7 +267,7 @@ def test_worker_restarts_past_a_corrupt_push_a_damaged_average_and_a_hostile_ste
     assert "its push of step 4 is corrupt" in caplog.text and "falling back" in caplog.text
     assert run_round(store, AveragerConfig()).round == 1
     _flip_a_bit(store, "average/1", _first_leaf(store, "average/1"))
-    _push(store, 1, 2**40, S.read_params(store, S.load_snapshot(store, "average/0")))
+    _push(store, 1, 2**40, W.read_params(store, W.load_snapshot(store, "average/0")))
     c.lofi.worker_id, c.train.steps = 1, 4
     caplog.clear()
     with caplog.at_level("WARNING"):
@@ -283,7 +290,7 @@ def test_worker_with_another_model_refuses_before_touching_the_store(tmp_path):
     c.model.embed = c.model.embed // 2
     with pytest.raises(ConfigError, match=r"another model than the job.*model\.embed=32"):
         train(c, str(tmp_path / "w1"))
-    assert 1 not in S.worker_pushes(S.Store(c.lofi.store))
+    assert 1 not in S.worker_pushes(Store(c.lofi.store))
 
 
 # ------------------------------------------------------------ a full disk
@@ -312,7 +319,7 @@ def small_disk(tmp_path):
 
 
 def test_full_disk_gives_one_paragraph_cleans_own_attempts_and_retry_works(small_disk):
-    st = S.Store(str(small_disk / "store"))
+    st = Store(str(small_disk / "store"))
     publish_initial(st, _params(0))
     _push(st, 0, 5, _shifted(1.0))
     foreign = f"workers/0/6/d{'f' * 16}"  # another writer's attempt in progress: never removed
@@ -334,14 +341,14 @@ def test_full_disk_gives_one_paragraph_cleans_own_attempts_and_retry_works(small
 def test_injected_resource_exhausted_is_one_paragraph_and_leaves_nothing(store, monkeypatch):
     """The same without a small disk: tensorstore's error injected into the writes."""
     exhausted = ValueError("RESOURCE_EXHAUSTED: Error writing local file: No space left")
-    real, calls = S._write_leaf, []
+    real, calls = W._write_leaf, []
 
     def full_after_one(*args):
         calls.append(1)
         if len(calls) > 1:
             raise exhausted
         return real(*args)
-    monkeypatch.setattr(S, "_write_leaf", full_after_one)
+    monkeypatch.setattr(W, "_write_leaf", full_after_one)
     with pytest.raises(DiskFullError, match="ran out of space"):
         _push(store, 0, 5, _shifted(1.0))
     assert store.keys("workers/0/5/") == []
@@ -362,13 +369,13 @@ def test_injected_resource_exhausted_is_one_paragraph_and_leaves_nothing(store, 
 DIES_MID_ROUND = """
 import os, signal, sys, time
 import jaxscale.lofi.stream as R
-from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, run_round
+from jaxscale.weights.kv import Store
 def dying(*args):
     os.kill(os.getpid(), signal.SIGKILL)  # holding round 1's claim, its data half written
 R._write_block = dying
 while True:
-    store = S.Store(sys.argv[1])
+    store = Store(sys.argv[1])
     run_round(store, AveragerConfig(chunk_budget_bytes=1).with_job(store))
     time.sleep(0.2)
 """
@@ -393,8 +400,8 @@ def test_averager_killed_mid_round_and_restarted_at_once_lets_workers_finish(tmp
     averager = None
     try:
         assert dying.wait(timeout=600) == -signal.SIGKILL
-        store = S.Store(store_dir)
-        assert store.read("average/1/CLAIM") is not None and S.average_rounds(store) == [0]
+        store = Store(store_dir)
+        assert store.read("average/1/CLAIM") is not None and W.average_rounds(store) == [0]
         averager = subprocess.Popen(
             [sys.executable, "-m", "launch.lofi_average", f"--store={store_dir}", "--watch",
              "--interval_s=0.2", "--claim_lease_s=3"], cwd=ROOT, env=env,
@@ -414,7 +421,7 @@ def test_averager_killed_mid_round_and_restarted_at_once_lets_workers_finish(tmp
 # ------------------------------------------------------------ the threat model, as stated
 @pytest.mark.parametrize("attack", ["x1000", "flip x10", "noise x100"])
 def test_threat_model_in_the_readme_holds(attack):
-    """README: of 8 workers, median and centered_clip hold against 3 hostile ones,
+    """docs/lofi.md: of 8 workers, median and centered_clip hold against 3 hostile ones,
     trimmed_mean (trim 0.2) against 1, mean against none (bench/lofi_threat.py prints it)."""
     from bench.lofi_threat import round_error
     holds = {"mean": 0, "median": 3, "trimmed_mean": 1, "centered_clip": 3}

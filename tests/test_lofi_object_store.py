@@ -8,15 +8,23 @@ import uuid
 import numpy as np
 import pytest
 
-from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
-from tests.lofi_common import (TINY_BUDGET, _params, _push, _reference, data_dir,
-                                race_two_averagers, uncommit)
+from jaxscale.weights import snapshot as W
+from jaxscale.weights.kv import Store
+from tests.lofi_common import (
+    TINY_BUDGET,
+    _params,
+    _push,
+    _reference,
+    data_dir,
+    race_two_averagers,
+    uncommit,
+)
 
 
 @pytest.fixture
 def mem_store():
-    st = S.Store(f"memory://lofi-{uuid.uuid4().hex}")
+    st = Store(f"memory://lofi-{uuid.uuid4().hex}")
     publish_initial(st, _params(0))
     return st
 
@@ -57,6 +65,6 @@ def test_diloco_and_racing_averagers_on_an_object_store(mem_store):
     cfg = AveragerConfig(outer="diloco", outer_lr=0.7, outer_momentum=0.9, chunk_budget_bytes=1)
     reports = race_two_averagers(mem_store.location, cfg)
     assert sorted(r.published for r in reports) == [False, True]
-    assert S.average_rounds(mem_store) == [0, 1]
+    assert W.average_rounds(mem_store) == [0, 1]
     np.testing.assert_allclose(latest_average(mem_store).params["layers/w"],
                                base["layers/w"] + 0.7 * (1 + 0.9), rtol=1e-6, atol=1e-6)

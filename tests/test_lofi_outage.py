@@ -17,10 +17,12 @@ import time
 import numpy as np
 import pytest
 
-from jaxscale.storage import locations
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
+from jaxscale.storage import locations
 from jaxscale.storage.retry import StoreUnavailable
+from jaxscale.weights import snapshot as W
+from jaxscale.weights.kv import Store
 from tests import servers
 from tests.lofi_common import ROOT, _params, _push, data_dir
 
@@ -46,8 +48,8 @@ def location(own_seaweedfs, monkeypatch):
     locations.configure()
 
 
-def _three_pushes(location: str) -> tuple[S.Store, dict]:
-    st = S.Store(location)
+def _three_pushes(location: str) -> tuple[Store, dict]:
+    st = Store(location)
     publish_initial(st, _params(0))
     pushed = {w: _params(w + 1) for w in range(3)}
     for w, params in pushed.items():
@@ -79,7 +81,7 @@ def test_a_round_rides_out_a_server_restart_and_publishes_the_same_average(
     assert len(down) == 1 and location in down[0] and "retrying for up to 120 s" in down[0]
     assert len(up) == 1
     want = {k: (pushed[0][k] + pushed[1][k] + pushed[2][k]) / 3 for k in pushed[0]}
-    got = latest_average(S.Store(location)).params
+    got = latest_average(Store(location)).params
     for leaf, value in want.items():
         np.testing.assert_allclose(got[leaf], value, rtol=1e-6, atol=1e-6)
 
@@ -102,7 +104,7 @@ def test_an_outage_longer_than_the_budget_stops_in_one_paragraph_and_commits_not
     # Bounded: the budget plus the in-flight attempts' own few-second request retries, not
     # tensorstore's default quarter of an hour (a safety margin for a loaded machine).
     assert took < 120, took
-    assert S.average_rounds(S.Store(location)) == [0]  # nothing partial was published
+    assert W.average_rounds(Store(location)) == [0]  # nothing partial was published
 
 
 def test_an_object_deleted_under_the_averager_drops_that_push_at_once(location, caplog):
@@ -129,7 +131,7 @@ def _lofi_job(store: str, workdir, *extra: str) -> list[str]:
 
 def _wait_for_round(location: str, round_: int, proc: subprocess.Popen) -> None:
     while proc.poll() is None:
-        if round_ in S.average_rounds(S.Store(location)):
+        if round_ in W.average_rounds(Store(location)):
             return
         time.sleep(0.5)
     raise AssertionError(f"the job ended before round {round_}: {proc.stdout.read()[-3000:]}")
@@ -159,11 +161,11 @@ def test_three_workers_and_an_averager_survive_a_server_restart_bit_for_bit(
     down = [line for line in out.splitlines() if "did not answer" in line]
     assert down and len(down) == len({line.split("|")[0] for line in down}), down  # once each
     assert "answers again" in out
-    s3, disk = S.Store(location), S.Store(str(tmp_path / "store"))
-    assert S.average_rounds(s3) == S.average_rounds(disk) and len(S.average_rounds(s3)) >= 4
-    for round_ in S.average_rounds(disk):
-        got = S.read_params(s3, S.load_snapshot(s3, S.average_prefix(round_)))
-        want = S.read_params(disk, S.load_snapshot(disk, S.average_prefix(round_)))
+    s3, disk = Store(location), Store(str(tmp_path / "store"))
+    assert W.average_rounds(s3) == W.average_rounds(disk) and len(W.average_rounds(s3)) >= 4
+    for round_ in W.average_rounds(disk):
+        got = W.read_params(s3, W.load_snapshot(s3, W.average_prefix(round_)))
+        want = W.read_params(disk, W.load_snapshot(disk, W.average_prefix(round_)))
         for leaf in want:
             np.testing.assert_array_equal(got[leaf], want[leaf], err_msg=f"round {round_}")
     assert (tmp_path / "s3" / "final" / "commits" / "params").exists()

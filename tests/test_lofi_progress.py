@@ -9,6 +9,7 @@ from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, publish_initial, run_round
 from jaxscale.lofi.job import Output
 from jaxscale.lofi.progress import JobProgress, newest_record
+from jaxscale.weights.kv import Store
 
 
 def _worker(path, steps, records, cut_short=False):
@@ -25,7 +26,7 @@ def test_progress_line_reads_metrics_files_and_the_newest_round(tmp_path):
     progress = JobProgress(store, [str(tmp_path / "w0"), str(tmp_path / "w1")])
     assert progress.poll() == "[lofi] w0 12/20 loss=3.1416 | w1 starting | average round -"
     assert progress.poll() is None  # unchanged: nothing to print
-    publish_initial(S.Store(store), {"w": np.zeros(3, np.float32)})
+    publish_initial(Store(store), {"w": np.zeros(3, np.float32)})
     S.push(store, 0, 12, {"w": np.ones(3, np.float32)}, 12)
     assert run_round(store, AveragerConfig()).round == 1
     _worker(tmp_path / "w1", 20, [{"step": 4, "loss": 2.5, "eval_loss": 2.0}])

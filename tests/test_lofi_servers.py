@@ -14,8 +14,9 @@ import pytest
 
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
-from tests.lofi_common import (KILL_MID_PUSH, ROOT, _params, _push, race_two_averagers,
-                                uncommit)
+from jaxscale.weights import snapshot as W
+from jaxscale.weights.kv import Store
+from tests.lofi_common import KILL_MID_PUSH, ROOT, _params, _push, race_two_averagers, uncommit
 
 SERVERS = [pytest.param("seaweedfs", marks=pytest.mark.xdist_group("seaweedfs")),
            pytest.param("moto", marks=pytest.mark.xdist_group("moto"))]
@@ -28,7 +29,7 @@ def s3_location(request):
 
 
 def _round_of_three(location: str) -> tuple[object, dict]:
-    st = S.Store(location)
+    st = Store(location)
     publish_initial(st, _params(0))
     for w, samples in ((0, 100), (1, 300), (2, 600)):
         _push(st, w, 10, _params(w + 1), samples)
@@ -42,7 +43,7 @@ def test_round_on_an_s3_server_equals_the_local_store_bit_for_bit(s3_location, t
     report, st = _round_of_three(s3_location)
     assert report.published and report.used == {0: 10, 1: 10, 2: 10}
     assert S.worker_pushes(st) == {0: [10], 1: [10], 2: [10]}
-    assert S.average_rounds(st) == [0, 1]
+    assert W.average_rounds(st) == [0, 1]
     local_report, local = _round_of_three(str(tmp_path / "store"))
     assert local_report.used == report.used
     got, want = latest_average(st).params, latest_average(local).params
@@ -50,7 +51,7 @@ def test_round_on_an_s3_server_equals_the_local_store_bit_for_bit(s3_location, t
     for leaf in want:
         np.testing.assert_array_equal(got[leaf], want[leaf])
     # Bytes actually went through the server: a fresh reader sees the same average.
-    again = latest_average(S.Store(s3_location)).params
+    again = latest_average(Store(s3_location)).params
     for leaf in want:
         np.testing.assert_array_equal(again[leaf], want[leaf])
 
@@ -68,14 +69,14 @@ def test_round_on_a_gcs_emulator_equals_the_local_store_bit_for_bit(fake_gcs, tm
 
 
 def test_two_averagers_racing_on_an_s3_round_commit_once(s3_location):
-    st = S.Store(s3_location)
+    st = Store(s3_location)
     base = _params(0)
     publish_initial(st, base)
     for w in range(2):
         _push(st, w, 5, {k: v + 1 for k, v in base.items()})
     reports = race_two_averagers(s3_location, AveragerConfig(chunk_budget_bytes=1))
     assert sorted(r.published for r in reports) == [False, True]
-    assert S.average_rounds(st) == [0, 1]
+    assert W.average_rounds(st) == [0, 1]
     np.testing.assert_allclose(latest_average(st).params["layers/w"], base["layers/w"] + 1,
                                rtol=1e-6)
 
@@ -88,14 +89,14 @@ def test_lofi_store_on_an_unusable_bucket_is_one_paragraph(seaweedfs, monkeypatc
 
     server, bucket = seaweedfs
     with pytest.raises(StorageError, match="bucket 'jaxscale-missing' does not exist"):
-        S.Store("s3://jaxscale-missing/lofi")
+        Store("s3://jaxscale-missing/lofi")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     with pytest.raises(StorageError, match=r"s3://.*/lofi/denied.*refused the credentials"):
-        S.Store(f"s3://{bucket}/lofi/denied")
+        Store(f"s3://{bucket}/lofi/denied")
 
 
 def test_worker_killed_mid_push_on_an_s3_server_leaves_nothing_a_reader_uses(s3_location):
-    st = S.Store(s3_location)
+    st = Store(s3_location)
     publish_initial(st, {"a": np.zeros(10, np.float32), "b": np.zeros(5, np.float32)})
     _push(st, 0, 7, {"a": np.full(10, 2, np.float32), "b": np.full(5, 2, np.float32)})
     env = {**os.environ, "PYTHONPATH": ROOT}
@@ -109,5 +110,5 @@ def test_worker_killed_mid_push_on_an_s3_server_leaves_nothing_a_reader_uses(s3_
     # The restarted worker pushes the same step again, into a fresh attempt directory.
     again = _push(st, 3, 7, {"a": np.full(10, 4, np.float32), "b": np.full(5, 4, np.float32)})
     assert not again.skipped and S.worker_pushes(st) == {0: [7], 3: [7]}
-    np.testing.assert_array_equal(S.read_params(st, S.load_snapshot(st, "workers/3/7"))["a"],
+    np.testing.assert_array_equal(W.read_params(st, W.load_snapshot(st, "workers/3/7"))["a"],
                                   np.full(10, 4, np.float32))

@@ -9,9 +9,11 @@ import pytest
 from jaxscale.lofi import aggregate
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
-from jaxscale.train.quant import dequantize_blockwise, quantize_blockwise
-from tests.lofi_common import (TINY_BUDGET, _params, _push, _reference, data_dir, tamper,
-                                uncommit)
+from jaxscale.weights import snapshot as W
+from jaxscale.weights.kv import Store
+from jaxscale.weights.manifest import CHUNK, StoreError
+from jaxscale.weights.quant import dequantize_blockwise, quantize_blockwise
+from tests.lofi_common import TINY_BUDGET, _params, _push, _reference, data_dir, tamper, uncommit
 
 
 def test_mean_equals_numpy_reference_for_leaves_larger_than_budget(store):
@@ -34,7 +36,7 @@ def test_mean_equals_numpy_reference_for_leaves_larger_than_budget(store):
 
 @pytest.mark.parametrize("name", ["median", "trimmed_mean", "centered_clip"])
 def test_robust_aggregators_match_numpy_and_resist_a_hostile_worker(tmp_path, name):
-    st = S.Store(str(tmp_path / name))
+    st = Store(str(tmp_path / name))
     publish_initial(st, _params(0))
     base = _params(0)
     honest = {w: {k: v + 0.01 * (w + 1) for k, v in base.items()} for w in range(4)}
@@ -60,7 +62,7 @@ def test_mean_is_not_robust(store):
 
 
 def test_bfloat16_pushes_are_reduced_in_float32(tmp_path):
-    st = S.Store(str(tmp_path / "bf16"))
+    st = Store(str(tmp_path / "bf16"))
     base = _params(0, dtype=ml_dtypes.bfloat16)
     publish_initial(st, base)
     a = {k: (v.astype(np.float32) + 1).astype(ml_dtypes.bfloat16) for k, v in base.items()}
@@ -100,9 +102,9 @@ def test_corrupt_chunk_on_disk_is_detected_and_worker_skipped(store, tmp_path):
 def test_damaged_chunk_file_is_a_read_error_not_garbage(tmp_path, damage):
     """A truncated chunk fails to decode, a deleted one is missing (never read as zeros), one
     whose stored crc32c has a flipped bit fails the check."""
-    st = S.Store(str(tmp_path))
-    S.push(st, 0, 1, {"w": np.arange(1, 3 * S.CHUNK + 5, dtype=np.float32)}, samples_seen=1)
-    ckpt = S.load_snapshot(st, S.worker_prefix(0, 1))
+    st = Store(str(tmp_path))
+    S.push(st, 0, 1, {"w": np.arange(1, 3 * CHUNK + 5, dtype=np.float32)}, samples_seen=1)
+    ckpt = W.load_snapshot(st, S.worker_prefix(0, 1))
     chunks = tmp_path / ckpt.data / "arrays" / "w" / "c"
     if damage == "truncate":
         (chunks / "1").write_bytes((chunks / "1").read_bytes()[:100])
@@ -113,8 +115,8 @@ def test_damaged_chunk_file_is_a_read_error_not_garbage(tmp_path, damage):
         data[-1] ^= 0x01  # the chunk's last 4 bytes are its crc32c
         (chunks / "1").write_bytes(bytes(data))
     expected = "checksum mismatch" if damage == "crc" else "cannot read its data"
-    with pytest.raises(S.StoreError, match=expected):
-        S.read_leaf(st, ckpt, "w")
+    with pytest.raises(StoreError, match=expected):
+        W.read_leaf(st, ckpt, "w")
 
 
 def test_array_metadata_that_disagrees_with_the_manifest_is_refused(store):
@@ -138,14 +140,14 @@ def test_nonfinite_push_rejected(store):
 def test_nonfinite_value_deep_in_a_block_is_found_in_its_piece(store):
     from jaxscale.lofi.stream import piece_size
     piece = piece_size(2)
-    assert piece < S.CHUNK  # a one-chunk block (TINY_BUDGET) holds several pieces
-    where = S.CHUNK + piece + 17  # second block, second piece: pieces are checked one by one
+    assert piece < CHUNK  # a one-chunk block (TINY_BUDGET) holds several pieces
+    where = CHUNK + piece + 17  # second block, second piece: pieces are checked one by one
     bad = _params(2)
     bad["layers/w"][where] = np.inf
     _push(store, 0, 5, _params(1))
     _push(store, 1, 5, bad)
     report = run_round(store, TINY_BUDGET)
-    start = S.CHUNK + piece
+    start = CHUNK + piece
     assert report.used == {0: 5}
     assert f"(values {start}..{start + piece})" in report.skipped[1], report.skipped
 
@@ -161,7 +163,7 @@ def test_allowed_workers_quorum_and_wrong_structure(store):
     assert not report.published and "min_workers=2" in report.note
     assert report.skipped[7] == "not in allowed_workers"
     assert "leaf b" in report.skipped[2] and "[8]" in report.skipped[2]
-    assert S.average_rounds(store) == [0]
+    assert W.average_rounds(store) == [0]
 
 
 def test_late_joiner_and_leaver(store):
@@ -177,8 +179,8 @@ def test_manifest_escaping_the_store_is_rejected(store):
     _push(store, 0, 5, _params(1))
     tamper(store, "workers/0/5",
            lambda m: m["leaves"].__setitem__("../../outside", m["leaves"].pop("b")))
-    with pytest.raises(S.StoreError, match="escape the store"):
-        S.load_snapshot(store, "workers/0/5")
+    with pytest.raises(StoreError, match="escape the store"):
+        W.load_snapshot(store, "workers/0/5")
     assert "escape" in run_round(store, TINY_BUDGET).skipped[0]
 
 
@@ -206,7 +208,7 @@ def test_diloco_momentum_persisted_and_restart_idempotent(store):
     second = latest_average(store).params["b"].copy()
     m2 = 0.9 * 1 + 1  # momentum carried over from round 1
     np.testing.assert_allclose(second, first + 0.7 * (1 + 0.9 * m2), rtol=1e-5)
-    for key in store.keys("average/2/") + [S.commit_key("average/2")]:
+    for key in store.keys("average/2/") + [W.commit_key("average/2")]:
         store.kv.write(key, None).result()  # the averager "restarts" and redoes round 2
     run_round(store, cfg)
     np.testing.assert_array_equal(latest_average(store).params["b"], second)
@@ -222,7 +224,7 @@ def test_quantization_error_bound_and_compressed_push(store):
               for k, v in _params(0).items()}
     report = S.push(store, 0, 5, pushed, 1, compress=True)
     assert report.bytes_written < 0.3 * report.raw_bytes
-    back = S.read_params(store, S.load_snapshot(store, "workers/0/5"))
+    back = W.read_params(store, W.load_snapshot(store, "workers/0/5"))
     for k in pushed:
         np.testing.assert_allclose(back[k], pushed[k], atol=0.01 / 127)
 
@@ -232,36 +234,36 @@ def test_arrays_are_zarr3_with_crc32c_and_older_formats_are_named(store):
     _push(store, 0, 5, _params(1))
     zarr = json.loads(store.read(f"{data_dir(store, 'workers/0/5')}/arrays/b/zarr.json"))
     assert {"name": "crc32c"} in zarr["codecs"]
-    assert S.load_snapshot(store, "workers/0/5").chunk == S.CHUNK == 1 << 18
+    assert W.load_snapshot(store, "workers/0/5").chunk == CHUNK == 1 << 18
     tamper(store, "workers/0/5", lambda m: m.update(format=1))
-    with pytest.raises(S.StoreError, match="format 1, but this jaxscale reads format 2"):
-        S.load_snapshot(store, "workers/0/5")
+    with pytest.raises(StoreError, match="format 1, but this jaxscale reads format 2"):
+        W.load_snapshot(store, "workers/0/5")
 
 
 @pytest.mark.parametrize("chunk", [1000, 1 << 25, True, "big"])
 def test_bad_chunk_size_is_rejected(store, chunk):
     _push(store, 0, 5, _params(1))
     tamper(store, "workers/0/5", lambda m: m.update(chunk=chunk))
-    with pytest.raises(S.StoreError, match="chunk = .*power of two"):
-        S.load_snapshot(store, "workers/0/5")
+    with pytest.raises(StoreError, match="chunk = .*power of two"):
+        W.load_snapshot(store, "workers/0/5")
 
 
 def test_arrays_are_complete_before_any_commit_names_them(store, monkeypatch):
     """Every array write has completed (tensorstore: fsynced and renamed into place) when a
     COMMIT is written: a fresh reader at that moment reads the whole checkpoint."""
     commits = []
-    write = S.Store.write
+    write = Store.write
 
     def checked(self, key, data, **kw):
         if key.startswith("commits/"):
             prefix = key[len("commits/"):]
             relative = data.decode().split(" ", 1)[1]
             manifest = json.loads(self.read(f"{prefix}/{relative}"))
-            fresh = S.Store(self.location)
-            ckpt = S.Snapshot(prefix, manifest)
-            commits.append((key, {leaf: S.read_leaf(fresh, ckpt, leaf) for leaf in ckpt.leaves}))
+            fresh = Store(self.location)
+            ckpt = W.Snapshot(prefix, manifest)
+            commits.append((key, {leaf: W.read_leaf(fresh, ckpt, leaf) for leaf in ckpt.leaves}))
         return write(self, key, data, **kw)
-    monkeypatch.setattr(S.Store, "write", checked)
+    monkeypatch.setattr(Store, "write", checked)
     _push(store, 0, 5, _params(1))
     assert run_round(store, TINY_BUDGET).published
     assert [k for k, _ in commits] == ["commits/workers/0/5", "commits/average/1"]
@@ -290,19 +292,19 @@ def test_checkpoints_are_found_by_listing_commits_without_listing_chunks(store, 
     uncommit(store, "workers/1/7")  # died between its manifest and its COMMIT
     store.write("commits/workers/1/notastep", b"")  # not a checkpoint: ignored
     listed = []
-    keys = S.Store.keys
-    monkeypatch.setattr(S.Store, "keys", lambda self, p: listed.append(p) or keys(self, p))
+    keys = Store.keys
+    monkeypatch.setattr(Store, "keys", lambda self, p: listed.append(p) or keys(self, p))
     assert S.worker_pushes(store) == {0: [5], 1: [5]}
-    assert S.average_rounds(store) == [0]
+    assert W.average_rounds(store) == [0]
     assert listed == ["commits/workers/", "commits/average/"]  # no chunk key was listed
 
 
 def test_budget_below_one_block_is_warned_with_the_fix(caplog):
     from jaxscale.lofi.stream import block_size
-    assert block_size(64, 64 << 20, S.CHUNK) == S.CHUNK  # one chunk per block: over budget
+    assert block_size(64, 64 << 20, CHUNK) == CHUNK  # one chunk per block: over budget
     assert "raise --chunk_budget_mb to at least 198" in caplog.text
     caplog.clear()
-    assert block_size(4, 64 << 20, S.CHUNK) == 3 * S.CHUNK and not caplog.text
+    assert block_size(4, 64 << 20, CHUNK) == 3 * CHUNK and not caplog.text
 
 
 def test_polling_the_newest_average_reads_each_commit_once(store):
@@ -321,5 +323,5 @@ def test_polling_the_newest_average_reads_each_commit_once(store):
         def __getattr__(self, name):
             return getattr(self.kv, name)
     store.kv = Counting(store.kv)
-    assert S.latest_average_snapshot(store).manifest["round"] == 1
+    assert W.latest_average_snapshot(store).manifest["round"] == 1
     assert reads.count("commits/average/1") == 1 and "commits/average/0" not in reads

@@ -14,15 +14,17 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale.lofi import store as S
-from jaxscale.lofi.averager import AveragerConfig, latest_average, run_round
 from jaxscale.evaluate import evaluate_params, evaluate_workdir, read_config
 from jaxscale.interop.convert import workdir_to_hf
+from jaxscale.lofi import store as S
 from jaxscale.lofi.accounting import accounting_lines, export_final
+from jaxscale.lofi.averager import AveragerConfig, latest_average, run_round
 from jaxscale.train.loop import train
-from tests.lofi_common import KILL_MID_PUSH
+from jaxscale.weights import snapshot as W
+from jaxscale.weights.kv import Store, kvstore_spec
 from jaxscale.weights.sources import open_weights
 from jaxscale.weights.tree import flatten
+from tests.lofi_common import KILL_MID_PUSH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
@@ -41,7 +43,7 @@ def test_one_worker_lofi_equals_plain_training(tmp_path):
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2")
     train(c, str(tmp_path / "lofi"))
     np.testing.assert_array_equal(_losses(tmp_path / "plain"), _losses(tmp_path / "lofi"))
-    assert S.worker_pushes(S.Store(c.lofi.store)) == {0: [2, 4]}
+    assert S.worker_pushes(Store(c.lofi.store)) == {0: [2, 4]}
     run_round(c.lofi.store, AveragerConfig())
     average = latest_average(c.lofi.store).params
     for leaf, value in flatten(plain.params).items():
@@ -64,12 +66,13 @@ class _Recorder:
     def __init__(self):
         self.params, self.counts = {}, {}
 
-    def after_step(self, trainer, state, step):
-        self.params[step] = {k: np.asarray(v) for k, v in flatten(state.params).items()}
-        leaves = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
-        self.counts[step] = {int(v) for p, v in leaves if "count" in jax.tree_util.keystr(p)}
+    def after_step(self, info):
+        self.params[info.step] = {k: np.asarray(v) for k, v in flatten(info.state.params).items()}
+        leaves = jax.tree_util.tree_flatten_with_path(info.state.opt_state)[0]
+        self.counts[info.step] = {int(v) for p, v in leaves
+                                  if "count" in jax.tree_util.keystr(p)}
 
-    def at_end(self, trainer, state):
+    def at_end(self, info):
         pass
 
 
@@ -107,16 +110,16 @@ def test_periodic_worker_pushes_ema_resets_optimizer_and_continues_from_average(
                   push_ema=0.5, reset_optimizer_on_sync=True, sync_timeout_s=300.0)
     c.checkpoint.update(every=2, keep=5)
     rec = _train_with_watching_averager(c, str(tmp_path / "w0"))
-    st = S.Store(store)
-    p0 = S.read_params(st, S.load_snapshot(st, "average/0"))
+    st = Store(store)
+    p0 = W.read_params(st, W.load_snapshot(st, "average/0"))
     ema = {k: 0.25 * p0[k] + 0.25 * rec.params[1][k] + 0.5 * rec.params[2][k] for k in p0}
-    pushed = S.read_params(st, S.load_snapshot(st, "workers/0/2"))
-    round1 = S.read_params(st, S.load_snapshot(st, "average/1"))
+    pushed = W.read_params(st, W.load_snapshot(st, "workers/0/2"))
+    round1 = W.read_params(st, W.load_snapshot(st, "average/1"))
     for k in p0:  # the push is the EMA, and (1 worker, mean) round 1 is that push
         np.testing.assert_allclose(pushed[k], ema[k], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(round1[k], pushed[k], rtol=1e-6, atol=1e-7)
     assert rec.counts[2] == {2} and rec.counts[3] == {1}  # fresh optimizer after the sync
-    assert S.load_snapshot(st, "workers/0/4").manifest["synced_round"] == 1
+    assert W.load_snapshot(st, "workers/0/4").manifest["synced_round"] == 1
     # The checkpoint of sync step 2 holds the average the run continued with (round 1, the
     # EMA push), not the raw pre-sync weights: a run resumed from it misses no average.
     shutil.rmtree(tmp_path / "w0" / "checkpoints" / "4")
@@ -133,8 +136,8 @@ def test_restarted_worker_continues_from_its_last_complete_push(tmp_path):
     c.train.steps = 4
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2")
     train(c, str(tmp_path / "w0"))
-    store = S.Store(c.lofi.store)
-    store.delete(S.commit_key("workers/0/4"))  # the push of step 4 was cut off
+    store = Store(c.lofi.store)
+    store.delete(W.commit_key("workers/0/4"))  # the push of step 4 was cut off
     c.train.steps = 6
     os.remove(tmp_path / "w0" / "metrics.jsonl")
     train(c, str(tmp_path / "w0"))
@@ -155,9 +158,9 @@ def test_worker_resumed_from_its_own_checkpoint_reports_the_round_it_continued_f
     assert run_round(c.lofi.store, AveragerConfig()).round == 1  # covers step 4, not loaded
     c.train.steps = 6
     train(c, str(tmp_path / "w0"))  # resumes from its own checkpoint of step 4
-    store = S.Store(c.lofi.store)
+    store = Store(c.lofi.store)
     assert S.worker_pushes(store)[0] == [2, 4, 6]
-    assert S.load_snapshot(store, "workers/0/6").manifest["synced_round"] == 0
+    assert W.load_snapshot(store, "workers/0/6").manifest["synced_round"] == 0
 
 
 def test_worker_killed_mid_push_leaves_no_visible_checkpoint(tmp_path):
@@ -165,9 +168,9 @@ def test_worker_killed_mid_push_leaves_no_visible_checkpoint(tmp_path):
     S.push(store_dir, 3, 5, {"a": np.zeros(10, np.float32), "b": np.zeros(5, np.float32)}, 1)
     proc = subprocess.run([sys.executable, "-c", KILL_MID_PUSH, store_dir], env=ENV, cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL
-    store = S.Store(store_dir)
+    store = Store(store_dir)
     assert S.worker_pushes(store) == {3: [5]}  # step 7 is partial: invisible
-    assert store.read(S.commit_key("workers/3/7")) is None
+    assert store.read(W.commit_key("workers/3/7")) is None
 
 
 CHECK_WORKER_FLAGS = """
@@ -200,7 +203,7 @@ def test_lofi_vm_dry_run_prints_one_valid_worker_per_vm_and_the_averager():
         lofi = json.loads(check.stdout.strip().splitlines()[-1])
         assert (lofi["enabled"], lofi["worker_id"], lofi["num_workers"], lofi["sync"],
                 lofi["min_workers"], lofi["store"]) == (True, i, 3, "diloco", 3, "gs://bucket/run1")
-    assert S.kvstore_spec("gs://bucket/run1") == {"driver": "gcs", "bucket": "bucket",
+    assert kvstore_spec("gs://bucket/run1") == {"driver": "gcs", "bucket": "bucket",
                                                    "path": "run1/"}
     assert "--watch" in commands[3] and "--outer=diloco" in commands[3]
     assert "--final=" in commands[4]
@@ -223,10 +226,10 @@ def test_lofi_local_diloco_end_to_end_leaves_final_average(tmp_path):
     assert "round 1: averaged w0@2, w1@2" in out.stdout
     assert "[lofi] w0 4/4" in out.stdout and "w1 4/4" in out.stdout  # combined progress
     assert "data-parallel all-reduce" in out.stdout and "lofi worker 1: wrote" in out.stdout
-    store = S.Store(str(store_dir))
-    rounds = S.average_rounds(store)
+    store = Store(str(store_dir))
+    rounds = W.average_rounds(store)
     assert len(rounds) >= 3  # initial, step 2, final
-    last = S.load_snapshot(store, S.average_prefix(rounds[-1]))
+    last = W.load_snapshot(store, W.average_prefix(rounds[-1]))
     assert last.manifest["outer"] == "diloco" and last.manifest["contributors"] == {"0": 4, "1": 4}
     assert all(e["momentum"] for e in last.leaves.values())
     final = store_dir / "runs" / "final"
@@ -261,14 +264,14 @@ def test_lofi_local_sigterm_stops_every_process_and_leaves_store_consistent(tmp_
     assert len(pids) == 3
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read()
-    store = S.Store(str(store_dir))
-    for r in S.average_rounds(store):
-        S.read_params(store, S.load_snapshot(store, S.average_prefix(r)))
+    store = Store(str(store_dir))
+    for r in W.average_rounds(store):
+        W.read_params(store, W.load_snapshot(store, W.average_prefix(r)))
     for w, steps in S.worker_pushes(store).items():
         for step in steps:
-            S.load_snapshot(store, S.worker_prefix(w, step))
+            W.load_snapshot(store, S.worker_prefix(w, step))
     claims = {k.split("/")[1] for k in store.keys("average/") if k.endswith("/CLAIM")}
-    committed = {str(r) for r in S.average_rounds(store)}
+    committed = {str(r) for r in W.average_rounds(store)}
     assert claims <= committed  # the averager released any claim it held
 
 
@@ -285,14 +288,14 @@ def test_watching_averager_started_before_round_0_waits_for_the_job_quorum(tmp_p
     try:
         time.sleep(5)  # the averager is up and polling an empty store
         params = {"w": np.zeros(10, np.float32)}
-        publish_initial(S.Store(store_dir), params, job={"allowed_workers": [0, 1],
+        publish_initial(Store(store_dir), params, job={"allowed_workers": [0, 1],
                                                          "min_workers": 2, "max_staleness": 0})
         S.push(store_dir, 0, 5, {"w": np.ones(10, np.float32)}, 10)
         time.sleep(3)
-        assert S.average_rounds(S.Store(store_dir)) == [0]  # one push < quorum of 2
+        assert W.average_rounds(Store(store_dir)) == [0]  # one push < quorum of 2
         S.push(store_dir, 1, 5, {"w": np.full(10, 3.0, np.float32)}, 10)
         deadline = time.monotonic() + 60
-        while S.average_rounds(S.Store(store_dir)) == [0] and time.monotonic() < deadline:
+        while W.average_rounds(Store(store_dir)) == [0] and time.monotonic() < deadline:
             time.sleep(0.2)
         np.testing.assert_allclose(latest_average(store_dir).params["w"], 2.0)
     finally:
@@ -306,7 +309,7 @@ def test_lofi_average_repair_index_is_refused_as_no_longer_needed(tmp_path):
     is still accepted by the parser but stops with one paragraph saying so, touching nothing."""
     from jaxscale.lofi.averager import publish_initial
     store_dir = str(tmp_path / "store")
-    store = S.Store(store_dir)
+    store = Store(store_dir)
     publish_initial(store, {"w": np.zeros(10, np.float32)})
     S.push(store, 0, 5, {"w": np.ones(10, np.float32)}, 10)
     out = subprocess.run([sys.executable, "-m", "launch.lofi_average", f"--store={store_dir}",
@@ -314,7 +317,7 @@ def test_lofi_average_repair_index_is_refused_as_no_longer_needed(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "--repair_index is no longer needed" in out.stderr and "commits/" in out.stderr
     assert "Traceback" not in out.stderr
-    assert S.average_rounds(store) == [0]  # no round was run
+    assert W.average_rounds(store) == [0]  # no round was run
 
 
 def test_lofi_average_takes_diloco_from_the_job_and_rejects_bad_flags(tmp_path):
@@ -322,11 +325,11 @@ def test_lofi_average_takes_diloco_from_the_job_and_rejects_bad_flags(tmp_path):
     without being told (`--outer=none` still overrides); impossible flags fail in one line."""
     from jaxscale.lofi.averager import publish_initial
     store_dir = str(tmp_path / "store")
-    publish_initial(S.Store(store_dir), {"w": np.zeros(10, np.float32)},
+    publish_initial(Store(store_dir), {"w": np.zeros(10, np.float32)},
                     job={"allowed_workers": [0], "min_workers": 1, "max_staleness": 0,
                          "sync": "diloco"})
     S.push(store_dir, 0, 5, {"w": np.ones(10, np.float32)}, 10)
-    run = lambda *flags: subprocess.run(  # noqa: E731
+    run = lambda *flags: subprocess.run(
         [sys.executable, "-m", "launch.lofi_average", f"--store={store_dir}", *flags],
         env=ENV, cwd=ROOT, capture_output=True, text=True)
     out = run()
@@ -360,8 +363,8 @@ def test_worker_that_lost_its_workdir_continues_from_the_newest_average(tmp_path
     c.train.steps = 4
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2", num_workers=2)
     train(c, str(tmp_path / "w0"))
-    store = S.Store(c.lofi.store)
-    own = S.read_params(store, S.load_snapshot(store, "workers/0/4"))
+    store = Store(c.lofi.store)
+    own = W.read_params(store, W.load_snapshot(store, "workers/0/4"))
     S.push(store, 1, 4, {k: v + 1.0 for k, v in own.items()}, 64)  # a second worker's push
     assert run_round(store, AveragerConfig()).used == {0: 4, 1: 4}
     average = latest_average(store)
@@ -369,7 +372,7 @@ def test_worker_that_lost_its_workdir_continues_from_the_newest_average(tmp_path
     c.train.steps = 5
     train(c, str(tmp_path / "w0_new_vm"), hooks=[rec])
     assert list(rec.params) == [5]                       # continued after step 4
-    assert S.load_snapshot(store, "workers/0/5").manifest["synced_round"] == 1
+    assert W.load_snapshot(store, "workers/0/5").manifest["synced_round"] == 1
     first_step = {k: rec.params[5][k] - average.params[k] for k in own}
     assert all(np.abs(d).max() < 0.1 for d in first_step.values())  # one step from round 1,
     assert any(np.abs(average.params[k] - own[k]).max() > 0.4 for k in own)  # not its own push
@@ -382,11 +385,11 @@ def test_worker_with_compression_pushes_int8_deltas_the_averager_reads_back(tmp_
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2", compress=True)
     rec = _Recorder()
     train(c, str(tmp_path / "w0"), hooks=[rec])
-    store = S.Store(c.lofi.store)
-    push = S.load_snapshot(store, "workers/0/4")
+    store = Store(c.lofi.store)
+    push = W.load_snapshot(store, "workers/0/4")
     assert {e["encoding"] for e in push.leaves.values()} == {"q8delta"}
-    p0 = S.read_params(store, S.load_snapshot(store, "average/0"))
-    back = S.read_params(store, push)
+    p0 = W.read_params(store, W.load_snapshot(store, "average/0"))
+    back = W.read_params(store, push)
     for k, trained in rec.params[4].items():  # within half an int8 step of each block's scale
         np.testing.assert_allclose(back[k], trained, atol=np.abs(trained - p0[k]).max() / 254
                                    + 1e-6)
@@ -409,5 +412,5 @@ def test_periodic_worker_keeps_its_optimizer_state_across_syncs_by_default(tmp_p
                   sync_timeout_s=300.0)
     assert not c.lofi.reset_optimizer_on_sync
     rec = _train_with_watching_averager(c, str(tmp_path / "w0"))
-    assert S.average_rounds(S.Store(store))[:2] == [0, 1]  # step 2 synced through round 1
+    assert W.average_rounds(Store(store))[:2] == [0, 1]  # step 2 synced through round 1
     assert rec.counts[2] == {2} and rec.counts[3] == {3}    # not restarted at the sync

@@ -10,11 +10,10 @@ from jax.sharding import NamedSharding
 
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
-from jaxscale.models import lora
+from jaxscale.models import ModelDef, lora
 from jaxscale.models.fused import LLAMA_FUSED
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
-from jaxscale.models import ModelDef
 from jaxscale.train.state import param_specs
 from jaxscale.weights.tree import flatten, merge_trees
 from tests.helpers import run_steps

@@ -9,11 +9,10 @@ from flax import nnx
 
 from configs import tiny_lm, vit_digits
 from jaxscale.errors import ConfigError
-from jaxscale.models import lora
+from jaxscale.models import ModelDef, lora
 from jaxscale.models.layers import adapter_dropout, param, project
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
-from jaxscale.models import ModelDef
 from jaxscale.train.state import param_specs
 from jaxscale.weights.tree import flatten, merge_trees
 from test_lora import assert_adapters_follow_base

@@ -1,4 +1,5 @@
-"""metrics.py: peak table, MFU arithmetic, metrics.jsonl writer, progress bar fallback."""
+"""metrics.py: peak table, MFU arithmetic (FLOPs per token from the model table), metrics.jsonl
+writer, progress bar fallback."""
 
 import io
 import json
@@ -9,9 +10,11 @@ import numpy as np
 import pytest
 
 from jaxscale import hardware
-from jaxscale.observe import metrics
 from jaxscale.hardware import peak_flops
-from jaxscale.observe.metrics import MetricsWriter, llama_flops_per_token, mfu, read_metrics
+from jaxscale.models import vit
+from jaxscale.models.llama_flops import llama_flops_per_token
+from jaxscale.observe import metrics
+from jaxscale.observe.metrics import MetricsWriter, mfu, read_metrics
 from jaxscale.observe.progress import ProgressBar
 
 
@@ -121,7 +124,7 @@ def test_vit_flops_by_hand():
     # L=2, E=8, H=2, Q=4, F=16, P=2, C=1, K=10, T=5 (4 patches + class token):
     # per token 2*(4*8*2*4 + 2*8*16) = 1024; per image 4*2*2*1*8 + 8*10 = 208 -> 208/5;
     # 6*(1024 + 41.6) + 12*2*2*4*5 = 6393.6 + 960
-    assert metrics.vit_flops_per_token(2, 8, 2, 4, 16, 2, 1, 10, 5) == pytest.approx(7353.6)
+    assert vit.vit_flops_per_token(2, 8, 2, 4, 16, 2, 1, 10, 5) == pytest.approx(7353.6)
 
 
 def test_every_shipped_model_has_a_flop_count():
@@ -129,6 +132,10 @@ def test_every_shipped_model_has_a_flop_count():
     for name, arg in (("tiny_lm", "test"), ("vit_digits", "test"), ("llama", "1b")):
         c = importlib.import_module(f"configs.{name}").get_config(arg)
         assert metrics.model_flops_per_token(c.model, c.data.seq_len) > 0, name
+    llama = importlib.import_module("configs.llama").get_config("1b")
+    m, t = llama.model, llama.data.seq_len  # the table's count is the formula's, field by field
+    assert metrics.model_flops_per_token(m, t) == llama_flops_per_token(
+        m.num_layers, m.embed, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp, m.vocab_size, t)
 
 
 def test_throughput_window_mfu():

@@ -1,24 +1,139 @@
-"""Models own themselves: explicit model and loss tables with clear errors, no import of
+"""Models own themselves: one model table (config, module, tasks, FLOP counts, Hugging Face
+converters) with clear errors, generic code that asks it and never names a model, no import of
 training from the models, and pipeline runners that satisfy the `LayerRunner` interface."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import ml_collections
 import pytest
 
 from jaxscale import models
 from jaxscale.errors import ConfigError
 from jaxscale.mesh import make_mesh
+from jaxscale.models import llama, vit
 from jaxscale.models.runner import LayerRunner
+from jaxscale.models.task import Task
 from jaxscale.parallel.pipeline import OneFOneB, PipelineRunner, make_layer_runner
 
 
 def test_tables_name_every_model_and_task():
-    assert set(models.MODELS) == {"llama", "vit"} and set(models.LOSSES) == {"lm", "classify"}
+    assert set(models.MODELS) == {"llama", "vit"}
+    assert {n: list(e.tasks) for n, e in models.MODELS.items()} == {"llama": ["lm"],
+                                                                   "vit": ["classify"]}
     with pytest.raises(ConfigError, match="model.name='gpt9'.*'llama', 'vit'"):
         models.lookup("gpt9")
-    with pytest.raises(ConfigError, match="model.task='rank'.*'classify', 'lm'"):
-        models.get_loss("rank")
+    with pytest.raises(ConfigError, match="model.task='rank' for model.name='llama'.*'lm'"):
+        models.task_of({"name": "llama", "task": "rank"})
+    with pytest.raises(ConfigError, match="model.task='lm' for model.name='vit'.*'classify'"):
+        models.task_of({"name": "vit", "task": "lm"})
+    # model.task may be left out (the model's own) or name it, as shipped configs do.
+    assert models.task_of({}) is models.task_of({"name": "llama", "task": "lm"}) is llama.LM
+    assert models.task_of({"name": "vit"}) is models.task_of(
+        {"name": "vit", "task": "classify"}) is vit.CLASSIFY
+
+
+@pytest.mark.parametrize("name", ["tiny_lm", "vit_digits"])
+def test_task_batch_spec_is_what_the_data_yields(name):
+    """A step compiled from the task's batch spec (no data read) takes the batches training
+    feeds it: same names, shapes and dtypes."""
+    import importlib
+
+    from jaxscale.data.registry import build_data
+
+    if name == "vit_digits":
+        pytest.importorskip("sklearn")  # the digits
+    c = importlib.import_module(f"configs.{name}").get_config("test")
+    batch = next(build_data(c, 0, 1)[0].iterator())
+    spec = models.task_of(c.model).batch_spec(c.model, c.data.batch_size, c.data.seq_len)
+    assert {k: (v.shape, v.dtype) for k, v in spec.items()} == {
+        k: (v.shape, v.dtype) for k, v in batch.items()}
+
+
+# The generic code: what asks the model table instead of naming a model or a task.
+GENERIC = ("train/step.py", "train/build.py", "evaluate.py", "observe/metrics.py",
+           "interop/convert.py", "interop/families.py", "weights/sources.py", "aot/flops.py",
+           "aot/choices.py")
+
+
+@pytest.mark.parametrize("rel", GENERIC)
+def test_generic_code_names_no_model(rel):
+    text = (Path(models.__file__).parents[1] / rel).read_text()
+    for needle in ('"llama"', '"vit"', "'llama'", "'vit'", '"lm"', '"classify"', "task ==",
+                   "task !=", "hf_vit", "with_target_counts", "llama_flops_per_token",
+                   "vit_flops_per_token", "lm_loss", "classify_loss"):
+        assert needle not in text, f"jaxscale/{rel} names {needle}: ask the model table entry"
+    imports = [line for line in text.splitlines()
+               if re.match(r"\s*(from|import) ", line) and re.search(r"\b(llama|vit)\b", line)]
+    assert not imports, f"jaxscale/{rel} imports a model module: {imports}"
+
+
+def _toy_entry(calls: list, token_batches: bool = True, hf: models.HuggingFace | None = None
+               ) -> models.ModelEntry:
+    """A throwaway family (the Llama's module, a task and counts of its own) that records
+    what the generic code asks of it."""
+    def prepare(batch):
+        calls.append("prepare")
+        return {**batch, "weight": jnp.full(batch["tokens"].shape[:1], 3.0)}
+
+    def loss(model, batch, run_layers=None):
+        calls.append("loss")
+        return batch["weight"][0] * llama.lm_loss(model, batch, run_layers)
+
+    task = Task(loss, llama.eval_sums, llama.batch_spec, unit="tokens", prepare=prepare,
+                token_batches=token_batches)
+    return models.ModelEntry(llama.LlamaConfig, llama.Llama, {"toy_task": task},
+                             flops_per_token=lambda m, t: 1000.0 * t,
+                             attention_flops=lambda m, t: 10.0 * t, hf=hf)
+
+
+TOY = dict(name="toy", vocab_size=16, embed=8, num_layers=1, num_heads=2, num_kv_heads=1,
+           head_dim=4, mlp=16)
+
+
+def test_a_new_family_is_one_table_line(monkeypatch, tmp_path):
+    """Registered in the table (and nowhere else), a family is trained, counted, planned and
+    refused export by the generic code through its entry."""
+    from jaxscale.aot import choices, flops
+    from jaxscale.interop import families, hf
+    from jaxscale.observe.metrics import model_flops_per_token
+    from jaxscale.precision import get_policy
+    from jaxscale.train.step import accumulate_grads, loss_fn
+
+    calls = []
+    monkeypatch.setitem(models.MODELS, "toy", _toy_entry(calls))
+    model_def = models.ModelDef.build(TOY, get_policy("32-true"))
+    assert model_def.task is models.MODELS["toy"].tasks["toy_task"]
+    params = model_def.init_params(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 16)
+    loss, _ = accumulate_grads(params, {}, {"tokens": tokens}, model_def, 1)
+    plain = llama.lm_loss(model_def.module(params), {"tokens": tokens})
+    assert calls == ["prepare", "loss"] and float(loss) == pytest.approx(3 * float(plain))
+    with pytest.raises(KeyError, match="weight"):  # loss_fn alone: no preparation
+        loss_fn(params, {}, {"tokens": tokens}, model_def)
+
+    assert model_flops_per_token(TOY, 8) == 8000.0
+    config = ml_collections.ConfigDict(dict(
+        model=dict(TOY, attention="splash"), data=dict(seq_len=128, batch_size=4)))
+    assert flops.model_flops(config, 2) == 1000.0 * 128 * 4 * 128 / 2
+    assert flops.kernel_flops(config, 2) == 10.0 * 128 * 4 * 128 / 2
+    assert flops.expected_flops(config, 2) is None  # no recompute count: unknown, not wrong
+    choices.require_language_model(config)
+    with pytest.raises(hf.ConversionError, match="model.name='toy' has no Hugging Face"):
+        families.saver(TOY)
+
+    monkeypatch.setitem(models.MODELS, "toy", _toy_entry(
+        calls, token_batches=False, hf=models.HuggingFace(
+            "toy_hf", "jaxscale.interop.hf:open_llama", "jaxscale.interop.hf:save_llama")))
+    with pytest.raises(ConfigError, match="model.name='toy' is not one"):
+        choices.require_language_model(config)
+    assert families.saver(TOY) is hf.save_llama
+    (tmp_path / "config.json").write_text('{"model_type": "toy_hf"}')
+    assert families.opener(str(tmp_path)) is hf.open_llama
 
 
 def test_models_import_nothing_from_training():

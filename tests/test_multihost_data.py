@@ -20,10 +20,10 @@ import json
 from absl import app, flags
 from jaxscale.runtime import distributed
 _DATA = flags.DEFINE_string("data", None, "")
-runtime.define_flags()
+distributed.define_flags()
 
 def main(argv):
-    runtime.setup()
+    distributed.setup()
     import jax
     from jaxscale.config import base_config
     from jaxscale.data.mixture import files_data

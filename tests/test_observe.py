@@ -12,11 +12,11 @@ import types
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale.observe import loggers
-from jaxscale.observe import throughput
 from jaxscale.errors import ConfigError
+from jaxscale.observe import loggers, throughput
 from jaxscale.observe.metrics import read_metrics
 from jaxscale.observe.profiling import ProfileError, format_summary, summarize
+from jaxscale.train.hooks import StepInfo
 from jaxscale.train.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,8 +57,8 @@ class Recorder(loggers.Logger):
     def __init__(self):
         self.records, self.closed = [], False
 
-    def on_metrics(self, trainer, step, metrics):
-        self.records.append({"step": step, **metrics})
+    def on_metrics(self, info):
+        self.records.append({"step": info.step, **info.metrics})
 
     def close(self):
         self.closed = True
@@ -100,6 +100,23 @@ def test_hooks_receive_each_logged_steps_metrics(run):
     assert recorder.records == read_metrics(workdir)  # what metrics.jsonl got, step by step
     assert recorder.closed
     assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
+
+
+def test_hooks_run_in_their_explicit_order():
+    """Loggers first, then hooks without an order (in the order added), Lo-Fi, checkpoints
+    last (they save the average a sync loaded): by `order`, never by class."""
+    import ml_collections
+
+    from jaxscale.lofi.worker import LofiWorker
+    from jaxscale.train.hooks import CheckpointHook, in_order
+
+    class Plain:
+        pass
+
+    ckpt, first, second, logger = CheckpointHook(None), Plain(), Plain(), loggers.Logger()
+    worker = LofiWorker(ml_collections.ConfigDict({"sync": "end"}), 1, 1)
+    assert in_order([ckpt, first, worker, logger, second]) == [logger, first, second, worker,
+                                                               ckpt]
 
 
 def test_profile_trace_is_written_and_summarized(run):
@@ -150,8 +167,8 @@ def test_wandb_logs_config_and_metrics_when_installed(monkeypatch, tmp_path):
     c = get_config("test")
     trainer = types.SimpleNamespace(is_primary=True, workdir=str(tmp_path), config=c)
     logger = loggers.WandbLogger(trainer, 0)
-    logger.on_metrics(trainer, 1, {"loss": 2.5, "tokens_per_s": None})
-    logger.at_end(trainer, None)
+    logger.on_metrics(StepInfo(1, None, {"loss": 2.5, "tokens_per_s": None}))
+    logger.at_end(StepInfo(1, None))
     (_, init), log, finish = calls
     assert init["config"] == c.to_dict() and init["resume"] == "allow"
     assert log == ("log", {"loss": 2.5}, 1) and finish == ("finish",)

@@ -10,8 +10,13 @@ from jax.sharding import NamedSharding
 
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
-from jaxscale.train.optim import (OPTIMIZERS, QBLOCK, dequantize_lastaxis, make_optimizer,
-                                  quantize_lastaxis)
+from jaxscale.train.optim import (
+    OPTIMIZERS,
+    QBLOCK,
+    dequantize_lastaxis,
+    make_optimizer,
+    quantize_lastaxis,
+)
 from jaxscale.weights.tree import flatten
 from tests.helpers import train_steps
 
@@ -119,7 +124,7 @@ def test_lamb_scales_each_update_to_the_weight_norm():
     optimizer, _ = make_optimizer(c, 10)
     params = {"a": jnp.full((4, 4), 2.0), "b": jnp.linspace(-3.0, 3.0, 8)}
     for gscale in (1e-3, 1e3):
-        grads = jax.tree.map(lambda p: gscale * jnp.cos(p), params)
+        grads = {k: gscale * jnp.cos(p) for k, p in params.items()}
         updates, _ = optimizer.update(grads, optimizer.init(params), params)
         for k in params:
             np.testing.assert_allclose(float(jnp.linalg.norm(updates[k])),
@@ -133,11 +138,11 @@ def test_optimizer_state_is_sharded_like_the_parameters(name):
     dropped from the spec), 8-bit Adam's int8 moments and per-block scales. The state is
     really created with those shardings (so they are valid), and per device it holds about
     1/8 of the full state."""
+    from jaxscale.aot.sharding_report import per_device_bytes
     from jaxscale.mesh import make_mesh
+    from jaxscale.models import ModelDef
     from jaxscale.precision import get_policy
     from jaxscale.rules import AxisRules
-    from jaxscale.observe.sharding_report import per_device_bytes
-    from jaxscale.models import ModelDef
     from jaxscale.train.state import abstract_state, derived_spec, init_state
 
     c = get_config("test")

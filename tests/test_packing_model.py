@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from configs import tiny_lm
+from jaxscale.data.packing import SegmentRows
+from jaxscale.models import ModelDef
 from jaxscale.models.attention import ATTENTION_IMPLS
 from jaxscale.models.llama import lm_loss, packed_losses
-from jaxscale.data.packing import SegmentRows
 from jaxscale.precision import get_policy
-from jaxscale.models import ModelDef
 
 
 class _Docs:

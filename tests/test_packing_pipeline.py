@@ -50,7 +50,7 @@ def _loss_and_grads(config, batch, pipelined: bool) -> tuple[float, dict]:
     def grads(state, batch):
         with use_rules(ctx.rules, ctx.mesh):
             return accumulate_grads(state.params, state.frozen, batch, ctx.model_def,
-                                    ctx.grad_accum, run_layers, ctx.task)
+                                    ctx.grad_accum, run_layers)
 
     loss, g = jax.device_get(grads(trainer.state, trainer.to_global(batch)))
     return float(loss), {k: np.asarray(v) for k, v in flatten(g).items()}
@@ -62,8 +62,7 @@ def reference(packed_batch):
     config = make_config({})
     trainer = Trainer.build(config, workdir=None, devices=jax.devices()[:1])
     ctx = trainer.ctx
-    fn = jax.jit(lambda s, b: accumulate_grads(s.params, s.frozen, b, ctx.model_def, 1, None,
-                                               ctx.task))
+    fn = jax.jit(lambda s, b: accumulate_grads(s.params, s.frozen, b, ctx.model_def, 1, None))
     loss, g = jax.device_get(fn(trainer.state, trainer.to_global(packed_batch)))
     return float(loss), {k: np.asarray(v) for k, v in flatten(g).items()}
 

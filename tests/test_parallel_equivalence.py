@@ -13,8 +13,8 @@ from configs.tiny_lm import get_config
 from jaxscale.aot.hlo import collectives
 from jaxscale.rules import use_rules
 from jaxscale.train.loop import Trainer
-from jaxscale.weights.tree import flatten
 from jaxscale.train.step import accumulate_grads
+from jaxscale.weights.tree import flatten
 
 STEPS = 3
 RTOL = 1e-5
@@ -39,7 +39,7 @@ def run_steps(config, devices) -> tuple[np.ndarray, list[dict]]:
     def grads_of(state, batch):
         with use_rules(ctx.rules, ctx.mesh):
             return accumulate_grads(state.params, state.frozen, batch, ctx.model_def,
-                                    ctx.grad_accum, ctx.run_layers, ctx.task)[1]
+                                    ctx.grad_accum, ctx.run_layers)[1]
 
     grad_fn = jax.jit(grads_of)
     it = trainer.batches.iterator()

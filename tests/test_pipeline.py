@@ -10,12 +10,12 @@ import pytest
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError, JaxscaleError
 from jaxscale.mesh import make_mesh
+from jaxscale.models import ModelDef
 from jaxscale.models.scan import scan_layers
 from jaxscale.parallel.pipeline import SCHEDULES, get_schedule, make_layer_runner
 from jaxscale.precision import get_policy
 from jaxscale.presets import PRESETS
 from jaxscale.rules import AxisRules, use_rules
-from jaxscale.models import ModelDef
 
 B, T, E = 16, 8, 64
 

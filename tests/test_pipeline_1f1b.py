@@ -17,8 +17,8 @@ from jaxscale.mesh import make_mesh
 from jaxscale.parallel.pipeline import SCHEDULES, make_layer_runner
 from jaxscale.rules import use_rules
 from jaxscale.train.loop import Trainer
-from jaxscale.weights.tree import flatten
 from jaxscale.train.step import accumulate_grads
+from jaxscale.weights.tree import flatten
 from tests.test_parallel_equivalence import assert_equal_runs, make_config, run_steps
 
 
@@ -55,7 +55,7 @@ def _float16_run(schedule: str) -> tuple[dict, float, float | None, bool]:
     def grads(state, scale):
         with use_rules(ctx.rules, ctx.mesh):
             return accumulate_grads(state.params, state.frozen, batch, ctx.model_def,
-                                    ctx.grad_accum, ctx.run_layers, ctx.task, scale)
+                                    ctx.grad_accum, ctx.run_layers, scale)
 
     scale = state.extra["loss_scale"]
     loss, flat = jax.device_get(grads(state, scale))

@@ -114,41 +114,68 @@ def test_plan_with_nothing_fitting_names_the_closest_and_what_is_left_to_try(tmp
     assert "remat=full" not in advice[2] and "attention=splash" not in advice[2]
 
 
+def _dies(config_json: str) -> bool:
+    return json.loads(config_json)["model"]["loss_chunks"] > 1
+
+
 def _compile_or_die(config_json: str, topology, cache_dir: str) -> dict:
     """A stand-in for the compiler, to test the search's handling of its processes: the worker
-    dies at once on the data=2 x fsdp=2 candidates, and elsewhere answers after a second (so
-    that it is still compiling when its neighbour dies) with a result that fits, faster with
-    more FSDP shards (the planner's ranking is not under test here)."""
-    mesh = json.loads(config_json)["mesh"]
-    if (mesh["data"], mesh["fsdp"]) == (2, 2):
+    dies at once on the candidates with a chunked loss (the second in search order, then every
+    other), and elsewhere answers after a second (so that it is still compiling when its
+    neighbour dies) with a result over HBM, so that the search compiles its candidates in order
+    (what one that fits rules out is not under test here)."""
+    if _dies(config_json):
         os._exit(1)  # a compile killed mid-way (out of memory, a libtpu crash)
     time.sleep(1.0)
-    return {"total_bytes": 1.0, "hbm_bytes": 2.0**30,
-            "estimate": {"full_overlap_s": 1.0 / mesh["fsdp"], "no_overlap_s": 1.0,
+    fsdp = json.loads(config_json)["mesh"]["fsdp"]
+    return {"total_bytes": 2.0**31, "hbm_bytes": 2.0**30,
+            "estimate": {"full_overlap_s": 1.0 / fsdp, "no_overlap_s": 1.0,
                          "mfu_full_overlap": None}}
 
 
-def test_a_compiling_process_that_dies_fails_only_its_candidate(tmp_path):
-    # With 3 workers the dead one breaks the pool under the others' compiles: they run again,
-    # each alone, so the result is the one a single worker gets.
-    from jaxscale.aot.search import search
+def _pool_broken_before_next_submit(workers: int):
+    """The search's process pool, except that submitting a compile that kills its worker
+    returns only once the pool is broken: the search's next submit then meets the broken pool
+    (on a busy machine that happens by chance)."""
+    import concurrent.futures as cf
+    import multiprocessing
 
+    from jaxscale.aot.topology import compile_only_env
+
+    class Pool(cf.ProcessPoolExecutor):
+        def submit(self, fn, config_json, *args):
+            job = super().submit(fn, config_json, *args)
+            if _dies(config_json):
+                cf.wait([job])  # failed by the dead worker, with every other job in the pool
+            return job
+
+    return Pool(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=compile_only_env)
+
+
+def test_a_compiling_process_that_dies_fails_only_its_candidate(tmp_path, monkeypatch):
+    # With 3 workers the dead one breaks the pool under the others' compiles, before the search
+    # has submitted all it can: the others run again, each alone, the refused one goes to a new
+    # pool, and the result is the one a single worker gets.
+    from jaxscale.aot import search as search_lib
+
+    monkeypatch.setattr(search_lib, "_pool", _pool_broken_before_next_submit)
     c, topology = llama.get_config("tiny"), parse_topology("v5p:2x2x1")
-    runs = [search(c, topology, str(tmp_path), max_candidates=4, workers=w,
-                   compile_fn=_compile_or_die) for w in (1, 3)]
+    runs = [search_lib.search(c, topology, str(tmp_path), max_candidates=4, workers=w,
+                              compile_fn=_compile_or_die) for w in (1, 3)]
     for results in runs:
         died = [cand.full for cand, r in results if "error" in r]
-        assert died and all((f["mesh.data"], f["mesh.fsdp"]) == (2, 2) for f in died)
+        assert died and all(f["model.loss_chunks"] > 1 for f in died)
         assert all(r["error"].startswith("the compiling process died") for _, r in results
                    if "error" in r)
-        assert len(results) == 4
+        assert len(results) == 4 and len(died) == 2
     assert [(cand.overrides, r) for cand, r in runs[0]] == [
         (cand.overrides, r) for cand, r in runs[1]]
 
 
 def test_a_vision_model_is_refused_in_one_paragraph():
-    from jaxscale.aot.plan import candidates
     from configs import vit_digits
+    from jaxscale.aot.plan import candidates
 
     with pytest.raises(ConfigError, match="model.name='vit' is not one"):
         candidates(vit_digits.get_config(), parse_topology("v5p:2x2x1"))

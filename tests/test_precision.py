@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale import models
 from jaxscale.errors import ConfigError
+from jaxscale.models import ModelDef
 from jaxscale.models.llama import lm_loss
 from jaxscale.precision import POLICIES, DynamicLossScale, get_policy
 from jaxscale.train import step as step_lib
 from jaxscale.train.loop import Trainer
 from jaxscale.train.optim import make_optimizer
-from jaxscale.models import ModelDef
 from jaxscale.weights.tree import flatten
 from tests.helpers import train_steps
 
@@ -124,20 +123,19 @@ def test_float16_loss_scaling_skips_overflow_and_recovers():
     c.loss_scale.growth_interval = 2
     c.optim.warmup_steps = 0  # so every applied update moves the parameters
     trainer = Trainer.build(c, workdir=None)
-    models.LOSSES["lm_bomb"] = _bomb_loss
-    try:
-        ctx = dataclasses.replace(trainer.ctx, task="lm_bomb")
-        train = jax.jit(lambda s, b: step_lib.train_step(ctx, s, b))
-        it = trainer.batches.iterator()
-        state, scale0 = trainer.state, float(trainer.state.extra["loss_scale"])
-        history = []
-        for i in range(6):
-            bomb = np.full((c.data.batch_size,), np.inf if i == 2 else 1.0, np.float32)
-            before = jax.device_get(state)
-            state, m = train(state, {**trainer.to_global(next(it)), "bomb": bomb})
-            history.append((before, jax.device_get(state), jax.device_get(m)))
-    finally:
-        del models.LOSSES["lm_bomb"]
+    model_def = trainer.ctx.model_def  # its task, with the loss swapped for the bomb's
+    bombed = dataclasses.replace(model_def, task=dataclasses.replace(model_def.task,
+                                                                     loss=_bomb_loss))
+    ctx = dataclasses.replace(trainer.ctx, model_def=bombed)
+    train = jax.jit(lambda s, b: step_lib.train_step(ctx, s, b))
+    it = trainer.batches.iterator()
+    state, scale0 = trainer.state, float(trainer.state.extra["loss_scale"])
+    history = []
+    for i in range(6):
+        bomb = np.full((c.data.batch_size,), np.inf if i == 2 else 1.0, np.float32)
+        before = jax.device_get(state)
+        state, m = train(state, {**trainer.to_global(next(it)), "bomb": bomb})
+        history.append((before, jax.device_get(state), jax.device_get(m)))
     scales = [float(h[2]["loss_scale"]) for h in history]
     skipped = [int(h[2]["skipped_steps"]) for h in history]
     # Growth after 2 finite steps, halving on the overflow, growth again 2 steps later.

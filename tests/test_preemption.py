@@ -38,12 +38,12 @@ class SigtermAt:
     def __init__(self, step: int):
         self.step = step
 
-    def after_step(self, trainer, state, step):
-        if step == self.step:
+    def after_step(self, info):
+        if info.step == self.step:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.1)  # let the handler run, as a real notice arrives asynchronously
 
-    def at_end(self, trainer, state):
+    def at_end(self, info):
         pass
 
 

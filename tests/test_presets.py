@@ -13,7 +13,6 @@ from configs import llama
 from jaxscale.aot.topology import parse_topology
 from jaxscale.errors import ConfigError
 
-
 TPU_TARGETS = {name: t for name, t in llama.TARGETS.items() if not t.gpu}
 PRESET_VARIANTS = [v for v in llama.VARIANTS if "," in v and v.split(",")[1] in TPU_TARGETS]
 
@@ -51,10 +50,9 @@ def _tightest(size: str) -> str:
 
 
 # Compiled for its slice by one `bench/presets.py --check` process: in every `make test` the
-# tightest TPU preset of each size (4 compiles, about a minute on 2 cores); with
-# JAXSCALE_COMPILE_PRESETS=1 every one of them (21, 5.5 minutes on a quiet 2-core VM,
-# twice that beside the rest of the suite, which would take `make test` too close to CI's
-# 30 minutes). `python bench/presets.py --check` runs the same full check on its own.
+# tightest TPU preset of each size (4 compiles); with JAXSCALE_COMPILE_PRESETS=1 every one of
+# them (21, which would take `make test` too close to CI's 30 minutes: bench/RESULTS.md has
+# the times). `python bench/presets.py --check` runs the same full check on its own.
 CHECKED = (PRESET_VARIANTS if os.environ.get("JAXSCALE_COMPILE_PRESETS")
            else [_tightest(size) for size in llama.SIZES])
 
@@ -88,7 +86,8 @@ def test_preset_fits_its_target(variant, presets_compiled):
 def test_the_sweep_reproduces_what_compiled_records(tmp_path):
     # bench/presets.py's search: micro-batches largest first until one leaves 10% of HBM free.
     # On v4-8 tiny takes its chips' whole share at once; 125m does not fit 64 sequences of
-    # 1,024 a chip at once (28.5 GiB at 32 of the 28.8 GiB budget): it tries 64, then takes 32.
+    # 1,024 a chip at once within the margin (`COMPILED` has what 32 take): it tries 64, then
+    # takes 32.
     proc = run(["bench/presets.py", "--sizes=tiny,125m", "--targets=v4-8",
                 f"--cache_dir={tmp_path}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -81,3 +81,19 @@ def test_constrain_is_identity_without_rules():
     from jaxscale.rules import constrain
     x = jax.numpy.ones((4, 4))
     assert constrain(x, "batch", "embed") is x
+
+
+def test_default_rules_are_the_fsdp_tp_preset(mesh):
+    from jaxscale.config import DEFAULT_RULES, base_config
+    from jaxscale.presets import PRESETS
+
+    assert DEFAULT_RULES is PRESETS["fsdp_tp"]  # one table, not a copy
+    c = base_config()
+    assert c.rules == [tuple(r) for r in PRESETS["fsdp_tp"]] and c.rules_preset == ""
+    named = base_config()
+    named.rules_preset = "fsdp_tp"
+    default, preset = AxisRules.from_config(c), AxisRules.from_config(named)
+    for logical in (("batch", "length", "embed"), ("embed", "heads", "head_dim"),
+                    ("layers", "embed", "mlp"), ("vocab", "embed"), ("mlp", "embed")):
+        shape = (8,) * len(logical)
+        assert default.spec(logical, shape, mesh) == preset.spec(logical, shape, mesh)

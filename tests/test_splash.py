@@ -91,7 +91,7 @@ def test_llama_logits_with_packed_documents_equal_einsum(precision, tol):
     logits = {}
     for impl in ("splash", "einsum"):
         model_def, params = _tiny(impl, precision)
-        fwd = jax.jit(lambda p, t, pos, seg: model_def.module(p)(t, pos, segments_BT=seg))
+        fwd = jax.jit(lambda p, t, pos, seg, m=model_def: m.module(p)(t, pos, segments_BT=seg))
         logits[impl] = fwd(params, tokens, positions, SEGMENTS).astype(jnp.float32)
     # bf16: q is scaled before the kernel's dot, after einsum's; both keep float32 softmax.
     chex.assert_trees_all_close(logits["splash"], logits["einsum"], atol=tol, rtol=tol)

@@ -1,7 +1,7 @@
 """jaxscale/storage/locations.py against real servers: the kvstore spec and the epath of one location
 reach the same bytes on SeaweedFS, moto and fake-gcs-server; a bad scheme, an unreachable
 or silent endpoint, a missing bucket and refused credentials are one-paragraph errors; and
-which servers honour conditional writes (recorded in the README) is measured here."""
+which servers honour conditional writes (recorded in docs/object-stores.md) is measured here."""
 
 import socket
 import threading
@@ -25,11 +25,15 @@ def test_parse_and_specs_of_every_scheme(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1/")
     monkeypatch.delenv("AWS_REGION", raising=False)
     monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
     assert storage.kvstore_spec("gs://b/runs/1/") == {"driver": "gcs", "bucket": "b",
                                                        "path": "runs/1/"}
     assert storage.kvstore_spec("s3://b/p") == {"driver": "s3", "bucket": "b", "path": "p/",
                                                  "endpoint": "http://127.0.0.1:1",
                                                  "aws_region": "us-east-1"}
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")  # with a secret: those variables alone
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    assert storage.kvstore_spec("s3://b/p")["aws_credentials"] == {"type": "environment"}
     storage.configure(dict(s3_endpoint="http://10.0.0.1:8333", s3_region="eu-west-1"))
     spec = storage.kvstore_spec("s3://b")
     assert (spec["endpoint"], spec["aws_region"], spec["path"]) == (
@@ -88,8 +92,31 @@ def test_missing_bucket_and_denied_credentials_are_one_paragraph(seaweedfs, monk
         storage.check("s3://jaxscale-no-such-bucket/run", timeout_s=10)
     assert "\n" not in str(e.value)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    with pytest.raises(StorageError, match=r"refused the credentials.*AWS_ACCESS_KEY_ID"):
+    with pytest.raises(StorageError, match=r"refused the credentials: the secret key does not "
+                       r"match the access key id.*AWS_ACCESS_KEY_ID"):
         storage.check(f"s3://{bucket}/run", timeout_s=10)
+
+
+@pytest.mark.xdist_group("seaweedfs")
+def test_unknown_access_key_is_a_credentials_error_not_a_missing_bucket(seaweedfs, monkeypatch,
+                                                                      tmp_path):
+    """Issue 33, item 4: SeaweedFS's "The access key ID you provided does not exist" read as a
+    missing bucket; and every s3:// command printed ~10 `AuthCredentialsProvider ...
+    .aws/config` lines when the credentials come from the environment."""
+    server, bucket = seaweedfs
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody-knows-me")
+    with pytest.raises(StorageError, match=r"refused the credentials: the server does not know "
+                       r"this access key id .*InvalidAccessKeyId.*AWS_ACCESS_KEY_ID") as e:
+        storage.check(f"s3://{bucket}/run", timeout_s=10)
+    assert "does not exist at" not in str(e.value) and "Create it" not in str(e.value)
+    from tests.test_bad_input import cli, one_paragraph
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws files, as on a fresh machine
+    out = cli("train", "--config=tiny_lm:test", f"--workdir=s3://{bucket}/run")
+    one_paragraph(out, "refused the credentials: the server does not know this access key id")
+    assert "AuthCredentialsProvider" not in out.stderr and ".aws/config" not in out.stderr, (
+        out.stderr[-3000:])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.env()["AWS_ACCESS_KEY_ID"])
+    storage.check(f"s3://{bucket}/run", timeout_s=10)  # the right key passes, silently
 
 
 def test_unreachable_and_silent_endpoints_fail_within_the_timeout(monkeypatch):
@@ -166,7 +193,7 @@ def test_fake_gcs_ignores_generation_preconditions(fake_gcs):
     pytest.param("moto", marks=pytest.mark.xdist_group("moto"))])
 def test_s3_servers_refuse_stale_preconditions_on_the_wire(name, request):
     """The protocol itself, without tensorstore: PUT with If-None-Match: * on an existing key
-    and If-Match with a stale ETag are refused with 412 (README: conditional writes)."""
+    and If-Match with a stale ETag are refused with 412 (docs/object-stores.md: conditional writes)."""
     import botocore.exceptions
 
     server, bucket = request.getfixturevalue(name)

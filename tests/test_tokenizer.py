@@ -4,8 +4,8 @@ import io
 
 import pytest
 
-from jaxscale.errors import ConfigError
 from jaxscale.data.tokenizer import check_vocab, encode_document, file_hash, load_tokenizer
+from jaxscale.errors import ConfigError
 
 
 def test_bytes_tokenizer_round_trips_and_ends_documents_with_eos():

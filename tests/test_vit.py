@@ -7,12 +7,12 @@ import pytest
 
 pytest.importorskip("sklearn")
 
-from configs import vit_digits  # noqa: E402
-from jaxscale import config as config_lib  # noqa: E402
-from jaxscale import evaluate  # noqa: E402
+from configs import vit_digits
+from jaxscale import config as config_lib
+from jaxscale import evaluate
 from jaxscale.data import images as vision_data
-from jaxscale.observe.metrics import read_metrics  # noqa: E402
-from jaxscale.train import loop  # noqa: E402
+from jaxscale.observe.metrics import read_metrics
+from jaxscale.train import loop
 
 
 def test_digits_split_and_host_rows():
@@ -46,8 +46,9 @@ def test_evaluation_counts_every_test_image():
     """359 test images in batches of 32: the last, partial batch is padded and masked, and the
     metrics equal a direct computation over all 359."""
     import optax
-    from jaxscale.precision import get_policy
+
     from jaxscale.models import ModelDef
+    from jaxscale.precision import get_policy
 
     config = vit_digits.get_config("test")
     _, (images, labels) = vision_data.load_digits()

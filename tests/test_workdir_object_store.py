@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale.storage import locations as storage
 from jaxscale.checkpoint import Checkpointer, saved_steps
 from jaxscale.observe.metrics import read_metrics
+from jaxscale.storage import locations as storage
 from jaxscale.storage.locations import StorageError
 from jaxscale.train.loop import train
 
@@ -167,7 +167,7 @@ def test_two_processes_checkpoint_to_s3_like_one_process(seaweedfs, tmp_path):
              "--config.train.eval_every=0", "--config.checkpoint.every=3",
              "--config.train.steps=3", "--config.mesh.data=1", "--config.mesh.fsdp=8"]
     env = {**ENV, **server.env()}
-    run = lambda args: subprocess.run(args, env=env, cwd=ROOT, capture_output=True,  # noqa: E731
+    run = lambda args: subprocess.run(args, env=env, cwd=ROOT, capture_output=True,
                                       text=True, timeout=900)
     multi = run([sys.executable, "-m", "launch.local_multihost", "--num_processes=2",
                  "--devices_per_process=4", "--", *flags, f"--workdir={workdir}"])
@@ -247,8 +247,8 @@ def test_convert_and_init_from_through_s3(seaweedfs, tmp_path):
 def test_convert_out_to_gs_is_read_back_by_init_from(fake_gcs, tmp_path):
     """The gs:// data path of convert --out and init_from's reader (the training side of
     gs:// is covered by the workdir test above)."""
-    from jaxscale.weights.init_from import check_model_config
     from jaxscale.interop import convert, hf
+    from jaxscale.weights.init_from import check_model_config
     from jaxscale.weights.sources import open_weights
     from jaxscale.weights.tree import flatten
     from tests.test_hf_llama import make_hf

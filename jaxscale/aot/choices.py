@@ -12,7 +12,7 @@ import ml_collections as mlc
 from jaxscale.errors import ConfigError, paragraph
 
 # Splash first: it never holds the (B, H, T, T) scores einsum keeps, so for the same settings it
-# fits wherever einsum does (1B without remat, 64 x 2,048 tokens on v5p-16: see README).
+# fits wherever einsum does (1B without remat, 64 x 2,048 tokens on v5p-16: see bench/RESULTS.md).
 ATTENTIONS = ("splash", "einsum")
 # The LM head and loss whole, then in 8 chunks (`model.loss_chunks`): chunking costs one more
 # head forward pass (0.5% of the compiled FLOPs of a 7B step) and keeps only a chunk of the
@@ -23,11 +23,14 @@ ADAM = ("adamw", "adam")  # the optimizers whose two float32 moments 8-bit Adam 
 
 
 def require_language_model(config: mlc.ConfigDict) -> None:
-    """AOT compilation builds a language-model step (token batches): refuse anything else."""
-    name = config.model.get("name", "llama")
-    if name != "llama":
+    """AOT compilation builds a language-model step (token batches): refuse a model whose task
+    trains on anything else (its model table entry says so: `Task.token_batches`)."""
+    from jaxscale.models import DEFAULT_MODEL, task_of  # late: the models pull in jax
+
+    if not task_of(config.model).token_batches:
+        name = config.model.get("name", DEFAULT_MODEL)
         raise ConfigError(paragraph(
-            f"Ahead-of-time compilation and planning build a language model's train step on",
+            "Ahead-of-time compilation and planning build a language model's train step on",
             f"token batches; model.name={name!r} is not one. Use a Llama config (e.g.",
             "--config=llama:1b), or measure this model with `launch.inspect` on CPU devices.",
         ))

@@ -20,9 +20,16 @@ from dataclasses import dataclass, field
 import ml_collections as mlc
 
 from jaxscale import config as config_lib
-from jaxscale.aot.choices import (ATTENTIONS, attentions, fit_advice, loss_chunks,
-                                   require_language_model, rows_per_chip)
-from jaxscale.aot.guess import no_remat_bytes
+from jaxscale.aot.choices import (
+    ATTENTIONS,
+    attentions,
+    fit_advice,
+    loss_chunks,
+    require_language_model,
+    rows_per_chip,
+)
+from jaxscale.aot.guess import dims_of, no_remat_bytes
+from jaxscale.aot.memory import Dims
 from jaxscale.aot.topology import Topology
 from jaxscale.errors import JaxscaleError
 
@@ -101,12 +108,11 @@ def _micro_batches(per_chip: int) -> list[int]:
             if m <= per_chip and per_chip % m == 0]
 
 
-def _remat_order(config: mlc.ConfigDict, mesh: dict[str, int], accum: int, attention: str,
-                 chunks: int, budget: float) -> tuple[str, ...]:
+def _remat_order(config: mlc.ConfigDict, dims: Dims | None, mesh: dict[str, int], accum: int,
+                 attention: str, chunks: int, budget: float) -> tuple[str, ...]:
     """No remat first where the analytic guess says it fits the HBM budget (no recompute: it
-    wins where it fits), else full remat first (the others rarely fit a large model: 7B on
-    v5p-32 under `dots` needs 233 GB of temporaries per chip)."""
-    guess = no_remat_bytes(config, mesh, accum, attention, chunks)
+    wins where it fits), else full remat first (the others rarely fit a large model)."""
+    guess = no_remat_bytes(config, dims, mesh, accum, attention, chunks)
     return tuple(reversed(REMATS)) if guess is not None and guess <= budget else REMATS
 
 
@@ -139,6 +145,7 @@ def _all_candidates(config: mlc.ConfigDict, topology: Topology,
     require_language_model(config)
     n, slices = topology.chips_per_slice, topology.num_slices
     budget = topology.chip.hbm_bytes * (1 - margin)
+    dims = dims_of(config)
     found = []
     for (pipeline, data, fsdp, tensor), preset, remat, attention, chunks in itertools.product(
             _factorizations(n, config.model.num_layers), PRESETS, REMATS, attentions(config),
@@ -149,7 +156,7 @@ def _all_candidates(config: mlc.ConfigDict, topology: Topology,
         per_chip = config.data.batch_size // (data * fsdp * slices)
         for micro in _micro_batches(per_chip):
             accum = per_chip // micro
-            remats = _remat_order(config, mesh, accum, attention, chunks, budget)
+            remats = _remat_order(config, dims, mesh, accum, attention, chunks, budget)
             for pipe in _pipeline_options(pipeline, config.data.batch_size // accum):
                 cand = Candidate({
                     "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from jaxscale.aot.chips import CHIPS
 from jaxscale.aot.compile import StepReport
 from jaxscale.aot.roofline import Estimate, estimate
+from jaxscale.hardware import TPUS
 
 
 def _gib(n: float) -> str:
@@ -14,7 +14,7 @@ def _gib(n: float) -> str:
 
 
 def step_estimate(report: StepReport) -> Estimate:
-    chip = CHIPS[report.topology.split(":")[0]]
+    chip = TPUS[report.topology.split(":")[0]]
     return estimate(chip, report.flops, report.collectives, report.model_flops)
 
 
@@ -36,8 +36,9 @@ def collective_table(collectives: list[dict]) -> list[str]:
 
 def format_report(report: StepReport) -> str:
     r, est = report, step_estimate(report)
-    verdict = ("fits" if r.fits else
-               f"DOES NOT FIT: over by {_gib(r.total_bytes - r.hbm_bytes)}")
+    limit = r.hbm_limit_bytes or r.hbm_bytes
+    verdict = "fits" if r.fits else f"DOES NOT FIT: over by {_gib(r.total_bytes - limit)}"
+    usable = (f" (libtpu lets a program use {_gib(limit)})" if limit != r.hbm_bytes else "")
     mesh = " ".join(f"{k}={v}" for k, v in r.mesh.items())
     lines = [
         f"topology {r.topology}: {r.num_chips} chips, mesh {mesh}; compiled in "
@@ -45,7 +46,7 @@ def format_report(report: StepReport) -> str:
         "memory per chip (TPU compiler):",
         f"  arguments {_gib(r.argument_bytes)}, outputs {_gib(r.output_bytes)} "
         f"({_gib(r.alias_bytes)} aliased to arguments), temporaries {_gib(r.temp_bytes)}",
-        f"  total {_gib(r.total_bytes)} of {_gib(r.hbm_bytes)} HBM: {verdict}",
+        f"  total {_gib(r.total_bytes)} of {_gib(r.hbm_bytes)} HBM{usable}: {verdict}",
         f"FLOPs per chip per step: {r.flops:.3e} compiled (matmuls, loops x trip counts; "
         f"cost analysis, loop bodies once: {r.flops_cost_analysis:.3e})",
     ]

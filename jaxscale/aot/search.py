@@ -47,7 +47,7 @@ def compile_cached(config_json: str, topology: Topology, cache_dir: str) -> dict
     try:
         report = compile_step(config, topology)
         result = {**report.to_json(), "estimate": vars(step_estimate(report))}
-    except Exception as e:  # noqa: BLE001 - a failing candidate is reported, the search goes on
+    except Exception as e:  # a failing candidate is reported, the search goes on
         result = _failure(e, topology)
         if "error" in result:  # not cached: it may be this machine's (memory, a killed worker)
             return result
@@ -76,24 +76,40 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
     `max_candidates` are kept or the time budget is spent; returns (candidate, result) in
     search order. A candidate that cannot beat an earlier one that fits (`dominated`) is
     skipped, or, if it was already compiling when that one was found to fit, dropped and its
-    place given to the next."""
+    place given to the next. A worker that dies breaks the pool and fails every compile in it:
+    those run again, each alone, so that only the one that dies fails; a candidate the broken
+    pool refused goes to the next pool."""
     workers = workers or max(1, _cores() // 2)
     queue = iter_candidates(config, topology, margin)
     deadline = time.monotonic() + time_budget_s
     results: list[tuple[int, Candidate, dict]] = []
     started, exhausted, pending = 0, False, {}
+    unsent: list[tuple[int, Candidate]] = []  # refused by a pool that a death had broken
     pool = _pool(workers)
     job_of = lambda cand: (compile_fn, _config_json(config, cand.overrides), topology, cache_dir)
     try:
         while True:
             kept, fitting = _kept(results, margin)
-            while (not exhausted and len(kept) + len(pending) < max_candidates
+            while ((unsent or not exhausted) and len(kept) + len(pending) < max_candidates
                    and len(pending) < workers and time.monotonic() < deadline):
-                cand = next(queue, None)
-                exhausted = cand is None
-                if cand is not None and not dominated(cand, fitting):
-                    pending[pool.submit(*job_of(cand))] = (started, cand)
-                    started += 1
+                if unsent:
+                    where = unsent.pop()
+                else:
+                    cand = next(queue, None)
+                    exhausted = cand is None
+                    if cand is None:
+                        continue
+                    where, started = (started, cand), started + 1
+                if dominated(where[1], fitting):
+                    continue
+                try:
+                    pending[pool.submit(*job_of(where[1]))] = where
+                except cf.process.BrokenProcessPool:  # a worker died since the last wait:
+                    unsent.append(where)  # this one never ran; it goes to the next pool
+                    if pending:
+                        break  # the wait below sees the death, as the compiles' failure
+                    pool.shutdown(cancel_futures=True)  # it died idle: no compile to blame
+                    pool = _pool(workers)
             if not pending:
                 return [(cand, r) for _, cand, r in kept]
             done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)

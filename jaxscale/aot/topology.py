@@ -14,8 +14,22 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from jaxscale.aot.chips import CHIPS, TOPOLOGIES, Chip, known_topologies
 from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.hardware import TPUS, Chip
+
+# Slice shapes by generation, named `GEN:AxBxC` as libtpu takes them (the common single-slice
+# shapes of each generation's documentation page); each generation's chip is `hardware.TPUS`.
+TOPOLOGIES: dict[str, tuple[str, ...]] = {
+    "v4": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16"),
+    "v5e": ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "v5p": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16",
+            "8x16x16", "16x16x16", "16x16x24"),
+    "v6e": ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+}
+
+
+def known_topologies() -> list[str]:
+    return [f"{gen}:{shape}" for gen, shapes in TOPOLOGIES.items() for shape in shapes]
 
 
 class TopologyError(JaxscaleError):
@@ -44,14 +58,14 @@ class Topology:
 def parse_topology(name: str, num_slices: int = 1) -> Topology:
     """'v5p:4x4x8' -> Topology; an unknown name raises with the list of known ones."""
     gen, _, shape = name.partition(":")
-    if gen not in CHIPS or shape not in TOPOLOGIES[gen]:
+    if gen not in TPUS or shape not in TOPOLOGIES.get(gen, ()):
         raise TopologyError(paragraph(
             f"Unknown TPU topology {name!r}. Known topologies (GENERATION:SHAPE, chips = the",
             f"product of the shape): {', '.join(known_topologies())}.",
         ))
     if num_slices < 1:
         raise TopologyError(f"--num_slices={num_slices} must be at least 1.")
-    return Topology(name, CHIPS[gen], tuple(int(x) for x in shape.split("x")), num_slices)
+    return Topology(name, TPUS[gen], tuple(int(x) for x in shape.split("x")), num_slices)
 
 
 def has_libtpu() -> bool:

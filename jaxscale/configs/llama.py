@@ -13,9 +13,11 @@ SIZE (dims; RMSNorm, SwiGLU, RoPE, untied embeddings; params from `LlamaConfig.n
 
 TARGET (one slice or host; data-parallel across the `Nx` hosts of a multi-host target):
 
-    v4-8, v4-32                 TPU v4, 4 / 16 chips of 32 GiB (the suffix counts TensorCores)
-    v5e-8, v5e-16, v5e-64, v5e-256   TPU v5e, that many chips of 16 GiB
-    h100x8, 2xh100x8            one / two hosts of 8 H100 80 GB GPUs (cuDNN fused attention)
+    v4-8, v4-32                 TPU v4, 4 / 16 chips (the suffix counts TensorCores)
+    v5e-8, v5e-16, v5e-64, v5e-256   TPU v5e, that many chips
+    h100x8, 2xh100x8            one / two hosts of 8 H100 GPUs (cuDNN fused attention)
+
+(each chip's memory is the hardware table's, `jaxscale.hardware.CHIPS`)
 
 A target sets the mesh, the rules preset, `bf16-mixed` precision, the attention kernel, and
 the micro-batch and gradient accumulation: the global batch (sequences x seq_len) is a property
@@ -27,10 +29,10 @@ is cuDNN's fused kernel on GPUs and the Pallas splash kernel on TPUs (where the 
 it), so no 125m, 1b or 7b target keeps the (T x T) scores in HBM. On TPU targets the
 micro-batch is the TPU compiler's (`COMPILED`, printed by `python bench/presets.py`, which
 compiles each SIZE,TARGET for the slice with libtpu, no TPU needed): the largest power of two
-that leaves 10% of HBM free. On GPU targets it is the largest power of two whose estimate (`memory_estimate`: 22
-bytes of state per parameter over the FSDP shards, one gathered layer, and activations under
-the size's remat policy) stays under 80% of a device's HBM; on TPU that estimate erred far
-on the safe side (1b,v5e-16: 10.2 GiB estimated at micro-batch 2, where libtpu needs 3.2).
+that leaves 10% of HBM free. On GPU targets it is the largest power of two whose estimate
+(`memory_estimate`, the one memory model of `jaxscale.aot.memory`: the training state over the
+FSDP shards, one gathered layer, and activations under the size's remat policy) stays under 80%
+of a device's HBM; on TPU that estimate erred far on the safe side.
 With accumulation, periodic evaluation is off (`train.eval_every=0`): the eval step runs the
 whole global batch at once. Combinations that cannot work (7b on v4-8 and v5e-8: the
 compiler needs more than their HBM for one sequence; tiny on v5e-256: 64-wide embed over 256
@@ -53,8 +55,10 @@ from typing import Any
 
 import ml_collections as mlc
 
+from jaxscale.aot.memory import Dims, state_bytes_per_param, step_bytes
 from jaxscale.config import base_config
 from jaxscale.errors import ConfigError, paragraph
+from jaxscale.hardware import CHIPS, GiB
 
 
 @dataclass(frozen=True)
@@ -75,18 +79,28 @@ class Size:
 
 @dataclass(frozen=True)
 class Target:
-    """Hardware: devices per slice (or host), slices (hosts) over DCN, memory per device, and
-    for a TPU slice the libtpu topology name `jaxscale compile --topology` takes."""
+    """Hardware: devices per slice (or host), slices (hosts) over DCN, the chip (a key of the
+    hardware table, `jaxscale.hardware.CHIPS`, which has its memory), and for a TPU slice the
+    libtpu topology name `jaxscale compile --topology` takes."""
 
     devices: int
     slices: int
-    hbm_gib: float
-    gpu: bool = False
+    chip: str
     topology: str | None = None
 
     @property
     def total(self) -> int:
         return self.devices * self.slices
+
+    @property
+    def gpu(self) -> bool:
+        return CHIPS[self.chip].generation is None
+
+    @property
+    def hbm_gib(self) -> float:
+        """HBM per device as the hardware table documents it (the presets' 10% margin is of
+        this; `jaxscale compile` also shows what libtpu lets a program use)."""
+        return CHIPS[self.chip].hbm_bytes / GiB
 
 
 _LLAMA2 = dict(vocab_size=32000, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
@@ -105,16 +119,15 @@ SIZES: dict[str, Size] = {
                     head_dim=128, mlp=11008, max_len=4096),
                "fsdp", "full", seq_len=2048, batch=512, lr=3e-4, warmup=2000, steps=100_000),
 }
-# TPU HBM as the chips table has it (jaxscale/aot/chips.py): v4 32 GiB, v5e 16 GB = 14.9 GiB.
 # The v4 suffix counts TensorCores (2 per chip), so v4-8 is 4 chips.
 TARGETS: dict[str, Target] = {
-    "v4-8": Target(4, 1, 32.0, topology="v4:2x2x1"),
-    "v4-32": Target(16, 1, 32.0, topology="v4:2x2x4"),
-    "v5e-8": Target(8, 1, 14.9, topology="v5e:2x4"),
-    "v5e-16": Target(16, 1, 14.9, topology="v5e:4x4"),
-    "v5e-64": Target(64, 1, 14.9, topology="v5e:8x8"),
-    "v5e-256": Target(256, 1, 14.9, topology="v5e:16x16"),
-    "h100x8": Target(8, 1, 80.0, gpu=True), "2xh100x8": Target(8, 2, 80.0, gpu=True),
+    "v4-8": Target(4, 1, "v4", topology="v4:2x2x1"),
+    "v4-32": Target(16, 1, "v4", topology="v4:2x2x4"),
+    "v5e-8": Target(8, 1, "v5e", topology="v5e:2x4"),
+    "v5e-16": Target(16, 1, "v5e", topology="v5e:4x4"),
+    "v5e-64": Target(64, 1, "v5e", topology="v5e:8x8"),
+    "v5e-256": Target(256, 1, "v5e", topology="v5e:16x16"),
+    "h100x8": Target(8, 1, "h100"), "2xh100x8": Target(8, 2, "h100"),
 }
 
 
@@ -162,7 +175,8 @@ COMPILED: dict[tuple[str, str], Compiled] = {
     ("7b", "v5e-64"): Compiled(8, 11.46, (4491, 5018)),
     ("7b", "v5e-256"): Compiled(2, 2.98, (1123, 1653)),
 }
-STATE_BYTES_PER_PARAM = 22  # f32 weights, Adam mu/nu, gradient, accumulator; bf16 copy
+# bf16-mixed with Adam, counted as accumulating: the estimate comes before the micro-batch.
+STATE_BYTES_PER_PARAM = state_bytes_per_param(accumulate=True)
 HBM_FRACTION = 0.8          # headroom for XLA's own buffers, collectives and fragmentation
 
 
@@ -172,24 +186,15 @@ def num_params(size: str) -> int:
 
 
 def memory_estimate(size: str, target: Target, micro_batch: int) -> int:
-    """Estimated peak bytes per device: sharded state + one gathered layer + activations.
-
-    Activations per sequence: with `remat='full'` the scan saves each layer's bf16 input and
-    recomputes one layer at a time; otherwise every layer's intermediates are kept. The f32
-    attention scores (t x t per head) vanish with fused attention (GPUs); the f32 logits and their
-    gradient (t x vocab) are there in both cases.
-    """
-    s, m = SIZES[size], SIZES[size].model
-    t, e, n = s.seq_len, m["embed"], num_params(size)
-    shards = target.devices if s.strategy == "fsdp" else 1
-    state = n * STATE_BYTES_PER_PARAM // shards
-    gathered = 2 * 2 * (n // m["num_layers"]) if shards > 1 else 0  # bf16, one layer prefetched
-    scores = 0 if target.gpu else 3 * m["num_heads"] * t * t * 4
-    layer = t * (10 * e + 4 * m["mlp"]) * 2 + scores  # ~10 embed-wide, 4 mlp-wide bf16 tensors
-    logits = 3 * t * m["vocab_size"] * 4
-    per_seq = (m["num_layers"] * t * e * 2 + 2 * layer if s.remat == "full"
-               else m["num_layers"] * layer) + logits
-    return state + gathered + micro_batch * per_seq
+    """Estimated peak bytes per device (`jaxscale.aot.memory`, the planner's model too):
+    sharded state, one gathered layer, activations under the size's remat policy. The float32
+    attention scores vanish with fused attention (GPUs)."""
+    s = SIZES[size]
+    dims = Dims.from_model(s.model, num_params(size))
+    return int(step_bytes(dims, tokens=micro_batch * s.seq_len, seq_len=s.seq_len,
+                          state_bytes=STATE_BYTES_PER_PARAM,
+                          param_shards=target.devices if s.strategy == "fsdp" else 1,
+                          remat=s.remat, einsum_scores=not target.gpu))
 
 
 def micro_batch(size: str, target: str) -> int:
@@ -306,8 +311,8 @@ def _apply_target(c: mlc.ConfigDict, size_name: str, target_name: str,
         c.model.attention = "dot_product_attention"
     elif block_size(s.seq_len) is not None:  # a length on the kernel's 128 grid
         # TPU: the Pallas splash kernel never holds the (B, H, T, T) float32 scores that
-        # einsum keeps in HBM (1B at 64 x 2,048 tokens on v5p-16: 21.9 against 69.4 GiB of
-        # temporaries); the planner picks it on every slice it was run for (README).
+        # einsum keeps in HBM (bench/RESULTS.md compares their temporaries); the planner picks
+        # it on every slice it was run for (bench/RESULTS.md).
         c.model.attention = "splash"
 
 

@@ -22,13 +22,12 @@ from typing import Any
 import grain
 import numpy as np
 
-from jaxscale.storage import locations
 from jaxscale.data.doc_index import default_exchange
-from jaxscale.errors import ConfigError, paragraph
 from jaxscale.data.packing import PACKINGS, make_rows
 from jaxscale.data.sources import SourceSpec, expand, open_source, parse_sources
 from jaxscale.data.tokenizer import BYTES, check_vocab, file_hash, load_tokenizer
-
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.storage import locations
 
 PREFETCH = 16  # global batches read ahead per process
 
@@ -43,6 +42,7 @@ class MixtureBatches:
     process_index: int = 0
     process_count: int = 1
     seed: int = 0
+    skipped_records: int = 0  # bad records skipped while indexing (data.skip_bad_records)
 
     def dataset(self) -> grain.MapDataset:
         if self.global_batch % self.process_count:
@@ -109,17 +109,22 @@ def check_prepared(spec: SourceSpec, tokenizer_spec: str, field_name: str) -> No
             ))
 
 
-def _sources(specs: list[SourceSpec], d: Any, tokenizer: Any, field_name: str,
+def _sources(specs: list[SourceSpec], config: Any, tokenizer: Any, field_name: str,
              where: dict) -> list:
+    d = config.data
     for spec in specs:
         check_prepared(spec, d.get("tokenizer", BYTES), field_name)
-    return [open_source(s, d, tokenizer, field_name, **where) for s in specs]
+    return [open_source(s, d, tokenizer, field_name, vocab_size=config.model.vocab_size,
+                        **where) for s in specs]
 
 
 def _eval_batches(rows: list, global_batch: int, count: int, process_index: int,
-                  process_count: int) -> list[dict[str, np.ndarray]]:
-    """The first `count` global batches of the held-out rows, in order (sources one after another)."""
+                  process_count: int, required: bool = True) -> list[dict[str, np.ndarray]]:
+    """The first `count` global batches of the held-out rows, in order (sources one after
+    another). Fewer rows than one batch is an error when `required`, else no batch at all."""
     order = [(k, i) for k, r in enumerate(rows) for i in range(r.num_rows)]
+    if len(order) < global_batch and not required:
+        return []
     if len(order) < global_batch:
         raise ConfigError(paragraph(
             f"The held-out split has {len(order)} rows, fewer than one global batch of",
@@ -149,7 +154,7 @@ def source_eval_batches(config: Any, sources: str, process_index: int, process_c
     hosts = dict(process_index=process_index, process_count=process_count,
                  exchange=default_exchange(process_count))
     rows = [make_rows(s, d.get("packing", "concat"), d.seq_len, tokenizer.pad_id)
-            for s in _sources(specs, d, tokenizer, field_name, hosts)]
+            for s in _sources(specs, config, tokenizer, field_name, hosts)]
     order = [(k, i) for k, r in enumerate(rows) for i in range(r.num_rows)]
     if not order:
         raise ConfigError(paragraph(
@@ -172,8 +177,13 @@ def source_eval_batches(config: Any, sources: str, process_index: int, process_c
 
 
 def files_data(config: Any, process_index: int, process_count: int,
-               shard_index: int = 0, shard_count: int = 1) -> tuple[MixtureBatches, list]:
-    """(training batches, held-out batches) of `config.data.sources`."""
+               shard_index: int = 0, shard_count: int = 1,
+               require_heldout: bool | None = None) -> tuple[MixtureBatches, list]:
+    """(training batches, held-out batches) of `config.data.sources`. A held-out split too small
+    for one batch is an error only where it is used: `require_heldout`, by default when the
+    run evaluates (`train.eval_every` > 0); otherwise the held-out batches are []."""
+    if require_heldout is None:
+        require_heldout = bool(config.get("train", {}).get("eval_every", 1))
     d = config.data
     tokenizer = load_tokenizer(d.get("tokenizer", BYTES))
     check_vocab(tokenizer, config.model.vocab_size, d.get("tokenizer", BYTES))
@@ -182,10 +192,10 @@ def files_data(config: Any, process_index: int, process_count: int,
         raise ConfigError("data.corpus='files' needs data.sources, e.g. 'jsonl=/data/*.jsonl'.")
     exchange = default_exchange(process_count)
     hosts = dict(process_index=process_index, process_count=process_count, exchange=exchange)
-    train = _sources(specs, d, tokenizer, "data.sources",
+    train = _sources(specs, config, tokenizer, "data.sources",
                      dict(hosts, shard_index=shard_index, shard_count=shard_count))
     if d.get("eval_sources", ""):  # every Lo-Fi worker evaluates on the same documents
-        heldout = _sources(parse_sources(d.eval_sources, "data.eval_sources"), d, tokenizer,
+        heldout = _sources(parse_sources(d.eval_sources, "data.eval_sources"), config, tokenizer,
                            "data.eval_sources", hosts)
     else:
         masks = [heldout_mask(s, d.get("eval_fraction", 0.05)) for s in train]
@@ -193,11 +203,30 @@ def files_data(config: Any, process_index: int, process_count: int,
         train = [s.subset(~m) for s, m in zip(train, masks)]
     packing = d.get("packing", "concat")
     rows = tuple(make_rows(s, packing, d.seq_len, tokenizer.pad_id) for s in train)
+    skipped = report_skipped(d, train + heldout, process_index)
     batches = MixtureBatches(rows, tuple(s.weight for s in specs), d.batch_size, process_index,
-                             process_count, seed=config.seed)
+                             process_count, seed=config.seed, skipped_records=skipped)
     eval_rows = [make_rows(s, packing, d.seq_len, tokenizer.pad_id) for s in heldout]
-    evals = _eval_batches(eval_rows, d.batch_size, d.eval_batches, process_index, process_count)
+    evals = _eval_batches(eval_rows, d.batch_size, d.eval_batches, process_index, process_count,
+                          require_heldout)
     return batches, evals
+
+
+def files_heldout(config: Any, process_index: int, process_count: int) -> list:
+    """The held-out batches of `config.data.sources` for `launch.evaluate`: required, whatever
+    the run's `train.eval_every`."""
+    return files_data(config, process_index, process_count, require_heldout=True)[1]
+
+
+def report_skipped(d: Any, sources: list, process_index: int) -> int:
+    """The bad records skipped while indexing `sources` (each reader counted once), said once
+    by process 0 when `data.skip_bad_records` is on, so a skip is never silent."""
+    readers = {id(s.reader): s.reader for s in sources}.values()
+    skipped = sum(getattr(r, "skipped", 0) for r in readers)
+    if d.get("skip_bad_records", False) and process_index == 0:
+        print(f"jaxscale: data.skip_bad_records: skipped {skipped} bad record"
+              f"{'' if skipped == 1 else 's'} of data.sources / data.eval_sources", flush=True)
+    return skipped
 
 
 def validate_files(config: Any) -> None:

@@ -7,7 +7,9 @@ order into `num_shards` ArrayRecord files, one record per document (uint32 ids e
 each with a `.lengths.npy` beside it so that training plans rows without reading documents.
 `metadata.json` is written last (its presence means the directory is complete) and records the
 token and document counts, the tokenizer file's sha256 (training checks it against
-`config.data.tokenizer`) and the source globs. An existing prepared directory is never overwritten.
+`config.data.tokenizer`) and the source globs. An existing prepared directory is never overwritten,
+nor is a file the step did not write: `--out` must be new, empty, or an interrupted run of this
+step (its `.jaxscale-prepare` marker lists the files it writes).
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from typing import Any
 import numpy as np
 import tqdm
 
-from jaxscale.storage import data_files
-from jaxscale.errors import ConfigError, paragraph
-from jaxscale.data.sources import FORMATS, SourceSpec, expand
 from jaxscale.data.readers import JsonlReader, ParquetReader, TextReader, bad_record
+from jaxscale.data.sources import FORMATS, SourceSpec, expand
 from jaxscale.data.tokenizer import encode_document, file_hash, load_tokenizer
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.storage import data_files
 
 TEXT_FORMATS = ("text", "jsonl", "parquet")
 SPECIAL_TOKENS = ("<|endoftext|>", "<pad>")  # EOS and pad of a trained tokenizer
@@ -101,11 +103,12 @@ def _tokenize(task: tuple[int, int, int]) -> tuple[list[bytes], int]:
     return records, getattr(reader, "skipped", 0) - before
 
 
-def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shards: int = 1,
-            workers: int = 1, train_vocab: int = 0, text_field: str = "text",
-            skip_bad: bool = False) -> dict:
-    """Writes the prepared dataset into `out` and returns its metadata."""
-    from array_record.python.array_record_module import ArrayRecordWriter
+MARKER = ".jaxscale-prepare"  # written first: names what this step writes into --out
+
+
+def check_args(out: str, tokenizer: str, num_shards: int, workers: int, train_vocab: int
+               ) -> None:
+    """The flags that need no reading, checked before anything is created."""
     if not data_files.is_local(out):
         raise ConfigError(paragraph(
             f"--out={out}: the prepared dataset is written as ArrayRecord shards, which the",
@@ -113,38 +116,113 @@ def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shard
             "directory or a mounted bucket (gcsfuse, mountpoint-s3); --sources may be",
             "gs:// or s3:// globs.",
         ))
+    for flag, value in (("--num_shards", num_shards), ("--workers", workers)):
+        if value < 1:
+            raise ConfigError(paragraph(
+                f"{flag}={value}: give at least 1 (e.g. {flag}=4).",
+            ))
+    if train_vocab < 0 or not (tokenizer or train_vocab) or (tokenizer and train_vocab):
+        raise ConfigError("Give exactly one of --tokenizer=PATH and --train_tokenizer=VOCAB "
+                          "(a positive vocabulary size).")
+
+
+def claim_out(out: str, names: list[str]) -> None:
+    """Makes `out` this step's directory, or refuses with one paragraph: it holds a prepared
+    dataset, it is not a directory, it holds files the prepare step did not write (they are
+    never overwritten), or it cannot be written. An interrupted earlier run's files (listed in
+    its `MARKER`) are removed first, so no stale shard of it is left for a glob to find."""
     if os.path.exists(os.path.join(out, "metadata.json")):
         raise ConfigError(paragraph(
             f"{out} already holds a prepared dataset (metadata.json); it is never overwritten.",
             "Choose another --out directory, or delete this one first.",
         ))
-    if not (tokenizer or train_vocab) or (tokenizer and train_vocab):
-        raise ConfigError("Give exactly one of --tokenizer=PATH and --train_tokenizer=VOCAB.")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out={out} is a file, not a directory; choose a new directory.")
+    entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    ours = ({MARKER, "metadata.json.tmp", *_previous_names(out)} if MARKER in entries
+            else set())
+    foreign = [e for e in entries if e not in ours]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3
+                                          else "")
+        raise ConfigError(paragraph(
+            f"--out={out} is not empty and is not a prepare output: it holds {shown}, which",
+            "the prepare step did not write and will not overwrite. Give a new or empty",
+            "directory.",
+        ))
+    try:
+        os.makedirs(out, exist_ok=True)
+        for e in entries:
+            os.remove(os.path.join(out, e))
+        with open(os.path.join(out, MARKER), "w") as f:
+            json.dump(names, f)
+    except OSError as e:
+        raise ConfigError(paragraph(
+            f"--out={out} cannot be written ({e.strerror or e}: {e.filename or out}): a",
+            "read-only filesystem, a path below a regular file, or no permission. Give a",
+            "writable local directory.",
+        )) from None
+
+
+def _previous_names(out: str) -> list[str]:
+    try:
+        with open(os.path.join(out, MARKER)) as f:
+            names = json.load(f)
+        return [n for n in names if isinstance(n, str) and os.sep not in n]
+    except (OSError, ValueError):
+        return []
+
+
+def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shards: int = 1,
+            workers: int = 1, train_vocab: int = 0, text_field: str = "text",
+            skip_bad: bool = False) -> dict:
+    """Writes the prepared dataset into `out` and returns its metadata."""
+    check_args(out, tokenizer, num_shards, workers, train_vocab)
     readers = open_readers(globs, fmt, text_field, None, skip_bad)
-    os.makedirs(out, exist_ok=True)
-    tok_path = os.path.join(out, "tokenizer.json")
-    if train_vocab:
-        train_tokenizer(readers, train_vocab, tok_path)
-    elif tokenizer != "bytes":
+    src = ""
+    if not train_vocab and tokenizer != "bytes":
         from jaxscale.data.tokenizer import resolve_path
         src = resolve_path(tokenizer)
-        tok_path = os.path.join(out, os.path.basename(src))
+    tok_path = (os.path.join(out, "tokenizer.json") if train_vocab else
+                os.path.join(out, os.path.basename(src)) if src else "bytes")
+    names = [f"data-{k:05d}-of-{num_shards:05d}.array_record" for k in range(num_shards)]
+    claim_out(out, names + [n + ".lengths.npy" for n in names]
+              + ([os.path.basename(tok_path)] if tok_path != "bytes" else []))
+    if train_vocab:
+        train_tokenizer(readers, train_vocab, tok_path)
+    elif src:
         shutil.copyfile(src, tok_path)  # the prepared data carries its tokenizer
-    else:
-        tok_path = "bytes"
     load_tokenizer(tok_path)  # fails clearly before any worker starts
+    init = (globs, fmt, text_field, tok_path, skip_bad)
+    lengths, skipped = _write_shards(readers, out, names, init, workers)
+    seen = sum(map(len, lengths))
+    meta = {"format_version": 1, "documents": seen, "tokens": int(sum(map(sum, lengths))),
+            "skipped_records": skipped, "sources": list(globs), "format": fmt,
+            "tokenizer": tok_path, "tokenizer_hash": file_hash(tok_path),
+            "shards": [{"file": n, "documents": len(ls), "tokens": int(sum(ls))}
+                       for n, ls in zip(names, lengths)]}
+    with open(os.path.join(out, "metadata.json.tmp"), "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(os.path.join(out, "metadata.json.tmp"), os.path.join(out, "metadata.json"))
+    os.remove(os.path.join(out, MARKER))  # metadata.json now marks the directory complete
+    return meta
+
+
+def _write_shards(readers: list[Any], out: str, names: list[str], init: tuple, workers: int
+                  ) -> tuple[list[list[int]], int]:
+    """Tokenizes every document across `workers` processes and writes them in source order
+    into the shards `names`: (token lengths per shard, skipped bad records)."""
+    from array_record.python.array_record_module import ArrayRecordWriter
     total_docs = sum(rd.num_docs for rd in readers)
-    chunk = max(1, min(CHUNK, total_docs // (4 * max(1, workers))))  # keep every worker busy
+    chunk = max(1, min(CHUNK, total_docs // (4 * workers)))  # keep every worker busy
     tasks = [(r, lo, min(lo + chunk, rd.num_docs)) for r, rd in enumerate(readers)
              for lo in range(0, rd.num_docs, chunk)]
-    shard_of = lambda doc: min(num_shards - 1, doc * num_shards // max(total_docs, 1))
-    names = [f"data-{k:05d}-of-{num_shards:05d}.array_record" for k in range(num_shards)]
+    shard_of = lambda doc: min(len(names) - 1, doc * len(names) // max(total_docs, 1))
     writers = [ArrayRecordWriter(os.path.join(out, n), "group_size:1") for n in names]
     lengths: list[list[int]] = [[] for _ in names]
-    init = (globs, fmt, text_field, tok_path, skip_bad)
     skipped, seen = 0, 0
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(max(1, workers), _init_worker, init) if workers > 1 else _Inline(init) as pool, \
+    with ctx.Pool(workers, _init_worker, init) if workers > 1 else _Inline(init) as pool, \
             tqdm.tqdm(total=total_docs, unit="doc", desc="prepare") as bar:
         for (records, bad), (_, lo, hi) in zip(pool.imap(_tokenize, tasks), tasks):
             for rec in records:
@@ -158,15 +236,7 @@ def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shard
         w.close()
     for n, lens in zip(names, lengths):
         np.save(os.path.join(out, n + ".lengths.npy"), np.asarray(lens, np.int64))
-    meta = {"format_version": 1, "documents": seen, "tokens": int(sum(map(sum, lengths))),
-            "skipped_records": skipped, "sources": list(globs), "format": fmt,
-            "tokenizer": tok_path, "tokenizer_hash": file_hash(tok_path),
-            "shards": [{"file": n, "documents": len(ls), "tokens": int(sum(ls))}
-                       for n, ls in zip(names, lengths)]}
-    with open(os.path.join(out, "metadata.json.tmp"), "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(os.path.join(out, "metadata.json.tmp"), os.path.join(out, "metadata.json"))
-    return meta
+    return lengths, skipped
 
 
 class _Inline:

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale.storage import data_files
-from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.data.tokenizer import encode_document
+from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.storage import data_files
 
 
 class DataError(JaxscaleError):
@@ -46,6 +46,9 @@ class Tokenized:
         self.tokenized = 0  # documents tokenized by this process (per-host reading is tested)
         self.locs: list[tuple[int, int, int]] = []
         self._lengths = np.zeros(0, np.int64)
+        # Per-reader caches (a method-level lru_cache would be one cache shared by every reader
+        # of the process, keeping them alive and cleared by any one of them).
+        self._tokens = functools.lru_cache(maxsize=4096)(self._read_tokens)
 
     @property
     def units(self) -> list[str]:
@@ -91,8 +94,7 @@ class Tokenized:
     def tokens_at(self, loc: tuple[int, int, int]) -> np.ndarray:
         return self._tokens(loc)
 
-    @functools.lru_cache(maxsize=4096)
-    def _tokens(self, loc: tuple[int, int, int]) -> np.ndarray:
+    def _read_tokens(self, loc: tuple[int, int, int]) -> np.ndarray:
         self.tokenized += 1
         text = self.read_text(loc)
         if text is None:  # a skipped bad record: an empty document
@@ -189,24 +191,34 @@ class ParquetReader(Tokenized):
     def __init__(self, files: list[str], tokenizer: Any, skip_bad: bool, text_field: str):
         self._setup(files, tokenizer, skip_bad)
         self.text_field = text_field
+        self._meta = functools.lru_cache(maxsize=64)(self._read_meta)
+        self._group = functools.lru_cache(maxsize=8)(self._read_group)
 
     def _forget(self) -> None:
         self._meta.cache_clear()
         self._group.cache_clear()
 
-    @functools.lru_cache(maxsize=64)
-    def _meta(self, u: int) -> np.ndarray:
+    def _read_meta(self, u: int) -> np.ndarray:
         """First row of each row group of file `u`, and the file's row count last."""
         import pyarrow.parquet as pq
         f = self.files[u]
         try:
             with data_files.open_binary(f) as fh:
-                meta = pq.ParquetFile(fh).metadata
+                pf = pq.ParquetFile(fh)
+                meta, columns = pf.metadata, pf.schema_arrow.names
         except Exception as e:  # pyarrow raises ArrowInvalid / OSError on bad files
             raise DataError(paragraph(
                 f"{f} cannot be read as parquet ({type(e).__name__}: {str(e)[:200]}); it is",
                 "truncated or not a parquet file. Re-write it or remove it from the glob.",
             )) from None
+        if self.text_field not in columns:
+            shown = ", ".join(repr(c) for c in columns[:10]) + (" ..." if len(columns) > 10
+                                                                 else "")
+            raise DataError(paragraph(
+                f"{f} has no column {self.text_field!r}; its columns are {shown or 'none'}.",
+                "Set --config.data.text_field (launch.prepare_data: --text_field) to the column",
+                "holding the text.",
+            ))
         return np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
 
     def scan_unit(self, u: int) -> list[tuple[int, int, int]]:
@@ -215,18 +227,14 @@ class ParquetReader(Tokenized):
     def where_loc(self, loc: tuple[int, int, int]) -> str:
         return f"{self.files[loc[0]]} row {loc[1]}"
 
-    @functools.lru_cache(maxsize=8)
-    def _group(self, u: int, g: int) -> list:
+    def _read_group(self, u: int, g: int) -> list:
         import pyarrow.parquet as pq
         f = self.files[u]
-        try:
+        try:  # no arrow thread pool: its threads, still starting when an error here ends the
+            # process, abort it at exit ("terminate called without an active exception")
             with data_files.open_binary(f) as fh:
-                table = pq.ParquetFile(fh).read_row_group(g, columns=[self.text_field])
-        except KeyError:
-            raise DataError(paragraph(
-                f"{f} has no column {self.text_field!r}. Set --config.data.text_field to the",
-                "column holding the text.",
-            )) from None
+                table = pq.ParquetFile(fh).read_row_group(g, columns=[self.text_field],
+                                                          use_threads=False)
         except Exception as e:
             raise DataError(paragraph(
                 f"{f} row group {g} cannot be read ({type(e).__name__}: {str(e)[:200]});",

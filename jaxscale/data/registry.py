@@ -18,8 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale.data import mixture
-from jaxscale.data import images
+from jaxscale.data import images, mixture
 from jaxscale.data.batching import Batches, eval_batches
 from jaxscale.errors import ConfigError, paragraph
 
@@ -91,7 +90,7 @@ class Dataset:
 DATASETS: dict[str, Dataset] = {
     "stdlib": Dataset(stdlib_data),
     "digits": Dataset(images.digits_data, images.digits_test_batches),
-    "files": Dataset(mixture.files_data),
+    "files": Dataset(mixture.files_data, mixture.files_heldout),
 }
 
 

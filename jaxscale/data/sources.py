@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from jaxscale.storage import data_files
 from jaxscale.data.doc_index import Exchange, IndexCache, build_index
-from jaxscale.errors import ConfigError, paragraph
-from jaxscale.data.tokenizer import BYTES, file_hash
 from jaxscale.data.readers import DataError, JsonlReader, ParquetReader, TextReader, Tokenized
+from jaxscale.data.tokenizer import BYTES, file_hash
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.storage import data_files
 
 FORMATS = ("text", "jsonl", "parquet", "array_record", "tokens")
 TOKEN_BLOCK = 1 << 16  # a `tokens` file is addressed in blocks of this many tokens
@@ -56,10 +57,11 @@ def parse_sources(spec: str, field_name: str = "data.sources") -> list[SourceSpe
             w = float(weight)
         except ValueError:
             w = float("nan")
-        if not w > 0:
+        if not 0 < w < float("inf"):
             raise ConfigError(paragraph(
                 f"{field_name} entry {entry!r} has mixture weight {weight!r}; weights must be",
-                "positive numbers (a source that should not be read is left out of the list).",
+                "positive finite numbers (a source that should not be read is left out of the",
+                "list).",
             ))
         out.append(SourceSpec(fmt, pattern, w))
     return out
@@ -114,10 +116,38 @@ class DocSource:
         return DocSource(self.reader, self.ids[keep])
 
 
+def check_ids(ids: np.ndarray, vocab_size: int, where: Callable[[], str], first: int,
+              fix: str) -> np.ndarray:
+    """`ids` unchanged if every id is below `vocab_size` (0: unchecked). An id at or past the
+    embedding table is not an error inside XLA (gathers clamp) and trains silently on the wrong
+    row, so a block of a pre-tokenized file is checked as it is read: one max on the host per
+    block or record, nothing per step on the device. `where()` names the block (asked only on
+    the error path) and `first` numbers its first token."""
+    if vocab_size and ids.size:
+        top = int(ids.max())
+        if top >= vocab_size:
+            at = int(np.argmax(ids >= vocab_size))
+            raise DataError(paragraph(
+                f"{where()} holds token id {top} (the first id out of range is token",
+                f"{first + at}),",
+                f"but model.vocab_size={vocab_size}: every id must be below the vocabulary size",
+                f"(this data needs at least {top + 1}).",
+                fix,
+            ))
+    return ids
+
+
+_LARGER_TOKENIZER = paragraph(
+    "The shards were prepared with a larger tokenizer: train with --config.data.tokenizer set",
+    "to the tokenizer they were prepared with (the tokenizer.json beside them) and",
+    "--config.model.vocab_size at least its size, or prepare the data again with this run's",
+    "tokenizer.")
+
+
 class ArrayRecordReader:
     """Shards of `launch.prepare_data`: one record per document, uint32 tokens (EOS included)."""
 
-    def __init__(self, files: list[str]):
+    def __init__(self, files: list[str], vocab_size: int = 0):
         import grain
         for f in files:
             if os.path.getsize(f) == 0:
@@ -134,18 +164,29 @@ class ArrayRecordReader:
                 f"{str(e)[:200]}); a shard is truncated or not ArrayRecord. Re-run",
                 "launch.prepare_data into a fresh directory.",
             )) from None
-        self.files = files
+        self.files, self.vocab_size = files, vocab_size
         self.keys = None  # prepared data splits held-out by record index (see file_data)
 
     def doc(self, i: int) -> np.ndarray:
         try:
-            return np.frombuffer(self._source[i], dtype=np.uint32)
+            ids = np.frombuffer(self._source[i], dtype=np.uint32)
         except Exception as e:
             raise DataError(paragraph(
                 f"Record {i} of the ArrayRecord shards {self.files[0]}... cannot be read",
                 f"({type(e).__name__}: {str(e)[:200]}); a shard is truncated or corrupt. Re-run",
                 "launch.prepare_data into a fresh directory.",
             )) from None
+        return check_ids(ids, self.vocab_size, lambda: self._where(i), 0, _LARGER_TOKENIZER)
+
+    def _where(self, i: int) -> str:
+        """`FILE record J` of the run's record `i` (counts read again: on the error path only)."""
+        import grain
+        for f in self.files:
+            n = len(grain.sources.ArrayRecordDataSource([f]))
+            if i < n:
+                return f"{f} record {i}"
+            i -= n
+        return f"record {i} of {self.files[0]}..."
 
     def lengths(self) -> np.ndarray:
         parts = []
@@ -164,10 +205,13 @@ class TokenFileReader:
     `TOKEN_BLOCK` tokens, so a process maps in only the blocks of its rows.
     """
 
-    def __init__(self, files: list[str], dtype: str):
+    def __init__(self, files: list[str], dtype: str, vocab_size: int = 0):
         if dtype not in ("uint16", "uint32"):
             raise ConfigError(f"data.token_dtype={dtype!r}: use 'uint16' or 'uint32'.")
-        self.files, self.dtype = files, np.dtype(dtype)
+        self.files, self.dtype, self.vocab_size = files, np.dtype(dtype), vocab_size
+        self._fix = paragraph(
+            "Set --config.model.vocab_size to the vocabulary the file was tokenized with, or",
+            f"check that data.token_dtype={dtype!r} is how it was written.")
         self._blocks = []  # (file, start token, length)
         for f in files:
             size = data_files.size(f)
@@ -190,7 +234,8 @@ class TokenFileReader:
         else:  # one range request for the block
             arr = np.frombuffer(data_files.read_range(f, offset, offset + n * self.dtype.itemsize),
                                 self.dtype)
-        return np.asarray(arr, dtype=np.uint32)
+        return check_ids(np.asarray(arr, dtype=np.uint32), self.vocab_size, lambda: f, start,
+                         self._fix)
 
     def lengths(self) -> np.ndarray:
         return np.asarray([n for _, _, n in self._blocks], np.int64)
@@ -211,11 +256,12 @@ def index_cache(spec: SourceSpec, data_config: Any) -> IndexCache | None:
 def open_source(spec: SourceSpec, data_config: Any, tokenizer: Any,
                 field_name: str = "data.sources", shard_index: int = 0, shard_count: int = 1,
                 process_index: int = 0, process_count: int = 1,
-                exchange: Exchange | None = None) -> DocSource:
+                exchange: Exchange | None = None, vocab_size: int = 0) -> DocSource:
     """The `DocSource` of one `FORMAT=GLOB` entry, restricted to Lo-Fi shard `shard_index` of
     `shard_count`: whole files of the on-the-fly formats, every `shard_count`-th document of
     the others. On-the-fly formats are indexed here (`jaxscale.data.doc_index`): with `exchange`,
-    this process tokenizes only its share of the shard's files."""
+    this process tokenizes only its share of the shard's files. Ids of the pre-tokenized
+    formats are checked against `vocab_size` (the model's) as they are read."""
     files = expand(spec, field_name)
     skip = bool(data_config.get("skip_bad_records", False))
     field = data_config.get("text_field", "text")
@@ -226,9 +272,9 @@ def open_source(spec: SourceSpec, data_config: Any, tokenizer: Any,
     elif spec.format == "parquet":
         reader = ParquetReader(files, tokenizer, skip, field)
     elif spec.format == "array_record":
-        reader = ArrayRecordReader(files)
+        reader = ArrayRecordReader(files, vocab_size)
     else:
-        reader = TokenFileReader(files, data_config.get("token_dtype", "uint16"))
+        reader = TokenFileReader(files, data_config.get("token_dtype", "uint16"), vocab_size)
     if isinstance(reader, Tokenized):
         if shard_count > 1 and len(files) < shard_count:
             raise ConfigError(paragraph(
@@ -241,5 +287,23 @@ def open_source(spec: SourceSpec, data_config: Any, tokenizer: Any,
             reader.keep_units(list(range(shard_index, len(files), shard_count)))
         build_index(reader, process_index, process_count, exchange, index_cache(spec,
                                                                                 data_config))
+        check_not_empty(spec, reader, files, field_name)
         return DocSource(reader)
+    check_not_empty(spec, reader, files, field_name)
     return DocSource(reader, np.arange(shard_index, reader.num_docs, shard_count))
+
+
+def check_not_empty(spec: SourceSpec, reader: Any, files: list[str], field_name: str) -> None:
+    """A source whose files hold no document (empty, blank lines only, or every record skipped
+    as bad) is named here, not later as a held-out split or a batch with no rows. Lengths are
+    looked at only where they are already known (a skipped record has length 0)."""
+    if reader.num_docs and (not isinstance(reader, Tokenized) or reader.lengths().any()):
+        return
+    shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    skipped = getattr(reader, "skipped", 0)
+    why = (f"every one of its {skipped} records was skipped as bad (data.skip_bad_records)"
+           if skipped else "they are empty or hold only blank lines")
+    raise DataError(paragraph(
+        f"{field_name}: no documents in {spec.format}={spec.glob!r}: {why} ({shown}).",
+        "Add documents to the files, fix the glob, or remove the entry.",
+    ))

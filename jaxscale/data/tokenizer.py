@@ -19,9 +19,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxscale.storage import data_files
-from jaxscale.storage import locations
 from jaxscale.errors import ConfigError, paragraph
+from jaxscale.storage import data_files, locations
 
 BYTES = "bytes"
 # Special-token spellings looked up in a tokenizer.json, in order of preference.

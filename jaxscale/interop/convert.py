@@ -5,30 +5,29 @@ checksummed format `config.init_from` reads first) plus `WORKDIR/model_config.js
 `config.model` fields the weights need. `workdir_to_hf` reads the newest weights of a workdir
 (a conversion output, or a training workdir's newest restorable checkpoint) through
 `weights.sources.open_weights`, folds LoRA adapters in, and writes the Hugging Face layout
-back. Model families are dispatched on HF `model_type` / jaxscale `model.name`.
+back. Model families are dispatched on HF `model_type` / jaxscale `model.name` through the model
+table (`interop.families`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from jaxscale.storage import locations
-from jaxscale.storage import workdir_files
 from jaxscale.errors import paragraph
-from jaxscale.interop import hf
-from jaxscale.weights.sources import (MODEL_CONFIG, WeightsError, merged_params,
-                                      open_huggingface, open_weights)
-
-
-def _savers() -> dict[str, Callable]:
-    """jaxscale model.name -> the saver writing its Hugging Face layout."""
-    from jaxscale.interop import hf_vit
-    return {"llama": hf.save_llama, "vit": hf_vit.save_vit}
+from jaxscale.interop import families, hf
+from jaxscale.storage import locations, workdir_files
+from jaxscale.weights.sources import (
+    MODEL_CONFIG,
+    WeightsError,
+    merged_params,
+    open_huggingface,
+    open_weights,
+)
 
 
 def check_output_dir(path: str, flag: str) -> None:
@@ -104,15 +103,11 @@ def workdir_to_hf(workdir: str, out_dir: str, dtype: Any = None,
                   max_shard_size: int | str | None = None) -> str:
     """Writes a workdir's newest weights in the HF layout (sharded past `max_shard_size`)."""
     model_cfg, lora_cfg = read_model_config(workdir)
-    name = model_cfg.get("name", "llama")
-    savers = _savers()
-    if name not in savers:
-        raise hf.ConversionError(f"model.name={name!r} has no Hugging Face exporter; "
-                                 f"supported: {sorted(savers)}.")
+    save = families.saver(model_cfg)
     hf.parse_dtype(dtype)  # an unsupported dtype fails before any weights are read
     local_only(out_dir, "--to_hf")
     check_output_dir(out_dir, "--to_hf")
-    return savers[name]((model_cfg, workdir_params(workdir, lora_cfg)), out_dir, dtype=dtype,
+    return save((model_cfg, workdir_params(workdir, lora_cfg)), out_dir, dtype=dtype,
                         max_shard_size=max_shard_size)
 
 

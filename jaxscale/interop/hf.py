@@ -39,8 +39,12 @@ from jax.sharding import Mesh
 
 from jaxscale.errors import paragraph
 from jaxscale.interop.hf_rope import rope_from_hf, rope_scaling_to_hf
-from jaxscale.interop.safetensors_io import (ConversionError, SafetensorsReader, parse_dtype,
-                                             write_checkpoint_files)
+from jaxscale.interop.safetensors_io import (
+    ConversionError,
+    SafetensorsReader,
+    parse_dtype,
+    write_checkpoint_files,
+)
 from jaxscale.models.fused import GATE_UP, QKV
 from jaxscale.rules import AxisRules, normalize_rules
 from jaxscale.weights.leaf import Leaf as LazyLeaf
@@ -262,8 +266,8 @@ class Source:
 
 
 def _model_def(model_cfg: Mapping[str, Any]):
-    from jaxscale.precision import get_policy
     from jaxscale.models import ModelDef
+    from jaxscale.precision import get_policy
     return ModelDef.build(model_cfg, get_policy("32-true"))
 
 

@@ -14,7 +14,6 @@ from typing import Any
 from jaxscale.errors import paragraph
 from jaxscale.interop.safetensors_io import ConversionError
 
-
 ROPE_HF_KEYS = {  # jaxscale field -> HF rope_scaling key, per supported scaling type
     "linear": {"rope_factor": "factor"},
     "llama3": {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",

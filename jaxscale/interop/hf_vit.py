@@ -15,9 +15,19 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from jaxscale.interop.hf import (ConversionError, Leaf, Pretrained, SafetensorsReader, Source,
-                                 load_pretrained, read_hf_config, require_keys, save_tensors, unpack)
 from jaxscale.errors import paragraph
+from jaxscale.interop.hf import (
+    ConversionError,
+    Leaf,
+    Pretrained,
+    SafetensorsReader,
+    Source,
+    load_pretrained,
+    read_hf_config,
+    require_keys,
+    save_tensors,
+    unpack,
+)
 from jaxscale.rules import AxisRules
 
 _LEGACY = {  # current name fragment -> older transformers name fragment

@@ -10,8 +10,8 @@ import json
 
 from absl import app, flags
 
-from jaxscale.runtime import distributed
 from jaxscale.errors import exit_on_user_error
+from jaxscale.runtime import distributed
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A launch.train workdir.", required=True)
 _MAX_BATCHES = flags.DEFINE_integer("max_batches", 0, "Evaluate at most N batches (0: all).")

@@ -11,8 +11,8 @@ and the KV cache are sharded by the run's rules over `--cpu_devices` (or the acc
 
 from absl import app, flags
 
-from jaxscale.runtime import distributed
 from jaxscale.errors import exit_on_user_error
+from jaxscale.runtime import distributed
 
 _WORKDIR = flags.DEFINE_string("workdir", "", "Training workdir or launch.convert output.")
 _FROM_HF = flags.DEFINE_string("from_hf", "", "Hugging Face Llama directory.")
@@ -31,8 +31,9 @@ def main(argv):
         raise app.UsageError("Give --workdir or --from_hf (and --prompt or --prompt_ids).")
     distributed.setup()
     import numpy as np
-    from jaxscale.generate import check_request, generate_from_config, load_model, parse_prompt
+
     from jaxscale.data.tokenizer import model_tokenizer
+    from jaxscale.generate import check_request, generate_from_config, load_model, parse_prompt
 
     steps = _STEPS.value if _MAX_NEW.value is None else _MAX_NEW.value
     check_request(1, steps, _TEMPERATURE.value, max_len=0)  # before loading any weights

@@ -3,8 +3,8 @@
 from absl import app, flags
 
 from jaxscale import cli
-from jaxscale.runtime import distributed
 from jaxscale.errors import exit_on_user_error
+from jaxscale.runtime import distributed
 
 _CONFIG = cli.define_config_file("config", "configs/tiny_lm.py", "Experiment config.")
 _COMPILE = flags.DEFINE_bool("compile", True, "Compile the train step for its memory analysis.")
@@ -16,7 +16,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     distributed.setup()
-    from jaxscale.observe.sharding_report import build_report, format_report
+    from jaxscale.aot.sharding_report import build_report, format_report
     print(format_report(build_report(_CONFIG.value, _COMPILE.value)))
 
 

@@ -15,13 +15,14 @@ import time
 
 from absl import app, flags
 
-from jaxscale.storage import locations
 from jaxscale.errors import ConfigError, exit_on_user_error, paragraph
 from jaxscale.lofi.accounting import accounting_lines, export_final
 from jaxscale.lofi.averager import AveragerConfig, describe, run_round
 from jaxscale.lofi.lease import DEFAULT_LEASE_S
-from jaxscale.lofi.localfs import check_store_root
-from jaxscale.lofi.store import Store, kvstore_spec, latest_average_snapshot
+from jaxscale.lofi.store import check_store_root
+from jaxscale.storage import locations
+from jaxscale.weights.kv import Store, kvstore_spec
+from jaxscale.weights.snapshot import latest_average_snapshot
 
 _STORE = flags.DEFINE_string("store", None, "Store location (path, gs://, s3://).", required=True)
 _WATCH = flags.DEFINE_bool("watch", False, "Keep running rounds as workers push.")

@@ -21,10 +21,11 @@ _TOKENIZER = flags.DEFINE_string("tokenizer", "", "tokenizer.json, a dir holding
                                  "'bytes'.")
 _TRAIN = flags.DEFINE_integer("train_tokenizer", 0, "Train a byte-level BPE of this vocabulary "
                               "size on the sources (saved as OUT/tokenizer.json).")
-_OUT = flags.DEFINE_string("out", None, "Output directory (must not hold a prepared dataset).",
+_OUT = flags.DEFINE_string("out", None, "Output directory: new, empty, or an interrupted "
+                           "prepare's (files it did not write are never overwritten).",
                            required=True)
-_SHARDS = flags.DEFINE_integer("num_shards", 1, "ArrayRecord shards to write.")
-_WORKERS = flags.DEFINE_integer("workers", 1, "Tokenizing processes.")
+_SHARDS = flags.DEFINE_integer("num_shards", 1, "ArrayRecord shards to write (at least 1).")
+_WORKERS = flags.DEFINE_integer("workers", 1, "Tokenizing processes (at least 1).")
 _FIELD = flags.DEFINE_string("text_field", "text", "Text field of jsonl records / parquet rows.")
 _SKIP = flags.DEFINE_bool("skip_bad_records", False, "Skip and count bad records.")
 

@@ -3,15 +3,17 @@
 Any config field can be overridden (`--config.mesh.fsdp=4 --config.train.steps=20`);
 `--cpu_devices=N` simulates N CPU devices (applied before JAX initialises its backends).
 On SIGTERM (a pre-emption) it saves at the current step and exits with status 75
-(`jaxscale.runtime.preemption.PREEMPTED_EXIT`); the same command then resumes.
+(`jaxscale.runtime.preemption.PREEMPTED_EXIT`); the same command then resumes. A SIGTERM
+during start-up (a restore, the compile) exits 75 at once with nothing to save.
 """
 
 from absl import app, flags
 
 from jaxscale import cli
-from jaxscale.runtime import distributed
-from jaxscale.storage import locations
 from jaxscale.errors import exit_on_user_error
+from jaxscale.runtime import distributed
+from jaxscale.runtime.preemption import Preempted, StartupGuard, exit_preempted
+from jaxscale.storage import locations
 
 _CONFIG = cli.define_config_file("config", "configs/tiny_lm.py", "Experiment config.")
 _WORKDIR = flags.DEFINE_string(
@@ -24,14 +26,16 @@ distributed.define_flags()
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    locations.epath(_WORKDIR.value)  # an unsupported scheme fails before devices start
-    distributed.setup()
-    from jaxscale.runtime.preemption import Preempted, exit_preempted
-    from jaxscale.train.loop import train  # after the devices are configured
-    try:
-        train(_CONFIG.value, _WORKDIR.value)
-    except Preempted as e:  # SIGTERM: saved at the same step on every host; exit status 75
-        exit_preempted(e)
+    # Before anything slow: a SIGTERM until the first step exits 75 (single process; a
+    # multi-host run's SIGTERM belongs to JAX's pre-emption sync service).
+    with StartupGuard(enabled=not distributed.multi_host()):
+        locations.epath(_WORKDIR.value)  # an unsupported scheme fails before devices start
+        distributed.setup()
+        from jaxscale.train.loop import train  # after the devices are configured
+        try:
+            train(_CONFIG.value, _WORKDIR.value)
+        except Preempted as e:  # SIGTERM: saved at the same step on every host; exit 75
+            exit_preempted(e)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,23 @@ import json
 import numpy as np
 
 from jaxscale.lofi import store as store_lib
-from jaxscale.lofi.manifest import DTYPES
+from jaxscale.weights.kv import Store
+from jaxscale.weights.manifest import DTYPES, StoreError
+from jaxscale.weights.snapshot import (
+    Snapshot,
+    average_prefix,
+    average_rounds,
+    latest_average_snapshot,
+    load_snapshot,
+    read_params,
+)
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def _stored_and_raw(ckpt: store_lib.Snapshot) -> tuple[int, int]:
+def _stored_and_raw(ckpt: Snapshot) -> tuple[int, int]:
     """(bytes stored, bytes the same leaves take uncompressed)."""
     stored = raw = 0
     for e in ckpt.leaves.values():
@@ -32,30 +41,30 @@ def _stored_and_raw(ckpt: store_lib.Snapshot) -> tuple[int, int]:
     return stored, raw
 
 
-def _worker_stats(store: store_lib.Store) -> dict[int, dict]:
+def _worker_stats(store: Store) -> dict[int, dict]:
     out = {}
     for key in store.keys("stats/workers/"):
         try:
             stats = json.loads(store.read(key) or b"{}")
             out[int(stats["worker_id"])] = {k: int(stats[k]) for k in
                                             ("bytes_written", "bytes_read", "step")}
-        except (ValueError, KeyError, TypeError, store_lib.StoreError):
+        except (ValueError, KeyError, TypeError, StoreError):
             continue  # a damaged stats file only loses accounting, never data
     return out
 
 
-def _loadable(store: store_lib.Store, prefix: str) -> store_lib.Snapshot | None:
+def _loadable(store: Store, prefix: str) -> Snapshot | None:
     """The checkpoint, or None where the rounds skip it (corrupt, partial): the accounting
     counts what was exchanged and never fails a run that already published."""
     try:
-        return store_lib.load_snapshot(store, prefix)
-    except store_lib.StoreError:
+        return load_snapshot(store, prefix)
+    except StoreError:
         return None
 
 
 def store_totals(location: str) -> dict[str, float]:
     """Bytes pushed / averaged / really moved, and the data-parallel equivalent."""
-    store = store_lib.Store(location)
+    store = Store(location)
     t = dict(pushed=0, pushed_raw=0, averaged=0, averager_io=0, worker_io=0, param_bytes=0)
     last_step: dict[int, int] = {}
     pushed_by: dict[int, int] = {}
@@ -69,8 +78,8 @@ def store_totals(location: str) -> dict[str, float]:
             t["pushed_raw"] += raw
             last_step[w] = step
     t["pushed"] = sum(pushed_by.values())
-    for r in store_lib.average_rounds(store):
-        ckpt = _loadable(store, store_lib.average_prefix(r))
+    for r in average_rounds(store):
+        ckpt = _loadable(store, average_prefix(r))
         if ckpt is None:
             continue
         t["param_bytes"] = _stored_and_raw(ckpt)[1]
@@ -112,14 +121,14 @@ def export_final(location: str, directory: str) -> str:
     --from_workdir=DIR` can rebuild the model)."""
     from jaxscale.weights.init_from import export_params
 
-    store = store_lib.Store(location)
-    ckpt = store_lib.latest_average_snapshot(store)
+    store = Store(location)
+    ckpt = latest_average_snapshot(store)
     if ckpt is None:
-        raise store_lib.StoreError(f"{location}: no complete average to export; run workers "
+        raise StoreError(f"{location}: no complete average to export; run workers "
                                    "and at least one averaging round first.")
     meta = {"source_store": location, "round": ckpt.manifest["round"], "step": ckpt.step}
-    export_params(directory, store_lib.read_params(store, ckpt), meta)
+    export_params(directory, read_params(store, ckpt), meta)
     config = store.read("config.json")
     if config is not None:
-        store_lib.Store(directory).write("config.json", config)
+        Store(directory).write("config.json", config)
     return directory

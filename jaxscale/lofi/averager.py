@@ -23,14 +23,23 @@ from jaxscale import __version__
 from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.lofi import fallback
-from jaxscale.storage.diskfull import disk_full_error, is_disk_full
 from jaxscale.lofi.lease import DEFAULT_LEASE_S, Renewal, claim, holder, release
-from jaxscale.lofi.manifest import FORMAT
+from jaxscale.lofi.store import worker_prefix, worker_pushes
 from jaxscale.lofi.stream import Abort, Drop, RoundInputs, stream_round
-from jaxscale.lofi.store import (LostRace, Snapshot, Store, StoreError, average_prefix, commit,
-                                 commit_key, committed_data, load_snapshot, worker_prefix,
-                                 worker_pushes, write_snapshot)
 from jaxscale.lofi.trust import TrimError, round_step, step_problem, trim_count, worker_weights
+from jaxscale.storage.diskfull import disk_full_error, is_disk_full
+from jaxscale.weights.kv import Store
+from jaxscale.weights.manifest import FORMAT, StoreError
+from jaxscale.weights.snapshot import (
+    LostRace,
+    Snapshot,
+    average_prefix,
+    commit,
+    commit_key,
+    committed_data,
+    load_snapshot,
+    write_snapshot,
+)
 
 log = logging.getLogger("jaxscale.lofi")
 JOB_FIELDS = ("allowed_workers", "min_workers", "max_staleness")
@@ -224,7 +233,8 @@ def run_round(location: str | Store, cfg: AveragerConfig) -> RoundReport:
                 raise
             raise disk_full_error(store.location, f"averaging round {round_}",
                                   _output_bytes(base, cfg),
-                                  f"this averager's attempt under {average_prefix(round_)}/")
+                                  f"this averager's attempt under {average_prefix(round_)}/"
+                                  ) from None
 
         if report.published and damaged:
             report.fallback = fallback.note(store, damaged, base, report.used, report.round)
@@ -341,7 +351,7 @@ def _publish(store: Store, round_: int, base: Snapshot, workers: dict[int, Snaps
     report.round, report.used = round_, {w: c.step for w, c in workers.items()}
     try:  # published: the scratch space is garbage now, its removal merely tidy
         store.delete_prefix(f"{data}/scratch")
-    except Exception as e:  # noqa: BLE001 - never fail (or unpublish) a committed round
+    except Exception as e:  # never fail (or unpublish) a committed round
         log.warning("round %d: could not remove %s/scratch (%s)", round_, data, e)
 
 

@@ -18,8 +18,17 @@ import math
 from typing import Any
 
 from jaxscale.errors import paragraph
-from jaxscale.lofi.store import (Snapshot, Store, StoreError, average_prefix, average_rounds,
-                                 load_snapshot, read_params, read_range, worker_prefix)
+from jaxscale.lofi.store import worker_prefix
+from jaxscale.weights.kv import Store
+from jaxscale.weights.manifest import StoreError
+from jaxscale.weights.snapshot import (
+    Snapshot,
+    average_prefix,
+    average_rounds,
+    load_snapshot,
+    read_params,
+    read_range,
+)
 
 log = logging.getLogger("jaxscale.lofi")
 _VERIFIED: set[tuple[str, str]] = set()   # (store, data directory) read back whole, this process

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 from jaxscale.lofi.progress import JobProgress
 
-
 # glibc's documented environment tunables (other C libraries ignore them), no code: glibc gives
 # each of tensorstore's I/O threads a heap arena of its own, and the 1 MiB chunk buffers they
 # free stay in it (its dynamic mmap threshold soon moves them from mmap onto the heap), so the

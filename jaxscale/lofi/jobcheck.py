@@ -12,7 +12,9 @@ import json
 from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.lofi.store import Store, StoreError, average_prefix, load_snapshot
+from jaxscale.weights.kv import Store
+from jaxscale.weights.manifest import StoreError
+from jaxscale.weights.snapshot import average_prefix, load_snapshot
 
 
 def _differences(mine: Any, job: Any, path: str = "model") -> list[str]:

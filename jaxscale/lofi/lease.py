@@ -16,7 +16,8 @@ import threading
 import time
 import uuid
 
-from jaxscale.lofi.store import Store, average_prefix, commit_key, committed_data
+from jaxscale.weights.kv import Store
+from jaxscale.weights.snapshot import average_prefix, commit_key, committed_data
 
 log = logging.getLogger("jaxscale.lofi")
 DEFAULT_LEASE_S = 60.0
@@ -60,7 +61,7 @@ class Renewal:
                     return  # released, or taken over by another averager
                 self.store.write(self.key, claim_value(self.token_id),
                                  if_generation=generation)
-            except Exception as e:  # noqa: BLE001 - an outage: the averager's own I/O reports it
+            except Exception as e:  # an outage: the averager's own I/O reports it
                 log.debug("claim renewal of %s failed (%s); trying again", self.key, e)
 
 

@@ -12,7 +12,9 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from jaxscale.lofi.store import Store, StoreError, average_rounds
+from jaxscale.weights.kv import Store
+from jaxscale.weights.manifest import StoreError
+from jaxscale.weights.snapshot import average_rounds
 
 _TAIL_BYTES = 1 << 16   # the last records of a metrics.jsonl: enough for the newest step
 

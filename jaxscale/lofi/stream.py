@@ -23,10 +23,11 @@ import numpy as np
 
 from jaxscale.errors import paragraph
 from jaxscale.lofi import aggregate
-from jaxscale.lofi.store import (CHUNK, Snapshot, Store, StoreError, read_many, read_range,
-                                 read_values, start_reads)
 from jaxscale.lofi.fallback import BaseDamaged
 from jaxscale.lofi.trust import worker_weights
+from jaxscale.weights.kv import Store
+from jaxscale.weights.manifest import CHUNK, StoreError
+from jaxscale.weights.snapshot import Snapshot, read_many, read_range, read_values, start_reads
 
 log = logging.getLogger("jaxscale.lofi")
 
@@ -263,10 +264,10 @@ def stream_round(inp: RoundInputs) -> dict[str, dict]:
         for write in pending:    # reuses the directory, so none can land after it
             try:
                 write.result()
-            except Exception:  # noqa: BLE001 - the attempt is abandoned anyway
+            except Exception:  # the attempt is abandoned anyway
                 pass
         raise
-    for write in pending:  # every write complete (durable: kv.py) before the caller commits
+    for write in pending:  # all complete (durable: weights/kv.py) before the caller commits
         write.result()
     return leaves
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,18 @@ from jaxscale.lofi import fallback
 from jaxscale.lofi import store as store_lib
 from jaxscale.lofi.jobcheck import check_same_model
 from jaxscale.lofi.trust import MAX_STEP
+from jaxscale.train.hooks import ORDER, StepInfo
 from jaxscale.train.state import TrainState
+from jaxscale.weights.kv import Store
+from jaxscale.weights.manifest import StoreError
 from jaxscale.weights.place import place
+from jaxscale.weights.snapshot import (
+    average_prefix,
+    average_rounds,
+    latest_average_snapshot,
+    load_snapshot,
+    read_params,
+)
 from jaxscale.weights.tree import flatten, unflatten
 
 log = logging.getLogger("jaxscale.lofi")
@@ -70,17 +81,31 @@ def export_config(config: Any) -> bytes:
 
 @dataclass
 class LofiWorker:
-    """Loop hook implementing the worker side of Lo-Fi (see module docstring)."""
+    """Loop hook implementing the worker side of Lo-Fi (see module docstring). Built by
+    `for_run` with what it needs of the run: where loaded averages are placed (`shardings`),
+    a fresh optimizer state for `reset_optimizer_on_sync`, and the config recorded in the
+    store."""
+
+    order = ORDER["lofi"]         # before checkpoints: they save the average a sync loaded
 
     lofi: Any                     # config.lofi
     total_steps: int
     batch_size: int
+    shardings: Any = None         # the run's TrainState of shardings
+    init_opt_state: Callable[[Any], Any] | None = None   # params -> fresh optimizer state
+    config_json: bytes = b""      # export_config(config)
     ema: Any = None
     last_push_step: int = -1
     last_push_time: float = field(default_factory=time.monotonic)
     loaded_round: int = -1
-    store: store_lib.Store | None = None
+    store: Store | None = None
     raw_push_bytes: int = 0
+
+    @classmethod
+    def for_run(cls, config: Any, shardings: TrainState, optimizer: Any) -> "LofiWorker":
+        init = jax.jit(optimizer.init, out_shardings=shardings.opt_state)
+        return cls(config.lofi, config.train.steps, config.data.batch_size, shardings, init,
+                   export_config(config))
 
     @property
     def periodic(self) -> bool:
@@ -102,18 +127,20 @@ class LofiWorker:
                 "max_staleness": int(self.lofi.max_staleness), "sync": str(self.lofi.sync),
                 "total_steps": int(self.total_steps), "batch_size": int(self.batch_size)}
 
-    def start(self, trainer: Any, state: TrainState) -> TrainState:
+    def start(self, state: TrainState) -> tuple[TrainState, dict | None]:
         """At launch: publish the initial weights as round 0 if nobody has, then continue from
         whichever is newest: the run's own state, its own last complete push, or the newest
-        complete average (a restarted worker loses at most the steps since its last push)."""
-        self.store = store = store_lib.Store(self.lofi.store)
-        config_json = export_config(trainer.config)
+        complete average (a restarted worker loses at most the steps since its last push).
+        Returns the state to continue from and, when that is an average, the data state to
+        resume the data at (else None: the run's own)."""
+        self.store = store = Store(self.lofi.store)
+        config_json, data_state = self.config_json, None
         check_same_model(store, config_json, {k: (tuple(v.shape), str(v.dtype)) for k, v in
                                               flatten(state.params).items()}, self.lofi.worker_id)
         step = int(jax.device_get(state.step))
         if jax.process_index() == 0:
             store.write("config.json", config_json, if_absent=True)
-        if store_lib.latest_average_snapshot(store) is None and jax.process_index() == 0:
+        if latest_average_snapshot(store) is None and jax.process_index() == 0:
             averager_lib.publish_initial(store, _host_tree(state.params), job=self.job())
         own = store_lib.worker_pushes(store).get(self.lofi.worker_id, [])
         latest = averager_lib.latest_average(store)
@@ -129,14 +156,14 @@ class LofiWorker:
             latest = averager_lib.Average(self.loaded_round, ckpt.step, params)
         if latest is not None and latest.step > step:
             self.loaded_round = latest.round
-            state = self._load(trainer, state, latest)
+            state = self._load(state, latest)
             state = state.replace(step=jnp.asarray(latest.step, jnp.int32))
-            trainer.data_state = {"next_index": latest.step}
+            data_state = {"next_index": latest.step}
         if self.lofi.push_ema:
             self.ema = _f32_copy(state.params)
-        return state
+        return state, data_state
 
-    def _resumed_round(self, store: store_lib.Store, step: int, own: list[int]) -> int:
+    def _resumed_round(self, store: Store, step: int, own: list[int]) -> int:
         """The average a run's own state at `step` (resumed from its workdir) continued from.
 
         Periodic modes load the round covering each sync point right after pushing for it
@@ -146,16 +173,16 @@ class LofiWorker:
         if not self.periodic:
             pushes = [s for s in own if s <= step]
             try:
-                push = store_lib.load_snapshot(store, store_lib.worker_prefix(
+                push = load_snapshot(store, store_lib.worker_prefix(
                     self.lofi.worker_id, pushes[-1])) if pushes else None
-            except store_lib.StoreError:
+            except StoreError:
                 push = None
             return int(push.manifest.get("synced_round") or 0) if push else 0
-        for round_ in reversed(store_lib.average_rounds(store)):
+        for round_ in reversed(average_rounds(store)):
             try:
-                if store_lib.load_snapshot(store, store_lib.average_prefix(round_)).step <= step:
+                if load_snapshot(store, average_prefix(round_)).step <= step:
                     return round_
-            except store_lib.StoreError:
+            except StoreError:
                 continue
         return 0
 
@@ -167,20 +194,21 @@ class LofiWorker:
             return step % every_steps == 0
         return now - self.last_push_time >= every_s
 
-    def after_step(self, trainer: Any, state: TrainState, step: int) -> TrainState | None:
+    def after_step(self, info: StepInfo) -> TrainState | None:
+        state, step = info.state, info.step
         if self.ema is not None:
             self.ema = _ema_update(self.ema, state.params, float(self.lofi.push_ema))
         sync = self.periodic and step % self.lofi.sync_every == 0 and step < self.total_steps
         if self.push_due(step, time.monotonic()) or sync:
-            self.push(trainer, state, step)
+            self.push(state, step)
         if sync:
-            return self._load(trainer, state, self._wait_for_round_after(step))
+            return self._load(state, self._wait_for_round_after(step))
         return None
 
-    def at_end(self, trainer: Any, state: TrainState) -> None:
-        step = int(jax.device_get(state.step))
+    def at_end(self, info: StepInfo) -> None:
+        step = info.step
         if self.last_push_step != step:
-            self.push(trainer, state, step)
+            self.push(info.state, step)
         if jax.process_index() == 0:
             self.record_io(step)
 
@@ -194,7 +222,7 @@ class LofiWorker:
         print(f"lofi worker {self.lofi.worker_id}: wrote {self.bytes_written / 2**20:.2f} MiB, "
               f"read {self.bytes_read / 2**20:.2f} MiB (store {self.lofi.store})", flush=True)
 
-    def push(self, trainer: Any, state: TrainState, step: int) -> None:
+    def push(self, state: TrainState, step: int) -> None:
         if jax.process_index() != 0:
             return
         weights = self.ema if self.ema is not None else state.params
@@ -209,14 +237,14 @@ class LofiWorker:
         deadline = time.monotonic() + float(self.lofi.sync_timeout_s)
         damaged: set[int] = set()  # rounds that did not verify: the averager replaces them
         while time.monotonic() < deadline:
-            ckpt = store_lib.latest_average_snapshot(self.store)
+            ckpt = latest_average_snapshot(self.store)
             round_ = int(ckpt.manifest["round"]) if ckpt is not None else -1
             if (ckpt is not None and ckpt.step >= step and round_ > self.loaded_round
                     and round_ not in damaged):
                 try:
                     return averager_lib.Average(round_, ckpt.step,
-                                                store_lib.read_params(self.store, ckpt))
-                except store_lib.StoreError as e:
+                                                read_params(self.store, ckpt))
+                except StoreError as e:
                     damaged.add(round_)
                     log.warning("average/%d does not verify (%s); waiting for the averager to "
                                 "publish the next round in its place", round_, e)
@@ -229,15 +257,13 @@ class LofiWorker:
             "slow workers.",
         ))
 
-    def _load(self, trainer: Any, state: TrainState, average: Any) -> TrainState:
-        params = unflatten(place(average.params, flatten(trainer.shardings.params),
+    def _load(self, state: TrainState, average: Any) -> TrainState:
+        params = unflatten(place(average.params, flatten(self.shardings.params),
                                  flatten(state.params)))
         self.loaded_round = max(self.loaded_round, average.round)
         state = state.replace(params=params)
         if self.lofi.reset_optimizer_on_sync:
-            opt_state = jax.jit(trainer.ctx.optimizer.init,
-                                out_shardings=trainer.shardings.opt_state)(params)
-            state = state.replace(opt_state=opt_state)
+            state = state.replace(opt_state=self.init_opt_state(params))
         if self.ema is not None:
             self.ema = _f32_copy(params)
         return state

@@ -1,15 +1,19 @@
-"""The models and what they own: the model table, each task's loss, and `ModelDef`.
+"""The model table and `ModelDef`: every fact generic code needs about a model, in one place.
 
-`MODELS` maps `config.model.name` to the model's config dataclass and NNX module class, and
-`LOSSES` maps `config.model.task` to its loss (the LM loss lives next to the Llama, the
-classification loss next to the ViT). Both are explicit tables: adding a model is one line here.
+`MODELS` maps `config.model.name` to its `ModelEntry`: the config dataclass and NNX module
+class, its tasks by `config.model.task` (loss, batch preparation, held-out sums: `models/task.py`),
+its FLOP counts per token, and where its Hugging Face import/export lives. Training, evaluation,
+metrics, conversion, weight sources and ahead-of-time accounting ask the entry and never name a
+model, so adding a family is one new module plus one line here.
 `ModelDef` is a model's static structure (graph definition plus abstract, shape-only state with
-logical axes), built by name; training, evaluation, generation and conversion all start from it.
-Nothing here knows about training: `train/` imports `models/`, never the reverse.
+logical axes) and its task, built from `config.model`; training, evaluation, generation and
+conversion all start from it. Nothing here knows about training: `train/` imports `models/`,
+never the reverse.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,42 +22,91 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxscale.errors import ConfigError
-from jaxscale.models.llama import Llama, LlamaConfig, lm_loss
-from jaxscale.models.vit import ViT, ViTConfig, classify_loss
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models import llama, llama_flops, vit
+from jaxscale.models.task import Task
 from jaxscale.precision import Policy
+
+# A count per token of a `config.model` section at a sequence length: (model_cfg, seq_len).
+FlopCount = Callable[[Mapping[str, Any], int], float]
+
+
+@dataclass(frozen=True)
+class HuggingFace:
+    """Where a model's Hugging Face import/export lives, as "module:function" names: `interop/`
+    imports the models, so the table names its converters and `interop.families` imports them."""
+
+    model_type: str  # the `model_type` of the HF config.json
+    opener: str      # hf_dir -> interop.hf.Source (model config + lazy leaves)
+    saver: str       # (model, out_dir, dtype=, max_shard_size=) -> the directory written
 
 
 @dataclass(frozen=True)
 class ModelEntry:
+    """What generic code may ask of a model family; a fact left None is one the family lacks
+    (no MFU, no analytic AOT count, no Hugging Face conversion), never a wrong number."""
+
     config_cls: Any  # a frozen dataclass with `from_config(model_cfg)`
     module_cls: Any  # an nnx.Module built as module_cls(cfg, rngs, policy)
+    tasks: Mapping[str, Task]  # by `config.model.task`; the first is the model's own
+    flops_per_token: FlopCount | None = None  # training FLOPs (PaLM convention); None: no MFU
+    # Attention matmul FLOPs per token (remat recompute included) that a Pallas attention
+    # kernel (`model.attention=splash`) computes where the HLO shows no dot to count.
+    attention_flops: FlopCount | None = None
+    recompute_flops: FlopCount | None = None  # matmul FLOPs per token that remat recomputes
+    hf: HuggingFace | None = None  # Hugging Face import/export; None: none
 
+    def task(self, name: str | None, model_name: str = "") -> Task:
+        """The task called `name` (None or empty: the model's own)."""
+        if not name:
+            return next(iter(self.tasks.values()))
+        if name not in self.tasks:
+            raise ConfigError(paragraph(
+                f"Unknown model.task={name!r} for model.name={model_name!r}; its tasks:",
+                f"{sorted(self.tasks)}. Leave model.task out for the model's own task."))
+        return self.tasks[name]
+
+
+DEFAULT_MODEL = "llama"  # what a config without `model.name` builds
 
 MODELS: dict[str, ModelEntry] = {
-    "llama": ModelEntry(LlamaConfig, Llama),
-    "vit": ModelEntry(ViTConfig, ViT),
+    "llama": ModelEntry(
+        llama.LlamaConfig, llama.Llama, {"lm": llama.LM},
+        flops_per_token=llama_flops.flops_per_token,
+        attention_flops=llama_flops.attention_flops_per_token,
+        recompute_flops=llama_flops.recompute_flops_per_token,
+        hf=HuggingFace("llama", "jaxscale.interop.hf:open_llama",
+                       "jaxscale.interop.hf:save_llama")),
+    "vit": ModelEntry(
+        vit.ViTConfig, vit.ViT, {"classify": vit.CLASSIFY},
+        flops_per_token=vit.flops_per_token,
+        hf=HuggingFace("vit", "jaxscale.interop.hf_vit:open_vit",
+                       "jaxscale.interop.hf_vit:save_vit")),
 }
 
-# Task losses by `config.model.task`: loss(model, batch, run_layers: LayerRunner | None).
-LOSSES: dict[str, Callable[..., jax.Array]] = {
-    "lm": lm_loss,
-    "classify": classify_loss,
-}
+
+def entry(name: str) -> ModelEntry:
+    """The table entry of the model called `name`."""
+    if name not in MODELS:
+        raise ConfigError(f"Unknown model.name={name!r}; registered models: {sorted(MODELS)}.")
+    return MODELS[name]
+
+
+def entry_of(model_cfg: Mapping[str, Any]) -> ModelEntry:
+    """The table entry of a `config.model` section."""
+    return entry(model_cfg.get("name", DEFAULT_MODEL))
+
+
+def task_of(model_cfg: Mapping[str, Any]) -> Task:
+    """The task a `config.model` section trains: its `task`, or the model's own."""
+    name = model_cfg.get("name", DEFAULT_MODEL)
+    return entry(name).task(model_cfg.get("task"), name)
 
 
 def lookup(name: str) -> tuple[Any, Any]:
     """(config dataclass, module class) of the model called `name`."""
-    if name not in MODELS:
-        raise ConfigError(f"Unknown model.name={name!r}; registered models: {sorted(MODELS)}.")
-    entry = MODELS[name]
-    return entry.config_cls, entry.module_cls
-
-
-def get_loss(task: str) -> Callable[..., jax.Array]:
-    if task not in LOSSES:
-        raise ConfigError(f"Unknown model.task={task!r}; tasks with a loss: {sorted(LOSSES)}.")
-    return LOSSES[task]
+    e = entry(name)
+    return e.config_cls, e.module_cls
 
 
 @dataclass(frozen=True)
@@ -63,14 +116,19 @@ class ModelDef:
     graphdef: Any
     abstract: nnx.State
     make: Callable[[jax.Array], nnx.Module]
+    task: Task  # what the step's loss and evaluation compute (`config.model.task`)
 
     @classmethod
     def build(cls, model_cfg: Mapping, policy: Policy) -> "ModelDef":
-        config_cls, module_cls = lookup(model_cfg.get("name", "llama"))
-        cfg = config_cls.from_config(model_cfg)
-        make = lambda rng: module_cls(cfg, nnx.Rngs(rng), policy)
+        e, task = entry_of(model_cfg), task_of(model_cfg)
+        cfg = e.config_cls.from_config(model_cfg)
+        make = lambda rng: e.module_cls(cfg, nnx.Rngs(rng), policy)
+        return cls(*nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0)))), make, task)
+
+    def remade(self, make: Callable[[jax.Array], nnx.Module]) -> "ModelDef":
+        """The same model and task built by `make` instead (e.g. with LoRA adapters)."""
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0))))
-        return cls(graphdef, abstract, make)
+        return dataclasses.replace(self, graphdef=graphdef, abstract=abstract, make=make)
 
     def module(self, params: Mapping) -> nnx.Module:
         """An NNX module bound to `params` (call inside jit; the abstract state is copied)."""

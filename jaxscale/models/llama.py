@@ -5,7 +5,8 @@ The model knows nothing of meshes, training or checkpoints: it declares logical 
 `layers` dimension; `__call__` scans over it, and `embed` / `run_layers` / `head` are exposed so a
 pipeline schedule can drive the same stack stage by stage. Decoding passes a stacked `KVCache`
 (`init_cache`) and the slot to write at: the same modules then return (logits, updated cache).
-The language-model task loss (`lm_loss`, next-token cross entropy) lives here, beside its model.
+The language-model task (`LM`: the next-token loss `lm_loss`, the packed batch's preparation and
+the held-out sums) lives here, beside its model; its FLOP counts are in `models/llama_flops.py`.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from jaxscale.models.layers import MLP, RMSNorm, param
 from jaxscale.models.rope import Rope
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.scan import check_remat, scan_layers
+from jaxscale.models.task import Task, masked_sums
 from jaxscale.precision import Policy, get_policy
 from jaxscale.rules import constrain
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -305,3 +308,31 @@ def _fused_packed_loss(model: Llama, batch: Mapping[str, jax.Array],
     per_position = run_layers.fused_loss(model, rows.inputs_BT, targets_BT, masked_sum,
                                          rows.positions_BT, rows.segments_BT)
     return per_position * (rows.same_BT.size / _target_count(batch, rows.same_BT))
+
+
+def prepare_batch(batch: Mapping[str, jax.Array]) -> Mapping[str, jax.Array]:
+    """Packed rows get their batch-wide target count before a step splits them
+    (`with_target_counts`); unpacked rows need nothing."""
+    return with_target_counts(batch) if "segment_ids" in batch else batch
+
+
+def eval_sums(model: Llama, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Summed next-token loss, correct predictions and count of one batch: packed rows count
+    each document's own targets only (padding and boundaries excluded), others the `mask`."""
+    if "segment_ids" in batch:
+        rows = _packed_rows(batch)
+        logits_BTV = model(rows.inputs_BT, rows.positions_BT, segments_BT=rows.segments_BT)
+        return masked_sums(logits_BTV, rows.targets_BT, rows.same_BT.astype(jnp.float32))
+    tokens_BT1 = constrain(batch["tokens"], "batch", "length")
+    return masked_sums(model(tokens_BT1[:, :-1]), tokens_BT1[:, 1:], batch.get("mask"))
+
+
+def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int
+               ) -> dict[str, jax.ShapeDtypeStruct]:
+    """A training batch: `tokens` (batch, seq_len + 1) int32, inputs and shifted targets (packed
+    file sources add `segment_ids` and `positions` of the same shape)."""
+    return {"tokens": jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)}
+
+
+LM = Task(lm_loss, eval_sums, batch_spec, unit="tokens", prepare=prepare_batch,
+          perplexity=True, token_batches=True)

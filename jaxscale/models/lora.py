@@ -149,8 +149,7 @@ def with_adapters(model_def: ModelDef, lora_cfg: Any) -> ModelDef:
     def make(rng: jax.Array) -> nnx.Module:
         return add_adapters(base_make(rng), lora_cfg, nnx.Rngs(jax.random.fold_in(rng, 7)))
 
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0))))
-    return ModelDef(graphdef, abstract, make)
+    return model_def.remade(make)
 
 
 def trainable(lora_cfg: Any) -> Callable[[str], bool]:

@@ -36,10 +36,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import (
-    splash_attention_kernel as kernel_lib,
-    splash_attention_mask as mask_lib,
-)
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import paragraph

@@ -4,7 +4,8 @@ Patch embedding (a strided convolution written as an einsum over patches), a cla
 learned position embeddings, a pre-norm encoder (LayerNorm with bias, multi-head attention with
 biases, GELU MLP) stacked along a leading `layers` dimension and scanned like the Llama's, a final
 LayerNorm and a linear head on the class token. Every parameter carries logical axes, so the same
-rules shard it. The `classify` task loss (integer labels, mean cross entropy) lives here.
+rules shard it. The `classify` task (`CLASSIFY`: integer labels, mean cross entropy, held-out
+sums) and the FLOP count per token live here.
 Shape suffixes: B batch, H/W image height/width, C channels, P patch size, N patches + 1,
 E embed, A heads, D head dim, F mlp hidden, K classes.
 """
@@ -23,8 +24,9 @@ from flax import nnx
 
 from jaxscale.models.attention import attend
 from jaxscale.models.layers import param, project
-from jaxscale.models.scan import check_remat, scan_layers
 from jaxscale.models.runner import LayerRunner
+from jaxscale.models.scan import check_remat, scan_layers
+from jaxscale.models.task import Task, masked_sums
 from jaxscale.precision import Policy, get_policy
 from jaxscale.rules import constrain
 
@@ -194,3 +196,45 @@ def classify_loss(model: ViT, batch: Mapping[str, jax.Array],
     logits_BK = model(images, run_layers=run_layers).astype(jnp.float32)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["labels"]))
 
+
+
+def eval_sums(model: ViT, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Summed loss, correct predictions and count of one batch of images (masked rows, the
+    padding of the last held-out batch, excluded)."""
+    return masked_sums(model(batch["images"]), batch["labels"], batch.get("mask"))
+
+
+def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int
+               ) -> dict[str, jax.ShapeDtypeStruct]:
+    """A training batch: float32 `images` (batch, size, size, channels) and int32 `labels`."""
+    cfg = ViTConfig.from_config(model_cfg)  # its defaults for what the config leaves out
+    size = cfg.image_size
+    return {"images": jax.ShapeDtypeStruct((batch_size, size, size, cfg.channels), jnp.float32),
+            "labels": jax.ShapeDtypeStruct((batch_size,), jnp.int32)}
+
+
+CLASSIFY = Task(classify_loss, eval_sums, batch_spec, unit="examples")
+
+
+def vit_flops_per_token(num_layers: int, embed: int, heads: int, head_dim: int, mlp: int,
+                        patch_size: int, channels: int, num_classes: int, tokens: int) -> float:
+    """Training FLOPs per token of a ViT classifier (forward + backward), where `tokens` is the
+    patches plus the class token of one image (`data.seq_len` of a ViT config).
+
+    The same convention as `llama_flops.llama_flops_per_token`: 6 FLOPs per matmul parameter
+    per token plus 12·L·H·Q·T for attention (bidirectional, so no causal saving to ignore). Per
+    layer the matmul parameters are q/k/v/o (4·E·H·Q) and the two MLP matrices (2·E·F); the
+    patch embedding (P²·C·E) runs once per patch and the classifier head (E·K) once per image,
+    so both are spread over the image's tokens. Biases, norms and position embeddings are left
+    out, as in the Llama count.
+    """
+    per_token = num_layers * (4 * embed * heads * head_dim + 2 * embed * mlp)
+    per_image = (tokens - 1) * patch_size * patch_size * channels * embed + embed * num_classes
+    return 6.0 * (per_token + per_image / tokens) + 12.0 * num_layers * heads * head_dim * tokens
+
+
+def flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
+    """`vit_flops_per_token` of a `config.model` section (`seq_len`: tokens per image)."""
+    return vit_flops_per_token(m["num_layers"], m["embed"], m["num_heads"], m["head_dim"],
+                               m["mlp"], m["patch_size"], m["channels"], m["num_classes"],
+                               seq_len)

@@ -2,10 +2,11 @@
 
 `config.train.loggers` lists built-in loggers by name (`LOGGERS`: `jsonl`, `tensorboard`,
 `wandb`); any other logger is a hook passed to `train(config, workdir, hooks=[...])`. A hook
-that defines `on_metrics(trainer, step, metrics)` is called on every logged step with the same
-numbers `metrics.jsonl` gets (host floats; null-able). `Logger` is a convenience base class
-whose other hook methods do nothing, so a custom logger only writes `on_metrics`. Hooks are
-called on every process; the built-in loggers write on process 0 only (`trainer.is_primary`).
+that defines `on_metrics(info)` is called on every logged step with a `jaxscale.train.hooks.
+StepInfo` whose `metrics` are the numbers `metrics.jsonl` gets (host floats; null-able).
+`Logger` is a convenience base class whose other hook methods do nothing, so a custom logger
+only writes `on_metrics`. Hooks are called on every process; the built-in loggers write on
+process 0 only (`trainer.is_primary`, read when they are built).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
@@ -25,19 +26,22 @@ from jaxscale.storage.workdir_files import TensorBoardMirror
 class Logger:
     """Base class of loggers: override `on_metrics` (and `close` to flush at the end)."""
 
-    def on_metrics(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
-        """Called on every logged step (`config.train.log_every`) with that step's metrics."""
+    order = 0  # loggers run before the other hooks (jaxscale.train.hooks.ORDER["logger"])
+
+    def on_metrics(self, info: Any) -> None:
+        """Called on every logged step (`config.train.log_every`) with a `StepInfo`:
+        `info.step` and that step's `info.metrics`."""
 
     def close(self) -> None:
         """Called once at the end of the run, or when it stops for a pre-emption."""
 
-    def after_step(self, trainer: Any, state: Any, step: int) -> None:
+    def after_step(self, info: Any) -> None:
         return None
 
-    def at_end(self, trainer: Any, state: Any) -> None:
+    def at_end(self, info: Any) -> None:
         self.close()
 
-    def at_preemption(self, trainer: Any, state: Any, step: int) -> None:
+    def at_preemption(self, info: Any) -> None:
         self.close()
 
 
@@ -50,8 +54,8 @@ class JsonlLogger(Logger):
                                     tensorboard=False)
         self.writer.truncate_after(start_step)
 
-    def on_metrics(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
-        self.writer.write(step, metrics)
+    def on_metrics(self, info: Any) -> None:
+        self.writer.write(info.step, info.metrics)
 
     def close(self) -> None:
         self.writer.close()
@@ -69,12 +73,12 @@ class TensorBoardLogger(Logger):
             self._mirror = TensorBoardMirror(trainer.workdir)
             self._tb = SummaryWriter(self._mirror.local, purge_step=start_step + 1)
 
-    def on_metrics(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
+    def on_metrics(self, info: Any) -> None:
         if self._tb is None:
             return
-        for k, v in metrics.items():
+        for k, v in info.metrics.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
-                self._tb.add_scalar(k, float(v), int(step))
+                self._tb.add_scalar(k, float(v), int(info.step))
         self._tb.flush()
         self._mirror.sync()
 
@@ -115,9 +119,10 @@ class WandbLogger(Logger):
                               dir=None if remote else trainer.workdir or None,
                               config=trainer.config.to_dict())
 
-    def on_metrics(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
+    def on_metrics(self, info: Any) -> None:
         if self.run is not None:
-            self.run.log({k: v for k, v in metrics.items() if v is not None}, step=int(step))
+            self.run.log({k: v for k, v in info.metrics.items() if v is not None},
+                         step=int(info.step))
 
     def close(self) -> None:
         if self.run is not None:

@@ -1,5 +1,6 @@
 """Metrics: metrics.jsonl + TensorBoard and model FLOPs utilisation (the progress line is in
-`jaxscale.observe.progress`, peak FLOP/s in `jaxscale.hardware`).
+`jaxscale.observe.progress`, peak FLOP/s in `jaxscale.hardware`, each model's FLOPs per token in
+its model table entry).
 
 `metrics.jsonl` is the source of truth (tests, `launch.plot` and resume all read it); TensorBoard
 is a convenience view of the same numbers. Only process 0 writes either (`enabled=False`
@@ -31,53 +32,14 @@ def mfu(flops_per_token: float, tokens_per_s: float, num_devices: int,
     return flops_per_token * tokens_per_s / (peak * num_devices)
 
 
-def llama_flops_per_token(num_layers: int, embed: int, heads: int, kv_heads: int, head_dim: int,
-                          mlp: int, vocab: int, seq_len: int) -> float:
-    """Training FLOPs per token of a Llama-style decoder (forward + backward).
-
-    Convention of PaLM (Chowdhery et al. 2022), appendix B: 6·N + 12·L·H·Q·T, where N counts
-    the parameters that take part in matmuls (q/k/v/o projections with grouped kv heads, the
-    three SwiGLU matrices, and the output projection onto the vocabulary; embeddings lookups and
-    norms are excluded), L layers, H query heads, Q head_dim, T sequence length. The factor 6 is
-    2 (multiply-add) × 3 (forward + two backward matmuls); the attention term counts QK^T and
-    AV without exploiting the causal mask, as PaLM and MaxText do, so numbers are comparable.
-    """
-    attn_params = embed * head_dim * (2 * heads + 2 * kv_heads)  # wq, wo, wk, wv
-    mlp_params = 3 * embed * mlp                                  # gate, up, down
-    matmul_params = num_layers * (attn_params + mlp_params) + embed * vocab
-    return 6.0 * matmul_params + 12.0 * num_layers * heads * head_dim * seq_len
-
-
-def vit_flops_per_token(num_layers: int, embed: int, heads: int, head_dim: int, mlp: int,
-                        patch_size: int, channels: int, num_classes: int, tokens: int) -> float:
-    """Training FLOPs per token of a ViT classifier (forward + backward), where `tokens` is the
-    patches plus the class token of one image (`data.seq_len` of a ViT config).
-
-    The same convention as `llama_flops_per_token`: 6 FLOPs per matmul parameter per token
-    plus 12·L·H·Q·T for attention (bidirectional, so no causal saving to ignore). Per layer the
-    matmul parameters are q/k/v/o (4·E·H·Q) and the two MLP matrices (2·E·F); the patch
-    embedding (P²·C·E) runs once per patch and the classifier head (E·K) once per image, so
-    both are spread over the image's tokens. Biases, norms and position embeddings are left
-    out, as in the Llama count.
-    """
-    per_token = num_layers * (4 * embed * heads * head_dim + 2 * embed * mlp)
-    per_image = (tokens - 1) * patch_size * patch_size * channels * embed + embed * num_classes
-    return 6.0 * (per_token + per_image / tokens) + 12.0 * num_layers * heads * head_dim * tokens
-
-
 def model_flops_per_token(model: Any, seq_len: int) -> float | None:
-    """Training FLOPs per token of a model config, for every model with a FLOP formula (the
-    Llama and the ViT); None for others, so no MFU is logged rather than a wrong one."""
-    name = model.get("name", "llama")
-    if name == "llama":
-        return llama_flops_per_token(model.num_layers, model.embed, model.num_heads,
-                                     model.num_kv_heads, model.head_dim, model.mlp,
-                                     model.vocab_size, seq_len)
-    if name == "vit":
-        return vit_flops_per_token(model.num_layers, model.embed, model.num_heads,
-                                   model.head_dim, model.mlp, model.patch_size, model.channels,
-                                   model.num_classes, seq_len)
-    return None
+    """Training FLOPs per token of a `config.model` section, as its model table entry counts
+    them (`jaxscale.models.MODELS`); None for a model without a count, so no MFU is logged
+    rather than a wrong one."""
+    from jaxscale.models import entry_of  # lazy: importing the models pulls in jax
+
+    count = entry_of(model).flops_per_token
+    return None if count is None else count(model, seq_len)
 
 
 def _plain(value: Any) -> Any:
@@ -195,7 +157,8 @@ def read_metrics_file(path: str) -> list[dict]:
         except json.JSONDecodeError:
             if i != len(lines) - 1:
                 raise ValueError(f"{path}: line {i + 1} is not valid JSON: {line[:80]!r}. "
-                                 "Only the last line may be cut short; fix or delete the file.")
+                                 "Only the last line may be cut short; fix or delete the file."
+                                 ) from None
     return records
 
 

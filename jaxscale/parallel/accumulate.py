@@ -13,8 +13,8 @@ gradient, as ZeRO-3 does: an unreduced accumulator would cost a full copy of the
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax

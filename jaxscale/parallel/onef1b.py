@@ -36,15 +36,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.custom_derivatives import (CustomVJPPrimal, SymbolicZero,
-                                     custom_vjp_primal_tree_values)
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero, custom_vjp_primal_tree_values
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.scan import scan_layers
 from jaxscale.models.runner import LossFn
+from jaxscale.models.scan import scan_layers
 from jaxscale.parallel.gpipe import constrain_batch, pipeline_layers, rules_axes, stage_layout
 from jaxscale.parallel.schedules import check_batch, check_layers
+
 Leaves = list[Any]  # flat parameter leaves; None where a leaf gets no gradient
 Rows = tuple[jax.Array, ...]  # per-row inputs of the layers: (positions[, segment ids])
 

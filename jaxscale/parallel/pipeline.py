@@ -18,8 +18,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxscale.models.scan import check_remat
 from jaxscale.models.runner import LayerRunner, LossFn
+from jaxscale.models.scan import check_remat
 from jaxscale.parallel.gpipe import batch_over_stages, pipeline_layers
 from jaxscale.parallel.onef1b import OneFOneB
 from jaxscale.parallel.schedules import SCHEDULES, check_layers, get_schedule

@@ -45,9 +45,16 @@ def define_flags() -> None:
 
 
 def set_cpu_devices(n: int | None) -> None:
-    """Makes the CPU backend expose `n` devices; a no-op for None."""
-    if not n:
+    """Makes the CPU backend expose `n` devices; a no-op for None. Zero or fewer is refused
+    (it used to be ignored silently, leaving a run on devices the user did not ask for)."""
+    if n is None:
         return
+    if n < 1:
+        raise DistributedError(paragraph(
+            f"--cpu_devices={n}: the number of simulated CPU devices must be at least 1 (e.g.",
+            "--cpu_devices=8 to test an 8-device mesh); leave the flag out to use the real",
+            "devices.",
+        ))
     import jax
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", int(n))
@@ -175,12 +182,22 @@ def _check_flags(coordinator: str | None, num_processes: int | None,
         ))
 
 
+def joins(coordinator: str | None, num_processes: int | None, process_id: int | None) -> bool:
+    """Whether these flags (or the cluster's environment) make this a multi-host run."""
+    explicit = coordinator is not None or (num_processes or 1) > 1 or process_id is not None
+    return explicit or detected_cluster()
+
+
+def multi_host() -> bool:
+    """`joins` for this command's flags (readable before `setup`: nothing is started)."""
+    return joins(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+
+
 def init_distributed(coordinator: str | None, num_processes: int | None,
                      process_id: int | None, timeout_s: int = 300) -> None:
     """Joins the multi-host run, or explains clearly which host did not come."""
     import jax
-    explicit = coordinator is not None or (num_processes or 1) > 1 or process_id is not None
-    if not explicit and not detected_cluster():
+    if not joins(coordinator, num_processes, process_id):
         return
     _check_flags(coordinator, num_processes, process_id)
     if jax.config.jax_platforms == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":

@@ -14,10 +14,19 @@ step any host had reached); orbax's `CheckpointManager.reached_preemption(step)`
 `multihost_utils.reached_preemption_sync_point`) answers True on every host at that same step.
 A single process has no such service, so a Python SIGTERM handler sets a flag that the loop
 reads after the current step.
+
+Before the loop starts (flags, devices, data index, a checkpoint restoring, the step compiling)
+there is nothing to save, yet SIGTERM's default action would end the process with 143, which a
+relaunch loop reads as a crash. `StartupGuard` (entered by `launch.train` before anything slow)
+exits with `PREEMPTED_EXIT` at once instead, until the loop's `PreemptionWatch` takes over.
+"At once" matters: a Python handler runs only when the main thread returns to Python, which a
+compile can delay for minutes past the grace period, so the signal also wakes a thread through
+`signal.set_wakeup_fd` and that thread exits the process.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -65,6 +74,7 @@ class PreemptionWatch:
         self.distributed = False
 
     def __enter__(self) -> "PreemptionWatch":
+        _loop_began.set()  # a StartupGuard stands aside: SIGTERM now means "save, then stop"
         self.distributed = _distributed()
         if not self.distributed and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -88,3 +98,63 @@ class PreemptionWatch:
             from orbax.checkpoint import multihost
             return multihost.reached_preemption(step)
         return self.signalled.is_set()
+
+
+_loop_began = threading.Event()  # set when a training loop's PreemptionWatch is entered
+
+
+def _exit_at_startup() -> None:
+    """Says so and exits now. `os.write`, not `print`: the main thread may hold stderr's lock
+    (blocked in a write), and this may run on the wakeup thread beside it."""
+    os.write(2, b"jaxscale: Pre-empted (SIGTERM) during start-up, before the first step: "
+                b"nothing needed saving and the workdir is as it was. Run the same command "
+                b"again to resume.\n")
+    os._exit(PREEMPTED_EXIT)
+
+
+class StartupGuard:
+    """`with StartupGuard(): set up and train`: a SIGTERM before the loop's first step exits
+    with `PREEMPTED_EXIT` at once, even inside a long compile or restore. Single process only
+    (`enabled=False` for a multi-host run, whose SIGTERM belongs to JAX's sync service once it
+    joins), on the main thread only. Once the loop's `PreemptionWatch` has been entered, the
+    guard stands aside; after the loop (its watch restored this handler) SIGTERM has its
+    default action again, as it had before this guard existed."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self._previous: Any = None
+        self._old_fd = -1
+        self._write_fd = -1
+
+    def __enter__(self) -> "StartupGuard":
+        if not self.enabled:
+            return self
+        _loop_began.clear()
+        read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._old_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._wake_on_signal, args=(read_fd,), daemon=True,
+                         name="sigterm-at-start-up").start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.enabled:
+            return
+        signal.set_wakeup_fd(self._old_fd)
+        signal.signal(signal.SIGTERM, self._previous)
+        os.close(self._write_fd)  # the thread reads end-of-file and ends
+
+    def _wake_on_signal(self, read_fd: int) -> None:
+        """Runs beside a main thread stuck in C++: the C-level handler writes the signal number
+        to the wakeup fd at once."""
+        with os.fdopen(read_fd, "rb", buffering=0) as wake:
+            while data := wake.read(64):
+                if signal.SIGTERM in data and not _loop_began.is_set():
+                    _exit_at_startup()
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if not _loop_began.is_set():
+            _exit_at_startup()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # after the loop: the default action
+        os.kill(os.getpid(), signal.SIGTERM)

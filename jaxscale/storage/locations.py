@@ -24,7 +24,7 @@ SCHEMES = ("file://", "gs://", "s3://", "memory://")
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RETRY_S = 300.0   # how long Lo-Fi store operations ride out an outage (lofi/retry.py)
 # S3-compatible servers other than AWS honour If-None-Match / If-Match on PUT (measured on
-# SeaweedFS and moto, see README), but tensorstore only sends them to *.amazonaws.com unless
+# SeaweedFS and moto, see docs/object-stores.md), but tensorstore only sends them to *.amazonaws.com unless
 # told to: without them its create-if-absent is a HEAD then a PUT, which two writers can race.
 _CONDITIONAL_WRITE_ENV = "TENSORSTORE_S3_USE_CONDITIONAL_WRITE"
 
@@ -141,6 +141,9 @@ def kvstore_spec(location: str) -> dict:
             spec["endpoint"] = s3_endpoint()
         if s3_region():
             spec["aws_region"] = s3_region()
+        if _env_credentials():  # only the variables: the default chain would also try to
+            # read ~/.aws/config and log ~10 alarming errors when it is absent (not errors)
+            spec["aws_credentials"] = {"type": "environment"}
         return spec
     if loc.scheme == "memory":
         return {"driver": "memory", "path": "/".join(x for x in (loc.bucket, loc.path) if x)
@@ -189,8 +192,8 @@ def _configure_fsspec() -> None:
 def _clear_epath_cache() -> None:
     """epath caches one filesystem per scheme; drop it so new settings take effect."""
     try:
-        from etils.epath import backend
         import fsspec
+        from etils.epath import backend
 
         backend.fsspec_backend._get_filesystem.cache_clear()
         for cls in _fsspec_classes():
@@ -258,12 +261,35 @@ def check(location: str, timeout_s: float | None = None) -> None:
         raise classify(location, e) from None
 
 
+# S3 error codes that mean the credentials, not the bucket, are wrong -> what to tell the user.
+# Checked before "does the bucket exist": an unknown key's message ("The access key ID you
+# provided does not exist") would otherwise read as a missing bucket.
+CREDENTIAL_ERRORS = (
+    ("invalidaccesskeyid", "the server does not know this access key id"),
+    ("signaturedoesnotmatch", "the secret key does not match the access key id"),
+    ("expiredtoken", "the session token has expired"),
+    ("invalidtoken", "the session token is not valid"),
+    ("accessdenied", "the credentials are valid but may not use this bucket"),
+    ("access denied", "the credentials are valid but may not use this bucket"),
+)
+_OTHER_REFUSALS = ("permission_denied", "403", "401", "unauthenticated", "permission",
+                   "credentials")
+
+
 def classify(location: str, error: Exception) -> Exception:
     """A tensorstore error on `location` as a one-paragraph StorageError where the cause is
-    known (missing bucket, denied credentials), else the error unchanged."""
+    known (refused credentials, missing bucket), else the error unchanged."""
     loc = parse(location)
     text = str(error)
     lower = text.lower()
+    why = next((w for code, w in CREDENTIAL_ERRORS if code in lower), None)
+    if why is None and "nosuchbucket" not in lower and any(w in lower for w in _OTHER_REFUSALS):
+        why = "access was refused"
+    if why is not None:
+        return StorageError(paragraph(
+            f"Storage location {location!r}: {_endpoint_of(loc)} refused the credentials: "
+            f"{why} ({text.split(' [')[0][:160]}). They came from {_credential_source(loc)}.",
+            _fix_hint(loc)))
     if "nosuchbucket" in lower or "bucket" in lower and ("not found" in lower
                                                          or "does not exist" in lower):
         return StorageError(paragraph(
@@ -271,13 +297,22 @@ def classify(location: str, error: Exception) -> Exception:
             f"{_endpoint_of(loc)}.", "Create it first (e.g. `aws s3 mb s3://"
             f"{loc.bucket}` / `gcloud storage buckets create gs://{loc.bucket}`) or fix the "
             "name."))
-    if any(w in lower for w in ("403", "accessdenied", "access denied", "permission",
-                                "signaturedoesnotmatch", "invalidaccesskeyid", "401",
-                                "unauthenticated", "credentials")):
-        return StorageError(paragraph(
-            f"Storage location {location!r}: {_endpoint_of(loc)} refused the credentials "
-            f"({text.split(' [')[0][:160]}).", _fix_hint(loc)))
     return error
+
+
+def _credential_source(loc: Location) -> str:
+    """Where the credentials of a request to `loc` came from (never their values)."""
+    if loc.scheme != "s3":
+        return ("GOOGLE_APPLICATION_CREDENTIALS" if os.environ.get(
+            "GOOGLE_APPLICATION_CREDENTIALS") else "the application-default credentials")
+    if _env_credentials():
+        return "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+    return (f"the {os.environ.get('AWS_PROFILE', 'default')!r} profile of ~/.aws/credentials "
+            "or the machine's role")
+
+
+def _env_credentials() -> bool:
+    return bool(os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"))
 
 
 def _connect(location: str, endpoint: str, timeout: float) -> None:

@@ -6,7 +6,7 @@ HTTP request itself, but with its defaults (32 attempts, up to 32 s apart) a dea
 looks like a hang for a quarter of an hour, and when it does give up the error would reach
 code that reads any failed read as a damaged snapshot, dropping a healthy worker's push or
 falling back from a healthy average. So: tensorstore's own retries are cut to a few seconds
-(`REQUEST_RETRIES`, in `kv.py`'s context), and this module retries the whole operation with
+(`REQUEST_RETRIES`, in `weights/kv.py`'s context), and this module retries the whole operation with
 exponential backoff for up to `config.storage.retry_s` (`--store_retry_s` for the averager)
 measured from the start of the outage. It logs once when an outage begins and once when it
 ends, and on exhaustion raises `StoreUnavailable`, one paragraph naming the location and the
@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from jaxscale.storage import locations
 from jaxscale.errors import paragraph
+from jaxscale.storage import locations
 
 log = logging.getLogger("jaxscale.lofi")
 T = TypeVar("T")
@@ -75,7 +75,7 @@ class Retry:
         while True:
             try:
                 result = op(locations.settings().timeout_s + nbytes / MIN_BYTES_PER_S)
-            except Exception as e:  # noqa: BLE001 - classified just below
+            except Exception as e:  # classified just below
                 if not is_transient(e):
                     raise
                 waited = self._failed(what, e)
@@ -131,7 +131,7 @@ class RetryingFuture:
         self._retry, self._what, self._start, self._nbytes = retry, what, start, nbytes
         try:
             self._first: Any = start()
-        except Exception as e:  # noqa: BLE001 - re-raised (or retried) by result()
+        except Exception as e:  # re-raised (or retried) by result()
             self._first = e
 
     def result(self) -> Any:

@@ -1,6 +1,7 @@
-"""The train step a run would execute, built from the config and a mesh: shared by the loop
-(`Trainer.build`) and ahead-of-time compilation (`jaxscale.aot.compile`), so that what is
-compiled for a TPU topology is exactly what `launch.train` runs there.
+"""The train step a run would execute, built from the config and a mesh: the one builder of the
+loop (`Trainer.build`), ahead-of-time compilation (`jaxscale.aot.compile`), the sharding
+inspector (`launch.inspect`) and the benches, so that what they compile, report or time is
+exactly what `launch.train` runs (tests/test_inspect.py compares the lowered programs).
 """
 
 from __future__ import annotations
@@ -9,18 +10,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import ml_collections as mlc
 from jax.sharding import Mesh
 
-from jaxscale.models import lora
+from jaxscale.models import ModelDef, lora, task_of
 from jaxscale.parallel.pipeline import make_layer_runner
 from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.optim import make_optimizer
-from jaxscale.models import ModelDef
-from jaxscale.train.state import TrainState, abstract_state
-from jaxscale.train.step import StepContext
+from jaxscale.train.state import TrainState, abstract_state, init_state
+from jaxscale.train.step import StepContext, jit_steps
+
+BatchSpec = dict[str, jax.ShapeDtypeStruct]
+PACKED = ("pack", "none")  # data.packing modes whose rows carry segment ids and positions
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,24 @@ class StepSetup:
         return abstract_state(c.model_def, c.optimizer, c.rules, c.mesh, self.trainable,
                               self.init_extra)
 
+    def init_state(self, seed: int) -> tuple[TrainState, TrainState]:
+        """(state, shardings): the sharded initial state (before init_from or a checkpoint)."""
+        c = self.ctx
+        return init_state(c.model_def, c.optimizer, c.rules, c.mesh, seed, self.trainable,
+                          self.init_extra)
+
+    def jit(self, shardings: TrainState, batch: BatchSpec) -> Callable:
+        """The jitted train step as the loop forms it: explicit shardings, donated state."""
+        train_fn, _ = jit_steps(self.ctx, shardings, {k: v.shape for k, v in batch.items()})
+        return train_fn
+
+    def lower(self, batch: BatchSpec,
+              state: tuple[TrainState, TrainState] | None = None) -> jax.stages.Lowered:
+        """The train step lowered against abstract arrays (nothing allocated or run); `state`
+        is `self.abstract_state()` when the caller already has it."""
+        abstract, shardings = state or self.abstract_state()
+        return self.jit(shardings, batch).lower(abstract, batch)
+
 
 def build_step(config: mlc.ConfigDict, mesh: Mesh) -> StepSetup:
     """Model definition, optimizer, precision, rules and pipeline runner for `config`."""
@@ -49,11 +69,16 @@ def build_step(config: mlc.ConfigDict, mesh: Mesh) -> StepSetup:
                       config.train.grad_accum, config.train.skip_nonfinite,
                       run_layers=make_layer_runner(config.pipeline, mesh, config.model.remat,
                                                    config.model.get("num_layers")),
-                      task=config.model.get("task", "lm"), loss_scale=scaler)
+                      loss_scale=scaler)
     return StepSetup(ctx, lora.trainable(config.lora), scaler.init if scaler else dict)
 
 
-def lm_batch_spec(config: mlc.ConfigDict) -> dict[str, jax.ShapeDtypeStruct]:
-    """The global batch of a language-model step: `tokens` (batch, seq_len + 1) int32."""
+def batch_spec(config: mlc.ConfigDict) -> BatchSpec:
+    """The global batch the training loop feeds its step, from the config alone (no data read):
+    the model's task says its arrays (`tokens` for a language model, `images` and `labels` for
+    a classifier); packed file sources add `segment_ids` and `positions`."""
     d = config.data
-    return {"tokens": jax.ShapeDtypeStruct((d.batch_size, d.seq_len + 1), jnp.int32)}
+    spec = task_of(config.model).batch_spec(config.model, d.batch_size, d.seq_len)
+    if "tokens" in spec and d.get("sources") and d.get("packing", "concat") in PACKED:
+        spec.update(segment_ids=spec["tokens"], positions=spec["tokens"])
+    return spec

@@ -2,58 +2,41 @@
 
 `Trainer.build(config, workdir)` performs the visible set-up (mesh, rules, policy, model
 definition, optimizer, sharded state, jitted steps, data); `Trainer.run()` compiles the train
-step ahead of time (timed as `compile_s`), then loops. Periodic work (evaluation, checkpoints,
-Lo-Fi pushes) are `Hook`s called after each step; a hook may return a replacement state (e.g.
-after loading an average). Loggers (`jaxscale.observe.loggers`, named by `config.train.loggers`) are
-hooks too: on logged steps every hook with an `on_metrics` method receives the step's metrics.
-A profiler trace (`config.train.profile`) and pre-emption (SIGTERM: save at the same step on
-every host, then raise `Preempted`) hang off the same loop. Only process 0 logs.
+step ahead of time (timed as `compile_s`), then loops. Periodic work (checkpoints, Lo-Fi
+pushes, loggers) are hooks (`jaxscale.train.hooks`): each receives a `StepInfo` after every
+step, in their explicit `order`, and may return a replacement state (e.g. after loading an
+average). Loggers (`jaxscale.observe.loggers`, named by `config.train.loggers`) are hooks too:
+on logged steps every hook with an `on_metrics` method receives the step's metrics. A profiler
+trace (`config.train.profile`) and pre-emption (SIGTERM: save at the same step on every host,
+then raise `Preempted`) hang off the same loop. Only process 0 logs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import jax
 import ml_collections as mlc
 import numpy as np
 
 from jaxscale import config as config_lib
-from jaxscale.storage import locations
 from jaxscale.data.registry import build_data
-from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.hardware import peak_flops_source
 from jaxscale.mesh import make_mesh, mesh_summary
 from jaxscale.observe.loggers import make_loggers
-from jaxscale.hardware import peak_flops_source
 from jaxscale.observe.metrics import model_flops_per_token
-from jaxscale.observe.progress import ProgressBar
-from jaxscale.models import lora
-from jaxscale.runtime.preemption import Preempted, PreemptionWatch
 from jaxscale.observe.profiling import Profiler
-from jaxscale.train.build import build_step
-from jaxscale.train.state import TrainState, init_state
+from jaxscale.observe.progress import ProgressBar
 from jaxscale.observe.throughput import Stopwatch, Throughput
-from jaxscale.weights.tree import flatten, unflatten
+from jaxscale.runtime.preemption import Preempted, PreemptionWatch
+from jaxscale.storage import locations
+from jaxscale.train.build import batch_spec, build_step
+from jaxscale.train.hooks import CheckpointHook, Hook, StepInfo, check_finite, in_order
+from jaxscale.train.state import TrainState
 from jaxscale.train.step import StepContext, batch_sharding, jit_steps
-
-
-class Hook(Protocol):
-    """Periodic work around the steps. Besides these two methods a hook may define
-    `on_metrics(trainer, step, metrics)`, called on logged steps with that step's metrics (what
-    metrics.jsonl gets), and `at_preemption(trainer, state, step)`, called instead of `at_end`
-    when the run stops for a pre-emption (the checkpoint hook saves there)."""
-
-    def after_step(self, trainer: "Trainer", state: TrainState, step: int) -> TrainState | None:
-        """Called after every step with the host-side step number."""
-
-    def at_end(self, trainer: "Trainer", state: TrainState) -> None:
-        """Called once after the last step."""
-
-
-class NonFiniteError(JaxscaleError):
-    """Training produced a non-finite loss or gradient norm."""
+from jaxscale.weights.init_from import init_params
 
 
 @dataclass
@@ -82,14 +65,16 @@ class Trainer:
         mesh = make_mesh(config.mesh, devices)
         setup = build_step(config, mesh)
         ctx = setup.ctx
-        state, shardings = init_state(ctx.model_def, ctx.optimizer, ctx.rules, mesh,
-                                      config.seed, setup.trainable, setup.init_extra)
+        state, shardings = setup.init_state(config.seed)
         if config.init_from:
-            state = _init_from(config.init_from, state, shardings, config.model)
+            state = init_params(config.init_from, state, shardings, config.model)
         lofi = config.lofi
         shard = (lofi.worker_id, lofi.num_workers) if lofi.enabled else (0, 1)
         batches, evals = build_data(config, jax.process_index(), jax.process_count(), *shard)
-        shapes = {k: (config.data.batch_size,) + v.shape[1:] for k, v in evals[0].items()}
+        # A run that never evaluates (train.eval_every=0) may have no held-out batch: the
+        # shapes then come from the batch the config describes.
+        template = evals[0] if evals else batch_spec(config)
+        shapes = {k: (config.data.batch_size,) + v.shape[1:] for k, v in template.items()}
         train_fn, eval_fn = jit_steps(ctx, shardings, shapes)
         return cls(config, workdir, ctx, state, shardings, train_fn, eval_fn, batches, evals)
 
@@ -117,7 +102,7 @@ class Trainer:
         cfg, state = self.config.train, self.state
         start = int(jax.device_get(state.step))
         it = self.batches.iterator(self.data_state)
-        hooks = [*make_loggers(self, start), *self.hooks]
+        hooks = in_order([*make_loggers(self, start), *self.hooks])
         bar = ProgressBar(cfg.steps, initial=start, enabled=self.is_primary)
         meter = Throughput(self.config.data.batch_size * self.config.data.seq_len,
                            self.flops_per_token(), jax.device_count(),
@@ -139,18 +124,19 @@ class Trainer:
                             jax.block_until_ready(metrics)
                             meter.first_step_done(step, timer.elapsed())
                     batch = None
+                    info = StepInfo(step, state, data_state=self.data_state)
                     if step % cfg.log_every == 0 or step == cfg.steps:
-                        self._log(step, state, metrics, meter, hooks, bar)
+                        info = self._log(info, metrics, meter, hooks, bar)
                     if profiler.after_step(step, metrics):  # writing the trace is not a step
                         meter.restart(step)
-                    for hook in self.hooks:
-                        state = hook.after_step(self, state, step) or state
+                    state = _after_step(hooks, info)
                     if preemption.reached(step):
-                        self._stop_for_preemption(hooks, state, step, bar)
+                        self._stop_for_preemption(hooks, replace(info, state=state), bar)
         finally:
             profiler.stop()
+        end = StepInfo(int(jax.device_get(state.step)), state, data_state=self.data_state)
         for hook in hooks:
-            hook.at_end(self, state)
+            hook.at_end(end)
         bar.close()
         self.state = state
         return state
@@ -174,85 +160,63 @@ class Trainer:
                   flush=True)
         return t.seconds
 
-    def _log(self, step: int, state: TrainState, metrics: dict, meter: Throughput,
-             hooks: Sequence[Any], bar: ProgressBar) -> None:
+    def _log(self, info: StepInfo, metrics: dict, meter: Throughput, hooks: Sequence[Any],
+             bar: ProgressBar) -> StepInfo:
+        """`info` with the step's host metrics, after handing them to the hooks."""
+        step, state, cfg = info.step, info.state, self.config.train
         host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        self.check_finite(state)
+        check_finite(state, cfg.skip_nonfinite)
         if self.ctx.loss_scale is not None:
             self.ctx.loss_scale.check(state.extra)
         host.update(meter.window(step))
-        cfg = self.config.train
+        if skipped := getattr(self.batches, "skipped_records", 0):  # data.skip_bad_records
+            host["skipped_records"] = skipped
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             host["eval_loss"] = self.evaluate(state)
+        info = replace(info, metrics=host)
         for hook in hooks:
             if hasattr(hook, "on_metrics"):
-                hook.on_metrics(self, step, host)
+                hook.on_metrics(info)
         bar.update(step, host)
         meter.restart(step)
+        return info
 
-    def _stop_for_preemption(self, hooks: Sequence[Any], state: TrainState, step: int,
+    def _stop_for_preemption(self, hooks: Sequence[Any], info: StepInfo,
                              bar: ProgressBar) -> None:
         saved = False
         for hook in hooks:
             if hasattr(hook, "at_preemption"):
-                saved = bool(hook.at_preemption(self, state, step)) or saved
+                saved = bool(hook.at_preemption(info)) or saved
         bar.close()
-        self.state = state
-        raise Preempted(step, saved)
-
-    def check_finite(self, state: TrainState) -> None:
-        """Raises if any step so far was non-finite (unless such steps are skipped)."""
-        first = int(jax.device_get(state.extra["first_nonfinite"]))
-        if first >= 0 and not self.config.train.skip_nonfinite:
-            raise NonFiniteError(paragraph(
-                f"Non-finite loss or gradient norm at step {first}. Training stopped",
-                "before saving anything from that step; the last good checkpoint was kept. Lower",
-                "optim.lr, use a float32 / bf16-mixed precision policy, or set",
-                "config.train.skip_nonfinite=True to skip such updates and count them.",
-            ))
+        self.state = info.state
+        raise Preempted(info.step, saved)
 
 
-def _init_from(path: str, state: TrainState, shardings: TrainState,
-               model_cfg: Any = None) -> TrainState:
-    """Replaces the freshly initialised parameters with saved ones, placed by the rules.
-
-    Leaves are read and placed one at a time (`weights.sources.open_weights` +
-    `weights.place`), so a converted model never sits whole on the host.
-    """
-    from jaxscale.weights.init_from import InitFromError, check_matches, check_model_config
-    from jaxscale.weights.place import place
-    from jaxscale.weights.sources import WeightsError, open_weights
-
-    check_model_config(path, model_cfg)
-    try:
-        leaves = open_weights(path).leaves
-    except WeightsError as e:
-        raise InitFromError(f"config.init_from: {e}") from None
-    if state.frozen:  # LoRA: the saved weights are the frozen base; adapters start fresh
-        leaves = {k: v for k, v in leaves.items() if not lora.is_adapter(k)}
-        check_matches({k: v.shape for k, v in leaves.items()}, flatten(state.frozen), path,
-                      model_cfg)
-        placed = place(leaves, flatten(shardings.frozen), flatten(state.frozen))
-        return state.replace(frozen=unflatten(placed))
-    check_matches({k: v.shape for k, v in leaves.items()}, flatten(state.params), path,
-                  model_cfg)
-    placed = place(leaves, flatten(shardings.params), flatten(state.params))
-    return state.replace(params=unflatten(placed))
+def _after_step(hooks: Sequence[Any], info: StepInfo) -> TrainState:
+    """Calls each hook's `after_step` in order; a returned state replaces the state the hooks
+    after it see (and the run continues with)."""
+    for hook in hooks:
+        new = hook.after_step(info)
+        if new is not None:
+            info = replace(info, state=new)
+    return info.state
 
 
 def _attach_checkpoints(trainer: Trainer) -> None:
     """Resumes from the newest complete checkpoint in the workdir and saves periodically
     (every `checkpoint.every` steps; 0: only when pre-empted)."""
-    from jaxscale.checkpoint import CheckpointHook, Checkpointer
+    from jaxscale.checkpoint import Checkpointer
 
-    c = trainer.config.checkpoint
+    c, lora = trainer.config.checkpoint, trainer.config.get("lora")
     checkpointer = Checkpointer(trainer.workdir, c.every, c.keep)
     if checkpointer.latest_step() is not None:
         trainer.state, trainer.data_state = checkpointer.restore(trainer.state, trainer.shardings)
         if trainer.is_primary:  # the newest step that restored (a broken newer one is skipped)
             step = int(jax.device_get(trainer.state.step))
             print(f"jaxscale: resumed from {checkpointer.directory}/{step}")
-    trainer.hooks.append(CheckpointHook(checkpointer))
+    adapters_only = bool(lora and lora.rank and lora.get("save_adapters_only", False))
+    trainer.hooks.append(CheckpointHook(checkpointer, trainer.config.train.skip_nonfinite,
+                                        adapters_only))
 
 
 def train(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> TrainState:
@@ -262,11 +226,8 @@ def train(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> T
     trainer.hooks.extend(hooks)
     if config.lofi.enabled:
         from jaxscale.lofi.worker import LofiWorker
-        worker = LofiWorker(config.lofi, config.train.steps, config.data.batch_size)
-        trainer.state = worker.start(trainer, trainer.state)
+        worker = LofiWorker.for_run(config, trainer.shardings, trainer.ctx.optimizer)
+        trainer.state, data_state = worker.start(trainer.state)
+        trainer.data_state = data_state or trainer.data_state
         trainer.hooks.append(worker)
-    # Checkpoints last: they save what the run continues with (after a Lo-Fi sync), or a run
-    # resumed from a sync step's checkpoint would miss that step's average.
-    from jaxscale.checkpoint import CheckpointHook
-    trainer.hooks.sort(key=lambda hook: isinstance(hook, CheckpointHook))
-    return trainer.run()
+    return trainer.run()  # the hooks run in their `order` (train.hooks.ORDER)

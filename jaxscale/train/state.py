@@ -24,9 +24,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.models import ModelDef
 from jaxscale.rules import AxisRules
+
 # merge_trees: used by train/step.py (the train state keeps trainable and frozen apart).
-from jaxscale.weights.tree import (all_trainable, flatten, merge_trees,  # noqa: F401
-                                   split_trainable, unflatten)
+from jaxscale.weights.tree import all_trainable, flatten, merge_trees, split_trainable, unflatten  # noqa: F401
 
 Tree = Any
 

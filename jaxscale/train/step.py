@@ -8,6 +8,7 @@ Periodic work (eval, checkpoints, Lo-Fi pushes) is not here: it hangs off the lo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,13 +18,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxscale.models import ModelDef, get_loss
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models import ModelDef
 from jaxscale.models.layers import adapter_dropout
-from jaxscale.models.llama import with_target_counts
 from jaxscale.models.runner import LayerRunner
 from jaxscale.parallel.accumulate import accumulate_per_replica
 from jaxscale.precision import DynamicLossScale, Policy
-from jaxscale.rules import AxisRules, use_rules
+from jaxscale.rules import AxisRules, logical_to_mesh_axes, use_rules
 from jaxscale.train.state import TrainState, merge_trees
 
 # A batch is a dict of arrays sharing the leading `batch` dimension, e.g. {'tokens': (B, T+1)}
@@ -33,37 +34,34 @@ RunLayers = LayerRunner | None
 
 
 def loss_fn(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
-            run_layers: RunLayers = None, task: str = "lm",
-            loss_scale: jax.Array | None = None) -> jax.Array:
-    """The task's loss (jaxscale.models.LOSSES) of the model bound to params + frozen."""
+            run_layers: RunLayers = None, loss_scale: jax.Array | None = None) -> jax.Array:
+    """The loss of the model's task (`model_def.task`) of the model bound to params + frozen."""
     model = model_def.module(merge_trees(params, frozen) if frozen else params)
     if loss_scale is not None and run_layers is not None:
         run_layers = run_layers.scaled(loss_scale)  # 1F1B starts its backward from the scale
-    loss = get_loss(task)(model, batch, run_layers)
+    loss = model_def.task.loss(model, batch, run_layers)
     return loss if loss_scale is None else loss * loss_scale  # float16: see DynamicLossScale
 
 
 def accumulate_grads(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
                      grad_accum: int, run_layers: RunLayers = None,
-                     task: str = "lm", loss_scale: jax.Array | None = None
-                     ) -> tuple[jax.Array, Any]:
+                     loss_scale: jax.Array | None = None) -> tuple[jax.Array, Any]:
     """Mean loss and gradients over `grad_accum` microbatches (equal to the large batch)."""
     grad_fn = lambda *a: jax.value_and_grad(loss_fn)(*a, loss_scale=loss_scale)
-    if "segment_ids" in batch and task == "lm":  # packed rows: split parts share one count
-        batch = with_target_counts(batch)
+    batch = dict(model_def.task.prepare(batch))  # e.g. packed rows: split parts share a count
     if grad_accum > 1 or run_layers is not None:  # microbatch loops: reduce over data once
         once = accumulate_per_replica(
-            lambda mb: grad_fn(params, frozen, mb, model_def, run_layers, task), params, batch,
+            lambda mb: grad_fn(params, frozen, mb, model_def, run_layers), params, batch,
             grad_accum, 1 if run_layers is None else run_layers.microbatches)
         if once is not None:
             return once
     if grad_accum == 1:
-        return grad_fn(params, frozen, batch, model_def, run_layers, task)
+        return grad_fn(params, frozen, batch, model_def, run_layers)
     micro = jax.tree.map(
         lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
 
     def body(carry, mb):
-        loss, grads = grad_fn(params, frozen, mb, model_def, run_layers, task)
+        loss, grads = grad_fn(params, frozen, mb, model_def, run_layers)
         return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
@@ -84,7 +82,6 @@ class StepContext:
     grad_accum: int = 1
     skip_nonfinite: bool = False
     run_layers: RunLayers = None
-    task: str = "lm"
     loss_scale: DynamicLossScale | None = None  # set when the policy asks for loss scaling
 
 
@@ -95,7 +92,7 @@ def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[Train
     with use_rules(ctx.rules, ctx.mesh), adapter_dropout(dropout_key):
         loss, grads = accumulate_grads(
             state.params, state.frozen, batch, ctx.model_def, ctx.grad_accum, ctx.run_layers,
-            ctx.task, None if scaler is None else state.extra["loss_scale"])
+            None if scaler is None else state.extra["loss_scale"])
     if scaler is not None:
         loss, grads = scaler.unscale(state.extra, (loss, grads))
     grad_norm = optax.global_norm(grads)
@@ -124,8 +121,7 @@ def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[Train
 
 def eval_step(ctx: StepContext, state: TrainState, batch: Batch) -> jax.Array:
     with use_rules(ctx.rules, ctx.mesh):
-        return loss_fn(state.params, state.frozen, batch, ctx.model_def, ctx.run_layers,
-                       ctx.task)
+        return loss_fn(state.params, state.frozen, batch, ctx.model_def, ctx.run_layers)
 
 
 def batch_sharding(rules: AxisRules, mesh: Mesh, shapes: dict[str, tuple[int, ...]]
@@ -137,9 +133,35 @@ def batch_sharding(rules: AxisRules, mesh: Mesh, shapes: dict[str, tuple[int, ..
             for k, s in shapes.items()}
 
 
+def check_batch_divides(rules: AxisRules, mesh: Mesh, rows: int) -> None:
+    """Refuses a global batch that the batch axes do not divide: sharded over fewer devices,
+    the rest would repeat their rows' work, silently wasting a share of every step."""
+    axes = tuple(a for a in _as_axes(logical_to_mesh_axes(("batch",), rules.rules)[0])
+                 if mesh.shape.get(a, 1) > 1)
+    devices = math.prod(mesh.shape[a] for a in axes)
+    if rows % devices == 0:
+        return
+    spec = AxisRules(rules.rules, indivisible="replicate").spec(("batch",), (rows,), mesh,
+                                                                "<batch>", warn=False)
+    used = math.prod(mesh.shape[a] for a in _as_axes(spec[0]))
+    raise ConfigError(paragraph(
+        f"data.batch_size={rows} is not divisible by the {devices} devices of the batch axes",
+        f"({', '.join(f'{a}={mesh.shape[a]}' for a in axes)}): it would be split over {used} of",
+        f"them and the others would repeat that work, wasting {1 - used / devices:.0%} of the",
+        f"batch compute. Set data.batch_size to a multiple of {devices} (e.g.",
+        f"{-(-rows // devices) * devices}), or change the mesh.",
+    ))
+
+
+def _as_axes(axes: Any) -> tuple[str, ...]:
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def jit_steps(ctx: StepContext, shardings: TrainState,
               batch_shapes: dict[str, tuple[int, ...]]) -> tuple[Callable, Callable]:
     """Jitted (train_step, eval_step) with explicit shardings and a donated state."""
+    for shape in batch_shapes.values():
+        check_batch_divides(ctx.rules, ctx.mesh, shape[0])
     batch_sh = batch_sharding(ctx.rules, ctx.mesh, batch_shapes)
     train = jax.jit(lambda s, b: train_step(ctx, s, b), in_shardings=(shardings, batch_sh),
                     out_shardings=(shardings, None), donate_argnums=0)

@@ -1,11 +1,12 @@
 """`config.init_from`: start a run from weights saved elsewhere (fine-tuning, Lo-Fi results).
 
 Any location `jaxscale.weights.sources.open_weights` reads is accepted (a params export, a
-training workdir, a Lo-Fi store's newest average, a Hugging Face directory); the train loop
-places its leaves one at a time with `jaxscale.weights.place`. This module writes params
-exports (`export_params`) and checks that saved weights fit the run's model: the tree must
-match exactly (same leaves, shapes), and a conversion output must be used with the model
-fields it was converted with; dtypes are cast to the run's parameter dtype.
+training workdir, a Lo-Fi store's newest average, a Hugging Face directory). `init_params`, the
+one function the train loop calls, checks that the saved weights fit the run's model (the tree
+must match exactly: same leaves, shapes; a conversion output must be used with the model
+fields it was converted with) and places the leaves one at a time with
+`jaxscale.weights.place`, casting them to the run's parameter dtype. This module also writes
+params exports (`export_params`) in the snapshot format (`weights/snapshot.py`).
 """
 
 from __future__ import annotations
@@ -13,22 +14,49 @@ from __future__ import annotations
 from typing import Any
 
 from jaxscale.errors import JaxscaleError, paragraph
-from jaxscale.lofi import store as store_lib
+from jaxscale.models import lora
+from jaxscale.weights.kv import Store
+from jaxscale.weights.place import place
+from jaxscale.weights.snapshot import PARAMS, write_snapshot
+from jaxscale.weights.sources import WeightsError, open_weights
+from jaxscale.weights.tree import flatten, unflatten
 
 
 class InitFromError(JaxscaleError):
     """`config.init_from` does not point at usable weights."""
 
 
+def init_params(path: str, state: Any, shardings: Any, model_cfg: Any = None) -> Any:
+    """`state` (a `train.state.TrainState`, read by field name: weights sit below train) with
+    its freshly initialised parameters replaced by the saved ones at `path`, placed by
+    `shardings` (the same TrainState of shardings). LoRA runs (a frozen base) take the saved
+    weights as the frozen base; their adapters start fresh.
+
+    Leaves are read and placed one at a time (`open_weights` + `place`), so a converted model
+    never sits whole on the host.
+    """
+    check_model_config(path, model_cfg)
+    try:
+        leaves = open_weights(path).leaves
+    except WeightsError as e:
+        raise InitFromError(f"config.init_from: {e}") from None
+    part = "frozen" if state.frozen else "params"
+    if state.frozen:
+        leaves = {k: v for k, v in leaves.items() if not lora.is_adapter(k)}
+    like = flatten(getattr(state, part))
+    check_matches({k: v.shape for k, v in leaves.items()}, like, path, model_cfg)
+    placed = place(leaves, flatten(getattr(shardings, part)), like)
+    return state.replace(**{part: unflatten(placed)})
+
+
 def export_params(directory: str, flat_params: dict[str, Any], meta: dict | None = None) -> str:
-    """Writes `DIR/params/` in the checksummed store format; returns the directory.
+    """Writes `DIR/params/` in the checksummed snapshot format; returns the directory.
 
     Values may be anything `np.asarray` converts (host or device arrays, lazy leaves): they
     are converted one at a time while writing, so a lazy source is never all on the host.
     """
-    store = store_lib.Store(directory)
-    store_lib.write_snapshot(store, "params", dict(flat_params),
-                               {"kind": "params", "step": 0, "samples_seen": 0, **(meta or {})})
+    write_snapshot(Store(directory), PARAMS, dict(flat_params),
+                   {"kind": "params", "step": 0, "samples_seen": 0, **(meta or {})})
     return directory
 
 

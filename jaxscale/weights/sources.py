@@ -7,7 +7,8 @@ Recognised, in this order:
   * a params export, `DIR/params/` (`launch.convert --from_hf`, `launch.lofi_average
     --final=DIR`, `init_from.export_params`): checksummed zarr arrays + JSON manifest;
   * a Lo-Fi store: its newest published average;
-  * a Hugging Face directory (config.json + safetensors, Llama or ViT).
+  * a Hugging Face directory (config.json + safetensors) of a family with a Hugging Face
+    converter in the model table.
 Every format yields the same `Weights`: `{path: Leaf}` (shape and dtype up front, values read on
 demand, so nothing is loaded whole unless asked) plus the `config.model` fields the weights were
 made with when the location records them. No format executes code when read (no pickle).
@@ -22,10 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale.storage import locations
 from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.storage import locations
+from jaxscale.weights import snapshot
+from jaxscale.weights.kv import Store
 from jaxscale.weights.leaf import Leaf
 from jaxscale.weights.legacy import fuse_legacy_leaves
+from jaxscale.weights.manifest import StoreError
 from jaxscale.weights.tree import flatten, unflatten
 
 MODEL_CONFIG = "model_config.json"  # config.model fields of a launch.convert output
@@ -57,8 +61,6 @@ class Weights:
 
 def open_weights(location: str) -> Weights:
     """The weights at `location` (see the module docstring for what is recognised)."""
-    from jaxscale.lofi import store as store_lib
-
     location = str(location)
     locations.parse(location)  # an unsupported scheme is one paragraph, not an fsspec error
     if _is_dir(locations.join(location, "checkpoints")) or _is_checkpoint_dir(location):
@@ -69,12 +71,12 @@ def open_weights(location: str) -> Weights:
             "a `launch.convert` output, a `launch.lofi_average --final=DIR` directory, a Lo-Fi",
             "store or a Hugging Face model directory.",
         ))
-    store = store_lib.Store(location)
+    store = Store(location)
     try:
-        ckpt = store_lib.load_snapshot(store, "params")
+        ckpt = snapshot.load_snapshot(store, snapshot.PARAMS)
         kind = "params"
-    except store_lib.StoreError:
-        ckpt, kind = store_lib.latest_average_snapshot(store), "lofi_average"
+    except StoreError:
+        ckpt, kind = snapshot.latest_average_snapshot(store), "lofi_average"
     if ckpt is not None:
         return _with_configs(Weights(location, kind, store_leaves(store, ckpt),
                                      step=ckpt.step), location)
@@ -113,13 +115,13 @@ def _is_huggingface(path: str) -> bool:
 
 
 def store_leaves(store: Any, ckpt: Any) -> dict[str, Leaf]:
-    """{path: Leaf} of one committed Lo-Fi store checkpoint (a params export, an average, a
-    worker's push), each read whole from the store only when placed or converted."""
-    from jaxscale.lofi import store as store_lib
+    """{path: Leaf} of one committed snapshot (`weights/snapshot.py`: a params export, a
+    Lo-Fi average, a worker's push), each read whole from the store only when placed or
+    converted."""
 
     def leaf(path: str, entry: dict) -> Leaf:
         def read(index: Any) -> np.ndarray:
-            arr = store_lib.read_leaf(store, ckpt, path)  # looked up at read time
+            arr = snapshot.read_leaf(store, ckpt, path)  # looked up at read time
             return arr if index is None else arr[index]
         return Leaf(tuple(entry["shape"]), _store_dtype(entry), read)
 
@@ -165,17 +167,11 @@ def _huggingface_weights(location: str) -> Weights:
 
 
 def open_huggingface(hf_dir: str) -> Any:
-    """The validated `interop.hf.Source` of a HF directory, by its config's model_type."""
-    from jaxscale.interop import hf, hf_vit
+    """The validated `interop.hf.Source` of a HF directory, by its config's model_type (the
+    model table says which converter reads it: `interop.families`)."""
+    from jaxscale.interop import families
 
-    openers = {"llama": hf.open_llama, "vit": hf_vit.open_vit}
-    model_type = hf.read_hf_config(hf_dir).get("model_type", "llama")
-    if model_type not in openers:
-        raise hf.ConversionError(paragraph(
-            f"{hf_dir}/config.json has model_type={model_type!r}; jaxscale converts",
-            f"{sorted(openers)}.",
-        ))
-    return openers[model_type](hf_dir)
+    return families.opener(hf_dir)(hf_dir)
 
 
 # ----------------------------------------------------------------------------- orbax checkpoints
@@ -230,9 +226,8 @@ def rebuild_base(config: Any) -> dict:
     to be exported or evaluated (merge it with the restored adapters, then `lora.merge`)."""
     import jax
 
-    from jaxscale.models import lora
+    from jaxscale.models import ModelDef, lora
     from jaxscale.precision import get_policy
-    from jaxscale.models import ModelDef
     from jaxscale.weights.tree import split_trainable
 
     model_def = lora.with_adapters(ModelDef.build(config.model, get_policy(config.precision)),

@@ -1,8 +1,9 @@
 """8-bit block-wise absmax quantization (Dettmers et al., "8-bit optimizers"), on flat arrays.
 
 Each block of `block_size` consecutive values shares one float32 scale = max |x| / 127, so the
-error per value is at most scale / 2. Works on numpy and jax arrays alike (used by compressed
-Lo-Fi pushes and by 8-bit optimizer states).
+error per value is at most scale / 2. Works on numpy and jax arrays alike. The snapshot format's
+`q8delta` encoding (`snapshot.py`: compressed Lo-Fi pushes, 8-bit deltas from an average)
+stores its values this way.
 """
 
 from __future__ import annotations

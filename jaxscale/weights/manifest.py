@@ -1,6 +1,7 @@
-"""Schema of a Lo-Fi manifest: every field a hostile or broken writer controls is checked here.
+"""Schema of a snapshot manifest: every field a hostile or broken writer controls is checked here.
 
-A manifest is JSON written by another machine, so nothing in it is trusted: before any array is
+A manifest (`snapshot.py`: a params export, a Lo-Fi push or average) is JSON written by another
+machine, so nothing in it is trusted: before any array is
 opened, its leaf paths must be plain relative paths (no `..`), shapes small non-negative ints,
 dtypes from a fixed list, `samples_seen` a finite non-negative integer (it weights the average)
 and rounds/steps non-negative integers. A failed check raises `StoreError` naming the

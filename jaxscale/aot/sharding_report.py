@@ -1,11 +1,14 @@
 """The sharding inspector: where every parameter lives, what each device holds, what the step needs.
 
 Used by `python -m launch.inspect`. Nothing is allocated: shapes come from `jax.eval_shape`, and
-the train step is lowered and compiled against abstract arrays for its memory analysis.
+the train step is lowered and compiled against abstract arrays for its memory analysis. The step
+is the one `launch.train` runs (`train.build.build_step`, jitted and lowered as the loop does),
+pipeline runner, LoRA and loss scaling included.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -16,16 +19,15 @@ from jax.sharding import NamedSharding
 
 from jaxscale import config as config_lib
 from jaxscale.mesh import make_mesh, mesh_summary
-from jaxscale.models import lora
-from jaxscale.precision import DynamicLossScale, get_policy
-from jaxscale.rules import AxisRules
-from jaxscale.train.optim import make_optimizer
-from jaxscale.models import ModelDef
-from jaxscale.train.state import abstract_state
+from jaxscale.train.build import batch_spec, build_step
 from jaxscale.weights.tree import flatten
-from jaxscale.train.step import StepContext, jit_steps
 
 REPLICATED_WARN_FRACTION = 0.02
+
+
+def fingerprint(lowered: jax.stages.Lowered) -> str:
+    """sha256 of a lowered program's text: equal fingerprints mean the same program."""
+    return hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Report:
     rows: list[ParamRow]
     opt_bytes_per_device: int
     compiled_memory: Any
+    step_fingerprint: str | None = None  # sha256 of the lowered train step (`fingerprint`)
 
     @property
     def params_bytes_per_device(self) -> int:
@@ -75,16 +78,11 @@ class Report:
 
 
 def build_report(config: mlc.ConfigDict, compile_step: bool = True) -> Report:
+    """The report of `config`'s train step; `compile_step` adds its compiled memory analysis."""
     config_lib.validate(config)
-    mesh = make_mesh(config.mesh)
-    rules = AxisRules.from_config(config)
-    policy = get_policy(config.precision)
-    model_def = lora.with_adapters(ModelDef.build(config.model, policy), config.lora)
-    optimizer, lr = make_optimizer(config.optim, config.train.steps)
-    scaler = DynamicLossScale.from_config(config.loss_scale) if policy.loss_scaling else None
-    abstract, shardings = abstract_state(model_def, optimizer, rules, mesh,
-                                         lora.trainable(config.lora),
-                                         scaler.init if scaler else dict)
+    setup = build_step(config, make_mesh(config.mesh))
+    abstract, shardings = setup.abstract_state()
+    model_def = setup.ctx.model_def
     logical = model_def.logical_axes()
     trainable = set(flatten(abstract.params))
     rows = []
@@ -93,16 +91,12 @@ def build_report(config: mlc.ConfigDict, compile_step: bool = True) -> Report:
                              math.prod(x.shape) * x.dtype.itemsize, per_device_bytes(x),
                              path in trainable))
     opt_bytes = sum(per_device_bytes(x) for x in jax.tree.leaves(abstract.opt_state))
-    memory = None
+    report = Report(setup.ctx.mesh, rows, opt_bytes, None)
     if compile_step:
-        ctx = StepContext(model_def, optimizer, lr, policy, rules, mesh, config.train.grad_accum,
-                          loss_scale=scaler)
-        d = config.data
-        shapes = {"tokens": (d.batch_size, d.seq_len + 1)}
-        train_fn, _ = jit_steps(ctx, shardings, shapes)
-        batch = {"tokens": jax.ShapeDtypeStruct(shapes["tokens"], jax.numpy.int32)}
-        memory = train_fn.lower(abstract, batch).compile().memory_analysis()
-    return Report(mesh, rows, opt_bytes, memory)
+        lowered = setup.lower(batch_spec(config), (abstract, shardings))
+        report.compiled_memory = lowered.compile().memory_analysis()
+        report.step_fingerprint = fingerprint(lowered)
+    return report
 
 
 def _mb(n: float) -> str:

@@ -1,4 +1,4 @@
-"""The Lo-Fi store's storage layer: a tensorstore kvstore for small keys, zarr3 for arrays.
+"""The snapshot store's storage layer: a tensorstore kvstore for small keys, zarr3 for arrays.
 
 Every array is a 1-D zarr3 array whose chunks carry a `crc32c` codec: tensorstore writes the
 checksum with each chunk and verifies it on every read, so a flipped bit or a truncated chunk
@@ -27,9 +27,9 @@ from typing import Any
 import tensorstore as ts
 
 from jaxscale.storage import locations as storage
-from jaxscale.lofi.localfs import check_path
-from jaxscale.lofi.manifest import CHUNK
 from jaxscale.storage.retry import REQUEST_RETRIES, Retry, RetryingFuture
+from jaxscale.weights.localfs import check_path
+from jaxscale.weights.manifest import CHUNK
 
 NO_VALUE = b"\x02"          # tensorstore's "key absent" storage generation (create-if-absent)
 # Shared so memory:// stores are visible across opens in a process. More copy threads than
@@ -48,7 +48,7 @@ def kvstore_spec(location: str) -> dict:
 
 
 def array_metadata(size: int, dtype: str, chunk: int) -> dict:
-    """The zarr3 metadata of every Lo-Fi array: 1-D, `chunk` values per chunk, crc32c."""
+    """The zarr3 metadata of every snapshot array: 1-D, `chunk` values per chunk, crc32c."""
     return {"shape": [size], "data_type": dtype, "codecs": CODECS,
             "chunk_grid": {"name": "regular",
                            "configuration": {"chunk_shape": [min(chunk, max(size, 1))]}}}

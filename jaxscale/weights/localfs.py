@@ -1,12 +1,12 @@
-"""Guards for Lo-Fi stores on a local (or NFS) disk: what tensorstore's file driver would do
+"""Guards for snapshot stores on a local (or NFS) disk: what tensorstore's file driver would do
 with a hostile file tree, checked before it opens anything.
 
 The file driver follows symbolic links and opens whatever it finds: a link replacing an array
-directory would feed data from outside the store into the average, and a FIFO in place of a
+directory would feed data from outside the store into the weights, and a FIFO in place of a
 chunk file blocks the reading thread forever (where SIGTERM cannot stop it). So before a
-checkpoint is read, its files are walked with `os.lstat` (links are never followed): every path
+snapshot is read, its files are walked with `os.lstat` (links are never followed): every path
 from the store root down must be a real directory, and every file a regular file; anything else
-makes the checkpoint corrupt. Object stores (gs://, s3://) have no links or FIFOs: no-ops there.
+makes the snapshot corrupt. Object stores (gs://, s3://) have no links or FIFOs: no-ops there.
 """
 
 from __future__ import annotations
@@ -15,30 +15,12 @@ import os
 import stat
 
 from jaxscale.errors import paragraph
-from jaxscale.lofi.manifest import StoreError
+from jaxscale.weights.manifest import StoreError
 
 
 def local_root(spec: dict) -> str | None:
     """The store's directory on this machine (None for object and memory stores)."""
     return spec["path"].rstrip("/") if spec.get("driver") == "file" else None
-
-
-def check_store_root(location: str, spec: dict, must_exist: bool) -> None:
-    """A local store root must be a directory (and exist, unless workers will create it)."""
-    root = local_root(spec)
-    if root is None:
-        return
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise StoreError(paragraph(
-            f"--store={location} is a file, not a Lo-Fi store directory. Give the directory the",
-            "workers push to (their config.lofi.store).",
-        ))
-    if must_exist and not os.path.isdir(root):
-        raise StoreError(paragraph(
-            f"--store={location} does not exist, so there is nothing to average or account.",
-            "Give the directory the workers push to (their config.lofi.store), or add --watch",
-            "to wait for the workers to create it.",
-        ))
 
 
 def _kind(mode: int) -> str:
@@ -83,7 +65,7 @@ def check_tree(spec: dict, prefix: str) -> None:
 
 def _corrupt(path: str, kind: str) -> StoreError:
     return StoreError(paragraph(
-        f"{path} is {kind}, which a Lo-Fi store never contains: a link could feed data from",
-        "outside the store into the average, and reading a FIFO or device would block. The",
-        "checkpoint holding it is treated as corrupt; remove the entry.",
+        f"{path} is {kind}, which a snapshot store never contains: a link could feed data from",
+        "outside the store into the weights (a Lo-Fi average), and reading a FIFO or device",
+        "would block. The snapshot holding it is treated as corrupt; remove the entry.",
     ))

@@ -1,0 +1,72 @@
+"""The Llama's FLOP counts, its table entry's facts: training FLOPs per token (what MFU is quoted
+in), the attention part a fused kernel hides from the HLO count, and the remat recompute.
+
+Every function takes the `config.model` section and the sequence length, so that metrics and
+ahead-of-time accounting ask the model table (`jaxscale.models.MODELS`) and never the model's
+fields themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def llama_flops_per_token(num_layers: int, embed: int, heads: int, kv_heads: int, head_dim: int,
+                          mlp: int, vocab: int, seq_len: int) -> float:
+    """Training FLOPs per token of a Llama-style decoder (forward + backward).
+
+    Convention of PaLM (Chowdhery et al. 2022), appendix B: 6·N + 12·L·H·Q·T, where N counts
+    the parameters that take part in matmuls (q/k/v/o projections with grouped kv heads, the
+    three SwiGLU matrices, and the output projection onto the vocabulary; embeddings lookups and
+    norms are excluded), L layers, H query heads, Q head_dim, T sequence length. The factor 6 is
+    2 (multiply-add) × 3 (forward + two backward matmuls); the attention term counts QK^T and
+    AV without exploiting the causal mask, as PaLM and MaxText do, so numbers are comparable.
+    """
+    attn_params = embed * head_dim * (2 * heads + 2 * kv_heads)  # wq, wo, wk, wv
+    mlp_params = 3 * embed * mlp                                  # gate, up, down
+    matmul_params = num_layers * (attn_params + mlp_params) + embed * vocab
+    return 6.0 * matmul_params + 12.0 * num_layers * heads * head_dim * seq_len
+
+
+def flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
+    """`llama_flops_per_token` of a `config.model` section."""
+    return llama_flops_per_token(m["num_layers"], m["embed"], m["num_heads"], m["num_kv_heads"],
+                                 m["head_dim"], m["mlp"], m["vocab_size"], seq_len)
+
+
+def _remat(m: Mapping[str, Any]) -> str:
+    return m.get("remat", "none")
+
+
+def recompute_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
+    """Matmul FLOPs per token that the backward pass recomputes under `model.remat` (and the
+    head's, under `model.loss_chunks`).
+
+    Measured on libtpu's partitioned HLO (1B dims, v5p:2x2x2, fsdp=8), `remat=full`
+    (`nothing_saveable`) recomputes every matmul of a layer's forward except the last one, the
+    MLP's down projection, whose output is the layer's output and is not needed to
+    differentiate the layer (XLA drops it as dead code): q/k/v/o, gate/up, and both attention
+    einsums. `dots` saves every matmul output (no matmul recomputed); `dots_no_batch` saves
+    those without batch dimensions, i.e. all but the two attention einsums (QK^T and AV), which
+    are recomputed. `model.loss_chunks > 1` recomputes each chunk's logits (the head's forward
+    matmul, 2·E·V per token) in the backward pass.
+    """
+    attention = 4.0 * m["num_heads"] * m["head_dim"] * seq_len  # QK^T and AV, forward, a layer
+    if _remat(m) == "full":
+        projections = m["embed"] * m["head_dim"] * (2 * m["num_heads"] + 2 * m["num_kv_heads"])
+        per_layer = 2.0 * (projections + 2 * m["embed"] * m["mlp"]) + attention  # all but w_down
+    elif _remat(m) == "dots_no_batch":
+        per_layer = attention
+    else:  # 'none', 'dots': every matmul output is kept
+        per_layer = 0.0
+    head = 2.0 * m["embed"] * m["vocab_size"] if m.get("loss_chunks", 1) > 1 else 0.0
+    return m["num_layers"] * per_layer + head
+
+
+def attention_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
+    """Attention matmul FLOPs per token of a step (what a fused attention kernel computes out of
+    the HLO's sight): the model count's 12·L·H·Q·T (forward and backward) plus the forward QK^T
+    and AV again where remat recomputes them."""
+    recomputed = _remat(m) in ("full", "dots_no_batch")
+    return (12.0 + 4.0 * recomputed) * m["num_layers"] * m["num_heads"] * m["head_dim"] * seq_len

@@ -1,0 +1,62 @@
+"""What training and evaluation ask of a task (`config.model.task`), and the eval sums they share.
+
+A model family lists its tasks in its table entry (`jaxscale.models.MODELS`); the generic step
+and `jaxscale.evaluate` call the chosen `Task`'s functions and never branch on its name. The
+functions live beside their model (the LM's in `models/llama.py`, classification's in
+`models/vit.py`); this module only says their shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+# A batch: arrays sharing the leading `batch` dimension, e.g. {'tokens': (B, T+1)} or
+# {'images', 'labels'}.
+Batch = Mapping[str, jax.Array]
+
+
+def same_batch(batch: Batch) -> Batch:
+    """The batch preparation of tasks that need none."""
+    return batch
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of a model: its training loss, batch preparation and held-out sums."""
+
+    # loss(model, batch, run_layers: LayerRunner | None) -> scalar mean loss of the batch.
+    loss: Callable[..., jax.Array]
+    # eval_sums(model, batch) -> {'loss', 'correct', 'count'}, each summed over the batch's
+    # counted predictions (masked rows and padding excluded), so totals divide once at the end.
+    eval_sums: Callable[[Any, Batch], dict[str, jax.Array]]
+    # batch_spec(model_cfg, batch_size, seq_len) -> {name: jax.ShapeDtypeStruct}: the arrays
+    # of a global training batch, for compiling a step without reading data.
+    batch_spec: Callable[[Mapping[str, Any], int, int], dict[str, jax.ShapeDtypeStruct]]
+    unit: str  # what the eval count counts, reported by that name: 'tokens' | 'examples'
+    # Applied to the whole batch before a step splits it (accumulation, replicas, pipeline
+    # microbatches), e.g. the packed LM's batch-wide target count (`llama.with_target_counts`).
+    prepare: Callable[[Batch], Batch] = same_batch
+    perplexity: bool = False     # evaluation also reports exp(mean loss)
+    token_batches: bool = False  # trains on {'tokens': (B, T+1)} int32 batches (what AOT builds)
+
+
+def masked_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None
+                ) -> dict[str, jax.Array]:
+    """Summed cross entropy, correct argmax predictions and count of `targets` (any leading
+    shape), weighted by `mask` (None: all count; one value per example broadcasts)."""
+    logits = logits.astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    if mask is None:
+        mask = jnp.ones(targets.shape, jnp.float32)
+    elif mask.ndim < targets.ndim:  # one mask value per example
+        mask = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (targets.ndim - mask.ndim)),
+                                targets.shape)
+    return {"loss": (losses * mask).sum(), "correct": (correct * mask).sum(),
+            "count": mask.sum()}

@@ -1,0 +1,114 @@
+"""Loop hooks: the periodic work hung on the training loop (loggers, checkpoints, Lo-Fi pushes).
+
+A hook never sees the trainer. After every step the loop hands each hook a `StepInfo` (the
+step number, the state after it, that step's metrics on logged steps, and the data iterator's
+state to resume after it); anything else a hook needs (a checkpointer, shardings, config
+fields) it is given when it is built. Hooks run in ascending `order` (`ORDER`; ties keep the
+order they were added), which is explicit rather than inferred from their classes.
+
+A hook defines `after_step(info)` (may return a replacement state, e.g. after loading a Lo-Fi
+average; the hooks after it then see that state) and `at_end(info)`, and optionally
+`on_metrics(info)` (logged steps: `info.metrics` is what metrics.jsonl gets) and
+`at_preemption(info)` (instead of `at_end` when the run stops for a pre-emption; returns
+whether it saved the state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax
+
+from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.train.state import TrainState
+
+if TYPE_CHECKING:  # not at run time: orbax is imported only by runs that checkpoint
+    from jaxscale.checkpoint import Checkpointer
+
+# When each kind of hook runs (ascending). Checkpoints last: they save what the run continues
+# with (after a Lo-Fi sync), or a run resumed from a sync step's checkpoint would miss that
+# step's average. A hook without an `order` attribute runs at ORDER["default"].
+ORDER = {"logger": 0, "default": 100, "lofi": 200, "checkpoint": 300}
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What a hook is told about the step just taken."""
+
+    step: int                               # host-side step number (1 after the first step)
+    state: TrainState                       # the state after that step
+    metrics: Mapping[str, Any] | None = None  # host metrics on logged steps, else None
+    data_state: dict | None = None          # the data iterator's state to resume after `step`
+
+
+class Hook(Protocol):
+    """Periodic work after the steps (see the module docstring for the optional methods)."""
+
+    def after_step(self, info: StepInfo) -> TrainState | None:
+        """Called after every step."""
+
+    def at_end(self, info: StepInfo) -> None:
+        """Called once after the last step."""
+
+
+def order_of(hook: Any) -> int:
+    return getattr(hook, "order", ORDER["default"])
+
+
+def in_order(hooks: list[Any]) -> list[Any]:
+    """`hooks` sorted by `order` (stable: equal orders keep the order they were added)."""
+    return sorted(hooks, key=order_of)
+
+
+class NonFiniteError(JaxscaleError):
+    """Training produced a non-finite loss or gradient norm."""
+
+
+def check_finite(state: TrainState, skip_nonfinite: bool) -> None:
+    """Raises if any step so far was non-finite (unless such steps are skipped)."""
+    first = int(jax.device_get(state.extra["first_nonfinite"]))
+    if first >= 0 and not skip_nonfinite:
+        raise NonFiniteError(paragraph(
+            f"Non-finite loss or gradient norm at step {first}. Training stopped",
+            "before saving anything from that step; the last good checkpoint was kept. Lower",
+            "optim.lr, use a float32 / bf16-mixed precision policy, or set",
+            "config.train.skip_nonfinite=True to skip such updates and count them.",
+        ))
+
+
+class CheckpointHook:
+    """Saves every `checkpointer.every` steps, at the end and at a pre-emption, after checking
+    finiteness (good checkpoints are never overwritten with NaNs). `adapters_only` (LoRA with
+    `lora.save_adapters_only`): the frozen base is saved as its fingerprint only."""
+
+    order = ORDER["checkpoint"]
+
+    def __init__(self, checkpointer: Checkpointer, skip_nonfinite: bool = False,
+                 adapters_only: bool = False):
+        self.checkpointer = checkpointer
+        self.skip_nonfinite = skip_nonfinite
+        self.adapters_only = adapters_only
+
+    def _save(self, info: StepInfo) -> None:
+        check_finite(info.state, self.skip_nonfinite)
+        self.checkpointer.save(info.step, info.state, info.data_state, self.adapters_only)
+
+    def after_step(self, info: StepInfo) -> None:
+        if self.checkpointer.every and info.step % self.checkpointer.every == 0:
+            self._save(info)
+
+    def at_end(self, info: StepInfo) -> None:
+        if self.checkpointer.every and self.checkpointer.latest_step() != info.step:
+            self._save(info)
+        self.checkpointer.close()
+
+    def at_preemption(self, info: StepInfo) -> bool:
+        """Saves at `info.step` (every host calls this at the same step) unless the periodic
+        save just did, and waits until the write is complete: the process exits next."""
+        self.checkpointer.wait()
+        if self.checkpointer.latest_step() != info.step:
+            self._save(info)
+        self.checkpointer.close()
+        return True
