@@ -110,14 +110,16 @@ def _require(ok: bool, *sentences: str) -> None:
 
 
 def validate(c: mlc.ConfigDict) -> None:
-    """Checks fields, values and cross-field consistency; raises one-paragraph ConfigErrors."""
+    """Checks fields, values and cross-field consistency; raises one-paragraph ConfigErrors.
+
+    Each subsystem below the config checks its own section (the model table its `model`, storage
+    its `storage`, the observers their `train.loggers` / `train.profile`); what is left here is
+    the sections of the layers above (train, checkpoint, Lo-Fi) and what crosses sections."""
+    from jaxscale.models import check_model  # lazy: importing the models pulls in jax
+
     check_fields(c)
-    m, d, t = c.model, c.data, c.train
-    _require(m.num_heads % m.num_kv_heads == 0,
-             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads="
-             f"{m.num_kv_heads} (grouped-query attention shares each kv head among a group).")
-    _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings.")
-    _require(d.seq_len <= m.max_len, f"data.seq_len={d.seq_len} exceeds model.max_len={m.max_len}.")
+    d, t = c.data, c.train
+    check_model(c.model, d.seq_len)
     _require(t.steps > 0 and t.log_every > 0, "train.steps and train.log_every must be positive.")
     _require(t.grad_accum >= 1 and d.batch_size % t.grad_accum == 0,
              f"data.batch_size={d.batch_size} must be divisible by train.grad_accum="
@@ -130,11 +132,7 @@ def validate(c: mlc.ConfigDict) -> None:
              f"rules_indivisible={c.rules_indivisible!r}: use 'error' or 'replicate'.")
     _validate_train_extras(t)
     _validate_lofi(c.lofi)
-    st = c.get("storage", {})
-    _require(st.get("timeout_s", 30.0) > 0 and st.get("retry_s", 300.0) >= 0,
-             f"storage.timeout_s={st.get('timeout_s')} must be > 0 (seconds one object-store "
-             f"request may take) and storage.retry_s={st.get('retry_s')} >= 0 (seconds a Lo-Fi "
-             "store outage is ridden out before the run stops; 0: fail at the first error).")
+    storage.check_settings(c.get("storage", {}))
     _require(d.part in ("all", "a", "b"),
              f"data.part={d.part!r}: use 'all', or 'a'/'b' for the two disjoint halves.")
     _validate_choices(c)
@@ -171,31 +169,9 @@ def _validate_mesh_use(c: mlc.ConfigDict) -> None:
             ))
 
 
-def _validate_rope(m: mlc.ConfigDict) -> None:
-    """Rotary scaling names and factors (a bad one would silently compute another model)."""
-    from jaxscale.models.rope import ROPE_SCALINGS
-
-    kind = m.get("rope_scaling", "none")
-    _require(kind in ROPE_SCALINGS,
-             f"model.rope_scaling={kind!r} is not a supported rotary scaling; use one of",
-             f"{', '.join(ROPE_SCALINGS)} (Llama 3.1 / 3.2 checkpoints use 'llama3', with",
-             "rope_factor, rope_low_freq_factor, rope_high_freq_factor and",
-             "rope_original_max_len).")
-    if kind == "none":
-        return
-    _require(m.rope_factor > 0, f"model.rope_factor={m.rope_factor} must be positive.")
-    _require(kind != "llama3" or (0 < m.rope_low_freq_factor < m.rope_high_freq_factor
-                                  and m.rope_original_max_len > 0),
-             "model.rope_scaling='llama3' needs 0 < rope_low_freq_factor",
-             f"({m.rope_low_freq_factor}) < rope_high_freq_factor ({m.rope_high_freq_factor})",
-             f"and a positive rope_original_max_len ({m.rope_original_max_len}).")
-
-
 def _validate_choices(c: mlc.ConfigDict) -> None:
-    """Names that would otherwise only fail deep inside model or optimizer construction."""
-    from jaxscale.models.attention import ATTENTION_IMPLS  # lazy: keeps `import config` light
-    from jaxscale.models.scan import REMAT_POLICIES
-    from jaxscale.precision import get_policy
+    """Names that would otherwise only fail deep inside the optimizer or the rules."""
+    from jaxscale.precision import get_policy  # lazy: keeps `import config` light
     from jaxscale.train.optim import OPTIMIZERS
 
     m, d = c.model, c.data
@@ -205,16 +181,7 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
              "jaxscale/presets.py), or '' to use config.rules.")
     _require(c.optim.name in OPTIMIZERS,
              f"optim.name={c.optim.name!r}: use one of {', '.join(OPTIMIZERS)}.")
-    _require(m.get("remat", "none") in REMAT_POLICIES,
-             f"model.remat={m.get('remat')!r}: use one of {', '.join(REMAT_POLICIES)}.")
-    _require(m.get("attention", "einsum") in ATTENTION_IMPLS,
-             f"model.attention={m.get('attention')!r}: use one of {', '.join(ATTENTION_IMPLS)}.")
-    _validate_rope(m)
     chunks = m.get("loss_chunks", 1)
-    _require(isinstance(chunks, int) and chunks >= 1 and d.seq_len % chunks == 0,
-             f"model.loss_chunks={chunks!r} must be a positive divisor of data.seq_len",
-             f"({d.seq_len}): the LM head and loss run over the sequence in that many chunks",
-             "(1: all at once; 4-16 cut the float32 logits' memory that many times).")
     stages = c.mesh.pipeline
     if c.pipeline.schedule == "1f1b" and stages > 1:  # the head's positions split over stages
         _require(d.seq_len % stages == 0,
@@ -260,9 +227,8 @@ def check_fields(c: mlc.ConfigDict) -> None:
     built in Python, before anything is built.
     """
     reference = base_config()
-    from jaxscale.models import lookup, task_of  # lazy: importing the models pulls in jax
+    from jaxscale.models import lookup  # lazy: importing the models pulls in jax
     config_cls, _ = lookup(c.model.get("name", "llama"))
-    task_of(c.model)  # a model.task the model has, named with the tasks it has
     reference.model = mlc.ConfigDict({**_MODEL_COMMON, **{
         k: f.default for k, f in config_cls.__dataclass_fields__.items()}})
     _check_group(c, reference, "config", model_path="config.model")
@@ -317,14 +283,10 @@ def _same_kind(value: Any, expected: Any) -> bool:
 def _validate_train_extras(t: mlc.ConfigDict) -> None:
     """The loggers by name, and the profiled step range."""
     from jaxscale.observe.loggers import check_names  # lazy: keeps `import config` light
+    from jaxscale.observe.profiling import check_settings
+
     check_names(list(t.loggers))
-    p = t.profile
-    _require(p.start_step >= 1 and p.num_steps >= 0,
-             f"train.profile.start_step={p.start_step} must be >= 1 and train.profile.num_steps=",
-             f"{p.num_steps} >= 0 (0: no profile).")
-    _require(0 <= p.host_tracing <= 3,
-             f"train.profile.host_tracing={p.host_tracing}: use a host tracer level from 0 (off)",
-             "to 3 (verbose); 2 (the default) records the runtime's high-level events.")
+    check_settings(t.profile)
 
 
 def _validate_lofi(lofi: mlc.ConfigDict) -> None:

@@ -247,3 +247,27 @@ def test_finetune_from_a_pretraining_run(tmp_path):
     trainer.run()  # the LoRA variant, for a couple of steps
     lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [1, 2] and all(np.isfinite(l["loss"]) for l in lines)
+
+
+def test_each_subsystem_checks_its_own_section():
+    """`config.validate` asks each section's owner: the model table checks `model` by family
+    (the Llama's rotary rule does not apply to the ViT), storage checks `storage`, profiling
+    checks `train.profile`."""
+    vit = MODULES["vit_digits.py"].get_config("test")
+    vit.model.head_dim = 5
+    config_lib.validate(vit)
+    lm = MODULES["tiny_lm.py"].get_config("test")
+    lm.model.head_dim = 5
+    with pytest.raises(ConfigError, match=r"model.head_dim=5 must be even for rotary"):
+        config_lib.validate(lm)
+    for section, field, value, culprit in [
+            ("storage", "timeout_s", 0.0, r"storage.timeout_s=0.0 must be > 0"),
+            ("train.profile", "host_tracing", 7, r"train.profile.host_tracing=7"),
+            ("model", "remat", "most", r"model.remat='most' is not a remat policy")]:
+        c = MODULES["tiny_lm.py"].get_config("test")
+        node = c
+        for part in section.split("."):
+            node = node[part]
+        node[field] = value
+        with pytest.raises(ConfigError, match=culprit):
+            config_lib.validate(c)

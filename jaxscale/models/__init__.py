@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models import llama, llama_flops, vit
+from jaxscale.models.scan import check_remat
 from jaxscale.models.task import Task
 from jaxscale.precision import Policy
 
@@ -55,6 +56,8 @@ class ModelEntry:
     attention_flops: FlopCount | None = None
     recompute_flops: FlopCount | None = None  # matmul FLOPs per token that remat recomputes
     hf: HuggingFace | None = None  # Hugging Face import/export; None: none
+    # The family's own `config.model` checks at a sequence length (ConfigError paragraphs).
+    check: Callable[[Mapping[str, Any], int], None] | None = None
 
     def task(self, name: str | None, model_name: str = "") -> Task:
         """The task called `name` (None or empty: the model's own)."""
@@ -76,7 +79,8 @@ MODELS: dict[str, ModelEntry] = {
         attention_flops=llama_flops.attention_flops_per_token,
         recompute_flops=llama_flops.recompute_flops_per_token,
         hf=HuggingFace("llama", "jaxscale.interop.hf:open_llama",
-                       "jaxscale.interop.hf:save_llama")),
+                       "jaxscale.interop.hf:save_llama"),
+        check=llama.check_config),
     "vit": ModelEntry(
         vit.ViTConfig, vit.ViT, {"classify": vit.CLASSIFY},
         flops_per_token=vit.flops_per_token,
@@ -101,6 +105,16 @@ def task_of(model_cfg: Mapping[str, Any]) -> Task:
     """The task a `config.model` section trains: its `task`, or the model's own."""
     name = model_cfg.get("name", DEFAULT_MODEL)
     return entry(name).task(model_cfg.get("task"), name)
+
+
+def check_model(model_cfg: Mapping[str, Any], seq_len: int) -> None:
+    """The `config.model` section's checks (`config.validate` calls this): a known model, a task
+    it has, a known remat policy, and the family's own checks."""
+    e = entry_of(model_cfg)
+    task_of(model_cfg)
+    check_remat(model_cfg.get("remat", "none"))
+    if e.check is not None:
+        e.check(model_cfg, seq_len)
 
 
 def lookup(name: str) -> tuple[Any, Any]:

@@ -23,9 +23,9 @@ import optax
 from flax import nnx
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.attention import Attention, KVCache
+from jaxscale.models.attention import ATTENTION_IMPLS, Attention, KVCache
 from jaxscale.models.layers import MLP, RMSNorm, param
-from jaxscale.models.rope import Rope
+from jaxscale.models.rope import Rope, check_rope
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.scan import check_remat, scan_layers
 from jaxscale.models.task import Task, masked_sums
@@ -79,6 +79,31 @@ class LlamaConfig:
         per_layer = attn + 3 * e * f + 2 * e
         head = 0 if self.tie_embeddings else e * self.vocab_size
         return self.vocab_size * e + l * per_layer + e + head
+
+
+def check_config(m: Mapping[str, Any], seq_len: int) -> None:
+    """The Llama's own `config.model` checks, run by `config.validate` through the model table
+    (a ConfigError paragraph naming the field): what would otherwise fail deep inside the build
+    or silently compute another model."""
+    def require(ok: bool, *sentences: str) -> None:
+        if not ok:
+            raise ConfigError(paragraph(*sentences))
+
+    require(m["num_heads"] % m["num_kv_heads"] == 0,
+            f"model.num_heads={m['num_heads']} must be a multiple of model.num_kv_heads="
+            f"{m['num_kv_heads']} (grouped-query attention shares each kv head among a group).")
+    require(m["head_dim"] % 2 == 0,
+            f"model.head_dim={m['head_dim']} must be even for rotary embeddings.")
+    require(seq_len <= m["max_len"], f"data.seq_len={seq_len} exceeds model.max_len={m['max_len']}.")
+    check_rope(m)
+    attention = m.get("attention", "einsum")
+    require(attention in ATTENTION_IMPLS,
+            f"model.attention={attention!r}: use one of {', '.join(ATTENTION_IMPLS)}.")
+    chunks = m.get("loss_chunks", 1)
+    require(isinstance(chunks, int) and chunks >= 1 and seq_len % chunks == 0,
+            f"model.loss_chunks={chunks!r} must be a positive divisor of data.seq_len",
+            f"({seq_len}): the LM head and loss run over the sequence in that many chunks",
+            "(1: all at once; 4-16 cut the float32 logits' memory that many times).")
 
 
 class Block(nnx.Module):

@@ -16,12 +16,38 @@ converted with a scaling decodes with the frequencies it was trained with.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxscale.errors import ConfigError, paragraph
+
 ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+def check_rope(m: Mapping[str, Any]) -> None:
+    """The `model.rope_*` fields: a bad scaling name or factor would silently compute another
+    model, so it is refused in one paragraph before anything is built."""
+    kind = m.get("rope_scaling", "none")
+    if kind not in ROPE_SCALINGS:
+        raise ConfigError(paragraph(
+            f"model.rope_scaling={kind!r} is not a supported rotary scaling; use one of",
+            f"{', '.join(ROPE_SCALINGS)} (Llama 3.1 / 3.2 checkpoints use 'llama3', with",
+            "rope_factor, rope_low_freq_factor, rope_high_freq_factor and",
+            "rope_original_max_len)."))
+    if kind == "none":
+        return
+    if m["rope_factor"] <= 0:
+        raise ConfigError(f"model.rope_factor={m['rope_factor']} must be positive.")
+    low, high = m["rope_low_freq_factor"], m["rope_high_freq_factor"]
+    if kind == "llama3" and not (0 < low < high and m["rope_original_max_len"] > 0):
+        raise ConfigError(paragraph(
+            f"model.rope_scaling='llama3' needs 0 < rope_low_freq_factor ({low}) <",
+            f"rope_high_freq_factor ({high}) and a positive rope_original_max_len",
+            f"({m['rope_original_max_len']})."))
 
 
 @dataclass(frozen=True)

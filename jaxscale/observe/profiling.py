@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.errors import ConfigError, JaxscaleError, paragraph
 
 COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|"
                         r"collective-permute|collective-broadcast|send|recv)([-._]|$)")
@@ -33,6 +33,18 @@ COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|ragg
 
 class ProfileError(JaxscaleError):
     """No readable trace where one was expected."""
+
+
+def check_settings(profile: Any) -> None:
+    """The `config.train.profile` section (`config.validate` calls this)."""
+    if not (profile.start_step >= 1 and profile.num_steps >= 0):
+        raise ConfigError(paragraph(
+            f"train.profile.start_step={profile.start_step} must be >= 1 and",
+            f"train.profile.num_steps={profile.num_steps} >= 0 (0: no profile)."))
+    if not 0 <= profile.host_tracing <= 3:
+        raise ConfigError(paragraph(
+            f"train.profile.host_tracing={profile.host_tracing}: use a host tracer level from 0",
+            "(off) to 3 (verbose); 2 (the default) records the runtime's high-level events."))
 
 
 def profile_dir(workdir: str, process_index: int) -> str:

@@ -18,7 +18,7 @@ import socket
 import urllib.parse
 from typing import Any
 
-from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.errors import ConfigError, JaxscaleError, paragraph
 
 SCHEMES = ("file://", "gs://", "s3://", "memory://")
 DEFAULT_TIMEOUT_S = 30.0
@@ -60,6 +60,17 @@ def configure(storage: Any = None, **overrides: Any) -> Settings:
 
 def settings() -> Settings:
     return _settings
+
+
+def check_settings(storage: Any) -> None:
+    """The `config.storage` section (`config.validate` calls this): positive request time-out,
+    a retry budget of zero or more seconds."""
+    timeout, retry = storage.get("timeout_s", 30.0), storage.get("retry_s", 300.0)
+    if not (timeout > 0 and retry >= 0):
+        raise ConfigError(paragraph(
+            f"storage.timeout_s={timeout} must be > 0 (seconds one object-store request may",
+            f"take) and storage.retry_s={retry} >= 0 (seconds a Lo-Fi store outage is ridden",
+            "out before the run stops; 0: fail at the first error)."))
 
 
 def s3_endpoint() -> str:
