@@ -284,7 +284,7 @@ def minimal_step(trainer: Trainer):
 
 def overhead(steps: int) -> None:
     c = make_config(dict(data=2, fsdp=2, tensor=2), "fsdp_tp", {}, 16, 1)
-    c.train.steps = 1000  # a plain warmup + cosine schedule, as in jaxscale.train.optim
+    c.train.steps = 1000  # a plain warmup + cosine schedule, as in jaxscale.optim
     trainer = Trainer.build(c, workdir=None)
     batch = trainer.to_global(next(trainer.batches.iterator()))
     fast = minimal_step(trainer)

@@ -171,8 +171,8 @@ def _validate_mesh_use(c: mlc.ConfigDict) -> None:
 
 def _validate_choices(c: mlc.ConfigDict) -> None:
     """Names that would otherwise only fail deep inside the optimizer or the rules."""
+    from jaxscale.optim import OPTIMIZERS
     from jaxscale.precision import get_policy  # lazy: keeps `import config` light
-    from jaxscale.train.optim import OPTIMIZERS
 
     m, d = c.model, c.data
     get_policy(c.precision)  # raises a ConfigError listing the valid policies

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
-from jaxscale.train.optim import (
+from jaxscale.optim import (
     OPTIMIZERS,
     QBLOCK,
     dequantize_lastaxis,

@@ -12,10 +12,10 @@ from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
 from jaxscale.models import ModelDef
 from jaxscale.models.llama import lm_loss
+from jaxscale.optim import make_optimizer
 from jaxscale.precision import POLICIES, DynamicLossScale, get_policy
 from jaxscale.train import step as step_lib
 from jaxscale.train.loop import Trainer
-from jaxscale.train.optim import make_optimizer
 from jaxscale.weights.tree import flatten
 from tests.helpers import train_steps
 

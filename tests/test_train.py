@@ -13,10 +13,10 @@ from jax.sharding import NamedSharding
 from configs.tiny_lm import get_config
 from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef
+from jaxscale.optim import make_optimizer
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.loop import Trainer
-from jaxscale.train.optim import make_optimizer
 from jaxscale.train.state import init_state, param_specs
 from jaxscale.weights.tree import flatten
 

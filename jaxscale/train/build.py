@@ -14,10 +14,10 @@ import ml_collections as mlc
 from jax.sharding import Mesh
 
 from jaxscale.models import ModelDef, lora, task_of
+from jaxscale.optim import make_optimizer
 from jaxscale.parallel.pipeline import make_layer_runner
 from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.rules import AxisRules
-from jaxscale.train.optim import make_optimizer
 from jaxscale.train.state import TrainState, abstract_state, init_state
 from jaxscale.train.step import StepContext, jit_steps
 
