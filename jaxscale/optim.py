@@ -53,8 +53,9 @@ def _sgd(c: Any, lr: optax.Schedule) -> optax.GradientTransformation:
 # the LAST axis: scales have shape param.shape[:-1] + (ceil(last / QBLOCK),), i.e. they keep the
 # parameter's leading dimensions and are sharded along them (state.py shards a leaf whose shape
 # matches a parameter's except in the last dimension with the parameter's spec minus that
-# dimension). Blocks along the last axis (not over the flattened array, as jaxscale/train/quant.py does)
-# never straddle the leading dimensions, which is what keeps the int8 array parameter-shaped.
+# dimension). Blocks along the last axis (not over the flattened array, as
+# jaxscale/weights/quant.py does) never straddle the leading dimensions, which is what keeps the
+# int8 array parameter-shaped.
 # First moment: signed linear absmax, round to nearest (error <= scale/2 per value).
 # Second moment: stored as sqrt(v) (halves the dynamic range in log space, so small v survive
 # 8 bits), rounded to nearest but never to 0 for v > 0 (at least one step): the denominator
