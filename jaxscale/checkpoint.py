@@ -10,15 +10,18 @@ LoRA runs with `lora.save_adapters_only` save no frozen base weights, only a fin
 them (`base_fingerprint`): the base is what the run rebuilds anyway (from `config.init_from` or
 the seed), so on resume the freshly built base is checked against the fingerprint and the
 adapters, optimizer state and step are restored on top of it.
+
+Outages of a bucket (single-process runs): every save, the wait for its background commit and
+every restore follow `config.storage.retry_s` (`jaxscale.storage.retry.for_workdir`). A save
+whose background commit fails for an outage is noticed at the next save or at the end of the
+run; its step directory (no commit file, so never restored) is removed and the save then in
+hand is made again once the store answers, so an outage costs one checkpoint interval, not
+the run. After the budget, `StoreUnavailable` says how to resume.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import logging
-import sys
-import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -32,6 +35,7 @@ from etils import epath
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.models.fused import is_legacy
 from jaxscale.storage import locations, orbax_paths
+from jaxscale.storage.retry import Retry, for_workdir, is_outage
 from jaxscale.train.state import TrainState
 from jaxscale.weights.legacy import LEGACY_RESUME
 from jaxscale.weights.tree import flatten
@@ -78,9 +82,11 @@ def newest_restorable(root: str, restore: Callable[[int], T],
             value = restore(step)
         except JaxscaleError:
             raise
-        except Exception as e:  # any failure to read a step makes it unusable
+        except Exception as e:  # any failure to read a step makes it unusable, but an outage
+            if is_outage(e):    # says nothing about the step
+                raise
             broken.append((step, e))
-            _drop_orphaned_read_errors()
+            orbax_paths.drop_orphaned_echoes()
             continue
         if broken:
             names = ", ".join(f"step {s} ({_short(e)})" for s, e in broken)
@@ -99,45 +105,6 @@ def newest_restorable(root: str, restore: Callable[[int], T],
         "every older step fails too. The files are truncated or corrupt; restore them from a",
         "copy, or start a fresh workdir.",
     )) from None
-
-
-_ORPHANED_READ = "Encountered error while reading array index"
-
-
-class _OrphanedReadFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return _ORPHANED_READ not in record.getMessage()
-
-
-def _is_orphaned_read(error: BaseException | None) -> bool:
-    if error is None:
-        return False
-    if _ORPHANED_READ in str(error):
-        return True
-    frames = traceback.extract_tb(error.__traceback__)
-    return (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-            and any(f.name == "call_soon_threadsafe" for f in frames))
-
-
-@functools.cache
-def _drop_orphaned_read_errors() -> None:
-    """orbax gathers a step's array reads on an asyncio loop that it closes at the first
-    failure; the reads still in flight then fail unobserved, and asyncio (a log line), the
-    garbage collector ("Exception ignored") and tensorstore's completion callbacks (a closed
-    loop) echo them as tracebacks, sometimes at interpreter exit. The broken step is already
-    reported once, as a BrokenCheckpointWarning, so these echoes, and only these, are dropped
-    from then on."""
-    logging.getLogger("asyncio").addFilter(_OrphanedReadFilter())
-    unraisable, excepthook = sys.unraisablehook, sys.excepthook
-
-    def unraisable_hook(report: Any) -> None:
-        if not _is_orphaned_read(report.exc_value):
-            unraisable(report)
-
-    def except_hook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
-        if not _is_orphaned_read(error):
-            excepthook(kind, error, tb)
-    sys.unraisablehook, sys.excepthook = unraisable_hook, except_hook
 
 
 def _short(error: Exception) -> str:
@@ -242,6 +209,17 @@ class Checkpointer:
             max_to_keep=keep, create=True, enable_async_checkpointing=True,
             atomicity_options=orbax_paths.atomicity_options(self.directory))
         self.manager = ocp.CheckpointManager(self._path(), options=options)
+        # One process: a failed save can be redone alone; with several, every host would have
+        # to agree to redo it, so an outage there stops the run (orbax's error).
+        self._retry = for_workdir(self.directory)
+        if jax.process_count() > 1:
+            self._retry = Retry(self.directory)
+            self._retry.enabled = False
+        self._dirty = False  # an outage may have left a half-written step to remove
+        self._lost = False   # a save's commit failed: the state at hand must be saved again
+        if self._retry.enabled:  # an outage's echoes: orbax's tracebacks, its closed loops
+            orbax_paths.quiet_outage_logs()
+            orbax_paths.drop_orphaned_echoes()
 
     def _path(self, *parts: str) -> epath.Path:
         """The directory (or an entry under it) as the epath orbax reads and writes."""
@@ -252,11 +230,53 @@ class Checkpointer:
 
     def save(self, step: int, state: TrainState, data_state: dict | None,
              adapters_only: bool = False) -> None:
-        """`adapters_only` (LoRA): the frozen base is not written, only its fingerprint."""
-        saveable = _to_saveable(state, adapters_only and bool(state.frozen))
-        args = ocp.args.Composite(state=ocp.args.StandardSave(saveable),
-                                  data=ocp.args.JsonSave(data_state or {}))
-        self.manager.save(step, args=args, force=True)
+        """Starts saving `step` (its commit continues in the background) once the previous
+        save is committed; `adapters_only` (LoRA): the frozen base is saved as its fingerprint
+        only. Across an outage: see the module docstring."""
+        args = _save_args(state, data_state, adapters_only)
+
+        def attempt(_: float | None) -> None:
+            self._settle()
+            self._start(step, args)
+        self._retry.call(f"saving checkpoint step {step}", attempt)
+
+    def finish(self, step: int, state: TrainState, data_state: dict | None,
+               adapters_only: bool = False, save: bool = True) -> None:
+        """Waits until the last save is committed, then closes. `save`: `step` is saved too
+        (unless it already is); so is it when an earlier save's commit failed in an outage,
+        since `state` is the only copy left of what was trained."""
+        def attempt(_: float | None) -> None:
+            self._settle()
+            if (save or self._lost) and self.manager.latest_step() != step:
+                self._start(step, _save_args(state, data_state, adapters_only))
+                self._settle()
+        self._retry.call(f"saving checkpoint step {step}", attempt)
+        self._lost = False
+        self.manager.close()
+
+    def _settle(self) -> None:
+        """Removes what an outage left half-written, then waits for the background commit of
+        the last save; one that failed for an outage marks its state as lost."""
+        if self._dirty:
+            orbax_paths.discard_partial(self.directory, locations.settings().timeout_s)
+            self.manager.reload()
+            self._dirty = False
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            if self._retry.enabled and is_outage(e):
+                self._dirty = self._lost = True
+            raise
+
+    def _start(self, step: int, args: Any) -> None:
+        """Starts saving `step`; a newer state than a lost one supersedes it."""
+        try:
+            self.manager.save(step, args=args, force=True)
+        except Exception as e:
+            if self._retry.enabled and is_outage(e):
+                self._dirty = True
+            raise
+        self._lost = False
 
     def saved_keys(self, step: int) -> set[str]:
         """Top-level entries of a saved state ('frozen' or 'base_fingerprint', 'params', ...)."""
@@ -285,12 +305,15 @@ class Checkpointer:
                 "the same config, or start a fresh workdir (use config.init_from for weights).",
             ))
 
+        def retried(step: int) -> tuple[bool, dict]:
+            return self._retry.call(f"restoring checkpoint step {step}", lambda _: attempt(step))
+
         if step is None:
             step, (adapters_only, restored) = newest_restorable(
-                self.directory, attempt, mismatch, self._set_aside)
+                self.directory, retried, mismatch, self._set_aside)
         else:
             try:
-                adapters_only, restored = attempt(step)
+                adapters_only, restored = retried(step)
             except (ValueError, KeyError, FileNotFoundError) as e:
                 raise mismatch(step, e) from None
         s = restored["state"]
@@ -325,7 +348,7 @@ class Checkpointer:
                 n = 1
                 while dst.exists():
                     dst, n = self._path(f"{step}.broken{n}"), n + 1
-                _move(src, dst)
+                orbax_paths.move_step(src, dst)
                 moved.append(dst.name)
         self.manager.reload()
         return (f"The broken step was moved aside to {', '.join(moved)} (nothing deleted) so "
@@ -349,20 +372,7 @@ class Checkpointer:
         self.manager.close()
 
 
-def _move(src: epath.Path, dst: epath.Path) -> None:
-    """Renames a step directory. Object stores have no directory rename: every object under
-    the step is copied by tensorstore (one GET and PUT each), then the commit file is deleted
-    first, so the source never looks complete with objects missing, then the rest."""
-    if not str(src).startswith(("gs://", "s3://")):
-        src.rename(dst)
-        return
-    import tensorstore as ts
-
-    source = ts.KvStore.open(locations.kvstore_spec(str(src))).result()
-    target = ts.KvStore.open(locations.kvstore_spec(str(dst))).result()
-    for key in source.list().result():
-        target.write(key, source.read(key).result().value).result()
-    commit = orbax_paths.COMMIT_FILE.encode()
-    source.delete_range(ts.KvStore.KeyRange(commit, commit + b"\x00")).result()
-    source.delete_range(ts.KvStore.KeyRange()).result()
-
+def _save_args(state: TrainState, data_state: dict | None, adapters_only: bool) -> Any:
+    saveable = _to_saveable(state, adapters_only and bool(state.frozen))
+    return ocp.args.Composite(state=ocp.args.StandardSave(saveable),
+                              data=ocp.args.JsonSave(data_state or {}))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale.checkpoint import Checkpointer
+from jaxscale.checkpoint import Checkpointer, _short
 from jaxscale.train.hooks import NonFiniteError
 from jaxscale.train.loop import Trainer, _attach_checkpoints, train
 
@@ -80,6 +80,22 @@ def test_interrupted_save_is_never_picked_up_and_no_pickle(tmp_path):
             assert not name.endswith((".pkl", ".pickle"))
             with open(os.path.join(root, name), "rb") as f:
                 assert not f.read(2).startswith(b"\x80\x04"), name  # pickle protocol 4 magic
+
+
+def test_short_names_the_read_error_that_orbax_wraps():
+    """orbax formats a bound method ("See full TensorStore details: <bound method ...>")
+    where the read's own error belongs; that error (its `__context__`) is shown instead."""
+    read = 'NOT_FOUND: Error reading "params.w/0": CURL error Could not connect to server'
+    try:
+        try:
+            raise ValueError(read)
+        except ValueError:
+            raise ValueError("Encountered error while reading array index 0. See full "
+                             "TensorStore details: <bound method Future.exception of "
+                             "<Future at 0x7f finished>>") from None
+    except ValueError as e:
+        assert e.__context__ is not None and e.__context__.args == (read,)
+        assert _short(e) == f"Encountered error while reading array index 0. {read}"
 
 
 @pytest.mark.slow

@@ -15,17 +15,30 @@ the commit marker) goes through `etils.epath`, which `storage` points at the sam
 Object stores have no atomic directory rename, so remote checkpoints use orbax's commit-file
 protocol (a step counts once `commit_success.txt` is written last), as orbax already does for
 gs://. Checked against orbax-checkpoint 0.12.x (pinned in pyproject.toml).
+
+Outages: the S3 specs carry tensorstore's short per-request retries (`retry.REQUEST_RETRIES`)
+instead of its default quarter of an hour, so a dead endpoint fails a save's background
+commit within seconds and `jaxscale.checkpoint` retries the save under `config.storage.retry_s`;
+a step left half-written by it has no commit file and is removed (`discard_partial`) before
+the save is made again. orbax logs such a failure with its whole botocore traceback from its
+background thread; `quiet_outage_logs` drops those records (the retry logs the outage once),
+and `drop_orphaned_echoes` the tracebacks of the reads or writes left in flight when orbax gives
+up on a step (a broken step on restore, an outage on save).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import sys
+import traceback
 from typing import Any
 
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
 from jaxscale.storage import locations
+from jaxscale.storage.retry import REQUEST_RETRIES, is_outage
 
 COMMIT_FILE = "commit_success.txt"  # orbax's marker of a finished step (commit-file protocol)
 _GS_ALIAS = "gs://"
@@ -40,8 +53,17 @@ def _to_s3(spec: Any) -> Any:
     if spec.get("driver") in ("gcs", "gcs_grpc") and "bucket" in spec:
         s3 = locations.kvstore_spec(f"s3://{spec['bucket']}")
         extra = {k: v for k, v in spec.items() if k not in ("driver", "bucket", "path")}
-        return {**s3, **extra, "path": spec.get("path", "")}
+        return {**s3, **extra, "path": spec.get("path", ""),
+                "context": {"s3_request_retries": REQUEST_RETRIES}}
     return {k: _to_s3(v) for k, v in spec.items()}
+
+
+def _kvstore_spec(location: str) -> dict:
+    """`locations.kvstore_spec` with tensorstore's short per-request retries on S3."""
+    spec = locations.kvstore_spec(location)
+    if spec["driver"] == "s3":
+        spec["context"] = {"s3_request_retries": REQUEST_RETRIES}
+    return spec
 
 
 def _wrap(build: Any) -> Any:
@@ -81,3 +103,100 @@ def is_complete(step_dir: Any, remote: bool) -> bool:
     (a step killed mid-save has the step's name but no commit file); locally orbax renames the
     temporary directory only when the save is complete, so the name suffices."""
     return not remote or (step_dir / COMMIT_FILE).exists()
+
+
+def discard_partial(root: str, timeout_s: float | None = None) -> list[str]:
+    """Deletes the step directories under a bucket's checkpoints directory that have no commit
+    file (a save cut short by an outage), commit file first, so that orbax can write those
+    steps again; returns their names. Locally orbax never renames an unfinished step."""
+    if not locations.is_remote(root):
+        return []
+    base = path(root)
+    if not base.is_dir():
+        return []
+    gone = [p for p in base.iterdir() if p.name.isdigit() and not is_complete(p, True)]
+    for step_dir in gone:
+        _delete_prefix(str(step_dir), timeout_s)
+    return [p.name for p in gone]
+
+
+def move_step(src: Any, dst: Any) -> None:
+    """Renames a step directory. Object stores have no directory rename: every object under
+    the step is copied by tensorstore (one GET and PUT each), then the commit file is deleted
+    first, so the source never looks complete with objects missing, then the rest."""
+    if not str(src).startswith(("gs://", "s3://")):
+        src.rename(dst)
+        return
+    import tensorstore as ts
+
+    source = ts.KvStore.open(_kvstore_spec(str(src))).result()
+    target = ts.KvStore.open(_kvstore_spec(str(dst))).result()
+    for key in source.list().result():
+        target.write(key, source.read(key).result().value).result()
+    _delete_prefix(str(src))
+
+
+def _delete_prefix(location: str, timeout_s: float | None = None) -> None:
+    """Deletes every object under `location`, its commit file first."""
+    import tensorstore as ts
+
+    kv = ts.KvStore.open(_kvstore_spec(location)).result(timeout=timeout_s)
+    commit = COMMIT_FILE.encode()
+    kv.delete_range(ts.KvStore.KeyRange(commit, commit + b"\x00")).result(timeout=timeout_s)
+    kv.delete_range(ts.KvStore.KeyRange()).result(timeout=timeout_s)
+
+
+class _OutageRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and is_outage(record.exc_info[1]))
+
+
+@functools.cache
+def quiet_outage_logs() -> None:
+    """Drops the log records of orbax (absl) and of its asyncio writes ("exception was never
+    retrieved") that carry an outage's traceback: the save is retried and the outage logged
+    once by `jaxscale.storage.retry`; other errors are still logged."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_OutageRecords())
+
+
+_ORPHANED_READ = "Encountered error while reading array index"
+
+
+class _OrphanedReadFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _ORPHANED_READ not in record.getMessage()
+
+
+def _is_orphaned_read(error: BaseException | None) -> bool:
+    if error is None:
+        return False
+    if _ORPHANED_READ in str(error) or (isinstance(error, ImportError)
+                                        and "likely shutting down" in str(error)):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+            and any(f.name == "call_soon_threadsafe" for f in frames))
+
+
+@functools.cache
+def drop_orphaned_echoes() -> None:
+    """orbax gathers a step's array reads on an asyncio loop that it closes at the first
+    failure; the reads still in flight then fail unobserved, and asyncio (a log line), the
+    garbage collector ("Exception ignored") and tensorstore's completion callbacks (a closed
+    loop) echo them as tracebacks, sometimes at interpreter exit. The broken step is already
+    reported once, as a BrokenCheckpointWarning, so these echoes, and only these, are dropped
+    from then on. A save on a bucket that an outage cut short leaves such writes too (and, at
+    exit, coroutines that can no longer import anything): the outage is reported once by the
+    retry policy, and these echoes are dropped the same way."""
+    logging.getLogger("asyncio").addFilter(_OrphanedReadFilter())
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+    def unraisable_hook(report: Any) -> None:
+        if not _is_orphaned_read(report.exc_value):
+            unraisable(report)
+
+    def except_hook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        if not _is_orphaned_read(error):
+            excepthook(kind, error, tb)
+    sys.unraisablehook, sys.excepthook = unraisable_hook, except_hook

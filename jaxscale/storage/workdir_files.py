@@ -6,6 +6,10 @@ atomically, so on a bucket each file is rewritten whole (a reader sees the old o
 object, never a torn one), and TensorBoard, whose writer appends to local files, writes to a
 local mirror that is uploaded (`TensorBoardMirror`). Checkpoints are not here: orbax and
 tensorstore write them straight to the store (`jaxscale.storage.orbax_paths`).
+
+Outages: on a bucket every read and write is retried under `config.storage.retry_s`
+(`retry.for_workdir`, shared with the run's checkpoints), each request with tensorstore's
+short per-request retries; a write is one whole-object PUT, so re-issuing it is harmless.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 from typing import Any
 
 from jaxscale.storage import locations
+from jaxscale.storage.retry import REQUEST_RETRIES, for_workdir
 
 TB_UPLOAD_EVERY_S = 30.0  # events are a convenience: upload a growing file at most this often
 
@@ -27,15 +32,20 @@ def _object(location: str) -> tuple[Any, str]:
     import tensorstore as ts
 
     parent, _, name = location.rstrip("/").rpartition("/")
-    return ts.KvStore.open(locations.kvstore_spec(parent)).result(), name
+    spec = locations.kvstore_spec(parent)
+    if spec["driver"] == "s3":  # a dead endpoint fails in seconds; the retry policy waits
+        spec["context"] = {"s3_request_retries": REQUEST_RETRIES}
+    return ts.KvStore.open(spec).result(), name
 
 
 def read_bytes(location: str) -> bytes | None:
     """The file's bytes, or None if it does not exist."""
     if locations.is_remote(location):
-        kv, key = _object(location)
-        got = kv.read(key).result()
-        return got.value if got.state == "value" else None
+        def read(timeout_s: float | None) -> bytes | None:
+            kv, key = _object(location)
+            got = kv.read(key).result(timeout=timeout_s)
+            return got.value if got.state == "value" else None
+        return for_workdir(location).call(f"reading {location}", read)
     if not os.path.exists(location):
         return None
     with open(location, "rb") as f:
@@ -45,8 +55,10 @@ def read_bytes(location: str) -> bytes | None:
 def write_bytes(location: str, data: bytes) -> None:
     """One PUT on a bucket (readers see the old or the new object); a plain write locally."""
     if locations.is_remote(location):
-        kv, key = _object(location)
-        kv.write(key, data).result()
+        def write(timeout_s: float | None) -> None:
+            kv, key = _object(location)
+            kv.write(key, data).result(timeout=timeout_s)
+        for_workdir(location).call(f"writing {location}", write, len(data))
         return
     with open(location, "wb") as f:
         f.write(data)

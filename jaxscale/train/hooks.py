@@ -100,15 +100,18 @@ class CheckpointHook:
             self._save(info)
 
     def at_end(self, info: StepInfo) -> None:
-        if self.checkpointer.every and self.checkpointer.latest_step() != info.step:
-            self._save(info)
-        self.checkpointer.close()
+        self._finish(info, save=bool(self.checkpointer.every))
 
     def at_preemption(self, info: StepInfo) -> bool:
         """Saves at `info.step` (every host calls this at the same step) unless the periodic
         save just did, and waits until the write is complete: the process exits next."""
-        self.checkpointer.wait()
-        if self.checkpointer.latest_step() != info.step:
-            self._save(info)
-        self.checkpointer.close()
+        self._finish(info, save=True)
         return True
+
+    def _finish(self, info: StepInfo, save: bool) -> None:
+        """Saves `info.step` if asked (and not saved yet), waits until the last save is
+        committed (redoing one an outage failed, from `info.state`), and closes."""
+        if save and self.checkpointer.latest_step() != info.step:
+            check_finite(info.state, self.skip_nonfinite)
+        self.checkpointer.finish(info.step, info.state, info.data_state, self.adapters_only,
+                                 save)

@@ -1,0 +1,160 @@
+"""Checkpoints, metrics.jsonl and TensorBoard on a bucket across a real object-store outage: a
+SeaweedFS server of its own (killed and restarted on the same ports and data), so the shared
+fixtures' servers stay up.
+
+The server is killed by a hook right before the save of step 4 (the loop's hooks run before
+the checkpoint hook), from the thread that runs the loop, so the outage always meets a save.
+A short outage costs a retry: the run ends as an uninterrupted one would (same losses, every
+checkpoint complete and restorable), logging the outage once when it starts and once when it
+ends. One longer than `storage.retry_s` stops with one paragraph naming the store, the endpoint
+and the command that resumes, and the same run resumes once the server is back."""
+
+import logging
+import threading
+import time
+
+import pytest
+
+from configs.tiny_lm import get_config
+from jaxscale.checkpoint import restore_params, saved_steps
+from jaxscale.errors import JaxscaleError
+from jaxscale.observe.metrics import read_metrics
+from jaxscale.storage import locations, orbax_paths
+from jaxscale.storage.retry import StoreUnavailable
+from jaxscale.train.loop import train
+from tests import servers
+
+pytestmark = [pytest.mark.xdist_group("seaweedfs-checkpoint-outage")]
+KILL_AT = 4  # a save step (checkpoint.every=2)
+
+
+@pytest.fixture(scope="module")
+def own_seaweedfs():
+    try:
+        server = servers.start(servers.SeaweedFS)
+    except servers.Unavailable as e:
+        pytest.skip(f"SeaweedFS cannot start here: {e}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def workdir(own_seaweedfs, monkeypatch):
+    for key, value in own_seaweedfs.env().items():
+        monkeypatch.setenv(key, value)
+    yield f"s3://{own_seaweedfs.make_bucket()}/run"
+    locations.configure()
+
+
+def _config(retry_s: float):
+    c = get_config("test")
+    c.train.update(steps=8, log_every=1, eval_every=0)
+    c.checkpoint.every = 2
+    c.storage.retry_s = retry_s
+    return c
+
+
+class _KillBeforeSave:
+    """Before the checkpoint hook of step KILL_AT, once the previous save is committed: kills
+    the server, or (`wait_for_main`) signals `reached` and waits for the main thread's `go`."""
+
+    def __init__(self, server, workdir: str, wait_for_main: bool):
+        self.server, self.wait_for_main = server, wait_for_main
+        self.root = locations.join(workdir, "checkpoints")
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def after_step(self, info):
+        if info.step == KILL_AT:
+            deadline = time.monotonic() + 120
+            while KILL_AT - 2 not in saved_steps(self.root) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if self.wait_for_main:
+                self.reached.set()
+                self.go.wait(120)
+            else:
+                self.server.kill()
+
+    def at_end(self, info):
+        pass
+
+
+def _losses(workdir: str) -> list[float]:
+    return [m["loss"] for m in read_metrics(workdir)]
+
+
+def _assert_complete(workdir: str, newest: int) -> None:
+    """Every listed step restores and the newest is `newest`; a step directory without its
+    commit file (never listed, nor restored) is at most an old step's deletion cut short."""
+    root = locations.join(workdir, "checkpoints")
+    steps = saved_steps(root)
+    assert steps and steps[0] == newest, steps
+    for step in steps:
+        assert "params" in restore_params(root, step)
+    names = [int(p.name) for p in orbax_paths.path(root).iterdir() if p.name.isdigit()]
+    assert all(n < min(steps) for n in set(names) - set(steps)), (names, steps)
+
+
+def _outage_lines(caplog) -> tuple[list[str], list[str]]:
+    text = [r.getMessage() for r in caplog.records if r.name == "jaxscale.storage"]
+    return ([t for t in text if "did not answer" in t],
+            [t for t in text if "answers again" in t])
+
+
+@pytest.mark.slow
+def test_a_server_restart_during_a_save_costs_a_retry_not_the_run(
+        own_seaweedfs, workdir, tmp_path, caplog):
+    want = _losses_of_local_run(tmp_path)
+    caplog.set_level(logging.WARNING, logger="jaxscale.storage")
+    killer, errors = _KillBeforeSave(own_seaweedfs, workdir, wait_for_main=True), []
+
+    def run():
+        try:
+            train(_config(retry_s=120.0), workdir, hooks=[killer])
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+        finally:
+            killer.reached.set()
+    loop = threading.Thread(target=run)
+    loop.start()
+    killer.reached.wait(600)
+    own_seaweedfs.kill()  # a crash, right before the save of step 4
+    killer.go.set()
+    time.sleep(3.0)
+    own_seaweedfs.start()  # from the main thread: the server dies with the thread that forked it
+    loop.join(600)
+    assert not loop.is_alive() and not errors, errors
+    assert _losses(workdir) == want
+    _assert_complete(workdir, 8)
+    down, up = _outage_lines(caplog)
+    assert len(down) >= 1 and len(up) == len(down), (down, up)
+    assert "retrying for up to 120 s" in down[0]
+
+
+def _losses_of_local_run(tmp_path) -> list[float]:
+    local = str(tmp_path / "local")
+    train(_config(retry_s=120.0), local)
+    return _losses(local)
+
+
+def test_an_outage_longer_than_the_budget_stops_in_one_paragraph_and_resumes(
+        own_seaweedfs, workdir, capfd):
+    began = time.monotonic()
+    try:
+        with pytest.raises(StoreUnavailable) as err:
+            train(_config(retry_s=3.0), workdir,
+                  hooks=[_KillBeforeSave(own_seaweedfs, workdir, False)])
+        took = time.monotonic() - began
+    finally:
+        own_seaweedfs.start()
+    text = str(err.value)
+    assert isinstance(err.value, JaxscaleError)  # launch.train: `jaxscale: error: ...`, exit 2
+    assert "\n" not in text and own_seaweedfs.endpoint in text and workdir.split("/")[2] in text
+    assert "has not answered for 3 s" in text and "config.storage.retry_s" in text
+    assert "run the same command again" in text and "last complete checkpoint" in text
+    assert took < 300, took  # bounded: the budget, not tensorstore's quarter of an hour
+    assert "Traceback" not in capfd.readouterr().err  # the outage is not echoed as a traceback
+    assert saved_steps(locations.join(workdir, "checkpoints")) == [2]
+    train(_config(retry_s=3.0), workdir)  # the same run again, server back: it resumes
+    assert "resumed from" in capfd.readouterr().out
+    assert [m["step"] for m in read_metrics(workdir)] == list(range(1, 9))
+    _assert_complete(workdir, 8)
