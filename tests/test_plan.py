@@ -29,7 +29,8 @@ def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
     assert all((x.data.batch_size // x.train.grad_accum) % x.pipeline.microbatches == 0
                for x in piped)
     assert found.index(piped[0]) > max(i for i, x in enumerate(found) if x.mesh.pipeline == 1)
-    assert {x.model.remat for x in found} == {"full", "dots", "none"}
+    assert {x.model.remat for x in found} == {"full", "save_qkv_proj", "save_dot_except_mlp",
+                                              "dots", "none"}
     # `tp` without tensor parallelism is `dp`, and `dp` over fsdp is `dp` over data: not searched.
     assert not any(x.rules_preset in ("tp", "fsdp_tp") and x.mesh.tensor == 1 for x in found)
     assert not any(x.rules_preset == "dp" and x.mesh.fsdp > 1 for x in found)
@@ -71,13 +72,41 @@ def test_planner_tries_no_remat_first_only_where_the_guess_says_it_fits():
     assert first(c, "v5p:2x2x4").model.remat == "none"
     # 7B at 16 sequences a chip on v5p-32 would need about 180 GB of activations: full first.
     assert first(llama.get_config("7b"), "v5p:2x4x4").model.remat == "full"
-    # On v5e-16 (16 GB a chip) the same 1B step is guessed over: full first.
-    assert first(c, "v5e:4x4").model.remat == "full"
+    # On v5e-16 (16 GB a chip) the same 1B step without remat is guessed over, and so is
+    # keeping every dot; keeping the attention's projections (the MLP recomputed) is guessed
+    # to fit: the lightest policy that fits first, before full.
+    assert first(c, "v5e:4x4").model.remat == "save_dot_except_mlp"
     # Where no remat fits, more remat with the same settings cannot win.
     none = Candidate({"mesh.fsdp": 8, "model.remat": "none"})
     assert dominated(Candidate({"mesh.fsdp": 8, "model.remat": "full"}), [none])
     assert not dominated(Candidate({"mesh.fsdp": 8, "model.remat": "none"}),
                           [Candidate({"mesh.fsdp": 8, "model.remat": "full"})])
+    qkv = Candidate({"mesh.fsdp": 8, "model.remat": "save_qkv_proj"})
+    assert dominated(Candidate({"mesh.fsdp": 8, "model.remat": "full"}), [qkv])
+    assert not dominated(qkv, [Candidate({"mesh.fsdp": 8, "model.remat": "full"})])
+
+
+def test_the_guess_orders_the_remat_policies_by_what_they_save():
+    from jaxscale.aot.guess import dims_of, remat_bytes
+    from jaxscale.aot.memory import host_bytes
+    from jaxscale.aot.plan import REMATS
+
+    c = llama.get_config("7b")
+    dims = dims_of(c)
+    mesh = {"data": 1, "fsdp": 16, "tensor": 1, "pipeline": 1}
+    guess = {r: remat_bytes(c, dims, mesh, 1, "splash", 1, r)
+             for r in REMATS + ("save_out_proj", "minimal", "qkv_proj_offloaded")}
+    # Searched order is most recompute (least memory) first.
+    assert [guess[r] for r in REMATS] == sorted(guess[r] for r in REMATS)
+    assert guess["full"] < guess["save_out_proj"] < guess["save_qkv_proj"]
+    assert guess["save_dot_except_mlp"] < guess["minimal"] < guess["none"] == guess["dots"]
+    # Offloading keeps the saved activations off the chip: HBM as full, the rest on the host
+    # (q/k/v of 7B: (32 + 2 x 32) x 128 bf16 values a token and layer).
+    assert guess["qkv_proj_offloaded"] == guess["full"]
+    tokens = c.data.batch_size / 16 * c.data.seq_len
+    assert host_bytes(dims, tokens=tokens, remat="qkv_proj_offloaded") == (
+        tokens * dims.num_layers * 96 * 128 * 2)
+    assert host_bytes(dims, tokens=tokens, remat="save_qkv_proj") == 0
 
 
 @libtpu_test

@@ -1,9 +1,10 @@
-"""A rough guess of a step's bytes per chip without remat, used only to order the planner.
+"""A rough guess of a step's bytes per chip under each remat policy, used only to order the
+planner.
 
-Why: the planner compiles candidates likeliest-winner first under a budget. Without remat a
-step does no recompute, so where it fits it wins; but for large models it needs several times
-the HBM, and trying it first would spend the budget on refusals. This guess decides which to try
-first. It is never reported and never decides a fit: the compiler does (`aot.compile`). It is
+Why: the planner compiles candidates likeliest-winner first under a budget. The less a step
+recomputes the faster it is, so the lightest remat that fits wins; but for large models no remat
+needs several times the HBM, and trying it first would spend the budget on refusals. This guess
+decides which policy to try first. It is never reported and never decides a fit: the compiler does (`aot.compile`). It is
 the one memory model (`aot.memory`) scaled by `CALIBRATION`, because the model's counts fall
 short of libtpu's compiled totals (bench/RESULTS.md has the compiled totals of these steps).
 Nothing here names a model: the parameter count comes from the model table (`ModelDef`), the
@@ -22,7 +23,7 @@ CALIBRATION = 1.5  # libtpu's compiled total / the memory model's count, about, 
 def dims_of(config: mlc.ConfigDict) -> Dims | None:
     """The model's parameter count and widths (building its abstract shapes, no arrays), or
     None for a model without the widths the memory model needs. Once per config: the planner
-    passes the result to `no_remat_bytes` for each candidate."""
+    passes the result to `remat_bytes` for each candidate."""
     from jaxscale.models import ModelDef  # lazy: the planner's module import stays light
     from jaxscale.precision import get_policy
 
@@ -30,12 +31,14 @@ def dims_of(config: mlc.ConfigDict) -> Dims | None:
     return Dims.from_model(config.model, num_params)
 
 
-def no_remat_bytes(config: mlc.ConfigDict, dims: Dims | None, mesh: dict[str, int], accum: int,
-                   attention: str, loss_chunks: int) -> float | None:
-    """Guessed bytes per chip of `config`'s step without remat on `mesh` (sizes by axis, data
+def remat_bytes(config: mlc.ConfigDict, dims: Dims | None, mesh: dict[str, int], accum: int,
+                attention: str, loss_chunks: int, remat: str) -> float | None:
+    """Guessed bytes per chip of `config`'s step under `remat` on `mesh` (sizes by axis, data
     including slices) with `accum` micro-batches, `attention` and `loss_chunks`, or None where
     there is no guess (no `dims`, or pipeline stages, whose schedules hold activations
-    differently)."""
+    differently). A policy named by what it saves is counted by those activations' bytes per
+    layer and token (`memory.NAME_WIDTHS`), so the planner can order the policies between
+    none and full."""
     import numpy as np
 
     from jaxscale.precision import get_policy
@@ -48,5 +51,11 @@ def no_remat_bytes(config: mlc.ConfigDict, dims: Dims | None, mesh: dict[str, in
     tokens = config.data.batch_size / (mesh["data"] * mesh["fsdp"] * accum) * seq
     return CALIBRATION * step_bytes(
         dims, tokens=tokens, seq_len=seq, state_bytes=state, param_shards=mesh["fsdp"],
-        tensor=mesh.get("tensor", 1), remat="none", einsum_scores=attention == "einsum",
+        tensor=mesh.get("tensor", 1), remat=remat, einsum_scores=attention == "einsum",
         loss_chunks=loss_chunks)
+
+
+def no_remat_bytes(config: mlc.ConfigDict, dims: Dims | None, mesh: dict[str, int], accum: int,
+                   attention: str, loss_chunks: int) -> float | None:
+    """`remat_bytes` without remat: the most a step can need."""
+    return remat_bytes(config, dims, mesh, accum, attention, loss_chunks, "none")

@@ -11,7 +11,10 @@ layer about ten embed-wide and four mlp-wide bf16 tensors are saved (norms, proj
 residuals; SwiGLU's gate, up and product) plus, with einsum attention, the float32 scores and
 probabilities of every head; the LM head keeps float32 logits, softmax and gradient (a chunk of
 them with `loss_chunks`). Full remat keeps only each layer's bf16 input and recomputes one layer
-at a time (two layers' activations live at once); other policies are counted as keeping all.
+at a time (two layers' activations live at once); a policy named by what it saves
+(`models/scan.py` NAMED_POLICIES) keeps that input plus the named activations it saves in HBM
+(`NAME_WIDTHS`; those it offloads live in host memory, `host_bytes`); jax's dot policies and
+none are counted as keeping all.
 """
 
 from __future__ import annotations
@@ -43,15 +46,59 @@ class Dims:
     mlp: int
     num_heads: int
     vocab_size: int
+    num_kv_heads: int = 0  # 0: as many as heads (no grouped-query attention)
+    head_dim: int = 0      # 0: embed / heads
 
     @classmethod
     def from_model(cls, model: Mapping, num_params: int) -> Dims | None:
         """From a `config.model` section's transformer widths (`embed`, `mlp`, `num_heads`,
-        `num_layers`, `vocab_size`); None for a model that lacks one of them."""
+        `num_layers`, `vocab_size`, and `num_kv_heads` / `head_dim` where it has them); None
+        for a model that lacks one of the first five."""
         keys = ("num_layers", "embed", "mlp", "num_heads", "vocab_size")
         if not all(k in model for k in keys):
             return None
-        return cls(num_params, *(int(model[k]) for k in keys))
+        return cls(num_params, *(int(model[k]) for k in keys),
+                   num_kv_heads=int(model.get("num_kv_heads", 0)),
+                   head_dim=int(model.get("head_dim", 0)))
+
+
+# Elements per token and layer of each named activation (`models/scan.py` ACTIVATION_NAMES).
+NAME_WIDTHS = {
+    "qkv_proj": lambda d: (d.num_heads + 2 * _kv(d)) * _head_dim(d),
+    "attn_out": lambda d: d.num_heads * _head_dim(d),
+    "out_proj": lambda d: d.embed,
+    "mlp_gate_up": lambda d: 2 * d.mlp,
+}
+
+
+def _kv(d: Dims) -> int:
+    return d.num_kv_heads or d.num_heads
+
+
+def _head_dim(d: Dims) -> int:
+    return d.head_dim or d.embed // d.num_heads
+
+
+def _named(remat: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(saved, offloaded) names of a policy named by what it keeps, else None."""
+    from jaxscale.models.scan import NAMED_POLICIES  # lazy: this module stays free of jax
+
+    named = NAMED_POLICIES.get(remat)
+    return None if named is None else (named.saved, named.offloaded)
+
+
+def named_bytes_per_token(dims: Dims, names: tuple[str, ...], tensor: int = 1) -> float:
+    """Bytes per token of one layer's `names` activations (bf16, split over `tensor`)."""
+    return sum(NAME_WIDTHS[n](dims) for n in names) * BF16 / tensor
+
+
+def host_bytes(dims: Dims, *, tokens: float, remat: str, tensor: int = 1) -> float:
+    """Pinned host bytes per device that `remat` offloads: its offloaded activations, every
+    layer's, for `tokens` tokens (0 for a policy that offloads nothing)."""
+    named = _named(remat)
+    if named is None:
+        return 0.0
+    return tokens * dims.num_layers * named_bytes_per_token(dims, named[1], tensor)
 
 
 def step_bytes(dims: Dims, *, tokens: float, seq_len: int, state_bytes: float,
@@ -67,8 +114,10 @@ def step_bytes(dims: Dims, *, tokens: float, seq_len: int, state_bytes: float,
     if einsum_scores:
         layer += 2 * d.num_heads * seq_len * F32 / tensor
     logits = 3 * d.vocab_size * F32 / tensor / loss_chunks
-    if remat == "full":
-        per_token = d.num_layers * d.embed * BF16 + 2 * layer + logits
+    named = _named(remat)
+    if remat == "full" or named is not None:
+        kept = 0.0 if named is None else named_bytes_per_token(d, named[0], tensor)
+        per_token = d.num_layers * (d.embed * BF16 + kept) + 2 * layer + logits
     else:
         per_token = d.num_layers * layer + logits
     return state + gathered + tokens * per_token

@@ -28,14 +28,17 @@ from jaxscale.aot.choices import (
     require_language_model,
     rows_per_chip,
 )
-from jaxscale.aot.guess import dims_of, no_remat_bytes
+from jaxscale.aot.guess import dims_of, remat_bytes
 from jaxscale.aot.memory import Dims
 from jaxscale.aot.topology import Topology
 from jaxscale.errors import JaxscaleError
 
 PRESETS = ("fsdp", "fsdp_tp", "tp", "dp")
-REMATS = ("full", "dots", "none")
-REMAT_COST = {"none": 0, "dots": 1, "full": 2}  # recompute: none < dots (some) < full
+# The remat policies searched, most recompute (least HBM) first, and their recompute rank:
+# none < dots (elementwise only) < save_dot_except_mlp (and the MLP's matmuls) < save_qkv_proj
+# (and attention's out projection and einsums) < full (every matmul but the last).
+REMATS = ("full", "save_qkv_proj", "save_dot_except_mlp", "dots", "none")
+REMAT_COST = {r: len(REMATS) - 1 - i for i, r in enumerate(REMATS)}
 SCHEDULES = ("1f1b", "gpipe")  # 1F1B first: GPipe's bubble with activations bounded by stages
 # The mesh axes each rules preset exists for: it is a candidate only where these are > 1, and
 # only on meshes whose axes > 1 it uses (besides `data` and `pipeline`, which every preset
@@ -110,10 +113,14 @@ def _micro_batches(per_chip: int) -> list[int]:
 
 def _remat_order(config: mlc.ConfigDict, dims: Dims | None, mesh: dict[str, int], accum: int,
                  attention: str, chunks: int, budget: float) -> tuple[str, ...]:
-    """No remat first where the analytic guess says it fits the HBM budget (no recompute: it
-    wins where it fits), else full remat first (the others rarely fit a large model)."""
-    guess = no_remat_bytes(config, dims, mesh, accum, attention, chunks)
-    return tuple(reversed(REMATS)) if guess is not None and guess <= budget else REMATS
+    """The policies the analytic guess says fit the HBM budget first, least recompute first
+    (the lightest that fits wins), then the rest, most recompute first (the likeliest to fit
+    after all); without a guess, `REMATS` (most recompute first)."""
+    guesses = {r: remat_bytes(config, dims, mesh, accum, attention, chunks, r) for r in REMATS}
+    if any(g is None for g in guesses.values()):
+        return REMATS
+    fit = [r for r in reversed(REMATS) if guesses[r] <= budget]
+    return tuple(fit) + tuple(r for r in REMATS if r not in fit)
 
 
 def _search_order(cand: Candidate, remats: tuple[str, ...] = REMATS) -> tuple:

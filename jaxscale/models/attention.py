@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.models import splash
 from jaxscale.models.fused import FUSED_AXIS, QKV
@@ -173,8 +174,11 @@ class Attention(nnx.Module):
         values written at `cache_index`), attending over every slot written so far. With
         `segments_BT` (packed documents), a query sees only keys of its own segment."""
         c = self.policy.compute
+        # Activation names (`checkpoint_name`) are what the named remat policies keep
+        # (`models/scan.py`): a name on anything else would change nothing else.
         qkv_BTKCD = constrain(project(self, "wqkv", "bte,ekcd->btkcd", x_BTE, c),
                               "batch", "length", "kv", FUSED_AXIS, "head_dim")
+        qkv_BTKCD = checkpoint_name(qkv_BTKCD, "qkv_proj")
         q_BTHD, k_BTKD, v_BTKD = QKV.split(qkv_BTKCD)
         q_BTHD = constrain(rotary(q_BTHD, positions_BT, self.rope),
                            "batch", "length", "heads", "head_dim")
@@ -191,7 +195,9 @@ class Attention(nnx.Module):
             mask = Mask.cached(t, cache_index, cache.k.shape[1], segments_BT, cache.segments)
         out_BTHD = attend(q_BTHD, k_BSKD, v_BSKD, mask, impl=self.impl,
                           softmax_dtype=self.policy.dtype_for("softmax"))
-        out_BTHD = constrain(out_BTHD, "batch", "length", "heads", "head_dim")
+        out_BTHD = checkpoint_name(constrain(out_BTHD, "batch", "length", "heads", "head_dim"),
+                                   "attn_out")
         out_BTE = constrain(project(self, "wo", "bthd,hde->bte", out_BTHD, c),
                             "batch", "length", "embed")
+        out_BTE = checkpoint_name(out_BTE, "out_proj")
         return out_BTE if cache is None else (out_BTE, cache)

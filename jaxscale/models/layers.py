@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.models.fused import FUSED_AXIS, GATE_UP
 from jaxscale.precision import Policy
@@ -180,7 +181,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         c = self.policy.compute
-        gate_up_BT2F = project(self, "w_gate_up", "bte,ecf->btcf", x_BTE, c)
+        # Named for the remat policies (`models/scan.py` ACTIVATION_NAMES).
+        gate_up_BT2F = checkpoint_name(project(self, "w_gate_up", "bte,ecf->btcf", x_BTE, c),
+                                       "mlp_gate_up")
         gate_BTF, up_BTF = GATE_UP.split(gate_up_BT2F)
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, "batch", "length", "mlp")
         out_BTE = project(self, "w_down", "btf,fe->bte", h_BTF, c)

@@ -2,13 +2,19 @@
 rematerialisation policy chosen by name.
 
 Every model and every pipeline schedule runs its layers through `scan_layers`, and every config
-check of `model.remat` goes through `check_remat`, so a new policy is one line in
-`REMAT_POLICIES`.
+check of `model.remat` goes through `check_remat`, so a new policy is one line in a table.
+
+Besides none / full and jax's two dot policies, the policies between them are named by what they
+keep: the model tags its key activations with `jax.ad_checkpoint.checkpoint_name` (the names in
+`ACTIVATION_NAMES`), and `NAMED_POLICIES` says which names each policy saves in HBM and which it
+offloads to pinned host memory (saved there in the forward pass, copied back for the backward);
+everything else in the layer is recomputed. A remat policy only changes what the backward pass
+recomputes, never the values: every policy gives the loss and gradients of `none`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
@@ -16,13 +22,62 @@ from flax import nnx
 from jaxscale.errors import ConfigError
 from jaxscale.models.attention import KVCache
 
+# The activations the Llama block names (`checkpoint_name`), per token and layer:
+ACTIVATION_NAMES = (
+    "qkv_proj",     # the fused q/k/v projection's output (before rotary): (H + 2K) x D
+    "attn_out",     # attention's output before the out projection (MaxText's "context"): H x D
+    "out_proj",     # the out projection's output: E
+    "mlp_gate_up",  # the MLP's fused gate/up projection: 2 x F, the largest
+)
+# The MLP's down projection is not named: it is the block's last matmul, only added to the
+# residual, and no backward pass needs it (nothing could save it).
+
+
+class Named(NamedTuple):
+    """A policy by names: what stays in HBM (`saved`) and what goes to host (`offloaded`)."""
+
+    saved: tuple[str, ...] = ()
+    offloaded: tuple[str, ...] = ()
+
+    def policy(self) -> Any:
+        if not self.offloaded:
+            return jax.checkpoint_policies.save_only_these_names(*self.saved)
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=list(self.saved),
+            names_which_can_be_offloaded=list(self.offloaded),
+            offload_src="device", offload_dst="pinned_host")
+
+
+_QKV, _OUT = ("qkv_proj",), ("out_proj",)
+_PROJECTIONS = ("qkv_proj", "out_proj", "mlp_gate_up")  # every weight matmul a backward needs
+# Policies by name, from the most HBM kept (least recompute) to the least. `minimal` (as in
+# MaxText) keeps every weight matmul's output, recomputing only norms, rotary, attention's two
+# einsums and SwiGLU's product; `save_dot_except_mlp` keeps the attention projections only, the
+# MLP (the largest activations: gate/up is 2 x F wide) recomputed.
+NAMED_POLICIES: dict[str, Named] = {
+    "minimal": Named(saved=_PROJECTIONS),
+    "save_dot_except_mlp": Named(saved=_QKV + _OUT),
+    "save_qkv_proj": Named(saved=_QKV),
+    "save_attn_out": Named(saved=("attn_out",)),
+    "save_out_proj": Named(saved=_OUT),
+    "minimal_offloaded": Named(offloaded=_PROJECTIONS),
+    "qkv_proj_offloaded": Named(offloaded=_QKV),
+}
+
 # `jax.checkpoint` policies by config name: which intermediates the backward pass may keep.
 REMAT_POLICIES: dict[str, Any] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    **{name: named.policy() for name, named in NAMED_POLICIES.items()},
 }
+
+
+def offloaded_names(remat: str) -> tuple[str, ...]:
+    """The activation names `remat` keeps in pinned host memory (none for most policies)."""
+    named = NAMED_POLICIES.get(remat)
+    return () if named is None else named.offloaded
 
 
 
