@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from aot_common import libtpu_test, run
+from aot_common import libtpu_test, run, run_module
 from jaxscale.errors import ConfigError
 from jaxscale.models import llama
 from jaxscale.models.scan import (
@@ -96,6 +96,13 @@ for remat in sys.argv[1:]:
     mesh = make_mesh(c.mesh, topology_devices(parse_topology("v5p:2x2x1")))
     mem = build_step(c, mesh).lower(batch_spec(c)).compile().memory_analysis()
     out[remat] = {"temp": mem.temp_size_in_bytes, "host_temp": mem.host_temp_size_in_bytes}
+from jaxscale.aot.compile import compile_step
+from jaxscale.aot.report import format_report
+c = llama.get_config("tiny")
+c.update(precision="bf16-mixed")
+c.mesh.fsdp, c.model.remat = 4, "qkv_proj_offloaded"
+report = compile_step(c, parse_topology("v5p:2x2x1"))
+out["report"] = {"host_temp": report.host_temp_bytes, "text": format_report(report)}
 print(json.dumps(out))
 """
 
@@ -113,3 +120,23 @@ def test_offloaded_policies_compile_for_tpu_with_host_memory_apart(tmp_path):
     # Keeping only q/k/v needs less HBM than keeping everything (at this tiny size the
     # offload's staging buffers outweigh what it moves, so no HBM order among those two).
     assert mem["save_qkv_proj"]["temp"] < mem["none"]["temp"]
+    # launch.compile's report carries the host bytes apart from HBM.
+    assert mem["report"]["host_temp"] == mem["qkv_proj_offloaded"]["host_temp"]
+    assert "pinned host memory (not HBM): temporaries" in mem["report"]["text"]
+
+
+@libtpu_test
+@pytest.mark.slow
+def test_named_policies_recompute_what_the_flop_count_expects(tmp_path):
+    # save_qkv_proj keeps q/k/v: the backward recomputes the out projection, gate/up and
+    # attention's forward, which the model table's recompute count (llama_flops) says, so the
+    # compiled FLOPs equal model + recompute as they do for `full` (tests/test_aot.py).
+    out = tmp_path / "r.json"
+    proc = run_module(["launch.compile", "--topology=v5p:2x2x1", "--config=configs/llama.py:1b",
+                       "--config.model.num_layers=2", "--config.data.batch_size=4",
+                       "--config.mesh.fsdp=4", "--config.model.remat=save_qkv_proj",
+                       f"--out={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["flops"] == pytest.approx(r["expected_flops"], rel=0.02)
+    assert 1.05 < r["expected_flops"] / r["model_flops"] < 1.2

@@ -78,6 +78,8 @@ class StepReport:
     tokens_per_step: int = 0
     hlo_path: str | None = None
     hbm_limit_bytes: float = 0.0  # what libtpu lets a program use (0: the capacity)
+    host_temp_bytes: int = 0      # pinned host memory: activations a remat policy offloads
+    host_argument_bytes: int = 0  # pinned host memory: arguments placed on the host
 
     @property
     def total_bytes(self) -> int:
@@ -157,6 +159,8 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
         alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
         generated_code_bytes=mem.generated_code_size_in_bytes,
+        host_temp_bytes=mem.host_temp_size_in_bytes,
+        host_argument_bytes=mem.host_argument_size_in_bytes,
         flops=hlo.flops(partitioned) + in_kernels,
         flops_cost_analysis=float(cost.get("flops", 0.0)),
         model_flops=flops_lib.model_flops(config, topology.num_chips),

@@ -47,6 +47,8 @@ def format_report(report: StepReport) -> str:
         f"  arguments {_gib(r.argument_bytes)}, outputs {_gib(r.output_bytes)} "
         f"({_gib(r.alias_bytes)} aliased to arguments), temporaries {_gib(r.temp_bytes)}",
         f"  total {_gib(r.total_bytes)} of {_gib(r.hbm_bytes)} HBM{usable}: {verdict}",
+        *([f"  pinned host memory (not HBM): temporaries {_gib(r.host_temp_bytes)}, arguments "
+           f"{_gib(r.host_argument_bytes)}"] if r.host_temp_bytes or r.host_argument_bytes else []),
         f"FLOPs per chip per step: {r.flops:.3e} compiled (matmuls, loops x trip counts; "
         f"cost analysis, loop bodies once: {r.flops_cost_analysis:.3e})",
     ]

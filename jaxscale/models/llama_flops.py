@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from jaxscale.models.scan import NAMED_POLICIES
+
 
 def llama_flops_per_token(num_layers: int, embed: int, heads: int, kv_heads: int, head_dim: int,
                           mlp: int, vocab: int, seq_len: int) -> float:
@@ -58,15 +60,37 @@ def recompute_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
         per_layer = 2.0 * (projections + 2 * m["embed"] * m["mlp"]) + attention  # all but w_down
     elif _remat(m) == "dots_no_batch":
         per_layer = attention
+    elif (named := _named_recompute(m)) is not None:
+        per_layer = named + attention
     else:  # 'none', 'dots': every matmul output is kept
         per_layer = 0.0
     head = 2.0 * m["embed"] * m["vocab_size"] if m.get("loss_chunks", 1) > 1 else 0.0
     return m["num_layers"] * per_layer + head
 
 
+def _named_recompute(m: Mapping[str, Any]) -> float | None:
+    """Forward matmul FLOPs per token and layer that a policy named by what it keeps
+    (`models.scan.NAMED_POLICIES`) recomputes: the weight matmuls it keeps neither in HBM nor on
+    the host (never w_down, as under `full`); None for a policy that is not named so."""
+    named = NAMED_POLICIES.get(_remat(m))
+    if named is None:
+        return None
+    kept = set(named.saved) | set(named.offloaded)
+    e, d = m["embed"], m["head_dim"]
+    widths = {"qkv_proj": e * d * (m["num_heads"] + 2 * m["num_kv_heads"]),
+              "out_proj": m["num_heads"] * d * e, "mlp_gate_up": 2 * e * m["mlp"]}
+    return 2.0 * sum(v for k, v in widths.items() if k not in kept)
+
+
+def _recomputes_attention(m: Mapping[str, Any]) -> bool:
+    """Whether the backward pass runs attention's forward (QK^T and AV) again: under `full`,
+    `dots_no_batch` and every policy named by what it keeps (none keeps the scores)."""
+    return _remat(m) in ("full", "dots_no_batch") or _remat(m) in NAMED_POLICIES
+
+
 def attention_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
     """Attention matmul FLOPs per token of a step (what a fused attention kernel computes out of
     the HLO's sight): the model count's 12·L·H·Q·T (forward and backward) plus the forward QK^T
     and AV again where remat recomputes them."""
-    recomputed = _remat(m) in ("full", "dots_no_batch")
+    recomputed = _recomputes_attention(m)
     return (12.0 + 4.0 * recomputed) * m["num_layers"] * m["num_heads"] * m["head_dim"] * seq_len
