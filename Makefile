@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 WORKDIR ?= runs/tiny_lm
 PYTEST_ARGS ?=
 
-.PHONY: train test install clean
+.PHONY: train test chaos install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -n 2 --dist=loadgroup -q -rfE $(PYTEST_ARGS)
+
+# Fault injection before a release (docs/faults.md): slow, so not part of `make test`.
+chaos: $(VENV)/.installed-test
+	$(PY) bench/chaos.py $(CHAOS_ARGS)
 
 clean:
 	rm -rf $(VENV) runs
