@@ -151,16 +151,16 @@ def assert_resumed_equal(workdir: str, want: dict[int, float]) -> None:
 
 
 def committed(workdir: str) -> list[int]:
-    from jaxscale.checkpoint import saved_steps
     from jaxscale.storage import locations
+    from jaxscale.weights.restore import saved_steps
 
     return saved_steps(locations.join(workdir, "checkpoints"))
 
 
 def assert_restorable(workdir: str) -> str:
     """Every checkpoint a restore may pick (every listed step) restores completely."""
-    from jaxscale.checkpoint import restore_params
     from jaxscale.storage import locations
+    from jaxscale.weights.restore import restore_params
 
     steps = committed(workdir)
     for step in steps:

@@ -24,6 +24,18 @@ def paragraph(*sentences: str) -> str:
     return " ".join(s.strip() for s in sentences if s and s.strip())
 
 
+def short_error(error: BaseException) -> str:
+    """The first line of an error, at most 200 characters, for a paragraph that names it
+    (tensorstore's and botocore's run to pages). orbax wraps a failed array read as "... See
+    full TensorStore details: <bound method ...>" (it formats a method, not its result): the
+    read's own error, which it wraps, is shown instead."""
+    text = str(error).strip()
+    if " See full TensorStore details" in text and error.__context__ is not None:
+        text = f"{text.split(' See full TensorStore details')[0]} {short_error(error.__context__)}"
+    text = text.splitlines()[0] if text else type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def exit_on_user_error(fn):
     """Decorator for entry points: a JaxscaleError exits with its paragraph, not a traceback."""
     import functools

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale.checkpoint import Checkpointer, _short
+from jaxscale.errors import short_error
+from jaxscale.train.checkpoint import Checkpointer
 from jaxscale.train.hooks import NonFiniteError
 from jaxscale.train.loop import Trainer, _attach_checkpoints, train
 
@@ -95,7 +96,7 @@ def test_short_names_the_read_error_that_orbax_wraps():
                              "<Future at 0x7f finished>>") from None
     except ValueError as e:
         assert e.__context__ is not None and e.__context__.args == (read,)
-        assert _short(e) == f"Encountered error while reading array index 0. {read}"
+        assert short_error(e) == f"Encountered error while reading array index 0. {read}"
 
 
 @pytest.mark.slow

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale.checkpoint import BrokenCheckpointWarning
 from jaxscale.train.loop import train
+from jaxscale.weights.restore import BrokenCheckpointWarning
 from jaxscale.weights.sources import open_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,12 +16,12 @@ import time
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale.checkpoint import restore_params, saved_steps
 from jaxscale.errors import JaxscaleError
 from jaxscale.observe.metrics import read_metrics
 from jaxscale.storage import locations, orbax_paths
 from jaxscale.storage.retry import StoreUnavailable
 from jaxscale.train.loop import train
+from jaxscale.weights.restore import restore_params, saved_steps
 from tests import servers
 
 pytestmark = [pytest.mark.xdist_group("seaweedfs-checkpoint-outage")]

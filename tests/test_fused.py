@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale.checkpoint import Checkpointer, CheckpointError
 from jaxscale.models import ModelDef
 from jaxscale.models.fused import GATE_UP, QKV, fuse_parts, is_legacy, unfuse
 from jaxscale.precision import get_policy
+from jaxscale.train.checkpoint import Checkpointer
 from jaxscale.train.state import TrainState
 from jaxscale.weights.init_from import export_params
+from jaxscale.weights.restore import CheckpointError
 from jaxscale.weights.sources import open_weights
 from jaxscale.weights.tree import flatten, unflatten
 

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale.checkpoint import Checkpointer, CheckpointError
 from jaxscale.models import lora
+from jaxscale.train.checkpoint import Checkpointer
 from jaxscale.train.loop import Trainer, _attach_checkpoints
+from jaxscale.weights.restore import CheckpointError
 from jaxscale.weights.sources import rebuild_base
 from jaxscale.weights.tree import flatten
 

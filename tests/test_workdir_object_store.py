@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale.checkpoint import Checkpointer, saved_steps
 from jaxscale.observe.metrics import read_metrics
 from jaxscale.storage import locations as storage
 from jaxscale.storage.locations import StorageError
+from jaxscale.train.checkpoint import Checkpointer
 from jaxscale.train.loop import train
+from jaxscale.weights.restore import saved_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,7 +97,7 @@ def test_torn_and_broken_steps_on_s3_are_skipped_and_set_aside(seaweedfs):
     """A save killed on an object store leaves the step's objects but no commit marker: it is
     neither listed nor restored. A committed step whose data objects are gone is skipped with
     one warning and moved aside to `<step>.broken` (copied, nothing deleted) on resume."""
-    from jaxscale.checkpoint import BrokenCheckpointWarning
+    from jaxscale.weights.restore import BrokenCheckpointWarning
 
     server, bucket = seaweedfs
     workdir = f"s3://{bucket}/run"

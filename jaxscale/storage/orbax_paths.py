@@ -18,7 +18,7 @@ gs://. Checked against orbax-checkpoint 0.12.x (pinned in pyproject.toml).
 
 Outages: the S3 specs carry tensorstore's short per-request retries (`retry.REQUEST_RETRIES`)
 instead of its default quarter of an hour, so a dead endpoint fails a save's background
-commit within seconds and `jaxscale.checkpoint` retries the save under `config.storage.retry_s`;
+commit within seconds and `jaxscale.train.checkpoint` retries the save under `config.storage.retry_s`;
 a step left half-written by it has no commit file and is removed (`discard_partial`) before
 the save is made again. orbax logs such a failure with its whole botocore traceback from its
 background thread; `quiet_outage_logs` drops those records (the retry logs the outage once),

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from jaxscale.errors import paragraph
+from jaxscale.errors import paragraph, short_error
 from jaxscale.storage import locations
 
 log = logging.getLogger("jaxscale.lofi")
@@ -130,7 +130,7 @@ class Retry:
         with self._lock:
             now = time.monotonic()
             if self._down_since is None:
-                self._down_since, self._cause = now, _short(error)
+                self._down_since, self._cause = now, short_error(error)
                 self._log.warning("%s %s did not answer (%s while %s); retrying for up to %.0f s "
                             "(config.storage.retry_s)", self.kind, self.location, self._cause,
                             what, locations.settings().retry_s)
@@ -218,8 +218,3 @@ def resume_command() -> str:
     if sys.argv and sys.argv[0].endswith(".py"):
         return shlex.join([sys.executable, *sys.argv])
     return shlex.join(sys.argv)
-
-
-def _short(error: BaseException) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return text if len(text) <= 200 else text[:197] + "..."

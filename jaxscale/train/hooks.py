@@ -25,7 +25,7 @@ from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.train.state import TrainState
 
 if TYPE_CHECKING:  # not at run time: orbax is imported only by runs that checkpoint
-    from jaxscale.checkpoint import Checkpointer
+    from jaxscale.train.checkpoint import Checkpointer
 
 # When each kind of hook runs (ascending). Checkpoints last: they save what the run continues
 # with (after a Lo-Fi sync), or a run resumed from a sync step's checkpoint would miss that

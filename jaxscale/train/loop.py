@@ -205,7 +205,7 @@ def _after_step(hooks: Sequence[Any], info: StepInfo) -> TrainState:
 def _attach_checkpoints(trainer: Trainer) -> None:
     """Resumes from the newest complete checkpoint in the workdir and saves periodically
     (every `checkpoint.every` steps; 0: only when pre-empted)."""
-    from jaxscale.checkpoint import Checkpointer
+    from jaxscale.train.checkpoint import Checkpointer
 
     c, lora = trainer.config.checkpoint, trainer.config.get("lora")
     checkpointer = Checkpointer(trainer.workdir, c.every, c.keep)

@@ -4,7 +4,7 @@ The one on-disk format jaxscale stores weights in outside orbax checkpoints: a p
 (`init_from.export_params`, `launch.convert`, `launch.lofi_average --final`), a Lo-Fi worker's
 push and a published Lo-Fi average (`jaxscale/lofi/store.py` decides which and when). A
 snapshot is one committed set of weights with its manifest. ("Snapshot", not "checkpoint": a
-training run's orbax checkpoints are `jaxscale/checkpoint.py`'s, a different thing.)
+training run's orbax checkpoints are `jaxscale/train/checkpoint.py`'s, a different thing.)
 
 Layout (under the store root):
 

@@ -177,11 +177,11 @@ def open_huggingface(hf_dir: str) -> Any:
 # ----------------------------------------------------------------------------- orbax checkpoints
 def _checkpoint_weights(location: str) -> Weights:
     """Trainable + frozen parameters of the newest restorable step, on one device."""
-    from jaxscale import checkpoint
+    from jaxscale.weights import restore
 
     root = location if _is_checkpoint_dir(location) else locations.join(location, "checkpoints")
-    step, restored = checkpoint.newest_restorable(
-        root, lambda step: checkpoint.restore_params(root, step))
+    step, restored = restore.newest_restorable(
+        root, lambda step: restore.restore_params(root, step))
     workdir = (root.rstrip("/").rsplit("/", 1)[0] if locations.is_remote(root)
                else os.path.dirname(os.path.abspath(root)))
     frozen = flatten(restored.get("frozen") or {})
@@ -201,7 +201,7 @@ def _rebuilt_base(workdir: str, fingerprint: np.ndarray) -> dict:
     `init_from` or seed) and checked against the fingerprint saved with the adapters."""
     import ml_collections as mlc
 
-    from jaxscale.checkpoint import base_fingerprint, fingerprints_match
+    from jaxscale.weights.restore import base_fingerprint, fingerprints_match
 
     run = _read_json(locations.join(workdir, "config.json"))
     if run is None:

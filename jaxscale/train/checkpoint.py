@@ -21,154 +21,26 @@ the run. After the budget, `StoreUnavailable` says how to resume.
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.errors import paragraph, short_error
 from jaxscale.models.fused import is_legacy
 from jaxscale.storage import locations, orbax_paths
 from jaxscale.storage.retry import Retry, for_workdir, is_outage
 from jaxscale.train.state import TrainState
 from jaxscale.weights.legacy import LEGACY_RESUME
+from jaxscale.weights.restore import (
+    CheckpointError,
+    base_fingerprint,
+    fingerprints_match,
+    newest_restorable,
+)
 from jaxscale.weights.tree import flatten
-
-
-class CheckpointError(JaxscaleError):
-    """A checkpoint directory cannot be restored."""
-
-
-class BrokenCheckpointWarning(UserWarning):
-    """A newer checkpoint did not restore (truncated or corrupt files); an older one is used."""
-
-
-T = TypeVar("T")
-
-
-def saved_steps(root: str) -> list[int]:
-    """Complete steps under a checkpoints directory (a local path, gs:// or s3://), newest
-    first. Locally orbax renames a step's temporary directory to its number only once the save
-    is complete; on object stores a step is complete once its commit file exists."""
-    path = orbax_paths.path(root)
-    if not path.is_dir():
-        return []
-    remote = locations.is_remote(root)
-    return sorted((int(p.name) for p in path.iterdir()
-                   if p.name.isdigit() and orbax_paths.is_complete(p, remote)), reverse=True)
-
-
-def newest_restorable(root: str, restore: Callable[[int], T],
-                      none_restores: Callable[[int, Exception], Exception] | None = None,
-                      on_fallback: Callable[[list[int]], str] | None = None
-                      ) -> tuple[int, T]:
-    """(step, restore(step)) for the newest step that restores. Steps that fail (a torn copy,
-    a disk error) are skipped with one `BrokenCheckpointWarning` naming them (plus what
-    `on_fallback(broken steps)` did with them); when none restores, raises
-    `none_restores(newest step, its error)` (default: a CheckpointError)."""
-    steps = saved_steps(root)
-    if not steps:
-        raise CheckpointError(f"No complete checkpoint under {root}; train with "
-                              "--config.checkpoint.every=N to write one.")
-    broken: list[tuple[int, Exception]] = []
-    for step in steps:
-        try:
-            value = restore(step)
-        except JaxscaleError:
-            raise
-        except Exception as e:  # any failure to read a step makes it unusable, but an outage
-            if is_outage(e):    # says nothing about the step
-                raise
-            broken.append((step, e))
-            orbax_paths.drop_orphaned_echoes()
-            continue
-        if broken:
-            names = ", ".join(f"step {s} ({_short(e)})" for s, e in broken)
-            done = on_fallback([s for s, _ in broken]) if on_fallback else (
-                "Delete the broken step directory to silence this warning.")
-            warnings.warn(BrokenCheckpointWarning(paragraph(
-                f"Checkpoint {names} under {root} does not restore (truncated or corrupt",
-                f"files); using step {step}, the newest that does.", done,
-            )), stacklevel=2)
-        return step, value
-    step, error = broken[0]
-    if none_restores is not None:
-        raise none_restores(step, error) from None
-    raise CheckpointError(paragraph(
-        f"No checkpoint under {root} restores: step {step} fails with {_short(error)}, and",
-        "every older step fails too. The files are truncated or corrupt; restore them from a",
-        "copy, or start a fresh workdir.",
-    )) from None
-
-
-def _short(error: Exception) -> str:
-    """The first line of an error, at most 200 characters (tensorstore's run to pages). orbax
-    wraps a failed array read as "... See full TensorStore details: <bound method ...>" (it
-    formats a method, not its result): the read's own error, which it wraps, is shown instead."""
-    text = str(error).strip()
-    if " See full TensorStore details" in text and error.__context__ is not None:
-        text = f"{text.split(' See full TensorStore details')[0]} {_short(error.__context__)}"
-    text = text.splitlines()[0] if text else type(error).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
-@contextlib.contextmanager
-def _quiet_absl() -> Iterator[None]:
-    from absl import logging
-    level = logging.get_verbosity()
-    logging.set_verbosity(logging.ERROR)
-    try:
-        yield
-    finally:
-        logging.set_verbosity(level)
-
-
-def restore_params(root: str, step: int) -> dict:
-    """The saved state of `step` (parameters, frozen base or its fingerprint, ...) as host
-    arrays on one device, whatever mesh wrote it: the target is built from the checkpoint's own
-    metadata (orbax refuses a target-less restore across topologies)."""
-    path = orbax_paths.path(root) / str(step) / "state"
-    # Closed even when the restore fails (a broken step the caller falls back past): an open
-    # checkpointer's background threads would print a traceback at interpreter exit.
-    with ocp.StandardCheckpointer() as checkpointer:
-        with _quiet_absl():  # orbax warns that the per-item metadata file is absent: harmless
-            meta = checkpointer.metadata(path).item_metadata
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
-                              dict(meta.tree if hasattr(meta, "tree") else meta))
-        with _quiet_absl():
-            restored = checkpointer.restore(path, target)
-    return jax.device_get(restored)
-
-
-@jax.jit
-def base_fingerprint(frozen: Any) -> jax.Array:
-    """(leaves, 3) float32 per frozen leaf (sorted by path): sum, sum of squares and a
-    position-weighted sum. Identical weights agree up to reduction-order rounding on any mesh;
-    independently drawn or different weights differ by about sqrt(sum of squares) per leaf."""
-    rows = []
-    for _, x in sorted(flatten(frozen).items()):
-        x = x.astype(jnp.float32)
-        ramp = sum((k + 1) * jax.lax.broadcasted_iota(jnp.float32, x.shape, k)
-                   for k in range(x.ndim)) if x.ndim else jnp.ones((), jnp.float32)
-        rows.append(jnp.stack([jnp.sum(x), jnp.sum(x * x), jnp.sum(x * jnp.cos(ramp))]))
-    return jnp.stack(rows) if rows else jnp.zeros((0, 3), jnp.float32)
-
-
-def fingerprints_match(saved: np.ndarray, current: np.ndarray) -> bool:
-    """Sums within 1% of sqrt(sum of squares), sums of squares within 1e-4 relative."""
-    if saved.shape != current.shape:
-        return False
-    norm = np.sqrt(np.maximum(saved[:, 1], 0.0)) + 1e-12
-    close = lambda i: np.abs(saved[:, i] - current[:, i]) <= 1e-2 * norm
-    squares = np.abs(saved[:, 1] - current[:, 1]) <= 1e-4 * np.abs(saved[:, 1]) + 1e-12
-    return bool(np.all(close(0)) and np.all(close(2)) and np.all(squares))
 
 
 def _to_saveable(state: TrainState, adapters_only: bool = False) -> dict:
@@ -300,7 +172,7 @@ class Checkpointer:
 
         def mismatch(step: int, e: Exception) -> CheckpointError:
             return CheckpointError(paragraph(
-                f"Cannot restore checkpoint step {step} from {self.directory}: {_short(e)}.",
+                f"Cannot restore checkpoint step {step} from {self.directory}: {short_error(e)}.",
                 "The saved state does not match this run's model/optimizer config; resume with",
                 "the same config, or start a fresh workdir (use config.init_from for weights).",
             ))
