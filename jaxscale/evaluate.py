@@ -12,7 +12,6 @@ at the end, so they do not depend on the batch split or the mesh.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules, use_rules
+from jaxscale.storage import workdir_files
 from jaxscale.train.state import param_specs
 from jaxscale.train.step import batch_sharding
 from jaxscale.weights.place import named_shardings, place
@@ -33,12 +33,11 @@ from jaxscale.weights.tree import flatten, unflatten
 
 
 def read_config(workdir: str) -> mlc.ConfigDict:
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
+    config = workdir_files.read_json(os.path.join(workdir, "config.json"))
+    if config is None:
         raise JaxscaleError(f"{workdir} has no config.json; evaluate a directory written by "
                             "launch.train (--workdir).")
-    with open(path) as f:
-        return mlc.ConfigDict(json.load(f))
+    return mlc.ConfigDict(config)
 
 
 def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 0,

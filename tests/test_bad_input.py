@@ -244,3 +244,26 @@ def test_skipped_records_reach_metrics_and_no_eval_run_trains(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["skipped_records"] for r in records if "loss" in r] == [1, 1, 1]
+
+
+def test_a_full_disk_during_a_checkpoint_save_is_one_paragraph(tmp_path):
+    """A workdir on a 3 MiB filesystem fills while step 12 is saved: one paragraph (exit 2, no
+    orbax traceback), the unfinished step removed, every listed step still restores."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)],
+                             capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode()}")
+    try:
+        out = _train(small / "run", "--config.train.steps=24", "--config.train.eval_every=0",
+                     "--config.checkpoint.every=4", "--cpu_devices=1")
+        one_paragraph(out, "ran out of space while writing a checkpoint", "nothing was committed")
+        from jaxscale.weights.restore import restore_params, saved_steps
+        root = str(small / "run" / "checkpoints")
+        steps = saved_steps(root)
+        assert steps and not [p for p in os.listdir(root) if "tmp" in p]
+        for step in steps:
+            assert restore_params(root, step)["params"]
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

@@ -53,7 +53,9 @@ def test_every_subcommand_has_bad_inputs(tmp_path):
     assert all(sum(s == c for s, _, _ in cases) >= 3 for c in covered)
 
 
-@pytest.mark.parametrize("subcommand", ["train", "prepare-data", "compile"])
+@pytest.mark.parametrize("subcommand", ["train", "evaluate", "generate", "convert", "inspect",
+                                        "compile", "plan", "prepare-data", "lofi-local",
+                                        "lofi-average", "plot", "profile-summary"])
 def test_the_bad_input_table_runs(subcommand, tmp_path, capsys):
     results: list = []
     chaos.scenario_bad_inputs(results, str(tmp_path), {subcommand})

@@ -23,6 +23,7 @@ import ml_collections as mlc
 from jaxscale.aot.compile import HbmOom
 from jaxscale.aot.plan import Candidate, apply, dominated, fits, iter_candidates
 from jaxscale.aot.topology import Topology, compile_only_env
+from jaxscale.errors import ConfigError, paragraph
 
 CompileFn = Callable[[str, Topology, str], dict]  # (config JSON, topology, cache dir) -> result
 _DIED = "the compiling process died"
@@ -79,6 +80,11 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
     place given to the next. A worker that dies breaks the pool and fails every compile in it:
     those run again, each alone, so that only the one that dies fails; a candidate the broken
     pool refused goes to the next pool."""
+    if workers < 0 or max_candidates < 1 or time_budget_s <= 0:
+        raise ConfigError(paragraph(
+            f"--workers={workers}, --max_candidates={max_candidates} and",
+            f"--time_budget_s={time_budget_s}: give workers >= 0 (0: one per two cores), at least",
+            "one candidate and a positive time budget."))
     workers = workers or max(1, _cores() // 2)
     queue = iter_candidates(config, topology, margin)
     deadline = time.monotonic() + time_budget_s

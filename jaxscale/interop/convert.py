@@ -74,17 +74,16 @@ def local_only(path: str, flag: str) -> None:
 
 def read_model_config(workdir: str) -> tuple[dict, Any]:
     """(config.model fields, config.lora or None) of a conversion output or training workdir."""
-    text = workdir_files.read_text(locations.join(workdir, MODEL_CONFIG))
-    if text is not None:
-        return json.loads(text), None
-    text = workdir_files.read_text(locations.join(workdir, "config.json"))
-    if text is None:
+    model = workdir_files.read_json(locations.join(workdir, MODEL_CONFIG))
+    if model is not None:
+        return model, None
+    config = workdir_files.read_json(locations.join(workdir, "config.json"))
+    if config is None:
         raise hf.ConversionError(paragraph(
             f"{workdir} has neither {MODEL_CONFIG} (written by launch.convert) nor config.json",
             "(written by launch.train), so the model's shape is unknown. Point --from_workdir at",
             "one of those.",
         ))
-    config = json.loads(text)
     return config["model"], config.get("lora")
 
 

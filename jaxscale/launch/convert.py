@@ -13,6 +13,7 @@ folded in) or a conversion output; `--max_shard_size` splits it into
 
 from absl import app, flags
 
+from jaxscale import cli
 from jaxscale.errors import exit_on_user_error
 
 _FROM_HF = flags.DEFINE_string("from_hf", None, "Hugging Face model directory to import.")
@@ -46,4 +47,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

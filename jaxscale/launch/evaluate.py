@@ -10,6 +10,7 @@ import json
 
 from absl import app, flags
 
+from jaxscale import cli
 from jaxscale.errors import exit_on_user_error
 from jaxscale.runtime import distributed
 
@@ -32,4 +33,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

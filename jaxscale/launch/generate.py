@@ -11,6 +11,7 @@ and the KV cache are sharded by the run's rules over `--cpu_devices` (or the acc
 
 from absl import app, flags
 
+from jaxscale import cli
 from jaxscale.errors import exit_on_user_error
 from jaxscale.runtime import distributed
 
@@ -55,4 +56,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

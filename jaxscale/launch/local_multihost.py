@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
+from jaxscale import cli
 from jaxscale.runtime.preemption import PREEMPTED_EXIT
 
 _N = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
@@ -100,4 +101,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -15,6 +15,7 @@ import time
 
 from absl import app, flags
 
+from jaxscale import cli
 from jaxscale.errors import ConfigError, exit_on_user_error, paragraph
 from jaxscale.lofi.accounting import accounting_lines, export_final
 from jaxscale.lofi.averager import AveragerConfig, describe, run_round
@@ -102,4 +103,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

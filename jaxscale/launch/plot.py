@@ -3,25 +3,25 @@
     python -m launch.plot WORKDIR [WORKDIR...] --out=curves.png
 """
 
-import sys
-
 from absl import app, flags
 
+from jaxscale import cli
+from jaxscale.errors import JaxscaleError, exit_on_user_error
 from jaxscale.observe.plots import plot_runs
 
 _OUT = flags.DEFINE_string("out", "curves.png", "PNG file to write.")
 
 
+@exit_on_user_error
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
-        raise app.UsageError("launch.plot needs at least one run directory holding a "
-                             "metrics.jsonl, e.g. python -m launch.plot runs/a runs/b "
-                             "--out=curves.png")
+        raise JaxscaleError("jaxscale plot needs at least one run directory holding a "
+                            "metrics.jsonl, e.g. jaxscale plot runs/a runs/b --out=curves.png")
     try:
         print(plot_runs(argv[1:], _OUT.value))
-    except ValueError as e:
-        sys.exit(f"launch.plot: {e}")
+    except ValueError as e:  # a directory without metrics.jsonl, a run with no losses
+        raise JaxscaleError(str(e)) from None
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

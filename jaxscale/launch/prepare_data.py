@@ -13,6 +13,7 @@ import json
 
 from absl import app, flags
 
+from jaxscale import cli
 from jaxscale.errors import exit_on_user_error
 
 _SOURCES = flags.DEFINE_list("sources", None, "Comma-separated file globs.", required=True)
@@ -42,4 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

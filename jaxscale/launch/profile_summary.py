@@ -7,6 +7,7 @@ a run with `--config.train.profile.num_steps=N` wrote into WORKDIR/profile/ (or 
 
 from absl import app, flags
 
+from jaxscale import cli
 from jaxscale.errors import exit_on_user_error
 
 _TOP = flags.DEFINE_integer("top", 15, "How many ops to list.")
@@ -21,4 +22,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -11,6 +11,7 @@ import sys
 
 from absl import app, flags
 
+from jaxscale import cli
 from jaxscale.runtime.pod_commands import check_tpu_flags, tpu_pod_commands
 
 _TPU = flags.DEFINE_string("tpu", None, "TPU VM name (gcloud compute tpus tpu-vm list).")
@@ -43,4 +44,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -38,6 +38,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
 from jaxscale.storage import locations
+from jaxscale.storage.diskfull import is_disk_full
 from jaxscale.storage.retry import REQUEST_RETRIES, is_outage
 
 COMMIT_FILE = "commit_success.txt"  # orbax's marker of a finished step (commit-file protocol)
@@ -148,14 +149,16 @@ def _delete_prefix(location: str, timeout_s: float | None = None) -> None:
 
 class _OutageRecords(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and is_outage(record.exc_info[1]))
+        error = record.exc_info[1] if record.exc_info else None
+        return not (error is not None and (is_outage(error) or is_disk_full(error)))
 
 
 @functools.cache
 def quiet_outage_logs() -> None:
     """Drops the log records of orbax (absl) and of its asyncio writes ("exception was never
-    retrieved") that carry an outage's traceback: the save is retried and the outage logged
-    once by `jaxscale.storage.retry`; other errors are still logged."""
+    retrieved") that carry an outage's or a full disk's traceback: the save is retried and the
+    outage logged once by `jaxscale.storage.retry`, or the full disk reported in one paragraph
+    by the checkpointer; other errors are still logged."""
     for name in ("absl", "asyncio"):
         logging.getLogger(name).addFilter(_OutageRecords())
 

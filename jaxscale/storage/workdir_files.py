@@ -14,11 +14,13 @@ short per-request retries; a write is one whole-object PUT, so re-issuing it is 
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
 from typing import Any
 
+from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.storage import locations
 from jaxscale.storage.retry import REQUEST_RETRIES, for_workdir
 
@@ -73,6 +75,22 @@ def read_text(location: str) -> str | None:
         return None
     with open(location) as f:
         return f.read()
+
+
+def read_json(location: str) -> Any:
+    """The file's JSON value, or None if it does not exist; a file that does not parse (cut
+    short by a full disk, edited by hand) is one paragraph naming it, not a JSONDecodeError."""
+    text = read_text(location)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise JaxscaleError(paragraph(
+            f"{location} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): it",
+            "was cut short or edited by hand. Restore it from a copy, or rerun the command that",
+            "wrote it (launch.train writes config.json, launch.convert model_config.json).",
+        )) from None
 
 
 def write_text(location: str, text: str) -> None:

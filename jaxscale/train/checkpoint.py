@@ -21,6 +21,7 @@ the run. After the budget, `StoreUnavailable` says how to resume.
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import jax
@@ -31,6 +32,7 @@ from etils import epath
 from jaxscale.errors import paragraph, short_error
 from jaxscale.models.fused import is_legacy
 from jaxscale.storage import locations, orbax_paths
+from jaxscale.storage.diskfull import disk_full_error, is_disk_full
 from jaxscale.storage.retry import Retry, for_workdir, is_outage
 from jaxscale.train.state import TrainState
 from jaxscale.weights.legacy import LEGACY_RESUME
@@ -89,8 +91,11 @@ class Checkpointer:
             self._retry.enabled = False
         self._dirty = False  # an outage may have left a half-written step to remove
         self._lost = False   # a save's commit failed: the state at hand must be saved again
-        if self._retry.enabled:  # an outage's echoes: orbax's tracebacks, its closed loops
-            orbax_paths.quiet_outage_logs()
+        self._bytes = 0      # the last save's state, in bytes (what a full disk needed)
+        # The echoes of what is reported in one paragraph (an outage, a full disk): orbax's
+        # logged tracebacks of its background commit.
+        orbax_paths.quiet_outage_logs()
+        if self._retry.enabled:  # and an outage's abandoned writes (closed event loops)
             orbax_paths.drop_orphaned_echoes()
 
     def _path(self, *parts: str) -> epath.Path:
@@ -106,6 +111,7 @@ class Checkpointer:
         save is committed; `adapters_only` (LoRA): the frozen base is saved as its fingerprint
         only. Across an outage: see the module docstring."""
         args = _save_args(state, data_state, adapters_only)
+        self._bytes = _nbytes(state)
 
         def attempt(_: float | None) -> None:
             self._settle()
@@ -117,6 +123,8 @@ class Checkpointer:
         """Waits until the last save is committed, then closes. `save`: `step` is saved too
         (unless it already is); so is it when an earlier save's commit failed in an outage,
         since `state` is the only copy left of what was trained."""
+        self._bytes = _nbytes(state)
+
         def attempt(_: float | None) -> None:
             self._settle()
             if (save or self._lost) and self.manager.latest_step() != step:
@@ -138,6 +146,7 @@ class Checkpointer:
         except Exception as e:
             if self._retry.enabled and is_outage(e):
                 self._dirty = self._lost = True
+            self._raise_if_disk_full(e)
             raise
 
     def _start(self, step: int, args: Any) -> None:
@@ -147,8 +156,23 @@ class Checkpointer:
         except Exception as e:
             if self._retry.enabled and is_outage(e):
                 self._dirty = True
+            self._raise_if_disk_full(e)
             raise
         self._lost = False
+
+    def _raise_if_disk_full(self, error: Exception) -> None:
+        """A full disk (or quota) while a step is written: the unfinished step is removed (it was
+        never listed: orbax renames a step only once complete) and one paragraph says so."""
+        if not is_disk_full(error):
+            return
+        orbax_paths.drop_orphaned_echoes()  # the writes orbax abandoned at the first failure
+        removed = []
+        if not locations.is_remote(self.directory):
+            for tmp in self._path().glob("*.orbax-checkpoint-tmp*"):
+                shutil.rmtree(str(tmp), ignore_errors=True)
+                removed.append(tmp.name)
+        raise disk_full_error(self.directory, "writing a checkpoint", self._bytes,
+                              ", ".join(removed) or "none") from None
 
     def saved_keys(self, step: int) -> set[str]:
         """Top-level entries of a saved state ('frozen' or 'base_fingerprint', 'params', ...)."""
@@ -242,6 +266,10 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _nbytes(state: TrainState) -> int:
+    return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state))
 
 
 def _save_args(state: TrainState, data_state: dict | None, adapters_only: bool) -> Any:
