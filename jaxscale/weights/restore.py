@@ -57,6 +57,9 @@ def newest_restorable(root: str, restore: Callable[[int], T],
     a disk error) are skipped with one `BrokenCheckpointWarning` naming them (plus what
     `on_fallback(broken steps)` did with them); when none restores, raises
     `none_restores(newest step, its error)` (default: a CheckpointError)."""
+    # Installed before the first read, not after a failure: the echoes of a broken step's
+    # abandoned reads may come from tensorstore's threads before the failure reaches us.
+    orbax_paths.drop_orphaned_echoes()
     steps = saved_steps(root)
     if not steps:
         raise CheckpointError(f"No complete checkpoint under {root}; train with "
@@ -71,7 +74,6 @@ def newest_restorable(root: str, restore: Callable[[int], T],
             if is_outage(e):    # says nothing about the step
                 raise
             broken.append((step, e))
-            orbax_paths.drop_orphaned_echoes()
             continue
         if broken:
             names = ", ".join(f"step {s} ({short_error(e)})" for s, e in broken)
