@@ -329,13 +329,7 @@ def save_config(c: mlc.ConfigDict, workdir: str) -> str:
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ConfigError(f"--workdir={workdir} names an existing file, not a directory. Give "
                           "a new or existing directory path (the file is left untouched).")
-    try:
-        os.makedirs(workdir, exist_ok=True)
-    except OSError as e:  # below a regular file, read-only, no permission
-        raise ConfigError(paragraph(
-            f"--workdir={workdir} cannot be created ({e.strerror}: {e.filename}). Give a",
-            "directory path whose parents are directories you may write to.",
-        )) from None
+    storage.make_local_dir(workdir, "--workdir")
     path = os.path.join(workdir, "config.json")
     with open(path, "w") as f:
         json.dump(c.to_dict(), f, indent=2, sort_keys=True, default=str)

@@ -9,8 +9,9 @@ from absl import app, flags
 
 from jaxscale import cli
 from jaxscale.config import LOFI_SYNC_MODES
-from jaxscale.errors import JaxscaleError, exit_on_user_error, paragraph
+from jaxscale.errors import exit_on_user_error
 from jaxscale.lofi.job import LofiJob, lofi_vm_commands, run_local
+from jaxscale.storage import locations
 
 _N = flags.DEFINE_integer("num_workers", 4, "Worker processes, each with its own mesh.")
 _DEV = flags.DEFINE_integer("devices_per_worker", 2, "Simulated CPU devices per worker.")
@@ -22,20 +23,6 @@ _AGG = flags.DEFINE_enum("aggregator", "mean", ["mean", "median", "trimmed_mean"
 _DRY = flags.DEFINE_bool("dry_run", False, "Print one worker command per TPU VM and exit.")
 
 
-def _make_local_store(store: str) -> None:
-    """A local store directory exists before any worker starts (one paragraph if it cannot,
-    rather than every worker failing on its own)."""
-    if "://" in store:
-        return
-    try:
-        os.makedirs(store, exist_ok=True)
-    except OSError as e:  # below a regular file, read-only, no permission
-        raise JaxscaleError(paragraph(
-            f"--store={store} cannot be created ({e.strerror}: {e.filename}). Give a directory",
-            "path whose parents are directories you may write to, or a gs:// / s3:// store.",
-        )) from None
-
-
 @exit_on_user_error
 def main(argv):
     train_flags = tuple(argv[1:]) + (f"--config.lofi.sync={_SYNC.value}",)
@@ -44,7 +31,8 @@ def main(argv):
         print("\n".join(lofi_vm_commands(_STORE.value, _N.value, train_flags, _AGG.value, outer,
                                          _SYNC.value != "end")))
         return
-    _make_local_store(_STORE.value)
+    if "://" not in _STORE.value:  # one paragraph here, not one from every worker
+        locations.make_local_dir(_STORE.value, "--store")
     job = LofiJob(_STORE.value, _N.value, _DEV.value, train_flags,
                   _WORKDIR.value or os.path.join(_STORE.value, "runs"), _AGG.value, outer)
     raise SystemExit(run_local(job, periodic=_SYNC.value != "end"))

@@ -62,6 +62,18 @@ def settings() -> Settings:
     return _settings
 
 
+def make_local_dir(path: str, flag: str) -> None:
+    """Creates a local directory and its parents; one paragraph naming the flag when it cannot
+    be (below a regular file, read-only, no permission)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(paragraph(
+            f"{flag}={path} cannot be created ({e.strerror}: {e.filename}). Give a directory",
+            "path whose parents are directories you may write to.",
+        )) from None
+
+
 def check_settings(storage: Any) -> None:
     """The `config.storage` section (`config.validate` calls this): positive request time-out,
     a retry budget of zero or more seconds."""
