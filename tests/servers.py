@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 ACCESS_KEY = "jaxscale-test"
@@ -232,6 +233,19 @@ class FakeGCS(Server):
     def env(self) -> dict[str, str]:
         return {"TENSORSTORE_GCS_HTTP_URL": self.endpoint, "STORAGE_EMULATOR_HOST": self.endpoint,
                 "GOOGLE_CLOUD_PROJECT": "test", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+def own(kind: type[Server]) -> Iterator[Server]:
+    """A module fixture's body: a server of `kind` of its own (a test that kills it), skipped
+    with the reason where it cannot start; stopped afterwards."""
+    import pytest
+
+    try:
+        server = start(kind)
+    except Unavailable as e:
+        pytest.skip(f"{kind.__name__} cannot start here: {e}")
+    yield server
+    server.stop()
 
 
 def start(kind: type[Server]) -> Server:

@@ -30,12 +30,7 @@ KILL_AT = 4  # a save step (checkpoint.every=2)
 
 @pytest.fixture(scope="module")
 def own_seaweedfs():
-    try:
-        server = servers.start(servers.SeaweedFS)
-    except servers.Unavailable as e:
-        pytest.skip(f"SeaweedFS cannot start here: {e}")
-    yield server
-    server.stop()
+    yield from servers.own(servers.SeaweedFS)
 
 
 @pytest.fixture

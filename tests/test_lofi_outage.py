@@ -31,12 +31,7 @@ pytestmark = [pytest.mark.xdist_group("seaweedfs-outage")]
 
 @pytest.fixture(scope="module")
 def own_seaweedfs():
-    try:
-        server = servers.start(servers.SeaweedFS)
-    except servers.Unavailable as e:
-        pytest.skip(f"SeaweedFS cannot start here: {e}")
-    yield server
-    server.stop()
+    yield from servers.own(servers.SeaweedFS)
 
 
 @pytest.fixture
