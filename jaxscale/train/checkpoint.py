@@ -93,10 +93,10 @@ class Checkpointer:
         self._lost = False   # a save's commit failed: the state at hand must be saved again
         self._bytes = 0      # the last save's state, in bytes (what a full disk needed)
         # The echoes of what is reported in one paragraph (an outage, a full disk): orbax's
-        # logged tracebacks of its background commit.
+        # logged tracebacks of its background commit, and the writes it abandons at the first
+        # failure (closed event loops), which can print before the failure reaches us.
         orbax_paths.quiet_outage_logs()
-        if self._retry.enabled:  # and an outage's abandoned writes (closed event loops)
-            orbax_paths.drop_orphaned_echoes()
+        orbax_paths.drop_orphaned_echoes()
 
     def _path(self, *parts: str) -> epath.Path:
         """The directory (or an entry under it) as the epath orbax reads and writes."""
@@ -165,7 +165,6 @@ class Checkpointer:
         never listed: orbax renames a step only once complete) and one paragraph says so."""
         if not is_disk_full(error):
             return
-        orbax_paths.drop_orphaned_echoes()  # the writes orbax abandoned at the first failure
         removed = []
         if not locations.is_remote(self.directory):
             for tmp in self._path().glob("*.orbax-checkpoint-tmp*"):
