@@ -19,6 +19,10 @@ class ConfigError(JaxscaleError):
     """The experiment config is malformed or inconsistent."""
 
 
+class ConversionError(JaxscaleError):
+    """A Hugging Face checkpoint cannot be converted faithfully."""
+
+
 def paragraph(*sentences: str) -> str:
     """Joins sentences into one readable paragraph (errors are read in terminals and logs)."""
     return " ".join(s.strip() for s in sentences if s and s.strip())

@@ -252,7 +252,7 @@ def _first_leaf(st, prefix):
 def test_worker_restarts_past_a_corrupt_push_a_damaged_average_and_a_hostile_step(tmp_path,
                                                                                  caplog):
     from configs.tiny_lm import get_config
-    from jaxscale.train.loop import train
+    from jaxscale.lofi.worker import train_worker as train
     c = get_config("test")
     c.train.steps = 4
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2", num_workers=2)
@@ -280,7 +280,7 @@ def test_worker_restarts_past_a_corrupt_push_a_damaged_average_and_a_hostile_ste
 @pytest.mark.slow
 def test_worker_with_another_model_refuses_before_touching_the_store(tmp_path):
     from configs.tiny_lm import get_config
-    from jaxscale.train.loop import train
+    from jaxscale.lofi.worker import train_worker as train
     c = get_config("test")
     c.train.steps = 2
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), num_workers=2)

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
+from jaxscale.errors import ConfigError
 from jaxscale.evaluate import evaluate_params, evaluate_workdir, read_config
 from jaxscale.interop.convert import workdir_to_hf
 from jaxscale.lofi import store as S
 from jaxscale.lofi.accounting import accounting_lines, export_final
 from jaxscale.lofi.averager import AveragerConfig, latest_average, run_round
-from jaxscale.train.loop import train
+from jaxscale.lofi.worker import train_worker
+from jaxscale.train import loop
 from jaxscale.weights import snapshot as W
 from jaxscale.weights.kv import Store, kvstore_spec
 from jaxscale.weights.sources import open_weights
@@ -28,6 +30,19 @@ from tests.lofi_common import KILL_MID_PUSH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+
+
+def train(c, workdir, hooks=()):
+    """A plain run or a Lo-Fi worker, as `launch.train` picks them by `lofi.enabled`."""
+    return (train_worker if c.lofi.enabled else loop.train)(c, workdir, hooks)
+
+
+def test_plain_train_refuses_a_lofi_config_in_one_paragraph(tmp_path):
+    c = get_config("test")
+    c.lofi.update(enabled=True, store=str(tmp_path / "store"))
+    with pytest.raises(ConfigError, match=r"lofi.enabled=True.*train_worker\(config"):
+        loop.train(c, str(tmp_path / "w0"))
+    assert not (tmp_path / "store").exists() and not (tmp_path / "w0").exists()
 
 
 def _losses(workdir):

@@ -56,7 +56,7 @@ def test_task_batch_spec_is_what_the_data_yields(name):
 
 # The generic code: what asks the model table instead of naming a model or a task.
 GENERIC = ("train/step.py", "train/build.py", "evaluate.py", "observe/metrics.py",
-           "interop/convert.py", "interop/families.py", "weights/sources.py", "aot/flops.py",
+           "interop/convert.py", "weights/sources.py", "aot/flops.py",
            "aot/choices.py")
 
 
@@ -99,10 +99,11 @@ def test_a_new_family_is_one_table_line(monkeypatch, tmp_path):
     """Registered in the table (and nowhere else), a family is trained, counted, planned and
     refused export by the generic code through its entry."""
     from jaxscale.aot import choices, flops
-    from jaxscale.interop import families, hf
+    from jaxscale.interop import hf
     from jaxscale.observe.metrics import model_flops_per_token
     from jaxscale.precision import get_policy
     from jaxscale.train.step import accumulate_grads, loss_fn
+    from jaxscale.weights.sources import read_hf_config
 
     calls = []
     monkeypatch.setitem(models.MODELS, "toy", _toy_entry(calls))
@@ -124,16 +125,18 @@ def test_a_new_family_is_one_table_line(monkeypatch, tmp_path):
     assert flops.expected_flops(config, 2) is None  # no recompute count: unknown, not wrong
     choices.require_language_model(config)
     with pytest.raises(hf.ConversionError, match="model.name='toy' has no Hugging Face"):
-        families.saver(TOY)
+        models.hf_saver(TOY)
 
     monkeypatch.setitem(models.MODELS, "toy", _toy_entry(
         calls, token_batches=False, hf=models.HuggingFace(
             "toy_hf", "jaxscale.interop.hf:open_llama", "jaxscale.interop.hf:save_llama")))
     with pytest.raises(ConfigError, match="model.name='toy' is not one"):
         choices.require_language_model(config)
-    assert families.saver(TOY) is hf.save_llama
+    assert models.hf_saver(TOY) is hf.save_llama
     (tmp_path / "config.json").write_text('{"model_type": "toy_hf"}')
-    assert families.opener(str(tmp_path)) is hf.open_llama
+    assert models.hf_opener(read_hf_config(str(tmp_path)), str(tmp_path)) is hf.open_llama
+    with pytest.raises(hf.ConversionError, match=r"model_type='gpt9'; jaxscale converts \["):
+        models.hf_opener({"model_type": "gpt9"}, str(tmp_path))
 
 
 def test_models_import_nothing_from_training():

@@ -6,7 +6,7 @@ checksummed format `config.init_from` reads first) plus `WORKDIR/model_config.js
 (a conversion output, or a training workdir's newest restorable checkpoint) through
 `weights.sources.open_weights`, folds LoRA adapters in, and writes the Hugging Face layout
 back. Model families are dispatched on HF `model_type` / jaxscale `model.name` through the model
-table (`interop.families`).
+table (`models.hf_opener` / `models.hf_saver`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from jaxscale.errors import paragraph
-from jaxscale.interop import families, hf
+from jaxscale.interop import hf
+from jaxscale.models import hf_saver
 from jaxscale.storage import locations, workdir_files
 from jaxscale.weights.sources import (
     MODEL_CONFIG,
@@ -102,7 +103,7 @@ def workdir_to_hf(workdir: str, out_dir: str, dtype: Any = None,
                   max_shard_size: int | str | None = None) -> str:
     """Writes a workdir's newest weights in the HF layout (sharded past `max_shard_size`)."""
     model_cfg, lora_cfg = read_model_config(workdir)
-    save = families.saver(model_cfg)
+    save = hf_saver(model_cfg)
     hf.parse_dtype(dtype)  # an unsupported dtype fails before any weights are read
     local_only(out_dir, "--to_hf")
     check_output_dir(out_dir, "--to_hf")

@@ -49,6 +49,7 @@ from jaxscale.models.fused import GATE_UP, QKV
 from jaxscale.rules import AxisRules, normalize_rules
 from jaxscale.weights.leaf import Leaf as LazyLeaf
 from jaxscale.weights.place import named_shardings, place
+from jaxscale.weights.sources import read_hf_config
 from jaxscale.weights.tree import flatten, unflatten
 
 __all__ = ["ConversionError", "Pretrained", "SafetensorsReader", "load_llama", "save_llama",
@@ -288,22 +289,6 @@ def load_pretrained(source: Source, mesh: Mesh | None = None, rules: AxisRules |
 def default_rules() -> AxisRules:
     from jaxscale.config import DEFAULT_RULES
     return AxisRules(normalize_rules(DEFAULT_RULES))
-
-
-def read_hf_config(hf_dir: str) -> dict:
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isdir(hf_dir):
-        raise ConversionError(f"{hf_dir!r} is not a directory; point at a Hugging Face model "
-                              "directory written by `save_pretrained`.")
-    if not os.path.exists(path):
-        raise ConversionError(f"{hf_dir} has no config.json; point at a Hugging Face model "
-                              "directory written by `save_pretrained`.")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConversionError(f"{path} is not valid JSON ({e}); re-save the model with "
-                              "`save_pretrained`.") from None
 
 
 def open_llama(hf_dir: str) -> Source:

@@ -23,14 +23,10 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.errors import ConversionError, paragraph
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-
-
-class ConversionError(JaxscaleError):
-    """A Hugging Face checkpoint cannot be converted faithfully."""
 
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,

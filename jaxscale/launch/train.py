@@ -31,9 +31,11 @@ def main(argv):
     with StartupGuard(enabled=not distributed.multi_host()):
         locations.epath(_WORKDIR.value)  # an unsupported scheme fails before devices start
         distributed.setup()
-        from jaxscale.train.loop import train  # after the devices are configured
+        from jaxscale.lofi.worker import train_worker  # after the devices are configured
+        from jaxscale.train.loop import train
+        run = train_worker if _CONFIG.value.lofi.enabled else train
         try:
-            train(_CONFIG.value, _WORKDIR.value)
+            run(_CONFIG.value, _WORKDIR.value)
         except Preempted as e:  # SIGTERM: saved at the same step on every host; exit 75
             exit_preempted(e)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -267,3 +267,17 @@ class LofiWorker:
         if self.ema is not None:
             self.ema = _f32_copy(params)
         return state
+
+
+def train_worker(config: Any, workdir: str, hooks: Sequence[Any] = ()) -> TrainState:
+    """Trains one Lo-Fi worker: the run `train.loop.train` would (resumed from its own newest
+    checkpoint), continued from the newest average or its own newer push, with the worker's
+    hook pushing and loading on schedule. Returns the final state."""
+    from jaxscale.train.loop import prepare
+
+    trainer = prepare(config, workdir, hooks)
+    worker = LofiWorker.for_run(config, trainer.shardings, trainer.ctx.optimizer)
+    trainer.state, data_state = worker.start(trainer.state)
+    trainer.data_state = data_state or trainer.data_state
+    trainer.hooks.append(worker)
+    return trainer.run()  # the hooks run in their `order` (train.hooks.ORDER)

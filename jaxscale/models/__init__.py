@@ -14,6 +14,7 @@ never the reverse.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxscale.errors import ConfigError, paragraph
+from jaxscale.errors import ConfigError, ConversionError, paragraph
 from jaxscale.models import llama, llama_flops, vit
 from jaxscale.models.scan import check_remat
 from jaxscale.models.task import Task
@@ -35,7 +36,8 @@ FlopCount = Callable[[Mapping[str, Any], int], float]
 @dataclass(frozen=True)
 class HuggingFace:
     """Where a model's Hugging Face import/export lives, as "module:function" names: `interop/`
-    imports the models, so the table names its converters and `interop.families` imports them."""
+    imports the models, so the table names its converters and `hf_opener` / `hf_saver` import
+    them when a conversion needs one."""
 
     model_type: str  # the `model_type` of the HF config.json
     opener: str      # hf_dir -> interop.hf.Source (model config + lazy leaves)
@@ -115,6 +117,35 @@ def check_model(model_cfg: Mapping[str, Any], seq_len: int) -> None:
     check_remat(model_cfg.get("remat", "none"))
     if e.check is not None:
         e.check(model_cfg, seq_len)
+
+
+def _resolve(dotted: str) -> Callable:
+    module, name = dotted.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def hf_opener(hf_config: Mapping[str, Any], where: str) -> Callable[[str], Any]:
+    """The opener (hf_dir -> `interop.hf.Source`) of the family whose `model_type` a Hugging
+    Face config.json at `where` names (the default model's when it names none)."""
+    families = {e.hf.model_type: e.hf for e in MODELS.values() if e.hf is not None}
+    model_type = hf_config.get("model_type", MODELS[DEFAULT_MODEL].hf.model_type)
+    if model_type not in families:
+        raise ConversionError(paragraph(
+            f"{where}/config.json has model_type={model_type!r}; jaxscale converts",
+            f"{sorted(families)}.",
+        ))
+    return _resolve(families[model_type].opener)
+
+
+def hf_saver(model_cfg: Mapping[str, Any]) -> Callable[..., str]:
+    """The saver writing the Hugging Face layout of a `config.model` section's family."""
+    hf = entry_of(model_cfg).hf
+    if hf is None:
+        name = model_cfg.get("name", DEFAULT_MODEL)
+        exporters = sorted(n for n, e in MODELS.items() if e.hf is not None)
+        raise ConversionError(f"model.name={name!r} has no Hugging Face exporter; "
+                              f"supported: {exporters}.")
+    return _resolve(hf.saver)
 
 
 def lookup(name: str) -> tuple[Any, Any]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxscale import config as config_lib
 from jaxscale.data.registry import build_data
+from jaxscale.errors import ConfigError, paragraph
 from jaxscale.hardware import peak_flops_source
 from jaxscale.mesh import make_mesh, mesh_summary
 from jaxscale.observe.loggers import make_loggers
@@ -219,15 +220,24 @@ def _attach_checkpoints(trainer: Trainer) -> None:
                                         adapters_only))
 
 
-def train(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> TrainState:
+def prepare(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> Trainer:
+    """The run `train` runs, built and not yet started: resumed from the newest complete
+    checkpoint in `workdir`, with its hooks. A Lo-Fi worker (`jaxscale.lofi.worker.
+    train_worker`) adds its own hook to it before running it."""
     trainer = Trainer.build(config, workdir)
     if workdir:  # with checkpoint.every=0 still: a pre-empted run saves, and resumes from that
         _attach_checkpoints(trainer)
     trainer.hooks.extend(hooks)
+    return trainer
+
+
+def train(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> TrainState:
+    """Trains `config` in `workdir` (resuming from its newest checkpoint) and returns the final
+    state; the hooks run in their `order` (train.hooks.ORDER)."""
     if config.lofi.enabled:
-        from jaxscale.lofi.worker import LofiWorker
-        worker = LofiWorker.for_run(config, trainer.shardings, trainer.ctx.optimizer)
-        trainer.state, data_state = worker.start(trainer.state)
-        trainer.data_state = data_state or trainer.data_state
-        trainer.hooks.append(worker)
-    return trainer.run()  # the hooks run in their `order` (train.hooks.ORDER)
+        raise ConfigError(paragraph(
+            "config.lofi.enabled=True: a Lo-Fi worker also pushes to and loads from its store,",
+            "which `train` does not do. Run it with `jaxscale.lofi.worker.train_worker(config,",
+            "workdir)` (what `launch.train` calls for such a config), or set",
+            "lofi.enabled=False."))
+    return prepare(config, workdir, hooks).run()

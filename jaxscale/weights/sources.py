@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.errors import ConversionError, JaxscaleError, paragraph
+from jaxscale.models import hf_opener
 from jaxscale.storage import locations
 from jaxscale.weights import snapshot
 from jaxscale.weights.kv import Store
@@ -109,9 +110,9 @@ def _is_checkpoint_dir(path: str) -> bool:
 
 
 def _is_huggingface(path: str) -> bool:
-    from jaxscale.interop.safetensors_io import INDEX, SINGLE
+    """config.json beside safetensors files (one, or shards with their index)."""
     return os.path.isfile(os.path.join(path, "config.json")) and any(
-        os.path.exists(os.path.join(path, n)) for n in (SINGLE, INDEX))
+        n.endswith(".safetensors") for n in os.listdir(path))
 
 
 def store_leaves(store: Any, ckpt: Any) -> dict[str, Leaf]:
@@ -167,11 +168,27 @@ def _huggingface_weights(location: str) -> Weights:
 
 
 def open_huggingface(hf_dir: str) -> Any:
-    """The validated `interop.hf.Source` of a HF directory, by its config's model_type (the
-    model table says which converter reads it: `interop.families`)."""
-    from jaxscale.interop import families
+    """The validated `interop.hf.Source` of a HF directory, read by the converter that the
+    model table names for its config's `model_type` (`models.hf_opener`)."""
+    return hf_opener(read_hf_config(hf_dir), hf_dir)(hf_dir)
 
-    return families.opener(hf_dir)(hf_dir)
+
+def read_hf_config(hf_dir: str) -> dict:
+    """A Hugging Face directory's config.json, or one paragraph on why it cannot be read."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"{hf_dir!r} is not a directory; point at a Hugging Face model "
+                              "directory written by `save_pretrained`.")
+    if not os.path.exists(path):
+        raise ConversionError(f"{hf_dir} has no config.json; point at a Hugging Face model "
+                              "directory written by `save_pretrained`.")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path} is not valid JSON ({e}); re-save the model with "
+                              "`save_pretrained`.") from None
+
 
 
 # ----------------------------------------------------------------------------- orbax checkpoints
