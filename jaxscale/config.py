@@ -56,7 +56,8 @@ def base_config() -> mlc.ConfigDict:
         loss_chunks=1,  # LM head + loss over the sequence in this many chunks (less memory)
         # rotary scaling as HF `rope_scaling` (none | linear | llama3), see models/rope.py
         rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0,
-        rope_high_freq_factor=4.0, rope_original_max_len=8192))
+        rope_high_freq_factor=4.0, rope_original_max_len=8192,
+        sliding_window=0))  # > 0: attend to that many latest positions only (Mistral)
     c.data = mlc.ConfigDict(dict(
         corpus="stdlib",           # stdlib | digits | files (implied by a non-empty `sources`)
         max_bytes=4_000_000, seq_len=128, batch_size=32, eval_batches=4, part="all",

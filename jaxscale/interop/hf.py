@@ -21,7 +21,7 @@ every weight is only transposed and reshaped (q/k/v and gate/up are also joined 
 `wqkv` / `w_gate_up` on import and split on export, `models/fused.py`: exact, so round trips
 stay bit for bit). Configurations the model cannot reproduce
 (rope scaling other than `linear` and `llama3`, sliding windows, attention or MLP biases,
-another activation) are rejected, never approximated.
+another activation) are rejected, never approximated (Mistral's window: `hf_mistral.py`).
 """
 
 from __future__ import annotations
@@ -134,6 +134,12 @@ def llama_config_to_hf(model_cfg: Mapping[str, Any], dtype: str = "float32") -> 
     The rope scaling goes into both `rope_parameters` (transformers >= 5) and `rope_scaling`
     (older releases), so either reads back the frequencies the model was converted with."""
     m = dict(model_cfg)
+    if m.get("sliding_window"):
+        raise ConversionError(paragraph(
+            f"model.sliding_window={m['sliding_window']}: a Hugging Face Llama attends to the",
+            "full context, so the exported model would compute different logits. Export it as",
+            "a Mistral (model.name=mistral writes MistralForCausalLM with its sliding_window).",
+        ))
     scaling = rope_scaling_to_hf(m)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",

@@ -16,7 +16,7 @@ from jaxscale.errors import exit_on_user_error
 from jaxscale.runtime import distributed
 
 _WORKDIR = flags.DEFINE_string("workdir", "", "Training workdir or launch.convert output.")
-_FROM_HF = flags.DEFINE_string("from_hf", "", "Hugging Face Llama directory.")
+_FROM_HF = flags.DEFINE_string("from_hf", "", "Hugging Face Llama or Mistral directory.")
 _PROMPT = flags.DEFINE_string("prompt", "", "Prompt text (encoded with the model's tokenizer).")
 _PROMPT_IDS = flags.DEFINE_list("prompt_ids", [], "Prompt token ids, comma-separated.")
 _STEPS = flags.DEFINE_integer("steps", 64, "Tokens to generate.")

@@ -83,6 +83,15 @@ MODELS: dict[str, ModelEntry] = {
         hf=HuggingFace("llama", "jaxscale.interop.hf:open_llama",
                        "jaxscale.interop.hf:save_llama"),
         check=llama.check_config),
+    # The Llama decoder with `sliding_window` (Mistral's config.json): the same module and task.
+    "mistral": ModelEntry(
+        llama.LlamaConfig, llama.Llama, {"lm": llama.LM},
+        flops_per_token=llama_flops.flops_per_token,
+        attention_flops=llama_flops.attention_flops_per_token,
+        recompute_flops=llama_flops.recompute_flops_per_token,
+        hf=HuggingFace("mistral", "jaxscale.interop.hf_mistral:open_mistral",
+                       "jaxscale.interop.hf_mistral:save_mistral"),
+        check=llama.check_config),
     "vit": ModelEntry(
         vit.ViTConfig, vit.ViT, {"classify": vit.CLASSIFY},
         flops_per_token=vit.flops_per_token,

@@ -5,7 +5,8 @@ keys, values and a `Mask`; the `Attention` module (the Llama's grouped-query cau
 and the ViT's bidirectional attention both call it. Kernels are an explicit table
 (`ATTENTION_IMPLS`, chosen by `model.attention`). A `Mask` is described, not materialised: query
 and key *slots* (index in the sequence or the KV cache, not the rotary positions), optional
-segment ids (packed documents attend only within their own document) and whether it is causal,
+segment ids (packed documents attend only within their own document), whether it is causal
+and an optional sliding window (`Attention(..., window=)`, `model.sliding_window`),
 so a kernel can use its own structured masking (the fused kernel's built-in causal mask, the
 splash kernel's causal mask and segment ids; `models/splash.py`) and others build the dense
 boolean mask with `Mask.dense`.
@@ -110,7 +111,9 @@ def fused_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                     mask: Mask | None, softmax_dtype: Any) -> jax.Array:
     """`jax.nn.dot_product_attention` (cuDNN flash attention on GPUs where it applies)."""
     if mask is not None and mask.aligned and mask.q_segments_BT is None:
-        return jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, is_causal=mask.causal)
+        window = (mask.window - 1, 0) if mask.window else None  # (left, right) keys, inclusive
+        return jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, is_causal=mask.causal,
+                                            local_window_size=window)
     visible_BTS = None if mask is None else mask.dense()
     return jax.nn.dot_product_attention(
         q_BTHD, k_BSKD, v_BSKD, mask=None if visible_BTS is None else visible_BTS[:, None])
@@ -155,7 +158,7 @@ class Attention(nnx.Module):
 
     def __init__(self, embed: int, heads: int, kv_heads: int, head_dim: int,
                  rope: Rope | float, policy: Policy, impl: str, rngs: nnx.Rngs, *,
-                 stack: int | None = None):
+                 stack: int | None = None, window: int | None = None):
         if heads % kv_heads:
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}.")
         check_impl(impl)
@@ -166,6 +169,7 @@ class Attention(nnx.Module):
                         fan_in=heads * head_dim, **kw)
         self.rope = rope if isinstance(rope, Rope) else Rope(theta=float(rope))
         self.policy, self.impl = policy, impl
+        self.window = window or 0  # sliding window (`model.sliding_window`); 0: full causal
 
     def __call__(self, x_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
                  cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None
@@ -187,12 +191,14 @@ class Attention(nnx.Module):
         v_BTKD = constrain(v_BTKD, "batch", "length", "kv", "head_dim")
         t = x_BTE.shape[1]
         if cache is None:
-            k_BSKD, v_BSKD, mask = k_BTKD, v_BTKD, Mask.sequence(t, segments_BT)
+            k_BSKD, v_BSKD, mask = k_BTKD, v_BTKD, Mask.sequence(
+                t, segments_BT, window=self.window)
         else:
             cache = cache.write(k_BTKD, v_BTKD, cache_index, segments_BT)
             cache = cache.constrained(LAYER_CACHE_AXES)
             k_BSKD, v_BSKD = cache.k.astype(c), cache.v.astype(c)
-            mask = Mask.cached(t, cache_index, cache.k.shape[1], segments_BT, cache.segments)
+            mask = Mask.cached(t, cache_index, cache.k.shape[1], segments_BT, cache.segments,
+                               window=self.window)
         out_BTHD = attend(q_BTHD, k_BSKD, v_BSKD, mask, impl=self.impl,
                           softmax_dtype=self.policy.dtype_for("softmax"))
         out_BTHD = checkpoint_name(constrain(out_BTHD, "batch", "length", "heads", "head_dim"),

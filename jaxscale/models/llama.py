@@ -60,6 +60,10 @@ class LlamaConfig:
     # or "dot_product_attention" (fused; cuDNN flash on GPUs), or "splash" (the Pallas TPU
     # flash kernel: no score matrix in HBM; models/splash.py)
     attention: str = "einsum"
+    # Sliding-window attention (Mistral's `sliding_window`): a query at position i sees the keys
+    # at i - sliding_window < j <= i only (in training, evaluation and the KV cache alike);
+    # 0 or None: the full causal context. Checked by `check_sliding_window`.
+    sliding_window: int | None = 0
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any]) -> "LlamaConfig":
@@ -99,11 +103,27 @@ def check_config(m: Mapping[str, Any], seq_len: int) -> None:
     attention = m.get("attention", "einsum")
     require(attention in ATTENTION_IMPLS,
             f"model.attention={attention!r}: use one of {', '.join(ATTENTION_IMPLS)}.")
+    check_sliding_window(m)
     chunks = m.get("loss_chunks", 1)
     require(isinstance(chunks, int) and chunks >= 1 and seq_len % chunks == 0,
             f"model.loss_chunks={chunks!r} must be a positive divisor of data.seq_len",
             f"({seq_len}): the LM head and loss run over the sequence in that many chunks",
             "(1: all at once; 4-16 cut the float32 logits' memory that many times).")
+
+
+def check_sliding_window(m: Mapping[str, Any]) -> None:
+    """`model.sliding_window`: None or a non-negative int (0: full causal attention). Every
+    kernel in `ATTENTION_IMPLS` applies it (einsum and the KV cache through `Mask.dense`, the
+    fused kernel's `local_window_size`, splash's `LocalMask`), so no kernel is refused."""
+    window = m.get("sliding_window", 0)
+    if window is None or (isinstance(window, int) and not isinstance(window, bool)
+                          and window >= 0):
+        return
+    raise ConfigError(paragraph(
+        f"model.sliding_window={window!r} must be a non-negative integer: the number of",
+        "latest positions a query attends to, itself included (Mistral's sliding_window,",
+        "e.g. 4096), or 0 for the full causal context.",
+    ))
 
 
 class Block(nnx.Module):
@@ -112,7 +132,8 @@ class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs, stack: int):
         self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
         self.attn = Attention(cfg.embed, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                              cfg.rope, policy, cfg.attention, rngs, stack=stack)
+                              cfg.rope, policy, cfg.attention, rngs, stack=stack,
+                              window=cfg.sliding_window)
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
         self.mlp = MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack)
 

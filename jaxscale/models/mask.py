@@ -5,6 +5,13 @@ Its own module so that every kernel can read it (`attention.py` for einsum and t
 A kernel uses its own structured masking where it has one (the fused kernel's built-in causal
 mask, splash's causal mask and segment ids); the others build the dense boolean mask with
 `Mask.dense`.
+
+A sliding window (`window` > 0, Mistral's `sliding_window`) further limits a causal query at
+slot i to the keys at slots j with i - window < j <= i, as transformers' sliding-window overlay
+does (`kv_idx > q_idx - sliding_window`): `window` keys, itself included. Slots, not rotary
+positions, are compared, as transformers compares cache positions: a packed document or a
+left-padded prompt occupies consecutive slots, so within one segment the window counts
+positions within the document.
 """
 
 from __future__ import annotations
@@ -28,31 +35,36 @@ class Mask:
     k_segments_BS: jax.Array | None = None
     causal: bool = True
     aligned: bool = False
+    window: int = 0  # > 0: a causal query sees only the `window` latest slots (itself included)
 
     @classmethod
     def sequence(cls, length: int, segments_BT: jax.Array | None = None,
-                 causal: bool = True) -> "Mask":
+                 causal: bool = True, window: int = 0) -> "Mask":
         """Self-attention over one whole sequence per row (training, evaluation, a prefill
         without cache); `segments_BT` (B, T) ids keep packed documents apart."""
         slots_1T = jnp.arange(length, dtype=jnp.int32)[None]
-        return cls(slots_1T, slots_1T, segments_BT, segments_BT, causal, aligned=True)
+        return cls(slots_1T, slots_1T, segments_BT, segments_BT, causal, aligned=True,
+                   window=window)
 
     @classmethod
     def cached(cls, length: int, index: jax.Array, cache_len: int,
                q_segments_BT: jax.Array | None = None,
-               k_segments_BS: jax.Array | None = None) -> "Mask":
+               k_segments_BS: jax.Array | None = None, window: int = 0) -> "Mask":
         """`length` new queries at slots index.. over a cache of `cache_len` slots: a slot not
         yet written lies after every query, so the causal test also hides it. With segment
         ids, a query sees only the cached slots of its own segment (never padding)."""
         q_1T = (index + jnp.arange(length, dtype=jnp.int32))[None]
         return cls(q_1T, jnp.arange(cache_len, dtype=jnp.int32)[None], q_segments_BT,
-                   None if q_segments_BT is None else k_segments_BS)
+                   None if q_segments_BT is None else k_segments_BS, window=window)
 
     def dense(self) -> jax.Array | None:
         """Boolean (B or 1, T, S), True where the query may see the key; None: all visible."""
         visible = None
         if self.causal:
             visible = self.k_slots_BS[:, None, :] <= self.q_slots_BT[:, :, None]
+        if self.window:
+            recent = self.k_slots_BS[:, None, :] > self.q_slots_BT[:, :, None] - self.window
+            visible = recent if visible is None else visible & recent
         if self.q_segments_BT is not None:
             same = self.q_segments_BT[:, :, None] == self.k_segments_BS[:, None, :]
             visible = same if visible is None else visible & same

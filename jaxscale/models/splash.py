@@ -15,6 +15,8 @@ What runs where:
   the `fallback` kernel (`attention.py` passes `einsum_attention`). Decoding is memory-bound
   and its score matrix is (T_new, S), small; a training length off the 128 grid warns once,
   since it is the case the kernel is for.
+- A sliding window (`Mask.window`, Mistral): the kernel's `LocalMask` (`kernel_mask`), which
+  also skips the tiles outside the window, combined with segment ids like the causal mask.
 - Not on TPU: the kernel in Pallas interpret mode: exact but slow (tests), warned once.
 
 Grouped-query attention runs natively: the kernel's MHA form takes K kv heads for H query heads
@@ -94,18 +96,27 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mas
             "model.attention=einsum, or dot_product_attention on GPU, outside TPUs.",
         ))
     segments_BT = mask.q_segments_BT
-    run = _kernel_call(block, mask.causal, interpret)
+    run = _kernel_call(block, mask.causal, interpret, mask.window)
     if active is None:
         return run(q_BTHD, k_BSKD, v_BSKD, segments_BT)
     return _sharded(run, active[0], active[1], q_BTHD, k_BSKD, v_BSKD, segments_BT)
 
 
-def _kernel_call(block: int, causal: bool, interpret: bool) -> Run:
+def kernel_mask(shape: tuple[int, int], causal: bool, window: int = 0) -> mask_lib.Mask:
+    """One head's structured splash mask: causal, full, or (sliding window, `Mask.window`) the
+    local mask of the `window` latest keys, a query's own included (i - window < j <= i),
+    whose tiles wholly outside the band the kernel skips."""
+    if causal and window:
+        return mask_lib.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+    return mask_lib.CausalMask(shape) if causal else mask_lib.FullMask(shape)
+
+
+def _kernel_call(block: int, causal: bool, interpret: bool, window: int = 0) -> Run:
     """(q_BTHD, k_BSKD, v_BSKD, segments_BT | None) -> out_BTHD on one device's shard."""
 
     def run(q_BTHD, k_BSKD, v_BSKD, segments_BT):
         (_, t, h, d), s = q_BTHD.shape, k_BSKD.shape[1]
-        one = mask_lib.CausalMask((t, s)) if causal else mask_lib.FullMask((t, s))
+        one = kernel_mask((t, s), causal, window)
         blocks = kernel_lib.BlockSizes(
             block_q=block, block_kv=block, block_kv_compute=block,
             block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
