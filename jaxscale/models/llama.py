@@ -60,6 +60,8 @@ class LlamaConfig:
     # or "dot_product_attention" (fused; cuDNN flash on GPUs), or "splash" (the Pallas TPU
     # flash kernel: no score matrix in HBM; models/splash.py)
     attention: str = "einsum"
+    # attention across sequence shards (mesh.context > 1): "allgather" or "ring" (models/context.py)
+    context_attention: str = "allgather"
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any]) -> "LlamaConfig":
@@ -112,7 +114,8 @@ class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs, stack: int):
         self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
         self.attn = Attention(cfg.embed, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                              cfg.rope, policy, cfg.attention, rngs, stack=stack)
+                              cfg.rope, policy, cfg.attention, rngs, stack=stack,
+                              context_impl=cfg.context_attention)
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
         self.mlp = MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack)
 
