@@ -3,9 +3,11 @@
 Attention across sequence shards, `allgather` and `ring`, equals plain einsum attention in the
 forward pass and in the gradients of q, k and v (float32, grouped-query heads, packed documents
 with padding, heads split over `tensor` too), and its compiled form really gathers or rotates
-the keys. A tiny grouped-query Llama trained three steps on `context=4 x data=2` and
-`context=2 x fsdp=2 x tensor=2` equals one device (tests/test_parallel_equivalence.py's
-helpers). Sequence shards that attention cannot follow are one-paragraph errors.
+the keys; the zigzag order balances causal work and attention follows it. A tiny grouped-query
+Llama trained three steps on `context=4 x data=2` and `context=2 x fsdp=2 x tensor=2` (and,
+marked slow, `context=2 x pipeline=2 x data=2`) equals one device (the helpers of
+tests/test_parallel_equivalence.py). Sequence shards that attention cannot follow are
+one-paragraph errors.
 """
 
 import re
@@ -73,8 +75,8 @@ def test_attention_across_shards_equals_plain(plain, variant, collective, mesh):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=f"d loss / d {name}")
 
 
-def _gqa_config(mesh):
-    c = make_config(mesh)
+def _gqa_config(mesh, **pipeline):
+    c = make_config(mesh, **pipeline)
     c.model.num_kv_heads = 2
     return c
 
@@ -84,12 +86,14 @@ def one_device():
     return run_steps(_gqa_config({}), jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh, variant", [
-    ({"context": 4, "data": 2}, "ring"),
-    ({"context": 2, "fsdp": 2, "tensor": 2}, "allgather"),
+@pytest.mark.parametrize("mesh, variant, pipeline", [
+    ({"context": 4, "data": 2}, "ring", {}),
+    ({"context": 2, "fsdp": 2, "tensor": 2}, "allgather", {}),
+    pytest.param({"context": 2, "pipeline": 2, "data": 2}, "ring", dict(microbatches=2),
+                 marks=pytest.mark.slow),  # GPipe stages: shard_map under the stages' vmap
 ])
-def test_llama_on_sequence_shards_equals_one_device(one_device, mesh, variant):
-    config = _gqa_config(mesh)
+def test_llama_on_sequence_shards_equals_one_device(one_device, mesh, variant, pipeline):
+    config = _gqa_config(mesh, **pipeline)
     config.model.context_attention = variant
     config_lib.validate(config)
     assert_equal_runs(run_steps(config, jax.devices()), one_device)
