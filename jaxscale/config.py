@@ -37,7 +37,8 @@ def base_config() -> mlc.ConfigDict:
     c.seed = 0
     c.init_from = ""
     c.mesh = mlc.ConfigDict(dict(data=-1, pipeline=1, fsdp=1, tensor=1,
-                                 dcn_data=1, dcn_pipeline=1, dcn_fsdp=1, dcn_tensor=1))
+                                 dcn_data=1, dcn_pipeline=1, dcn_fsdp=1, dcn_tensor=1,
+                                 context=1, dcn_context=1))  # context: sequence shards
     c.rules = [tuple(r) for r in DEFAULT_RULES]
     c.rules_preset = ""  # a name in jaxscale.presets.PRESETS replaces `rules` (dp, fsdp, pp, ...)
     c.rules_strict = False
@@ -53,6 +54,7 @@ def base_config() -> mlc.ConfigDict:
         name="llama", vocab_size=256, embed=128, num_layers=4, num_heads=4, num_kv_heads=2,
         head_dim=32, mlp=512, max_len=2048, rope_theta=10000.0, norm_eps=1e-5,
         tie_embeddings=False, remat="none", attention="einsum",
+        context_attention="allgather",  # across sequence shards (mesh.context > 1): or "ring"
         loss_chunks=1,  # LM head + loss over the sequence in this many chunks (less memory)
         # rotary scaling as HF `rope_scaling` (none | linear | llama3), see models/rope.py
         rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0,
@@ -117,10 +119,12 @@ def validate(c: mlc.ConfigDict) -> None:
     its `storage`, the observers their `train.loggers` / `train.profile`); what is left here is
     the sections of the layers above (train, checkpoint, Lo-Fi) and what crosses sections."""
     from jaxscale.models import check_model  # lazy: importing the models pulls in jax
+    from jaxscale.models.context import check_config as check_context
 
     check_fields(c)
     d, t = c.data, c.train
     check_model(c.model, d.seq_len)
+    check_context(c.mesh, c.model, d.seq_len)  # sequence shards (mesh.context)
     _require(t.steps > 0 and t.log_every > 0, "train.steps and train.log_every must be positive.")
     _require(t.grad_accum >= 1 and d.batch_size % t.grad_accum == 0,
              f"data.batch_size={d.batch_size} must be divisible by train.grad_accum="
@@ -156,7 +160,7 @@ def _validate_mesh_use(c: mlc.ConfigDict) -> None:
     mesh.tensor=4 compiles to 4x the compute and 4x the state per chip): refuse it."""
     rules = PRESETS[c.rules_preset] if c.rules_preset else c.rules
     used = _rule_axes(rules)
-    for axis in ("data", "pipeline", "fsdp", "tensor"):
+    for axis in ("data", "pipeline", "fsdp", "tensor", "context"):
         size = max(c.mesh.get(axis, 1), 1) * c.mesh.get(f"dcn_{axis}", 1)
         if size > 1 and axis not in used:
             users = [name for name, r in PRESETS.items() if axis in _rule_axes(r)]

@@ -1,6 +1,6 @@
 """Builds the device mesh from `config.mesh`: named axes, -1 fill, ICI x DCN (multi-slice) layout.
 
-The mesh always has the four axes of `MESH_AXES`, in that order; an axis of size 1 costs nothing
+The mesh always has the axes of `MESH_AXES`, in that order; an axis of size 1 costs nothing
 and keeps every rule valid on every mesh. Within a slice devices are ordered by jax's
 topology-aware `mesh_utils.create_device_mesh`; across slices (DCN) each slice is one block, so
 that only axes with a `dcn_*` factor > 1 ever cross the slower data-centre network.
@@ -19,8 +19,11 @@ from jax.sharding import Mesh
 
 from jaxscale.errors import MeshError, paragraph
 
-# Outer to inner: `tensor` is innermost so tensor-parallel partners are the closest devices.
-MESH_AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "tensor")
+# Outer to inner: `tensor` and `context` (sequence shards, `models/context.py`) are innermost so
+# tensor-parallel and ring-attention partners are the closest devices. Axes after the first
+# `_CLASSIC` appear in `mesh_summary` only when larger than 1.
+MESH_AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "tensor", "context")
+_CLASSIC = 4
 
 
 def _fill(sizes: dict[str, int], total: int, what: str) -> dict[str, int]:
@@ -134,6 +137,8 @@ def make_mesh(mesh_cfg: Mapping[str, Any], devices: Sequence[Any] | None = None)
 
 
 def mesh_summary(mesh: Mesh) -> str:
-    """One line such as `data=2 pipeline=1 fsdp=2 tensor=2 (8 cpu devices)`."""
-    sizes = " ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    """One line such as `data=2 pipeline=1 fsdp=2 tensor=2 (8 cpu devices)` (`context=N` too
+    when it is > 1)."""
+    sizes = " ".join(f"{k}={v}" for i, (k, v) in enumerate(mesh.shape.items())
+                     if i < _CLASSIC or v > 1)
     return f"{sizes} ({mesh.devices.size} {mesh.devices.flat[0].platform} devices)"

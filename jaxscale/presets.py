@@ -13,6 +13,10 @@ the stacked `layers` dimension on `pipeline`, so any of them runs pipeline stage
 - `fsdp_tp`: both (the default rules, `config.DEFAULT_RULES`).
 - `pp`: pipeline stages over `pipeline` with FSDP and TP inside them (the same rules as
   `fsdp_tp`; the name says what the mesh is for).
+
+Every preset also puts the `length` of activations on `context` (free when `mesh.context` is 1):
+with `mesh.context` > 1 norms, MLPs and projections run on sequence shards and attention runs
+across them (`models/context.py`, `model.context_attention`). Weights have no `length`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 _BATCH = ("batch", ("data", "fsdp"))
-_REPLICATED = [("length", None), ("head_dim", None), ("norm", None), ("lora_rank", None),
+# Replicated, except the sequence `length` of activations over `context` (context parallelism).
+_REPLICATED = [("length", "context"), ("head_dim", None), ("norm", None), ("lora_rank", None),
                ("fused", None)]  # the q/k/v and gate/up parts of a fused weight
 _STAGES = [("layers", "pipeline")]
 _TP = [("vocab", "tensor"), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor")]

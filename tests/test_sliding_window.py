@@ -13,8 +13,8 @@ import pytest
 
 from jaxscale import generate as gen
 from jaxscale.errors import ConfigError
-from jaxscale.interop import convert, families, hf, hf_mistral
-from jaxscale.models import ModelDef, check_model
+from jaxscale.interop import convert, hf, hf_mistral
+from jaxscale.models import ModelDef, check_model, hf_opener
 from jaxscale.models.attention import attend
 from jaxscale.models.mask import Mask
 from jaxscale.models.splash import kernel_mask
@@ -204,7 +204,7 @@ def test_convert_from_and_to_hf_dispatch_on_mistral(mistral, loaded, tmp_path):
     """`launch.convert --from_hf` / `--to_hf`: the table's `mistral` entry serves both ways."""
     _, path = mistral
     model_cfg, params, _ = loaded
-    assert families.opener(path) is hf_mistral.open_mistral
+    assert hf_opener(hf.read_hf_config(path), path) is hf_mistral.open_mistral
     written = convert.hf_to_workdir(path, str(tmp_path / "converted"))
     assert written == model_cfg
     assert "--config.model.sliding_window=4" in convert.override_flags(written)

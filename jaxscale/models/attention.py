@@ -36,7 +36,7 @@ from einops import rearrange
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.models import splash
+from jaxscale.models import context, splash
 from jaxscale.models.fused import FUSED_AXIS, QKV
 from jaxscale.models.layers import param, project
 from jaxscale.models.mask import Mask
@@ -136,8 +136,16 @@ ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
 
 
 def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mask | None, *,
-           impl: str = "einsum", softmax_dtype: Any = jnp.float32) -> jax.Array:
-    """softmax(q.k / sqrt(D), masked) . v with the kernel `impl`; K kv heads serve H/K heads."""
+           impl: str = "einsum", softmax_dtype: Any = jnp.float32,
+           context_impl: str = "allgather") -> jax.Array:
+    """softmax(q.k / sqrt(D), masked) . v with the kernel `impl`; K kv heads serve H/K heads.
+    A whole sequence that the active rules split over sequence shards runs by `context_impl`
+    (`models/context.py`)."""
+    shards = (context.sequence_shards(q_BTHD.shape[1], impl)
+              if mask is not None and mask.aligned else None)
+    if shards is not None:
+        return context.attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype,
+                                 variant=context_impl, shards=shards)
     return ATTENTION_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype)
 
 
@@ -158,7 +166,8 @@ class Attention(nnx.Module):
 
     def __init__(self, embed: int, heads: int, kv_heads: int, head_dim: int,
                  rope: Rope | float, policy: Policy, impl: str, rngs: nnx.Rngs, *,
-                 stack: int | None = None, window: int | None = None):
+                 stack: int | None = None, window: int | None = None,
+                 context_impl: str = "allgather"):
         if heads % kv_heads:
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}.")
         check_impl(impl)
@@ -170,6 +179,7 @@ class Attention(nnx.Module):
         self.rope = rope if isinstance(rope, Rope) else Rope(theta=float(rope))
         self.policy, self.impl = policy, impl
         self.window = window or 0  # sliding window (`model.sliding_window`); 0: full causal
+        self.context_impl = context_impl  # across sequence shards (`models/context.py`)
 
     def __call__(self, x_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
                  cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None
@@ -200,7 +210,8 @@ class Attention(nnx.Module):
             mask = Mask.cached(t, cache_index, cache.k.shape[1], segments_BT, cache.segments,
                                window=self.window)
         out_BTHD = attend(q_BTHD, k_BSKD, v_BSKD, mask, impl=self.impl,
-                          softmax_dtype=self.policy.dtype_for("softmax"))
+                          softmax_dtype=self.policy.dtype_for("softmax"),
+                          context_impl=self.context_impl)
         out_BTHD = checkpoint_name(constrain(out_BTHD, "batch", "length", "heads", "head_dim"),
                                    "attn_out")
         out_BTE = constrain(project(self, "wo", "bthd,hde->bte", out_BTHD, c),

@@ -64,6 +64,8 @@ class LlamaConfig:
     # at i - sliding_window < j <= i only (in training, evaluation and the KV cache alike);
     # 0 or None: the full causal context. Checked by `check_sliding_window`.
     sliding_window: int | None = 0
+    # attention across sequence shards (mesh.context > 1): "allgather" or "ring" (models/context.py)
+    context_attention: str = "allgather"
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any]) -> "LlamaConfig":
@@ -133,7 +135,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
         self.attn = Attention(cfg.embed, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                               cfg.rope, policy, cfg.attention, rngs, stack=stack,
-                              window=cfg.sliding_window)
+                              window=cfg.sliding_window, context_impl=cfg.context_attention)
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
         self.mlp = MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack)
 
