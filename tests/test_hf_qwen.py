@@ -228,24 +228,70 @@ def train_steps(config, devices) -> tuple[np.ndarray, dict, dict]:
     return np.array(losses), init, host_params(state)
 
 
-def test_qwen3_style_trains_on_fsdp_tensor_mesh_as_on_one_device():
-    """Three steps of a Qwen3-style model (qk-norm, head_dim 24 != embed / heads, and the q/k/v
-    bias too) on fsdp=4 x tensor=2: the 1-device losses, and its parameters after the steps,
-    the new leaves included."""
-    def config(mesh, preset=""):
-        c = make_config(mesh, preset, batch=8)
-        c.model.update(name="qwen3", head_dim=24, qkv_bias=True, num_layers=2)
-        return c
+def qwen3_style(mesh: dict, preset: str = "", **pipeline):
+    """test_parallel_equivalence's model as a Qwen3-style one: qk-norm, head_dim 24 != embed /
+    heads, and the q/k/v bias too (both switches' parameters train and are sharded)."""
+    c = make_config(mesh, preset, batch=8, **pipeline)
+    c.model.update(name="qwen3", head_dim=24, qkv_bias=True, num_layers=2)
+    return c
 
-    ref_losses, init, ref_params = train_steps(config({}), jax.devices()[:1])
-    losses, init_sharded, params = train_steps(config({"fsdp": 4, "tensor": 2}, "fsdp_tp"),
-                                               jax.devices())
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_steps(qwen3_style({}), jax.devices()[:1])
+
+
+def assert_same_training(got, want):
+    (losses, init, params), (ref_losses, ref_init, ref_params) = got, want
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert ref_losses[-1] < ref_losses[0]  # training really moved
-    for path, ref in init.items():  # the same start
-        np.testing.assert_array_equal(init_sharded[path], ref)
+    for path, ref in ref_init.items():  # the same start
+        np.testing.assert_array_equal(init[path], ref)
     assert set(params) == set(ref_params) >= {"layers/attn/bqkv", "layers/attn/q_norm/scale"}
     for path, ref in ref_params.items():
-        assert not np.array_equal(ref, init[path]), f"{path} did not train"
-        rel = np.linalg.norm(params[path] - ref) / np.linalg.norm(ref - init[path])
+        assert not np.array_equal(ref, ref_init[path]), f"{path} did not train"
+        rel = np.linalg.norm(params[path] - ref) / np.linalg.norm(ref - ref_init[path])
         assert rel < 1e-4, f"{path}: relative difference of the updates {rel:.2e}"
+
+
+def test_qwen3_style_trains_on_fsdp_tensor_mesh_as_on_one_device(reference):
+    """Three steps on fsdp=4 x tensor=2: the 1-device losses, and its parameters after the
+    steps (the new leaves included)."""
+    assert_same_training(
+        train_steps(qwen3_style({"fsdp": 4, "tensor": 2}, "fsdp_tp"), jax.devices()), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, preset, pipeline, remat", [
+    ({"pipeline": 2, "fsdp": 2, "tensor": 2}, "pp", dict(microbatches=2), "none"),
+    ({"pipeline": 2, "data": 4}, "pp", dict(microbatches=2, schedule="1f1b"), "none"),
+    ({}, "", {}, "full"),
+    ({"fsdp": 8}, "fsdp", {}, "minimal"),
+])
+def test_qwen3_style_pipelines_and_remat_as_on_one_device(reference, mesh, preset, pipeline,
+                                                         remat):
+    config = qwen3_style(mesh, preset, **pipeline)
+    config.model.remat = remat
+    devices = jax.devices() if mesh else jax.devices()[:1]
+    assert_same_training(train_steps(config, devices), reference)
+
+
+def test_packed_rows_equal_each_document_alone():
+    """The switches act per token: a packed row of two documents gives each its own logits."""
+    model_cfg = dict(vocab_size=64, embed=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=16, mlp=64, name="qwen3", qkv_bias=True)
+    model_def = ModelDef.build(model_cfg, get_policy("32-true"))
+    rng = np.random.default_rng(0)
+    params = unflatten({k: rng.normal(0.0, 0.3, s.shape).astype(np.float32)
+                        for k, s in model_def.shapes().items()})
+    docs = [rng.integers(1, 64, n).astype(np.int32) for n in (7, 9)]
+    tokens = np.concatenate(docs)[None]
+    positions = np.concatenate([np.arange(len(d)) for d in docs])[None].astype(np.int32)
+    segments = np.concatenate([np.full(len(d), i + 1) for i, d in enumerate(docs)])[None]
+    forward = jax.jit(lambda p, t, pos, seg: model_def.module(p)(t, pos, segments_BT=seg))
+    packed = np.asarray(forward(params, tokens, positions, segments.astype(np.int32)))
+    alone = jax.jit(lambda p, t: model_def.module(p)(t))
+    np.testing.assert_allclose(packed[0, :7], np.asarray(alone(params, docs[0][None]))[0],
+                               atol=1e-5)
+    np.testing.assert_allclose(packed[0, 7:], np.asarray(alone(params, docs[1][None]))[0],
+                               atol=1e-5)

@@ -115,7 +115,7 @@ def decoder_fields(hf: Mapping[str, Any], where: str, name: str) -> dict:
         raise ConversionError(f"{where}: hidden_act={act!r} is not supported; jaxscale's Llama "
                               "MLP is SwiGLU (silu). Convert a checkpoint with hidden_act='silu'.")
     rope_fields = rope_from_hf(hf, where)
-    require_keys(hf, LLAMA_REQUIRED, where, "Llama")
+    require_keys(hf, LLAMA_REQUIRED, where, name.capitalize())
     heads = int(hf["num_attention_heads"])
     return dict(
         name=name,
