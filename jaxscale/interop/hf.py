@@ -99,21 +99,27 @@ def llama_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> d
                 "parameters, and dropping them would silently change the model. Convert a",
                 f"checkpoint with {key}=false.",
             ))
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ConversionError(f"{where}: hidden_act={act!r} is not supported; jaxscale's Llama "
-                              "MLP is SwiGLU (silu). Convert a checkpoint with hidden_act='silu'.")
-    rope_fields = rope_from_hf(hf, where)
     if hf.get("sliding_window") not in (None, 0):
         raise ConversionError(paragraph(
             f"{where}: sliding_window={hf['sliding_window']} (local attention) is not supported:",
             "jaxscale's Llama attends to the full context, so the converted model would compute",
             "different logits. Convert a checkpoint with sliding_window=null.",
         ))
-    require_keys(hf, LLAMA_REQUIRED, where, "Llama")
+    return decoder_fields(hf, where, "llama")
+
+
+def decoder_fields(hf: Mapping[str, Any], where: str, name: str) -> dict:
+    """The `config.model` fields of a Llama-decoder family's HF config (`name`: its
+    `model.name`; `hf_qwen.py` reuses it): the activation and rope checked, the sizes read."""
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConversionError(f"{where}: hidden_act={act!r} is not supported; jaxscale's Llama "
+                              "MLP is SwiGLU (silu). Convert a checkpoint with hidden_act='silu'.")
+    rope_fields = rope_from_hf(hf, where)
+    require_keys(hf, LLAMA_REQUIRED, where, name.capitalize())
     heads = int(hf["num_attention_heads"])
     return dict(
-        name="llama",
+        name=name,
         vocab_size=int(hf["vocab_size"]),
         embed=int(hf["hidden_size"]),
         num_layers=int(hf["num_hidden_layers"]),
@@ -140,6 +146,12 @@ def llama_config_to_hf(model_cfg: Mapping[str, Any], dtype: str = "float32") -> 
             "full context, so the exported model would compute different logits. Export it as",
             "a Mistral (model.name=mistral writes MistralForCausalLM with its sliding_window).",
         ))
+    switched = [k for k in ("qkv_bias", "qk_norm") if m.get(k)]
+    if switched:
+        raise ConversionError(paragraph(
+            f"model.{switched[0]}=True has no place in a Hugging Face Llama (its tensors would be",
+            "dropped): export the model as the family that has it, model.name=qwen2 (qkv_bias)",
+            "or qwen3 (qk_norm)."))
     scaling = rope_scaling_to_hf(m)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.errors import ConfigError, ConversionError, paragraph
-from jaxscale.models import llama, llama_flops, vit
+from jaxscale.models import llama, llama_flops, qwen, vit
 from jaxscale.models.scan import check_remat
 from jaxscale.models.task import Task
 from jaxscale.precision import Policy
@@ -72,6 +72,16 @@ class ModelEntry:
         return self.tasks[name]
 
 
+def _decoder(config_cls: Any, hf: HuggingFace) -> ModelEntry:
+    """The entry of a family that is the Llama decoder with other switch defaults: the same
+    module, task, checks and FLOP counts (biases and norms add no matmul)."""
+    return ModelEntry(config_cls, llama.Llama, {"lm": llama.LM},
+                      flops_per_token=llama_flops.flops_per_token,
+                      attention_flops=llama_flops.attention_flops_per_token,
+                      recompute_flops=llama_flops.recompute_flops_per_token,
+                      hf=hf, check=llama.check_config)
+
+
 DEFAULT_MODEL = "llama"  # what a config without `model.name` builds
 
 MODELS: dict[str, ModelEntry] = {
@@ -84,14 +94,14 @@ MODELS: dict[str, ModelEntry] = {
                        "jaxscale.interop.hf:save_llama"),
         check=llama.check_config),
     # The Llama decoder with `sliding_window` (Mistral's config.json): the same module and task.
-    "mistral": ModelEntry(
-        llama.LlamaConfig, llama.Llama, {"lm": llama.LM},
-        flops_per_token=llama_flops.flops_per_token,
-        attention_flops=llama_flops.attention_flops_per_token,
-        recompute_flops=llama_flops.recompute_flops_per_token,
-        hf=HuggingFace("mistral", "jaxscale.interop.hf_mistral:open_mistral",
-                       "jaxscale.interop.hf_mistral:save_mistral"),
-        check=llama.check_config),
+    "mistral": _decoder(llama.LlamaConfig, HuggingFace(
+        "mistral", "jaxscale.interop.hf_mistral:open_mistral",
+        "jaxscale.interop.hf_mistral:save_mistral")),
+    # The Llama decoder with its switches on (models/qwen.py): the Llama's facts, other defaults.
+    "qwen2": _decoder(qwen.Qwen2Config, HuggingFace(
+        "qwen2", "jaxscale.interop.hf_qwen:open_qwen2", "jaxscale.interop.hf_qwen:save_qwen")),
+    "qwen3": _decoder(qwen.Qwen3Config, HuggingFace(
+        "qwen3", "jaxscale.interop.hf_qwen:open_qwen3", "jaxscale.interop.hf_qwen:save_qwen")),
     "vit": ModelEntry(
         vit.ViTConfig, vit.ViT, {"classify": vit.CLASSIFY},
         flops_per_token=vit.flops_per_token,

@@ -38,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.models import context, splash
 from jaxscale.models.fused import FUSED_AXIS, QKV
-from jaxscale.models.layers import param, project
+from jaxscale.models.layers import RMSNorm, param, project
 from jaxscale.models.mask import Mask
 from jaxscale.models.rope import Rope, rotary
 from jaxscale.precision import Policy
@@ -167,7 +167,8 @@ class Attention(nnx.Module):
     def __init__(self, embed: int, heads: int, kv_heads: int, head_dim: int,
                  rope: Rope | float, policy: Policy, impl: str, rngs: nnx.Rngs, *,
                  stack: int | None = None, window: int | None = None,
-                 context_impl: str = "allgather"):
+                 context_impl: str = "allgather", qkv_bias: bool = False,
+                 qk_norm: bool = False, norm_eps: float = 1e-6):
         if heads % kv_heads:
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}.")
         check_impl(impl)
@@ -180,6 +181,35 @@ class Attention(nnx.Module):
         self.policy, self.impl = policy, impl
         self.window = window or 0  # sliding window (`model.sliding_window`); 0: full causal
         self.context_impl = context_impl  # across sequence shards (`models/context.py`)
+        self._init_options(kv_heads, heads // kv_heads, head_dim, qkv_bias, qk_norm, norm_eps,
+                           stack)
+
+    def _init_options(self, kv_heads: int, group: int, head_dim: int, qkv_bias: bool,
+                      qk_norm: bool, norm_eps: float, stack: int | None) -> None:
+        """The decoder's switches (Qwen2/2.5, Qwen3): a q/k/v bias `bqkv` (K, G + 2, D) fused
+        like `wqkv` (`models/fused.py`) and with its output axes, so the `kv` rule shards it
+        with the kernel; per-head RMSNorms of q and k before rotary (`q_norm`, `k_norm`, scale
+        on `head_dim`). Off, the module holds exactly the Llama's parameters."""
+        self.qkv_bias, self.qk_norm = qkv_bias, qk_norm
+        if qkv_bias:
+            self.bqkv = param(None, (kv_heads, group + 2, head_dim),
+                              ("kv", FUSED_AXIS, "head_dim"), init="zeros", stack=stack,
+                              dtype=self.policy.param)
+        if qk_norm:
+            norm = lambda: RMSNorm(head_dim, norm_eps, self.policy, stack=stack, axis="head_dim")
+            self.q_norm, self.k_norm = norm(), norm()
+
+    def _biased(self, qkv_BTKCD: jax.Array) -> jax.Array:
+        """The fused q/k/v projection plus its bias, when the model has one."""
+        if not self.qkv_bias:
+            return qkv_BTKCD
+        return qkv_BTKCD + self.bqkv[...].astype(qkv_BTKCD.dtype)[None, None]
+
+    def _normed(self, q_BTHD: jax.Array, k_BTKD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """q and k, each head RMS-normalised over `head_dim` when the model has qk-norm."""
+        if not self.qk_norm:
+            return q_BTHD, k_BTKD
+        return self.q_norm(q_BTHD), self.k_norm(k_BTKD)
 
     def __call__(self, x_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
                  cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None
@@ -192,8 +222,9 @@ class Attention(nnx.Module):
         # (`models/scan.py`): a name on anything else would change nothing else.
         qkv_BTKCD = constrain(project(self, "wqkv", "bte,ekcd->btkcd", x_BTE, c),
                               "batch", "length", "kv", FUSED_AXIS, "head_dim")
-        qkv_BTKCD = checkpoint_name(qkv_BTKCD, "qkv_proj")
+        qkv_BTKCD = checkpoint_name(self._biased(qkv_BTKCD), "qkv_proj")
         q_BTHD, k_BTKD, v_BTKD = QKV.split(qkv_BTKCD)
+        q_BTHD, k_BTKD = self._normed(q_BTHD, k_BTKD)
         q_BTHD = constrain(rotary(q_BTHD, positions_BT, self.rope),
                            "batch", "length", "heads", "head_dim")
         k_BTKD = constrain(rotary(k_BTKD, positions_BT, self.rope),

@@ -149,15 +149,19 @@ def _dropout_term(module: nnx.Module, name: str, xs: str, ins: str, x: jax.Array
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, policy: Policy, *, stack: int | None = None):
-        self.scale = param(None, (dim,), ("norm",), init="ones", stack=stack, dtype=policy.param)
+    """RMSNorm over the last dimension of any-rank input; `axis` names the scale's logical axis
+    (`norm` for the residual stream, `head_dim` for the per-head q/k norms of Qwen3)."""
+
+    def __init__(self, dim: int, eps: float, policy: Policy, *, stack: int | None = None,
+                 axis: str = "norm"):
+        self.scale = param(None, (dim,), (axis,), init="ones", stack=stack, dtype=policy.param)
         self.eps, self.policy = eps, policy
 
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         dtype = self.policy.dtype_for("norm")
         x = x_BTE.astype(dtype)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        scale_11E = self.scale[...].astype(dtype)[None, None, :]
+        scale_11E = self.scale[...].astype(dtype).reshape((1,) * (x.ndim - 1) + (-1,))
         return (x * scale_11E).astype(self.policy.compute)
 
 

@@ -66,6 +66,9 @@ class LlamaConfig:
     sliding_window: int | None = 0
     # attention across sequence shards (mesh.context > 1): "allgather" or "ring" (models/context.py)
     context_attention: str = "allgather"
+    # Decoder switches (Qwen2/2.5 and Qwen3 are this model with them on; `models/qwen.py`):
+    qkv_bias: bool = False   # a bias on the q/k/v projections
+    qk_norm: bool = False    # per-head RMSNorm of q and k before rotary
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any]) -> "LlamaConfig":
@@ -82,9 +85,15 @@ class LlamaConfig:
     def num_params(self) -> int:
         e, f, l = self.embed, self.mlp, self.num_layers
         attn = e * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * e * f + 2 * e
+        per_layer = attn + 3 * e * f + 2 * e + self._switch_params()
         head = 0 if self.tie_embeddings else e * self.vocab_size
         return self.vocab_size * e + l * per_layer + e + head
+
+    def _switch_params(self) -> int:
+        """Parameters per layer of the switches: the q/k/v bias and the q/k norm scales."""
+        d = self.head_dim
+        return (self.qkv_bias * d * (self.num_heads + 2 * self.num_kv_heads)
+                + self.qk_norm * 2 * d)
 
 
 def check_config(m: Mapping[str, Any], seq_len: int) -> None:
@@ -135,7 +144,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
         self.attn = Attention(cfg.embed, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                               cfg.rope, policy, cfg.attention, rngs, stack=stack,
-                              window=cfg.sliding_window, context_impl=cfg.context_attention)
+                              **attention_switches(cfg))
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
         self.mlp = MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack)
 
@@ -151,6 +160,12 @@ class Block(nnx.Module):
         h_BTE = h_BTE + self.mlp(self.mlp_norm(h_BTE))
         h_BTE = constrain(h_BTE, "batch", "length", "embed")
         return h_BTE if cache is None else (h_BTE, cache)
+
+
+def attention_switches(cfg: LlamaConfig) -> dict[str, Any]:
+    """The `Attention` keywords of the config's decoder switches."""
+    return dict(window=cfg.sliding_window, context_impl=cfg.context_attention,
+                qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps)
 
 
 class Llama(nnx.Module):

@@ -1,6 +1,9 @@
 """The Llama's FLOP counts, its table entry's facts: training FLOPs per token (what MFU is quoted
 in), the attention part a fused kernel hides from the HLO count, and the remat recompute.
 
+The Qwen2 / Qwen3 entries share these counts: their switches (a q/k/v bias, per-head q/k
+RMSNorm; `models/qwen.py`) add no matmul, and `head_dim` is already a term of its own.
+
 Every function takes the `config.model` section and the sequence length, so that metrics and
 ahead-of-time accounting ask the model table (`jaxscale.models.MODELS`) and never the model's
 fields themselves.
