@@ -133,6 +133,12 @@ def llama_config_to_hf(model_cfg: Mapping[str, Any], dtype: str = "float32") -> 
     The rope scaling goes into both `rope_parameters` (transformers >= 5) and `rope_scaling`
     (older releases), so either reads back the frequencies the model was converted with."""
     m = dict(model_cfg)
+    experts = dict(m.get("moe") or {}).get("num_experts", 0)
+    if experts:
+        raise ConversionError(paragraph(
+            f"model.moe.num_experts={experts}: a mixture-of-experts model has no Llama layout",
+            "(its experts would be dropped). Hugging Face Mixtral / Qwen3-MoE export is not",
+            "written yet (issue 31); keep the training checkpoint or the params export."))
     scaling = rope_scaling_to_hf(m)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
