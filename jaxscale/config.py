@@ -122,12 +122,12 @@ def validate(c: mlc.ConfigDict) -> None:
     its `storage`, the observers their `train.loggers` / `train.profile`); what is left here is
     the sections of the layers above (train, checkpoint, Lo-Fi) and what crosses sections."""
     from jaxscale.models import check_model  # lazy: importing the models pulls in jax
+    from jaxscale.models.moe import check_moe
 
     check_fields(c)
     d, t = c.data, c.train
     check_model(c.model, d.seq_len)
-    from jaxscale.models.moe import check_moe
-    check_moe(c.model, c.mesh)  # the experts against the mesh (pipeline, expert axis)
+    check_moe(c.model, c.mesh, t.grad_accum)  # the experts against the mesh and accumulation
     _require(t.steps > 0 and t.log_every > 0, "train.steps and train.log_every must be positive.")
     _require(t.grad_accum >= 1 and d.batch_size % t.grad_accum == 0,
              f"data.batch_size={d.batch_size} must be divisible by train.grad_accum="

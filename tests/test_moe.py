@@ -174,10 +174,15 @@ def test_config_mistakes_are_one_paragraph(override, culprit):
     assert culprit in str(err.value) and "\n" not in str(err.value)
 
 
-def test_pipeline_stages_are_refused_for_moe():
+@pytest.mark.parametrize("mesh, grad_accum, fix", [
+    (dict(data=4, pipeline=2), 1, "mesh.pipeline=1"),
+    (dict(data=2), 2, "model.moe.capacity_factor=2.0"),  # ragged_dot cannot be vmapped
+])
+def test_unsupported_combinations_are_refused_for_moe(mesh, grad_accum, fix):
     c = _tiny_moe_config()
-    c.mesh.update(data=4, pipeline=2)
-    with pytest.raises(ConfigError, match=r"mesh.pipeline=1") as err:
+    c.mesh.update(mesh)
+    c.train.grad_accum = grad_accum
+    with pytest.raises(ConfigError, match=fix) as err:
         validate(c)
     assert "\n" not in str(err.value)
 
@@ -248,3 +253,14 @@ def test_hugging_face_llama_export_refuses_experts():
     with pytest.raises(ConversionError, match="num_experts=4") as err:
         llama_config_to_hf(_tiny_moe_config().model)
     assert "\n" not in str(err.value)
+
+
+def test_the_progress_line_shows_the_expert_load():
+    import io
+
+    from jaxscale.observe.progress import ProgressBar
+
+    out = io.StringIO()
+    ProgressBar(2, print_every=1, stream=out).update(1, {"loss": 2.0, "moe_load_max": 1.5,
+                                                         "moe_load_min": 0.25})
+    assert "load=1.50/0.25" in out.getvalue()

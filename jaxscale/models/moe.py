@@ -19,6 +19,8 @@ The router's auxiliary losses (Switch-style load balancing, ST-MoE z-loss) and p
 statistics are *sown* as an `nnx.Intermediate` (`ROUTER_STATS`): `scan_layers` stacks them over
 the layers, and `router_loss` (called by the LM task) turns them into the loss term and the
 step's `moe_*` metrics.
+Shape suffixes: N tokens (B x T), K choices per token, X experts, M assignments (N x K),
+C slots per expert, E embed, F expert hidden width.
 """
 
 from __future__ import annotations
@@ -70,9 +72,11 @@ class MoEConfig:
         return cls(**{k: v for k, v in dict(moe_cfg or {}).items() if k in names})
 
 
-def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None) -> None:
+def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
+              grad_accum: int = 1) -> None:
     """`config.model.moe`'s checks (a ConfigError paragraph naming the field and the fix); with
-    `config.mesh`, that the experts divide over its `expert` axis and no pipeline is asked for."""
+    `config.mesh` (and `train.grad_accum`), that the experts divide over its `expert` axis, no
+    pipeline is asked for, and the dropless path is not vmapped over data replicas."""
     moe = MoEConfig.from_config(m.get("moe"))
     n, k = moe.num_experts, moe.experts_per_token
 
@@ -114,6 +118,14 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None) -> No
             f"model.moe.num_experts={n} with mesh.pipeline x mesh.dcn_pipeline={stages}: pipeline",
             "stages do not yet carry the router's losses and load statistics out of their",
             "schedule. Train MoE models without pipeline stages (mesh.pipeline=1) for now.")
+    replicas = mesh.get("data", 1) * mesh.get("dcn_data", 1)
+    require(moe.capacity_factor > 0 or grad_accum <= 1 or replicas == 1,
+            f"model.moe.capacity_factor=0 (dropless) with train.grad_accum={grad_accum} and",
+            f"mesh.data={mesh.get('data', 1)}: gradient accumulation vmaps the model over the",
+            "data replicas (parallel/accumulate.py) and jax.lax.ragged_dot, the dropless",
+            "path's grouped matmul, has no vmap rule for unbatched weights. Use a capacity",
+            "factor (e.g. model.moe.capacity_factor=2.0), train.grad_accum=1, or shard the",
+            "batch over fsdp instead of data (mesh.data=1).")
 
 
 def expert_width(moe: MoEConfig, mlp: int) -> int:
