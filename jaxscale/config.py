@@ -10,6 +10,7 @@ rules preset), and values and cross-field consistency, all before anything compi
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
@@ -59,7 +60,12 @@ def base_config() -> mlc.ConfigDict:
         # rotary scaling as HF `rope_scaling` (none | linear | llama3), see models/rope.py
         rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0,
         rope_high_freq_factor=4.0, rope_original_max_len=8192,
-        sliding_window=0))  # > 0: attend to that many latest positions only (Mistral)
+        sliding_window=0,  # > 0: attend to that many latest positions only (Mistral)
+        # mixture of experts in place of the dense MLP when num_experts > 0 (models/moe.py):
+        # capacity_factor 0 = dropless; every = MoE on every n-th layer (1 only, for now)
+        moe=mlc.ConfigDict(dict(num_experts=0, experts_per_token=2, norm_topk_prob=True, mlp=0,
+                                shared_experts=0, capacity_factor=0.0,
+                                router_aux_loss_coef=0.01, router_z_loss_coef=0.0, every=1))))
     c.data = mlc.ConfigDict(dict(
         corpus="stdlib",           # stdlib | digits | files (implied by a non-empty `sources`)
         max_bytes=4_000_000, seq_len=128, batch_size=32, eval_batches=4, part="all",
@@ -120,11 +126,13 @@ def validate(c: mlc.ConfigDict) -> None:
     the sections of the layers above (train, checkpoint, Lo-Fi) and what crosses sections."""
     from jaxscale.models import check_model  # lazy: importing the models pulls in jax
     from jaxscale.models.context import check_config as check_context
+    from jaxscale.models.moe import check_moe
 
     check_fields(c)
     d, t = c.data, c.train
     check_model(c.model, d.seq_len)
     check_context(c.mesh, c.model, d.seq_len)  # sequence shards (mesh.context)
+    check_moe(c.model, c.mesh, t.grad_accum)  # the experts against the mesh and accumulation
     _require(t.steps > 0 and t.log_every > 0, "train.steps and train.log_every must be positive.")
     _require(t.grad_accum >= 1 and d.batch_size % t.grad_accum == 0,
              f"data.batch_size={d.batch_size} must be divisible by train.grad_accum="
@@ -235,8 +243,16 @@ def check_fields(c: mlc.ConfigDict) -> None:
     from jaxscale.models import lookup  # lazy: importing the models pulls in jax
     config_cls, _ = lookup(c.model.get("name", "llama"))
     reference.model = mlc.ConfigDict({**_MODEL_COMMON, **{
-        k: f.default for k, f in config_cls.__dataclass_fields__.items()}})
+        k: _as_field(f.default) for k, f in config_cls.__dataclass_fields__.items()}})
     _check_group(c, reference, "config", model_path="config.model")
+
+
+def _as_field(default: Any) -> Any:
+    """A model dataclass field's default as a config value: a nested dataclass (`model.moe`)
+    becomes a group of fields."""
+    if dataclasses.is_dataclass(default):
+        return mlc.ConfigDict(dataclasses.asdict(default))
+    return default
 
 
 def _check_group(node: mlc.ConfigDict, ref: mlc.ConfigDict, path: str, model_path: str) -> None:
@@ -250,7 +266,7 @@ def _check_group(node: mlc.ConfigDict, ref: mlc.ConfigDict, path: str, model_pat
             "Config files start from jaxscale.config.base_config() and may only change fields.",
         ))
     missing = sorted(set(ref.keys()) - set(node.keys()))
-    if missing and path != model_path:  # model fields default to the dataclass's
+    if missing and not path.startswith(model_path):  # model fields default to the dataclass's
         raise ConfigError(paragraph(
             f"{path} lacks the field(s) {', '.join(missing)}. Start config files from",
             "jaxscale.config.base_config() so that every field has a value.",

@@ -26,7 +26,8 @@ from typing import Any
 _BATCH = ("batch", ("data", "fsdp"))
 # Replicated, except the sequence `length` of activations over `context` (context parallelism).
 _REPLICATED = [("length", "context"), ("head_dim", None), ("norm", None), ("lora_rank", None),
-               ("fused", None)]  # the q/k/v and gate/up parts of a fused weight
+               ("fused", None),  # the q/k/v and gate/up parts of a fused weight
+               ("expert", None)]  # MoE experts (models/moe.py): no expert mesh axis yet
 _STAGES = [("layers", "pipeline")]
 _TP = [("vocab", "tensor"), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor")]
 _FSDP = [("embed", "fsdp"), ("mlp", "fsdp"), ("vocab", "fsdp")]

@@ -152,6 +152,12 @@ def llama_config_to_hf(model_cfg: Mapping[str, Any], dtype: str = "float32") -> 
             f"model.{switched[0]}=True has no place in a Hugging Face Llama (its tensors would be",
             "dropped): export the model as the family that has it, model.name=qwen2 (qkv_bias)",
             "or qwen3 (qk_norm)."))
+    experts = dict(m.get("moe") or {}).get("num_experts", 0)
+    if experts:
+        raise ConversionError(paragraph(
+            f"model.moe.num_experts={experts}: a mixture-of-experts model has no Llama layout",
+            "(its experts would be dropped). Hugging Face Mixtral / Qwen3-MoE export is not",
+            "written yet (issue 31); keep the training checkpoint or the params export."))
     scaling = rope_scaling_to_hf(m)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",

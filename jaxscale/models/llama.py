@@ -25,6 +25,8 @@ from flax import nnx
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.attention import ATTENTION_IMPLS, Attention, KVCache
 from jaxscale.models.layers import MLP, RMSNorm, param
+from jaxscale.models.moe import MoE, MoEConfig, check_moe, router_loss
+from jaxscale.models.moe import num_params as moe_params
 from jaxscale.models.rope import Rope, check_rope
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.scan import check_remat, scan_layers
@@ -69,11 +71,16 @@ class LlamaConfig:
     # Decoder switches (Qwen2/2.5 and Qwen3 are this model with them on; `models/qwen.py`):
     qkv_bias: bool = False   # a bias on the q/k/v projections
     qk_norm: bool = False    # per-head RMSNorm of q and k before rotary
+    # Mixture of experts in place of the dense MLP (num_experts > 0): jaxscale/models/moe.py.
+    moe: MoEConfig = MoEConfig()
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any]) -> "LlamaConfig":
         fields = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in dict(model_cfg).items() if k in fields})
+        kw = {k: v for k, v in dict(model_cfg).items() if k in fields}
+        if "moe" in kw:
+            kw["moe"] = MoEConfig.from_config(kw["moe"])
+        return cls(**kw)
 
     @property
     def rope(self) -> Rope:
@@ -85,7 +92,8 @@ class LlamaConfig:
     def num_params(self) -> int:
         e, f, l = self.embed, self.mlp, self.num_layers
         attn = e * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * e * f + 2 * e + self._switch_params()
+        ffn = moe_params(self.moe, e, f) if self.moe.num_experts else 3 * e * f
+        per_layer = attn + ffn + 2 * e + self._switch_params()
         head = 0 if self.tie_embeddings else e * self.vocab_size
         return self.vocab_size * e + l * per_layer + e + head
 
@@ -120,6 +128,7 @@ def check_config(m: Mapping[str, Any], seq_len: int) -> None:
             f"model.loss_chunks={chunks!r} must be a positive divisor of data.seq_len",
             f"({seq_len}): the LM head and loss run over the sequence in that many chunks",
             "(1: all at once; 4-16 cut the float32 logits' memory that many times).")
+    check_moe(m)
 
 
 def check_sliding_window(m: Mapping[str, Any]) -> None:
@@ -146,7 +155,8 @@ class Block(nnx.Module):
                               cfg.rope, policy, cfg.attention, rngs, stack=stack,
                               **attention_switches(cfg))
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
-        self.mlp = MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack)
+        self.mlp = (MoE(cfg.embed, cfg.mlp, cfg.moe, policy, rngs, stack=stack)
+                    if cfg.moe.num_experts else MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack))
 
     def __call__(self, h_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
                  cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None
@@ -290,7 +300,13 @@ def lm_loss(model: Llama, batch: Mapping[str, jax.Array],
             run_layers: LayerRunner | None = None) -> jax.Array:
     """Next-token loss of a decoder LM on `batch['tokens']` (B, T+1): inputs [:, :-1],
     targets [:, 1:]. A runner that fuses the loss (1F1B) runs head and loss in its schedule.
-    Packed rows (`segment_ids`, `positions`) count only targets inside the same document."""
+    Packed rows (`segment_ids`, `positions`) count only targets inside the same document.
+    MoE layers add their router losses (`moe.router_loss`, which records the moe_* metrics)."""
+    return _next_token_loss(model, batch, run_layers) + router_loss(model, model.cfg.moe)
+
+
+def _next_token_loss(model: Llama, batch: Mapping[str, jax.Array],
+                     run_layers: LayerRunner | None = None) -> jax.Array:
     tokens_BT1 = constrain(batch["tokens"], "batch", "length")
     if "segment_ids" in batch:
         if run_layers is not None and run_layers.fuses_loss:

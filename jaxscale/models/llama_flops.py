@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from jaxscale.models.moe import active_mlp
 from jaxscale.models.scan import NAMED_POLICIES
 
 
@@ -35,9 +36,13 @@ def llama_flops_per_token(num_layers: int, embed: int, heads: int, kv_heads: int
 
 
 def flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
-    """`llama_flops_per_token` of a `config.model` section."""
+    """`llama_flops_per_token` of a `config.model` section; an MoE layer counts its active
+    parameters (`moe.active_mlp`: the routed and shared experts a token passes through, and the
+    router), not all experts."""
+    mlp, router = active_mlp(m)
     return llama_flops_per_token(m["num_layers"], m["embed"], m["num_heads"], m["num_kv_heads"],
-                                 m["head_dim"], m["mlp"], m["vocab_size"], seq_len)
+                                 m["head_dim"], mlp, m["vocab_size"], seq_len) \
+        + 6.0 * m["num_layers"] * router
 
 
 def _remat(m: Mapping[str, Any]) -> str:

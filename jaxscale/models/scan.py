@@ -95,8 +95,10 @@ def scan_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
     """Applies a stacked `block` layer by layer with `lax.scan` (optionally rematerialised).
 
     With a stacked `cache` (L, B, S, K, D) each layer reads and writes its own slice, and the
-    result is (h, updated cache).
+    result is (h, updated cache). Without one, what the layers sow as `nnx.Intermediate` (the
+    MoE router's statistics) is left on `block`, stacked over the layers, as `nnx.scan` does.
     """
+    nnx.pop(block, nnx.Intermediate)  # a previous call's sown values are not layer inputs
     graphdef, state = nnx.split(block)
     if cache is not None:
         def apply_cached(h, xs):
@@ -110,9 +112,11 @@ def scan_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
     packed = {} if segments_BT is None else {"segments_BT": segments_BT}  # ViT blocks: never
 
     def apply_one(h, layer_state):
-        return nnx.merge(graphdef, layer_state)(h, positions_BT, **packed), None
+        layer = nnx.merge(graphdef, layer_state)
+        return layer(h, positions_BT, **packed), nnx.pop(layer, nnx.Intermediate)
 
     if remat != "none":
         apply_one = jax.checkpoint(apply_one, policy=REMAT_POLICIES[remat])
-    h_BTE, _ = jax.lax.scan(apply_one, h_BTE, state)
+    h_BTE, sown = jax.lax.scan(apply_one, h_BTE, state)
+    nnx.update(block, sown)  # what a layer sowed (the MoE router's stats), stacked (L, ...)
     return h_BTE

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 # A batch: arrays sharing the leading `batch` dimension, e.g. {'tokens': (B, T+1)} or
 # {'images', 'labels'}.
@@ -60,3 +61,11 @@ def masked_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None
                                 targets.shape)
     return {"loss": (losses * mask).sum(), "correct": (correct * mask).sum(),
             "count": mask.sum()}
+
+
+def step_metrics(model: Any) -> dict[str, jax.Array]:
+    """Extra metrics a task's loss recorded on `model` as `nnx.Intermediate` variables named by
+    the metric (e.g. the MoE router's `moe_aux_loss`, `models/moe.router_loss`), popped so the
+    step can report them: {} for a model that records none."""
+    return {"/".join(map(str, path)): v.get_value()
+            for path, v in nnx.to_flat_state(nnx.pop(model, nnx.Intermediate))}

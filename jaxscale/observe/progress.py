@@ -11,7 +11,8 @@ from typing import Any, TextIO
 class ProgressBar:
     """A tqdm bar on a terminal; without a TTY (CI logs) a plain line every `print_every` steps.
 
-    Shows step/total, loss, tokens/s, and the latest eval loss once one is known.
+    Shows step/total, loss, tokens/s, an MoE model's expert load (busiest/idlest expert
+    relative to a balanced load, `load=1.40/0.60`) and the latest eval loss once one is known.
     """
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True,
@@ -35,6 +36,9 @@ class ProgressBar:
             shown["loss"] = f"{float(metrics['loss']):.4f}"
         if metrics.get("tokens_per_s") is not None:
             shown["tok/s"] = f"{float(metrics['tokens_per_s']):,.0f}"
+        if metrics.get("moe_load_max") is not None:  # MoE: busiest / idlest expert vs balanced
+            shown["load"] = (f"{float(metrics['moe_load_max']):.2f}/"
+                             f"{float(metrics['moe_load_min']):.2f}")
         if metrics.get("eval_loss") is not None:
             self._eval_loss = float(metrics["eval_loss"])
         if self._eval_loss is not None:

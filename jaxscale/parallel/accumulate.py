@@ -23,7 +23,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale.rules import AxisRules, active_rules, use_rules
 
-GradFn = Callable[[dict[str, jax.Array]], tuple[jax.Array, Any]]
+# microbatch -> ((mean loss, extra metrics {name: scalar}), grads), as
+# `jax.value_and_grad(..., has_aux=True)` returns them.
+GradFn = Callable[[dict[str, jax.Array]], tuple[tuple[jax.Array, dict[str, jax.Array]], Any]]
 
 
 def _without(axes: Any, axis: str) -> Any:
@@ -67,10 +69,11 @@ def _fallback_reason(batch: dict[str, jax.Array], grad_accum: int, row_multiple:
 
 def accumulate_per_replica(grad_fn: GradFn, params: Any, batch: dict[str, jax.Array],
                            grad_accum: int, row_multiple: int = 1
-                           ) -> tuple[jax.Array, Any] | None:
-    """Mean (loss, grads) over `grad_accum` microbatches with one all-reduce over `data`.
+                           ) -> tuple[jax.Array, Any, dict[str, jax.Array]] | None:
+    """Mean (loss, grads, metrics) over `grad_accum` microbatches with one all-reduce over
+    `data` (the metrics: the mean over microbatches and replicas).
 
-    `grad_fn(microbatch) -> (mean loss, grads)`. Returns None where the scheme does not apply
+    `grad_fn(microbatch) -> ((mean loss, metrics), grads)`. Returns None where the scheme does not apply
     (no `data` axis, `data` used by a parameter rule, or a replica's microbatch would not hold a
     multiple of `row_multiple` rows, e.g. the pipeline's microbatches), so the caller keeps its
     plain scan. Replica d's microbatch a holds rows d*n*A + i*A + a (i < n), so each device
@@ -92,7 +95,7 @@ def accumulate_per_replica(grad_fn: GradFn, params: Any, batch: dict[str, jax.Ar
         n = x.shape[0] // (replicas * grad_accum)
         return jnp.moveaxis(x.reshape(replicas, n, grad_accum, *x.shape[1:]), 2, 0)
 
-    def replica_grads(mb: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+    def replica_grads(mb: dict[str, jax.Array]) -> tuple[tuple[jax.Array, Any], Any]:
         with use_rules(inner, mesh):
             return grad_fn(mb)
 
@@ -101,12 +104,13 @@ def accumulate_per_replica(grad_fn: GradFn, params: Any, batch: dict[str, jax.Ar
         "data", *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))))
 
     def body(carry, mb):
-        loss_D, grads_D = per_replica(mb)
-        return jax.tree.map(lambda c, g: on_data(c + g), carry, (loss_D, grads_D)), None
+        (loss_D, metrics_D), grads_D = per_replica(mb)
+        return jax.tree.map(lambda c, g: on_data(c + g), carry, (loss_D, grads_D)), metrics_D
 
     zeros = (jnp.zeros((replicas,), jnp.float32),
              jax.tree.map(lambda p: jnp.zeros((replicas,) + p.shape, p.dtype), params))
-    (loss_D, grads_D), _ = jax.lax.scan(body, jax.tree.map(on_data, zeros),
-                                        jax.tree.map(split, batch))
+    (loss_D, grads_D), metrics_AD = jax.lax.scan(body, jax.tree.map(on_data, zeros),
+                                                 jax.tree.map(split, batch))
     total = replicas * grad_accum
-    return jnp.sum(loss_D) / total, jax.tree.map(lambda g: jnp.sum(g, axis=0) / total, grads_D)
+    return (jnp.sum(loss_D) / total, jax.tree.map(lambda g: jnp.sum(g, axis=0) / total, grads_D),
+            jax.tree.map(jnp.mean, metrics_AD))

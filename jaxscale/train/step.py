@@ -22,6 +22,7 @@ from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models import ModelDef
 from jaxscale.models.layers import adapter_dropout
 from jaxscale.models.runner import LayerRunner
+from jaxscale.models.task import step_metrics
 from jaxscale.parallel.accumulate import accumulate_per_replica
 from jaxscale.precision import DynamicLossScale, Policy
 from jaxscale.rules import AxisRules, logical_to_mesh_axes, use_rules
@@ -33,21 +34,42 @@ Batch = dict[str, jax.Array]
 RunLayers = LayerRunner | None
 
 
-def loss_fn(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
-            run_layers: RunLayers = None, loss_scale: jax.Array | None = None) -> jax.Array:
-    """The loss of the model's task (`model_def.task`) of the model bound to params + frozen."""
+def loss_and_metrics(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
+                     run_layers: RunLayers = None, loss_scale: jax.Array | None = None
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The loss of the model's task (`model_def.task`) of the model bound to params + frozen,
+    and the extra metrics the loss recorded (`task.step_metrics`: the MoE router's; {} for most
+    models)."""
     model = model_def.module(merge_trees(params, frozen) if frozen else params)
     if loss_scale is not None and run_layers is not None:
         run_layers = run_layers.scaled(loss_scale)  # 1F1B starts its backward from the scale
     loss = model_def.task.loss(model, batch, run_layers)
-    return loss if loss_scale is None else loss * loss_scale  # float16: see DynamicLossScale
+    loss = loss if loss_scale is None else loss * loss_scale  # float16: see DynamicLossScale
+    return loss, step_metrics(model)
+
+
+def loss_fn(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
+            run_layers: RunLayers = None, loss_scale: jax.Array | None = None) -> jax.Array:
+    """The loss alone (`loss_and_metrics`)."""
+    return loss_and_metrics(params, frozen, batch, model_def, run_layers, loss_scale)[0]
 
 
 def accumulate_grads(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
                      grad_accum: int, run_layers: RunLayers = None,
                      loss_scale: jax.Array | None = None) -> tuple[jax.Array, Any]:
     """Mean loss and gradients over `grad_accum` microbatches (equal to the large batch)."""
-    grad_fn = lambda *a: jax.value_and_grad(loss_fn)(*a, loss_scale=loss_scale)
+    loss, grads, _ = accumulate(params, frozen, batch, model_def, grad_accum, run_layers,
+                                loss_scale)
+    return loss, grads
+
+
+def accumulate(params: Any, frozen: Any, batch: Batch, model_def: ModelDef, grad_accum: int,
+               run_layers: RunLayers = None, loss_scale: jax.Array | None = None
+               ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """Mean loss, gradients and extra metrics (`loss_and_metrics`) over `grad_accum`
+    microbatches; the metrics are the microbatches' mean."""
+    value_and_grad = jax.value_and_grad(loss_and_metrics, has_aux=True)
+    grad_fn = lambda *a: value_and_grad(*a, loss_scale=loss_scale)
     batch = dict(model_def.task.prepare(batch))  # e.g. packed rows: split parts share a count
     if grad_accum > 1 or run_layers is not None:  # microbatch loops: reduce over data once
         once = accumulate_per_replica(
@@ -56,17 +78,19 @@ def accumulate_grads(params: Any, frozen: Any, batch: Batch, model_def: ModelDef
         if once is not None:
             return once
     if grad_accum == 1:
-        return grad_fn(params, frozen, batch, model_def, run_layers)
+        (loss, metrics), grads = grad_fn(params, frozen, batch, model_def, run_layers)
+        return loss, grads, metrics
     micro = jax.tree.map(
         lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
 
     def body(carry, mb):
-        loss, grads = grad_fn(params, frozen, mb, model_def, run_layers)
-        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+        (loss, metrics), grads = grad_fn(params, frozen, mb, model_def, run_layers)
+        return jax.tree.map(jnp.add, carry, (loss, grads)), metrics
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(body, zeros, micro)
-    return jax.tree.map(lambda x: x / grad_accum, (loss, grads))
+    (loss, grads), metrics = jax.lax.scan(body, zeros, micro)
+    loss, grads = jax.tree.map(lambda x: x / grad_accum, (loss, grads))
+    return loss, grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
 
 
 @dataclass(frozen=True)
@@ -90,7 +114,7 @@ def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[Train
     scaler = ctx.loss_scale
     dropout_key = jax.random.fold_in(state.rng, state.step)  # LoRA dropout: training only
     with use_rules(ctx.rules, ctx.mesh), adapter_dropout(dropout_key):
-        loss, grads = accumulate_grads(
+        loss, grads, task_metrics = accumulate(
             state.params, state.frozen, batch, ctx.model_def, ctx.grad_accum, ctx.run_layers,
             None if scaler is None else state.extra["loss_scale"])
     if scaler is not None:
@@ -113,7 +137,7 @@ def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[Train
         new = new.replace(params=jax.tree.map(keep, params, state.params),
                           opt_state=jax.tree.map(keep, opt_state, state.opt_state))
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": ctx.lr_schedule(state.step),
-               "nonfinite_steps": extra["nonfinite_steps"]}
+               "nonfinite_steps": extra["nonfinite_steps"], **task_metrics}
     if scaler is not None:
         metrics.update(loss_scale=extra["loss_scale"], skipped_steps=extra["skipped_steps"])
     return new, metrics

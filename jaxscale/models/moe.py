@@ -1,0 +1,278 @@
+"""A mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE, DeepSeek-style shared experts).
+
+`MoE` replaces the decoder's dense SwiGLU (`layers.MLP`) when `model.moe.num_experts > 0`. A
+softmax router picks `experts_per_token` experts per token (their weights renormalised to sum to
+one with `norm_topk_prob`, as Mixtral's top-2 and Qwen3-MoE do); each expert is a SwiGLU whose
+stacked weights carry the logical axes (`expert`, `embed`, `mlp`), so the rules decide where
+they live. `shared_experts` adds an always-on dense SwiGLU of `shared_experts` x the expert width
+(Qwen2-MoE / DeepSeek), equal to that many shared experts summed.
+
+Two compute paths, chosen by `capacity_factor`:
+- 0 (dropless): the token-expert assignments are sorted by expert and the three matmuls run as
+  grouped matmuls (`jax.lax.ragged_dot`): no token is dropped and no FLOP is spent on padding.
+- > 0: every expert gets a fixed buffer of ceil(capacity_factor x assignments / experts) slots,
+  filled in priority order (every token's first choice before any second choice, tokens in
+  order); assignments past a full buffer are dropped (their weight contributes nothing) and
+  counted. Static shapes, at the price of drops.
+
+The router's auxiliary losses (Switch-style load balancing, ST-MoE z-loss) and per-call load
+statistics are *sown* as an `nnx.Intermediate` (`ROUTER_STATS`): `scan_layers` stacks them over
+the layers, and `router_loss` (called by the LM task) turns them into the loss term and the
+step's `moe_*` metrics.
+Shape suffixes: N tokens (B x T), K choices per token, X experts, M assignments (N x K),
+C slots per expert, E embed, F expert hidden width.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models.layers import MLP, param
+from jaxscale.precision import Policy
+from jaxscale.rules import constrain
+
+# The per-call router statistics, in the order of the sown vector (all float32 scalars):
+# aux: Switch load-balancing loss E * sum_e f_e * P_e (f_e: share of the token-expert
+#   assignments routed to e, P_e: mean router probability of e); 1.0 when perfectly balanced.
+#   (Hugging Face Mixtral's `load_balancing_loss_func` is experts_per_token times this.)
+# z: mean over tokens of logsumexp(router logits)^2 (ST-MoE), keeps the logits small.
+# dropped: share of the assignments dropped by full expert buffers (0 when dropless).
+# load_max / load_min: the busiest / idlest expert's assignments relative to a balanced load.
+STATS = ("aux", "z", "dropped", "load_max", "load_min")
+ROUTER_STATS = "router_stats"  # the name of the sown Intermediate
+METRICS = {"aux": "moe_aux_loss", "z": "moe_z_loss", "dropped": "moe_dropped",
+           "load_max": "moe_load_max", "load_min": "moe_load_min"}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """`config.model.moe`: num_experts 0 keeps the dense MLP."""
+
+    num_experts: int = 0
+    experts_per_token: int = 2
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1 (Mixtral, Qwen3)
+    mlp: int = 0                 # each expert's hidden width; 0: model.mlp
+    shared_experts: int = 0      # always-on dense SwiGLU of shared_experts x the expert width
+    capacity_factor: float = 0.0  # 0: dropless (grouped matmul); > 0: fixed expert buffers
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.0
+    every: int = 1               # MoE on every n-th layer (only 1, every layer, for now)
+
+    @classmethod
+    def from_config(cls, moe_cfg: Mapping[str, Any] | None) -> "MoEConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in dict(moe_cfg or {}).items() if k in names})
+
+
+def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
+              grad_accum: int = 1) -> None:
+    """`config.model.moe`'s checks (a ConfigError paragraph naming the field and the fix); with
+    `config.mesh` (and `train.grad_accum`), that the experts divide over its `expert` axis, no
+    pipeline is asked for, and the dropless path is not vmapped over data replicas."""
+    moe = MoEConfig.from_config(m.get("moe"))
+    n, k = moe.num_experts, moe.experts_per_token
+
+    def require(ok: bool, *sentences: str) -> None:
+        if not ok:
+            raise ConfigError(paragraph(*sentences))
+
+    require(n >= 0, f"model.moe.num_experts={n} must be >= 0 (0: the dense MLP, no experts).")
+    if n == 0:
+        return
+    require(1 <= k <= n,
+            f"model.moe.experts_per_token={k} must be between 1 and model.moe.num_experts={n}:",
+            "each token is routed to that many distinct experts. Lower experts_per_token or add",
+            "experts.")
+    require(moe.capacity_factor >= 0,
+            f"model.moe.capacity_factor={moe.capacity_factor} must be >= 0: 0 routes every token",
+            "(dropless grouped matmul), a positive factor sizes each expert's buffer at that",
+            "multiple of an even share of the tokens (1.25 is common).")
+    require(moe.mlp >= 0 and moe.shared_experts >= 0,
+            f"model.moe.mlp={moe.mlp} and model.moe.shared_experts={moe.shared_experts} must be",
+            ">= 0 (mlp 0: the expert width is model.mlp; shared_experts 0: none).")
+    require(moe.router_aux_loss_coef >= 0 and moe.router_z_loss_coef >= 0,
+            f"model.moe.router_aux_loss_coef={moe.router_aux_loss_coef} and",
+            f"model.moe.router_z_loss_coef={moe.router_z_loss_coef} must be >= 0 (0: the loss is",
+            "reported but not trained on).")
+    require(moe.every == 1,
+            f"model.moe.every={moe.every}: only 1 (an MoE block on every layer) is supported. The",
+            "layers run as one scanned stack of identical blocks, so dense and MoE layers cannot",
+            "alternate yet; set model.moe.every=1 or model.moe.num_experts=0.")
+    if mesh is None:
+        return
+    experts_axis = mesh.get("expert", 1) * mesh.get("dcn_expert", 1)
+    require(experts_axis <= 1 or n % experts_axis == 0,
+            f"model.moe.num_experts={n} is not divisible by the {experts_axis} devices of the",
+            "mesh's expert axis (mesh.expert x mesh.dcn_expert): each device holds an equal",
+            "share of the experts. Use a multiple of that many experts, or a smaller expert axis.")
+    stages = mesh.get("pipeline", 1) * mesh.get("dcn_pipeline", 1)
+    require(stages <= 1,
+            f"model.moe.num_experts={n} with mesh.pipeline x mesh.dcn_pipeline={stages}: pipeline",
+            "stages do not yet carry the router's losses and load statistics out of their",
+            "schedule. Train MoE models without pipeline stages (mesh.pipeline=1) for now.")
+    replicas = mesh.get("data", 1) * mesh.get("dcn_data", 1)
+    require(moe.capacity_factor > 0 or grad_accum <= 1 or replicas == 1,
+            f"model.moe.capacity_factor=0 (dropless) with train.grad_accum={grad_accum} and",
+            f"mesh.data={mesh.get('data', 1)}: gradient accumulation vmaps the model over the",
+            "data replicas (parallel/accumulate.py) and jax.lax.ragged_dot, the dropless",
+            "path's grouped matmul, has no vmap rule for unbatched weights. Use a capacity",
+            "factor (e.g. model.moe.capacity_factor=2.0), train.grad_accum=1, or shard the",
+            "batch over fsdp instead of data (mesh.data=1).")
+
+
+def expert_width(moe: MoEConfig, mlp: int) -> int:
+    """Each expert's SwiGLU hidden width (`model.moe.mlp`, or the dense `model.mlp`)."""
+    return moe.mlp or mlp
+
+
+def num_params(moe: MoEConfig, embed: int, mlp: int) -> int:
+    """Parameters of one MoE block: router, experts and shared experts."""
+    f = expert_width(moe, mlp)
+    return embed * moe.num_experts + moe.num_experts * 3 * embed * f \
+        + 3 * embed * f * moe.shared_experts
+
+
+def active_mlp(m: Mapping[str, Any]) -> tuple[int, int]:
+    """(the SwiGLU width a token passes through, router matmul parameters) of a `config.model`
+    section's feed-forward block: its experts_per_token + shared_experts experts for MoE
+    (what FLOPs per token count), or the dense `mlp` and no router."""
+    moe = MoEConfig.from_config(m.get("moe"))
+    if not moe.num_experts:
+        return m["mlp"], 0
+    width = expert_width(moe, m["mlp"])
+    return width * (moe.experts_per_token + moe.shared_experts), m["embed"] * moe.num_experts
+
+
+class MoE(nnx.Module):
+    """Router + experts (+ shared experts); `__call__` returns the block's output and sows
+    the router's statistics (`ROUTER_STATS`)."""
+
+    def __init__(self, embed: int, mlp: int, moe: MoEConfig, policy: Policy, rngs: nnx.Rngs,
+                 *, stack: int | None = None):
+        n, f = moe.num_experts, expert_width(moe, mlp)
+        kw = dict(stack=stack, dtype=policy.param)
+        self.router = param(rngs, (embed, n), ("embed", None), fan_in=embed, **kw)
+        self.w_gate = param(rngs, (n, embed, f), ("expert", "embed", "mlp"), fan_in=embed, **kw)
+        self.w_up = param(rngs, (n, embed, f), ("expert", "embed", "mlp"), fan_in=embed, **kw)
+        self.w_down = param(rngs, (n, f, embed), ("expert", "mlp", "embed"), fan_in=f, **kw)
+        if moe.shared_experts:
+            self.shared = MLP(embed, f * moe.shared_experts, policy, rngs, stack=stack)
+        self.moe, self.policy = moe, policy
+
+    def __call__(self, x_BTE: jax.Array) -> jax.Array:
+        B, T, E = x_BTE.shape
+        x_NE = x_BTE.reshape(B * T, E)
+        weights_NK, experts_NK, stats = route(x_NE, self.router[...], self.moe)
+        w = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        if self.moe.capacity_factor > 0:
+            out_NE, dropped = capacity_experts(x_NE, weights_NK, experts_NK, w,
+                                               self.moe.capacity_factor, self.policy.compute)
+            stats = stats.at[STATS.index("dropped")].set(dropped)
+        else:
+            out_NE = dropless_experts(x_NE, weights_NK, experts_NK, w, self.policy.compute)
+        self.router_stats = nnx.Intermediate(stats)  # stacked over layers by scan_layers
+        out_BTE = out_NE.reshape(B, T, E)
+        if self.moe.shared_experts:
+            out_BTE = out_BTE + self.shared(x_BTE)
+        return constrain(out_BTE, "batch", "length", "embed")
+
+
+def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(top-k weights (N, k) float32, expert ids (N, k), stats vector (len(STATS),)).
+
+    The router runs in float32 whatever the compute dtype: its softmax decides which matmuls
+    run, and bf16 logits flip near-ties between experts."""
+    n, k = moe.num_experts, moe.experts_per_token
+    logits_NX = x_NE.astype(jnp.float32) @ router_EX.astype(jnp.float32)
+    probs_NX = jax.nn.softmax(logits_NX, axis=-1)
+    weights_NK, experts_NK = jax.lax.top_k(probs_NX, k)
+    if moe.norm_topk_prob:
+        weights_NK = weights_NK / jnp.sum(weights_NK, axis=-1, keepdims=True)
+    counts_X = jnp.sum(jax.nn.one_hot(experts_NK, n, dtype=jnp.float32), axis=(0, 1))
+    share_X = counts_X / experts_NK.size                 # f_e: share of the assignments
+    prob_X = jnp.mean(probs_NX, axis=0)                  # P_e: carries the gradient
+    aux = n * jnp.sum(share_X * prob_X)
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_NX, axis=-1)))
+    load_X = share_X * n
+    stats = jnp.stack([aux, z, jnp.zeros(()), jnp.max(load_X), jnp.min(load_X)])
+    return weights_NK, experts_NK, stats
+
+
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+def dropless_experts(x_NE: jax.Array, weights_NK: jax.Array, experts_NK: jax.Array,
+                     w: tuple[jax.Array, jax.Array, jax.Array], dtype: Any) -> jax.Array:
+    """Every assignment computed: sorted by expert, grouped matmuls (`ragged_dot`), unsorted and
+    summed per token with its router weight."""
+    w_gate_XEF, w_up_XEF, w_down_XFE = (a.astype(dtype) for a in w)
+    N, k = experts_NK.shape
+    flat_M = experts_NK.reshape(-1)                      # M = N * k assignments
+    order_M = jnp.argsort(flat_M, stable=True)
+    x_ME = x_NE.astype(dtype)[order_M // k]
+    sizes_X = jnp.bincount(flat_M, length=w_gate_XEF.shape[0]).astype(jnp.int32)
+    h_MF = _swiglu(jax.lax.ragged_dot(x_ME, w_gate_XEF, sizes_X),
+                   jax.lax.ragged_dot(x_ME, w_up_XEF, sizes_X))
+    out_ME = jax.lax.ragged_dot(h_MF, w_down_XFE, sizes_X)
+    out_NKE = jnp.zeros_like(out_ME).at[order_M].set(out_ME).reshape(N, k, -1)
+    return jnp.einsum("nke,nk->ne", out_NKE, weights_NK.astype(dtype))
+
+
+def capacity(capacity_factor: float, assignments: int, num_experts: int) -> int:
+    """Slots per expert: capacity_factor x an even share of the assignments, rounded up."""
+    return max(1, math.ceil(capacity_factor * assignments / num_experts))
+
+
+def capacity_experts(x_NE: jax.Array, weights_NK: jax.Array, experts_NK: jax.Array,
+                     w: tuple[jax.Array, jax.Array, jax.Array], capacity_factor: float,
+                     dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """(output (N, E), share of the assignments dropped): fixed per-expert buffers (X, C, E).
+
+    Assignments take slots in priority order, every token's first choice before any token's
+    second choice (as Switch / GShard), so a full expert drops second choices first."""
+    w_gate_XEF, w_up_XEF, w_down_XFE = (a.astype(dtype) for a in w)
+    X, (N, k) = w_gate_XEF.shape[0], experts_NK.shape
+    C = capacity(capacity_factor, N * k, X)
+    experts_M = experts_NK.T.reshape(-1)                 # priority order: choice, then token
+    tokens_M = jnp.tile(jnp.arange(N), k)
+    onehot_MX = jax.nn.one_hot(experts_M, X, dtype=jnp.int32)
+    slot_M = jnp.sum(jnp.cumsum(onehot_MX, axis=0) * onehot_MX, axis=1) - 1
+    kept_M = slot_M < C
+    slot_M = jnp.where(kept_M, slot_M, C)                # C is out of range: dropped
+    buf_XCE = jnp.zeros((X, C, x_NE.shape[1]), dtype).at[experts_M, slot_M].set(
+        x_NE.astype(dtype)[tokens_M], mode="drop")
+    h_XCF = _swiglu(jnp.einsum("xce,xef->xcf", buf_XCE, w_gate_XEF),
+                    jnp.einsum("xce,xef->xcf", buf_XCE, w_up_XEF))
+    out_XCE = jnp.einsum("xcf,xfe->xce", h_XCF, w_down_XFE)
+    out_ME = out_XCE.at[experts_M, slot_M].get(mode="fill", fill_value=0)
+    weight_M = (weights_NK.T.reshape(-1) * kept_M).astype(dtype)
+    out_NE = jnp.zeros((N, out_ME.shape[1]), dtype).at[tokens_M].add(out_ME * weight_M[:, None])
+    return out_NE, jnp.mean((~kept_M).astype(jnp.float32))
+
+
+def router_loss(model: nnx.Module, moe: MoEConfig) -> jax.Array | float:
+    """The router's loss term of a forward pass, averaged over the MoE layers:
+    aux_coef x aux + z_coef x z. Pops the sown statistics and records the step's metrics
+    (`METRICS`) on `model` as Intermediates named by the metric (`task.step_metrics` pops
+    them).
+    0.0 for a model without MoE layers."""
+    sown = nnx.to_flat_state(nnx.pop(model, nnx.Intermediate))
+    stats = [v.get_value() for path, v in sown if path[-1] == ROUTER_STATS]
+    if not stats:
+        return 0.0
+    stats_S = jnp.mean(jnp.concatenate([s.reshape(-1, len(STATS)) for s in stats]), axis=0)
+    named = dict(zip(STATS, stats_S))
+    for stat, metric in METRICS.items():
+        setattr(model, metric, nnx.Intermediate(jax.lax.stop_gradient(named[stat])))
+    return moe.router_aux_loss_coef * named["aux"] + moe.router_z_loss_coef * named["z"]
+
