@@ -18,6 +18,20 @@ import pytest
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+# More meshes, schedules and remat policies of a property that a default test already proves:
+# `@pytest.mark.exhaustive` runs only with JAXSCALE_EXHAUSTIVE=1, so `make test` (and CI, 30
+# minutes on 2 cores) runs one representative of each (docs/contributing.md).
+EXHAUSTIVE = os.environ.get("JAXSCALE_EXHAUSTIVE") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if EXHAUSTIVE:
+        return
+    skip = pytest.mark.skip(reason="an exhaustive variant: JAXSCALE_EXHAUSTIVE=1 runs it")
+    for item in items:
+        if "exhaustive" in item.keywords:
+            item.add_marker(skip)
+
 
 @pytest.fixture
 def store(tmp_path):

@@ -208,10 +208,10 @@ def test_the_planner_guess_is_the_memory_model_and_names_no_model():
     tokens = c.data.batch_size / (2 * 8 * 4) * c.data.seq_len
     assert c.precision == "bf16-mixed"  # f32 weights, bf16 compute copy, an accumulator:
     state = state_bytes_per_param(4, 2, accumulate=True)
-    assert guess.no_remat_bytes(c, dims, mesh, 4, "splash", 8) == pytest.approx(
+    assert guess.remat_bytes(c, dims, mesh, 4, "splash", 8, "none") == pytest.approx(
         guess.CALIBRATION * step_bytes(dims, tokens=tokens, seq_len=c.data.seq_len,
                                        state_bytes=state, param_shards=8, loss_chunks=8))
-    assert guess.no_remat_bytes(c, dims, {**mesh, "pipeline": 2}, 4, "splash", 8) is None
+    assert guess.remat_bytes(c, dims, {**mesh, "pipeline": 2}, 4, "splash", 8, "none") is None
     # A model without an LM head's widths has no guess (and the planner its default order).
     assert guess.dims_of(vit_digits.get_config()) is None
 

@@ -5,7 +5,7 @@ forward pass and in the gradients of q, k and v (float32, grouped-query heads, p
 with padding, heads split over `tensor` too), and its compiled form really gathers or rotates
 the keys; the zigzag order balances causal work and attention follows it. A tiny grouped-query
 Llama trained three steps on `context=4 x data=2` and `context=2 x fsdp=2 x tensor=2` (and,
-marked slow, `context=2 x pipeline=2 x data=2`) equals one device (the helpers of
+marked exhaustive, `context=2 x pipeline=2 x data=2`) equals one device (the helpers of
 tests/test_parallel_equivalence.py). Sequence shards that attention cannot follow are
 one-paragraph errors.
 """
@@ -104,7 +104,7 @@ def one_device():
     ({"context": 4, "data": 2}, "ring", {}),
     ({"context": 2, "fsdp": 2, "tensor": 2}, "allgather", {}),
     pytest.param({"context": 2, "pipeline": 2, "data": 2}, "ring", dict(microbatches=2),
-                 marks=pytest.mark.slow),  # GPipe stages: shard_map under the stages' vmap
+                 marks=pytest.mark.exhaustive),  # GPipe stages: shard_map under the stages' vmap
 ])
 def test_llama_on_sequence_shards_equals_one_device(one_device, mesh, variant, pipeline):
     config = _gqa_config(mesh, **pipeline)

@@ -262,7 +262,7 @@ def test_qwen3_style_trains_on_fsdp_tensor_mesh_as_on_one_device(reference):
         train_steps(qwen3_style({"fsdp": 4, "tensor": 2}, "fsdp_tp"), jax.devices()), reference)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("mesh, preset, pipeline, remat", [
     ({"pipeline": 2, "fsdp": 2, "tensor": 2}, "pp", dict(microbatches=2), "none"),
     ({"pipeline": 2, "data": 4}, "pp", dict(microbatches=2, schedule="1f1b"), "none"),

@@ -35,8 +35,9 @@ def _loss_and_grads(chunks: int, batch: dict) -> tuple[jax.Array, dict]:
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("chunks", [4, 64])
+@pytest.mark.parametrize("chunks, packed", [
+    (4, True), (64, False),
+    pytest.param(4, False, marks=pytest.mark.exhaustive), pytest.param(64, True, marks=pytest.mark.exhaustive)])
 def test_chunked_loss_and_gradients_equal_the_whole_sequence(chunks, packed):
     batch = {"tokens": TOKENS}
     if packed:
@@ -76,7 +77,8 @@ def _losses(mesh: dict, preset: str, chunks: int, **train) -> np.ndarray:
 
 @pytest.mark.parametrize("mesh, preset, train", [
     (dict(fsdp=4, tensor=2), "fsdp_tp", {}),                         # vocab over `tensor`
-    (dict(pipeline=2, data=2, tensor=2), "pp", dict(microbatches=2)),  # GPipe's head scope
+    pytest.param(dict(pipeline=2, data=2, tensor=2), "pp", dict(microbatches=2),  # GPipe
+                 marks=pytest.mark.exhaustive),
     (dict(pipeline=2, data=2, tensor=2), "pp", dict(microbatches=4, schedule="1f1b")),  # fused
 ])
 def test_sharded_training_with_chunks_equals_without(mesh, preset, train):

@@ -216,7 +216,7 @@ def _train(config, devices, steps: int = 4) -> tuple[np.ndarray, dict[str, float
     return np.array(losses), {k: float(v) for k, v in metrics.items()}
 
 
-@pytest.mark.parametrize("capacity_factor", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("capacity_factor", [0.0, pytest.param(1.0, marks=pytest.mark.exhaustive)])
 def test_a_tiny_moe_decoder_trains_sharded_as_on_one_device(capacity_factor):
     """A scanned, rematerialised MoE decoder with a shared expert trains; its step reports the
     router's metrics; on data=2 x fsdp=2 x tensor=2 (expert weights' embed over fsdp, mlp over

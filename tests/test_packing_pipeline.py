@@ -68,7 +68,7 @@ def reference(packed_batch):
 
 
 @pytest.mark.parametrize("mesh, schedule, microbatches, grad_accum", [
-    ({"pipeline": 2, "data": 4}, "gpipe", 2, 1),
+    pytest.param({"pipeline": 2, "data": 4}, "gpipe", 2, 1, marks=pytest.mark.exhaustive),
     ({"pipeline": 2, "data": 4}, "1f1b", 2, 1),
     ({"pipeline": 4, "data": 2}, "1f1b", 4, 2),
     ({"data": 8}, "gpipe", 1, 2),  # no pipeline: accumulation over data replicas

@@ -71,9 +71,9 @@ def reference():
 
 
 @pytest.mark.parametrize("mesh, preset, pipeline", [
-    ({"data": 8}, "dp", {}),
+    pytest.param({"data": 8}, "dp", {}, marks=pytest.mark.exhaustive),  # data x fsdp x tensor below covers it
     ({"fsdp": 8}, "fsdp", {}),
-    ({"tensor": 4, "data": 2}, "tp", {}),
+    pytest.param({"tensor": 4, "data": 2}, "tp", {}, marks=pytest.mark.exhaustive),
     ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp", {}),
 ])
 def test_spmd_strategies_equal_one_device(reference, mesh, preset, pipeline):
@@ -83,7 +83,7 @@ def test_spmd_strategies_equal_one_device(reference, mesh, preset, pipeline):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, pipeline", [
     ({"pipeline": 4, "data": 2}, dict(microbatches=4)),
-    ({"pipeline": 2, "fsdp": 2, "tensor": 2}, dict(microbatches=2)),
+    pytest.param({"pipeline": 2, "fsdp": 2, "tensor": 2}, dict(microbatches=2), marks=pytest.mark.exhaustive),
     ({"pipeline": 2, "data": 4}, dict(microbatches=2, repeats=2, schedule="circular")),
 ])
 def test_pipeline_equals_one_device(reference, mesh, pipeline):

@@ -41,7 +41,7 @@ def _layers_fn(model_def, mesh, runner):
 
 
 @pytest.mark.parametrize("mesh_cfg, pipeline, remat", [
-    ({"pipeline": 4, "data": 2}, dict(microbatches=4), "dots"),
+    pytest.param({"pipeline": 4, "data": 2}, dict(microbatches=4), "dots", marks=pytest.mark.exhaustive),
     ({"pipeline": 2, "fsdp": 2, "tensor": 2},
      dict(microbatches=4, repeats=2, schedule="circular"), "full"),
 ])
@@ -152,7 +152,7 @@ def test_vit_runs_through_the_pipeline():
         assert np.linalg.norm(a - b) <= 1e-5 * scale
 
 
-@pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
+@pytest.mark.parametrize("remat", ["full", pytest.param("dots", marks=pytest.mark.exhaustive), "dots_no_batch"])
 def test_remat_on_the_plain_scan_keeps_the_math(remat):
     model_def = _model_def()
     params = model_def.init_params(jax.random.key(0))

@@ -248,7 +248,7 @@ def test_bad_sliding_window_is_one_paragraph(window):
 
 
 @libtpu_test
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_windowed_splash_lowers_for_tpu(tmp_path):
     """`launch.compile` lowers the splash kernel with its local mask for a TPU topology (Mosaic):
     the kernel runs (fwd, the remat's fwd again, dq, dkv per layer), not an einsum fallback."""

@@ -53,9 +53,3 @@ def remat_bytes(config: mlc.ConfigDict, dims: Dims | None, mesh: dict[str, int],
         dims, tokens=tokens, seq_len=seq, state_bytes=state, param_shards=mesh["fsdp"],
         tensor=mesh.get("tensor", 1), remat=remat, einsum_scores=attention == "einsum",
         loss_chunks=loss_chunks)
-
-
-def no_remat_bytes(config: mlc.ConfigDict, dims: Dims | None, mesh: dict[str, int], accum: int,
-                   attention: str, loss_chunks: int) -> float | None:
-    """`remat_bytes` without remat: the most a step can need."""
-    return remat_bytes(config, dims, mesh, accum, attention, loss_chunks, "none")
