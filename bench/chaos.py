@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import random
 import shutil
@@ -20,117 +19,32 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only reads checkpoints
 
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": ROOT,
-       "PYTHONUNBUFFERED": "1"}
-JAXSCALE = [sys.executable, "-m", "jaxscale"]
+from bench.chaos_bad_input import scenario_bad_inputs
+from bench.chaos_harness import (
+    ENV,
+    JAXSCALE,
+    Proc,
+    Result,
+    Skip,
+    check,
+    exit_code,
+    one_paragraph,
+    run,
+    table,
+)
+
 STEPS, EVERY = 24, 4
 TRAIN = [*JAXSCALE, "train", "--config=tiny_lm:test", f"--config.train.steps={STEPS}",
          "--config.train.log_every=1", "--config.train.eval_every=0",
          f"--config.checkpoint.every={EVERY}"]
-RUN_TIMEOUT_S = 600      # one train run; a hang is a failure, not a stuck suite
-COMMAND_TIMEOUT_S = 120  # one bad-input command: one paragraph, quickly
-ERROR = "jaxscale: error:"
 SLACK_S = 60  # an outage's end (or its budget) to the run's exit: backoff, a save in flight
 PREEMPTED_EXIT = 75
-
-
-class Skip(Exception):
-    """A check that cannot run here (the reason goes into the table)."""
-
-
-@dataclasses.dataclass
-class Result:
-    scenario: str
-    injected: str
-    invariant: str
-    status: str  # "pass", "FAIL" or "skipped"
-    detail: str
-    seconds: float
-
-
-def check(results: list[Result], scenario: str, injected: str, invariant: str,
-          body: Callable[[], str | None]) -> None:
-    """Runs one check; an AssertionError (or any error) is a FAIL with its message."""
-    began = time.monotonic()
-    try:
-        status, detail = "pass", body() or ""
-    except Skip as e:
-        status, detail = "skipped", f"skipped: {e}"
-    except AssertionError as e:
-        status, detail = "FAIL", str(e) or "assertion failed"
-    except Exception as e:  # the harness reports every error as a failure
-        status, detail = "FAIL", f"{type(e).__name__}: {e}"
-    results.append(Result(scenario, injected, invariant, status, " ".join(detail.split())[:300],
-                          time.monotonic() - began))
-    print(f"[{status}] {scenario}: {injected} ({results[-1].seconds:.0f} s) {detail[:300]}",
-          flush=True)
-
-
-def table(results: list[Result]) -> str:
-    """The Markdown table the script prints (and bench/RESULTS.md records)."""
-    rows = ["| scenario | injected | invariant | result | time |", "|---|---|---|---|---|"]
-    for r in results:
-        shown = r.status if not r.detail else f"{r.status}: {r.detail}"
-        cells = [r.scenario, r.injected, r.invariant, shown, f"{r.seconds:.0f} s"]
-        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return "\n".join(rows)
-
-
-def exit_code(results: list[Result]) -> int:
-    """1 when any invariant failed (a skip is not a failure), else 0."""
-    return 1 if any(r.status == "FAIL" for r in results) else 0
-
-
-# ------------------------------------------------------------ running jaxscale
-class Proc:
-    """A child process whose merged output is read by a thread, so the caller can wait for a
-    line and then inject a fault at that moment."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str] | None = None):
-        self.began = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout),
-                                       daemon=True)
-        self.reader.start()
-
-    @property
-    def out(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, ready: Callable[[str], bool], timeout: float = RUN_TIMEOUT_S) -> bool:
-        """Polls every 2 ms until `ready(output)`; False if the process ended first."""
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            if ready(self.out):
-                return True
-            time.sleep(0.002)
-        return False
-
-    def finish(self, timeout: float = RUN_TIMEOUT_S) -> int:
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired as e:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"still running after {timeout:.0f} s: {self.out[-500:]}") from e
-        self.reader.join(30)
-        return self.proc.returncode
-
-
-def run(cmd: list[str], env: dict[str, str] | None = None,
-        timeout: float = RUN_TIMEOUT_S) -> tuple[int, str]:
-    p = Proc(cmd, env)
-    return p.finish(timeout), p.out
 
 
 def losses(workdir: str) -> dict[int, float]:
@@ -166,12 +80,6 @@ def assert_restorable(workdir: str) -> str:
     for step in steps:
         assert "params" in restore_params(locations.join(workdir, "checkpoints"), step), step
     return f"committed {steps}"
-
-
-def one_paragraph(out: str) -> str:
-    assert "Traceback" not in out, f"a traceback: {out[-600:]}"
-    assert out.count(ERROR) == 1, f"{out.count(ERROR)} `{ERROR}` lines: {out[-600:]}"
-    return out[out.index(ERROR):].split("\n")[0][:160]
 
 
 def reference(tmp: str) -> dict[int, float]:
@@ -348,97 +256,6 @@ def full_disk(tmp: str) -> str:
         return f"{said}; {assert_restorable(workdir)}; metrics {len(losses(workdir))} steps"
     finally:
         subprocess.run(["umount", mount], check=False)
-
-
-# ------------------------------------------------------------ 5. bad inputs
-def bad_input_files(tmp: str) -> dict[str, str]:
-    """Paths the bad-input table names: missing, corrupt and syntax-error files."""
-    d = os.path.join(tmp, "bad")
-    os.makedirs(os.path.join(d, "workdir"), exist_ok=True)
-    files = {"missing": os.path.join(d, "no-such-thing"), "workdir": os.path.join(d, "workdir"),
-             "cfg": os.path.join(d, "broken_cfg.py"), "junk": os.path.join(d, "junk.xplane.pb"),
-             "tok": os.path.join(d, "tokenizer.json"), "docs": os.path.join(d, "docs.txt"),
-             "out": os.path.join(d, "out"), "empty": os.path.join(d, "empty-store")}
-    os.makedirs(files["empty"], exist_ok=True)
-    with open(files["cfg"], "w") as f:
-        f.write("def get_config(arg=None:\n    return None\n")
-    for name in ("junk", "tok"):
-        with open(files[name], "wb") as f:
-            f.write(bytes(random.Random(0).randrange(256) for _ in range(4096)))
-    with open(os.path.join(files["workdir"], "config.json"), "w") as f:
-        f.write("{not json")
-    with open(os.path.join(files["workdir"], "metrics.jsonl"), "w") as f:
-        f.write("garbage\n{\n")
-    with open(files["docs"], "w") as f:
-        f.write("the quick brown fox\n" * 50)
-    return files
-
-
-def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
-    """(subcommand, what is wrong, flags): a few per subcommand."""
-    tiny = "--config=tiny_lm:test"
-    return [
-        ("train", "bad flag value", [tiny, f"--workdir={f['out']}/t", "--config.train.steps=x"]),
-        ("train", "unknown config field", [tiny, f"--workdir={f['out']}/t", "--config.nope=1"]),
-        ("train", "config file with a syntax error", [f"--config={f['cfg']}",
-                                                      f"--workdir={f['out']}/t"]),
-        ("evaluate", "missing workdir", [f"--workdir={f['missing']}"]),
-        ("evaluate", "corrupt config.json", [f"--workdir={f['workdir']}"]),
-        ("evaluate", "bad flag value", [f"--workdir={f['workdir']}", "--max_batches=x"]),
-        ("generate", "missing workdir", [f"--workdir={f['missing']}", "--prompt=hi"]),
-        ("generate", "corrupt config.json", [f"--workdir={f['workdir']}", "--prompt=hi"]),
-        ("generate", "bad flag value", [f"--workdir={f['workdir']}", "--steps=x"]),
-        ("convert", "missing HF directory", [f"--from_hf={f['missing']}", f"--out={f['out']}/c"]),
-        ("convert", "corrupt workdir", [f"--from_workdir={f['workdir']}", f"--to_hf={f['out']}/h"]),
-        ("convert", "corrupt HF config.json", [f"--from_hf={f['workdir']}",
-                                               f"--out={f['out']}/c"]),
-        ("inspect", "missing config file", [f"--config={f['missing']}.py"]),
-        ("inspect", "unknown config field", [tiny, "--config.model.nope=1"]),
-        ("inspect", "config file with a syntax error", [f"--config={f['cfg']}"]),
-        ("compile", "bad topology", [tiny, "--topology=v99:1x1"]),
-        ("compile", "unknown config field", [tiny, "--topology=v5p:2x2x1", "--config.nope=1"]),
-        ("compile", "config file with a syntax error", [f"--config={f['cfg']}",
-                                                        "--topology=v5p:2x2x1"]),
-        ("plan", "bad topology", [tiny, "--topology=garbage"]),
-        ("plan", "bad flag value", [tiny, "--topology=v5p:2x2x1", "--workers=-3"]),
-        ("plan", "config file with a syntax error", [f"--config={f['cfg']}",
-                                                     "--topology=v5p:2x2x1"]),
-        ("prepare-data", "missing sources", [f"--sources={f['missing']}/*.txt",
-                                             f"--out={f['out']}/p1", "--tokenizer=bytes"]),
-        ("prepare-data", "zero shards", [f"--sources={f['docs']}", f"--out={f['out']}/p2",
-                                         "--tokenizer=bytes", "--num_shards=0"]),
-        ("prepare-data", "corrupt tokenizer", [f"--sources={f['docs']}", f"--out={f['out']}/p3",
-                                               f"--tokenizer={f['tok']}"]),
-        ("lofi-local", "zero workers", [f"--store={f['out']}/l1", "--num_workers=0"]),
-        ("lofi-local", "unknown sync", [f"--store={f['out']}/l2", "--sync=bogus"]),
-        ("lofi-local", "store below a regular file", [f"--store={f['docs']}/store"]),
-        ("lofi-average", "missing store", [f"--store={f['missing']}"]),
-        ("lofi-average", "unknown aggregator", [f"--store={f['empty']}", "--aggregator=bogus"]),
-        ("lofi-average", "negative budget, empty store", [f"--store={f['empty']}",
-                                                          "--chunk_budget_mb=-1"]),
-        ("plot", "missing workdir", [f['missing'], f"--out={f['out']}/x.png"]),
-        ("plot", "corrupt metrics.jsonl", [f['workdir'], f"--out={f['out']}/y.png"]),
-        ("plot", "no workdir given", [f"--out={f['out']}/z.png"]),
-        ("profile-summary", "missing workdir", [f['missing']]),
-        ("profile-summary", "corrupt trace file", [f['junk']]),
-        ("profile-summary", "bad flag value", [f['workdir'], "--top=x"]),
-    ]
-
-
-def bad_input(subcommand: str, flags: list[str]) -> str:
-    began = time.monotonic()
-    status, out = run([*JAXSCALE, subcommand, *flags], timeout=COMMAND_TIMEOUT_S)
-    assert status == 2, f"exit {status}, want 2: {out[-400:]}"
-    said = one_paragraph(out)
-    return f"{said} ({time.monotonic() - began:.0f} s)"
-
-
-def scenario_bad_inputs(results, tmp: str, only: set[str] | None = None) -> None:
-    invariant = f"exit 2, one `{ERROR}` paragraph, no traceback, < {COMMAND_TIMEOUT_S} s"
-    for subcommand, what, flags in bad_inputs(bad_input_files(tmp)):
-        if only is None or subcommand in only:
-            check(results, f"bad input: {subcommand}", what, invariant,
-                  lambda s=subcommand, fl=flags: bad_input(s, fl))
 
 
 # ------------------------------------------------------------ main

@@ -1,11 +1,12 @@
-"""bench/chaos.py cannot rot: its verdict logic (table, exit status, skips and failures) and a
-slice of its bad-input table, run for real, in seconds. The full suite is `make chaos`."""
+"""bench/chaos.py cannot rot: its verdict logic (table, exit status, skips and failures) and
+its bad-input table (bench/chaos_bad_input.py), run for real, in seconds. The full suite is
+`make chaos`."""
 
 import re
 
 import pytest
 
-from bench import chaos
+from bench import chaos, chaos_bad_input
 
 
 def _results() -> list:
@@ -46,7 +47,7 @@ def test_exit_status_is_1_only_when_an_invariant_failed():
 
 
 def test_every_subcommand_has_bad_inputs(tmp_path):
-    cases = chaos.bad_inputs(chaos.bad_input_files(str(tmp_path)))
+    cases = chaos_bad_input.bad_inputs(chaos_bad_input.bad_input_files(str(tmp_path)))
     covered = {subcommand for subcommand, _, _ in cases}
     assert covered == {"train", "evaluate", "generate", "convert", "inspect", "compile", "plan",
                        "prepare-data", "lofi-local", "lofi-average", "plot", "profile-summary"}
@@ -58,6 +59,6 @@ def test_every_subcommand_has_bad_inputs(tmp_path):
                                         "lofi-average", "plot", "profile-summary"])
 def test_the_bad_input_table_runs(subcommand, tmp_path, capsys):
     results: list = []
-    chaos.scenario_bad_inputs(results, str(tmp_path), {subcommand})
+    chaos_bad_input.scenario_bad_inputs(results, str(tmp_path), {subcommand})
     assert len(results) == 3
     assert chaos.exit_code(results) == 0, chaos.table(results)

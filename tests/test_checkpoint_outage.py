@@ -2,18 +2,24 @@
 SeaweedFS server of its own (killed and restarted on the same ports and data), so the shared
 fixtures' servers stay up.
 
-The server is killed by a hook right before the save of step 4 (the loop's hooks run before
-the checkpoint hook), from the thread that runs the loop, so the outage always meets a save.
+The server is killed right before the save of step 4 (a hook pauses the loop: the loop's hooks
+run before the checkpoint hook), or inside the creation of that step's directory, so the
+outage always meets a save.
 A short outage costs a retry: the run ends as an uninterrupted one would (same losses, every
 checkpoint complete and restorable), logging the outage once when it starts and once when it
 ends. One longer than `storage.retry_s` stops with one paragraph naming the store, the endpoint
-and the command that resumes, and the same run resumes once the server is back."""
+and the command that resumes, and the same run resumes once the server is back. An outage
+that meets the creation of a step's directory leaves no thread behind to hold the process at
+exit (orbax's writes waited 300 s for a "directory created" signal that never came)."""
 
 import logging
+import sys
 import threading
 import time
+import traceback
 
 import pytest
+from orbax.checkpoint._src.path import atomicity
 
 from configs.tiny_lm import get_config
 from jaxscale.errors import JaxscaleError
@@ -49,12 +55,11 @@ def _config(retry_s: float):
     return c
 
 
-class _KillBeforeSave:
-    """Before the checkpoint hook of step KILL_AT, once the previous save is committed: kills
-    the server, or (`wait_for_main`) signals `reached` and waits for the main thread's `go`."""
+class _PauseBeforeSave:
+    """Before the checkpoint hook of step KILL_AT, once the previous save is committed: signals
+    `reached` and waits for the main thread's `go` (which kills the server meanwhile)."""
 
-    def __init__(self, server, workdir: str, wait_for_main: bool):
-        self.server, self.wait_for_main = server, wait_for_main
+    def __init__(self, workdir: str):
         self.root = locations.join(workdir, "checkpoints")
         self.reached, self.go = threading.Event(), threading.Event()
 
@@ -63,11 +68,8 @@ class _KillBeforeSave:
             deadline = time.monotonic() + 120
             while KILL_AT - 2 not in saved_steps(self.root) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            if self.wait_for_main:
-                self.reached.set()
-                self.go.wait(120)
-            else:
-                self.server.kill()
+            self.reached.set()
+            self.go.wait(120)
 
     def at_end(self, info):
         pass
@@ -100,7 +102,7 @@ def test_a_server_restart_during_a_save_costs_a_retry_not_the_run(
         own_seaweedfs, workdir, tmp_path, caplog):
     want = _losses_of_local_run(tmp_path)
     caplog.set_level(logging.WARNING, logger="jaxscale.storage")
-    killer, errors = _KillBeforeSave(own_seaweedfs, workdir, wait_for_main=True), []
+    killer, errors = _PauseBeforeSave(workdir), []
 
     def run():
         try:
@@ -131,14 +133,52 @@ def _losses_of_local_run(tmp_path) -> list[float]:
     return _losses(local)
 
 
+def _kill_inside_directory_creation(server, monkeypatch) -> None:
+    """The server dies inside the creation of step KILL_AT's directory (orbax's commit-file step
+    path): after the save began, before anything of the step is written."""
+    create = atomicity.CommitFileTemporaryPath.create
+
+    async def create_then_fail(self):
+        if self.get_final().name == str(KILL_AT):
+            server.kill()
+        return await create(self)
+    monkeypatch.setattr(atomicity.CommitFileTemporaryPath, "create", create_then_fail)
+
+
+def _in_orbax(thread: threading.Thread) -> str:
+    """The thread's innermost orbax frames ('' when it runs no orbax code: an idle executor
+    worker or grain's prefetch thread ends at exit at once; orbax's commit threads are joined)."""
+    frame = sys._current_frames().get(thread.ident)
+    frames = [f for f in traceback.extract_stack(frame) if "/orbax/" in f.filename] if frame \
+        else []
+    return " <- ".join(f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno})"
+                       for f in reversed(frames[-3:]))
+
+
+def _assert_no_orbax_thread_holds_the_exit(started: list[threading.Thread]) -> None:
+    """No non-daemon thread that the run started is left in orbax's code (the interpreter
+    joins those at exit): none waits for a "directory created" signal that a failed creation
+    never sends, as orbax's writes did for 300 s. The 120 s is a safety net far above a
+    failing write's few seconds, not a speed check."""
+    left = [t for t in started if not t.daemon]
+    deadline = time.monotonic() + 120
+    while any(map(_in_orbax, left)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    busy = {t.name: _in_orbax(t) for t in left if _in_orbax(t)}
+    assert not busy, f"orbax threads the process would wait for at exit: {busy}"
+
+
 def test_an_outage_longer_than_the_budget_stops_in_one_paragraph_and_resumes(
-        own_seaweedfs, workdir, capfd):
+        own_seaweedfs, workdir, capfd, monkeypatch):
+    before = set(threading.enumerate())
     began = time.monotonic()
     try:
-        with pytest.raises(StoreUnavailable) as err:
-            train(_config(retry_s=3.0), workdir,
-                  hooks=[_KillBeforeSave(own_seaweedfs, workdir, False)])
+        with monkeypatch.context() as patch, pytest.raises(StoreUnavailable) as err:
+            _kill_inside_directory_creation(own_seaweedfs, patch)
+            train(_config(retry_s=3.0), workdir)
         took = time.monotonic() - began
+        _assert_no_orbax_thread_holds_the_exit([t for t in threading.enumerate()
+                                                if t not in before])
     finally:
         own_seaweedfs.start()
     text = str(err.value)
@@ -153,3 +193,4 @@ def test_an_outage_longer_than_the_budget_stops_in_one_paragraph_and_resumes(
     assert "resumed from" in capfd.readouterr().out
     assert [m["step"] for m in read_metrics(workdir)] == list(range(1, 9))
     _assert_complete(workdir, 8)
+

@@ -79,8 +79,15 @@ class Checkpointer:
     def __init__(self, workdir: str, every: int, keep: int):
         self.every = every
         self.directory = locations.join(workdir, "checkpoints")  # local paths made absolute
+        # Step directories are created before save() returns, not by a background thread:
+        # orbax's array and JSON writes would wait for that thread's "directory created"
+        # signal, which a creation failed by an outage never sends, so they sat in non-daemon
+        # threads for orbax's 300 s coordination timeout and held the process at exit after
+        # the run had already stopped (or retried). Created here, such a failure is raised by
+        # save() and retried like any other; the writes then wait for nothing.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             atomicity_options=orbax_paths.atomicity_options(self.directory))
         self.manager = ocp.CheckpointManager(self._path(), options=options)
         # One process: a failed save can be redone alone; with several, every host would have

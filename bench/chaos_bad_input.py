@@ -1,0 +1,102 @@
+"""The bad-input table of `make chaos`: a few bad inputs for every subcommand (a bad flag value,
+a missing path, a corrupt file, an unknown config field, a config file with a syntax error),
+each of which must give exit 2 and one `jaxscale: error:` paragraph, quickly. Its own module so
+that tests/test_chaos.py can list and run slices of it."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+from bench.chaos_harness import COMMAND_TIMEOUT_S, ERROR, JAXSCALE, check, one_paragraph, run
+
+
+def bad_input_files(tmp: str) -> dict[str, str]:
+    """Paths the bad-input table names: missing, corrupt and syntax-error files."""
+    d = os.path.join(tmp, "bad")
+    os.makedirs(os.path.join(d, "workdir"), exist_ok=True)
+    files = {"missing": os.path.join(d, "no-such-thing"), "workdir": os.path.join(d, "workdir"),
+             "cfg": os.path.join(d, "broken_cfg.py"), "junk": os.path.join(d, "junk.xplane.pb"),
+             "tok": os.path.join(d, "tokenizer.json"), "docs": os.path.join(d, "docs.txt"),
+             "out": os.path.join(d, "out"), "empty": os.path.join(d, "empty-store")}
+    os.makedirs(files["empty"], exist_ok=True)
+    with open(files["cfg"], "w") as f:
+        f.write("def get_config(arg=None:\n    return None\n")
+    for name in ("junk", "tok"):
+        with open(files[name], "wb") as f:
+            f.write(bytes(random.Random(0).randrange(256) for _ in range(4096)))
+    with open(os.path.join(files["workdir"], "config.json"), "w") as f:
+        f.write("{not json")
+    with open(os.path.join(files["workdir"], "metrics.jsonl"), "w") as f:
+        f.write("garbage\n{\n")
+    with open(files["docs"], "w") as f:
+        f.write("the quick brown fox\n" * 50)
+    return files
+
+
+def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
+    """(subcommand, what is wrong, flags): a few per subcommand."""
+    tiny = "--config=tiny_lm:test"
+    return [
+        ("train", "bad flag value", [tiny, f"--workdir={f['out']}/t", "--config.train.steps=x"]),
+        ("train", "unknown config field", [tiny, f"--workdir={f['out']}/t", "--config.nope=1"]),
+        ("train", "config file with a syntax error", [f"--config={f['cfg']}",
+                                                      f"--workdir={f['out']}/t"]),
+        ("evaluate", "missing workdir", [f"--workdir={f['missing']}"]),
+        ("evaluate", "corrupt config.json", [f"--workdir={f['workdir']}"]),
+        ("evaluate", "bad flag value", [f"--workdir={f['workdir']}", "--max_batches=x"]),
+        ("generate", "missing workdir", [f"--workdir={f['missing']}", "--prompt=hi"]),
+        ("generate", "corrupt config.json", [f"--workdir={f['workdir']}", "--prompt=hi"]),
+        ("generate", "bad flag value", [f"--workdir={f['workdir']}", "--steps=x"]),
+        ("convert", "missing HF directory", [f"--from_hf={f['missing']}", f"--out={f['out']}/c"]),
+        ("convert", "corrupt workdir", [f"--from_workdir={f['workdir']}", f"--to_hf={f['out']}/h"]),
+        ("convert", "corrupt HF config.json", [f"--from_hf={f['workdir']}",
+                                               f"--out={f['out']}/c"]),
+        ("inspect", "missing config file", [f"--config={f['missing']}.py"]),
+        ("inspect", "unknown config field", [tiny, "--config.model.nope=1"]),
+        ("inspect", "config file with a syntax error", [f"--config={f['cfg']}"]),
+        ("compile", "bad topology", [tiny, "--topology=v99:1x1"]),
+        ("compile", "unknown config field", [tiny, "--topology=v5p:2x2x1", "--config.nope=1"]),
+        ("compile", "config file with a syntax error", [f"--config={f['cfg']}",
+                                                        "--topology=v5p:2x2x1"]),
+        ("plan", "bad topology", [tiny, "--topology=garbage"]),
+        ("plan", "bad flag value", [tiny, "--topology=v5p:2x2x1", "--workers=-3"]),
+        ("plan", "config file with a syntax error", [f"--config={f['cfg']}",
+                                                     "--topology=v5p:2x2x1"]),
+        ("prepare-data", "missing sources", [f"--sources={f['missing']}/*.txt",
+                                             f"--out={f['out']}/p1", "--tokenizer=bytes"]),
+        ("prepare-data", "zero shards", [f"--sources={f['docs']}", f"--out={f['out']}/p2",
+                                         "--tokenizer=bytes", "--num_shards=0"]),
+        ("prepare-data", "corrupt tokenizer", [f"--sources={f['docs']}", f"--out={f['out']}/p3",
+                                               f"--tokenizer={f['tok']}"]),
+        ("lofi-local", "zero workers", [f"--store={f['out']}/l1", "--num_workers=0"]),
+        ("lofi-local", "unknown sync", [f"--store={f['out']}/l2", "--sync=bogus"]),
+        ("lofi-local", "store below a regular file", [f"--store={f['docs']}/store"]),
+        ("lofi-average", "missing store", [f"--store={f['missing']}"]),
+        ("lofi-average", "unknown aggregator", [f"--store={f['empty']}", "--aggregator=bogus"]),
+        ("lofi-average", "negative budget, empty store", [f"--store={f['empty']}",
+                                                          "--chunk_budget_mb=-1"]),
+        ("plot", "missing workdir", [f['missing'], f"--out={f['out']}/x.png"]),
+        ("plot", "corrupt metrics.jsonl", [f['workdir'], f"--out={f['out']}/y.png"]),
+        ("plot", "no workdir given", [f"--out={f['out']}/z.png"]),
+        ("profile-summary", "missing workdir", [f['missing']]),
+        ("profile-summary", "corrupt trace file", [f['junk']]),
+        ("profile-summary", "bad flag value", [f['workdir'], "--top=x"]),
+    ]
+
+
+def bad_input(subcommand: str, flags: list[str]) -> str:
+    began = time.monotonic()
+    status, out = run([*JAXSCALE, subcommand, *flags], timeout=COMMAND_TIMEOUT_S)
+    assert status == 2, f"exit {status}, want 2: {out[-400:]}"
+    said = one_paragraph(out)
+    return f"{said} ({time.monotonic() - began:.0f} s)"
+
+
+def scenario_bad_inputs(results, tmp: str, only: set[str] | None = None) -> None:
+    invariant = f"exit 2, one `{ERROR}` paragraph, no traceback, < {COMMAND_TIMEOUT_S} s"
+    for subcommand, what, flags in bad_inputs(bad_input_files(tmp)):
+        if only is None or subcommand in only:
+            check(results, f"bad input: {subcommand}", what, invariant,
+                  lambda s=subcommand, fl=flags: bad_input(s, fl))
