@@ -35,8 +35,10 @@ full remat, FSDP; mistral-7b: `7b`'s 512 x 2048) and the same TARGETs, sized the
 the TPU compiler has not sized them (`configs/llama.py` `COMPILED` holds the Llama sizes only):
 the largest power-of-two micro-batch whose estimate (`jaxscale.aot.memory`, with the family's
 own parameter count: Qwen2's biases, Qwen3's q/k norms) stays under 80% of a device's HBM. On
-TPU that estimate errs on the safe side; `jaxscale compile` with the preset shows what the
-compiler needs. FLOPs per token (MFU, `launch.plan`) are the model table entry's, the Llama's
+TPU that estimate errs on the safe side (`qwen3-0.6b,v5e-8`: 2 sequences a chip, which libtpu
+0.0.52 compiles to 5.41 GiB of 14.90); `jaxscale compile` with the preset shows what the
+compiler needs, and `JAXSCALE_COMPILE_PRESETS=1` makes `tests/test_presets.py` compile every
+TPU preset of these families and check it leaves 10% of HBM free. FLOPs per token (MFU, `launch.plan`) are the model table entry's, the Llama's
 count: biases and norms add no matmul.
 
 `:test` (and `:test,lora`) is the small-run mode: the tiny model of `configs/llama.py:tiny` for 4
