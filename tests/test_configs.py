@@ -169,6 +169,45 @@ def test_gpu_presets_size_with_the_one_memory_model():
     assert llama.memory_estimate("7b", t, b) <= budget < llama.memory_estimate("7b", t, 2 * b)
 
 
+def test_family_presets_have_the_published_shapes_and_the_table_flops():
+    """finetune_lm.py's Qwen3, Qwen2.5 and Mistral presets build their model table family at
+    the published parameter counts (tied embeddings counted once, Qwen2's biases and Qwen3's
+    q/k norms included), size their targets with the one memory model, and take FLOPs per
+    token from the table entry, where the switches add none."""
+    from jaxscale.models import entry_of
+    from jaxscale.models.llama_flops import flops_per_token
+
+    finetune, llama = MODULES["finetune_lm.py"], MODULES["llama.py"]
+    published = {"qwen3-0.6b": ("qwen3", 596_049_920), "qwen2.5-0.5b": ("qwen2", 494_032_768),
+                 "mistral-7b": ("mistral", 7_248_023_552)}
+    assert set(finetune.FAMILIES) == set(published)
+    for size, (name, n) in published.items():
+        c = finetune.get_config(f"{size},lora,h100x8")
+        assert c.model.name == name and c.lora.rank == 16 and c.model.remat == "full"
+        model_def = _model_def(json.dumps(finetune.get_config(size).model.to_dict(),
+                                          sort_keys=True), "bf16-mixed",
+                               json.dumps(config_lib.base_config().lora.to_dict()))
+        assert model_def.num_params() == n == llama.num_params(size, finetune.FAMILIES)
+        plain = {**c.model.to_dict(), "name": "llama"}  # the same widths, no switches
+        assert entry_of(c.model).flops_per_token(c.model, 2048) == flops_per_token(plain, 2048)
+        t = llama.TARGETS["h100x8"]
+        b = llama.micro_batch(size, "h100x8", finetune.FAMILIES)
+        assert c.data.batch_size // (c.train.grad_accum * t.total) == b
+        assert llama.memory_estimate(size, t, b, finetune.FAMILIES) <= (
+            llama.HBM_FRACTION * t.hbm_gib * 2**30)
+    built = {size: entry_of(m).config_cls.from_config(m) for size in published
+             for m in [finetune.get_config(size).model]}
+    assert built["qwen3-0.6b"].qk_norm and not built["qwen3-0.6b"].qkv_bias
+    assert built["qwen2.5-0.5b"].qkv_bias and not built["qwen2.5-0.5b"].qk_norm
+    assert built["mistral-7b"].sliding_window == 0 and built["qwen3-0.6b"].tie_embeddings
+    assert finetune.get_config("mistral-7b,v5e-64").model.attention == "splash"
+    with pytest.raises(ConfigError, match="mistral-7b model does not fit v5e-16.*Targets that "
+                       "fit mistral-7b: v4-32, v5e-64, v5e-256, h100x8, 2xh100x8"):
+        finetune.get_config("mistral-7b,lora,v5e-16")
+    with pytest.raises(ConfigError, match="split the 896-wide embed"):
+        finetune.get_config("qwen2.5-0.5b,v5e-256")
+
+
 def _run(*args, timeout=300):
     env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,

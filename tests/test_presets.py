@@ -1,5 +1,7 @@
 """The Llama presets of `configs/llama.py` on TPU targets, sized and checked by the TPU
-compiler (`bench/presets.py`); skipped without libtpu.
+compiler (`bench/presets.py`); skipped without libtpu. The other families' presets of
+`configs/finetune_lm.py` (sized by the memory estimate) compile only with
+JAXSCALE_COMPILE_PRESETS=1.
 """
 
 import json
@@ -9,7 +11,7 @@ import re
 import pytest
 
 from aot_common import libtpu_test, run
-from configs import llama
+from configs import finetune_lm, llama
 from jaxscale.aot.topology import parse_topology
 from jaxscale.errors import ConfigError
 
@@ -95,3 +97,26 @@ def test_the_sweep_reproduces_what_compiled_records(tmp_path):
     assert {s: int(m) for s, m in found.items()} == {
         s: llama.COMPILED[(s, "v4-8")].micro_batch for s in ("tiny", "125m")}
     assert "| `125m,v4-8` | v4:2x2x1 | data=4 | 32 x 2 |" in proc.stdout
+
+
+FAMILY_TPU_VARIANTS = [v for v in finetune_lm.VARIANTS if v.split(",")[0] in finetune_lm.FAMILIES
+                       and "," in v and v.split(",")[-1] in TPU_TARGETS]
+
+
+# The estimate errs on the safe side on TPU (configs/llama.py), so these are a check, not a
+# sizing; 28 compiles, too many for `make test`.
+@libtpu_test
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("JAXSCALE_COMPILE_PRESETS"),
+                    reason="set JAXSCALE_COMPILE_PRESETS=1 to compile the families' TPU presets")
+@pytest.mark.parametrize("variant", FAMILY_TPU_VARIANTS)
+def test_family_preset_fits_its_target_as_compiled(variant, tmp_path):
+    target = llama.TARGETS[variant.split(",")[-1]]
+    proc = run(["-m", "launch.compile", f"--config=finetune_lm:{variant}",
+                f"--config.init_from={tmp_path}", f"--topology={target.topology}",
+                f"--out={tmp_path}/r.json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    gib = report["total_bytes"] / 2**30
+    assert report["total_bytes"] <= (1 - llama.FIT_MARGIN) * report["hbm_bytes"], (
+        f"{variant}: {gib:.2f} GiB per chip")

@@ -1,4 +1,4 @@
-"""Fine-tune a Llama from saved weights: `--config=configs/finetune_lm.py:SIZE[,lora][,TARGET]`.
+"""Fine-tune a decoder from saved weights: `--config=configs/finetune_lm.py:SIZE[,lora][,TARGET]`.
 
     python -m launch.train --config=configs/finetune_lm.py:1b,lora,v5e-16 --workdir=RUN \\
         --config.init_from=WEIGHTS
@@ -17,6 +17,29 @@ a checkpoint is written every 200 steps (evaluation too, unless the target accum
 gradients: see `configs/llama.py`). `lora` trains rank-16 adapters (alpha 32) on every
 attention and MLP projection instead: the base weights are frozen (no gradients or optimizer
 state) and, because the adapters start at zero, at the pre-training learning rate.
+
+Besides the Llama sizes, SIZE may be a small model of another decoder family of the model
+table at its published shapes (`FAMILIES`), to fine-tune a `launch.convert --from_hf` output:
+
+    qwen3-0.6b     Qwen3-0.6B (`model.name=qwen3`: qk-norm, head_dim 128 > embed / heads): embed
+                   1024, 28 layers, 16 heads (8 kv), mlp 3072, vocab 151936, rope 1e6, tied  596.0M
+    qwen2.5-0.5b   Qwen2.5-0.5B (`model.name=qwen2`: q/k/v biases): embed 896, 24 layers,
+                   14 heads (2 kv), mlp 4864, vocab 151936, rope 1e6, tied                  494.0M
+    mistral-7b     Mistral-7B-v0.3 (`model.name=mistral`): embed 4096, 32 layers, 32 heads (8
+                   kv), mlp 14336, vocab 32768, rope 1e6, untied, no sliding window (v0.3's
+                   config.json has `sliding_window: null`; v0.1's 4096 is
+                   `--config.model.sliding_window=4096`)                                  7,248.0M
+
+Each takes the recipe of the Llama size it is closest to (qwen: `1b`'s 256 x 2048 tokens,
+full remat, FSDP; mistral-7b: `7b`'s 512 x 2048) and the same TARGETs, sized the same way where
+the TPU compiler has not sized them (`configs/llama.py` `COMPILED` holds the Llama sizes only):
+the largest power-of-two micro-batch whose estimate (`jaxscale.aot.memory`, with the family's
+own parameter count: Qwen2's biases, Qwen3's q/k norms) stays under 80% of a device's HBM. On
+TPU that estimate errs on the safe side (`qwen3-0.6b,v5e-8`: 2 sequences a chip, which libtpu
+0.0.52 compiles to 5.41 GiB of 14.90); `jaxscale compile` with the preset shows what the
+compiler needs, and `JAXSCALE_COMPILE_PRESETS=1` makes `tests/test_presets.py` compile every
+TPU preset of these families and check it leaves 10% of HBM free. FLOPs per token (MFU, `launch.plan`) are the model table entry's, the Llama's
+count: biases and norms add no matmul.
 
 `:test` (and `:test,lora`) is the small-run mode: the tiny model of `configs/llama.py:tiny` for 4
 CPU steps, with `init_from=''` (fresh random weights) so it runs without a checkpoint; point it at
@@ -50,32 +73,81 @@ llama = _sibling("llama")
 _FULL_LR_FACTOR = 0.1
 _LORA = dict(rank=16, alpha=32.0, targets=("attn/w[qkvo]$", "mlp/w_(gate|up|down)$"))
 
+# Other families of the model table at their published shapes, with the recipe of the closest
+# Llama size; `norm_eps`, `rope_theta` and `max_len` as their config.json has them.
+_QWEN = dict(vocab_size=151936, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True)
+_RECIPE_1B = dict(strategy="fsdp", remat="full", seq_len=2048, batch=256, lr=3e-4, warmup=2000,
+                  steps=50_000)
+FAMILIES: dict[str, llama.Size] = {
+    "qwen3-0.6b": llama.Size(dict(_QWEN, name="qwen3", embed=1024, num_layers=28, num_heads=16,
+                                  num_kv_heads=8, head_dim=128, mlp=3072, max_len=40960),
+                             **_RECIPE_1B),
+    "qwen2.5-0.5b": llama.Size(dict(_QWEN, name="qwen2", embed=896, num_layers=24, num_heads=14,
+                                    num_kv_heads=2, head_dim=64, mlp=4864, max_len=32768),
+                               **_RECIPE_1B),
+    "mistral-7b": llama.Size(dict(name="mistral", vocab_size=32768, embed=4096, num_layers=32,
+                                  num_heads=32, num_kv_heads=8, head_dim=128, mlp=14336,
+                                  max_len=32768, rope_theta=1e6, norm_eps=1e-5,
+                                  tie_embeddings=False, sliding_window=0),
+                             **dict(_RECIPE_1B, batch=512, steps=100_000)),
+}
+
+
+def _fits(size: str, target: str) -> bool:
+    if size in FAMILIES:
+        return llama.why_not(size, target, FAMILIES) is None
+    return f"{size},{target}" in llama.VARIANTS
+
+
+def _with_lora(base: str) -> tuple[str, str]:
+    """'1b,v5e-16' -> ('1b,v5e-16', '1b,lora,v5e-16'): a base variant and its LoRA spelling."""
+    return base, (base.replace(",", ",lora,", 1) if "," in base else f"{base},lora")
+
+
+_SIZES = tuple(s for s in llama.SIZES if s != "tiny") + tuple(FAMILIES)
 VARIANTS: tuple[str, ...] = ("test", "test,lora") + tuple(
-    v for base in llama.VARIANTS if not base.startswith("tiny")
-    for v in (base, base.replace(",", ",lora,", 1) if "," in base else f"{base},lora"))
+    v for size in _SIZES
+    for base in (size, *(f"{size},{t}" for t in llama.TARGETS if _fits(size, t)))
+    for v in _with_lora(base))
 
 
 def parse_arg(arg: str | None) -> tuple[str, bool]:
-    """'1b,lora,v5e-16' -> ('1b,v5e-16', True): the llama.py argument and whether to use LoRA."""
+    """'1b,lora,v5e-16' -> ('1b,v5e-16', True): the SIZE[,TARGET] and whether to use LoRA."""
     parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
     lora = "lora" in parts
     rest = [p for p in parts if p != "lora"]
-    sizes = [s for s in llama.SIZES if s != "tiny"]
-    ok = rest == ["test"] or (0 < len(rest) <= 2 and rest[0] in sizes
+    ok = rest == ["test"] or (0 < len(rest) <= 2 and rest[0] in _SIZES
                               and all(t in llama.TARGETS for t in rest[1:]))
     if not ok:
         raise ConfigError(paragraph(
             f"configs/finetune_lm.py: cannot read the argument {arg!r}. Use test[,lora] or",
-            f"SIZE[,lora][,TARGET] with SIZE in {', '.join(sizes)}",
+            f"SIZE[,lora][,TARGET] with SIZE in {', '.join(_SIZES)}",
             f"and TARGET in {', '.join(llama.TARGETS)}, e.g. :1b,lora,v5e-16.",
         ))
+    if len(rest) == 2 and rest[0] in FAMILIES and not _fits(*rest):
+        size, target = rest
+        fits = [t for t in llama.TARGETS if _fits(size, t)]
+        raise ConfigError(paragraph(
+            f"configs/finetune_lm.py:{size},{target}: the {size} model does not fit {target}:",
+            f"{llama.why_not(size, target, FAMILIES)}. Targets that fit {size}:",
+            f"{', '.join(fits)}.",
+        ))
     return ",".join(rest), lora
+
+
+def _base_config(base: str) -> mlc.ConfigDict:
+    """The pre-training config of SIZE[,TARGET]: `configs/llama.py`'s, or a family's built the
+    same way (`llama.build` over `FAMILIES`)."""
+    size, *target = base.split(",")
+    if size in FAMILIES:
+        return llama.build(size, target[0] if target else None, sizes=FAMILIES)
+    return llama.get_config(base)  # raises listing sizes / targets
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
     base, use_lora = parse_arg(arg)
     test = base == "test"
-    c = llama.get_config("tiny" if test else base)  # raises listing sizes / targets
+    c = llama.get_config("tiny") if test else _base_config(base)
     pretrain_lr = c.optim.lr
     c.init_from = "" if test else mlc.config_dict.placeholder(str)
     c.data.part = "b"

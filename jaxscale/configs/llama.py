@@ -50,6 +50,7 @@ overridden on the command line.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,52 +181,57 @@ STATE_BYTES_PER_PARAM = state_bytes_per_param(accumulate=True)
 HBM_FRACTION = 0.8          # headroom for XLA's own buffers, collectives and fragmentation
 
 
-def num_params(size: str) -> int:
-    from jaxscale.models.llama import LlamaConfig  # lazy: loading a config stays light
-    return LlamaConfig(**SIZES[size].model).num_params()
+def num_params(size: str, sizes: Mapping[str, Size] = SIZES) -> int:
+    """SIZE's parameter count as its model table entry's config class has it (`model.name`:
+    a Qwen2 counts its q/k/v biases, a Qwen3 its q/k norms)."""
+    from jaxscale.models import entry_of  # lazy: loading a config stays light
+    model = sizes[size].model
+    return entry_of(model).config_cls.from_config(model).num_params()
 
 
-def memory_estimate(size: str, target: Target, micro_batch: int) -> int:
+def memory_estimate(size: str, target: Target, micro_batch: int,
+                    sizes: Mapping[str, Size] = SIZES) -> int:
     """Estimated peak bytes per device (`jaxscale.aot.memory`, the planner's model too):
     sharded state, one gathered layer, activations under the size's remat policy. The float32
-    attention scores vanish with fused attention (GPUs)."""
-    s = SIZES[size]
-    dims = Dims.from_model(s.model, num_params(size))
+    attention scores vanish with fused attention (GPUs). `sizes`: the table SIZE is in
+    (`configs/finetune_lm.py` passes its other families')."""
+    s = sizes[size]
+    dims = Dims.from_model(s.model, num_params(size, sizes))
     return int(step_bytes(dims, tokens=micro_batch * s.seq_len, seq_len=s.seq_len,
                           state_bytes=STATE_BYTES_PER_PARAM,
                           param_shards=target.devices if s.strategy == "fsdp" else 1,
                           remat=s.remat, einsum_scores=not target.gpu))
 
 
-def micro_batch(size: str, target: str) -> int:
+def micro_batch(size: str, target: str, sizes: Mapping[str, Size] = SIZES) -> int:
     """Sequences per device at once on TARGET: the TPU compiler's choice (`COMPILED`), else the
     largest power of two whose estimate fits, at most the device's share of the global batch
     (0: not even one fits)."""
     if (size, target) in COMPILED:
         return COMPILED[(size, target)].micro_batch
     t = TARGETS[target]
-    limit = SIZES[size].batch // min(t.total, SIZES[size].batch)
+    limit = sizes[size].batch // min(t.total, sizes[size].batch)
     budget = HBM_FRACTION * t.hbm_gib * 2**30
     b = 1 << int(math.log2(limit))
-    while b and memory_estimate(size, t, b) > budget:
+    while b and memory_estimate(size, t, b, sizes) > budget:
         b //= 2
     return b
 
 
-def why_not(size: str, target: str) -> str | None:
+def why_not(size: str, target: str, sizes: Mapping[str, Size] = SIZES) -> str | None:
     """Why SIZE cannot train on TARGET (memory, or FSDP shards that do not divide), or None."""
-    s, t = SIZES[size], TARGETS[target]
+    s, t = sizes[size], TARGETS[target]
     if s.strategy == "fsdp" and s.model["embed"] % t.devices:
         return (f"FSDP over its {t.devices} devices would split the {s.model['embed']}-wide embed "
                 "dimension unevenly")
-    if micro_batch(size, target) == 0:
+    if micro_batch(size, target, sizes) == 0:
         compiled = COMPILED.get((size, target))
         if compiled:
             return (f"its training state and one sequence need {compiled.gib:.1f} GiB per chip "
                     f"or more as the TPU compiler has it, over {1 - FIT_MARGIN:.0%} of the "
                     f"{t.hbm_gib:.1f} GiB of HBM")
         return (f"its training state and one sequence need about "
-                f"{memory_estimate(size, t, 1) / 2**30:.0f} GiB per device, more than "
+                f"{memory_estimate(size, t, 1, sizes) / 2**30:.0f} GiB per device, more than "
                 f"{HBM_FRACTION:.0%} of the {t.hbm_gib:.0f} GiB of HBM")
     return None
 
@@ -261,12 +267,13 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     return build(*parse_arg(arg))
 
 
-def build(size_name: str, target_name: str | None = None,
-          micro: int | None = None) -> mlc.ConfigDict:
+def build(size_name: str, target_name: str | None = None, micro: int | None = None,
+          sizes: Mapping[str, Size] = SIZES) -> mlc.ConfigDict:
     """The config of SIZE on TARGET with `micro` sequences per device at once (default: the
     target's `micro_batch`). Unchecked: `get_config` refuses combinations that do not fit;
-    `bench/presets.py` calls this to find out which do."""
-    s = SIZES[size_name]
+    `bench/presets.py` calls this to find out which do; `configs/finetune_lm.py` with its
+    other families' `sizes`."""
+    s = sizes[size_name]
     c = base_config()
     c.model.update(s.model, remat=s.remat)
     c.precision = s.precision
@@ -284,17 +291,17 @@ def build(size_name: str, target_name: str | None = None,
         c.checkpoint.every = 0
         c.data.eval_batches = 2
     if target_name is not None:
-        _apply_target(c, size_name, target_name, micro)
+        _apply_target(c, size_name, target_name, micro, sizes)
     return c
 
 
 def _apply_target(c: mlc.ConfigDict, size_name: str, target_name: str,
-                  micro: int | None) -> None:
+                  micro: int | None, sizes: Mapping[str, Size]) -> None:
     """What a hardware target sets: mesh, micro-batch and accumulation, precision, attention."""
     from jaxscale.models.splash import block_size  # lazy: loading a config stays light
 
-    s, t = SIZES[size_name], TARGETS[target_name]
-    b = micro_batch(size_name, target_name) if micro is None else micro
+    s, t = sizes[size_name], TARGETS[target_name]
+    b = micro_batch(size_name, target_name, sizes) if micro is None else micro
     batch = max(s.batch, t.total)
     axis = "data" if s.strategy == "dp" else "fsdp"
     c.mesh.update(data=1, fsdp=1, dcn_data=t.slices)
