@@ -91,7 +91,7 @@ def test_sharded_generation_matches_single_device():
 
 def test_kv_cache_is_sharded_by_the_rules():
     """The cache (layers, batch, length, kv, head_dim) gets the spec the rules give its names:
-    batch over data x fsdp, kv heads over tensor."""
+    batch over data x fsdp, length over context, kv heads over tensor."""
     c = tiny_lm.get_config("test")
     c.mesh.update(data=2, fsdp=2, tensor=2)
     mesh, rules = make_mesh(c.mesh), AxisRules.from_config(c)
@@ -106,7 +106,8 @@ def test_kv_cache_is_sharded_by_the_rules():
 
     cache = prefill(params, np.zeros((4, 3), np.int32))
     expected = rules.spec(gen.CACHE_AXES, cache["k"].shape, mesh)
-    assert expected == PartitionSpec("pipeline", ("data", "fsdp"), None, "tensor", None)
+    # length over `context`: sequence shards (mesh.context, 1 here) split the cache like the keys
+    assert expected == PartitionSpec("pipeline", ("data", "fsdp"), "context", "tensor", None)
     for name in ("k", "v"):
         assert cache[name].sharding.is_equivalent_to(NamedSharding(mesh, expected), 5), name
         assert cache[name].addressable_shards[0].data.shape == (2, 1, 8, 1, 16)
