@@ -22,6 +22,8 @@ from jaxscale.models.gemma import Gemma3Config
 from jaxscale.precision import get_policy
 from jaxscale.weights.sources import open_huggingface
 from jaxscale.weights.tree import flatten
+from tests.test_hf_qwen import assert_same_training, train_steps
+from tests.test_parallel_equivalence import make_config
 
 VOCAB, PROMPT, NEW, WINDOW = 96, 6, 32, 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -151,3 +153,25 @@ def test_switches_carry_axes_and_patterns_refuse_static_kernels():
     check_model(base, 16)
     with pytest.raises(ConfigError, match="model.attention='splash' cannot follow a mixed"):
         check_model(dict(base, attention="splash"), 16)
+
+
+def gemma_style(mesh: dict, preset: str = ""):
+    """test_parallel_equivalence's model as a Gemma 3-style one: its switches, a mixed
+    local/global pattern with a window shorter than the sequence and its own local rotary."""
+    c = make_config(mesh, preset, batch=8)
+    c.model.update(name="gemma3", num_layers=3, sliding_window=5, rope_local_theta=100.0,
+                   layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+                   query_pre_attn_scalar=24.0)
+    return c
+
+
+@pytest.mark.exhaustive  # ~40 s; the mesh machinery is the Qwen3-style test's (test_hf_qwen)
+def test_gemma_style_trains_on_fsdp_tensor_mesh_as_on_one_device():
+    """Three steps on fsdp=4 x tensor=2 (full remat, so the per-layer flag is scanned through
+    the rematerialised layers): the 1-device losses and parameters after the steps."""
+    reference = train_steps(gemma_style({}), jax.devices()[:1])
+    config = gemma_style({"fsdp": 4, "tensor": 2}, "fsdp_tp")
+    config.model.remat = "full"
+    got = train_steps(config, jax.devices())
+    assert_same_training(got, reference, new_leaves={"layers/attn_post_norm/scale",
+                                                     "layers/mlp_post_norm/scale"})
