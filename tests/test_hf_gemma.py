@@ -27,34 +27,41 @@ from tests.test_parallel_equivalence import make_config
 
 VOCAB, PROMPT, NEW, WINDOW = 96, 6, 32, 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
-HF_CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 query_pre_attn_scalar=24, sliding_window=WINDOW, layer_types=LAYER_TYPES,
-                 max_position_embeddings=128, rms_norm_eps=1e-6,
-                 rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                  "sliding_attention": {"rope_type": "default",
-                                                        "rope_theta": 1e4}},
-                 bos_token_id=None, eos_token_id=None, pad_token_id=0)
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              query_pre_attn_scalar=24, sliding_window=WINDOW, layer_types=LAYER_TYPES,
+              max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=None,
+              eos_token_id=None, pad_token_id=0)
+# name -> (HF config class, model class, overrides). Gemma 3: a local rotary base of its own;
+# Gemma 2: one rotary base and soft-caps small enough to bite on a tiny random model.
+FAMILIES = {
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        attn_logit_softcapping=0.5, final_logit_softcapping=0.8)),
+}
 
 
 @pytest.fixture(scope="module")
-def hf_model(tmp_path_factory):
-    """(transformers Gemma3ForCausalLM, its save_pretrained directory), built once; its norm
-    weights (zero at init) are made non-trivial so a dropped or misplaced norm shows."""
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**HF_CONFIG)).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.add_(0.3 * torch.randn_like(p))
-    path = str(tmp_path_factory.mktemp("hf") / "gemma3")
-    model.save_pretrained(path, safe_serialization=True)
-    return model, path
-
-
-@pytest.fixture(scope="module")
-def converted(hf_model):
-    return hf.load_pretrained(open_huggingface(hf_model[1]))
+def hf_models(tmp_path_factory):
+    """{name: (transformers model, its save_pretrained directory, the import)}, built once;
+    norm weights (zero at init) made non-trivial so a dropped or misplaced norm shows."""
+    out = {}
+    for name, (config_cls, model_cls, overrides) in FAMILIES.items():
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**{**COMMON, **overrides})).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.add_(0.3 * torch.randn_like(p))
+                if "q_proj" in n or "k_proj" in n:  # scores large enough for the cap to bite
+                    p.mul_(10.0)
+        path = str(tmp_path_factory.mktemp("hf") / name)
+        model.save_pretrained(path, safe_serialization=True)
+        out[name] = (model, path, hf.load_pretrained(open_huggingface(path)))
+    return out
 
 
 def jax_logits(model_cfg, params, tokens):
@@ -62,11 +69,13 @@ def jax_logits(model_cfg, params, tokens):
     return np.asarray(jax.jit(lambda p, t: model_def.module(p)(t))(params, tokens))
 
 
-def test_logits_match_transformers(hf_model, converted):
-    model, _ = hf_model
-    model_cfg, params = converted
-    assert model_cfg["name"] == "gemma3" and model_cfg["layer_types"] == LAYER_TYPES
-    assert model_cfg["sliding_window"] == WINDOW and model_cfg["rope_local_theta"] == 1e4
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_logits_match_transformers(hf_models, name):
+    model, _, (model_cfg, params) = hf_models[name]
+    assert model_cfg["name"] == name and model_cfg["layer_types"] == LAYER_TYPES
+    assert model_cfg["sliding_window"] == WINDOW
+    assert model_cfg["rope_local_theta"] == (1e4 if name == "gemma3" else 0.0)
+    assert model_cfg["attn_softcap"] == (0.5 if name == "gemma2" else 0.0)
     assert "lm_head" not in params and model_cfg["tie_embeddings"]
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 40)).astype(np.int32)
     with torch.no_grad():
@@ -74,14 +83,19 @@ def test_logits_match_transformers(hf_model, converted):
     got = jax_logits(model_cfg, params, tokens)
     err = np.max(np.abs(got - ref))
     assert got.shape == ref.shape and err < 1e-4
-    # The pattern is read and matters (40 tokens > the window): every layer global misses.
-    full = jax_logits(dict(model_cfg, layer_types=["full_attention"] * 4), params, tokens)
-    assert np.max(np.abs(full - ref)) > 100 * max(err, 1e-6)
+    # The pattern (40 tokens > the window) and the soft-caps are read and matter.
+    variants = [dict(layer_types=["full_attention"] * 4)]
+    if name == "gemma2":
+        variants += [dict(attn_softcap=0.0), dict(final_softcap=0.0)]
+    for change in variants:
+        off = jax_logits(dict(model_cfg, **change), params, tokens)
+        assert np.max(np.abs(off - ref)) > 100 * max(err, 1e-6), change
 
 
-def test_greedy_generation_equals_transformers(hf_model):
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_greedy_generation_equals_transformers(hf_models, name):
     """32 greedy tokens through the KV cache (past the window) equal transformers' `generate`."""
-    model, path = hf_model
+    model, path, _ = hf_models[name]
     prompt = np.random.default_rng(1).integers(1, VOCAB, (2, PROMPT)).astype(np.int32)
     with torch.no_grad():
         ref = model.generate(torch.from_numpy(prompt).long(), max_new_tokens=NEW,
@@ -89,14 +103,15 @@ def test_greedy_generation_equals_transformers(hf_model):
                              attention_mask=torch.ones(2, PROMPT, dtype=torch.long)).numpy()
     assert ref.shape == (2, PROMPT + NEW)
     config, params = gen.load_model(hf_dir=path)
-    assert config.model.name == "gemma3"
+    assert config.model.name == name
     np.testing.assert_array_equal(gen.generate_from_config(config, params, prompt, NEW), ref)
 
 
-def test_import_export_import_is_exact(hf_model, converted, tmp_path):
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_import_export_import_is_exact(hf_models, name, tmp_path):
     """HF -> launch.convert's workdir -> HF: the original tensors bit for bit, a config
     transformers loads with equal logits, and the same import again."""
-    model, path = hf_model
+    model, path, converted = hf_models[name]
     model_cfg = convert.hf_to_workdir(path, str(tmp_path / "converted"))
     out = convert.workdir_to_hf(str(tmp_path / "converted"), str(tmp_path / "export"))
     original = {k: v.numpy() for k, v in model.state_dict().items()}
@@ -104,7 +119,7 @@ def test_import_export_import_is_exact(hf_model, converted, tmp_path):
     assert set(exported.keys()) == set(original) - {"lm_head.weight"}
     for k in exported.keys():
         np.testing.assert_array_equal(exported.get(k), original[k])
-    reloaded = transformers.Gemma3ForCausalLM.from_pretrained(out).eval()
+    reloaded = FAMILIES[name][1].from_pretrained(out).eval()
     tokens = torch.arange(20).reshape(1, 20)
     with torch.no_grad():
         np.testing.assert_array_equal(reloaded(tokens).logits.numpy(),
@@ -125,17 +140,19 @@ def _edited(path, tmp_path, change):
     return out
 
 
-@pytest.mark.parametrize("change, culprit", [
-    (dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
-    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
-    (dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
-    (dict(hidden_activation="silu"), "hidden_activation='silu'"),
-    (dict(layer_types=["sliding_attention"]), r"must give each of the 4 layers"),
-    (dict(model_type="gemma2"), "model_type='gemma2'; jaxscale converts"),
+@pytest.mark.parametrize("name, change, culprit", [
+    ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    ("gemma2", dict(attention_bias=True), "attention_bias=True"),
+    ("gemma3", dict(hidden_activation="silu"), "hidden_activation='silu'"),
+    ("gemma3", dict(layer_types=["sliding_attention"]), r"must give each of the 4 layers"),
+    ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "default"},
+                                     "sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+     "scales the local layers' rotary"),
+    ("gemma3", dict(model_type="gemma"), "model_type='gemma'; jaxscale converts"),
 ])
-def test_unsupported_configs_are_refused(hf_model, tmp_path, change, culprit):
+def test_unsupported_configs_are_refused(hf_models, tmp_path, name, change, culprit):
     with pytest.raises(hf.ConversionError, match=culprit):
-        open_huggingface(_edited(hf_model[1], tmp_path, change))
+        open_huggingface(_edited(hf_models[name][1], tmp_path, change))
 
 
 def test_switches_carry_axes_and_patterns_refuse_static_kernels():
@@ -153,6 +170,10 @@ def test_switches_carry_axes_and_patterns_refuse_static_kernels():
     check_model(base, 16)
     with pytest.raises(ConfigError, match="model.attention='splash' cannot follow a mixed"):
         check_model(dict(base, attention="splash"), 16)
+    with pytest.raises(ConfigError, match="model.attention='dot_product_attention' does not"
+                                          " soft-cap"):
+        check_model(dict(base, name="gemma2", layer_types=(), attn_softcap=50.0,
+                         attention="dot_product_attention"), 16)
 
 
 def gemma_style(mesh: dict, preset: str = ""):

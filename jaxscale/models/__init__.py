@@ -105,7 +105,9 @@ MODELS: dict[str, ModelEntry] = {
     # The Llama decoder with Gemma's switches and local/global pattern (models/gemma.py).
     "gemma3": _decoder(gemma.Gemma3Config, HuggingFace(
         "gemma3_text", "jaxscale.interop.hf_gemma:open_gemma3",
-        "jaxscale.interop.hf_gemma:save_gemma3")),
+        "jaxscale.interop.hf_gemma:save_gemma")),
+    "gemma2": _decoder(gemma.Gemma2Config, HuggingFace(
+        "gemma2", "jaxscale.interop.hf_gemma:open_gemma2", "jaxscale.interop.hf_gemma:save_gemma")),
     "vit": ModelEntry(
         vit.ViTConfig, vit.ViT, {"classify": vit.CLASSIFY},
         flops_per_token=vit.flops_per_token,

@@ -36,6 +36,7 @@ from einops import rearrange
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models import context, splash
 from jaxscale.models.fused import FUSED_AXIS, QKV
 from jaxscale.models.layers import RMSNorm, param, project
@@ -92,12 +93,15 @@ class KVCache:
 
 
 def einsum_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                     mask: Mask | None, softmax_dtype: Any) -> jax.Array:
-    """Grouped-query attention written out: the reference every other kernel must match."""
+                     mask: Mask | None, softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
+    """Grouped-query attention written out: the reference every other kernel must match.
+    `softcap` > 0 (Gemma 2): the scaled scores become softcap * tanh(scores / softcap)."""
     kv = k_BSKD.shape[2]
     q_BTKGD = rearrange(q_BTHD, "b t (k g) d -> b t k g d", k=kv)
     scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD)
     scores_BKGTS = scores_BKGTS.astype(softmax_dtype) / math.sqrt(q_BTHD.shape[-1])
+    if softcap:
+        scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
     visible_BTS = None if mask is None else mask.dense()
     if visible_BTS is not None:
         scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS,
@@ -137,12 +141,20 @@ ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
 
 def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mask | None, *,
            impl: str = "einsum", softmax_dtype: Any = jnp.float32,
-           context_impl: str = "allgather") -> jax.Array:
+           context_impl: str = "allgather", softcap: float = 0.0) -> jax.Array:
     """softmax(q.k / sqrt(D), masked) . v with the kernel `impl`; K kv heads serve H/K heads.
     A whole sequence that the active rules split over sequence shards runs by `context_impl`
-    (`models/context.py`)."""
+    (`models/context.py`). Soft-capped scores (`softcap` > 0, Gemma 2) run the einsum kernel
+    (`model.attention` is checked to be einsum) and refuse sequence shards."""
     shards = (context.sequence_shards(q_BTHD.shape[1], impl)
               if mask is not None and mask.aligned else None)
+    if softcap:
+        if shards is not None:
+            raise ConfigError(paragraph(
+                f"model.attn_softcap={softcap} (Gemma 2's attention-logit soft-capping) is not",
+                "applied by the attention across sequence shards (models/context.py). Train",
+                "the model without mesh.context > 1."))
+        return einsum_attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
     if shards is not None:
         return context.attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype,
                                  variant=context_impl, shards=shards)
@@ -169,7 +181,8 @@ class Attention(nnx.Module):
                  stack: int | None = None, window: int | None = None,
                  context_impl: str = "allgather", qkv_bias: bool = False,
                  qk_norm: bool = False, norm_eps: float = 1e-6, norm_offset: bool = False,
-                 query_pre_attn_scalar: float = 0.0, local_rope: Rope | None = None):
+                 query_pre_attn_scalar: float = 0.0, local_rope: Rope | None = None,
+                 softcap: float = 0.0):
         if heads % kv_heads:
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}.")
         check_impl(impl)
@@ -189,6 +202,7 @@ class Attention(nnx.Module):
         # Gemma's local/global pattern: the rotary of local layers (a per-layer `local` flag
         # picks it and the window, `Block.per_layer`); None: one rotary for every layer.
         self.local_rope = local_rope
+        self.softcap = softcap  # Gemma 2: scores soft-capped at this (0: not)
         self._init_options(kv_heads, heads // kv_heads, head_dim, qkv_bias, qk_norm, norm_eps,
                            stack, norm_offset)
 
@@ -265,7 +279,7 @@ class Attention(nnx.Module):
                                window=window)
         out_BTHD = attend(q_BTHD, k_BSKD, v_BSKD, mask, impl=self.impl,
                           softmax_dtype=self.policy.dtype_for("softmax"),
-                          context_impl=self.context_impl)
+                          context_impl=self.context_impl, softcap=self.softcap)
         out_BTHD = checkpoint_name(constrain(out_BTHD, "batch", "length", "heads", "head_dim"),
                                    "attn_out")
         out_BTE = constrain(project(self, "wo", "bthd,hde->bte", out_BTHD, c),

@@ -1,4 +1,4 @@
-"""Gemma 3 (text): the Llama decoder with Gemma's switches on, not a copy.
+"""Gemma 3 (text) and Gemma 2: the Llama decoder with Gemma's switches on, not a copy.
 
 Gemma 3's text decoder (`Gemma3ForCausalLM`, HF model_type `gemma3_text`) differs from the Llama
 only where `LlamaConfig` has a switch: RMSNorms that scale by 1 + weight (`norm_offset`), a
@@ -10,7 +10,10 @@ local/global pattern (`layer_types`: sliding-window layers with their own rotary
 scanned with the layers as a per-layer flag (`llama.Block.per_layer`), so the stack stays one
 scanned block. So the family is a model table line (`models/__init__.py`) whose config class
 changes the switches' defaults; the module, task, FLOP counts (norms and the scale are no
-matmuls) and sharding rules are the Llama's. Hugging Face import/export: `interop/hf_gemma.py`.
+matmuls) and sharding rules are the Llama's. Gemma 2 (`Gemma2ForCausalLM`) is the same without
+the q/k norms, with one rotary base, and with tanh soft-capping of the attention scores and the
+final logits (`attn_softcap`, `final_softcap`, read from its config.json; einsum attention only).
+Hugging Face import/export: `interop/hf_gemma.py`.
 """
 
 from __future__ import annotations
@@ -29,3 +32,14 @@ class Gemma3Config(LlamaConfig):
     embed_scale: bool = True
     mlp_activation: str = "gelu_tanh"
     qk_norm: bool = True
+
+
+@dataclass(frozen=True)
+class Gemma2Config(LlamaConfig):
+    """`model.name=gemma2` (Gemma 2): Gemma's norms, scale and GeGLU, no qk-norm (its
+    soft-caps and pattern come from config.json, as `config.model` fields)."""
+
+    norm_offset: bool = True
+    post_norms: bool = True
+    embed_scale: bool = True
+    mlp_activation: str = "gelu_tanh"

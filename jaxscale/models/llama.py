@@ -83,6 +83,10 @@ class LlamaConfig:
     # if any, on all). A mixed pattern is scanned as a per-layer flag (`Block.per_layer`).
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float = 0.0  # rotary base of the local layers; 0: rope_theta
+    # Gemma 2's soft-capping, x -> cap * tanh(x / cap), of the attention scores and of the
+    # final logits; 0: none. Attention soft-capping runs the einsum kernel only.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
     # Mixture of experts in place of the dense MLP (num_experts > 0): jaxscale/models/moe.py.
     moe: MoEConfig = MoEConfig()
 
@@ -179,15 +183,17 @@ def check_layer_pattern(m: Mapping[str, Any]) -> None:
     window to the mask as a traced value, which only the einsum kernel (and the KV cache)
     take; the fused and splash kernels build their masks from a static window."""
     kinds = tuple(m.get("layer_types") or ())
-    if not kinds:
-        return
     known = ("sliding_attention", "full_attention")
     bad = [k for k in kinds if k not in known]
-    if bad or len(kinds) != m["num_layers"]:
+    if kinds and (bad or len(kinds) != m["num_layers"]):
         raise ConfigError(paragraph(
             f"model.layer_types={list(kinds)!r} must name one of {', '.join(known)} for each",
             f"of the model.num_layers={m['num_layers']} layers (or be empty: every layer alike)."))
     attention = m.get("attention", "einsum")
+    if m.get("attn_softcap") and attention != "einsum":
+        raise ConfigError(paragraph(
+            f"model.attention={attention!r} does not soft-cap the attention scores",
+            f"(model.attn_softcap={m['attn_softcap']}, Gemma 2's): use model.attention=einsum."))
     if len(set(kinds)) > 1 and attention != "einsum":
         raise ConfigError(paragraph(
             f"model.attention={attention!r} cannot follow a mixed model.layer_types (local and",
@@ -251,7 +257,7 @@ def attention_switches(cfg: LlamaConfig) -> dict[str, Any]:
     return dict(window=window, context_impl=cfg.context_attention,
                 qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
                 norm_offset=cfg.norm_offset, query_pre_attn_scalar=cfg.query_pre_attn_scalar,
-                **mixed)
+                softcap=cfg.attn_softcap, **mixed)
 
 
 class Llama(nnx.Module):
@@ -280,6 +286,8 @@ class Llama(nnx.Module):
             logits_BTV = jnp.einsum("bte,ve->btv", h_BTE, self.embedding[...].astype(dtype))
         else:
             logits_BTV = jnp.einsum("bte,ev->btv", h_BTE, self.lm_head[...].astype(dtype))
+        if cap := self.cfg.final_softcap:  # Gemma 2
+            logits_BTV = cap * jnp.tanh(logits_BTV / cap)
         return constrain(logits_BTV, "batch", "length", "vocab")
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
