@@ -8,8 +8,10 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -19,6 +21,7 @@ from jaxscale.errors import ConfigError
 from jaxscale.interop import convert, hf
 from jaxscale.models import ModelDef, check_model
 from jaxscale.models.gemma import Gemma3Config
+from jaxscale.models.scan import scan_layers
 from jaxscale.precision import get_policy
 from jaxscale.weights.sources import open_huggingface
 from jaxscale.weights.tree import flatten
@@ -170,6 +173,13 @@ def test_switches_carry_axes_and_patterns_refuse_static_kernels():
     check_model(base, 16)
     with pytest.raises(ConfigError, match="model.attention='splash' cannot follow a mixed"):
         check_model(dict(base, attention="splash"), 16)
+    # A pipeline stage's slice of the layers cannot follow the whole stack's pattern: refused.
+    model = model_def.module(model_def.init_params(jax.random.key(0)))
+    graphdef, state = nnx.split(model.layers)
+    stage = nnx.merge(graphdef, jax.tree.map(lambda x: x[:2], state))
+    h, positions = jnp.zeros((1, 6, 32)), jnp.arange(6)[None]
+    with pytest.raises(ConfigError, match="covers 4 layers, but this stack holds \\[2\\]"):
+        scan_layers(stage, h, positions)
     with pytest.raises(ConfigError, match="model.attention='dot_product_attention' does not"
                                           " soft-cap"):
         check_model(dict(base, name="gemma2", layer_types=(), attn_softcap=50.0,
