@@ -61,6 +61,11 @@ def base_config() -> mlc.ConfigDict:
         rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0,
         rope_high_freq_factor=4.0, rope_original_max_len=8192,
         sliding_window=0,  # > 0: attend to that many latest positions only (Mistral)
+        # Gemma's local/global pattern: per layer "sliding_attention" (the window, rotary base
+        # rope_local_theta when > 0) or "full_attention"; () every layer alike (models/gemma.py)
+        layer_types=(), rope_local_theta=0.0,
+        query_pre_attn_scalar=0.0,  # attention scores times 1/sqrt(this); 0: head_dim (Gemma)
+        attn_softcap=0.0, final_softcap=0.0,  # > 0: cap * tanh(x / cap) (Gemma 2), einsum only
         # mixture of experts in place of the dense MLP when num_experts > 0 (models/moe.py):
         # capacity_factor 0 = dropless; every = MoE on every n-th layer (1 only, for now)
         moe=mlc.ConfigDict(dict(num_experts=0, experts_per_token=2, norm_topk_prob=True, mlp=0,

@@ -22,10 +22,13 @@ from jaxscale.parallel.pipeline import OneFOneB, PipelineRunner, make_layer_runn
 
 
 def test_tables_name_every_model_and_task():
-    assert set(models.MODELS) == {"llama", "mistral", "qwen2", "qwen3", "vit"}
+    assert set(models.MODELS) == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
+                                 "vit"}
     assert {n: list(e.tasks) for n, e in models.MODELS.items()} == {
-        "llama": ["lm"], "mistral": ["lm"], "qwen2": ["lm"], "qwen3": ["lm"], "vit": ["classify"]}
-    with pytest.raises(ConfigError, match="model.name='gpt9'.*'llama', 'mistral', 'qwen2', 'qwen3', 'vit'"):
+        "llama": ["lm"], "mistral": ["lm"], "qwen2": ["lm"], "qwen3": ["lm"], "gemma3": ["lm"],
+        "gemma2": ["lm"], "vit": ["classify"]}
+    with pytest.raises(ConfigError, match="model.name='gpt9'.*'gemma2', 'gemma3', 'llama', 'mistral', "
+                                          "'qwen2', 'qwen3', 'vit'"):
         models.lookup("gpt9")
     with pytest.raises(ConfigError, match="model.task='rank' for model.name='llama'.*'lm'"):
         models.task_of({"name": "llama", "task": "rank"})

@@ -11,6 +11,8 @@ folded in) or a conversion output; `--max_shard_size` splits it into
 `model-0000i-of-0000n.safetensors` files plus `model.safetensors.index.json`.
 """
 
+import shlex
+
 from absl import app, flags
 
 from jaxscale import cli
@@ -37,7 +39,7 @@ def main(argv):
         model_cfg = convert.hf_to_workdir(_FROM_HF.value, _OUT.value, _DTYPE.value)
         print(f"jaxscale: wrote {_OUT.value}/params and {_OUT.value}/{convert.MODEL_CONFIG}.")
         print("Fine-tune with: jaxscale train --config=CONFIG --workdir=RUN "
-              f"--config.init_from={_OUT.value} " + " ".join(convert.override_flags(model_cfg)))
+              f"--config.init_from={_OUT.value} " + shlex.join(convert.override_flags(model_cfg)))
     elif _FROM_WORKDIR.value and _TO_HF.value:
         out = convert.workdir_to_hf(_FROM_WORKDIR.value, _TO_HF.value, _DTYPE.value,
                                     _MAX_SHARD.value)

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.errors import ConfigError, ConversionError, paragraph
-from jaxscale.models import llama, llama_flops, qwen, vit
+from jaxscale.models import gemma, llama, llama_flops, qwen, vit
 from jaxscale.models.scan import check_remat
 from jaxscale.models.task import Task
 from jaxscale.precision import Policy
@@ -102,6 +102,12 @@ MODELS: dict[str, ModelEntry] = {
         "qwen2", "jaxscale.interop.hf_qwen:open_qwen2", "jaxscale.interop.hf_qwen:save_qwen")),
     "qwen3": _decoder(qwen.Qwen3Config, HuggingFace(
         "qwen3", "jaxscale.interop.hf_qwen:open_qwen3", "jaxscale.interop.hf_qwen:save_qwen")),
+    # The Llama decoder with Gemma's switches and local/global pattern (models/gemma.py).
+    "gemma3": _decoder(gemma.Gemma3Config, HuggingFace(
+        "gemma3_text", "jaxscale.interop.hf_gemma:open_gemma3",
+        "jaxscale.interop.hf_gemma:save_gemma")),
+    "gemma2": _decoder(gemma.Gemma2Config, HuggingFace(
+        "gemma2", "jaxscale.interop.hf_gemma:open_gemma2", "jaxscale.interop.hf_gemma:save_gemma")),
     "vit": ModelEntry(
         vit.ViTConfig, vit.ViT, {"classify": vit.CLASSIFY},
         flops_per_token=vit.flops_per_token,

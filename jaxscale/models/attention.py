@@ -36,6 +36,7 @@ from einops import rearrange
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models import context, splash
 from jaxscale.models.fused import FUSED_AXIS, QKV
 from jaxscale.models.layers import RMSNorm, param, project
@@ -92,12 +93,15 @@ class KVCache:
 
 
 def einsum_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                     mask: Mask | None, softmax_dtype: Any) -> jax.Array:
-    """Grouped-query attention written out: the reference every other kernel must match."""
+                     mask: Mask | None, softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
+    """Grouped-query attention written out: the reference every other kernel must match.
+    `softcap` > 0 (Gemma 2): the scaled scores become softcap * tanh(scores / softcap)."""
     kv = k_BSKD.shape[2]
     q_BTKGD = rearrange(q_BTHD, "b t (k g) d -> b t k g d", k=kv)
     scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD)
     scores_BKGTS = scores_BKGTS.astype(softmax_dtype) / math.sqrt(q_BTHD.shape[-1])
+    if softcap:
+        scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
     visible_BTS = None if mask is None else mask.dense()
     if visible_BTS is not None:
         scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS,
@@ -137,12 +141,20 @@ ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
 
 def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mask | None, *,
            impl: str = "einsum", softmax_dtype: Any = jnp.float32,
-           context_impl: str = "allgather") -> jax.Array:
+           context_impl: str = "allgather", softcap: float = 0.0) -> jax.Array:
     """softmax(q.k / sqrt(D), masked) . v with the kernel `impl`; K kv heads serve H/K heads.
     A whole sequence that the active rules split over sequence shards runs by `context_impl`
-    (`models/context.py`)."""
+    (`models/context.py`). Soft-capped scores (`softcap` > 0, Gemma 2) run the einsum kernel
+    (`model.attention` is checked to be einsum) and refuse sequence shards."""
     shards = (context.sequence_shards(q_BTHD.shape[1], impl)
               if mask is not None and mask.aligned else None)
+    if softcap:
+        if shards is not None:
+            raise ConfigError(paragraph(
+                f"model.attn_softcap={softcap} (Gemma 2's attention-logit soft-capping) is not",
+                "applied by the attention across sequence shards (models/context.py). Train",
+                "the model without mesh.context > 1."))
+        return einsum_attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
     if shards is not None:
         return context.attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype,
                                  variant=context_impl, shards=shards)
@@ -168,7 +180,9 @@ class Attention(nnx.Module):
                  rope: Rope | float, policy: Policy, impl: str, rngs: nnx.Rngs, *,
                  stack: int | None = None, window: int | None = None,
                  context_impl: str = "allgather", qkv_bias: bool = False,
-                 qk_norm: bool = False, norm_eps: float = 1e-6):
+                 qk_norm: bool = False, norm_eps: float = 1e-6, norm_offset: bool = False,
+                 query_pre_attn_scalar: float = 0.0, local_rope: Rope | None = None,
+                 softcap: float = 0.0):
         if heads % kv_heads:
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}.")
         check_impl(impl)
@@ -181,11 +195,20 @@ class Attention(nnx.Module):
         self.policy, self.impl = policy, impl
         self.window = window or 0  # sliding window (`model.sliding_window`); 0: full causal
         self.context_impl = context_impl  # across sequence shards (`models/context.py`)
+        # Gemma: scores scaled by 1/sqrt(query_pre_attn_scalar) instead of 1/sqrt(head_dim),
+        # applied to q so every kernel keeps its own 1/sqrt(head_dim); 0: head_dim.
+        scalar = query_pre_attn_scalar or head_dim
+        self.query_scale = math.sqrt(head_dim / scalar)
+        # Gemma's local/global pattern: the rotary of local layers (a per-layer `local` flag
+        # picks it and the window, `Block.per_layer`); None: one rotary for every layer.
+        self.local_rope = local_rope
+        self.softcap = softcap  # Gemma 2: scores soft-capped at this (0: not)
         self._init_options(kv_heads, heads // kv_heads, head_dim, qkv_bias, qk_norm, norm_eps,
-                           stack)
+                           stack, norm_offset)
 
     def _init_options(self, kv_heads: int, group: int, head_dim: int, qkv_bias: bool,
-                      qk_norm: bool, norm_eps: float, stack: int | None) -> None:
+                      qk_norm: bool, norm_eps: float, stack: int | None,
+                      norm_offset: bool = False) -> None:
         """The decoder's switches (Qwen2/2.5, Qwen3): a q/k/v bias `bqkv` (K, G + 2, D) fused
         like `wqkv` (`models/fused.py`) and with its output axes, so the `kv` rule shards it
         with the kernel; per-head RMSNorms of q and k before rotary (`q_norm`, `k_norm`, scale
@@ -196,7 +219,8 @@ class Attention(nnx.Module):
                               ("kv", FUSED_AXIS, "head_dim"), init="zeros", stack=stack,
                               dtype=self.policy.param)
         if qk_norm:
-            norm = lambda: RMSNorm(head_dim, norm_eps, self.policy, stack=stack, axis="head_dim")
+            norm = lambda: RMSNorm(head_dim, norm_eps, self.policy, stack=stack, axis="head_dim",
+                                   offset=norm_offset)
             self.q_norm, self.k_norm = norm(), norm()
 
     def _biased(self, qkv_BTKCD: jax.Array) -> jax.Array:
@@ -211,12 +235,22 @@ class Attention(nnx.Module):
             return q_BTHD, k_BTKD
         return self.q_norm(q_BTHD), self.k_norm(k_BTKD)
 
+    def _rotated(self, x_BTND: jax.Array, positions_BT: jax.Array,
+                 local: jax.Array | None) -> jax.Array:
+        """Rotary of this layer: the local layers' own (`local_rope`) where `local` is set."""
+        if local is None or self.local_rope is None:
+            return rotary(x_BTND, positions_BT, self.rope)
+        return jnp.where(local, rotary(x_BTND, positions_BT, self.local_rope),
+                         rotary(x_BTND, positions_BT, self.rope))
+
     def __call__(self, x_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
-                 cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None
-                 ) -> jax.Array | tuple[jax.Array, KVCache]:
+                 cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None,
+                 local: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
         """Attention output (B, T, E); with a `cache`, (output, cache with this call's keys and
         values written at `cache_index`), attending over every slot written so far. With
-        `segments_BT` (packed documents), a query sees only keys of its own segment."""
+        `segments_BT` (packed documents), a query sees only keys of its own segment. `local`
+        (a traced bool, this layer's entry of a local/global pattern): the sliding window and
+        the local rotary apply only where it is set."""
         c = self.policy.compute
         # Activation names (`checkpoint_name`) are what the named remat policies keep
         # (`models/scan.py`): a name on anything else would change nothing else.
@@ -225,24 +259,27 @@ class Attention(nnx.Module):
         qkv_BTKCD = checkpoint_name(self._biased(qkv_BTKCD), "qkv_proj")
         q_BTHD, k_BTKD, v_BTKD = QKV.split(qkv_BTKCD)
         q_BTHD, k_BTKD = self._normed(q_BTHD, k_BTKD)
-        q_BTHD = constrain(rotary(q_BTHD, positions_BT, self.rope),
-                           "batch", "length", "heads", "head_dim")
-        k_BTKD = constrain(rotary(k_BTKD, positions_BT, self.rope),
+        q_BTHD = self._rotated(q_BTHD, positions_BT, local)
+        if self.query_scale != 1.0:
+            q_BTHD = q_BTHD * jnp.asarray(self.query_scale, q_BTHD.dtype)
+        q_BTHD = constrain(q_BTHD, "batch", "length", "heads", "head_dim")
+        k_BTKD = constrain(self._rotated(k_BTKD, positions_BT, local),
                            "batch", "length", "kv", "head_dim")
         v_BTKD = constrain(v_BTKD, "batch", "length", "kv", "head_dim")
         t = x_BTE.shape[1]
+        window = self.window if local is None else jnp.where(local, self.window, 0)
         if cache is None:
             k_BSKD, v_BSKD, mask = k_BTKD, v_BTKD, Mask.sequence(
-                t, segments_BT, window=self.window)
+                t, segments_BT, window=window)
         else:
             cache = cache.write(k_BTKD, v_BTKD, cache_index, segments_BT)
             cache = cache.constrained(LAYER_CACHE_AXES)
             k_BSKD, v_BSKD = cache.k.astype(c), cache.v.astype(c)
             mask = Mask.cached(t, cache_index, cache.k.shape[1], segments_BT, cache.segments,
-                               window=self.window)
+                               window=window)
         out_BTHD = attend(q_BTHD, k_BSKD, v_BSKD, mask, impl=self.impl,
                           softmax_dtype=self.policy.dtype_for("softmax"),
-                          context_impl=self.context_impl)
+                          context_impl=self.context_impl, softcap=self.softcap)
         out_BTHD = checkpoint_name(constrain(out_BTHD, "batch", "length", "heads", "head_dim"),
                                    "attn_out")
         out_BTE = constrain(project(self, "wo", "bthd,hde->bte", out_BTHD, c),

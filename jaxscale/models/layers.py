@@ -150,23 +150,38 @@ def _dropout_term(module: nnx.Module, name: str, xs: str, ins: str, x: jax.Array
 
 class RMSNorm(nnx.Module):
     """RMSNorm over the last dimension of any-rank input; `axis` names the scale's logical axis
-    (`norm` for the residual stream, `head_dim` for the per-head q/k norms of Qwen3)."""
+    (`norm` for the residual stream, `head_dim` for the per-head q/k norms of Qwen3).
+
+    `offset` (Gemma): the input is multiplied by 1 + scale, the scale starting at zero, as
+    Gemma's checkpoints store it; off, by the scale itself (starting at one)."""
 
     def __init__(self, dim: int, eps: float, policy: Policy, *, stack: int | None = None,
-                 axis: str = "norm"):
-        self.scale = param(None, (dim,), (axis,), init="ones", stack=stack, dtype=policy.param)
-        self.eps, self.policy = eps, policy
+                 axis: str = "norm", offset: bool = False):
+        self.scale = param(None, (dim,), (axis,), init="zeros" if offset else "ones",
+                           stack=stack, dtype=policy.param)
+        self.eps, self.policy, self.offset = eps, policy, offset
 
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         dtype = self.policy.dtype_for("norm")
         x = x_BTE.astype(dtype)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
         scale_11E = self.scale[...].astype(dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+        if self.offset:
+            scale_11E = 1.0 + scale_11E
         return (x * scale_11E).astype(self.policy.compute)
 
 
+# The gated MLP's activation by `model.mlp_activation`: SwiGLU (silu) or GeGLU (Gemma's
+# tanh-approximated GELU, HF `gelu_pytorch_tanh`).
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
 class MLP(nnx.Module):
-    """SwiGLU: column-parallel gate/up over `mlp`, row-parallel down back to `embed`.
+    """SwiGLU (or GeGLU, `activation`): column-parallel gate/up over `mlp`, row-parallel down
+    back to `embed`.
 
     Gate and up are one fused weight (E, 2, F) (`models/fused.py`: one matmul, so one input
     all-reduce under tensor parallelism); LoRA still targets them as `w_gate` / `w_up`."""
@@ -175,13 +190,13 @@ class MLP(nnx.Module):
     FUSED = {"w_gate_up": GATE_UP}
 
     def __init__(self, embed: int, hidden: int, policy: Policy, rngs: nnx.Rngs, *,
-                 stack: int | None = None):
+                 stack: int | None = None, activation: str = "silu"):
         kw = dict(stack=stack, dtype=policy.param)
         # Two fan-in scaled normals: the same initial distribution as separate gate/up.
         self.w_gate_up = param(rngs, (embed, 2, hidden), ("embed", FUSED_AXIS, "mlp"),
                                fan_in=embed, **kw)
         self.w_down = param(rngs, (hidden, embed), ("mlp", "embed"), fan_in=hidden, **kw)
-        self.policy = policy
+        self.policy, self.activation = policy, activation
 
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         c = self.policy.compute
@@ -189,6 +204,6 @@ class MLP(nnx.Module):
         gate_up_BT2F = checkpoint_name(project(self, "w_gate_up", "bte,ecf->btcf", x_BTE, c),
                                        "mlp_gate_up")
         gate_BTF, up_BTF = GATE_UP.split(gate_up_BT2F)
-        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, "batch", "length", "mlp")
+        h_BTF = constrain(ACTIVATIONS[self.activation](gate_BTF) * up_BTF, "batch", "length", "mlp")
         out_BTE = project(self, "w_down", "btf,fe->bte", h_BTF, c)
         return constrain(out_BTE, "batch", "length", "embed")

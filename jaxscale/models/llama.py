@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -71,6 +72,21 @@ class LlamaConfig:
     # Decoder switches (Qwen2/2.5 and Qwen3 are this model with them on; `models/qwen.py`):
     qkv_bias: bool = False   # a bias on the q/k/v projections
     qk_norm: bool = False    # per-head RMSNorm of q and k before rotary
+    # Gemma's switches (`models/gemma.py`):
+    norm_offset: bool = False      # RMSNorms scale by 1 + weight (weights start at zero)
+    post_norms: bool = False       # RMSNorms after attention and after the MLP too (4 a block)
+    embed_scale: bool = False      # embeddings times sqrt(embed), in the compute dtype
+    mlp_activation: str = "silu"   # or "gelu_tanh" (GeGLU): `layers.ACTIVATIONS`
+    query_pre_attn_scalar: float = 0.0  # scores scaled by 1/sqrt(this); 0: head_dim
+    # A local/global pattern: layer i is "sliding_attention" (the `sliding_window`, rotary
+    # `rope_local_theta` when set) or "full_attention"; empty: every layer alike (the window,
+    # if any, on all). A mixed pattern is scanned as a per-layer flag (`Block.per_layer`).
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float = 0.0  # rotary base of the local layers; 0: rope_theta
+    # Gemma 2's soft-capping, x -> cap * tanh(x / cap), of the attention scores and of the
+    # final logits; 0: none. Attention soft-capping runs the einsum kernel only.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
     # Mixture of experts in place of the dense MLP (num_experts > 0): jaxscale/models/moe.py.
     moe: MoEConfig = MoEConfig()
 
@@ -80,7 +96,22 @@ class LlamaConfig:
         kw = {k: v for k, v in dict(model_cfg).items() if k in fields}
         if "moe" in kw:
             kw["moe"] = MoEConfig.from_config(kw["moe"])
+        if "layer_types" in kw:
+            kw["layer_types"] = tuple(kw["layer_types"] or ())
         return cls(**kw)
+
+    @property
+    def local_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it use the sliding window (and the local rotary)? Without
+        `layer_types`, every layer does exactly when there is a window."""
+        if not self.layer_types:
+            return (bool(self.sliding_window),) * self.num_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types)
+
+    @property
+    def local_rope(self) -> Rope:
+        """The local layers' rotary (Gemma 3's `rope_local_base_freq`: plain, unscaled)."""
+        return Rope(self.rope_local_theta) if self.rope_local_theta else self.rope
 
     @property
     def rope(self) -> Rope:
@@ -101,7 +132,7 @@ class LlamaConfig:
         """Parameters per layer of the switches: the q/k/v bias and the q/k norm scales."""
         d = self.head_dim
         return (self.qkv_bias * d * (self.num_heads + 2 * self.num_kv_heads)
-                + self.qk_norm * 2 * d)
+                + self.qk_norm * 2 * d + self.post_norms * 2 * self.embed)
 
 
 def check_config(m: Mapping[str, Any], seq_len: int) -> None:
@@ -123,6 +154,7 @@ def check_config(m: Mapping[str, Any], seq_len: int) -> None:
     require(attention in ATTENTION_IMPLS,
             f"model.attention={attention!r}: use one of {', '.join(ATTENTION_IMPLS)}.")
     check_sliding_window(m)
+    check_layer_pattern(m)
     chunks = m.get("loss_chunks", 1)
     require(isinstance(chunks, int) and chunks >= 1 and seq_len % chunks == 0,
             f"model.loss_chunks={chunks!r} must be a positive divisor of data.seq_len",
@@ -146,36 +178,86 @@ def check_sliding_window(m: Mapping[str, Any]) -> None:
     ))
 
 
+def check_layer_pattern(m: Mapping[str, Any]) -> None:
+    """`model.layer_types`: one known kind per layer. A mixed pattern passes each layer's
+    window to the mask as a traced value, which only the einsum kernel (and the KV cache)
+    take; the fused and splash kernels build their masks from a static window."""
+    kinds = tuple(m.get("layer_types") or ())
+    known = ("sliding_attention", "full_attention")
+    bad = [k for k in kinds if k not in known]
+    if kinds and (bad or len(kinds) != m["num_layers"]):
+        raise ConfigError(paragraph(
+            f"model.layer_types={list(kinds)!r} must name one of {', '.join(known)} for each",
+            f"of the model.num_layers={m['num_layers']} layers (or be empty: every layer alike)."))
+    attention = m.get("attention", "einsum")
+    if m.get("attn_softcap") and attention != "einsum":
+        raise ConfigError(paragraph(
+            f"model.attention={attention!r} does not soft-cap the attention scores",
+            f"(model.attn_softcap={m['attn_softcap']}, Gemma 2's): use model.attention=einsum."))
+    if len(set(kinds)) > 1 and attention != "einsum":
+        raise ConfigError(paragraph(
+            f"model.attention={attention!r} cannot follow a mixed model.layer_types (local and",
+            "global layers, Gemma's pattern): the layers are scanned, so each layer's window is",
+            "a traced value, and that kernel needs a static window. Use model.attention=einsum."))
+
+
 class Block(nnx.Module):
-    """One pre-norm transformer block (created stacked: every parameter has a `layers` dim)."""
+    """One pre-norm transformer block (created stacked: every parameter has a `layers` dim).
+    With `post_norms` (Gemma) the attention and MLP outputs are normalised again before they
+    join the residual stream."""
 
     def __init__(self, cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs, stack: int):
-        self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
+        norm = lambda: RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack,
+                               offset=cfg.norm_offset)
+        self.attn_norm = norm()
+        rope = cfg.local_rope if all(cfg.local_layers) else cfg.rope
         self.attn = Attention(cfg.embed, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                              cfg.rope, policy, cfg.attention, rngs, stack=stack,
+                              rope, policy, cfg.attention, rngs, stack=stack,
                               **attention_switches(cfg))
-        self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack)
+        self.mlp_norm = norm()
         self.mlp = (MoE(cfg.embed, cfg.mlp, cfg.moe, policy, rngs, stack=stack)
-                    if cfg.moe.num_experts else MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack))
+                    if cfg.moe.num_experts else MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack,
+                                                    activation=cfg.mlp_activation))
+        if cfg.post_norms:
+            self.attn_post_norm, self.mlp_post_norm = norm(), norm()
+        # A mixed local/global pattern, scanned with the layers (None: every layer alike).
+        local = cfg.local_layers
+        self.local_pattern = local if len(set(local)) > 1 else None
+
+    def per_layer(self) -> dict[str, jax.Array] | None:
+        """What differs between layers besides their parameters, stacked (L,) for the scan
+        (`scan_layers`): the `local` flag of a mixed pattern; None when every layer is alike."""
+        if self.local_pattern is None:
+            return None
+        return {"local": jnp.asarray(self.local_pattern)}
+
+    def _post(self, name: str, out_BTE: jax.Array) -> jax.Array:
+        return getattr(self, name)(out_BTE) if hasattr(self, name) else out_BTE
 
     def __call__(self, h_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
-                 cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None
-                 ) -> jax.Array | tuple[jax.Array, KVCache]:
+                 cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None,
+                 local: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
         """The block's output; with a (one-layer) `cache`, (output, updated cache)."""
         attn_out = self.attn(self.attn_norm(h_BTE), positions_BT, cache, cache_index,
-                             segments_BT)
+                             segments_BT, local)
         if cache is not None:
             attn_out, cache = attn_out
-        h_BTE = h_BTE + attn_out
-        h_BTE = h_BTE + self.mlp(self.mlp_norm(h_BTE))
+        h_BTE = h_BTE + self._post("attn_post_norm", attn_out)
+        h_BTE = h_BTE + self._post("mlp_post_norm", self.mlp(self.mlp_norm(h_BTE)))
         h_BTE = constrain(h_BTE, "batch", "length", "embed")
         return h_BTE if cache is None else (h_BTE, cache)
 
 
 def attention_switches(cfg: LlamaConfig) -> dict[str, Any]:
-    """The `Attention` keywords of the config's decoder switches."""
-    return dict(window=cfg.sliding_window, context_impl=cfg.context_attention,
-                qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps)
+    """The `Attention` keywords of the config's decoder switches. A pattern of one kind is
+    static: its window (none for global layers) and rotary; a mixed one is chosen per layer."""
+    local = set(cfg.local_layers)
+    window = cfg.sliding_window if True in local else 0
+    mixed = dict(local_rope=cfg.local_rope) if len(local) > 1 and cfg.rope_local_theta else {}
+    return dict(window=window, context_impl=cfg.context_attention,
+                qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
+                norm_offset=cfg.norm_offset, query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+                softcap=cfg.attn_softcap, **mixed)
 
 
 class Llama(nnx.Module):
@@ -186,13 +268,15 @@ class Llama(nnx.Module):
         self.embedding = param(rngs, (cfg.vocab_size, cfg.embed), ("vocab", "embed"),
                                fan_in=1, dtype=policy.param)
         self.layers = Block(cfg, policy, rngs, stack=cfg.num_layers)
-        self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy)
+        self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, offset=cfg.norm_offset)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"),
                                  fan_in=cfg.embed, dtype=policy.param)
 
     def embed(self, tokens_BT: jax.Array) -> jax.Array:
         h_BTE = jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.policy.compute)
+        if self.cfg.embed_scale:  # Gemma: sqrt(embed), rounded to the compute dtype as HF does
+            h_BTE = h_BTE * jnp.asarray(math.sqrt(self.cfg.embed), self.policy.compute)
         return constrain(h_BTE, "batch", "length", "embed")
 
     def head(self, h_BTE: jax.Array) -> jax.Array:
@@ -202,6 +286,8 @@ class Llama(nnx.Module):
             logits_BTV = jnp.einsum("bte,ve->btv", h_BTE, self.embedding[...].astype(dtype))
         else:
             logits_BTV = jnp.einsum("bte,ev->btv", h_BTE, self.lm_head[...].astype(dtype))
+        if cap := self.cfg.final_softcap:  # Gemma 2
+            logits_BTV = cap * jnp.tanh(logits_BTV / cap)
         return constrain(logits_BTV, "batch", "length", "vocab")
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:

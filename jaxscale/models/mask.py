@@ -35,11 +35,13 @@ class Mask:
     k_segments_BS: jax.Array | None = None
     causal: bool = True
     aligned: bool = False
-    window: int = 0  # > 0: a causal query sees only the `window` latest slots (itself included)
+    # > 0: a causal query sees only the `window` latest slots (itself included). A traced int
+    # (a per-layer window scanned with the layers, Gemma's local/global pattern): 0 is full.
+    window: int | jax.Array = 0
 
     @classmethod
     def sequence(cls, length: int, segments_BT: jax.Array | None = None,
-                 causal: bool = True, window: int = 0) -> "Mask":
+                 causal: bool = True, window: int | jax.Array = 0) -> "Mask":
         """Self-attention over one whole sequence per row (training, evaluation, a prefill
         without cache); `segments_BT` (B, T) ids keep packed documents apart."""
         slots_1T = jnp.arange(length, dtype=jnp.int32)[None]
@@ -49,7 +51,7 @@ class Mask:
     @classmethod
     def cached(cls, length: int, index: jax.Array, cache_len: int,
                q_segments_BT: jax.Array | None = None,
-               k_segments_BS: jax.Array | None = None, window: int = 0) -> "Mask":
+               k_segments_BS: jax.Array | None = None, window: int | jax.Array = 0) -> "Mask":
         """`length` new queries at slots index.. over a cache of `cache_len` slots: a slot not
         yet written lies after every query, so the causal test also hides it. With segment
         ids, a query sees only the cached slots of its own segment (never padding)."""
@@ -62,8 +64,10 @@ class Mask:
         visible = None
         if self.causal:
             visible = self.k_slots_BS[:, None, :] <= self.q_slots_BT[:, :, None]
-        if self.window:
+        if isinstance(self.window, jax.Array) or self.window:
             recent = self.k_slots_BS[:, None, :] > self.q_slots_BT[:, :, None] - self.window
+            if isinstance(self.window, jax.Array):
+                recent = recent | (self.window <= 0)
             visible = recent if visible is None else visible & recent
         if self.q_segments_BT is not None:
             same = self.q_segments_BT[:, :, None] == self.k_segments_BS[:, None, :]

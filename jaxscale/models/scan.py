@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
-from jaxscale.errors import ConfigError
+from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.attention import KVCache
 
 # The activations the Llama block names (`checkpoint_name`), per token and layer:
@@ -88,6 +88,24 @@ def check_remat(name: str) -> None:
                           f"{', '.join(REMAT_POLICIES)}.")
 
 
+def _per_layer(block: nnx.Module) -> dict[str, jax.Array]:
+    """What the block's layers differ in besides their parameters (`Block.per_layer`: Gemma's
+    local/global flag), stacked (L,) to scan beside them; {} for a uniform stack. A pipeline
+    stage holds a slice of the layers that this whole-model pattern cannot follow."""
+    extra = getattr(block, "per_layer", lambda: None)() or {}
+    if not extra:
+        return extra
+    layers = {len(x) for x in extra.values()}
+    stacked = {leaf.shape[0] for leaf in jax.tree.leaves(nnx.state(block))}
+    if layers != stacked:
+        raise ConfigError(paragraph(
+            f"The model's local/global layer pattern (model.layer_types) covers {layers.pop()}",
+            f"layers, but this stack holds {sorted(stacked)}: a pipeline stage runs a slice of",
+            "the layers, and the per-layer pattern is not split over stages yet. Train a",
+            "mixed-pattern model (Gemma) without pipeline stages (mesh.pipeline=1)."))
+    return extra
+
+
 def scan_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
                 remat: str = "none", cache: KVCache | None = None,
                 cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None
@@ -99,24 +117,26 @@ def scan_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
     MoE router's statistics) is left on `block`, stacked over the layers, as `nnx.scan` does.
     """
     nnx.pop(block, nnx.Intermediate)  # a previous call's sown values are not layer inputs
+    per_layer = _per_layer(block)
     graphdef, state = nnx.split(block)
     if cache is not None:
         def apply_cached(h, xs):
-            layer_state, layer_cache = xs
+            layer_state, layer_cache, extra = xs
             return nnx.merge(graphdef, layer_state)(h, positions_BT, layer_cache, cache_index,
-                                                    segments_BT)
+                                                    segments_BT, **extra)
 
-        h_BTE, cache = jax.lax.scan(apply_cached, h_BTE, (state, cache))
+        h_BTE, cache = jax.lax.scan(apply_cached, h_BTE, (state, cache, per_layer))
         return h_BTE, cache.constrained()
 
     packed = {} if segments_BT is None else {"segments_BT": segments_BT}  # ViT blocks: never
 
-    def apply_one(h, layer_state):
+    def apply_one(h, xs):
+        layer_state, extra = xs
         layer = nnx.merge(graphdef, layer_state)
-        return layer(h, positions_BT, **packed), nnx.pop(layer, nnx.Intermediate)
+        return layer(h, positions_BT, **packed, **extra), nnx.pop(layer, nnx.Intermediate)
 
     if remat != "none":
         apply_one = jax.checkpoint(apply_one, policy=REMAT_POLICIES[remat])
-    h_BTE, sown = jax.lax.scan(apply_one, h_BTE, state)
+    h_BTE, sown = jax.lax.scan(apply_one, h_BTE, (state, per_layer))
     nnx.update(block, sown)  # what a layer sowed (the MoE router's stats), stacked (L, ...)
     return h_BTE

@@ -1,0 +1,208 @@
+"""Gemma 3 (text) through the Llama decoder's switches: logits and greedy generation (past the
+sliding window, through the KV cache) equal transformers', import -> export -> import is bit for
+bit, a mixed local/global pattern is scanned per layer, and what the decoder cannot reproduce is
+refused."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxscale import generate as gen
+from jaxscale.errors import ConfigError
+from jaxscale.interop import convert, hf
+from jaxscale.models import ModelDef, check_model
+from jaxscale.models.gemma import Gemma3Config
+from jaxscale.models.scan import scan_layers
+from jaxscale.precision import get_policy
+from jaxscale.weights.sources import open_huggingface
+from jaxscale.weights.tree import flatten
+from tests.test_hf_qwen import assert_same_training, train_steps
+from tests.test_parallel_equivalence import make_config
+
+VOCAB, PROMPT, NEW, WINDOW = 96, 6, 32, 8
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              query_pre_attn_scalar=24, sliding_window=WINDOW, layer_types=LAYER_TYPES,
+              max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=None,
+              eos_token_id=None, pad_token_id=0)
+# name -> (HF config class, model class, overrides). Gemma 3: a local rotary base of its own;
+# Gemma 2: one rotary base and soft-caps small enough to bite on a tiny random model.
+FAMILIES = {
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        attn_logit_softcapping=0.5, final_logit_softcapping=0.8)),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """{name: (transformers model, its save_pretrained directory, the import)}, built once;
+    norm weights (zero at init) made non-trivial so a dropped or misplaced norm shows."""
+    out = {}
+    for name, (config_cls, model_cls, overrides) in FAMILIES.items():
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**{**COMMON, **overrides})).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.add_(0.3 * torch.randn_like(p))
+                if "q_proj" in n or "k_proj" in n:  # scores large enough for the cap to bite
+                    p.mul_(10.0)
+        path = str(tmp_path_factory.mktemp("hf") / name)
+        model.save_pretrained(path, safe_serialization=True)
+        out[name] = (model, path, hf.load_pretrained(open_huggingface(path)))
+    return out
+
+
+def jax_logits(model_cfg, params, tokens):
+    model_def = ModelDef.build(model_cfg, get_policy("32-true"))
+    return np.asarray(jax.jit(lambda p, t: model_def.module(p)(t))(params, tokens))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_logits_match_transformers(hf_models, name):
+    model, _, (model_cfg, params) = hf_models[name]
+    assert model_cfg["name"] == name and model_cfg["layer_types"] == LAYER_TYPES
+    assert model_cfg["sliding_window"] == WINDOW
+    assert model_cfg["rope_local_theta"] == (1e4 if name == "gemma3" else 0.0)
+    assert model_cfg["attn_softcap"] == (0.5 if name == "gemma2" else 0.0)
+    assert "lm_head" not in params and model_cfg["tie_embeddings"]
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 40)).astype(np.int32)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(tokens).long()).logits.numpy()
+    got = jax_logits(model_cfg, params, tokens)
+    err = np.max(np.abs(got - ref))
+    assert got.shape == ref.shape and err < 1e-4
+    # The pattern (40 tokens > the window) and the soft-caps are read and matter.
+    variants = [dict(layer_types=["full_attention"] * 4)]
+    if name == "gemma2":
+        variants += [dict(attn_softcap=0.0), dict(final_softcap=0.0)]
+    for change in variants:
+        off = jax_logits(dict(model_cfg, **change), params, tokens)
+        assert np.max(np.abs(off - ref)) > 100 * max(err, 1e-6), change
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_greedy_generation_equals_transformers(hf_models, name):
+    """32 greedy tokens through the KV cache (past the window) equal transformers' `generate`."""
+    model, path, _ = hf_models[name]
+    prompt = np.random.default_rng(1).integers(1, VOCAB, (2, PROMPT)).astype(np.int32)
+    with torch.no_grad():
+        ref = model.generate(torch.from_numpy(prompt).long(), max_new_tokens=NEW,
+                             do_sample=False,
+                             attention_mask=torch.ones(2, PROMPT, dtype=torch.long)).numpy()
+    assert ref.shape == (2, PROMPT + NEW)
+    config, params = gen.load_model(hf_dir=path)
+    assert config.model.name == name
+    np.testing.assert_array_equal(gen.generate_from_config(config, params, prompt, NEW), ref)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_import_export_import_is_exact(hf_models, name, tmp_path):
+    """HF -> launch.convert's workdir -> HF: the original tensors bit for bit, a config
+    transformers loads with equal logits, and the same import again."""
+    model, path, converted = hf_models[name]
+    model_cfg = convert.hf_to_workdir(path, str(tmp_path / "converted"))
+    out = convert.workdir_to_hf(str(tmp_path / "converted"), str(tmp_path / "export"))
+    original = {k: v.numpy() for k, v in model.state_dict().items()}
+    exported = hf.SafetensorsReader(out)
+    assert set(exported.keys()) == set(original) - {"lm_head.weight"}
+    for k in exported.keys():
+        np.testing.assert_array_equal(exported.get(k), original[k])
+    reloaded = FAMILIES[name][1].from_pretrained(out).eval()
+    tokens = torch.arange(20).reshape(1, 20)
+    with torch.no_grad():
+        np.testing.assert_array_equal(reloaded(tokens).logits.numpy(),
+                                      model(tokens).logits.numpy())
+    again = hf.load_pretrained(open_huggingface(out))
+    assert again.config == converted.config == model_cfg
+    for k, v in flatten(converted.params).items():
+        np.testing.assert_array_equal(flatten(again.params)[k], v)
+
+
+def _edited(path, tmp_path, change):
+    out = str(tmp_path / "edited")
+    shutil.copytree(path, out)
+    cfg_path = os.path.join(out, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg.update(change)
+    json.dump(cfg, open(cfg_path, "w"))
+    return out
+
+
+@pytest.mark.parametrize("name, change, culprit", [
+    ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    ("gemma2", dict(attention_bias=True), "attention_bias=True"),
+    ("gemma3", dict(hidden_activation="silu"), "hidden_activation='silu'"),
+    ("gemma3", dict(layer_types=["sliding_attention"]), r"must give each of the 4 layers"),
+    ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "default"},
+                                     "sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+     "scales the local layers' rotary"),
+    ("gemma3", dict(model_type="gemma"), "model_type='gemma'; jaxscale converts"),
+])
+def test_unsupported_configs_are_refused(hf_models, tmp_path, name, change, culprit):
+    with pytest.raises(hf.ConversionError, match=culprit):
+        open_huggingface(_edited(hf_models[name][1], tmp_path, change))
+
+
+def test_switches_carry_axes_and_patterns_refuse_static_kernels():
+    """Gemma's new parameters carry logical axes, the count matches the module's, and a mixed
+    pattern is refused with a kernel that needs a static window."""
+    base = dict(vocab_size=64, embed=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                head_dim=16, mlp=64, max_len=64, name="gemma3", sliding_window=4,
+                layer_types=LAYER_TYPES)
+    model_def = ModelDef.build(base, get_policy("32-true"))
+    axes = model_def.logical_axes()
+    assert axes["layers/attn_post_norm/scale"] == axes["layers/mlp_post_norm/scale"] == (
+        "layers", "norm")
+    assert axes["layers/attn/q_norm/scale"] == ("layers", "head_dim")
+    assert model_def.num_params() == Gemma3Config.from_config(base).num_params()
+    check_model(base, 16)
+    with pytest.raises(ConfigError, match="model.attention='splash' cannot follow a mixed"):
+        check_model(dict(base, attention="splash"), 16)
+    # A pipeline stage's slice of the layers cannot follow the whole stack's pattern: refused.
+    model = model_def.module(model_def.init_params(jax.random.key(0)))
+    graphdef, state = nnx.split(model.layers)
+    stage = nnx.merge(graphdef, jax.tree.map(lambda x: x[:2], state))
+    h, positions = jnp.zeros((1, 6, 32)), jnp.arange(6)[None]
+    with pytest.raises(ConfigError, match="covers 4 layers, but this stack holds \\[2\\]"):
+        scan_layers(stage, h, positions)
+    with pytest.raises(ConfigError, match="model.attention='dot_product_attention' does not"
+                                          " soft-cap"):
+        check_model(dict(base, name="gemma2", layer_types=(), attn_softcap=50.0,
+                         attention="dot_product_attention"), 16)
+
+
+def gemma_style(mesh: dict, preset: str = ""):
+    """test_parallel_equivalence's model as a Gemma 3-style one: its switches, a mixed
+    local/global pattern with a window shorter than the sequence and its own local rotary."""
+    c = make_config(mesh, preset, batch=8)
+    c.model.update(name="gemma3", num_layers=3, sliding_window=5, rope_local_theta=100.0,
+                   layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+                   query_pre_attn_scalar=24.0)
+    return c
+
+
+@pytest.mark.exhaustive  # ~40 s; the mesh machinery is the Qwen3-style test's (test_hf_qwen)
+def test_gemma_style_trains_on_fsdp_tensor_mesh_as_on_one_device():
+    """Three steps on fsdp=4 x tensor=2 (full remat, so the per-layer flag is scanned through
+    the rematerialised layers): the 1-device losses and parameters after the steps."""
+    reference = train_steps(gemma_style({}), jax.devices()[:1])
+    config = gemma_style({"fsdp": 4, "tensor": 2}, "fsdp_tp")
+    config.model.remat = "full"
+    got = train_steps(config, jax.devices())
+    assert_same_training(got, reference, new_leaves={"layers/attn_post_norm/scale",
+                                                     "layers/mlp_post_norm/scale"})
