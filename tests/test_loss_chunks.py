@@ -13,7 +13,7 @@ from configs import tiny_lm
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
 from jaxscale.models import ModelDef
-from jaxscale.models.llama import lm_loss
+from jaxscale.models.lm_task import lm_loss
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
 from tests.helpers import run_steps

@@ -15,7 +15,7 @@ import pytest
 from jaxscale import models
 from jaxscale.errors import ConfigError
 from jaxscale.mesh import make_mesh
-from jaxscale.models import llama, vit
+from jaxscale.models import llama, lm_task, vit
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import Task
 from jaxscale.parallel.pipeline import OneFOneB, PipelineRunner, make_layer_runner
@@ -35,7 +35,7 @@ def test_tables_name_every_model_and_task():
     with pytest.raises(ConfigError, match="model.task='lm' for model.name='vit'.*'classify'"):
         models.task_of({"name": "vit", "task": "lm"})
     # model.task may be left out (the model's own) or name it, as shipped configs do.
-    assert models.task_of({}) is models.task_of({"name": "llama", "task": "lm"}) is llama.LM
+    assert models.task_of({}) is models.task_of({"name": "llama", "task": "lm"}) is lm_task.LM
     assert models.task_of({"name": "vit"}) is models.task_of(
         {"name": "vit", "task": "classify"}) is vit.CLASSIFY
 
@@ -85,9 +85,9 @@ def _toy_entry(calls: list, token_batches: bool = True, hf: models.HuggingFace |
 
     def loss(model, batch, run_layers=None):
         calls.append("loss")
-        return batch["weight"][0] * llama.lm_loss(model, batch, run_layers)
+        return batch["weight"][0] * lm_task.lm_loss(model, batch, run_layers)
 
-    task = Task(loss, llama.eval_sums, llama.batch_spec, unit="tokens", prepare=prepare,
+    task = Task(loss, lm_task.eval_sums, lm_task.batch_spec, unit="tokens", prepare=prepare,
                 token_batches=token_batches)
     return models.ModelEntry(llama.LlamaConfig, llama.Llama, {"toy_task": task},
                              flops_per_token=lambda m, t: 1000.0 * t,
@@ -115,7 +115,7 @@ def test_a_new_family_is_one_table_line(monkeypatch, tmp_path):
     params = model_def.init_params(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 16)
     loss, _ = accumulate_grads(params, {}, {"tokens": tokens}, model_def, 1)
-    plain = llama.lm_loss(model_def.module(params), {"tokens": tokens})
+    plain = lm_task.lm_loss(model_def.module(params), {"tokens": tokens})
     assert calls == ["prepare", "loss"] and float(loss) == pytest.approx(3 * float(plain))
     with pytest.raises(KeyError, match="weight"):  # loss_fn alone: no preparation
         loss_fn(params, {}, {"tokens": tokens}, model_def)

@@ -14,7 +14,7 @@ from flax import nnx
 from configs.tiny_lm import get_config
 from jaxscale.config import validate
 from jaxscale.errors import ConfigError
-from jaxscale.models import llama, moe
+from jaxscale.models import llama, lm_task, moe
 from jaxscale.models.task import step_metrics
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
@@ -116,11 +116,11 @@ def test_the_decoder_adds_its_router_losses_and_records_the_metrics():
 
     @nnx.jit
     def run(model):
-        total = llama.lm_loss(model, {"tokens": tokens})
+        total = lm_task.lm_loss(model, {"tokens": tokens})
         metrics = step_metrics(model)
         positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
         h = model.hidden(tokens[:, :-1], positions)  # the same forward pass, stats kept
-        plain = llama.mean_head_loss(model, h, tokens[:, 1:])
+        plain = lm_task.mean_head_loss(model, h, tokens[:, 1:])
         return total, metrics, plain, model.layers.mlp.router_stats.get_value()
 
     total, metrics, plain, stats_LS = run(model)

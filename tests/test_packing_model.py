@@ -11,7 +11,7 @@ from configs import tiny_lm
 from jaxscale.data.packing import SegmentRows
 from jaxscale.models import ModelDef
 from jaxscale.models.attention import ATTENTION_IMPLS
-from jaxscale.models.llama import lm_loss, packed_losses
+from jaxscale.models.lm_task import lm_loss, packed_losses
 from jaxscale.precision import get_policy
 
 

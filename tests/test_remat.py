@@ -14,7 +14,7 @@ from flax import nnx
 
 from aot_common import libtpu_test, run, run_module
 from jaxscale.errors import ConfigError
-from jaxscale.models import llama
+from jaxscale.models import llama, lm_task
 from jaxscale.models.scan import (
     ACTIVATION_NAMES,
     NAMED_POLICIES,
@@ -36,7 +36,7 @@ def _loss_and_grads(remat: str) -> tuple[jax.Array, dict]:
     @jax.jit
     def step(state):
         return jax.value_and_grad(
-            lambda s: llama.lm_loss(nnx.merge(graphdef, s), {"tokens": tokens}))(state)
+            lambda s: lm_task.lm_loss(nnx.merge(graphdef, s), {"tokens": tokens}))(state)
 
     return step(state)
 

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.errors import ConfigError, ConversionError, paragraph
-from jaxscale.models import gemma, llama, llama_flops, qwen, vit
+from jaxscale.models import gemma, llama, llama_flops, lm_task, qwen, vit
 from jaxscale.models.scan import check_remat
 from jaxscale.models.task import Task
 from jaxscale.precision import Policy
@@ -75,7 +75,7 @@ class ModelEntry:
 def _decoder(config_cls: Any, hf: HuggingFace) -> ModelEntry:
     """The entry of a family that is the Llama decoder with other switch defaults: the same
     module, task, checks and FLOP counts (biases and norms add no matmul)."""
-    return ModelEntry(config_cls, llama.Llama, {"lm": llama.LM},
+    return ModelEntry(config_cls, llama.Llama, {"lm": lm_task.LM},
                       flops_per_token=llama_flops.flops_per_token,
                       attention_flops=llama_flops.attention_flops_per_token,
                       recompute_flops=llama_flops.recompute_flops_per_token,
@@ -86,7 +86,7 @@ DEFAULT_MODEL = "llama"  # what a config without `model.name` builds
 
 MODELS: dict[str, ModelEntry] = {
     "llama": ModelEntry(
-        llama.LlamaConfig, llama.Llama, {"lm": llama.LM},
+        llama.LlamaConfig, llama.Llama, {"lm": lm_task.LM},
         flops_per_token=llama_flops.flops_per_token,
         attention_flops=llama_flops.attention_flops_per_token,
         recompute_flops=llama_flops.recompute_flops_per_token,

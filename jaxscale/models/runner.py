@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 
 # (model, last layer's output h_BTE, targets_BT) -> the loss of the model's head on h
-# (`models.llama.head_losses`: the head and loss together, so they may run chunk by chunk).
+# (`models.lm_task.head_losses`: the head and loss together, so they may run chunk by chunk).
 LossFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 
 

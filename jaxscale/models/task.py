@@ -2,7 +2,7 @@
 
 A model family lists its tasks in its table entry (`jaxscale.models.MODELS`); the generic step
 and `jaxscale.evaluate` call the chosen `Task`'s functions and never branch on its name. The
-functions live beside their model (the LM's in `models/llama.py`, classification's in
+functions live beside their model (the LM's in `models/lm_task.py`, classification's in
 `models/vit.py`); this module only says their shape.
 """
 
@@ -41,7 +41,7 @@ class Task:
     batch_spec: Callable[[Mapping[str, Any], int, int], dict[str, jax.ShapeDtypeStruct]]
     unit: str  # what the eval count counts, reported by that name: 'tokens' | 'examples'
     # Applied to the whole batch before a step splits it (accumulation, replicas, pipeline
-    # microbatches), e.g. the packed LM's batch-wide target count (`llama.with_target_counts`).
+    # microbatches), e.g. the packed LM's batch-wide target count (`lm_task.with_target_counts`).
     prepare: Callable[[Batch], Batch] = same_batch
     perplexity: bool = False     # evaluation also reports exp(mean loss)
     token_batches: bool = False  # trains on {'tokens': (B, T+1)} int32 batches (what AOT builds)

@@ -144,7 +144,7 @@ def _head_step(plan: _Plan, c: _Carry, t: jax.Array, head: Leaves, seed_mb: jax.
     Why not inside the vmapped stage step: the stages run in lockstep, so a head there would
     be computed by every stage (S times the biggest matmul of the step) and discarded on all
     but the last. Here the last stage's output is split by positions over the stages (position
-    p to stage p mod S, as `models.llama.head_losses` chunks them): each stage computes the
+    p to stage p mod S, as `models.lm_task.head_losses` chunks them): each stage computes the
     head, loss and gradients of 1/S of the positions against its own head-gradient sum (one
     reduce over `pipeline` at the end, as before), and the cotangent goes back to the last
     stage. The loss is a mean over positions, so the mean of the S equal parts' losses is the
@@ -289,7 +289,7 @@ def _fused(plan: _Plan, primal: Callable[..., jax.Array]) -> Callable[..., jax.A
 class OneFOneB:
     """The 1F1B runner for `config.pipeline.schedule='1f1b'` (see the module docstring).
 
-    `models.llama.lm_loss` calls `fused_loss` in place of the model's forward; `loss_fn` calls
+    `models.lm_task.lm_loss` calls `fused_loss` in place of the model's forward; `loss_fn` calls
     `scaled` under float16 loss scaling, so the backward inside the schedule starts from the
     scaled loss and float16 cotangents do not underflow.
     """

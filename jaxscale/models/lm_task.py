@@ -1,0 +1,184 @@
+"""The language-model task of the decoder families (`LM`): the next-token loss `lm_loss` (the
+LM head and loss together, chunk by chunk with `model.loss_chunks`, and fused into a pipeline's
+last stage), the packed batch's preparation and target counts, and the held-out sums. Every
+entry of the model table built on `models/llama.py`'s decoder uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models.llama import Llama, head_scope
+from jaxscale.models.moe import router_loss
+from jaxscale.models.runner import LayerRunner
+from jaxscale.models.task import Task, masked_sums
+from jaxscale.rules import constrain
+
+
+def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Per-position cross entropy (B, T), computed in float32 whatever the compute dtype."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32),
+                                                           targets_BT)
+
+
+def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Per-position losses (B, T) of the head on the last layer's output `h_BTE`.
+
+    With `model.cfg.loss_chunks = n > 1` the positions are split into n chunks, chunk k holding
+    positions k, k+n, k+2n, ... (strided, so a sharded `length` stays sharded within a chunk),
+    and a scan computes head and loss chunk by chunk, recomputing each chunk's logits in the
+    backward pass: the float32 logits and their gradient, (B, T, V) each and the largest
+    activations of a step with a big vocabulary, exist 1/n at a time, for one more head
+    forward pass of compute."""
+    n = model.cfg.loss_chunks
+    if n == 1:
+        return token_losses(model.head(h_BTE), targets_BT)
+    B, T, E = h_BTE.shape
+    if T % n:
+        raise ConfigError(paragraph(
+            f"model.loss_chunks={n} must divide the sequence length, {T} here: the LM head and",
+            "loss run over the positions in that many equal chunks. Use a divisor of the",
+            "length (1: no chunks)."))
+    to_chunks = lambda x: jnp.moveaxis(x.reshape(B, T // n, n, *x.shape[2:]), 2, 0)
+    h_nBCE = constrain(to_chunks(h_BTE), None, "batch", "length", "embed")
+
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    def chunk(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        h_BCE, targets_BC = xs
+        return None, token_losses(model.head(h_BCE), targets_BC)
+
+    _, losses_nBC = jax.lax.scan(chunk, None, (h_nBCE, to_chunks(targets_BT)))
+    return jnp.moveaxis(losses_nBC, 0, 2).reshape(B, T)
+
+
+def mean_head_loss(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy of the head on the last layer's output."""
+    return jnp.mean(head_losses(model, h_BTE, targets_BT))
+
+
+def lm_loss(model: Llama, batch: Mapping[str, jax.Array],
+            run_layers: LayerRunner | None = None) -> jax.Array:
+    """Next-token loss of a decoder LM on `batch['tokens']` (B, T+1): inputs [:, :-1],
+    targets [:, 1:]. A runner that fuses the loss (1F1B) runs head and loss in its schedule.
+    Packed rows (`segment_ids`, `positions`) count only targets inside the same document.
+    MoE layers add their router losses (`moe.router_loss`, which records the moe_* metrics)."""
+    return _next_token_loss(model, batch, run_layers) + router_loss(model, model.cfg.moe)
+
+
+def _next_token_loss(model: Llama, batch: Mapping[str, jax.Array],
+                     run_layers: LayerRunner | None = None) -> jax.Array:
+    tokens_BT1 = constrain(batch["tokens"], "batch", "length")
+    if "segment_ids" in batch:
+        if run_layers is not None and run_layers.fuses_loss:
+            return _fused_packed_loss(model, batch, run_layers)
+        losses_BT, mask_BT = packed_losses(model, batch, run_layers)
+        return (losses_BT * mask_BT).sum() / _target_count(batch, mask_BT)
+    if run_layers is not None and run_layers.fuses_loss:
+        return run_layers.fused_loss(model, tokens_BT1[:, :-1], tokens_BT1[:, 1:],
+                                     mean_head_loss)
+    inputs_BT = tokens_BT1[:, :-1]
+    positions_BT = jnp.broadcast_to(jnp.arange(inputs_BT.shape[1]), inputs_BT.shape)
+    h_BTE = model.hidden(inputs_BT, positions_BT, run_layers)
+    with head_scope(run_layers):
+        return mean_head_loss(model, h_BTE, tokens_BT1[:, 1:])
+
+
+class _PackedRows(NamedTuple):
+    inputs_BT: jax.Array
+    targets_BT: jax.Array
+    positions_BT: jax.Array
+    segments_BT: jax.Array
+    same_BT: jax.Array  # True where the target lies in the input's document (carries loss)
+
+
+def _packed_rows(batch: Mapping[str, jax.Array]) -> _PackedRows:
+    tokens_BT1 = constrain(batch["tokens"], "batch", "length")
+    segments_BT1 = constrain(batch["segment_ids"], "batch", "length")
+    positions_BT = constrain(batch["positions"], "batch", "length")[:, :-1]
+    same_BT = (segments_BT1[:, 1:] == segments_BT1[:, :-1]) & (segments_BT1[:, 1:] > 0)
+    return _PackedRows(tokens_BT1[:, :-1], tokens_BT1[:, 1:], positions_BT,
+                       segments_BT1[:, :-1], same_BT)
+
+
+def with_target_counts(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """`batch` plus `targets_per_row` (B,): the whole batch's real targets / B on every row.
+
+    The packed loss is a mean over the batch's real targets. A step that splits the batch
+    (gradient accumulation, data replicas, pipeline microbatches) averages the parts' losses,
+    and parts hold different numbers of real targets; dividing each part by its rows' share of
+    the batch-wide count (not by its own count) keeps the average exactly the batch's mean."""
+    same_BT = _packed_rows(batch).same_BT
+    B = same_BT.shape[0]
+    count = jax.lax.stop_gradient(jnp.sum(same_BT).astype(jnp.float32))
+    return dict(batch, targets_per_row=jnp.full((B,), count / B, jnp.float32))
+
+
+def _target_count(batch: Mapping[str, jax.Array], same_BT: jax.Array) -> jax.Array:
+    """What these rows' summed loss is divided by (see `with_target_counts`), at least 1."""
+    count = (jnp.sum(batch["targets_per_row"]) if "targets_per_row" in batch
+             else jnp.sum(same_BT).astype(jnp.float32))
+    return jnp.maximum(count, 1.0)
+
+
+def packed_losses(model: Llama, batch: Mapping[str, jax.Array],
+                  run_layers: LayerRunner | None = None) -> tuple[jax.Array, jax.Array]:
+    """Per-token losses (B, T) of packed rows and their float mask: 1 where the target lies in
+    the same document as the input (padding and document boundaries carry no loss)."""
+    rows = _packed_rows(batch)
+    h_BTE = model.hidden(rows.inputs_BT, rows.positions_BT, run_layers, rows.segments_BT)
+    with head_scope(run_layers):
+        losses_BT = head_losses(model, h_BTE, rows.targets_BT)
+    return losses_BT, rows.same_BT.astype(jnp.float32)
+
+
+def _fused_packed_loss(model: Llama, batch: Mapping[str, jax.Array],
+                       run_layers: LayerRunner) -> jax.Array:
+    """The packed rows' loss through a runner that fuses the loss (1F1B). Such a runner
+    averages per-microbatch losses, but microbatches hold different numbers of real targets:
+    each microbatch returns its masked loss *sum* over its fixed size b*T (targets outside the
+    document marked -1), so the schedule yields sum / (B*T), rescaled here to sum / count."""
+    rows = _packed_rows(batch)
+
+    def masked_sum(micro: Llama, h_bTE: jax.Array, targets_bT: jax.Array) -> jax.Array:
+        losses_bT = head_losses(micro, h_bTE, jnp.maximum(targets_bT, 0))
+        return jnp.sum(jnp.where(targets_bT >= 0, losses_bT, 0.0)) / targets_bT.size
+
+    targets_BT = jnp.where(rows.same_BT, rows.targets_BT, -1)
+    per_position = run_layers.fused_loss(model, rows.inputs_BT, targets_BT, masked_sum,
+                                         rows.positions_BT, rows.segments_BT)
+    return per_position * (rows.same_BT.size / _target_count(batch, rows.same_BT))
+
+
+def prepare_batch(batch: Mapping[str, jax.Array]) -> Mapping[str, jax.Array]:
+    """Packed rows get their batch-wide target count before a step splits them
+    (`with_target_counts`); unpacked rows need nothing."""
+    return with_target_counts(batch) if "segment_ids" in batch else batch
+
+
+def eval_sums(model: Llama, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Summed next-token loss, correct predictions and count of one batch: packed rows count
+    each document's own targets only (padding and boundaries excluded), others the `mask`."""
+    if "segment_ids" in batch:
+        rows = _packed_rows(batch)
+        logits_BTV = model(rows.inputs_BT, rows.positions_BT, segments_BT=rows.segments_BT)
+        return masked_sums(logits_BTV, rows.targets_BT, rows.same_BT.astype(jnp.float32))
+    tokens_BT1 = constrain(batch["tokens"], "batch", "length")
+    return masked_sums(model(tokens_BT1[:, :-1]), tokens_BT1[:, 1:], batch.get("mask"))
+
+
+def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int
+               ) -> dict[str, jax.ShapeDtypeStruct]:
+    """A training batch: `tokens` (batch, seq_len + 1) int32, inputs and shifted targets (packed
+    file sources add `segment_ids` and `positions` of the same shape)."""
+    return {"tokens": jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)}
+
+
+LM = Task(lm_loss, eval_sums, batch_spec, unit="tokens", prepare=prepare_batch,
+          perplexity=True, token_batches=True)
