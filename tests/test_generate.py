@@ -106,7 +106,7 @@ def test_kv_cache_is_sharded_by_the_rules():
 
     cache = prefill(params, np.zeros((4, 3), np.int32))
     expected = rules.spec(gen.CACHE_AXES, cache["k"].shape, mesh)
-    assert expected == PartitionSpec("pipeline", ("data", "fsdp"), None, "tensor", None)
+    assert expected == PartitionSpec("pipeline", ("data", "fsdp", "expert"), None, "tensor", None)
     for name in ("k", "v"):
         assert cache[name].sharding.is_equivalent_to(NamedSharding(mesh, expected), 5), name
         assert cache[name].addressable_shards[0].data.shape == (2, 1, 8, 1, 16)

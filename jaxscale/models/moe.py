@@ -85,6 +85,12 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             raise ConfigError(paragraph(*sentences))
 
     require(n >= 0, f"model.moe.num_experts={n} must be >= 0 (0: the dense MLP, no experts).")
+    experts_axis = (mesh or {}).get("expert", 1) * (mesh or {}).get("dcn_expert", 1)
+    require(n > 0 or experts_axis <= 1,
+            f"mesh.expert x mesh.dcn_expert={experts_axis} but model.moe.num_experts=0: the",
+            "expert axis shards MoE experts, and a dense model has none. Set mesh.expert=1 (and",
+            "mesh.dcn_expert=1) and split the batch over mesh.data instead, or give the model",
+            "experts (model.moe.num_experts).")
     if n == 0:
         return
     require(1 <= k <= n,
@@ -108,11 +114,16 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             "alternate yet; set model.moe.every=1 or model.moe.num_experts=0.")
     if mesh is None:
         return
-    experts_axis = mesh.get("expert", 1) * mesh.get("dcn_expert", 1)
     require(experts_axis <= 1 or n % experts_axis == 0,
             f"model.moe.num_experts={n} is not divisible by the {experts_axis} devices of the",
             "mesh's expert axis (mesh.expert x mesh.dcn_expert): each device holds an equal",
             "share of the experts. Use a multiple of that many experts, or a smaller expert axis.")
+    require(experts_axis <= 1 or moe.capacity_factor > 0,
+            "model.moe.capacity_factor=0 (dropless) with mesh.expert x mesh.dcn_expert",
+            f"= {experts_axis}: the dropless path's grouped matmul (jax.lax.ragged_dot) has no",
+            "rule to split its experts over devices, so GSPMD would gather every expert's",
+            "weights onto every device. Give the experts fixed buffers, which shard over the",
+            "expert axis (e.g. model.moe.capacity_factor=1.25), or set mesh.expert=1.")
     stages = mesh.get("pipeline", 1) * mesh.get("dcn_pipeline", 1)
     require(stages <= 1,
             f"model.moe.num_experts={n} with mesh.pipeline x mesh.dcn_pipeline={stages}: pipeline",
@@ -228,6 +239,11 @@ def dropless_experts(x_NE: jax.Array, weights_NK: jax.Array, experts_NK: jax.Arr
     return jnp.einsum("nke,nk->ne", out_NKE, weights_NK.astype(dtype))
 
 
+# Logical axes of the capacity path's (experts, slots, embed) buffers; the presets put `slots`
+# on the batch axes other than `expert` (which the buffers' experts already use).
+BUFFER_AXES = ("expert", "slots", None)
+
+
 def capacity(capacity_factor: float, assignments: int, num_experts: int) -> int:
     """Slots per expert: capacity_factor x an even share of the assignments, rounded up."""
     return max(1, math.ceil(capacity_factor * assignments / num_experts))
@@ -251,9 +267,12 @@ def capacity_experts(x_NE: jax.Array, weights_NK: jax.Array, experts_NK: jax.Arr
     slot_M = jnp.where(kept_M, slot_M, C)                # C is out of range: dropped
     buf_XCE = jnp.zeros((X, C, x_NE.shape[1]), dtype).at[experts_M, slot_M].set(
         x_NE.astype(dtype)[tokens_M], mode="drop")
+    # The buffers live where their experts' weights do (`expert`), their slots split over the
+    # batch axes: tokens move to the experts, each device computes only its own experts' slots.
+    buf_XCE = constrain(buf_XCE, *BUFFER_AXES)
     h_XCF = _swiglu(jnp.einsum("xce,xef->xcf", buf_XCE, w_gate_XEF),
                     jnp.einsum("xce,xef->xcf", buf_XCE, w_up_XEF))
-    out_XCE = jnp.einsum("xcf,xfe->xce", h_XCF, w_down_XFE)
+    out_XCE = constrain(jnp.einsum("xcf,xfe->xce", h_XCF, w_down_XFE), *BUFFER_AXES)
     out_ME = out_XCE.at[experts_M, slot_M].get(mode="fill", fill_value=0)
     weight_M = (weights_NK.T.reshape(-1) * kept_M).astype(dtype)
     out_NE = jnp.zeros((N, out_ME.shape[1]), dtype).at[tokens_M].add(out_ME * weight_M[:, None])
