@@ -34,7 +34,7 @@ _BATCH = ("batch", ("data", "fsdp", "expert"))
 _REPLICATED = [("length", "context"), ("head_dim", None), ("norm", None), ("lora_rank", None),
                ("fused", None),  # the q/k/v and gate/up parts of a fused weight
                ("expert", "expert"),  # MoE experts (models/moe.py)
-               ("slots", ("data", "fsdp"))]  # their capacity buffers' slots (tokens)
+               ("expert_batch", ("data", "fsdp"))]  # rows of the experts' capacity buffers
 _STAGES = [("layers", "pipeline")]
 _TP = [("vocab", "tensor"), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor")]
 _FSDP = [("embed", "fsdp"), ("mlp", "fsdp"), ("vocab", "fsdp")]

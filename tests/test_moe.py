@@ -255,7 +255,8 @@ def test_a_tiny_moe_decoder_trains_sharded_as_on_one_device(capacity_factor):
 def test_experts_shard_over_the_expert_axis_and_train_as_on_one_device(mesh):
     """Expert parallelism from the rules alone: on an `expert` mesh axis every expert weight
     is split over it (num_experts / expert per device, also over fsdp on embed), the batch too,
-    and the capacity path trains with one device's losses."""
+    the tokens reach their experts by all-to-all, and the capacity path trains with one
+    device's losses."""
     c = _tiny_moe_config(capacity_factor=2.0, shared_experts=1, router_aux_loss_coef=0.1)
     one, _ = _train(c, jax.devices()[:1], steps=3)
     c.mesh.update(mesh)
@@ -273,6 +274,7 @@ def test_experts_shard_over_the_expert_axis_and_train_as_on_one_device(mesh):
         spec = experts[name].sharding.spec
         assert spec[1] == "expert", (name, spec)
         assert experts[name].addressable_shards[0].data.shape[1] == 4 // mesh["expert"], name
+    assert "all-to-all" in trainer.train_fn.lower(state, batch).compile().as_text()
 
 
 def test_greedy_decoding_with_the_cache_equals_the_full_forward():
