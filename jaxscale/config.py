@@ -39,7 +39,8 @@ def base_config() -> mlc.ConfigDict:
     c.init_from = ""
     c.mesh = mlc.ConfigDict(dict(data=-1, pipeline=1, fsdp=1, tensor=1,
                                  dcn_data=1, dcn_pipeline=1, dcn_fsdp=1, dcn_tensor=1,
-                                 context=1, dcn_context=1))  # context: sequence shards
+                                 context=1, dcn_context=1,  # context: sequence shards
+                                 expert=1, dcn_expert=1))  # expert: MoE experts (models/moe.py)
     c.rules = [tuple(r) for r in DEFAULT_RULES]
     c.rules_preset = ""  # a name in jaxscale.presets.PRESETS replaces `rules` (dp, fsdp, pp, ...)
     c.rules_strict = False
@@ -173,7 +174,7 @@ def _validate_mesh_use(c: mlc.ConfigDict) -> None:
     mesh.tensor=4 compiles to 4x the compute and 4x the state per chip): refuse it."""
     rules = PRESETS[c.rules_preset] if c.rules_preset else c.rules
     used = _rule_axes(rules)
-    for axis in ("data", "pipeline", "fsdp", "tensor", "context"):
+    for axis in ("data", "pipeline", "fsdp", "tensor", "context", "expert"):
         size = max(c.mesh.get(axis, 1), 1) * c.mesh.get(f"dcn_{axis}", 1)
         if size > 1 and axis not in used:
             users = [name for name, r in PRESETS.items() if axis in _rule_axes(r)]

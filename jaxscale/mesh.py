@@ -19,10 +19,11 @@ from jax.sharding import Mesh
 
 from jaxscale.errors import MeshError, paragraph
 
-# Outer to inner: `tensor` and `context` (sequence shards, `models/context.py`) are innermost so
-# tensor-parallel and ring-attention partners are the closest devices. Axes after the first
-# `_CLASSIC` appear in `mesh_summary` only when larger than 1.
-MESH_AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "tensor", "context")
+# Outer to inner: `tensor`, `context` (sequence shards, `models/context.py`) and `expert` (MoE
+# experts, `models/moe.py`) are innermost so tensor-parallel, ring-attention and all-to-all
+# partners are the closest devices. Axes after the first `_CLASSIC` appear in `mesh_summary` only
+# when larger than 1.
+MESH_AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "tensor", "context", "expert")
 _CLASSIC = 4
 
 
@@ -137,8 +138,8 @@ def make_mesh(mesh_cfg: Mapping[str, Any], devices: Sequence[Any] | None = None)
 
 
 def mesh_summary(mesh: Mesh) -> str:
-    """One line such as `data=2 pipeline=1 fsdp=2 tensor=2 (8 cpu devices)` (`context=N` too
-    when it is > 1)."""
+    """One line such as `data=2 pipeline=1 fsdp=2 tensor=2 (8 cpu devices)` (`context=N` and
+    `expert=N` too when > 1)."""
     sizes = " ".join(f"{k}={v}" for i, (k, v) in enumerate(mesh.shape.items())
                      if i < _CLASSIC or v > 1)
     return f"{sizes} ({mesh.devices.size} {mesh.devices.flat[0].platform} devices)"

@@ -106,8 +106,10 @@ def test_kv_cache_is_sharded_by_the_rules():
 
     cache = prefill(params, np.zeros((4, 3), np.int32))
     expected = rules.spec(gen.CACHE_AXES, cache["k"].shape, mesh)
-    # length over `context`: sequence shards (mesh.context, 1 here) split the cache like the keys
-    assert expected == PartitionSpec("pipeline", ("data", "fsdp"), "context", "tensor", None)
+    # length over `context`: sequence shards (mesh.context, 1 here) split the cache like the keys;
+    # rows over data x fsdp x expert (an expert axis also splits the batch)
+    assert expected == PartitionSpec("pipeline", ("data", "fsdp", "expert"), "context", "tensor",
+                                     None)
     for name in ("k", "v"):
         assert cache[name].sharding.is_equivalent_to(NamedSharding(mesh, expected), 5), name
         assert cache[name].addressable_shards[0].data.shape == (2, 1, 8, 1, 16)

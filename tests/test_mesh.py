@@ -13,7 +13,8 @@ from jaxscale.mesh import MESH_AXES, device_grid, make_mesh, resolve_mesh_shape
 def test_fill_and_axis_order():
     mesh = make_mesh({"data": -1, "tensor": 2})
     assert mesh.axis_names == MESH_AXES
-    assert dict(mesh.shape) == {"data": 4, "pipeline": 1, "fsdp": 1, "tensor": 2, "context": 1}
+    assert dict(mesh.shape) == {"data": 4, "pipeline": 1, "fsdp": 1, "tensor": 2, "context": 1,
+                                "expert": 1}
     assert make_mesh({"data": 1, "fsdp": -1}).shape["fsdp"] == 8
 
 
@@ -45,7 +46,7 @@ def test_hybrid_layout_keeps_slices_in_dcn_blocks():
     ici, dcn = resolve_mesh_shape({"data": 1, "fsdp": 4, "dcn_data": 2}, 8)
     assert ici["fsdp"] == 4 and dcn["data"] == 2
     grid = device_grid(ici, dcn, devices)
-    assert grid.shape == (2, 1, 4, 1, 1)
+    assert grid.shape == (2, 1, 4, 1, 1, 1)
     for d in range(2):  # each data row is exactly one slice
         assert {dev.slice_index for dev in grid[d].flat} == {d}
     assert sorted(dev.id for dev in grid.flat) == list(range(8))

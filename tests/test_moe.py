@@ -193,6 +193,20 @@ def test_expert_axis_must_divide_the_experts():
         moe.check_moe({"moe": dict(num_experts=4, experts_per_token=2)}, mesh)
 
 
+@pytest.mark.parametrize("mesh, moe_fields, culprit", [
+    (dict(data=2, expert=2, dcn_expert=2), dict(num_experts=6, capacity_factor=1.0),
+     "num_experts=6 is not divisible by the 4 devices"),
+    (dict(data=4, expert=2), dict(num_experts=0), "model.moe.num_experts=0"),
+    (dict(data=4, expert=2), dict(capacity_factor=0.0), "model.moe.capacity_factor=1.25"),
+])
+def test_expert_axis_mistakes_are_one_paragraph(mesh, moe_fields, culprit):
+    c = _tiny_moe_config(**moe_fields)
+    c.mesh.update(mesh)
+    with pytest.raises(ConfigError) as err:
+        validate(c)
+    assert culprit in str(err.value) and "\n" not in str(err.value)
+
+
 def test_flops_per_token_count_the_active_experts():
     """Top-2 of 4 experts plus one shared expert: a token passes 3 expert widths and the
     router (2 layers x embed 64 x 4 experts), not all 4 experts."""
@@ -233,6 +247,34 @@ def test_a_tiny_moe_decoder_trains_sharded_as_on_one_device(capacity_factor):
     assert (m["moe_dropped"] == 0.0) == (capacity_factor == 0.0)
     c.mesh.update(data=2, fsdp=2, tensor=2)
     np.testing.assert_allclose(_train(c, jax.devices())[0], one, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", [dict(expert=2, fsdp=2, data=2),
+                                  pytest.param(dict(expert=4, data=2),
+                                               marks=pytest.mark.exhaustive)])
+def test_experts_shard_over_the_expert_axis_and_train_as_on_one_device(mesh):
+    """Expert parallelism from the rules alone: on an `expert` mesh axis every expert weight
+    is split over it (num_experts / expert per device, also over fsdp on embed), the batch too,
+    the tokens reach their experts by all-to-all, and the capacity path trains with one
+    device's losses."""
+    c = _tiny_moe_config(capacity_factor=2.0, shared_experts=1, router_aux_loss_coef=0.1)
+    one, _ = _train(c, jax.devices()[:1], steps=3)
+    c.mesh.update(mesh)
+    validate(c)
+    trainer = Trainer.build(c, workdir=None, devices=jax.devices())
+    it, state, losses = trainer.batches.iterator(), trainer.state, []
+    for _ in range(3):
+        batch = trainer.to_global(next(it))
+        state, metrics = trainer.train_fn(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, one, rtol=1e-5)
+    assert "expert" in batch["tokens"].sharding.spec[0]
+    experts = state.params["layers"]["mlp"]
+    for name in ("w_gate", "w_up", "w_down"):  # (layers, expert, embed / mlp, mlp / embed)
+        spec = experts[name].sharding.spec
+        assert spec[1] == "expert", (name, spec)
+        assert experts[name].addressable_shards[0].data.shape[1] == 4 // mesh["expert"], name
+    assert "all-to-all" in trainer.train_fn.lower(state, batch).compile().as_text()
 
 
 def test_greedy_decoding_with_the_cache_equals_the_full_forward():

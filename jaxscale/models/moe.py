@@ -10,8 +10,9 @@ they live. `shared_experts` adds an always-on dense SwiGLU of `shared_experts` x
 Two compute paths, chosen by `capacity_factor`:
 - 0 (dropless): the token-expert assignments are sorted by expert and the three matmuls run as
   grouped matmuls (`jax.lax.ragged_dot`): no token is dropped and no FLOP is spent on padding.
-- > 0: every expert gets a fixed buffer of ceil(capacity_factor x assignments / experts) slots,
-  filled in priority order (every token's first choice before any second choice, tokens in
+- > 0: every expert gets, per sequence (row of the batch, so drops do not depend on the mesh),
+  a fixed buffer of ceil(capacity_factor x the row's assignments / experts) slots, filled in
+  priority order (every token's first choice before any second choice, tokens in
   order); assignments past a full buffer are dropped (their weight contributes nothing) and
   counted. Static shapes, at the price of drops.
 
@@ -85,6 +86,12 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             raise ConfigError(paragraph(*sentences))
 
     require(n >= 0, f"model.moe.num_experts={n} must be >= 0 (0: the dense MLP, no experts).")
+    experts_axis = (mesh or {}).get("expert", 1) * (mesh or {}).get("dcn_expert", 1)
+    require(n > 0 or experts_axis <= 1,
+            f"mesh.expert x mesh.dcn_expert={experts_axis} but model.moe.num_experts=0: the",
+            "expert axis shards MoE experts, and a dense model has none. Set mesh.expert=1 (and",
+            "mesh.dcn_expert=1) and split the batch over mesh.data instead, or give the model",
+            "experts (model.moe.num_experts).")
     if n == 0:
         return
     require(1 <= k <= n,
@@ -108,11 +115,16 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             "alternate yet; set model.moe.every=1 or model.moe.num_experts=0.")
     if mesh is None:
         return
-    experts_axis = mesh.get("expert", 1) * mesh.get("dcn_expert", 1)
     require(experts_axis <= 1 or n % experts_axis == 0,
             f"model.moe.num_experts={n} is not divisible by the {experts_axis} devices of the",
             "mesh's expert axis (mesh.expert x mesh.dcn_expert): each device holds an equal",
             "share of the experts. Use a multiple of that many experts, or a smaller expert axis.")
+    require(experts_axis <= 1 or moe.capacity_factor > 0,
+            "model.moe.capacity_factor=0 (dropless) with mesh.expert x mesh.dcn_expert",
+            f"= {experts_axis}: the dropless path's grouped matmul (jax.lax.ragged_dot) has no",
+            "rule to split its experts over devices, so GSPMD would gather every expert's",
+            "weights onto every device. Give the experts fixed buffers, which shard over the",
+            "expert axis (e.g. model.moe.capacity_factor=1.25), or set mesh.expert=1.")
     stages = mesh.get("pipeline", 1) * mesh.get("dcn_pipeline", 1)
     require(stages <= 1,
             f"model.moe.num_experts={n} with mesh.pipeline x mesh.dcn_pipeline={stages}: pipeline",
@@ -169,17 +181,18 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         B, T, E = x_BTE.shape
-        x_NE = x_BTE.reshape(B * T, E)
-        weights_NK, experts_NK, stats = route(x_NE, self.router[...], self.moe)
+        # Routed per row: the (B, T) layout keeps the batch's sharding through top_k.
+        weights_BTK, experts_BTK, stats = route(x_BTE, self.router[...], self.moe)
         w = (self.w_gate[...], self.w_up[...], self.w_down[...])
         if self.moe.capacity_factor > 0:
-            out_NE, dropped = capacity_experts(x_NE, weights_NK, experts_NK, w,
-                                               self.moe.capacity_factor, self.policy.compute)
+            out_BTE, dropped = capacity_experts(x_BTE, weights_BTK, experts_BTK, w,
+                                                self.moe.capacity_factor, self.policy.compute)
             stats = stats.at[STATS.index("dropped")].set(dropped)
         else:
-            out_NE = dropless_experts(x_NE, weights_NK, experts_NK, w, self.policy.compute)
+            out_BTE = dropless_experts(x_BTE.reshape(B * T, E), weights_BTK.reshape(B * T, -1),
+                                       experts_BTK.reshape(B * T, -1), w, self.policy.compute
+                                       ).reshape(B, T, E)
         self.router_stats = nnx.Intermediate(stats)  # stacked over layers by scan_layers
-        out_BTE = out_NE.reshape(B, T, E)
         if self.moe.shared_experts:
             out_BTE = out_BTE + self.shared(x_BTE)
         return constrain(out_BTE, "batch", "length", "embed")
@@ -187,7 +200,8 @@ class MoE(nnx.Module):
 
 def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(top-k weights (N, k) float32, expert ids (N, k), stats vector (len(STATS),)).
+    """(top-k weights (N, k) float32, expert ids (N, k), stats vector (len(STATS),)); N may be
+    several leading dimensions (e.g. B, T), the statistics are over all of them.
 
     The router runs in float32 whatever the compute dtype: its softmax decides which matmuls
     run, and bf16 logits flip near-ties between experts."""
@@ -197,9 +211,10 @@ def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig
     weights_NK, experts_NK = jax.lax.top_k(probs_NX, k)
     if moe.norm_topk_prob:
         weights_NK = weights_NK / jnp.sum(weights_NK, axis=-1, keepdims=True)
-    counts_X = jnp.sum(jax.nn.one_hot(experts_NK, n, dtype=jnp.float32), axis=(0, 1))
+    leading = tuple(range(probs_NX.ndim - 1))
+    counts_X = jnp.sum(jax.nn.one_hot(experts_NK, n, dtype=jnp.float32), axis=(*leading, -2))
     share_X = counts_X / experts_NK.size                 # f_e: share of the assignments
-    prob_X = jnp.mean(probs_NX, axis=0)                  # P_e: carries the gradient
+    prob_X = jnp.mean(probs_NX, axis=leading)            # P_e: carries the gradient
     aux = n * jnp.sum(share_X * prob_X)
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_NX, axis=-1)))
     load_X = share_X * n
@@ -228,36 +243,55 @@ def dropless_experts(x_NE: jax.Array, weights_NK: jax.Array, experts_NK: jax.Arr
     return jnp.einsum("nke,nk->ne", out_NKE, weights_NK.astype(dtype))
 
 
+# Logical axes of the capacity path's (rows, experts, slots, embed) buffers while the experts
+# compute: rows over the batch axes other than `expert` (presets: `expert_batch`), experts over
+# `expert`. Filled and emptied with rows over all the batch axes (`batch`), so the reshard
+# between the two is an all-to-all over `expert`: tokens travel, expert weights never do.
+BUFFER_AXES = ("expert_batch", "expert", None, None)
+ROW_AXES = ("batch", None, None, None)
+
+
 def capacity(capacity_factor: float, assignments: int, num_experts: int) -> int:
     """Slots per expert: capacity_factor x an even share of the assignments, rounded up."""
     return max(1, math.ceil(capacity_factor * assignments / num_experts))
 
 
-def capacity_experts(x_NE: jax.Array, weights_NK: jax.Array, experts_NK: jax.Array,
-                     w: tuple[jax.Array, jax.Array, jax.Array], capacity_factor: float,
-                     dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """(output (N, E), share of the assignments dropped): fixed per-expert buffers (X, C, E).
-
-    Assignments take slots in priority order, every token's first choice before any token's
-    second choice (as Switch / GShard), so a full expert drops second choices first."""
-    w_gate_XEF, w_up_XEF, w_down_XFE = (a.astype(dtype) for a in w)
-    X, (N, k) = w_gate_XEF.shape[0], experts_NK.shape
-    C = capacity(capacity_factor, N * k, X)
-    experts_M = experts_NK.T.reshape(-1)                 # priority order: choice, then token
-    tokens_M = jnp.tile(jnp.arange(N), k)
+def _slots(experts_TK: jax.Array, X: int, C: int) -> tuple[jax.Array, jax.Array]:
+    """(expert, slot) of one row's assignments in priority order (every token's first choice
+    before any second choice, tokens in order); slot C (out of range) where the buffer is full."""
+    experts_M = experts_TK.T.reshape(-1)
     onehot_MX = jax.nn.one_hot(experts_M, X, dtype=jnp.int32)
     slot_M = jnp.sum(jnp.cumsum(onehot_MX, axis=0) * onehot_MX, axis=1) - 1
-    kept_M = slot_M < C
-    slot_M = jnp.where(kept_M, slot_M, C)                # C is out of range: dropped
-    buf_XCE = jnp.zeros((X, C, x_NE.shape[1]), dtype).at[experts_M, slot_M].set(
-        x_NE.astype(dtype)[tokens_M], mode="drop")
-    h_XCF = _swiglu(jnp.einsum("xce,xef->xcf", buf_XCE, w_gate_XEF),
-                    jnp.einsum("xce,xef->xcf", buf_XCE, w_up_XEF))
-    out_XCE = jnp.einsum("xcf,xfe->xce", h_XCF, w_down_XFE)
-    out_ME = out_XCE.at[experts_M, slot_M].get(mode="fill", fill_value=0)
-    weight_M = (weights_NK.T.reshape(-1) * kept_M).astype(dtype)
-    out_NE = jnp.zeros((N, out_ME.shape[1]), dtype).at[tokens_M].add(out_ME * weight_M[:, None])
-    return out_NE, jnp.mean((~kept_M).astype(jnp.float32))
+    return experts_M, jnp.minimum(slot_M, C)
+
+
+def capacity_experts(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.Array,
+                     w: tuple[jax.Array, jax.Array, jax.Array], capacity_factor: float,
+                     dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """(output (B, T, E), share of the assignments dropped): fixed per-expert buffers per row
+    of the batch (B, X, C, E), C = capacity(capacity_factor, T x k, X), as MaxText.
+
+    Per row, so that the drops do not depend on the mesh: each device fills the buffers of its
+    own rows, and the all-to-all hands every expert its slots from all rows."""
+    w_gate_XEF, w_up_XEF, w_down_XFE = (a.astype(dtype) for a in w)
+    X, (B, T, k) = w_gate_XEF.shape[0], experts_BTK.shape
+    C = capacity(capacity_factor, T * k, X)
+    experts_BM, slot_BM = jax.vmap(_slots, in_axes=(0, None, None))(experts_BTK, X, C)
+    tokens_M = jnp.tile(jnp.arange(T), k)
+    fill = jax.vmap(lambda x_TE, e_M, s_M: jnp.zeros((X, C, x_TE.shape[1]), dtype)
+                    .at[e_M, s_M].set(x_TE[tokens_M], mode="drop"))
+    buf_BXCE = constrain(fill(x_BTE.astype(dtype), experts_BM, slot_BM), *ROW_AXES)
+    buf_BXCE = constrain(buf_BXCE, *BUFFER_AXES)  # all-to-all: rows' slots to their experts
+    h_BXCF = _swiglu(jnp.einsum("bxce,xef->bxcf", buf_BXCE, w_gate_XEF),
+                     jnp.einsum("bxce,xef->bxcf", buf_BXCE, w_up_XEF))
+    out_BXCE = constrain(jnp.einsum("bxcf,xfe->bxce", h_BXCF, w_down_XFE), *BUFFER_AXES)
+    out_BXCE = constrain(out_BXCE, *ROW_AXES)  # all-to-all back to the rows' devices
+    kept_BM = slot_BM < C
+    weight_BM = (jnp.swapaxes(weights_BTK, 1, 2).reshape(B, -1) * kept_BM).astype(dtype)
+    combine = jax.vmap(lambda o_XCE, e_M, s_M, w_M: jnp.zeros((T, o_XCE.shape[2]), dtype).at[
+        tokens_M].add(o_XCE.at[e_M, s_M].get(mode="fill", fill_value=0) * w_M[:, None]))
+    out_BTE = combine(out_BXCE, experts_BM, slot_BM, weight_BM)
+    return out_BTE, jnp.mean((~kept_BM).astype(jnp.float32))
 
 
 def router_loss(model: nnx.Module, moe: MoEConfig) -> jax.Array | float:

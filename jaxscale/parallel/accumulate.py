@@ -28,6 +28,12 @@ from jaxscale.rules import AxisRules, active_rules, use_rules
 GradFn = Callable[[dict[str, jax.Array]], tuple[tuple[jax.Array, dict[str, jax.Array]], Any]]
 
 
+# Logical names of batch rows: `batch`, and `expert_batch`, the rows of the MoE capacity
+# buffers while their experts compute (models/moe.py). A rule putting these on `data` keeps it
+# a pure replica axis.
+BATCH_NAMES = ("batch", "expert_batch")
+
+
 def _without(axes: Any, axis: str) -> Any:
     if axes is None or isinstance(axes, str):
         return None if axes == axis else axes
@@ -55,7 +61,7 @@ def _fallback_reason(batch: dict[str, jax.Array], grad_accum: int, row_multiple:
     replicas = mesh.shape.get("data", 1)
     if replicas == 1:
         return ""
-    used = [name for name, axes in rules.rules if name != "batch" and "data" in (
+    used = [name for name, axes in rules.rules if name not in BATCH_NAMES and "data" in (
         (axes,) if isinstance(axes, str) else tuple(axes or ()))]
     if used:
         return f"the rules shard {used} over `data`, so it is not a pure replica axis"
