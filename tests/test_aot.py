@@ -260,6 +260,7 @@ def test_compile_reports_memory_flops_and_collectives(compiled):
     assert report["estimate"]["full_overlap_s"] <= report["estimate"]["no_overlap_s"]
 
 
+@pytest.mark.exhaustive
 @libtpu_test
 @pytest.mark.slow
 def test_compiled_flops_match_model_plus_remat_recompute(tmp_path):

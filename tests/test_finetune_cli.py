@@ -52,6 +52,7 @@ def greedy(model, ids: list[int], steps: int) -> list[int]:
     return out[0].tolist()
 
 
+@pytest.mark.exhaustive
 @pytest.mark.slow
 def test_llama_convert_finetune_evaluate_generate_export(tmp_path):
     from jaxscale.interop import convert, hf
@@ -94,6 +95,7 @@ def test_llama_convert_finetune_evaluate_generate_export(tmp_path):
     assert sampled[0] == sampled[1] != sampled[2]  # greedy from --from_hf: test_generate.py
 
 
+@pytest.mark.exhaustive
 @pytest.mark.slow
 def test_vit_export_reimport_finetune_evaluate(tmp_path):
     """A digits ViT trained here goes out to transformers (same logits) and comes back as the

@@ -132,6 +132,7 @@ def _wait_for_round(location: str, round_: int, proc: subprocess.Popen) -> None:
     raise AssertionError(f"the job ended before round {round_}: {proc.stdout.read()[-3000:]}")
 
 
+@pytest.mark.exhaustive
 @pytest.mark.slow
 def test_three_workers_and_an_averager_survive_a_server_restart_bit_for_bit(
         own_seaweedfs, location, tmp_path):

@@ -79,6 +79,7 @@ def test_two_processes_index_their_own_files_and_share_lengths(data, tmp_path):
         assert p["tokenized"] == 80
 
 
+@pytest.mark.exhaustive
 @pytest.mark.slow
 def test_two_processes_train_on_jsonl_like_one_process(data, tmp_path):
     train = ["--config=configs/tiny_lm.py:test", "--config.train.steps=3",

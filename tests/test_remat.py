@@ -125,6 +125,7 @@ def test_offloaded_policies_compile_for_tpu_with_host_memory_apart(tmp_path):
     assert "pinned host memory (not HBM): temporaries" in mem["report"]["text"]
 
 
+@pytest.mark.exhaustive
 @libtpu_test
 @pytest.mark.slow
 def test_named_policies_recompute_what_the_flop_count_expects(tmp_path):

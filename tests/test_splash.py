@@ -140,7 +140,8 @@ def test_sharded_training_over_fsdp_and_tensor_equals_einsum():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, train", [
-    (dict(pipeline=2, fsdp=2, tensor=2), dict(microbatches=2)),  # vmap over `pipeline`
+    pytest.param(dict(pipeline=2, fsdp=2, tensor=2), dict(microbatches=2),  # vmap: `pipeline`
+                 marks=pytest.mark.exhaustive),
     (dict(pipeline=2, data=2, tensor=2), dict(microbatches=4, schedule="1f1b")),
     (dict(data=4, tensor=2), dict(grad_accum=2)),                # vmap over `data`
 ])

@@ -48,6 +48,7 @@ def _loss(records):
     return [(m["step"], m["loss"]) for m in records]
 
 
+@pytest.mark.exhaustive
 @pytest.mark.slow  # several short training runs
 @pytest.mark.xdist_group("seaweedfs")
 def test_s3_workdir_holds_the_run_and_resumes_resharded(seaweedfs, tmp_path):
@@ -127,6 +128,7 @@ def _cli(workdir, steps=14, env=None, timeout=600, **kwargs):
     return args, {**ENV, **(env or {})}
 
 
+@pytest.mark.exhaustive
 @pytest.mark.slow
 @pytest.mark.xdist_group("seaweedfs")
 def test_sigkill_then_resume_from_s3_matches_uninterrupted(seaweedfs, tmp_path):
@@ -155,6 +157,7 @@ def test_sigkill_then_resume_from_s3_matches_uninterrupted(seaweedfs, tmp_path):
     assert [m["loss"] for m in got] == [m["loss"] for m in want]
 
 
+@pytest.mark.exhaustive
 @pytest.mark.slow
 @pytest.mark.xdist_group("seaweedfs")
 def test_two_processes_checkpoint_to_s3_like_one_process(seaweedfs, tmp_path):
