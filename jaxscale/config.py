@@ -133,12 +133,14 @@ def validate(c: mlc.ConfigDict) -> None:
     from jaxscale.models import check_model  # lazy: importing the models pulls in jax
     from jaxscale.models.context import check_config as check_context
     from jaxscale.models.moe import check_moe
+    from jaxscale.models.quant import check_config as check_quantized
 
     check_fields(c)
     d, t = c.data, c.train
     check_model(c.model, d.seq_len)
     check_context(c.mesh, c.model, d.seq_len)  # sequence shards (mesh.context)
     check_moe(c.model, c.mesh, t.grad_accum)  # the experts against the mesh and accumulation
+    check_quantized(c.precision, c.model, c.lora)  # int8: what it cannot quantize is refused
     _require(t.steps > 0 and t.log_every > 0, "train.steps and train.log_every must be positive.")
     _require(t.grad_accum >= 1 and d.batch_size % t.grad_accum == 0,
              f"data.batch_size={d.batch_size} must be divisible by train.grad_accum="

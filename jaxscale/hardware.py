@@ -39,6 +39,9 @@ class Chip:
     torus_dims: int | None = None        # TPUs: 2 (v5e, v6e) or 3 (v4, v5p)
     max_chips: int | None = None         # TPUs: the largest single slice
     chip_config: str | None = None       # TPUs: libtpu chip_config_name ('megacore': 1 device)
+    # Dense int8 x int8 ops/s (the `int8` precision policy's matmuls, `aot.roofline`); None: no
+    # public figure. A datasheet rate: an ESTIMATE of what quantized training reaches.
+    peak_int8_ops: float | None = None
 
     @property
     def name(self) -> str:
@@ -71,43 +74,56 @@ CHIPS: dict[str, Chip] = {
                "https://cloud.google.com/tpu/docs/v5p; " + _LIBTPU.format("30.75"),
                usable_hbm_bytes=30.75 * GiB, ici_bidir_bytes_s=2400e9 / 8, ici_ports=6,
                dcn_bytes_s=50e9 / 8, generation="v4", torus_dims=3, max_chips=4096,
-               chip_config="megacore"),
+               chip_config="megacore",
+               # int8: the v4 page's "275 teraflops (bf16 or int8)": no faster than bf16
+               peak_int8_ops=275e12),
     # Per host 2 x 100 Gbps NICs for 8 chips.
     "v5e": Chip(("TPU v5 lite", "TPU v5e"), 197e12, 16 * GB,
                 "https://cloud.google.com/tpu/docs/v5e (197 TFLOP/s bf16 per chip, 16 GB HBM); "
                 "ICI 1,600 Gbps, 4 ports, NICs: the v5e column of "
                 "https://cloud.google.com/tpu/docs/v6e; " + _LIBTPU.format("15.75"),
                 usable_hbm_bytes=15.75 * GiB, ici_bidir_bytes_s=1600e9 / 8, ici_ports=4,
-                dcn_bytes_s=2 * 100e9 / 8 / 8, generation="v5e", torus_dims=2, max_chips=256),
+                dcn_bytes_s=2 * 100e9 / 8 / 8, generation="v5e", torus_dims=2, max_chips=256,
+                # int8: "Peak compute per chip (Int8) 393 TOPs", cloud.google.com/tpu/docs/v5e
+                peak_int8_ops=393e12),
     "v5p": Chip(("TPU v5p", "TPU v5"), 459e12, 95 * GiB,
                 "https://cloud.google.com/tpu/docs/v5p (459 TFLOP/s bf16 per chip); 95 GiB HBM, "
                 "ICI 1,200 GB/s both ways per chip, 3D torus, DCN 50 Gbps per chip: "
                 "https://cloud.google.com/tpu/docs/v5p-training; " + _LIBTPU.format("95.73"),
                 usable_hbm_bytes=95.73 * GiB, ici_bidir_bytes_s=1200e9, ici_ports=6,
                 dcn_bytes_s=50e9 / 8, generation="v5p", torus_dims=3, max_chips=6144,
-                chip_config="megacore"),
+                chip_config="megacore",
+                # int8: 918 TOPs (twice bf16), the v5p launch post, cloud.google.com/blog/
+                # products/ai-machine-learning/introducing-cloud-tpu-v5p-and-ai-hypercomputer
+                peak_int8_ops=918e12),
     # Per host 4 x 200 Gbps NICs for 8 chips.
     "v6e": Chip(("TPU v6 lite", "TPU v6e"), 918e12, 32 * GB,
                 "https://cloud.google.com/tpu/docs/v6e (Trillium, 918 TFLOP/s bf16 per chip, "
                 "32 GB HBM, ICI 3,584 Gbps, 4 ports, 2D torus); " + _LIBTPU.format("31.24"),
                 usable_hbm_bytes=31.24 * GiB, ici_bidir_bytes_s=3584e9 / 8, ici_ports=4,
-                dcn_bytes_s=4 * 200e9 / 8 / 8, generation="v6e", torus_dims=2, max_chips=256),
+                dcn_bytes_s=4 * 200e9 / 8 / 8, generation="v6e", torus_dims=2, max_chips=256,
+                # int8: "Peak compute per chip (Int8) 1836 TOPs", cloud.google.com/tpu/docs/v6e
+                peak_int8_ops=1836e12),
     "a100": Chip(("A100",), 312e12, None,
                  "NVIDIA A100 datasheet, BF16 Tensor Core dense (SXM and PCIe alike): 312 TFLOPS; "
                  "40 or 80 GB HBM by model; NVLink 600 GB/s, PCIe Gen4 64 GB/s (SXM)",
-                 ici_bidir_bytes_s=600e9, host_bytes_s=64e9),
+                 ici_bidir_bytes_s=600e9, host_bytes_s=64e9,
+                 peak_int8_ops=624e12),  # datasheet INT8 Tensor Core, dense
     "h100": Chip(("H100",), 989e12, 80 * GiB,
                  "NVIDIA H100 datasheet, SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity / 2; "
                  "80 GB HBM3; NVLink 900 GB/s, PCIe Gen5 128 GB/s. " + _NVIDIA,
-                 ici_bidir_bytes_s=900e9, host_bytes_s=128e9),
+                 ici_bidir_bytes_s=900e9, host_bytes_s=128e9,
+                 peak_int8_ops=1979e12),  # datasheet INT8 3,958 TOPS with sparsity / 2
     "h100-pcie": Chip(("H100 PCIe",), 756e12, 80 * GiB,
                       "NVIDIA H100 datasheet, PCIe: BF16 Tensor Core 1,513 TFLOPS with sparsity "
                       "/ 2; 80 GB HBM2e; NVLink bridge 600 GB/s, PCIe Gen5 128 GB/s. " + _NVIDIA,
-                      ici_bidir_bytes_s=600e9, host_bytes_s=128e9),
+                      ici_bidir_bytes_s=600e9, host_bytes_s=128e9,
+                      peak_int8_ops=1513e12),  # datasheet INT8 3,026 TOPS with sparsity / 2
     "h200": Chip(("H200",), 989e12, 141 * GiB,
                  "NVIDIA H200 datasheet, SXM: the H100 SXM's compute (989 TFLOPS dense bf16), "
                  "141 GB HBM3e; NVLink 900 GB/s, PCIe Gen5 128 GB/s. " + _NVIDIA,
-                 ici_bidir_bytes_s=900e9, host_bytes_s=128e9),
+                 ici_bidir_bytes_s=900e9, host_bytes_s=128e9,
+                 peak_int8_ops=1979e12),  # the H100 SXM's INT8 (3,958 TOPS sparse / 2)
 }
 
 # TPU chips by libtpu generation name ('v5p'), for topologies such as 'v5p:2x2x1'.

@@ -1,7 +1,7 @@
 """Precision policies: one declarative object says which dtype is used where.
 
 Built from one config string, Fabric-style names (`32-true`, `bf16-mixed`, `bf16-true`,
-`16-mixed`) or the explicit form `params=float32,compute=bfloat16,output=float32`, optionally
+`16-mixed`, and `int8`: bf16-mixed with int8 weight matmuls, `models/quant.py`) or the explicit form `params=float32,compute=bfloat16,output=float32`, optionally
 with per-module overrides: `params=float32,compute=bfloat16,norm=float32,softmax=float32,
 logits=bfloat16`. The model consults the policy at well-named points (`param`, `compute`, and
 `dtype_for(module)` for the modules in `MODULES`), never through scattered `astype` calls.
@@ -51,6 +51,9 @@ class Policy:
     output: Any = jnp.float32
     overrides: Mapping[str, Any] = field(default_factory=dict)
     loss_scaling: bool = False
+    # Quantized matmuls: None, or the integer type ("int8") the projection matmuls run in,
+    # forward and backward, applied to the model by `models/quant.py` (the model never asks).
+    quantized: str | None = None
 
     def dtype_for(self, module: str) -> Any:
         """Compute dtype for a named module kind (`norm`, `softmax`, `logits`)."""
@@ -65,6 +68,9 @@ def _named() -> dict[str, Policy]:
                             {"softmax": jnp.float32, "logits": jnp.float32}),
         "16-mixed": Policy("16-mixed", jnp.float32, jnp.float16, jnp.float32, _F32_OVERRIDES,
                            loss_scaling=True),
+        # bf16-mixed, with every projection matmul (attention q/k/v/o, MLP) in int8 both ways.
+        "int8": Policy("int8", jnp.float32, jnp.bfloat16, jnp.float32, _F32_OVERRIDES,
+                       quantized="int8"),
     }
 
 

@@ -73,6 +73,7 @@ class StepReport:
     expected_flops: float | None = None  # model FLOPs + the remat recompute (aot.flops)
     kernel_calls: int = 0        # Pallas kernel (custom call) executions per chip per step
     kernel_flops: float = 0.0    # their FLOPs, analytic, included in `flops` (aot.flops)
+    int8_flops: float = 0.0      # the part of `flops` in int8 x int8 matmuls (precision=int8)
     collectives: list[dict] = field(default_factory=list)
     compile_s: float = 0.0
     tokens_per_step: int = 0
@@ -165,7 +166,7 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         flops_cost_analysis=float(cost.get("flops", 0.0)),
         model_flops=flops_lib.model_flops(config, topology.num_chips),
         expected_flops=flops_lib.expected_flops(config, topology.num_chips),
-        kernel_calls=calls, kernel_flops=in_kernels,
+        kernel_calls=calls, kernel_flops=in_kernels, int8_flops=hlo.int8_flops(partitioned),
         collectives=[asdict(c) for c in hlo.collectives(optimized, slices)],
         compile_s=elapsed, tokens_per_step=config.data.batch_size * config.data.seq_len,
         hlo_path=text_path if hlo_dir else None)

@@ -348,23 +348,37 @@ def summarize(found: list[Collective]) -> dict[str, tuple[int, int]]:
     return out
 
 
-def flops(module: Module) -> float:
-    """Matmul FLOPs per device per step: 2 x output elements x contracted size for every `dot`
-    (read the HLO after SPMD partitioning, before dots become TPU convolutions), loop bodies
-    multiplied by their trip counts."""
-    total = 0.0
+def dot_flops(module: Module) -> dict[str, float]:
+    """Matmul FLOPs per device per step by operand type ('bf16', 'f32', 's8' where both
+    operands are int8, ...): 2 x output elements x contracted size for every `dot` (read the HLO
+    after SPMD partitioning, before dots become TPU convolutions), loop bodies multiplied by
+    their trip counts. The type is the lhs's, or 'mixed' when the two operands differ."""
+    total: dict[str, float] = defaultdict(float)
     for comp, instrs in module.live.items():
         count = module.mult.get(comp, (0, False))[0]
         shapes = {i.name: i.shape for i in instrs}
         for ins in instrs:
             if ins.opcode != "dot" or not count:
                 continue
-            lhs = _OP.findall(ins.rest.split(")")[0])[0]
-            lhs_dims = _dims(shapes.get(lhs, "") or _param_shape(module, comp, lhs))
+            lhs, rhs = (shapes.get(o, "") or _param_shape(module, comp, o)
+                        for o in _OP.findall(ins.rest.split(")")[0])[:2])
+            lhs_dims = _dims(lhs)
             contract = _CONTRACT.search(ins.rest)
             k = math.prod(lhs_dims[int(d)] for d in filter(None, contract.group(1).split(",")))
-            total += 2.0 * math.prod(_dims(ins.shape)) * k * count
-    return total
+            types = {m.group(1) for m in (_ARRAY.search(lhs), _ARRAY.search(rhs)) if m}
+            total[types.pop() if len(types) == 1 else "mixed"] += (
+                2.0 * math.prod(_dims(ins.shape)) * k * count)
+    return dict(total)
+
+
+def flops(module: Module) -> float:
+    """Matmul FLOPs per device per step, all operand types (`dot_flops`)."""
+    return sum(dot_flops(module).values())
+
+
+def int8_flops(module: Module) -> float:
+    """The part of `flops` in int8 x int8 matmuls (quantized training, `precision=int8`)."""
+    return dot_flops(module).get("s8", 0.0)
 
 
 def kernel_calls(module: Module) -> int:

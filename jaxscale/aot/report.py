@@ -15,7 +15,8 @@ def _gib(n: float) -> str:
 
 def step_estimate(report: StepReport) -> Estimate:
     chip = TPUS[report.topology.split(":")[0]]
-    return estimate(chip, report.flops, report.collectives, report.model_flops)
+    return estimate(chip, report.flops, report.collectives, report.model_flops,
+                    report.int8_flops)
 
 
 def collective_table(collectives: list[dict]) -> list[str]:
@@ -59,6 +60,10 @@ def format_report(report: StepReport) -> str:
             "would compute them)" if r.kernel_flops else
             f"  NOT counted: {r.kernel_calls} Pallas kernel calls (custom calls carry no dot to "
             "count); FLOPs and MFU below miss their share")
+    if r.int8_flops:
+        lines.append(f"  of which {r.int8_flops:.3e} in int8 matmuls (precision=int8), at the "
+                     "chip's int8 peak in the estimate: datasheet rate, an ESTIMATE until a TPU "
+                     "runs it")
     if r.model_flops:
         lines.append(f"  analytic model FLOPs {r.model_flops:.3e} per chip: compiled / model = "
                      f"{r.flops / r.model_flops:.2f}")

@@ -1,6 +1,8 @@
 """A roofline ESTIMATE of step time and MFU from compiled FLOPs and collective bytes.
 
-Never a measurement: compute runs at the chip's peak bf16 rate, each collective at its link
+Never a measurement: compute runs at the chip's peak bf16 rate (int8 x int8 matmuls, from the
+`int8` precision policy, at its int8 peak: `hardware.Chip.peak_int8_ops`; an ESTIMATE from the
+datasheet until a TPU has run them), each collective at its link
 bandwidth with the ring formula for its group size n (all-gather and reduce-scatter move
 (n-1)/n of the full buffer through each chip, all-reduce twice that, a collective-permute its
 payload over one link, all-to-all (n-1)/n), over ICI within a slice and DCN across slices.
@@ -37,10 +39,18 @@ def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float) -
     return _RING_FACTOR[kind] * nbytes * (group - 1) / group / bandwidth
 
 
+def compute_seconds(chip: Chip, flops: float, int8_flops: float = 0.0) -> float:
+    """Seconds of matmul at peak: `int8_flops` (part of `flops`) at the chip's int8 rate, where
+    the table has one (else at the bf16 rate), the rest at the bf16 rate."""
+    int8_rate = chip.peak_int8_ops or chip.peak_bf16_flops
+    return (flops - int8_flops) / chip.peak_bf16_flops + int8_flops / int8_rate
+
+
 def estimate(chip: Chip, flops: float, collectives: Iterable[dict],
-             model_flops: float | None) -> Estimate:
-    """Per-chip step-time bounds; MFU = analytic model FLOPs / (time x peak)."""
-    compute = flops / chip.peak_bf16_flops
+             model_flops: float | None, int8_flops: float = 0.0) -> Estimate:
+    """Per-chip step-time bounds; MFU = analytic model FLOPs / (time x bf16 peak), the bf16
+    peak even for int8 matmuls, so MFU compares across precision policies."""
+    compute = compute_seconds(chip, flops, int8_flops)
     ici = dcn = 0.0
     for c in collectives:
         bw = chip.dcn_bytes_s if c["dcn"] else chip.ring_bandwidth

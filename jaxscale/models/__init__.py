@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.errors import ConfigError, ConversionError, paragraph
-from jaxscale.models import gemma, llama, llama_flops, lm_task, qwen, vit
+from jaxscale.models import gemma, llama, llama_flops, lm_task, quant, qwen, vit
 from jaxscale.models.scan import check_remat
 from jaxscale.models.task import Task
 from jaxscale.precision import Policy
@@ -192,7 +192,8 @@ class ModelDef:
     def build(cls, model_cfg: Mapping, policy: Policy) -> "ModelDef":
         e, task = entry_of(model_cfg), task_of(model_cfg)
         cfg = e.config_cls.from_config(model_cfg)
-        make = lambda rng: e.module_cls(cfg, nnx.Rngs(rng), policy)
+        # A quantized policy (`int8`) swaps the projection modules for qwix's (models/quant.py).
+        make = lambda rng: quant.quantize(e.module_cls(cfg, nnx.Rngs(rng), policy), policy)
         return cls(*nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0)))), make, task)
 
     def remade(self, make: Callable[[jax.Array], nnx.Module]) -> "ModelDef":
