@@ -108,8 +108,8 @@ def test_int8_matmuls_are_counted_at_the_int8_peak():
 
 @pytest.mark.exhaustive
 def test_int8_tracks_bf16_mixed_over_300_steps():
-    """Issue 29's tolerance: every step's loss within 2% of bf16-mixed's (measured max 0.24%
-    on CPU; bench/RESULTS.md), and the compiled step's int8 FLOPs are the projections'."""
+    """Issue 29's tolerance: every step's loss within 2% of bf16-mixed's (measured max 0.39%
+    on CPU, 8 simulated devices; bench/RESULTS.md), and the compiled step's int8 FLOPs are the projections'."""
     c = get_config("test")
     c.train.steps = 300
     losses = {}
@@ -123,7 +123,6 @@ def test_int8_tracks_bf16_mixed_over_300_steps():
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
              for k, v in trainer.to_global(next(trainer.batches.iterator())).items()}
     compiled = trainer.train_fn.lower(trainer.state, batch).compile()
-    tokens = c.data.batch_size * c.data.seq_len
-    model_def = trainer.ctx.model_def
+    tokens_per_device = c.data.batch_size * c.data.seq_len / trainer.ctx.mesh.devices.size
     assert hlo.int8_flops(hlo.parse(compiled.as_text())) == (
-        6 * tokens * _projection_params(model_def))
+        6 * tokens_per_device * _projection_params(trainer.ctx.model_def))
