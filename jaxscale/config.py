@@ -133,7 +133,7 @@ def validate(c: mlc.ConfigDict) -> None:
     from jaxscale.models import check_model  # lazy: importing the models pulls in jax
     from jaxscale.models.context import check_config as check_context
     from jaxscale.models.moe import check_moe
-    from jaxscale.models.quant import check_config as check_quantized
+    from jaxscale.precision import check_quantized
 
     check_fields(c)
     d, t = c.data, c.train

@@ -211,3 +211,25 @@ class DynamicLossScale:
         c = loss_scale_cfg
         return cls(float(c.init), int(c.growth_interval), min_scale=float(c.get("min_scale", 1.0)),
                    max_skips_at_min=int(c.get("max_skips_at_min", 20)))
+
+def check_quantized(precision: str, model_cfg: Mapping[str, Any], lora_cfg: Mapping[str, Any]
+                 ) -> None:
+    """One-paragraph ConfigErrors for what a quantized policy cannot train (`config.validate`)."""
+    policy = get_policy(precision)
+    if policy.quantized is None:
+        return
+    if lora_cfg.get("rank", 0):
+        raise ConfigError(paragraph(
+            f"precision={precision!r} with lora.rank={lora_cfg['rank']}: quantized training is",
+            "not combined with LoRA adapters (the adapters' small update would be folded into a",
+            "weight that is then rounded to int8 per channel, and the dropout path's adapter",
+            "matmuls are not projections). Fine-tune the adapters with --config.precision=",
+            "bf16-mixed, or train all weights in int8 with --config.lora.rank=0."))
+    moe = model_cfg.get("moe") or {}
+    if moe.get("num_experts", 0):
+        raise ConfigError(paragraph(
+            f"precision={precision!r} with model.moe.num_experts={moe['num_experts']}: the",
+            "experts' grouped matmuls (models/moe.py) are not projections the int8 policy",
+            "quantizes, so most of the model's FLOPs would stay bfloat16 while the run claims",
+            "int8. Use --config.precision=bf16-mixed for mixture-of-experts models, or a dense",
+            "model (model.moe.num_experts=0) for int8."))

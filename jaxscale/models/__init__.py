@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.errors import ConfigError, ConversionError, paragraph
-from jaxscale.models import gemma, llama, llama_flops, lm_task, quant, qwen, vit
+from jaxscale.models import gemma, llama, llama_flops, lm_task, qwen, vit
 from jaxscale.models.scan import check_remat
 from jaxscale.models.task import Task
 from jaxscale.precision import Policy
@@ -192,8 +192,14 @@ class ModelDef:
     def build(cls, model_cfg: Mapping, policy: Policy) -> "ModelDef":
         e, task = entry_of(model_cfg), task_of(model_cfg)
         cfg = e.config_cls.from_config(model_cfg)
-        # A quantized policy (`int8`) swaps the projection modules for qwix's (models/quant.py).
-        make = lambda rng: quant.quantize(e.module_cls(cfg, nnx.Rngs(rng), policy), policy)
+        make = lambda rng: e.module_cls(cfg, nnx.Rngs(rng), policy)
+        if policy.quantized is not None:
+            # `int8` swaps the projection modules for qwix's (models/quant.py); qwix is imported
+            # only here, so runs that do not quantize never pay its import.
+            from jaxscale.models import quant
+
+            plain = make
+            make = lambda rng: quant.quantize(plain(rng), policy)
         return cls(*nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0)))), make, task)
 
     def remade(self, make: Callable[[jax.Array], nnx.Module]) -> "ModelDef":

@@ -16,7 +16,7 @@ What is not: the matmuls without a weight operand (attention's QK^T and PV), the
 lookup, the LM / classifier head and the ViT patch embedding run as `bf16-mixed` runs them
 (bfloat16 compute; norms, softmax and logits float32, `precision._F32_OVERRIDES`). Mixture-of-
 experts layers, whose grouped matmuls are not projections, and LoRA adapters are refused by
-`check_config` rather than left silently unquantized.
+`precision.check_quantized` rather than left silently unquantized.
 
 The model classes know nothing of this: `ModelDef.build` passes each freshly built model through
 `quantize`, which swaps the projection modules for qwix's intercepted subclasses (static graph
@@ -25,7 +25,6 @@ structure only: the parameters, their names, shapes and shardings are unchanged)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -34,8 +33,7 @@ import qwix
 from flax import nnx
 from qwix._src.utils.flax_util import find_param  # qwix's own weight test (pinned <0.2)
 
-from jaxscale.errors import ConfigError, paragraph
-from jaxscale.precision import Policy, get_policy
+from jaxscale.precision import Policy
 
 QTYPES: dict[str, Any] = {"int8": jnp.int8}
 
@@ -97,26 +95,3 @@ def quantize(model: nnx.Module, policy: Policy) -> nnx.Module:
         else:
             setattr(parent, path[-1], quantized)
     return model
-
-
-def check_config(precision: str, model_cfg: Mapping[str, Any], lora_cfg: Mapping[str, Any]
-                 ) -> None:
-    """One-paragraph ConfigErrors for what a quantized policy cannot train (`config.validate`)."""
-    policy = get_policy(precision)
-    if policy.quantized is None:
-        return
-    if lora_cfg.get("rank", 0):
-        raise ConfigError(paragraph(
-            f"precision={precision!r} with lora.rank={lora_cfg['rank']}: quantized training is",
-            "not combined with LoRA adapters (the adapters' small update would be folded into a",
-            "weight that is then rounded to int8 per channel, and the dropout path's adapter",
-            "matmuls are not projections). Fine-tune the adapters with --config.precision=",
-            "bf16-mixed, or train all weights in int8 with --config.lora.rank=0."))
-    moe = model_cfg.get("moe") or {}
-    if moe.get("num_experts", 0):
-        raise ConfigError(paragraph(
-            f"precision={precision!r} with model.moe.num_experts={moe['num_experts']}: the",
-            "experts' grouped matmuls (models/moe.py) are not projections the int8 policy",
-            "quantizes, so most of the model's FLOPs would stay bfloat16 while the run claims",
-            "int8. Use --config.precision=bf16-mixed for mixture-of-experts models, or a dense",
-            "model (model.moe.num_experts=0) for int8."))
