@@ -107,3 +107,27 @@ def edited_copy(path: str, out: str, change: dict) -> str:
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     return out
+
+
+def assert_load_and_save_dispatch(path: str, opener, tmp_path) -> None:
+    """`hf.load` reads what the family's own opener reads (by config.json's model_type),
+    `hf.save` writes the family's layout (by model.name): the original tensors, bit for bit,
+    which `hf.load` reads back to the same model."""
+    model, direct = hf.load(path), hf.load_pretrained(opener(path))
+    assert model.config == direct.config
+    got, want = flatten(model.params), flatten(direct.params)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v)
+    out = hf.save(model, str(tmp_path / "saved"))
+    with open(os.path.join(out, "config.json")) as f, \
+            open(os.path.join(path, "config.json")) as g:
+        assert json.load(f)["model_type"] == json.load(g)["model_type"]
+    original, written = hf.SafetensorsReader(path), hf.SafetensorsReader(out)
+    assert set(written.keys()) <= set(original.keys())
+    for k in written.keys():
+        np.testing.assert_array_equal(written.get(k), original.get(k))
+    again = hf.load(out)
+    assert again.config == model.config
+    for k, v in flatten(again.params).items():
+        np.testing.assert_array_equal(v, got[k])

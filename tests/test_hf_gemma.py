@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxscale.errors import ConfigError
-from jaxscale.interop import hf
+from jaxscale.interop import hf, hf_gemma
 from jaxscale.models import ModelDef, check_model
 from jaxscale.models.gemma import Gemma3Config
 from jaxscale.models.scan import scan_layers
@@ -23,6 +23,7 @@ from jaxscale.weights.sources import open_huggingface
 from tests.hf_common import (
     assert_greedy_equals_transformers,
     assert_import_export_import_exact,
+    assert_load_and_save_dispatch,
     edited_copy,
     hf_logits,
     jax_logits,
@@ -100,6 +101,11 @@ def test_import_export_import_is_exact(hf_models, name, tmp_path):
     (past the window) for the reloaded model's logits."""
     model, path, converted = hf_models[name]
     assert assert_import_export_import_exact(model, path, tmp_path, 20) == converted.config
+
+
+def test_load_and_save_dispatch_on_the_architecture(hf_models, tmp_path):
+    """`hf.load` / `hf.save` serve a Gemma 3 directory as `open_gemma3` / `save_gemma` do."""
+    assert_load_and_save_dispatch(hf_models["gemma3"][1], hf_gemma.open_gemma3, tmp_path)
 
 
 @pytest.mark.parametrize("name, change, culprit", [

@@ -25,6 +25,7 @@ from jaxscale.weights.tree import flatten, unflatten
 from tests.hf_common import (
     assert_greedy_equals_transformers,
     assert_import_export_import_exact,
+    assert_load_and_save_dispatch,
     edited_copy,
     hf_logits,
     jax_logits,
@@ -97,13 +98,24 @@ def test_import_export_import_is_exact(hf_models, name, tmp_path):
     assert_import_export_import_exact(model, path, tmp_path)
 
 
+def test_load_and_save_dispatch_on_the_architecture(hf_models, tmp_path):
+    """`hf.load` / `hf.save` serve a Qwen3 directory as its family's opener and saver do, and
+    an unknown model_type is one paragraph naming the supported ones."""
+    assert_load_and_save_dispatch(hf_models["qwen3"][1], hf_qwen.open_qwen3, tmp_path)
+    path = edited_copy(hf_models["qwen3"][1], str(tmp_path / "gpt9"), dict(model_type="gpt9"))
+    with pytest.raises(hf.ConversionError, match=r"model_type='gpt9'; jaxscale converts \[.*"
+                                                 r"'gemma3_text'.*'qwen3'.*\]") as err:
+        hf.load(path)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("name, change, culprit", [
     ("qwen2", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=True"),
     ("qwen3", dict(layer_types=["full_attention", "sliding_attention"]),
      r"layer_types marks layers \[1\] as 'sliding_attention'"),
     ("qwen3", dict(attention_bias=True), "attention_bias=True .* qwen3"),
     ("qwen3", dict(num_experts=8), "num_experts=8 .*mixture-of-experts"),
-    ("qwen3", dict(model_type="qwen3_moe"), "model_type='qwen3_moe'; jaxscale converts"),
+    ("qwen3", dict(model_type="qwen3_next"), "model_type='qwen3_next'; jaxscale converts"),
     ("qwen2", dict(hidden_act="gelu"), "hidden_act='gelu'"),
     ("qwen2", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
      "type 'yarn'"),

@@ -1,27 +1,31 @@
-"""Hugging Face Llama checkpoints <-> jaxscale parameters (safetensors, no torch needed).
+"""Hugging Face checkpoints <-> jaxscale parameters (safetensors, no torch needed).
 
-    model = load_llama(hf_dir, mesh=None, rules=None, dtype=None)   # Pretrained(config, params)
-    save_llama(model, out_dir, dtype=None, max_shard_size=None)
+    model = load(hf_dir, mesh=None, rules=None, dtype=None)   # Pretrained(config, params)
+    save(model, out_dir, dtype=None, max_shard_size=None)
 
-`load_llama` reads `config.json` and `model.safetensors` (or a sharded
-`model.safetensors.index.json`) and returns `Pretrained(config, params)` (a named tuple, so
-`model_cfg, params = load_llama(...)` also works): the fields to put in `config.model` and the
-nested parameter dict that `ModelDef.module` binds. Tensors are read with `safetensors`, one
-parameter at a time; with a mesh, each parameter is assembled only for the shards this process
-holds and placed straight into the NamedSharding its logical axes resolve to, so at most one
-parameter's host copy exists at any time and a model larger than one device loads onto a mesh.
-`save_llama` streams the same layout back (sharded files past `max_shard_size`); a round trip
-reproduces the original tensors bit for bit. The machinery here (`Leaf`, `Source`,
-`load_pretrained`, `save_tensors`) is shared with the ViT converter, `hf_vit.py`; placement on
-a mesh is `jaxscale.weights.place`, and `jaxscale.weights.sources.open_weights` reads a HF
-directory like any other saved weights.
+`load` reads `config.json` and `model.safetensors` (or a sharded `model.safetensors.index.json`)
+of any supported architecture, by its `model_type` through the model table (`models.hf_opener`:
+llama, mistral, qwen2, qwen3, gemma2, gemma3_text, the MoE families, vit), and returns
+`Pretrained(config, params)` (a named tuple, so `model_cfg, params = load(...)` also works): the
+fields to put in `config.model` and the nested parameter dict that `ModelDef.module` binds.
+Tensors are read with `safetensors`, one parameter at a time; with a mesh, each parameter is
+assembled only for the shards this process holds and placed straight into the NamedSharding its
+logical axes resolve to, so at most one parameter's host copy exists at any time and a model
+larger than one device loads onto a mesh. `save` streams the layout of the model's family
+(by `config.model.name`, `models.hf_saver`) back (sharded files past `max_shard_size`); a round
+trip reproduces the original tensors bit for bit. `launch.convert` goes the same two ways.
+
+The machinery here (`Leaf`, `Source`, `load_pretrained`, `save_tensors`) is every family's; a
+decoder family (`hf_mistral.py`, `hf_qwen.py`, `hf_gemma.py`, `hf_moe.py`) is only its config
+mapping (`hf_config.py` holds the Llama decoder's) and its leaf table, opened and saved by
+`open_decoder` / `save_decoder`. Placement on a mesh is `jaxscale.weights.place`, and
+`jaxscale.weights.sources.open_weights` reads a HF directory like any other saved weights.
 
 jaxscale's Llama uses the Hugging Face "rotate half" rotary layout, so q/k need no permutation:
 every weight is only transposed and reshaped (q/k/v and gate/up are also joined into the fused
 `wqkv` / `w_gate_up` on import and split on export, `models/fused.py`: exact, so round trips
-stay bit for bit). Configurations the model cannot reproduce
-(rope scaling other than `linear` and `llama3`, sliding windows, attention or MLP biases,
-another activation) are rejected, never approximated (Mistral's window: `hf_mistral.py`).
+stay bit for bit). Configurations the model cannot reproduce are rejected in one paragraph
+naming the field, never approximated.
 """
 
 from __future__ import annotations
@@ -49,11 +53,11 @@ from jaxscale.models.fused import GATE_UP, QKV
 from jaxscale.rules import AxisRules, normalize_rules
 from jaxscale.weights.leaf import Leaf as LazyLeaf
 from jaxscale.weights.place import named_shardings, place
-from jaxscale.weights.sources import read_hf_config
+from jaxscale.weights.sources import open_huggingface, read_hf_config
 from jaxscale.weights.tree import flatten, unflatten
 
-__all__ = ["ConversionError", "Pretrained", "SafetensorsReader", "load_llama", "save_llama",
-           "open_llama", "parse_dtype"]
+__all__ = ["ConversionError", "Pretrained", "SafetensorsReader", "load", "load_llama", "save",
+           "save_llama", "open_llama", "parse_dtype"]
 
 
 class Pretrained(NamedTuple):
@@ -202,6 +206,27 @@ def load_pretrained(source: Source, mesh: Mesh | None = None, rules: AxisRules |
 def default_rules() -> AxisRules:
     from jaxscale.config import DEFAULT_RULES
     return AxisRules(normalize_rules(DEFAULT_RULES))
+
+
+def load(path: str, mesh: Mesh | None = None, rules: AxisRules | None = None,
+         dtype: Any = None) -> Pretrained:
+    """`Pretrained(config, params)` of a Hugging Face directory of any supported architecture,
+    read by the converter the model table names for its config.json `model_type` (an unknown
+    one is a ConversionError listing those supported). With `mesh`, every parameter is a
+    jax.Array sharded by `rules` (default: DEFAULT_RULES); without, host numpy arrays. `dtype`
+    ('bf16', 'float32', ...) defaults to float32 (the 32-true parameter dtype)."""
+    return load_pretrained(open_huggingface(path), mesh, rules, dtype)
+
+
+def save(model: Pretrained | tuple[Mapping, Mapping], out_dir: str, dtype: Any = None,
+         max_shard_size: int | str | None = None) -> str:
+    """Writes `model` (a `Pretrained`, or a (config.model, params) pair) as the Hugging Face
+    directory of its family, by `config.model.name` through the model table: `config.json` +
+    safetensors (sharded past `max_shard_size`, e.g. '5GB'), in `dtype` if given. Gathers one
+    parameter to the host at a time, so call it from a single process."""
+    from jaxscale.models import hf_saver
+    model_cfg, _ = unpack(model, "save")
+    return hf_saver(model_cfg)(model, out_dir, dtype=dtype, max_shard_size=max_shard_size)
 
 
 def load_llama(hf_dir: str, mesh: Mesh | None = None, rules: AxisRules | None = None,
