@@ -79,12 +79,13 @@ def assert_import_export_import_exact(model, path: str, tmp_path, length: int = 
     again. Returns the converted model config."""
     model_cfg = convert.hf_to_workdir(path, str(tmp_path / "converted"))
     out = convert.workdir_to_hf(str(tmp_path / "converted"), str(tmp_path / "export"))
-    original = {k: v.numpy() for k, v in model.state_dict().items()}
-    exported = hf.SafetensorsReader(out)
-    tied = {"lm_head.weight"} if model_cfg["tie_embeddings"] else set()
-    assert set(exported.keys()) == set(original) - tied
+    # The files save_pretrained wrote (transformers >= 5 may hold experts fused in memory, and
+    # writes the checkpoint layout; a tied lm_head is not written).
+    original, exported = hf.SafetensorsReader(path), hf.SafetensorsReader(out)
+    assert set(exported.keys()) == set(original.keys())
+    assert ("lm_head.weight" in exported.keys()) != model_cfg["tie_embeddings"]
     for k in exported.keys():
-        np.testing.assert_array_equal(exported.get(k), original[k])
+        np.testing.assert_array_equal(exported.get(k), original.get(k))
     reloaded = type(model).from_pretrained(out).eval()
     tokens = torch.arange(length).reshape(1, length)
     with torch.no_grad():
@@ -124,7 +125,7 @@ def assert_load_and_save_dispatch(path: str, opener, tmp_path) -> None:
             open(os.path.join(path, "config.json")) as g:
         assert json.load(f)["model_type"] == json.load(g)["model_type"]
     original, written = hf.SafetensorsReader(path), hf.SafetensorsReader(out)
-    assert set(written.keys()) <= set(original.keys())
+    assert set(written.keys()) == set(original.keys())
     for k in written.keys():
         np.testing.assert_array_equal(written.get(k), original.get(k))
     again = hf.load(out)

@@ -110,8 +110,8 @@ def llama_config_to_hf(model_cfg: Mapping[str, Any], dtype: str = "float32") -> 
     if experts:
         raise ConversionError(paragraph(
             f"model.moe.num_experts={experts}: a mixture-of-experts model has no Llama layout",
-            "(its experts would be dropped). Hugging Face Mixtral / Qwen3-MoE export is not",
-            "written yet (issue 31); keep the training checkpoint or the params export."))
+            "(its experts would be dropped). Export it as a Hugging Face MoE family:",
+            "model.name=mixtral (Mistral's attention) or qwen3_moe (Qwen3's, with q/k norms)."))
     scaling = rope_scaling_to_hf(m)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
