@@ -3,9 +3,6 @@ sliding window, through the KV cache) equal transformers', import -> export -> i
 bit, a mixed local/global pattern is scanned per layer, and what the decoder cannot reproduce is
 refused."""
 
-import json
-import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -16,19 +13,27 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxscale import generate as gen
 from jaxscale.errors import ConfigError
-from jaxscale.interop import convert, hf
+from jaxscale.interop import hf, hf_gemma
 from jaxscale.models import ModelDef, check_model
 from jaxscale.models.gemma import Gemma3Config
 from jaxscale.models.scan import scan_layers
 from jaxscale.precision import get_policy
 from jaxscale.weights.sources import open_huggingface
-from jaxscale.weights.tree import flatten
+from tests.hf_common import (
+    assert_greedy_equals_transformers,
+    assert_import_export_import_exact,
+    assert_load_and_save_dispatch,
+    edited_copy,
+    hf_logits,
+    jax_logits,
+    load,
+    make_tiny,
+)
 from tests.test_hf_qwen import assert_same_training, train_steps
 from tests.test_parallel_equivalence import make_config
 
-VOCAB, PROMPT, NEW, WINDOW = 96, 6, 32, 8
+VOCAB, WINDOW = 96, 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -50,26 +55,15 @@ FAMILIES = {
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     """{name: (transformers model, its save_pretrained directory, the import)}, built once;
-    norm weights (zero at init) made non-trivial so a dropped or misplaced norm shows."""
+    norm weights (zero at init) made non-trivial so a dropped or misplaced norm shows, q/k
+    scaled so that the scores are large enough for the soft-cap to bite."""
     out = {}
     for name, (config_cls, model_cls, overrides) in FAMILIES.items():
-        torch.manual_seed(0)
-        model = model_cls(config_cls(**{**COMMON, **overrides})).eval()
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "norm" in n:
-                    p.add_(0.3 * torch.randn_like(p))
-                if "q_proj" in n or "k_proj" in n:  # scores large enough for the cap to bite
-                    p.mul_(10.0)
         path = str(tmp_path_factory.mktemp("hf") / name)
-        model.save_pretrained(path, safe_serialization=True)
-        out[name] = (model, path, hf.load_pretrained(open_huggingface(path)))
+        model = make_tiny(model_cls, config_cls(**{**COMMON, **overrides}), path, noise=0.3,
+                          scaled=("q_proj", "k_proj"))
+        out[name] = (model, path, load(path))
     return out
-
-
-def jax_logits(model_cfg, params, tokens):
-    model_def = ModelDef.build(model_cfg, get_policy("32-true"))
-    return np.asarray(jax.jit(lambda p, t: model_def.module(p)(t))(params, tokens))
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -81,8 +75,7 @@ def test_logits_match_transformers(hf_models, name):
     assert model_cfg["attn_softcap"] == (0.5 if name == "gemma2" else 0.0)
     assert "lm_head" not in params and model_cfg["tie_embeddings"]
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 40)).astype(np.int32)
-    with torch.no_grad():
-        ref = model(torch.from_numpy(tokens).long()).logits.numpy()
+    ref = hf_logits(model, tokens)
     got = jax_logits(model_cfg, params, tokens)
     err = np.max(np.abs(got - ref))
     assert got.shape == ref.shape and err < 1e-4
@@ -99,48 +92,20 @@ def test_logits_match_transformers(hf_models, name):
 def test_greedy_generation_equals_transformers(hf_models, name):
     """32 greedy tokens through the KV cache (past the window) equal transformers' `generate`."""
     model, path, _ = hf_models[name]
-    prompt = np.random.default_rng(1).integers(1, VOCAB, (2, PROMPT)).astype(np.int32)
-    with torch.no_grad():
-        ref = model.generate(torch.from_numpy(prompt).long(), max_new_tokens=NEW,
-                             do_sample=False,
-                             attention_mask=torch.ones(2, PROMPT, dtype=torch.long)).numpy()
-    assert ref.shape == (2, PROMPT + NEW)
-    config, params = gen.load_model(hf_dir=path)
-    assert config.model.name == name
-    np.testing.assert_array_equal(gen.generate_from_config(config, params, prompt, NEW), ref)
+    assert_greedy_equals_transformers(model, path, name, VOCAB)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_import_export_import_is_exact(hf_models, name, tmp_path):
-    """HF -> launch.convert's workdir -> HF: the original tensors bit for bit, a config
-    transformers loads with equal logits, and the same import again."""
+    """HF -> launch.convert's workdir -> HF -> HF again, bit for bit (`hf_common`), 20 tokens
+    (past the window) for the reloaded model's logits."""
     model, path, converted = hf_models[name]
-    model_cfg = convert.hf_to_workdir(path, str(tmp_path / "converted"))
-    out = convert.workdir_to_hf(str(tmp_path / "converted"), str(tmp_path / "export"))
-    original = {k: v.numpy() for k, v in model.state_dict().items()}
-    exported = hf.SafetensorsReader(out)
-    assert set(exported.keys()) == set(original) - {"lm_head.weight"}
-    for k in exported.keys():
-        np.testing.assert_array_equal(exported.get(k), original[k])
-    reloaded = FAMILIES[name][1].from_pretrained(out).eval()
-    tokens = torch.arange(20).reshape(1, 20)
-    with torch.no_grad():
-        np.testing.assert_array_equal(reloaded(tokens).logits.numpy(),
-                                      model(tokens).logits.numpy())
-    again = hf.load_pretrained(open_huggingface(out))
-    assert again.config == converted.config == model_cfg
-    for k, v in flatten(converted.params).items():
-        np.testing.assert_array_equal(flatten(again.params)[k], v)
+    assert assert_import_export_import_exact(model, path, tmp_path, 20) == converted.config
 
 
-def _edited(path, tmp_path, change):
-    out = str(tmp_path / "edited")
-    shutil.copytree(path, out)
-    cfg_path = os.path.join(out, "config.json")
-    cfg = json.load(open(cfg_path))
-    cfg.update(change)
-    json.dump(cfg, open(cfg_path, "w"))
-    return out
+def test_load_and_save_dispatch_on_the_architecture(hf_models, tmp_path):
+    """`hf.load` / `hf.save` serve a Gemma 3 directory as `open_gemma3` / `save_gemma` do."""
+    assert_load_and_save_dispatch(hf_models["gemma3"][1], hf_gemma.open_gemma3, tmp_path)
 
 
 @pytest.mark.parametrize("name, change, culprit", [
@@ -155,7 +120,7 @@ def _edited(path, tmp_path, change):
 ])
 def test_unsupported_configs_are_refused(hf_models, tmp_path, name, change, culprit):
     with pytest.raises(hf.ConversionError, match=culprit):
-        open_huggingface(_edited(hf_models[name][1], tmp_path, change))
+        open_huggingface(edited_copy(hf_models[name][1], str(tmp_path / "edited"), change))
 
 
 def test_switches_carry_axes_and_patterns_refuse_static_kernels():

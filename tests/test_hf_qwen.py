@@ -3,9 +3,6 @@ generation equal transformers', import -> export -> import is bit for bit, what 
 cannot reproduce is refused, the new parameters are sharded by the rules, and a Qwen3-style
 model trains on an fsdp x tensor mesh exactly as on one device."""
 
-import json
-import os
-import shutil
 from types import SimpleNamespace
 
 import jax
@@ -15,8 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxscale import generate as gen
-from jaxscale.interop import convert, hf, hf_qwen
+from jaxscale.interop import hf, hf_qwen
 from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef, lora
 from jaxscale.models.llama import LlamaConfig
@@ -26,9 +22,19 @@ from jaxscale.train.loop import Trainer
 from jaxscale.train.state import param_specs
 from jaxscale.weights.sources import open_huggingface
 from jaxscale.weights.tree import flatten, unflatten
+from tests.hf_common import (
+    assert_greedy_equals_transformers,
+    assert_import_export_import_exact,
+    assert_load_and_save_dispatch,
+    edited_copy,
+    hf_logits,
+    jax_logits,
+    load,
+    make_tiny,
+)
 from tests.test_parallel_equivalence import RTOL, STEPS, make_config
 
-VOCAB, PROMPT, NEW = 96, 6, 32
+VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
               rms_norm_eps=1e-6, rope_theta=1e6, bos_token_id=None, eos_token_id=None,
@@ -47,30 +53,16 @@ SWITCH_LEAVES = {"qwen2": ["layers/attn/bqkv"],
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    """{name: (transformers model, its save_pretrained directory)}, built once."""
+    """{name: (transformers model, its save_pretrained directory)}, built once, with
+    non-trivial biases and norm scales, so a dropped one shows."""
     out = {}
     for name, (family, overrides) in MODELS.items():
-        torch.manual_seed(0)
         config_cls, model_cls = HF_CLASSES[family]
-        model = model_cls(config_cls(**{**COMMON, **overrides})).eval()
-        with torch.no_grad():  # non-trivial biases and norm scales, so a dropped one shows
-            for n, p in model.named_parameters():
-                if "norm" in n or "bias" in n:
-                    p.add_(0.2 * torch.randn_like(p))
         path = str(tmp_path_factory.mktemp("hf") / name)
-        model.save_pretrained(path, safe_serialization=True)
+        model = make_tiny(model_cls, config_cls(**{**COMMON, **overrides}), path,
+                          noisy=("norm", "bias"))
         out[name] = (model, path)
     return out
-
-
-def load(path):
-    """`Pretrained(config, host params)` of a HF directory, by its model_type."""
-    return hf.load_pretrained(open_huggingface(path))
-
-
-def jax_logits(model_cfg, params, tokens):
-    model_def = ModelDef.build(model_cfg, get_policy("32-true"))
-    return np.asarray(jax.jit(lambda p, t: model_def.module(p)(t))(params, tokens))
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -82,8 +74,7 @@ def test_logits_match_transformers(hf_models, name):
     assert set(SWITCH_LEAVES[family]) <= set(flatten(params))
     assert ("lm_head" in params) != model_cfg["tie_embeddings"]
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 40)).astype(np.int32)
-    with torch.no_grad():
-        ref = model(torch.from_numpy(tokens).long()).logits.numpy()
+    ref = hf_logits(model, tokens)
     got = jax_logits(model_cfg, params, tokens)
     err = np.max(np.abs(got - ref))
     assert got.shape == ref.shape and err < 1e-4
@@ -97,51 +88,25 @@ def test_logits_match_transformers(hf_models, name):
 def test_greedy_generation_equals_transformers(hf_models, name):
     """32 greedy tokens through the KV cache equal transformers' `generate`."""
     model, path = hf_models[name]
-    prompt = np.random.default_rng(1).integers(1, VOCAB, (2, PROMPT)).astype(np.int32)
-    with torch.no_grad():
-        ref = model.generate(torch.from_numpy(prompt).long(), max_new_tokens=NEW,
-                             do_sample=False,
-                             attention_mask=torch.ones(2, PROMPT, dtype=torch.long)).numpy()
-    assert ref.shape == (2, PROMPT + NEW)
-    config, params = gen.load_model(hf_dir=path)
-    assert config.model.name == MODELS[name][0]
-    np.testing.assert_array_equal(gen.generate_from_config(config, params, prompt, NEW), ref)
+    assert_greedy_equals_transformers(model, path, MODELS[name][0], VOCAB)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_import_export_import_is_exact(hf_models, name, tmp_path):
-    """HF -> launch.convert's workdir -> HF: the tensors of the original, bit for bit, a config
-    transformers loads with equal logits, and the same import again."""
+    """HF -> launch.convert's workdir -> HF -> HF again, bit for bit (`hf_common`)."""
     model, path = hf_models[name]
-    model_cfg = convert.hf_to_workdir(path, str(tmp_path / "converted"))
-    out = convert.workdir_to_hf(str(tmp_path / "converted"), str(tmp_path / "export"))
-    original = {k: v.numpy() for k, v in model.state_dict().items()}
-    exported = hf.SafetensorsReader(out)
-    tied = {"lm_head.weight"} if model_cfg["tie_embeddings"] else set()
-    assert set(exported.keys()) == set(original) - tied
-    for k in exported.keys():
-        np.testing.assert_array_equal(exported.get(k), original[k])
-    family = MODELS[name][0]
-    reloaded = HF_CLASSES[family][1].from_pretrained(out).eval()
-    tokens = torch.arange(12).reshape(1, 12)
-    with torch.no_grad():
-        np.testing.assert_array_equal(reloaded(tokens).logits.numpy(),
-                                      model(tokens).logits.numpy())
-    first, again = load(path), load(out)
-    assert again.config == first.config == model_cfg
-    for k, v in flatten(first.params).items():
-        np.testing.assert_array_equal(flatten(again.params)[k], v)
+    assert_import_export_import_exact(model, path, tmp_path)
 
 
-def _edited(hf_models, tmp_path, name, change):
-    """A copy of model `name`'s directory with `change` applied to its config.json."""
-    path = str(tmp_path / "edited")
-    shutil.copytree(hf_models[name][1], path)
-    cfg_path = os.path.join(path, "config.json")
-    cfg = json.load(open(cfg_path))
-    cfg.update(change)
-    json.dump(cfg, open(cfg_path, "w"))
-    return path
+def test_load_and_save_dispatch_on_the_architecture(hf_models, tmp_path):
+    """`hf.load` / `hf.save` serve a Qwen3 directory as its family's opener and saver do, and
+    an unknown model_type is one paragraph naming the supported ones."""
+    assert_load_and_save_dispatch(hf_models["qwen3"][1], hf_qwen.open_qwen3, tmp_path)
+    path = edited_copy(hf_models["qwen3"][1], str(tmp_path / "gpt9"), dict(model_type="gpt9"))
+    with pytest.raises(hf.ConversionError, match=r"model_type='gpt9'; jaxscale converts \[.*"
+                                                 r"'gemma3_text'.*'qwen3'.*\]") as err:
+        hf.load(path)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("name, change, culprit", [
@@ -150,13 +115,13 @@ def _edited(hf_models, tmp_path, name, change):
      r"layer_types marks layers \[1\] as 'sliding_attention'"),
     ("qwen3", dict(attention_bias=True), "attention_bias=True .* qwen3"),
     ("qwen3", dict(num_experts=8), "num_experts=8 .*mixture-of-experts"),
-    ("qwen3", dict(model_type="qwen3_moe"), "model_type='qwen3_moe'; jaxscale converts"),
+    ("qwen3", dict(model_type="qwen3_next"), "model_type='qwen3_next'; jaxscale converts"),
     ("qwen2", dict(hidden_act="gelu"), "hidden_act='gelu'"),
     ("qwen2", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
      "type 'yarn'"),
 ])
 def test_unsupported_configs_are_refused(hf_models, tmp_path, name, change, culprit):
-    path = _edited(hf_models, tmp_path, name, change)
+    path = edited_copy(hf_models[name][1], str(tmp_path / "edited"), change)
     with pytest.raises(hf.ConversionError, match=culprit):
         open_huggingface(path)
 

@@ -23,12 +23,12 @@ from jaxscale.parallel.pipeline import OneFOneB, PipelineRunner, make_layer_runn
 
 def test_tables_name_every_model_and_task():
     assert set(models.MODELS) == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                 "vit"}
+                                 "mixtral", "qwen3_moe", "vit"}
     assert {n: list(e.tasks) for n, e in models.MODELS.items()} == {
         "llama": ["lm"], "mistral": ["lm"], "qwen2": ["lm"], "qwen3": ["lm"], "gemma3": ["lm"],
-        "gemma2": ["lm"], "vit": ["classify"]}
+        "gemma2": ["lm"], "mixtral": ["lm"], "qwen3_moe": ["lm"], "vit": ["classify"]}
     with pytest.raises(ConfigError, match="model.name='gpt9'.*'gemma2', 'gemma3', 'llama', 'mistral', "
-                                          "'qwen2', 'qwen3', 'vit'"):
+                                          "'mixtral', 'qwen2', 'qwen3', 'qwen3_moe', 'vit'"):
         models.lookup("gpt9")
     with pytest.raises(ConfigError, match="model.task='rank' for model.name='llama'.*'lm'"):
         models.task_of({"name": "llama", "task": "rank"})

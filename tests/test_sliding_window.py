@@ -25,6 +25,8 @@ from tests.aot_common import libtpu_test, run_module
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests.hf_common import make_tiny
+
 WINDOW = 4
 # Row 0: documents of 5, 3 and 8 tokens; row 1: padding (segment 0) then documents of 7 and 6.
 SEGMENTS = np.stack([np.repeat([1, 2, 3], [5, 3, 8]), np.repeat([0, 1, 2], [3, 7, 6])])
@@ -121,18 +123,12 @@ def test_packed_documents_see_their_own_window():
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
     """A tiny random MistralForCausalLM (explicit head_dim, window 4) and its directory."""
-    torch.manual_seed(0)
-    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+    path = str(tmp_path_factory.mktemp("hf") / "mistral")
+    model = make_tiny(transformers.MistralForCausalLM, transformers.MistralConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
         sliding_window=WINDOW, rope_theta=20000.0, bos_token_id=None, eos_token_id=None,
-        pad_token_id=0)).eval()
-    with torch.no_grad():  # non-trivial norm scales, so a swapped norm would show
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.add_(0.1 * torch.randn_like(p))
-    path = str(tmp_path_factory.mktemp("hf") / "mistral")
-    model.save_pretrained(path, safe_serialization=True)
+        pad_token_id=0), path, noise=0.1)  # non-trivial norm scales: a swapped norm shows
     return model, path
 
 

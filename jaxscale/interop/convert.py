@@ -6,7 +6,7 @@ checksummed format `config.init_from` reads first) plus `WORKDIR/model_config.js
 (a conversion output, or a training workdir's newest restorable checkpoint) through
 `weights.sources.open_weights`, folds LoRA adapters in, and writes the Hugging Face layout
 back. Model families are dispatched on HF `model_type` / jaxscale `model.name` through the model
-table (`models.hf_opener` / `models.hf_saver`).
+table, as `interop.hf.load` / `hf.save` do (`weights.sources.open_huggingface`, `hf.save`).
 """
 
 from __future__ import annotations
@@ -103,14 +103,22 @@ def workdir_to_hf(workdir: str, out_dir: str, dtype: Any = None,
                   max_shard_size: int | str | None = None) -> str:
     """Writes a workdir's newest weights in the HF layout (sharded past `max_shard_size`)."""
     model_cfg, lora_cfg = read_model_config(workdir)
-    save = hf_saver(model_cfg)
-    hf.parse_dtype(dtype)  # an unsupported dtype fails before any weights are read
+    hf_saver(model_cfg)  # a family without an exporter, or an unsupported dtype, fails
+    hf.parse_dtype(dtype)  # before any weights are read
     local_only(out_dir, "--to_hf")
     check_output_dir(out_dir, "--to_hf")
-    return save((model_cfg, workdir_params(workdir, lora_cfg)), out_dir, dtype=dtype,
-                        max_shard_size=max_shard_size)
+    return hf.save((model_cfg, workdir_params(workdir, lora_cfg)), out_dir, dtype=dtype,
+                   max_shard_size=max_shard_size)
 
 
 def override_flags(model_cfg: Mapping[str, Any]) -> list[str]:
     """`--config.model.X=V` flags that make launch.train build the converted model."""
-    return [f"--config.model.{k}={v}" for k, v in model_cfg.items()]
+    return [f"--config.model.{k}={v}" for k, v in _flat(model_cfg).items()]
+
+
+def _flat(fields: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections (`moe`) as dotted names: `moe.num_experts`, one flag each."""
+    out = {}
+    for k, v in fields.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, Mapping) else {prefix + k: v})
+    return out

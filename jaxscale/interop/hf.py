@@ -1,27 +1,31 @@
-"""Hugging Face Llama checkpoints <-> jaxscale parameters (safetensors, no torch needed).
+"""Hugging Face checkpoints <-> jaxscale parameters (safetensors, no torch needed).
 
-    model = load_llama(hf_dir, mesh=None, rules=None, dtype=None)   # Pretrained(config, params)
-    save_llama(model, out_dir, dtype=None, max_shard_size=None)
+    model = load(hf_dir, mesh=None, rules=None, dtype=None)   # Pretrained(config, params)
+    save(model, out_dir, dtype=None, max_shard_size=None)
 
-`load_llama` reads `config.json` and `model.safetensors` (or a sharded
-`model.safetensors.index.json`) and returns `Pretrained(config, params)` (a named tuple, so
-`model_cfg, params = load_llama(...)` also works): the fields to put in `config.model` and the
-nested parameter dict that `ModelDef.module` binds. Tensors are read with `safetensors`, one
-parameter at a time; with a mesh, each parameter is assembled only for the shards this process
-holds and placed straight into the NamedSharding its logical axes resolve to, so at most one
-parameter's host copy exists at any time and a model larger than one device loads onto a mesh.
-`save_llama` streams the same layout back (sharded files past `max_shard_size`); a round trip
-reproduces the original tensors bit for bit. The machinery here (`Leaf`, `Source`,
-`load_pretrained`, `save_tensors`) is shared with the ViT converter, `hf_vit.py`; placement on
-a mesh is `jaxscale.weights.place`, and `jaxscale.weights.sources.open_weights` reads a HF
-directory like any other saved weights.
+`load` reads `config.json` and `model.safetensors` (or a sharded `model.safetensors.index.json`)
+of any supported architecture, by its `model_type` through the model table (`models.hf_opener`:
+llama, mistral, qwen2, qwen3, gemma2, gemma3_text, the MoE families, vit), and returns
+`Pretrained(config, params)` (a named tuple, so `model_cfg, params = load(...)` also works): the
+fields to put in `config.model` and the nested parameter dict that `ModelDef.module` binds.
+Tensors are read with `safetensors`, one parameter at a time; with a mesh, each parameter is
+assembled only for the shards this process holds and placed straight into the NamedSharding its
+logical axes resolve to, so at most one parameter's host copy exists at any time and a model
+larger than one device loads onto a mesh. `save` streams the layout of the model's family
+(by `config.model.name`, `models.hf_saver`) back (sharded files past `max_shard_size`); a round
+trip reproduces the original tensors bit for bit. `launch.convert` goes the same two ways.
+
+The machinery here (`Leaf`, `Source`, `load_pretrained`, `save_tensors`) is every family's; a
+decoder family (`hf_mistral.py`, `hf_qwen.py`, `hf_gemma.py`, `hf_moe.py`) is only its config
+mapping (`hf_config.py` holds the Llama decoder's) and its leaf table, opened and saved by
+`open_decoder` / `save_decoder`. Placement on a mesh is `jaxscale.weights.place`, and
+`jaxscale.weights.sources.open_weights` reads a HF directory like any other saved weights.
 
 jaxscale's Llama uses the Hugging Face "rotate half" rotary layout, so q/k need no permutation:
 every weight is only transposed and reshaped (q/k/v and gate/up are also joined into the fused
 `wqkv` / `w_gate_up` on import and split on export, `models/fused.py`: exact, so round trips
-stay bit for bit). Configurations the model cannot reproduce
-(rope scaling other than `linear` and `llama3`, sliding windows, attention or MLP biases,
-another activation) are rejected, never approximated (Mistral's window: `hf_mistral.py`).
+stay bit for bit). Configurations the model cannot reproduce are rejected in one paragraph
+naming the field, never approximated.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxscale.errors import paragraph
-from jaxscale.interop.hf_rope import rope_from_hf, rope_scaling_to_hf
+from jaxscale.interop.hf_config import llama_config_from_hf, llama_config_to_hf
 from jaxscale.interop.safetensors_io import (
     ConversionError,
     SafetensorsReader,
@@ -49,11 +53,11 @@ from jaxscale.models.fused import GATE_UP, QKV
 from jaxscale.rules import AxisRules, normalize_rules
 from jaxscale.weights.leaf import Leaf as LazyLeaf
 from jaxscale.weights.place import named_shardings, place
-from jaxscale.weights.sources import read_hf_config
+from jaxscale.weights.sources import open_huggingface, read_hf_config
 from jaxscale.weights.tree import flatten, unflatten
 
-__all__ = ["ConversionError", "Pretrained", "SafetensorsReader", "load_llama", "save_llama",
-           "open_llama", "parse_dtype"]
+__all__ = ["ConversionError", "Pretrained", "SafetensorsReader", "load", "load_llama", "save",
+           "save_llama", "open_llama", "parse_dtype"]
 
 
 class Pretrained(NamedTuple):
@@ -61,117 +65,6 @@ class Pretrained(NamedTuple):
 
     config: dict
     params: dict
-
-
-# ----------------------------------------------------------------------------- configs
-LLAMA_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads")
-
-
-def require_keys(hf: Mapping[str, Any], keys: tuple[str, ...], where: str, family: str) -> None:
-    """Names every field the conversion cannot do without (a KeyError would name only one)."""
-    missing = [k for k in keys if hf.get(k) is None]
-    if missing:
-        raise ConversionError(paragraph(
-            f"{where} lacks the field(s) {', '.join(missing)}, which a {family} conversion needs",
-            f"(it reads {', '.join(keys)}). The file is truncated or not a {family} config:",
-            "re-save the model with `save_pretrained`, or add the missing values.",
-        ))
-
-
-_REJECTED = {
-    "attention_bias": "attention projections with biases",
-    "mlp_bias": "MLP projections with biases",
-}
-
-
-def llama_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> dict:
-    """HF `LlamaConfig` fields -> jaxscale `config.model` fields (raises on what we lack)."""
-    if hf.get("model_type", "llama") != "llama":
-        raise ConversionError(paragraph(
-            f"{where}: model_type={hf.get('model_type')!r}; only 'llama' checkpoints are",
-            "supported by load_llama (use load_vit for ViT image classifiers).",
-        ))
-    for key, what in _REJECTED.items():
-        if hf.get(key):
-            raise ConversionError(paragraph(
-                f"{where}: {key}=True ({what}) is not supported: jaxscale's Llama has no bias",
-                "parameters, and dropping them would silently change the model. Convert a",
-                f"checkpoint with {key}=false.",
-            ))
-    if hf.get("sliding_window") not in (None, 0):
-        raise ConversionError(paragraph(
-            f"{where}: sliding_window={hf['sliding_window']} (local attention) is not supported:",
-            "jaxscale's Llama attends to the full context, so the converted model would compute",
-            "different logits. Convert a checkpoint with sliding_window=null.",
-        ))
-    return decoder_fields(hf, where, "llama")
-
-
-def decoder_fields(hf: Mapping[str, Any], where: str, name: str) -> dict:
-    """The `config.model` fields of a Llama-decoder family's HF config (`name`: its
-    `model.name`; `hf_qwen.py` reuses it): the activation and rope checked, the sizes read."""
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ConversionError(f"{where}: hidden_act={act!r} is not supported; jaxscale's Llama "
-                              "MLP is SwiGLU (silu). Convert a checkpoint with hidden_act='silu'.")
-    rope_fields = rope_from_hf(hf, where)
-    require_keys(hf, LLAMA_REQUIRED, where, name.capitalize())
-    heads = int(hf["num_attention_heads"])
-    return dict(
-        name=name,
-        vocab_size=int(hf["vocab_size"]),
-        embed=int(hf["hidden_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-        mlp=int(hf["intermediate_size"]),
-        max_len=int(hf.get("max_position_embeddings", 2048)),
-        **rope_fields,  # rope_theta, rope_scaling and the scaling's parameters
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
-
-
-def llama_config_to_hf(model_cfg: Mapping[str, Any], dtype: str = "float32") -> dict:
-    """jaxscale `config.model` -> a `config.json` that `LlamaForCausalLM` loads.
-
-    The rope scaling goes into both `rope_parameters` (transformers >= 5) and `rope_scaling`
-    (older releases), so either reads back the frequencies the model was converted with."""
-    m = dict(model_cfg)
-    if m.get("sliding_window"):
-        raise ConversionError(paragraph(
-            f"model.sliding_window={m['sliding_window']}: a Hugging Face Llama attends to the",
-            "full context, so the exported model would compute different logits. Export it as",
-            "a Mistral (model.name=mistral writes MistralForCausalLM with its sliding_window).",
-        ))
-    switched = [k for k in ("qkv_bias", "qk_norm") if m.get(k)]
-    if switched:
-        raise ConversionError(paragraph(
-            f"model.{switched[0]}=True has no place in a Hugging Face Llama (its tensors would be",
-            "dropped): export the model as the family that has it, model.name=qwen2 (qkv_bias)",
-            "or qwen3 (qk_norm)."))
-    experts = dict(m.get("moe") or {}).get("num_experts", 0)
-    if experts:
-        raise ConversionError(paragraph(
-            f"model.moe.num_experts={experts}: a mixture-of-experts model has no Llama layout",
-            "(its experts would be dropped). Hugging Face Mixtral / Qwen3-MoE export is not",
-            "written yet (issue 31); keep the training checkpoint or the params export."))
-    scaling = rope_scaling_to_hf(m)
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": m["vocab_size"], "hidden_size": m["embed"],
-        "intermediate_size": m["mlp"], "num_hidden_layers": m["num_layers"],
-        "num_attention_heads": m["num_heads"], "num_key_value_heads": m["num_kv_heads"],
-        "head_dim": m["head_dim"], "max_position_embeddings": m["max_len"],
-        "rope_theta": m["rope_theta"], "rms_norm_eps": m["norm_eps"],
-        "rope_parameters": {**(scaling or {"rope_type": "default"}),
-                            "rope_theta": m["rope_theta"]},
-        "tie_word_embeddings": bool(m["tie_embeddings"]), "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "rope_scaling": scaling,
-        "torch_dtype": dtype, "bos_token_id": None, "eos_token_id": None,
-    }
 
 
 # ----------------------------------------------------------------------------- weight layout
@@ -315,10 +208,25 @@ def default_rules() -> AxisRules:
     return AxisRules(normalize_rules(DEFAULT_RULES))
 
 
-def open_llama(hf_dir: str) -> Source:
-    """The config and lazy reader of a HF Llama directory (validated; no tensor read yet)."""
-    model_cfg = llama_config_from_hf(read_hf_config(hf_dir), os.path.join(hf_dir, "config.json"))
-    return Source(model_cfg, SafetensorsReader(hf_dir), llama_leaves(model_cfg))
+def load(path: str, mesh: Mesh | None = None, rules: AxisRules | None = None,
+         dtype: Any = None) -> Pretrained:
+    """`Pretrained(config, params)` of a Hugging Face directory of any supported architecture,
+    read by the converter the model table names for its config.json `model_type` (an unknown
+    one is a ConversionError listing those supported). With `mesh`, every parameter is a
+    jax.Array sharded by `rules` (default: DEFAULT_RULES); without, host numpy arrays. `dtype`
+    ('bf16', 'float32', ...) defaults to float32 (the 32-true parameter dtype)."""
+    return load_pretrained(open_huggingface(path), mesh, rules, dtype)
+
+
+def save(model: Pretrained | tuple[Mapping, Mapping], out_dir: str, dtype: Any = None,
+         max_shard_size: int | str | None = None) -> str:
+    """Writes `model` (a `Pretrained`, or a (config.model, params) pair) as the Hugging Face
+    directory of its family, by `config.model.name` through the model table: `config.json` +
+    safetensors (sharded past `max_shard_size`, e.g. '5GB'), in `dtype` if given. Gathers one
+    parameter to the host at a time, so call it from a single process."""
+    from jaxscale.models import hf_saver
+    model_cfg, _ = unpack(model, "save")
+    return hf_saver(model_cfg)(model, out_dir, dtype=dtype, max_shard_size=max_shard_size)
 
 
 def load_llama(hf_dir: str, mesh: Mesh | None = None, rules: AxisRules | None = None,
@@ -386,16 +294,61 @@ def save_tensors(flat: Mapping[str, Any], leaves: Mapping[str, Leaf], hf_config:
     return out_dir
 
 
-def save_llama(model: Pretrained | tuple[Mapping, Mapping], out_dir: str, dtype: Any = None,
-               max_shard_size: int | str | None = None) -> str:
-    """Writes `config.json` + safetensors that `LlamaForCausalLM.from_pretrained` loads.
+# ----------------------------------------------------------------------------- decoder families
+ConfigFromHF = Callable[..., dict]  # (hf, where=, name=) -> config.model fields; raises
+LeavesOf = Callable[[Mapping[str, Any]], dict[str, Leaf]]  # config.model -> {path: Leaf}
 
-    Parameters keep their dtype unless `dtype` is given (e.g. 'bf16' to halve the files).
-    Gathers one parameter to the host at a time, so call it from a single process.
-    """
-    model_cfg, flat = unpack(model, "save_llama")
-    return save_tensors(flat, llama_leaves(model_cfg), llama_config_to_hf(model_cfg), out_dir,
-                        dtype, max_shard_size)
+
+def open_decoder(hf_dir: str, name: str, config_from_hf: ConfigFromHF, leaves_of: LeavesOf
+                 ) -> Source:
+    """The validated config and lazy reader of a HF directory of the decoder family `name`
+    (no tensor read yet): a family is only its config mapping and its leaf table."""
+    where = os.path.join(hf_dir, "config.json")
+    model_cfg = config_from_hf(read_hf_config(hf_dir), where=where, name=name)
+    return Source(model_cfg, SafetensorsReader(hf_dir), leaves_of(model_cfg))
+
+
+def save_decoder(model: Pretrained | tuple[Mapping, Mapping], out_dir: str,
+                 config_to_hf: Callable[[Mapping[str, Any]], dict], leaves_of: LeavesOf,
+                 dtype: Any = None, max_shard_size: int | str | None = None,
+                 fn: str = "save", names: tuple[str, ...] = ()) -> str:
+    """Writes a decoder family's `config.json` + safetensors; `names`: the `model.name`s this
+    family writes (a model of another is refused, naming `fn`; empty: any)."""
+    model_cfg, flat = unpack(model, fn)
+    if names and model_cfg.get("name") not in names:
+        raise ConversionError(f"{fn}: model.name={model_cfg.get('name')!r} is not one of "
+                              f"{sorted(names)}; use the saver of its family.")
+    return save_tensors(flat, leaves_of(model_cfg), config_to_hf(model_cfg), out_dir, dtype,
+                        max_shard_size)
+
+
+def decoder_opener(name: str, config_from_hf: ConfigFromHF, leaves_of: LeavesOf
+                   ) -> Callable[[str], Source]:
+    """The model table's opener (hf_dir -> Source) of the decoder family `name`."""
+    def opener(hf_dir: str) -> Source:
+        return open_decoder(hf_dir, name, config_from_hf, leaves_of)
+    opener.__name__ = opener.__qualname__ = f"open_{name}"
+    opener.__doc__ = f"The config and lazy reader of a HF {name} directory (validated)."
+    return opener
+
+
+def decoder_saver(fn: str, config_to_hf: Callable[[Mapping[str, Any]], dict],
+                  leaves_of: LeavesOf, names: tuple[str, ...] = ()) -> Callable[..., str]:
+    """The model table's saver (model, out_dir, dtype=, max_shard_size=) of a decoder family
+    (`save_decoder`); parameters keep their dtype unless `dtype` is given (e.g. 'bf16'), and
+    one parameter at a time is gathered to the host, so call it from a single process."""
+    def saver(model: Pretrained | tuple[Mapping, Mapping], out_dir: str, dtype: Any = None,
+              max_shard_size: int | str | None = None) -> str:
+        return save_decoder(model, out_dir, config_to_hf, leaves_of, dtype, max_shard_size,
+                            fn, names)
+    saver.__name__ = saver.__qualname__ = fn
+    saver.__doc__ = (f"Writes the Hugging Face `config.json` + safetensors of a "
+                     f"{'/'.join(names) or fn.removeprefix('save_')} model (`hf.save_decoder`).")
+    return saver
+
+
+open_llama = decoder_opener("llama", llama_config_from_hf, llama_leaves)
+save_llama = decoder_saver("save_llama", llama_config_to_hf, llama_leaves)
 
 
 def num_bytes(params: Mapping) -> int:

@@ -18,27 +18,18 @@ offset from 1, `RMSNorm(offset=True)`), so round trips stay bit for bit. The con
 classes. `Gemma2ForCausalLM` is the same without the q/k norms and with one rotary base.
 What the decoder cannot reproduce is refused in one paragraph naming the field: bidirectional
 attention, attention biases, another activation, a scaled rotary on the local layers.
+Opening and saving are `hf.open_decoder` / `hf.save_decoder`: this module is the family's
+config mapping and leaf table only.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from jaxscale.errors import paragraph
-from jaxscale.interop.hf import (
-    ConversionError,
-    Leaf,
-    Pretrained,
-    SafetensorsReader,
-    Source,
-    decoder_fields,
-    llama_leaves,
-    read_hf_config,
-    save_tensors,
-    unpack,
-)
+from jaxscale.interop.hf import ConversionError, Leaf, decoder_opener, decoder_saver, llama_leaves
+from jaxscale.interop.hf_config import decoder_fields
 from jaxscale.interop.hf_rope import rope_from_hf, rope_scaling_to_hf
 from jaxscale.models import lookup
 
@@ -212,29 +203,6 @@ def gemma_leaves(model_cfg: Mapping[str, Any]) -> dict[str, Leaf]:
     return leaves
 
 
-def _open(hf_dir: str, name: str) -> Source:
-    where = os.path.join(hf_dir, "config.json")
-    model_cfg = gemma_config_from_hf(read_hf_config(hf_dir), name, where)
-    return Source(model_cfg, SafetensorsReader(hf_dir), gemma_leaves(model_cfg))
-
-
-def open_gemma3(hf_dir: str) -> Source:
-    """The config and lazy reader of a HF Gemma 3 text directory (validated)."""
-    return _open(hf_dir, "gemma3")
-
-
-def open_gemma2(hf_dir: str) -> Source:
-    """The config and lazy reader of a HF Gemma 2 directory (validated)."""
-    return _open(hf_dir, "gemma2")
-
-
-def save_gemma(model: Pretrained | tuple[Mapping, Mapping], out_dir: str, dtype: Any = None,
-               max_shard_size: int | str | None = None) -> str:
-    """Writes `config.json` + safetensors that the model's `Gemma3ForCausalLM` /
-    `Gemma2ForCausalLM` loads (by its `model.name`)."""
-    model_cfg, flat = unpack(model, "save_gemma")
-    if model_cfg.get("name") not in FAMILIES:
-        raise ConversionError(f"save_gemma: model.name={model_cfg.get('name')!r} is not one of "
-                              f"{sorted(FAMILIES)}; use the saver of its family.")
-    return save_tensors(flat, gemma_leaves(model_cfg), gemma_config_to_hf(model_cfg),
-                        out_dir, dtype, max_shard_size)
+open_gemma3 = decoder_opener("gemma3", gemma_config_from_hf, gemma_leaves)
+open_gemma2 = decoder_opener("gemma2", gemma_config_from_hf, gemma_leaves)
+save_gemma = decoder_saver("save_gemma", gemma_config_to_hf, gemma_leaves, tuple(FAMILIES))

@@ -8,14 +8,14 @@ names, an explicit `head_dim` that may differ from hidden / heads, and `sliding_
 layer's query at position i attends to the keys at i - sliding_window < j <= i only (null: the
 full causal context). jaxscale builds it as the Llama decoder (`models/llama.py`) with
 `model.sliding_window` set (model table entry `mistral`), so the conversion is `hf.py`'s Llama
-conversion (`llama_leaves`, `Source`, `save_tensors`) with these fields added; what the Llama
+conversion (`hf_config.llama_config_from_hf`, `hf.llama_leaves`, opened and saved by
+`hf.open_decoder` / `hf.save_decoder`) with these fields added; what the Llama
 converter refuses (biases, another activation, an unsupported rope scaling) this one refuses
 too, and a per-layer mix of sliding and full layers (`layer_types`, Ministral's) as well.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,23 +25,20 @@ from jaxscale.errors import paragraph
 from jaxscale.interop.hf import (
     ConversionError,
     Pretrained,
-    SafetensorsReader,
-    Source,
-    llama_config_from_hf,
-    llama_config_to_hf,
+    decoder_opener,
+    decoder_saver,
     llama_leaves,
     load_pretrained,
-    read_hf_config,
-    save_tensors,
-    unpack,
 )
+from jaxscale.interop.hf_config import llama_config_from_hf, llama_config_to_hf
 from jaxscale.rules import AxisRules
 
 __all__ = ["load_mistral", "mistral_config_from_hf", "mistral_config_to_hf", "open_mistral",
            "save_mistral"]
 
 
-def mistral_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> dict:
+def mistral_config_from_hf(hf: Mapping[str, Any], where: str = "config.json",
+                           name: str = "mistral") -> dict:
     """HF `MistralConfig` fields -> jaxscale `config.model` fields (raises on what we lack)."""
     if hf.get("model_type") != "mistral":
         raise ConversionError(paragraph(
@@ -84,22 +81,11 @@ def mistral_config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
             "sliding_window": window or None}
 
 
-def open_mistral(hf_dir: str) -> Source:
-    """The config and lazy reader of a HF Mistral directory (validated; no tensor read yet)."""
-    model_cfg = mistral_config_from_hf(read_hf_config(hf_dir),
-                                       os.path.join(hf_dir, "config.json"))
-    return Source(model_cfg, SafetensorsReader(hf_dir), llama_leaves(model_cfg))
+open_mistral = decoder_opener("mistral", mistral_config_from_hf, llama_leaves)
+save_mistral = decoder_saver("save_mistral", mistral_config_to_hf, llama_leaves)
 
 
 def load_mistral(hf_dir: str, mesh: Mesh | None = None, rules: AxisRules | None = None,
                  dtype: Any = None) -> Pretrained:
     """`Pretrained(config, params)` from a Hugging Face Mistral directory (see `load_llama`)."""
     return load_pretrained(open_mistral(hf_dir), mesh, rules, dtype)
-
-
-def save_mistral(model: Pretrained | tuple[Mapping, Mapping], out_dir: str, dtype: Any = None,
-                 max_shard_size: int | str | None = None) -> str:
-    """Writes `config.json` + safetensors that `MistralForCausalLM.from_pretrained` loads."""
-    model_cfg, flat = unpack(model, "save_mistral")
-    return save_tensors(flat, llama_leaves(model_cfg), mistral_config_to_hf(model_cfg), out_dir,
-                        dtype, max_shard_size)

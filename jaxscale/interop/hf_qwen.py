@@ -1,7 +1,7 @@
 """Hugging Face Qwen2 / Qwen2.5 and Qwen3 (dense) checkpoints <-> the Llama decoder's parameters.
 
     source = open_qwen3(hf_dir)            # Source(config, lazy reader, leaves), as open_llama
-    save_qwen3(model, out_dir, dtype=None, max_shard_size=None)
+    save_qwen(model, out_dir, dtype=None, max_shard_size=None)
 
 Both families are the Llama with a switch on (`models/qwen.py`), so the Llama's mapping
 (`hf.llama_leaves`) covers every shared tensor and only the switches' tensors are added here:
@@ -11,29 +11,18 @@ bit), and Qwen3's `q_norm` / `k_norm` scales are per-head RMSNorm scales of `hea
 What the decoder cannot reproduce is refused in one paragraph naming the field: sliding-window
 layers (`use_sliding_window`, `layer_types`), mixture-of-experts fields, a Qwen3 with
 `attention_bias` (its output projection would need a bias too), other activations and rope
-scalings (`hf.decoder_fields`).
+scalings (`hf_config.decoder_fields`). Opening and saving are `hf.open_decoder` /
+`hf.save_decoder`: this module is the family's config mapping and leaf table only.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from jaxscale.errors import paragraph
-from jaxscale.interop.hf import (
-    ConversionError,
-    Leaf,
-    Pretrained,
-    SafetensorsReader,
-    Source,
-    decoder_fields,
-    llama_config_to_hf,
-    llama_leaves,
-    read_hf_config,
-    save_tensors,
-    unpack,
-)
+from jaxscale.interop.hf import ConversionError, Leaf, decoder_opener, decoder_saver, llama_leaves
+from jaxscale.interop.hf_config import decoder_fields, llama_config_to_hf
 from jaxscale.models import DEFAULT_MODEL, lookup
 from jaxscale.models.fused import QKV
 
@@ -123,30 +112,6 @@ def qwen_leaves(model_cfg: Mapping[str, Any]) -> dict[str, Leaf]:
     return leaves
 
 
-def _open(hf_dir: str, name: str) -> Source:
-    where = os.path.join(hf_dir, "config.json")
-    model_cfg = qwen_config_from_hf(read_hf_config(hf_dir), name, where)
-    return Source(model_cfg, SafetensorsReader(hf_dir), qwen_leaves(model_cfg))
-
-
-def open_qwen2(hf_dir: str) -> Source:
-    """The config and lazy reader of a HF Qwen2 / Qwen2.5 directory (validated)."""
-    return _open(hf_dir, "qwen2")
-
-
-def open_qwen3(hf_dir: str) -> Source:
-    """The config and lazy reader of a HF Qwen3 (dense) directory (validated)."""
-    return _open(hf_dir, "qwen3")
-
-
-def save_qwen(model: Pretrained | tuple[Mapping, Mapping], out_dir: str, dtype: Any = None,
-              max_shard_size: int | str | None = None) -> str:
-    """Writes `config.json` + safetensors that the model's `Qwen2ForCausalLM` /
-    `Qwen3ForCausalLM` loads (by its `model.name`); as `hf.save_llama` otherwise."""
-    model_cfg, flat = unpack(model, "save_qwen")
-    if model_cfg.get("name") not in SWITCHES:
-        raise ConversionError(f"save_qwen: model.name={model_cfg.get('name')!r} is not one of "
-                              f"{sorted(SWITCHES)}; use the saver of its family.")
-    return save_tensors(flat, qwen_leaves(model_cfg), qwen_config_to_hf(model_cfg), out_dir,
-                        dtype, max_shard_size)
-
+open_qwen2 = decoder_opener("qwen2", qwen_config_from_hf, qwen_leaves)
+open_qwen3 = decoder_opener("qwen3", qwen_config_from_hf, qwen_leaves)
+save_qwen = decoder_saver("save_qwen", qwen_config_to_hf, qwen_leaves, tuple(SWITCHES))

@@ -24,10 +24,10 @@ from jaxscale.interop.hf import (
     Source,
     load_pretrained,
     read_hf_config,
-    require_keys,
     save_tensors,
     unpack,
 )
+from jaxscale.interop.hf_config import require_keys
 from jaxscale.rules import AxisRules
 
 _LEGACY = {  # current name fragment -> older transformers name fragment

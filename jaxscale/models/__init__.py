@@ -102,6 +102,12 @@ MODELS: dict[str, ModelEntry] = {
         "qwen2", "jaxscale.interop.hf_qwen:open_qwen2", "jaxscale.interop.hf_qwen:save_qwen")),
     "qwen3": _decoder(qwen.Qwen3Config, HuggingFace(
         "qwen3", "jaxscale.interop.hf_qwen:open_qwen3", "jaxscale.interop.hf_qwen:save_qwen")),
+    # The decoder with `model.moe` (models/moe.py) on every layer: Mistral's / Qwen3's attention.
+    "mixtral": _decoder(llama.LlamaConfig, HuggingFace(
+        "mixtral", "jaxscale.interop.hf_moe:open_mixtral", "jaxscale.interop.hf_moe:save_moe")),
+    "qwen3_moe": _decoder(qwen.Qwen3Config, HuggingFace(
+        "qwen3_moe", "jaxscale.interop.hf_moe:open_qwen3_moe",
+        "jaxscale.interop.hf_moe:save_moe")),
     # The Llama decoder with Gemma's switches and local/global pattern (models/gemma.py).
     "gemma3": _decoder(gemma.Gemma3Config, HuggingFace(
         "gemma3_text", "jaxscale.interop.hf_gemma:open_gemma3",
@@ -157,7 +163,9 @@ def hf_opener(hf_config: Mapping[str, Any], where: str) -> Callable[[str], Any]:
     if model_type not in families:
         raise ConversionError(paragraph(
             f"{where}/config.json has model_type={model_type!r}; jaxscale converts",
-            f"{sorted(families)}.",
+            f"{sorted(families)}, the model_types of the model table (jaxscale/models/__init__.py).",
+            "Convert a checkpoint of one of those architectures, or add the family: a converter",
+            "module under jaxscale/interop/ and a MODELS line naming it.",
         ))
     return _resolve(families[model_type].opener)
 
