@@ -387,15 +387,21 @@ def test_moe_flops_per_token_count_the_active_experts():
 
 # The MoE capacity path with the expert axis, full remat and a shared expert: compiled FLOPs
 # are model (active experts) + recompute + the buffers' empty slots, and the all-to-alls the
-# analytic dispatch. Exhaustively also the dropless path (grouped matmuls, `ragged-dot`).
-MOE_MESHES = [["--config.mesh.fsdp=2", "--config.mesh.expert=2", "--config.model.remat=full",
-               "--config.model.moe.shared_experts=1"],
+# analytic dispatch. Exhaustively also two other remat policies (the experts' matmuls are
+# recomputed under both, the router only under the named one) and the dropless path (grouped
+# matmuls, `ragged-dot`).
+_EXPERT2 = ["--config.mesh.fsdp=2", "--config.mesh.expert=2", "--config.model.moe.shared_experts=1"]
+MOE_MESHES = [[*_EXPERT2, "--config.model.remat=full"],
+              *(pytest.param([*_EXPERT2, f"--config.model.remat={r}"],
+                             marks=pytest.mark.exhaustive)
+                for r in ("save_qkv_proj", "dots_no_batch")),
               pytest.param(["--config.mesh.fsdp=4", "--config.model.moe.capacity_factor=0"],
                            marks=pytest.mark.exhaustive)]
 
 
 @libtpu_test
-@pytest.mark.parametrize("flags", MOE_MESHES, ids=["capacity_expert2", "dropless"])
+@pytest.mark.parametrize("flags", MOE_MESHES, ids=["capacity_expert2", "save_qkv_proj",
+                                                   "dots_no_batch", "dropless"])
 def test_moe_compile_matches_active_flops_and_the_dispatch(flags, tmp_path):
     out = tmp_path / "r.json"
     proc = run_module(["launch.compile", "--topology=v5p:2x2x1",

@@ -12,8 +12,9 @@ MoE layers (`models/moe.py`) count their active parameters (the experts_per_toke
 experts, the shared experts and the router), not all experts. Measured on libtpu's partitioned
 HLO (tiny dims, 4 experts, v5p:2x2x1): under `remat=full` an MoE layer recomputes its router and
 all three routed-expert matmuls (the combine's backward needs the experts' outputs), and the
-shared experts' gate/up as the dense MLP; the capacity path computes every slot of its expert
-buffers, empty or not (`padding_flops_per_token`).
+shared experts' gate/up as the dense MLP (`_experts_recompute` for the other policies); the
+capacity path computes every slot of its expert buffers, empty or not
+(`padding_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -70,19 +71,29 @@ def recompute_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
     matmul, 2·E·V per token) in the backward pass.
     """
     attention = 4.0 * m["num_heads"] * m["head_dim"] * seq_len  # QK^T and AV, forward, a layer
+    experts = _experts_recompute(m)
     if _remat(m) == "full":
         projections = m["embed"] * m["head_dim"] * (2 * m["num_heads"] + 2 * m["num_kv_heads"])
-        dense, routed = _mlp_widths(m)  # a dense MLP's w_down is not recomputed; experts' are
-        per_layer = 2.0 * (projections + 2 * m["embed"] * dense + 3 * m["embed"] * routed
-                           + active_mlp(m)[1]) + attention
-    elif _remat(m) == "dots_no_batch":
-        per_layer = attention
+        dense = _mlp_widths(m)[0]  # a dense MLP's w_down is not recomputed (experts' are)
+        per_layer = 2.0 * (projections + 2 * m["embed"] * dense + active_mlp(m)[1]) \
+            + attention + experts
+    elif _remat(m) == "dots_no_batch":  # the router's dot has no batch dimension: kept
+        per_layer = attention + experts
     elif (named := _named_recompute(m)) is not None:
-        per_layer = named + attention
+        per_layer = named + attention + experts + 2.0 * active_mlp(m)[1]
     else:  # 'none', 'dots': every matmul output is kept
         per_layer = 0.0
     head = 2.0 * m["embed"] * m["vocab_size"] if m.get("loss_chunks", 1) > 1 else 0.0
     return m["num_layers"] * per_layer + head
+
+
+def _experts_recompute(m: Mapping[str, Any]) -> float:
+    """Forward FLOPs per token and layer of the routed experts' three matmuls, which every
+    remat policy but `none` and `dots` recomputes (measured, tiny MoE on v5p:2x2x1): their
+    einsums batch over the experts and grouped matmuls are no dots, so `dots_no_batch` keeps
+    neither, no named policy names them, and the combine's backward needs the down
+    projection's output. Padding slots are in `padding_flops_per_token`."""
+    return 0.0 if _remat(m) in ("none", "dots") else 2.0 * 3 * m["embed"] * _mlp_widths(m)[1]
 
 
 def _mlp_widths(m: Mapping[str, Any]) -> tuple[int, int]:
@@ -108,7 +119,7 @@ def padding_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
     k, x = moe.experts_per_token, moe.num_experts
     ratio = x * capacity(moe.capacity_factor, seq_len * k, x) / (seq_len * k)
     per_matmul = 2.0 * m["embed"] * _mlp_widths(m)[1]  # forward, the routed experts, a token
-    passes = 3 + (_remat(m) == "full")  # forward + two backward (+ the recompute)
+    passes = 3 + (_remat(m) not in ("none", "dots"))  # forward + two backward (+ recompute)
     return m["num_layers"] * (ratio - 1.0) * 3 * per_matmul * passes
 
 
@@ -122,7 +133,7 @@ def _named_recompute(m: Mapping[str, Any]) -> float | None:
     kept = set(named.saved) | set(named.offloaded)
     e, d = m["embed"], m["head_dim"]
     widths = {"qkv_proj": e * d * (m["num_heads"] + 2 * m["num_kv_heads"]),
-              "out_proj": m["num_heads"] * d * e, "mlp_gate_up": 2 * e * m["mlp"]}
+              "out_proj": m["num_heads"] * d * e, "mlp_gate_up": 2 * e * _mlp_widths(m)[0]}
     return 2.0 * sum(v for k, v in widths.items() if k not in kept)
 
 
