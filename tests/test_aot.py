@@ -350,3 +350,71 @@ def test_compile_mesh_mismatch_is_one_paragraph(tmp_path):
                 tmp_path)
     assert proc.returncode == 2
     assert "v5p:2x2x1 (4 chips)" in proc.stderr and "Traceback" not in proc.stderr
+
+
+RAGGED = """HloModule r, num_partitions=1
+
+ENTRY %main (x: bf16[12,8], w: bf16[3,8,4], g: bf16[12,4], s: s32[3]) -> (bf16[12,4], bf16[3,8,4]) {
+  %x = bf16[12,8] parameter(0)
+  %w = bf16[3,8,4] parameter(1)
+  %g = bf16[12,4] parameter(2)
+  %s = s32[3] parameter(3)
+  %f = bf16[12,4] ragged-dot(%x, %w, %s), lhs_contracting_dims={1}, rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims={0}
+  %dw = bf16[3,8,4] ragged-dot(%x, %g, %s), lhs_contracting_dims={0}, rhs_contracting_dims={0}, lhs_ragged_dims={0}
+  ROOT %t = (bf16[12,4], bf16[3,8,4]) tuple(%f, %dw)
+}
+"""
+
+
+def test_ragged_dot_flops_count_each_row_against_its_own_group():
+    # The dropless MoE's grouped matmuls: the forward (rows split into groups, each row meets
+    # one group's (8, 4) weights) and the weight gradient (one (8, 4) output per group, each
+    # contracting only its group's rows): 2 x 12 x 8 x 4 each, never x the 3 groups.
+    assert hlo.flops(hlo.parse(RAGGED)) == 2 * (2 * 12 * 8 * 4)
+
+
+def test_moe_flops_per_token_count_the_active_experts():
+    # 8 experts, top-2, one shared: a token passes through 3 expert-wide SwiGLUs and the router,
+    # as a dense model 3x as wide plus the router's matmul; the other 6 experts cost nothing.
+    from jaxscale.models.llama_flops import flops_per_token
+
+    c = llama.get_config("tiny")
+    dense = flops_per_token({**c.model, "mlp": 3 * 32}, 64)
+    moe = dict(num_experts=8, experts_per_token=2, shared_experts=1, mlp=32)
+    m = {**c.model, "moe": moe}
+    assert flops_per_token(m, 64) == dense + 6 * c.model.num_layers * c.model.embed * 8
+
+
+# The MoE capacity path with the expert axis, full remat and a shared expert: compiled FLOPs
+# are model (active experts) + recompute + the buffers' empty slots, and the all-to-alls the
+# analytic dispatch. Exhaustively also two other remat policies (the experts' matmuls are
+# recomputed under both, the router only under the named one) and the dropless path (grouped
+# matmuls, `ragged-dot`).
+_EXPERT2 = ["--config.mesh.fsdp=2", "--config.mesh.expert=2", "--config.model.moe.shared_experts=1"]
+MOE_MESHES = [[*_EXPERT2, "--config.model.remat=full"],
+              *(pytest.param([*_EXPERT2, f"--config.model.remat={r}"],
+                             marks=pytest.mark.exhaustive)
+                for r in ("save_qkv_proj", "dots_no_batch")),
+              pytest.param(["--config.mesh.fsdp=4", "--config.model.moe.capacity_factor=0"],
+                           marks=pytest.mark.exhaustive)]
+
+
+@libtpu_test
+@pytest.mark.parametrize("flags", MOE_MESHES, ids=["capacity_expert2", "save_qkv_proj",
+                                                   "dots_no_batch", "dropless"])
+def test_moe_compile_matches_active_flops_and_the_dispatch(flags, tmp_path):
+    out = tmp_path / "r.json"
+    proc = run_module(["launch.compile", "--topology=v5p:2x2x1",
+                       "--config=configs/mixtral.py:tiny", "--config.precision=bf16-mixed",
+                       *flags, f"--out={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["flops"] == pytest.approx(r["expected_flops"], rel=0.01)
+    a2a = sum(c["bytes"] * c["executions"] for c in r["collectives"] if c["kind"] == "all-to-all")
+    if "--config.mesh.expert=2" in flags:
+        assert r["padding_flops"] > 0  # capacity 2.0: half the slots are empty
+        assert a2a == pytest.approx(r["expected_collectives"]["all-to-all"], rel=1e-6)
+        assert "all-to-all expected" in proc.stdout
+    else:
+        assert r["padding_flops"] == 0 and not r["expected_collectives"]
+    assert proc.stdout.count("compiled / expected = 1.00") == 1 + bool(r["expected_collectives"])

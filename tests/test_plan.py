@@ -208,3 +208,27 @@ def test_a_vision_model_is_refused_in_one_paragraph():
 
     with pytest.raises(ConfigError, match="model.name='vit' is not one"):
         candidates(vit_digits.get_config(), parse_topology("v5p:2x2x1"))
+
+
+def test_the_planner_searches_the_expert_axis_for_moe_models_only():
+    # An MoE model's experts split over `expert` as well as data / fsdp / tensor (most expert
+    # parallelism first: each chip computes its own experts, no expert weight moves); the batch
+    # splits over it too. A dense model gets no expert axis (validation refuses one), and
+    # dropless MoE none either (refused with an expert axis: capacity path only). The listing
+    # is read before validation (`_all_candidates`), which is what costs.
+    from configs import mixtral
+    from jaxscale.aot.plan import _all_candidates, _valid, apply, iter_candidates
+
+    topology = parse_topology("v5p:2x2x1")
+    moe = mixtral.get_config("tiny")
+    listed = [apply(moe, cand.overrides) for cand in _all_candidates(moe, topology)]
+    assert {x.mesh.expert for x in listed} == {1, 2, 4}
+    assert any(x.mesh.expert == 2 and x.mesh.fsdp == 2 for x in listed)
+    assert all(x.data.batch_size // x.train.grad_accum % (x.mesh.expert * x.mesh.fsdp
+                                                          * x.mesh.data) == 0 for x in listed)
+    first = next(iter_candidates(moe, topology))
+    assert first.full["mesh.expert"] == 4 and first.full["mesh.fsdp"] == 1
+    dense = llama.get_config("tiny")
+    assert all("mesh.expert" not in cand.full for cand in _all_candidates(dense, topology))
+    moe.model.moe.capacity_factor = 0.0
+    assert not _valid(moe, first.full)

@@ -22,7 +22,7 @@ import ml_collections as mlc
 
 from jaxscale import config as config_lib
 from jaxscale.aot import flops as flops_lib
-from jaxscale.aot import hlo
+from jaxscale.aot import hlo, traffic
 from jaxscale.aot.choices import fit_advice, require_language_model, rows_per_chip
 from jaxscale.aot.topology import Topology, TopologyError, topology_devices
 from jaxscale.errors import JaxscaleError, MeshError, paragraph
@@ -70,11 +70,14 @@ class StepReport:
     flops: float                 # per chip per step, loop bodies x trip counts
     flops_cost_analysis: float   # the compiler's cost analysis (loop bodies counted once)
     model_flops: float | None    # analytic, per chip per step (PaLM convention)
-    expected_flops: float | None = None  # model FLOPs + the remat recompute (aot.flops)
+    expected_flops: float | None = None  # model FLOPs + remat recompute + padding (aot.flops)
+    padding_flops: float = 0.0   # of which on MoE capacity buffers' empty slots (aot.flops)
     kernel_calls: int = 0        # Pallas kernel (custom call) executions per chip per step
     kernel_flops: float = 0.0    # their FLOPs, analytic, included in `flops` (aot.flops)
     int8_flops: float = 0.0      # the part of `flops` in int8 x int8 matmuls (precision=int8)
     collectives: list[dict] = field(default_factory=list)
+    # Analytic bytes per chip per step by kind, to read the table against (aot.traffic).
+    expected_collectives: dict[str, float] = field(default_factory=dict)
     compile_s: float = 0.0
     tokens_per_step: int = 0
     hlo_path: str | None = None
@@ -166,10 +169,19 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         flops_cost_analysis=float(cost.get("flops", 0.0)),
         model_flops=flops_lib.model_flops(config, topology.num_chips),
         expected_flops=flops_lib.expected_flops(config, topology.num_chips),
+        padding_flops=flops_lib.padding_flops(config, topology.num_chips),
+        expected_collectives=_expected_collectives(config, mesh),
         kernel_calls=calls, kernel_flops=in_kernels, int8_flops=hlo.int8_flops(partitioned),
         collectives=[asdict(c) for c in hlo.collectives(optimized, slices)],
         compile_s=elapsed, tokens_per_step=config.data.batch_size * config.data.seq_len,
         hlo_path=text_path if hlo_dir else None)
+
+
+def _expected_collectives(config: mlc.ConfigDict, mesh: Any) -> dict[str, float]:
+    """The analytic bytes per chip per step the report shows beside the table (`aot.traffic`);
+    only the kinds with an expectation."""
+    a2a = traffic.moe_all_to_all_bytes(config, mesh)
+    return {"all-to-all": a2a} if a2a else {}
 
 
 def _dumped(dump_dir: str, suffix: str) -> str:

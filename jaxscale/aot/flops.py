@@ -5,9 +5,10 @@ Every count is a fact of the model's table entry (`jaxscale.models.MODELS`; the 
 training count (`flops_per_token`: 6 per matmul parameter per token plus 12·L·H·Q·T for
 attention), the number MFU is quoted in. A rematerialised step does more: the entry's
 `recompute_flops` adds the forward matmuls the backward pass redoes (and, under
-`model.loss_chunks > 1`, each chunk's logits). So compiled FLOPs = model + recompute, to within
-the matmuls outside the model (none on these steps); a pipeline adds its bubble iterations on
-top (they compute on padding).
+`model.loss_chunks > 1`, each chunk's logits), and an MoE capacity path computes the empty slots
+of its expert buffers (the entry's `padding_flops`). So compiled FLOPs = model + recompute +
+padding, to within the matmuls outside the model (none on these steps); a pipeline adds its
+bubble iterations on top (they compute on padding).
 
 With `model.attention=splash` the attention matmuls run inside Pallas kernels, custom calls
 with no dot in the HLO to count: `kernel_flops` is what the compiled count then misses, the
@@ -56,8 +57,17 @@ def kernel_flops(config: mlc.ConfigDict, num_chips: int) -> float:
     return _per_step(config, _entry(config).attention_flops, num_chips) or 0.0
 
 
+def padding_flops(config: mlc.ConfigDict, num_chips: int) -> float:
+    """Matmul FLOPs per chip per step on padding the model count leaves out (an MoE capacity
+    path's empty expert slots); 0 for a model without any."""
+    return _per_step(config, _entry(config).padding_flops, num_chips) or 0.0
+
+
 def expected_flops(config: mlc.ConfigDict, num_chips: int) -> float | None:
-    """Model FLOPs plus the remat recompute, per chip per step: what the compiled step holds."""
+    """Model FLOPs plus the remat recompute and the padding, per chip per step: what the
+    compiled step holds."""
     base = model_flops(config, num_chips)
     recompute = _per_step(config, _entry(config).recompute_flops, num_chips)
-    return None if base is None or recompute is None else base + recompute
+    if base is None or recompute is None:
+        return None
+    return base + recompute + padding_flops(config, num_chips)

@@ -48,7 +48,8 @@ def remat_bytes(config: mlc.ConfigDict, dims: Dims | None, mesh: dict[str, int],
     policy, seq = get_policy(config.precision), config.data.seq_len
     state = state_bytes_per_param(np.dtype(policy.param).itemsize,
                                   np.dtype(policy.compute).itemsize, accumulate=accum > 1)
-    tokens = config.data.batch_size / (mesh["data"] * mesh["fsdp"] * accum) * seq
+    tokens = config.data.batch_size / (mesh["data"] * mesh["fsdp"] * mesh.get("expert", 1)
+                                       * accum) * seq
     return CALIBRATION * step_bytes(
         dims, tokens=tokens, seq_len=seq, state_bytes=state, param_shards=mesh["fsdp"],
         tensor=mesh.get("tensor", 1), remat=remat, einsum_scores=attention == "einsum",

@@ -42,6 +42,7 @@ _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
 _CONST = re.compile(r"constant\((-?\d+)\)")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_RAGGED = re.compile(r"lhs_ragged_dims=\{(\d+)\}")
 _CHANNEL = re.compile(r"channel_id=(\d+)")
 _FUSED_COLLECTIVE = "all-reduce-scatter"  # libtpu's reduce-scatter, as a fusion
 # Multi-slice: libtpu compiles one slice's program and hands the collectives that cross slices
@@ -352,22 +353,29 @@ def dot_flops(module: Module) -> dict[str, float]:
     """Matmul FLOPs per device per step by operand type ('bf16', 'f32', 's8' where both
     operands are int8, ...): 2 x output elements x contracted size for every `dot` (read the HLO
     after SPMD partitioning, before dots become TPU convolutions), loop bodies multiplied by
-    their trip counts. The type is the lhs's, or 'mixed' when the two operands differ."""
+    their trip counts. The type is the lhs's, or 'mixed' when the two operands differ.
+    A `ragged-dot` (MoE grouped matmuls, `jax.lax.ragged_dot`) counts the same where its groups
+    split the rows (each row meets one group's weights); where they split the contracted
+    dimension (the weight gradient: one output per group, each contracting only its group's
+    rows) the count is divided by the groups, the output's first dimension."""
     total: dict[str, float] = defaultdict(float)
     for comp, instrs in module.live.items():
         count = module.mult.get(comp, (0, False))[0]
         shapes = {i.name: i.shape for i in instrs}
         for ins in instrs:
-            if ins.opcode != "dot" or not count:
+            if ins.opcode not in ("dot", "ragged-dot") or not count:
                 continue
             lhs, rhs = (shapes.get(o, "") or _param_shape(module, comp, o)
                         for o in _OP.findall(ins.rest.split(")")[0])[:2])
-            lhs_dims = _dims(lhs)
-            contract = _CONTRACT.search(ins.rest)
-            k = math.prod(lhs_dims[int(d)] for d in filter(None, contract.group(1).split(",")))
+            contracted = [int(d) for d in filter(None, _CONTRACT.search(ins.rest).group(1)
+                                                 .split(","))]
+            k = math.prod(_dims(lhs)[d] for d in contracted)
+            out = _dims(ins.shape)
+            ragged = _RAGGED.search(ins.rest) if ins.opcode == "ragged-dot" else None
+            groups = out[0] if ragged and int(ragged.group(1)) in contracted else 1
             types = {m.group(1) for m in (_ARRAY.search(lhs), _ARRAY.search(rhs)) if m}
             total[types.pop() if len(types) == 1 else "mixed"] += (
-                2.0 * math.prod(_dims(ins.shape)) * k * count)
+                2.0 * math.prod(out) * k * count / groups)
     return dict(total)
 
 

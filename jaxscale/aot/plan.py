@@ -1,11 +1,11 @@
 """The sharding planner: which candidate configs exist for a topology, in which order, which
 cannot win, and how the compiled ones rank.
 
-Candidates are factorizations of the chip count over pipeline / data / fsdp / tensor, rules
-presets (each only on meshes where it differs from a simpler one), remat policies, the attention
-kernel and loss chunking (`choices`), per-chip micro-batches (gradient accumulation keeps the
-global batch) and, with pipeline stages, the schedule (1F1B, GPipe) and microbatch count,
-likeliest winners first (`_search_order`). Invalid ones are pruned by the config validation
+Candidates are factorizations of the chip count over pipeline / data / fsdp / tensor (and, for
+an MoE model, `expert`: `_expert_splits`), rules presets (each only on meshes where it differs
+from a simpler one), remat policies, the attention kernel and loss chunking (`choices`),
+per-chip micro-batches (gradient accumulation keeps the global batch) and, with pipeline
+stages, the schedule (1F1B, GPipe) and microbatch count, likeliest winners first (`_search_order`). Invalid ones are pruned by the config validation
 (lazily, when reached); `search.py` compiles the rest, skipping those that cannot beat one that
 already fits (`dominated`); those over HBM (with a margin) are set apart, and the rest ranked by
 the roofline step-time estimate (full overlap).
@@ -90,9 +90,21 @@ def _factorizations(n: int, num_layers: int) -> Iterator[tuple[int, int, int, in
                     yield pipeline, data, rest // (tensor * data), tensor
 
 
+def _expert_splits(config: mlc.ConfigDict, n: int) -> tuple[int, ...]:
+    """`mesh.expert` sizes to search: 1 for a dense model; for MoE (`model.moe.num_experts`)
+    also each power of two dividing both the chips and the experts (each chip of an expert
+    group holds num_experts / expert of them; the batch splits over it as over data), the
+    most expert parallelism first. Dropless MoE with an expert axis is refused by the config's
+    validation (`models/moe.check_moe`), so only the capacity path gets expert > 1."""
+    experts = config.model.get("moe", {}).get("num_experts", 0)
+    return tuple(e for e in (64, 32, 16, 8, 4, 2) if experts and experts % e == 0
+                 and n % e == 0) + (1,)
+
+
 def _preset_fits_mesh(preset: str, mesh: dict[str, int]) -> bool:
     big = {axis for axis, size in mesh.items() if size > 1}
-    return PRESET_AXES[preset] <= big and big <= PRESET_AXES[preset] | {"data", "pipeline"}
+    every = {"data", "pipeline", "expert"}  # axes every preset uses
+    return PRESET_AXES[preset] <= big and big <= PRESET_AXES[preset] | every
 
 
 def _pipeline_options(stages: int, step_rows: int) -> list[dict]:
@@ -133,7 +145,7 @@ def _search_order(cand: Candidate, remats: tuple[str, ...] = REMATS) -> tuple:
     attention = o["model.attention"]
     return (o["mesh.pipeline"], remats.index(o["model.remat"]),
             ATTENTIONS.index(attention) if attention in ATTENTIONS else len(ATTENTIONS),
-            o["mesh.tensor"], -o["mesh.fsdp"], o["train.grad_accum"],
+            o["mesh.tensor"], -o.get("mesh.expert", 1), -o["mesh.fsdp"], o["train.grad_accum"],
             o.get("model.loss_chunks", 1), SCHEDULES.index(o.get("pipeline.schedule", "1f1b")),
             -o.get("pipeline.microbatches", 1), PRESETS.index(o["rules_preset"]))
 
@@ -154,13 +166,16 @@ def _all_candidates(config: mlc.ConfigDict, topology: Topology,
     budget = topology.chip.hbm_bytes * (1 - margin)
     dims = dims_of(config)
     found = []
-    for (pipeline, data, fsdp, tensor), preset, remat, attention, chunks in itertools.product(
-            _factorizations(n, config.model.num_layers), PRESETS, REMATS, attentions(config),
-            loss_chunks(config)):
-        mesh = {"data": data * slices, "pipeline": pipeline, "fsdp": fsdp, "tensor": tensor}
+    moe = _expert_splits(config, n) != (1,)
+    for expert, (pipeline, data, fsdp, tensor), preset, remat, attention, chunks in (
+            (e, *rest) for e in _expert_splits(config, n) for rest in itertools.product(
+                _factorizations(n // e, config.model.num_layers), PRESETS, REMATS,
+                attentions(config), loss_chunks(config))):
+        mesh = {"data": data * slices, "pipeline": pipeline, "fsdp": fsdp, "tensor": tensor,
+                "expert": expert}
         if not _preset_fits_mesh(preset, mesh):
             continue
-        per_chip = config.data.batch_size // (data * fsdp * slices)
+        per_chip = config.data.batch_size // (data * fsdp * expert * slices)
         for micro in _micro_batches(per_chip):
             accum = per_chip // micro
             remats = _remat_order(config, dims, mesh, accum, attention, chunks, budget)
@@ -170,6 +185,7 @@ def _all_candidates(config: mlc.ConfigDict, topology: Topology,
                     "mesh.pipeline": pipeline, "rules_preset": preset, "model.remat": remat,
                     "model.attention": attention, "model.loss_chunks": chunks,
                     "train.grad_accum": accum, "train.eval_every": 0, **pipe,
+                    **({"mesh.expert": expert} if moe else {}),
                     **({"mesh.dcn_data": slices} if slices > 1 else {})})
                 found.append((_search_order(cand, remats), cand))
     return [cand for _, cand in sorted(found, key=lambda x: x[0])]

@@ -35,6 +35,19 @@ def collective_table(collectives: list[dict]) -> list[str]:
     return lines
 
 
+def expected_lines(report: StepReport) -> list[str]:
+    """Each kind with an analytic expectation (`aot.traffic`: the MoE token dispatch) against
+    what the table has of that kind."""
+    lines = []
+    for kind, expected in sorted(report.expected_collectives.items()):
+        compiled = sum(c["bytes"] * c["executions"] for c in report.collectives
+                       if c["kind"] == kind)
+        ratio = f": compiled / expected = {compiled / expected:.2f}" if expected else ""
+        lines.append(f"  {kind} expected {_gib(expected)} per chip/step (MoE token dispatch, "
+                     f"analytic), compiled {_gib(compiled)}{ratio}")
+    return lines
+
+
 def format_report(report: StepReport) -> str:
     r, est = report, step_estimate(report)
     limit = r.hbm_limit_bytes or r.hbm_bytes
@@ -68,11 +81,15 @@ def format_report(report: StepReport) -> str:
         lines.append(f"  analytic model FLOPs {r.model_flops:.3e} per chip: compiled / model = "
                      f"{r.flops / r.model_flops:.2f}")
     if r.model_flops and r.expected_flops:
-        lines.append(f"  model + remat recompute {r.expected_flops:.3e} (remat factor "
-                     f"{r.expected_flops / r.model_flops:.2f}): compiled / expected = "
+        padding = (f", of which {r.padding_flops:.3e} on MoE expert buffers' empty slots"
+                   if r.padding_flops else "")
+        lines.append(f"  model + remat recompute{' + padding' if padding else ''} "
+                     f"{r.expected_flops:.3e} (remat factor "
+                     f"{r.expected_flops / r.model_flops:.2f}{padding}): compiled / expected = "
                      f"{r.flops / r.expected_flops:.2f} (above 1: pipeline bubbles, duplicated "
                      "compute)")
     lines += ["collectives per chip per step (TPU compiler):"] + collective_table(r.collectives)
+    lines += expected_lines(r)
     lines += [
         "step time ESTIMATE (roofline: peak compute, ring collectives at link bandwidth; not a"
         " measurement):",

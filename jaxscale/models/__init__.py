@@ -57,6 +57,9 @@ class ModelEntry:
     # kernel (`model.attention=splash`) computes where the HLO shows no dot to count.
     attention_flops: FlopCount | None = None
     recompute_flops: FlopCount | None = None  # matmul FLOPs per token that remat recomputes
+    # Matmul FLOPs per token spent on padding the model count leaves out (MoE capacity buffers'
+    # empty slots); None: none.
+    padding_flops: FlopCount | None = None
     hf: HuggingFace | None = None  # Hugging Face import/export; None: none
     # The family's own `config.model` checks at a sequence length (ConfigError paragraphs).
     check: Callable[[Mapping[str, Any], int], None] | None = None
@@ -79,6 +82,7 @@ def _decoder(config_cls: Any, hf: HuggingFace) -> ModelEntry:
                       flops_per_token=llama_flops.flops_per_token,
                       attention_flops=llama_flops.attention_flops_per_token,
                       recompute_flops=llama_flops.recompute_flops_per_token,
+                      padding_flops=llama_flops.padding_flops_per_token,
                       hf=hf, check=llama.check_config)
 
 
@@ -90,6 +94,7 @@ MODELS: dict[str, ModelEntry] = {
         flops_per_token=llama_flops.flops_per_token,
         attention_flops=llama_flops.attention_flops_per_token,
         recompute_flops=llama_flops.recompute_flops_per_token,
+        padding_flops=llama_flops.padding_flops_per_token,
         hf=HuggingFace("llama", "jaxscale.interop.hf:open_llama",
                        "jaxscale.interop.hf:save_llama"),
         check=llama.check_config),

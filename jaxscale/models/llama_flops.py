@@ -7,6 +7,14 @@ RMSNorm; `models/qwen.py`) add no matmul, and `head_dim` is already a term of it
 Every function takes the `config.model` section and the sequence length, so that metrics and
 ahead-of-time accounting ask the model table (`jaxscale.models.MODELS`) and never the model's
 fields themselves.
+
+MoE layers (`models/moe.py`) count their active parameters (the experts_per_token routed
+experts, the shared experts and the router), not all experts. Measured on libtpu's partitioned
+HLO (tiny dims, 4 experts, v5p:2x2x1): under `remat=full` an MoE layer recomputes its router and
+all three routed-expert matmuls (the combine's backward needs the experts' outputs), and the
+shared experts' gate/up as the dense MLP (`_experts_recompute` for the other policies); the
+capacity path computes every slot of its expert buffers, empty or not
+(`padding_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jaxscale.models.moe import active_mlp
+from jaxscale.models.moe import MoEConfig, active_mlp, capacity, expert_width
 from jaxscale.models.scan import NAMED_POLICIES
 
 
@@ -63,17 +71,56 @@ def recompute_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
     matmul, 2·E·V per token) in the backward pass.
     """
     attention = 4.0 * m["num_heads"] * m["head_dim"] * seq_len  # QK^T and AV, forward, a layer
+    experts = _experts_recompute(m)
     if _remat(m) == "full":
         projections = m["embed"] * m["head_dim"] * (2 * m["num_heads"] + 2 * m["num_kv_heads"])
-        per_layer = 2.0 * (projections + 2 * m["embed"] * m["mlp"]) + attention  # all but w_down
-    elif _remat(m) == "dots_no_batch":
-        per_layer = attention
+        dense = _mlp_widths(m)[0]  # a dense MLP's w_down is not recomputed (experts' are)
+        per_layer = 2.0 * (projections + 2 * m["embed"] * dense + active_mlp(m)[1]) \
+            + attention + experts
+    elif _remat(m) == "dots_no_batch":  # the router's dot has no batch dimension: kept
+        per_layer = attention + experts
     elif (named := _named_recompute(m)) is not None:
-        per_layer = named + attention
+        per_layer = named + attention + experts + 2.0 * active_mlp(m)[1]
     else:  # 'none', 'dots': every matmul output is kept
         per_layer = 0.0
     head = 2.0 * m["embed"] * m["vocab_size"] if m.get("loss_chunks", 1) > 1 else 0.0
     return m["num_layers"] * per_layer + head
+
+
+def _experts_recompute(m: Mapping[str, Any]) -> float:
+    """Forward FLOPs per token and layer of the routed experts' three matmuls, which every
+    remat policy but `none` and `dots` recomputes (measured, tiny MoE on v5p:2x2x1): their
+    einsums batch over the experts and grouped matmuls are no dots, so `dots_no_batch` keeps
+    neither, no named policy names them, and the combine's backward needs the down
+    projection's output. Padding slots are in `padding_flops_per_token`."""
+    return 0.0 if _remat(m) in ("none", "dots") else 2.0 * 3 * m["embed"] * _mlp_widths(m)[1]
+
+
+def _mlp_widths(m: Mapping[str, Any]) -> tuple[int, int]:
+    """(the dense SwiGLU width a token passes through: `mlp`, or an MoE layer's shared experts;
+    the routed experts' summed width, experts_per_token x the expert width; 0 without MoE)."""
+    moe = MoEConfig.from_config(m.get("moe"))
+    if not moe.num_experts:
+        return m["mlp"], 0
+    width = expert_width(moe, m["mlp"])
+    return width * moe.shared_experts, width * moe.experts_per_token
+
+
+def padding_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
+    """Matmul FLOPs per token an MoE capacity path (`model.moe.capacity_factor > 0`) spends on
+    the empty slots of its expert buffers: each row (sequence) fills X buffers of C slots,
+    C = moe.capacity(capacity_factor, T x k, X), and the expert matmuls run over all X x C of
+    them, so (X·C / (T·k) - 1) times the routed experts' training FLOPs (6 per parameter per
+    token, and their forward again where `remat=full` recomputes it). 0 when dropless or
+    dense."""
+    moe = MoEConfig.from_config(m.get("moe"))
+    if not moe.num_experts or moe.capacity_factor <= 0:
+        return 0.0
+    k, x = moe.experts_per_token, moe.num_experts
+    ratio = x * capacity(moe.capacity_factor, seq_len * k, x) / (seq_len * k)
+    per_matmul = 2.0 * m["embed"] * _mlp_widths(m)[1]  # forward, the routed experts, a token
+    passes = 3 + (_remat(m) not in ("none", "dots"))  # forward + two backward (+ recompute)
+    return m["num_layers"] * (ratio - 1.0) * 3 * per_matmul * passes
 
 
 def _named_recompute(m: Mapping[str, Any]) -> float | None:
@@ -86,7 +133,7 @@ def _named_recompute(m: Mapping[str, Any]) -> float | None:
     kept = set(named.saved) | set(named.offloaded)
     e, d = m["embed"], m["head_dim"]
     widths = {"qkv_proj": e * d * (m["num_heads"] + 2 * m["num_kv_heads"]),
-              "out_proj": m["num_heads"] * d * e, "mlp_gate_up": 2 * e * m["mlp"]}
+              "out_proj": m["num_heads"] * d * e, "mlp_gate_up": 2 * e * _mlp_widths(m)[0]}
     return 2.0 * sum(v for k, v in widths.items() if k not in kept)
 
 
