@@ -66,6 +66,33 @@ def test_compute_paths_equal_a_loop_over_experts(fields):
     assert float(block.router_stats.get_value()[moe.STATS.index("dropped")]) == 0.0
 
 
+@pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=2, expert=2),
+                                  pytest.param(dict(context=2, expert=4),
+                                               marks=pytest.mark.exhaustive)])
+def test_expert_parallel_dropless_equals_a_loop_over_experts(mesh):
+    """Dropless with the experts split over `expert` (models/moe_dropless.py): tokens gathered
+    over the expert group, local experts, outputs reduce-scattered back, the hidden width split
+    over tensor and summed; equal to the per-token loop."""
+    from jaxscale.mesh import make_mesh
+    from jaxscale.presets import PRESETS
+    from jaxscale.rules import AxisRules, normalize_rules, use_rules
+
+    device_mesh = make_mesh(mesh, jax.devices())
+    rules = AxisRules(normalize_rules(PRESETS["fsdp_tp"]))
+    block = _block(num_experts=4, experts_per_token=2, shared_experts=1)
+    x = jax.random.normal(jax.random.key(1), (4, 6, 8))
+
+    @nnx.jit
+    def apply(block, x):
+        with use_rules(rules, device_mesh):
+            return block(x)
+
+    np.testing.assert_allclose(np.asarray(apply(block, x)), _loop(block, x), rtol=1e-5,
+                               atol=1e-6)
+    hlo = apply.lower(block, x).compile().as_text()
+    assert "all-gather" in hlo and "reduce-scatter" in hlo
+
+
 def test_capacity_path_drops_the_expected_assignments():
     """3 tokens, 3 experts, top-2, capacity 1.0: ceil(6 / 3) = 2 slots per expert. Choices
     (0, 1), (1, 0), (0, 1): the first choices fill expert 0's two slots and one of expert 1's;
@@ -175,11 +202,12 @@ def test_config_mistakes_are_one_paragraph(override, culprit):
 
 
 @pytest.mark.parametrize("mesh, grad_accum, fix", [
-    (dict(data=4, pipeline=2), 1, "mesh.pipeline=1"),
+    (dict(data=4, pipeline=2, schedule="1f1b"), 1, "pipeline.schedule=gpipe"),
     (dict(data=2), 2, "model.moe.capacity_factor=2.0"),  # ragged_dot cannot be vmapped
 ])
 def test_unsupported_combinations_are_refused_for_moe(mesh, grad_accum, fix):
     c = _tiny_moe_config()
+    c.pipeline.schedule = mesh.pop("schedule", "gpipe")
     c.mesh.update(mesh)
     c.train.grad_accum = grad_accum
     with pytest.raises(ConfigError, match=fix) as err:
@@ -197,7 +225,6 @@ def test_expert_axis_must_divide_the_experts():
     (dict(data=2, expert=2, dcn_expert=2), dict(num_experts=6, capacity_factor=1.0),
      "num_experts=6 is not divisible by the 4 devices"),
     (dict(data=4, expert=2), dict(num_experts=0), "model.moe.num_experts=0"),
-    (dict(data=4, expert=2), dict(capacity_factor=0.0), "model.moe.capacity_factor=1.25"),
 ])
 def test_expert_axis_mistakes_are_one_paragraph(mesh, moe_fields, culprit):
     c = _tiny_moe_config(**moe_fields)
@@ -249,15 +276,20 @@ def test_a_tiny_moe_decoder_trains_sharded_as_on_one_device(capacity_factor):
     np.testing.assert_allclose(_train(c, jax.devices())[0], one, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mesh", [dict(expert=2, fsdp=2, data=2),
-                                  pytest.param(dict(expert=4, data=2),
-                                               marks=pytest.mark.exhaustive)])
-def test_experts_shard_over_the_expert_axis_and_train_as_on_one_device(mesh):
+@pytest.mark.parametrize("mesh, capacity_factor", [
+    (dict(expert=2, fsdp=2, data=2), 2.0),
+    (dict(expert=4, data=2), 0.0),  # dropless: gather over the expert group, reduce-scatter
+    pytest.param(dict(expert=4, data=2), 2.0, marks=pytest.mark.exhaustive),
+    pytest.param(dict(expert=2, fsdp=2, tensor=2), 0.0, marks=pytest.mark.exhaustive),
+])
+def test_experts_shard_over_the_expert_axis_and_train_as_on_one_device(mesh, capacity_factor):
     """Expert parallelism from the rules alone: on an `expert` mesh axis every expert weight
-    is split over it (num_experts / expert per device, also over fsdp on embed), the batch too,
-    the tokens reach their experts by all-to-all, and the capacity path trains with one
-    device's losses."""
-    c = _tiny_moe_config(capacity_factor=2.0, shared_experts=1, router_aux_loss_coef=0.1)
+    is split over it (num_experts / expert per device, also over fsdp on embed), the batch too;
+    the capacity path's tokens reach their experts by all-to-all, the dropless path's by an
+    all-gather over the expert group and back by reduce-scatter (models/moe_dropless.py); both
+    train with one device's losses."""
+    c = _tiny_moe_config(capacity_factor=capacity_factor, shared_experts=1,
+                         router_aux_loss_coef=0.1)
     one, _ = _train(c, jax.devices()[:1], steps=3)
     c.mesh.update(mesh)
     validate(c)
@@ -274,7 +306,8 @@ def test_experts_shard_over_the_expert_axis_and_train_as_on_one_device(mesh):
         spec = experts[name].sharding.spec
         assert spec[1] == "expert", (name, spec)
         assert experts[name].addressable_shards[0].data.shape[1] == 4 // mesh["expert"], name
-    assert "all-to-all" in trainer.train_fn.lower(state, batch).compile().as_text()
+    hlo = trainer.train_fn.lower(state, batch).compile().as_text()
+    assert ("all-to-all" if capacity_factor else "reduce-scatter") in hlo
 
 
 def test_greedy_decoding_with_the_cache_equals_the_full_forward():
