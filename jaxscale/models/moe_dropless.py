@@ -2,7 +2,8 @@
 expert parallelism over the mesh axes that the rules give the `expert` dimension.
 
 `dropless_experts` sorts the token-expert assignments by expert and runs the three SwiGLU
-matmuls as grouped matmuls (`jax.lax.ragged_dot`): no token dropped, no FLOP on padding.
+matmuls as grouped matmuls (`jax.lax.ragged_dot` on TPU: no token dropped, no FLOP on padding;
+elsewhere its dense form, `grouped_matmul` says why).
 
 `expert_parallel` runs it with the experts split over devices (`mesh.expert` > 1 under the
 presets), inside a `jax.shard_map` whose specs come from the active rules (as in
@@ -48,21 +49,55 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
+def native_grouped_matmul() -> bool:
+    """Whether `grouped_matmul` runs `jax.lax.ragged_dot` (on TPU, where it lowers to a grouped
+    matmul kernel) rather than its dense form (elsewhere)."""
+    active = active_rules()
+    platform = (active[1].devices.flat[0].platform if active is not None
+                else jax.default_backend())
+    return platform == "tpu"
+
+
+def grouped_matmul(x_ME: jax.Array, w_XEF: jax.Array, sizes_X: jax.Array, native: bool
+                   ) -> jax.Array:
+    """Rows of `x_ME` in consecutive groups of `sizes_X` rows, group g times `w_XEF[g]`; rows
+    past the last group come out zero.
+
+    `native`: `jax.lax.ragged_dot`. Otherwise the dense form: every row times every expert,
+    the row's own group selected. Off TPU jax lowers ragged_dot to that same dense form (the
+    same FLOPs), but its lowering fails under two nested vmaps (pipeline stages inside
+    per-replica accumulation), and its batching rule wants the weights batched too; the dense
+    form has neither limit. Both are exact: the selection multiplies by one and adds zeros."""
+    if native:
+        return jax.lax.ragged_dot(x_ME, w_XEF, sizes_X)
+    ends_X = jnp.cumsum(sizes_X)
+    group_M = jnp.searchsorted(ends_X, jnp.arange(x_ME.shape[0]), side="right")
+    onehot_MX = jax.nn.one_hot(group_M, w_XEF.shape[0], dtype=x_ME.dtype)  # past the end: 0
+    return jnp.einsum("mx,mxf->mf", onehot_MX, jnp.einsum("me,xef->mxf", x_ME, w_XEF))
+
+
 def dropless_experts(x_NE: jax.Array, weights_NK: jax.Array, experts_NK: jax.Array,
-                     w: Weights, dtype: Any) -> jax.Array:
-    """Every assignment computed: sorted by expert, grouped matmuls (`ragged_dot`), unsorted and
-    summed per token with its router weight. An expert id equal to the number of experts (X)
-    marks an assignment that is not computed here (its output is zero)."""
-    w_gate_XEF, w_up_XEF, w_down_XFE = (a.astype(dtype) for a in w)
+                     w: Weights, dtype: Any, native: bool | None = None) -> jax.Array:
+    """Every assignment computed: sorted by expert, grouped matmuls (`grouped_matmul`),
+    unsorted and summed per token with its router weight. An expert id equal to the number of
+    experts (X) marks an assignment that is not computed here (its output is zero).
+    `native` (default: on TPU) picks `grouped_matmul`'s ragged_dot."""
+    native = native_grouped_matmul() if native is None else native
+    # Under jax.vmap (per-replica gradient accumulation, pipeline stages) the tokens are
+    # batched and the weights may not be, and ragged_dot batches only when both are: a zero
+    # that depends on the tokens makes the weights follow their batch (outside vmap, one add
+    # fused into the cast).
+    tie = jnp.zeros((), dtype) * x_NE[0, 0].astype(dtype) if native else 0
+    w_gate_XEF, w_up_XEF, w_down_XFE = (a.astype(dtype) + tie for a in w)
     N, k = experts_NK.shape
     X = w_gate_XEF.shape[0]
     flat_M = experts_NK.reshape(-1)                      # M = N * k assignments
     order_M = jnp.argsort(flat_M, stable=True)
     x_ME = x_NE.astype(dtype)[order_M // k]
     sizes_X = jnp.bincount(flat_M, length=X + 1)[:X].astype(jnp.int32)
-    h_MF = swiglu(jax.lax.ragged_dot(x_ME, w_gate_XEF, sizes_X),
-                  jax.lax.ragged_dot(x_ME, w_up_XEF, sizes_X))
-    out_ME = jax.lax.ragged_dot(h_MF, w_down_XFE, sizes_X)
+    matmul = lambda a, b: grouped_matmul(a, b, sizes_X, native)
+    h_MF = swiglu(matmul(x_ME, w_gate_XEF), matmul(x_ME, w_up_XEF))
+    out_ME = matmul(h_MF, w_down_XFE)
     out_NKE = jnp.zeros_like(out_ME).at[order_M].set(out_ME).reshape(N, k, -1)
     return jnp.einsum("nke,nk->ne", out_NKE, weights_NK.astype(dtype))
 
