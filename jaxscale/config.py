@@ -138,8 +138,7 @@ def validate(c: mlc.ConfigDict) -> None:
     d, t = c.data, c.train
     check_model(c.model, d.seq_len)
     check_context(c.mesh, c.model, d.seq_len)  # sequence shards (mesh.context)
-    check_moe(c.model, c.mesh, t.grad_accum,  # the experts against the mesh, accumulation and
-              c.pipeline.get("schedule", "gpipe"))  # the pipeline schedule
+    check_moe(c.model, c.mesh, c.pipeline.get("schedule", "gpipe"))  # experts vs mesh, stages
     _require(t.steps > 0 and t.log_every > 0, "train.steps and train.log_every must be positive.")
     _require(t.grad_accum >= 1 and d.batch_size % t.grad_accum == 0,
              f"data.batch_size={d.batch_size} must be divisible by train.grad_accum="

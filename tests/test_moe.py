@@ -66,6 +66,21 @@ def test_compute_paths_equal_a_loop_over_experts(fields):
     assert float(block.router_stats.get_value()[moe.STATS.index("dropped")]) == 0.0
 
 
+def test_the_dense_grouped_matmul_equals_ragged_dot():
+    """Off TPU the dropless path runs `grouped_matmul`'s dense form; it equals ragged_dot,
+    rows past the last group zero, an empty group included."""
+    from jaxscale.models.moe_dropless import grouped_matmul
+
+    x = jax.random.normal(jax.random.key(6), (10, 8))
+    w = jax.random.normal(jax.random.key(7), (4, 8, 5))
+    sizes = jnp.array([3, 0, 4, 2], jnp.int32)
+    dense = np.asarray(grouped_matmul(x, w, sizes, native=False))
+    np.testing.assert_allclose(dense, grouped_matmul(x, w, sizes, native=True), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(dense[3:7], x[3:7] @ w[2], rtol=1e-5, atol=1e-6)
+    assert not dense[9].any()
+
+
 @pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=2, expert=2),
                                   pytest.param(dict(context=2, expert=4),
                                                marks=pytest.mark.exhaustive)])
@@ -203,7 +218,6 @@ def test_config_mistakes_are_one_paragraph(override, culprit):
 
 @pytest.mark.parametrize("mesh, grad_accum, fix", [
     (dict(data=4, pipeline=2, schedule="1f1b"), 1, "pipeline.schedule=gpipe"),
-    (dict(data=2), 2, "model.moe.capacity_factor=2.0"),  # ragged_dot cannot be vmapped
 ])
 def test_unsupported_combinations_are_refused_for_moe(mesh, grad_accum, fix):
     c = _tiny_moe_config()
@@ -281,17 +295,22 @@ def test_a_tiny_moe_decoder_trains_sharded_as_on_one_device(capacity_factor):
     (dict(expert=4, data=2), 0.0),  # dropless: gather over the expert group, reduce-scatter
     pytest.param(dict(expert=4, data=2), 2.0, marks=pytest.mark.exhaustive),
     pytest.param(dict(expert=2, fsdp=2, tensor=2), 0.0, marks=pytest.mark.exhaustive),
+    pytest.param(dict(expert=2, pipeline=2, data=2), 0.0, marks=pytest.mark.exhaustive),
 ])
 def test_experts_shard_over_the_expert_axis_and_train_as_on_one_device(mesh, capacity_factor):
     """Expert parallelism from the rules alone: on an `expert` mesh axis every expert weight
     is split over it (num_experts / expert per device, also over fsdp on embed), the batch too;
     the capacity path's tokens reach their experts by all-to-all, the dropless path's by an
     all-gather over the expert group and back by reduce-scatter (models/moe_dropless.py); both
-    train with one device's losses."""
+    train with one device's losses. With pipeline stages the Switch loss is one per
+    microbatch (as under gradient accumulation), no longer the whole batch's: its coefficient
+    is 0 there, the z-loss (a mean over tokens) still trains."""
+    stages = mesh.get("pipeline", 1)
     c = _tiny_moe_config(capacity_factor=capacity_factor, shared_experts=1,
-                         router_aux_loss_coef=0.1)
+                         router_aux_loss_coef=0.1 if stages == 1 else 0.0)
     one, _ = _train(c, jax.devices()[:1], steps=3)
     c.mesh.update(mesh)
+    c.pipeline.microbatches = stages
     validate(c)
     trainer = Trainer.build(c, workdir=None, devices=jax.devices())
     it, state, losses = trainer.batches.iterator(), trainer.state, []
@@ -308,6 +327,47 @@ def test_experts_shard_over_the_expert_axis_and_train_as_on_one_device(mesh, cap
         assert experts[name].addressable_shards[0].data.shape[1] == 4 // mesh["expert"], name
     hlo = trainer.train_fn.lower(state, batch).compile().as_text()
     assert ("all-to-all" if capacity_factor else "reduce-scatter") in hlo
+
+
+@pytest.mark.parametrize("microbatches, repeats", [
+    (2, 2),  # circular: repeats and bubbles
+    pytest.param(1, 1, marks=pytest.mark.exhaustive),  # GPipe, one microbatch: all stats exact
+])
+def test_pipeline_stages_carry_the_router_statistics_out(microbatches, repeats):
+    """GPipe / circular stages (parallel/gpipe.py) leave the layers' sown router statistics on
+    the block as the plain scan does, (layers, stats) in natural layer order, bubbles masked:
+    with one microbatch all equal the scan's; with two, each layer's is the mean over the
+    microbatches, which for the z-loss (a mean over tokens) is still the scan's."""
+    from jaxscale.mesh import make_mesh
+    from jaxscale.models.scan import scan_layers
+    from jaxscale.parallel.gpipe import pipeline_layers
+    from jaxscale.presets import PRESETS
+    from jaxscale.rules import AxisRules, normalize_rules, use_rules
+
+    c = _tiny_moe_config()
+    c.model.num_layers = 4
+    block = llama.Llama(llama.LlamaConfig.from_config(c.model), nnx.Rngs(0)).layers
+    mesh = make_mesh(dict(pipeline=2, data=4), jax.devices())
+    rules = AxisRules(normalize_rules(PRESETS["pp"]))
+    h = jax.random.normal(jax.random.key(5), (8, 6, c.model.embed))
+    positions = jnp.broadcast_to(jnp.arange(6), (8, 6))
+
+    @nnx.jit
+    def both(block, h):
+        with use_rules(rules, mesh):
+            out = pipeline_layers(block, h, positions, mesh=mesh, stages=2,
+                                  microbatches=microbatches, repeats=repeats)
+            piped = block.mlp.router_stats.get_value()
+            want = scan_layers(block, h, positions)
+            return out, piped, want, block.mlp.router_stats.get_value()
+
+    out, piped, want, scanned = both(block, h)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert piped.shape == scanned.shape == (4, len(moe.STATS))
+    z = moe.STATS.index("z")
+    compared = slice(None) if microbatches == 1 else slice(z, z + 1)  # the Switch loss and
+    # the loads of a microbatch are not those of the batch
+    np.testing.assert_allclose(piped[:, compared], scanned[:, compared], rtol=1e-5)
 
 
 def test_greedy_decoding_with_the_cache_equals_the_full_forward():

@@ -78,11 +78,11 @@ class MoEConfig:
 
 
 def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
-              grad_accum: int = 1, schedule: str = "gpipe") -> None:
+              schedule: str = "gpipe") -> None:
     """`config.model.moe`'s checks (a ConfigError paragraph naming the field and the fix); with
-    `config.mesh` (`train.grad_accum`, `pipeline.schedule`), that the experts divide over its
-    `expert` axis, pipeline stages run a schedule that carries the router's losses (GPipe,
-    circular), and the dropless path is not vmapped over data replicas."""
+    `config.mesh` (and `pipeline.schedule`), that the experts divide over its
+    `expert` axis and pipeline stages run a schedule that carries the router's losses (GPipe,
+    circular)."""
     moe = MoEConfig.from_config(m.get("moe"))
     n, k = moe.num_experts, moe.experts_per_token
 
@@ -130,14 +130,6 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             f"mesh.dcn_pipeline={stages}: 1F1B runs each stage's backward inside its schedule,",
             "which does not yet take the router's losses. Use pipeline.schedule=gpipe (or",
             "circular; with model.remat=full to save activation memory) for MoE models.")
-    replicas = mesh.get("data", 1) * mesh.get("dcn_data", 1)
-    require(moe.capacity_factor > 0 or grad_accum <= 1 or replicas == 1,
-            f"model.moe.capacity_factor=0 (dropless) with train.grad_accum={grad_accum} and",
-            f"mesh.data={mesh.get('data', 1)}: gradient accumulation vmaps the model over the",
-            "data replicas (parallel/accumulate.py) and jax.lax.ragged_dot, the dropless",
-            "path's grouped matmul, has no vmap rule for unbatched weights. Use a capacity",
-            "factor (e.g. model.moe.capacity_factor=2.0), train.grad_accum=1, or shard the",
-            "batch over fsdp instead of data (mesh.data=1).")
 
 
 def expert_width(moe: MoEConfig, mlp: int) -> int:
