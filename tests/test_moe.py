@@ -108,6 +108,25 @@ def test_expert_parallel_dropless_equals_a_loop_over_experts(mesh):
     assert "all-gather" in hlo and "reduce-scatter" in hlo
 
 
+@pytest.mark.parametrize("capacity_factor", [0.0, 2.0])
+def test_remat_policies_keep_the_experts_gate_up_by_name(capacity_factor, capsys):
+    """The experts' gate/up outputs carry the dense MLP's `mlp_gate_up` name, so a policy that
+    keeps it (`minimal`) saves them for the backward pass and `save_qkv_proj` does not."""
+    from jaxscale.models.scan import REMAT_POLICIES
+
+    graphdef, state = nnx.split(_block(num_experts=4, experts_per_token=2,
+                                       capacity_factor=capacity_factor))
+
+    def saved(remat: str) -> int:
+        fn = jax.checkpoint(lambda s, x: nnx.merge(graphdef, s)(x).sum(),
+                            policy=REMAT_POLICIES[remat])
+        capsys.readouterr()
+        jax.ad_checkpoint.print_saved_residuals(fn, state, jnp.ones((2, 5, 8)))
+        return capsys.readouterr().out.count("named 'mlp_gate_up'")
+
+    assert (saved("minimal"), saved("save_qkv_proj")) == (2, 0)  # gate and up
+
+
 def test_capacity_path_drops_the_expected_assignments():
     """3 tokens, 3 experts, top-2, capacity 1.0: ceil(6 / 3) = 2 slots per expert. Choices
     (0, 1), (1, 0), (0, 1): the first choices fill expert 0's two slots and one of expert 1's;

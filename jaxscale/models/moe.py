@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.layers import MLP, param
@@ -262,8 +263,9 @@ def capacity_experts(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.
                     .at[e_M, s_M].set(x_TE[tokens_M], mode="drop"))
     buf_BXCE = constrain(fill(x_BTE.astype(dtype), experts_BM, slot_BM), *ROW_AXES)
     buf_BXCE = constrain(buf_BXCE, *BUFFER_AXES)  # all-to-all: rows' slots to their experts
-    h_BXCF = swiglu(jnp.einsum("bxce,xef->bxcf", buf_BXCE, w_gate_XEF),
-                     jnp.einsum("bxce,xef->bxcf", buf_BXCE, w_up_XEF))
+    h_BXCF = swiglu(*(checkpoint_name(jnp.einsum("bxce,xef->bxcf", buf_BXCE, w_XEF),
+                                      "mlp_gate_up")  # as the dense MLP's, for remat policies
+                      for w_XEF in (w_gate_XEF, w_up_XEF)))
     out_BXCE = constrain(jnp.einsum("bxcf,xfe->bxce", h_BXCF, w_down_XFE), *BUFFER_AXES)
     out_BXCE = constrain(out_BXCE, *ROW_AXES)  # all-to-all back to the rows' devices
     kept_BM = slot_BM < C

@@ -38,6 +38,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.rules import AxisRules, active_rules
@@ -96,7 +97,10 @@ def dropless_experts(x_NE: jax.Array, weights_NK: jax.Array, experts_NK: jax.Arr
     x_ME = x_NE.astype(dtype)[order_M // k]
     sizes_X = jnp.bincount(flat_M, length=X + 1)[:X].astype(jnp.int32)
     matmul = lambda a, b: grouped_matmul(a, b, sizes_X, native)
-    h_MF = swiglu(matmul(x_ME, w_gate_XEF), matmul(x_ME, w_up_XEF))
+    # Named as the dense MLP's gate/up (`models/scan.py` ACTIVATION_NAMES): the same remat
+    # policies keep them.
+    h_MF = swiglu(*(checkpoint_name(matmul(x_ME, w_XEF), "mlp_gate_up")
+                    for w_XEF in (w_gate_XEF, w_up_XEF)))
     out_ME = matmul(h_MF, w_down_XFE)
     out_NKE = jnp.zeros_like(out_ME).at[order_M].set(out_ME).reshape(N, k, -1)
     return jnp.einsum("nke,nk->ne", out_NKE, weights_NK.astype(dtype))
