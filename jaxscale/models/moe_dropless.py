@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_batching import custom_vmap
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.rules import AxisRules, active_rules
@@ -48,6 +49,72 @@ Weights = tuple[jax.Array, jax.Array, jax.Array]  # gate (X, E, F), up (X, E, F)
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
+
+
+def _flatten(x_bME: jax.Array, w_bXEF: jax.Array, sizes_bX: jax.Array
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A batch of grouped matmuls as one: rows (b*M), groups (b*(X+1)); group X of each batch
+    element is a zero-weight group holding its rows past its last group."""
+    b, M = x_bME.shape[:2]
+    trash_b = M - jnp.sum(sizes_bX, axis=1)
+    sizes = jnp.concatenate([sizes_bX, trash_b[:, None]], axis=1).reshape(-1)
+    w = jnp.concatenate([w_bXEF, jnp.zeros_like(w_bXEF[:, :1])], axis=1)
+    return x_bME.reshape(b * M, -1), w.reshape((-1,) + w.shape[2:]), sizes.astype(sizes_bX.dtype)
+
+
+def _batched(args: tuple, batched: Any, n: int) -> list[jax.Array]:
+    return [a if bt else jnp.broadcast_to(a, (n,) + a.shape) for a, bt in zip(args, batched)]
+
+
+@custom_vmap
+def _gmm(x_ME: jax.Array, w_XEF: jax.Array, sizes_X: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(x_ME, w_XEF, sizes_X)
+
+
+@_gmm.def_vmap
+def _gmm_batched(n, batched, x, w, sizes):
+    x, w, sizes = _batched((x, w, sizes), batched, n)
+    out = _gmm(*_flatten(x, w, sizes))
+    return out.reshape(x.shape[:2] + out.shape[1:]), True
+
+
+@custom_vmap
+def _gmm_vjp(x_ME: jax.Array, w_XEF: jax.Array, sizes_X: jax.Array, g_MF: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+    _, pull = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes_X), x_ME, w_XEF)
+    return tuple(pull(g_MF))
+
+
+@_gmm_vjp.def_vmap
+def _gmm_vjp_batched(n, batched, x, w, sizes, g):
+    x, w, sizes, g = _batched((x, w, sizes, g), batched, n)
+    X = w.shape[1]
+    fx, fw, fs = _flatten(x, w, sizes)
+    dx, dw = _gmm_vjp(fx, fw, fs, g.reshape((-1,) + g.shape[2:]))
+    dw = dw.reshape((n, X + 1) + dw.shape[1:])[:, :X]
+    return (dx.reshape(x.shape), dw), (True, True)
+
+
+@jax.custom_vjp
+def ragged_dot(x_ME: jax.Array, w_XEF: jax.Array, sizes_X: jax.Array) -> jax.Array:
+    """`jax.lax.ragged_dot` that vmaps on TPU: there its lowering takes no batch dimensions
+    ("group_sizes with rank > 1 are not yet supported"), so under vmap (pipeline stages,
+    per-replica accumulation) the batch is folded into the groups (`_flatten`) and the
+    backward pass is batched the same way (custom_vmap has no autodiff of its own, hence
+    this custom_vjp)."""
+    return _gmm(x_ME, w_XEF, sizes_X)
+
+
+def _ragged_dot_fwd(x_ME, w_XEF, sizes_X):
+    return _gmm(x_ME, w_XEF, sizes_X), (x_ME, w_XEF, sizes_X)
+
+
+def _ragged_dot_bwd(res, g_MF):
+    dx, dw = _gmm_vjp(*res, g_MF)
+    return dx, dw, None
+
+
+ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 
 
 def native_grouped_matmul() -> bool:
@@ -64,13 +131,13 @@ def grouped_matmul(x_ME: jax.Array, w_XEF: jax.Array, sizes_X: jax.Array, native
     """Rows of `x_ME` in consecutive groups of `sizes_X` rows, group g times `w_XEF[g]`; rows
     past the last group come out zero.
 
-    `native`: `jax.lax.ragged_dot`. Otherwise the dense form: every row times every expert,
-    the row's own group selected. Off TPU jax lowers ragged_dot to that same dense form (the
-    same FLOPs), but its lowering fails under two nested vmaps (pipeline stages inside
-    per-replica accumulation), and its batching rule wants the weights batched too; the dense
-    form has neither limit. Both are exact: the selection multiplies by one and adds zeros."""
+    `native`: `ragged_dot` (jax's, batched by folding the batch into the groups). Otherwise the
+    dense form: every row times every expert, the row's own group selected. Off TPU jax lowers
+    ragged_dot to that same dense form (the same FLOPs), but that lowering fails under two
+    nested vmaps (pipeline stages inside per-replica accumulation); the dense form has no such
+    limit. Both are exact: the selection multiplies by one and adds zeros."""
     if native:
-        return jax.lax.ragged_dot(x_ME, w_XEF, sizes_X)
+        return ragged_dot(x_ME, w_XEF, sizes_X)
     ends_X = jnp.cumsum(sizes_X)
     group_M = jnp.searchsorted(ends_X, jnp.arange(x_ME.shape[0]), side="right")
     onehot_MX = jax.nn.one_hot(group_M, w_XEF.shape[0], dtype=x_ME.dtype)  # past the end: 0
@@ -84,12 +151,7 @@ def dropless_experts(x_NE: jax.Array, weights_NK: jax.Array, experts_NK: jax.Arr
     experts (X) marks an assignment that is not computed here (its output is zero).
     `native` (default: on TPU) picks `grouped_matmul`'s ragged_dot."""
     native = native_grouped_matmul() if native is None else native
-    # Under jax.vmap (per-replica gradient accumulation, pipeline stages) the tokens are
-    # batched and the weights may not be, and ragged_dot batches only when both are: a zero
-    # that depends on the tokens makes the weights follow their batch (outside vmap, one add
-    # fused into the cast).
-    tie = jnp.zeros((), dtype) * x_NE[0, 0].astype(dtype) if native else 0
-    w_gate_XEF, w_up_XEF, w_down_XFE = (a.astype(dtype) + tie for a in w)
+    w_gate_XEF, w_up_XEF, w_down_XFE = (a.astype(dtype) for a in w)
     N, k = experts_NK.shape
     X = w_gate_XEF.shape[0]
     flat_M = experts_NK.reshape(-1)                      # M = N * k assignments
