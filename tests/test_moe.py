@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from aot_common import TINY, libtpu_test, run_module
 from configs.tiny_lm import get_config
 from jaxscale.config import validate
 from jaxscale.errors import ConfigError
@@ -443,3 +444,24 @@ def test_the_progress_line_shows_the_expert_load():
     ProgressBar(2, print_every=1, stream=out).update(1, {"loss": 2.0, "moe_load_max": 1.5,
                                                          "moe_load_min": 0.25})
     assert "load=1.50/0.25" in out.getvalue()
+
+
+@pytest.mark.exhaustive
+@pytest.mark.slow
+@libtpu_test
+@pytest.mark.parametrize("mesh", [
+    dict(expert=4),                                       # the shard_map, ragged_dot unbatched
+    dict(expert=2, pipeline=2, data=2, microbatches=2),  # inside stages and replicas (vmaps)
+])
+def test_dropless_expert_parallel_compiles_for_tpu(mesh, tmp_path):
+    """The TPU lowering of the dropless path (libtpu, ahead of time: launch.compile): jax's
+    ragged_dot there, whose TPU lowering takes no batch dimensions, so under the pipeline's
+    and the replicas' vmaps it must be folded (`moe_dropless.ragged_dot`)."""
+    sizes = {"data": 1, **mesh}
+    microbatches = sizes.pop("microbatches", 1)
+    flags = [f"--config.mesh.{axis}={size}" for axis, size in sizes.items()]
+    proc = run_module(["launch.compile", f"--topology=v5p:2x2x{math.prod(sizes.values()) // 4}",
+                       *TINY, "--config.model.moe.num_experts=4", *flags,
+                       f"--config.pipeline.microbatches={microbatches}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reduce-scatter" in proc.stdout  # the expert group's outputs going home
