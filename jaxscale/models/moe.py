@@ -10,6 +10,9 @@ they live. `shared_experts` adds an always-on dense SwiGLU of `shared_experts` x
 Two compute paths, chosen by `capacity_factor`:
 - 0 (dropless): the token-expert assignments are sorted by expert and the three matmuls run as
   grouped matmuls (`jax.lax.ragged_dot`): no token is dropped and no FLOP is spent on padding.
+  With the experts split over devices (`mesh.expert` > 1) it runs expert-parallel in a
+  shard_map: tokens gathered over the expert group, local experts, partial outputs
+  reduce-scattered back (`models/moe_dropless.py`, which says why not an all-to-all).
 - > 0: every expert gets, per sequence (row of the batch, so drops do not depend on the mesh),
   a fixed buffer of ceil(capacity_factor x the row's assignments / experts) slots, filled in
   priority order (every token's first choice before any second choice, tokens in
@@ -34,9 +37,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.layers import MLP, param
+from jaxscale.models.moe_dropless import dropless_experts, expert_parallel, swiglu
 from jaxscale.precision import Policy
 from jaxscale.rules import constrain
 
@@ -74,10 +79,11 @@ class MoEConfig:
 
 
 def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
-              grad_accum: int = 1) -> None:
+              schedule: str = "gpipe") -> None:
     """`config.model.moe`'s checks (a ConfigError paragraph naming the field and the fix); with
-    `config.mesh` (and `train.grad_accum`), that the experts divide over its `expert` axis, no
-    pipeline is asked for, and the dropless path is not vmapped over data replicas."""
+    `config.mesh` (and `pipeline.schedule`), that the experts divide over its
+    `expert` axis and pipeline stages run a schedule that carries the router's losses (GPipe,
+    circular)."""
     moe = MoEConfig.from_config(m.get("moe"))
     n, k = moe.num_experts, moe.experts_per_token
 
@@ -119,25 +125,12 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             f"model.moe.num_experts={n} is not divisible by the {experts_axis} devices of the",
             "mesh's expert axis (mesh.expert x mesh.dcn_expert): each device holds an equal",
             "share of the experts. Use a multiple of that many experts, or a smaller expert axis.")
-    require(experts_axis <= 1 or moe.capacity_factor > 0,
-            "model.moe.capacity_factor=0 (dropless) with mesh.expert x mesh.dcn_expert",
-            f"= {experts_axis}: the dropless path's grouped matmul (jax.lax.ragged_dot) has no",
-            "rule to split its experts over devices, so GSPMD would gather every expert's",
-            "weights onto every device. Give the experts fixed buffers, which shard over the",
-            "expert axis (e.g. model.moe.capacity_factor=1.25), or set mesh.expert=1.")
     stages = mesh.get("pipeline", 1) * mesh.get("dcn_pipeline", 1)
-    require(stages <= 1,
-            f"model.moe.num_experts={n} with mesh.pipeline x mesh.dcn_pipeline={stages}: pipeline",
-            "stages do not yet carry the router's losses and load statistics out of their",
-            "schedule. Train MoE models without pipeline stages (mesh.pipeline=1) for now.")
-    replicas = mesh.get("data", 1) * mesh.get("dcn_data", 1)
-    require(moe.capacity_factor > 0 or grad_accum <= 1 or replicas == 1,
-            f"model.moe.capacity_factor=0 (dropless) with train.grad_accum={grad_accum} and",
-            f"mesh.data={mesh.get('data', 1)}: gradient accumulation vmaps the model over the",
-            "data replicas (parallel/accumulate.py) and jax.lax.ragged_dot, the dropless",
-            "path's grouped matmul, has no vmap rule for unbatched weights. Use a capacity",
-            "factor (e.g. model.moe.capacity_factor=2.0), train.grad_accum=1, or shard the",
-            "batch over fsdp instead of data (mesh.data=1).")
+    require(stages <= 1 or schedule != "1f1b",
+            f"model.moe.num_experts={n} with pipeline.schedule='1f1b' on mesh.pipeline x",
+            f"mesh.dcn_pipeline={stages}: 1F1B runs each stage's backward inside its schedule,",
+            "which does not yet take the router's losses. Use pipeline.schedule=gpipe (or",
+            "circular; with model.remat=full to save activation memory) for MoE models.")
 
 
 def expert_width(moe: MoEConfig, mlp: int) -> int:
@@ -179,8 +172,19 @@ class MoE(nnx.Module):
             self.shared = MLP(embed, f * moe.shared_experts, policy, rngs, stack=stack)
         self.moe, self.policy = moe, policy
 
-    def __call__(self, x_BTE: jax.Array) -> jax.Array:
+    def _dropless(self, x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.Array,
+                  w: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        """Expert-parallel when the rules split the experts over devices, else on the tokens
+        as GSPMD shards them (`models/moe_dropless.py`)."""
+        dtype = self.policy.compute
+        out_BTE = expert_parallel(x_BTE, weights_BTK, experts_BTK, w, dtype)
+        if out_BTE is not None:
+            return out_BTE
         B, T, E = x_BTE.shape
+        return dropless_experts(x_BTE.reshape(B * T, E), weights_BTK.reshape(B * T, -1),
+                                experts_BTK.reshape(B * T, -1), w, dtype).reshape(B, T, E)
+
+    def __call__(self, x_BTE: jax.Array) -> jax.Array:
         # Routed per row: the (B, T) layout keeps the batch's sharding through top_k.
         weights_BTK, experts_BTK, stats = route(x_BTE, self.router[...], self.moe)
         w = (self.w_gate[...], self.w_up[...], self.w_down[...])
@@ -189,9 +193,7 @@ class MoE(nnx.Module):
                                                 self.moe.capacity_factor, self.policy.compute)
             stats = stats.at[STATS.index("dropped")].set(dropped)
         else:
-            out_BTE = dropless_experts(x_BTE.reshape(B * T, E), weights_BTK.reshape(B * T, -1),
-                                       experts_BTK.reshape(B * T, -1), w, self.policy.compute
-                                       ).reshape(B, T, E)
+            out_BTE = self._dropless(x_BTE, weights_BTK, experts_BTK, w)
         self.router_stats = nnx.Intermediate(stats)  # stacked over layers by scan_layers
         if self.moe.shared_experts:
             out_BTE = out_BTE + self.shared(x_BTE)
@@ -220,27 +222,6 @@ def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig
     load_X = share_X * n
     stats = jnp.stack([aux, z, jnp.zeros(()), jnp.max(load_X), jnp.min(load_X)])
     return weights_NK, experts_NK, stats
-
-
-def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate) * up
-
-
-def dropless_experts(x_NE: jax.Array, weights_NK: jax.Array, experts_NK: jax.Array,
-                     w: tuple[jax.Array, jax.Array, jax.Array], dtype: Any) -> jax.Array:
-    """Every assignment computed: sorted by expert, grouped matmuls (`ragged_dot`), unsorted and
-    summed per token with its router weight."""
-    w_gate_XEF, w_up_XEF, w_down_XFE = (a.astype(dtype) for a in w)
-    N, k = experts_NK.shape
-    flat_M = experts_NK.reshape(-1)                      # M = N * k assignments
-    order_M = jnp.argsort(flat_M, stable=True)
-    x_ME = x_NE.astype(dtype)[order_M // k]
-    sizes_X = jnp.bincount(flat_M, length=w_gate_XEF.shape[0]).astype(jnp.int32)
-    h_MF = _swiglu(jax.lax.ragged_dot(x_ME, w_gate_XEF, sizes_X),
-                   jax.lax.ragged_dot(x_ME, w_up_XEF, sizes_X))
-    out_ME = jax.lax.ragged_dot(h_MF, w_down_XFE, sizes_X)
-    out_NKE = jnp.zeros_like(out_ME).at[order_M].set(out_ME).reshape(N, k, -1)
-    return jnp.einsum("nke,nk->ne", out_NKE, weights_NK.astype(dtype))
 
 
 # Logical axes of the capacity path's (rows, experts, slots, embed) buffers while the experts
@@ -282,8 +263,9 @@ def capacity_experts(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.
                     .at[e_M, s_M].set(x_TE[tokens_M], mode="drop"))
     buf_BXCE = constrain(fill(x_BTE.astype(dtype), experts_BM, slot_BM), *ROW_AXES)
     buf_BXCE = constrain(buf_BXCE, *BUFFER_AXES)  # all-to-all: rows' slots to their experts
-    h_BXCF = _swiglu(jnp.einsum("bxce,xef->bxcf", buf_BXCE, w_gate_XEF),
-                     jnp.einsum("bxce,xef->bxcf", buf_BXCE, w_up_XEF))
+    h_BXCF = swiglu(*(checkpoint_name(jnp.einsum("bxce,xef->bxcf", buf_BXCE, w_XEF),
+                                      "mlp_gate_up")  # as the dense MLP's, for remat policies
+                      for w_XEF in (w_gate_XEF, w_up_XEF)))
     out_BXCE = constrain(jnp.einsum("bxcf,xfe->bxce", h_BXCF, w_down_XFE), *BUFFER_AXES)
     out_BXCE = constrain(out_BXCE, *ROW_AXES)  # all-to-all back to the rows' devices
     kept_BM = slot_BM < C

@@ -104,12 +104,29 @@ def batch_over_stages(mesh: Mesh) -> Iterator[None]:
         yield
 
 
+def _add_sown(acc_SR: nnx.State, sown_S: nnx.State, work_S: jax.Array, M: int, R: int
+              ) -> nnx.State:
+    """`acc_SR` (S, R, P, ...) plus what each stage sowed (S, P, ...) at its repeat, where the
+    stage's work item is real (a bubble's garbage never leaks in, not even as 0 * inf)."""
+    ok_S = (work_S >= 0) & (work_S < M * R)
+    at_SR = jax.nn.one_hot(jnp.where(ok_S, work_S // M, -1), R, dtype=bool)  # -1: no repeat
+
+    def add(acc, new):
+        at = at_SR.reshape(at_SR.shape + (1,) * (new.ndim - 1))
+        return acc + jnp.where(at, new[:, None], jnp.zeros_like(acc))
+
+    return jax.tree.map(add, acc_SR, sown_S)
+
+
 def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array, *,
                     mesh: Mesh, stages: int, microbatches: int, repeats: int,
                     remat: str = "none", segments_BT: jax.Array | None = None) -> jax.Array:
     """Runs the stacked `block` over `h_BTE` as an S-stage, M-microbatch, R-repeat pipeline.
-    Packed rows: `segments_BT` (document ids) travel with their microbatch, as positions do."""
+    Packed rows: `segments_BT` (document ids) travel with their microbatch, as positions do.
+    What the layers sow (`nnx.Intermediate`: the MoE router's statistics) is left on `block`
+    stacked (L, ...) as `scan_layers` leaves it, each layer's the mean over the microbatches."""
     S, M, R = stages, microbatches, repeats
+    nnx.pop(block, nnx.Intermediate)  # a previous call's sown values are not layer inputs
     graphdef, state = nnx.split(block)
     num_layers = jax.tree.leaves(state)[0].shape[0]
     check_layers(num_layers, S, R)
@@ -127,15 +144,16 @@ def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array
     stage_ids = jnp.arange(S)
 
     def stage_fn(stage_state, x_bTE, pos_bT, seg_bT=None):
-        return scan_layers(nnx.merge(graphdef, stage_state), x_bTE, pos_bT, remat,
-                           segments_BT=seg_bT)
+        stage = nnx.merge(graphdef, stage_state)
+        out = scan_layers(stage, x_bTE, pos_bT, remat, segments_BT=seg_bT)
+        return out, nnx.pop(stage, nnx.Intermediate)  # what the layers sowed (MoE router stats)
 
     run_stages = jax.vmap(stage_fn, spmd_axis_name="pipeline")
     pick_repeat = jax.vmap(lambda w, r: jax.tree.map(lambda a: a[r], w), in_axes=(1, 0),
                            spmd_axis_name="pipeline")
 
     def iteration(carry, t):
-        state_SbTE, io_SMbTE = carry
+        state_SbTE, io_SMbTE, sown_SR = carry
         first = (stage_ids == 0)[:, None, None, None]
         fresh_SbTE = jax.lax.dynamic_index_in_dim(io_SMbTE, t % M, axis=1, keepdims=False)
         in_SbTE = constrain_batch(jnp.where(first, fresh_SbTE, state_SbTE), mesh, "pipeline")
@@ -146,7 +164,9 @@ def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array
             w_S = jax.tree.map(lambda a: a[0], weights)
         else:
             w_S = pick_repeat(weights, jnp.clip(work_S // M, 0, R - 1))
-        out_SbTE = constrain_batch(run_stages(w_S, in_SbTE, pos_SbT, *rows), mesh, "pipeline")
+        out_SbTE, sown_S = run_stages(w_S, in_SbTE, pos_SbT, *rows)
+        out_SbTE = constrain_batch(out_SbTE, mesh, "pipeline")
+        sown_SR = _add_sown(sown_SR, sown_S, work_S, M, R)
         next_SbTE = constrain_batch(jnp.roll(out_SbTE, 1, axis=0), mesh, "pipeline")
         # Slot 0 of `next` is the last stage's output for microbatch (t-S+1) mod M.
         done = first & (t >= S - 1)
@@ -154,13 +174,22 @@ def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array
         old_SbTE = jax.lax.dynamic_index_in_dim(io_SMbTE, slot, axis=1, keepdims=False)
         io_SMbTE = jax.lax.dynamic_update_index_in_dim(
             io_SMbTE, jnp.where(done, next_SbTE, old_SbTE), slot, axis=1)
-        return (next_SbTE, constrain_batch(io_SMbTE, mesh, "pipeline", None)), None
+        return (next_SbTE, constrain_batch(io_SMbTE, mesh, "pipeline", None), sown_SR), None
 
     io_SMbTE = constrain_batch(jnp.broadcast_to(x_MbTE, (S,) + x_MbTE.shape), mesh,
                                "pipeline", None)
     state_SbTE = constrain_batch(jnp.zeros((S, mb, T, E), h_BTE.dtype), mesh, "pipeline")
+    first_rows = () if seg_MbT is None else (seg_MbT[0],)
+    sown_P = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0, 0], weights), x_MbTE[0],
+                            pos_MbT[0], *first_rows)[1]  # what one stage sows (P, ...)
+    sown_SR = jax.tree.map(lambda a: jnp.zeros((S, R) + a.shape, a.dtype), sown_P)
     iterations = get_schedule("circular").iterations(S, M, R)
-    (_, io_SMbTE), _ = jax.lax.scan(iteration, (state_SbTE, io_SMbTE), jnp.arange(iterations))
+    (_, io_SMbTE, sown_SR), _ = jax.lax.scan(iteration, (state_SbTE, io_SMbTE, sown_SR),
+                                             jnp.arange(iterations))
+    # (S, R, P, ...) sums over microbatches -> (L, ...) means in natural layer order, on `block`
+    # as the plain scan leaves them (e.g. the MoE router's statistics for `moe.router_loss`).
+    nnx.update(block, jax.tree.map(
+        lambda a: (a.swapaxes(0, 1) / M).reshape((-1,) + a.shape[3:]), sown_SR))
     out_MbTE = constrain_batch(io_SMbTE[0], mesh, None)
     with batch_over_stages(mesh):  # rows leave for the head split over stages, not broadcast
         return constrain_batch(out_MbTE.swapaxes(0, 1).reshape(B, T, E), mesh)

@@ -1,0 +1,185 @@
+"""MoE across devices: the dropless path's expert parallelism (models/moe_dropless.py) equals
+the per-token loop and trains as one device, the capacity path's all-to-all too, pipeline
+stages carry the router's statistics out (parallel/gpipe.py), the grouped matmul's forms agree
+under nested vmaps, and the dropless path compiles for TPU."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from aot_common import TINY, libtpu_test, run_module
+from jaxscale.config import validate
+from jaxscale.models import llama, moe
+from jaxscale.train.loop import Trainer
+from test_moe import _block, _loop, _tiny_moe_config, _train
+
+
+def test_the_dense_grouped_matmul_equals_ragged_dot():
+    """Off TPU the dropless path runs `grouped_matmul`'s dense form; it equals ragged_dot,
+    rows past the last group zero, an empty group included."""
+    from jaxscale.models.moe_dropless import grouped_matmul
+
+    x = jax.random.normal(jax.random.key(6), (10, 8))
+    w = jax.random.normal(jax.random.key(7), (4, 8, 5))
+    sizes = jnp.array([3, 0, 4, 2], jnp.int32)
+    dense = np.asarray(grouped_matmul(x, w, sizes, native=False))
+    np.testing.assert_allclose(dense, grouped_matmul(x, w, sizes, native=True), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(dense[3:7], x[3:7] @ w[2], rtol=1e-5, atol=1e-6)
+    assert not dense[9].any()
+
+
+def test_the_native_grouped_matmul_vmaps_and_differentiates_as_the_dense_form():
+    """TPU's ragged_dot takes no batch dimensions: `moe_dropless.ragged_dot` folds a vmapped
+    batch into the groups, forward and backward. Under two nested vmaps (pipeline stages:
+    weights batched; per-replica accumulation inside: weights not) its value and gradients
+    equal the dense form's."""
+    from jaxscale.models.moe_dropless import grouped_matmul
+
+    keys = jax.random.split(jax.random.key(8), 4)
+    x = jax.random.normal(keys[0], (2, 3, 10, 4))          # (stages, replicas, rows, embed)
+    w = jax.random.normal(keys[1], (2, 3, 4, 5))            # (stages, experts, embed, out)
+    sizes = jax.random.randint(keys[2], (2, 3, 3), 0, 4).astype(jnp.int32)
+    g = jax.random.normal(keys[3], (2, 3, 10, 5))
+
+    def loss(native):
+        per_replica = lambda x, w, s: jax.vmap(lambda xx, ss: grouped_matmul(xx, w, ss, native)
+                                               )(x, s)
+        return lambda x, w: jnp.sum(jax.vmap(per_replica)(x, w, sizes) * g)
+
+    got = jax.jit(jax.value_and_grad(loss(True), argnums=(0, 1)))(x, w)
+    want = jax.value_and_grad(loss(False), argnums=(0, 1))(x, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=2, expert=2),
+                                  pytest.param(dict(context=2, expert=4),
+                                               marks=pytest.mark.exhaustive)])
+def test_expert_parallel_dropless_equals_a_loop_over_experts(mesh):
+    """Dropless with the experts split over `expert` (models/moe_dropless.py): tokens gathered
+    over the expert group, local experts, outputs reduce-scattered back, the hidden width split
+    over tensor and summed; equal to the per-token loop."""
+    from jaxscale.mesh import make_mesh
+    from jaxscale.presets import PRESETS
+    from jaxscale.rules import AxisRules, normalize_rules, use_rules
+
+    device_mesh = make_mesh(mesh, jax.devices())
+    rules = AxisRules(normalize_rules(PRESETS["fsdp_tp"]))
+    block = _block(num_experts=4, experts_per_token=2, shared_experts=1)
+    x = jax.random.normal(jax.random.key(1), (4, 6, 8))
+
+    @nnx.jit
+    def apply(block, x):
+        with use_rules(rules, device_mesh):
+            return block(x)
+
+    np.testing.assert_allclose(np.asarray(apply(block, x)), _loop(block, x), rtol=1e-5,
+                               atol=1e-6)
+    hlo = apply.lower(block, x).compile().as_text()
+    assert "all-gather" in hlo and "reduce-scatter" in hlo
+
+
+@pytest.mark.parametrize("mesh, capacity_factor", [
+    (dict(expert=2, fsdp=2, data=2), 2.0),
+    (dict(expert=4, data=2), 0.0),  # dropless: gather over the expert group, reduce-scatter
+    pytest.param(dict(expert=4, data=2), 2.0, marks=pytest.mark.exhaustive),
+    pytest.param(dict(expert=2, fsdp=2, tensor=2), 0.0, marks=pytest.mark.exhaustive),
+    pytest.param(dict(expert=2, pipeline=2, data=2), 0.0, marks=pytest.mark.exhaustive),
+])
+def test_experts_shard_over_the_expert_axis_and_train_as_on_one_device(mesh, capacity_factor):
+    """Expert parallelism from the rules alone: on an `expert` mesh axis every expert weight
+    is split over it (num_experts / expert per device, also over fsdp on embed), the batch too;
+    the capacity path's tokens reach their experts by all-to-all, the dropless path's by an
+    all-gather over the expert group and back by reduce-scatter (models/moe_dropless.py); both
+    train with one device's losses. With pipeline stages the Switch loss is one per
+    microbatch (as under gradient accumulation), no longer the whole batch's: its coefficient
+    is 0 there, the z-loss (a mean over tokens) still trains."""
+    stages = mesh.get("pipeline", 1)
+    c = _tiny_moe_config(capacity_factor=capacity_factor, shared_experts=1,
+                         router_aux_loss_coef=0.1 if stages == 1 else 0.0)
+    one, _ = _train(c, jax.devices()[:1], steps=3)
+    c.mesh.update(mesh)
+    c.pipeline.microbatches = stages
+    validate(c)
+    trainer = Trainer.build(c, workdir=None, devices=jax.devices())
+    it, state, losses = trainer.batches.iterator(), trainer.state, []
+    for _ in range(3):
+        batch = trainer.to_global(next(it))
+        state, metrics = trainer.train_fn(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, one, rtol=1e-5)
+    assert "expert" in batch["tokens"].sharding.spec[0]
+    experts = state.params["layers"]["mlp"]
+    for name in ("w_gate", "w_up", "w_down"):  # (layers, expert, embed / mlp, mlp / embed)
+        spec = experts[name].sharding.spec
+        assert spec[1] == "expert", (name, spec)
+        assert experts[name].addressable_shards[0].data.shape[1] == 4 // mesh["expert"], name
+    hlo = trainer.train_fn.lower(state, batch).compile().as_text()
+    assert ("all-to-all" if capacity_factor else "reduce-scatter") in hlo
+
+
+@pytest.mark.parametrize("microbatches, repeats", [
+    (2, 2),  # circular: repeats and bubbles
+    pytest.param(1, 1, marks=pytest.mark.exhaustive),  # GPipe, one microbatch: all stats exact
+])
+def test_pipeline_stages_carry_the_router_statistics_out(microbatches, repeats):
+    """GPipe / circular stages (parallel/gpipe.py) leave the layers' sown router statistics on
+    the block as the plain scan does, (layers, stats) in natural layer order, bubbles masked:
+    with one microbatch all equal the scan's; with two, each layer's is the mean over the
+    microbatches, which for the z-loss (a mean over tokens) is still the scan's."""
+    from jaxscale.mesh import make_mesh
+    from jaxscale.models.scan import scan_layers
+    from jaxscale.parallel.gpipe import pipeline_layers
+    from jaxscale.presets import PRESETS
+    from jaxscale.rules import AxisRules, normalize_rules, use_rules
+
+    c = _tiny_moe_config()
+    c.model.num_layers = 4
+    block = llama.Llama(llama.LlamaConfig.from_config(c.model), nnx.Rngs(0)).layers
+    mesh = make_mesh(dict(pipeline=2, data=4), jax.devices())
+    rules = AxisRules(normalize_rules(PRESETS["pp"]))
+    h = jax.random.normal(jax.random.key(5), (8, 6, c.model.embed))
+    positions = jnp.broadcast_to(jnp.arange(6), (8, 6))
+
+    @nnx.jit
+    def both(block, h):
+        with use_rules(rules, mesh):
+            out = pipeline_layers(block, h, positions, mesh=mesh, stages=2,
+                                  microbatches=microbatches, repeats=repeats)
+            piped = block.mlp.router_stats.get_value()
+            want = scan_layers(block, h, positions)
+            return out, piped, want, block.mlp.router_stats.get_value()
+
+    out, piped, want, scanned = both(block, h)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert piped.shape == scanned.shape == (4, len(moe.STATS))
+    z = moe.STATS.index("z")
+    compared = slice(None) if microbatches == 1 else slice(z, z + 1)  # the Switch loss and
+    # the loads of a microbatch are not those of the batch
+    np.testing.assert_allclose(piped[:, compared], scanned[:, compared], rtol=1e-5)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.slow
+@libtpu_test
+@pytest.mark.parametrize("mesh", [
+    dict(expert=4),                                       # the shard_map, ragged_dot unbatched
+    dict(expert=2, pipeline=2, data=2, microbatches=2),  # inside stages and replicas (vmaps)
+])
+def test_dropless_expert_parallel_compiles_for_tpu(mesh, tmp_path):
+    """The TPU lowering of the dropless path (libtpu, ahead of time: launch.compile): jax's
+    ragged_dot there, whose TPU lowering takes no batch dimensions, so under the pipeline's
+    and the replicas' vmaps it must be folded (`moe_dropless.ragged_dot`)."""
+    sizes = {"data": 1, **mesh}
+    microbatches = sizes.pop("microbatches", 1)
+    flags = [f"--config.mesh.{axis}={size}" for axis, size in sizes.items()]
+    proc = run_module(["launch.compile", f"--topology=v5p:2x2x{math.prod(sizes.values()) // 4}",
+                       *TINY, "--config.model.moe.num_experts=4", *flags,
+                       f"--config.pipeline.microbatches={microbatches}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reduce-scatter" in proc.stdout  # the expert group's outputs going home
