@@ -213,9 +213,9 @@ def test_a_vision_model_is_refused_in_one_paragraph():
 def test_the_planner_searches_the_expert_axis_for_moe_models_only():
     # An MoE model's experts split over `expert` as well as data / fsdp / tensor (most expert
     # parallelism first: each chip computes its own experts, no expert weight moves); the batch
-    # splits over it too. A dense model gets no expert axis (validation refuses one), and
-    # dropless MoE none either (refused with an expert axis: capacity path only). The listing
-    # is read before validation (`_all_candidates`), which is what costs.
+    # splits over it too. A dense model gets no expert axis (validation refuses one); dropless
+    # MoE gets it as the capacity path does. The listing is read before validation
+    # (`_all_candidates`), which is what costs.
     from configs import mixtral
     from jaxscale.aot.plan import _all_candidates, _valid, apply, iter_candidates
 
@@ -230,5 +230,6 @@ def test_the_planner_searches_the_expert_axis_for_moe_models_only():
     assert first.full["mesh.expert"] == 4 and first.full["mesh.fsdp"] == 1
     dense = llama.get_config("tiny")
     assert all("mesh.expert" not in cand.full for cand in _all_candidates(dense, topology))
+    assert _valid(moe, first.full)
     moe.model.moe.capacity_factor = 0.0
-    assert not _valid(moe, first.full)
+    assert _valid(moe, first.full)
