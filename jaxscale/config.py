@@ -57,6 +57,7 @@ def base_config() -> mlc.ConfigDict:
         head_dim=32, mlp=512, max_len=2048, rope_theta=10000.0, norm_eps=1e-5,
         tie_embeddings=False, remat="none", attention="einsum",
         context_attention="allgather",  # across sequence shards (mesh.context > 1): or "ring"
+        context_order="auto",  # training sequence over its shards: auto | zigzag | natural
         loss_chunks=1,  # LM head + loss over the sequence in this many chunks (less memory)
         # rotary scaling as HF `rope_scaling` (none | linear | llama3), see models/rope.py
         rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0,

@@ -100,17 +100,25 @@ def one_device():
     return run_steps(_gqa_config({}), jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh, variant, pipeline", [
-    ({"context": 4, "data": 2}, "ring", {}),
-    ({"context": 2, "fsdp": 2, "tensor": 2}, "allgather", {}),
-    pytest.param({"context": 2, "pipeline": 2, "data": 2}, "ring", dict(microbatches=2),
+@pytest.mark.parametrize("mesh, variant, order, pipeline", [
+    ({"context": 4, "data": 2}, "ring", "zigzag", {}),
+    ({"context": 2, "fsdp": 2, "tensor": 2}, "allgather", "natural", {}),
+    pytest.param({"context": 2, "pipeline": 2, "data": 2}, "ring", "auto", dict(microbatches=2),
                  marks=pytest.mark.exhaustive),  # GPipe stages: shard_map under the stages' vmap
 ])
-def test_llama_on_sequence_shards_equals_one_device(one_device, mesh, variant, pipeline):
+def test_llama_on_sequence_shards_equals_one_device(one_device, monkeypatch, mesh, variant,
+                                                    order, pipeline):
+    """The zigzag case lays every sequence in the load-balanced order (inputs, targets,
+    positions and slots permuted, hidden halves skipped) and still equals one device."""
     config = _gqa_config(mesh, **pipeline)
-    config.model.context_attention = variant
+    config.model.update(context_attention=variant, context_order=order)
     config_lib.validate(config)
+    orders = []
+    zigzag = context.zigzag_order
+    monkeypatch.setattr(context, "zigzag_order", lambda *a: orders.append(a) or zigzag(*a))
     assert_equal_runs(run_steps(config, jax.devices()), one_device)
+    shards = mesh["context"]
+    assert set(orders) == ({(config.data.seq_len, shards)} if order != "natural" else set())
 
 
 def test_train_step_rotates_keys_and_mesh_names_context():

@@ -12,13 +12,24 @@ queries and sees the keys in one of two ways (`CONTEXT_ATTENTION`):
 - `ring`: K/V blocks rotate around the sequence axes with `ppermute`; each of the `n` steps
   attends the local queries to the block in hand, merged with the online-softmax rule (running
   max, sum and unnormalised output, `_accumulate`), while the next block travels. A shard holds
-  two K/V blocks at a time. The backward pass is jax's autodiff through the ring loop (a scan
-  whose transposed `ppermute` rotates the other way), which keeps every step's block as a
-  residual: K/V memory in the backward is the all-gather's. A custom VJP that re-rotates the
-  blocks is a later increment, and so are skipping fully hidden causal blocks and the
-  load-balanced (zigzag) order.
+  two K/V blocks at a time. Each step splits the local queries and the block in hand into
+  halves and skips (`lax.cond`) every half-by-half pair that the mask hides entirely (causal,
+  window or segments): exact, since a hidden pair adds nothing to the online softmax. The
+  backward pass is jax's autodiff through the ring loop (a scan whose transposed `ppermute`
+  rotates the other way), which keeps every step's block as a residual: K/V memory in the
+  backward is the all-gather's. A custom VJP that re-rotates the blocks is a later increment.
 
-Both take the causal mask from global slots (which travel with their keys, so any order of the
+Load balance (`model.context_order`): with a causal mask and the sequence in its natural order,
+shard i's queries see i + 1 of the n blocks, so the last shard does ~2x the average work and
+sets the step time. In the zigzag order (`zigzag_order`) shard i holds chunks i and 2n - 1 - i
+of 2n, so every shard does the same work once hidden halves are skipped (`causal_work`,
+bench/context_balance.py). The LM task lays inputs, targets, positions and segment ids in that
+order (the loss is a sum over tokens, so it is unchanged) and declares it with
+`sequence_order`, which tells the attention here the slots of its keys; anything else (a
+model called without it: evaluation, generation) runs in the natural order.
+
+Both soft-cap the scores when asked (Gemma 2's `attn_softcap`), take the causal mask from
+global slots (which travel with their keys, so any order of the
 sequence over the shards masks correctly), keep packed documents apart by segment ids (which
 travel likewise), and run grouped-query attention natively (K kv heads serve H/K query heads).
 The specs of the `shard_map` come from the active rules, as in `models/splash.py`: batch over
@@ -29,8 +40,10 @@ D head dim, n sequence shards.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -73,19 +86,25 @@ def _as_tuple(axes: Any) -> tuple[str, ...]:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def sequence_shards(length: int, impl: str) -> Shards | None:
-    """The sequence shards of whole-sequence attention under the active rules, or None when
-    nothing splits the sequence (no rules active, or `length`'s mesh axes all of size 1).
-    Raises a ConfigError paragraph when the sequence is split but attention cannot follow."""
+def _active_shards() -> Shards | None:
+    """The active rules' sequence shards, or None when nothing splits the sequence."""
     active = active_rules()
     if active is None:
         return None
     rules, mesh = active
     wanted = _as_tuple(logical_to_mesh_axes(Q_AXES, rules.rules)[1])
     axes = tuple(a for a in wanted if mesh.shape.get(a, 1) > 1)
-    if not axes:
+    return Shards(rules, mesh, axes) if axes else None
+
+
+def sequence_shards(length: int, impl: str) -> Shards | None:
+    """The sequence shards of whole-sequence attention under the active rules, or None when
+    nothing splits the sequence (no rules active, or `length`'s mesh axes all of size 1).
+    Raises a ConfigError paragraph when the sequence is split but attention cannot follow."""
+    shards = _active_shards()
+    if shards is None:
         return None
-    shards = Shards(rules, mesh, axes)
+    axes, mesh = shards.axes, shards.mesh
     sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in axes)
     if impl != "einsum":
         raise ConfigError(paragraph(
@@ -105,9 +124,12 @@ def sequence_shards(length: int, impl: str) -> Shards | None:
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mask,
-              softmax_dtype: Any, *, variant: str, shards: Shards) -> jax.Array:
+              softmax_dtype: Any, *, variant: str, shards: Shards,
+              softcap: float = 0.0) -> jax.Array:
     """Whole-sequence attention (`mask.aligned`) with the sequence split over `shards.axes`,
-    by the `variant` in `CONTEXT_ATTENTION`; out (B, T, H, D) sharded like the queries."""
+    by the `variant` in `CONTEXT_ATTENTION`; out (B, T, H, D) sharded like the queries. The
+    slots are the declared `sequence_order`'s when one is active (the sequence lies permuted),
+    else the mask's."""
     lenient = AxisRules(shards.rules.rules, strict=False, indivisible="replicate")
     spec = lambda logical, x: lenient.spec(logical, x.shape, shards.mesh, "<context>", warn=False)
     batch, length, heads, _ = spec(Q_AXES, q_BTHD)
@@ -117,17 +139,28 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mas
     if batch != kv_batch:
         batch = None
     q_spec, kv_spec = P(batch, length, heads, None), P(batch, length, kv, None)
-    arrays = {"q": q_BTHD, "k": k_BTKD, "v": v_BTKD,
-              "slots": jnp.broadcast_to(mask.q_slots_BT, (1, q_BTHD.shape[1]))}
+    arrays = {"q": q_BTHD, "k": k_BTKD, "v": v_BTKD, "slots": _slots(mask, q_BTHD.shape[1])}
     specs = {"q": q_spec, "k": kv_spec, "v": kv_spec, "slots": P(None, length)}
     if mask.q_segments_BT is not None:  # packed documents: their ids travel with the keys
         arrays["segments"], specs["segments"] = mask.q_segments_BT, P(batch, length)
     body = CONTEXT_ATTENTION[variant]
     run = lambda a: body(a["q"], a["k"], a["v"], a["slots"], a.get("segments"),
                          axes=shards.axes, n=shards.count, causal=mask.causal,
-                         window=mask.window, softmax_dtype=softmax_dtype)
+                         window=mask.window, softmax_dtype=softmax_dtype, softcap=softcap)
     return jax.shard_map(run, mesh=shards.mesh, in_specs=(specs,), out_specs=q_spec,
                          check_vma=False)(arrays)
+
+
+def _slots(mask: Mask, length: int) -> jax.Array:
+    """The (1, T) global slots of the whole sequence as it lies: the active `sequence_order`,
+    else the mask's own (aligned: the queries' slots are the keys')."""
+    order = _ORDER.get()
+    if order is None:
+        return jnp.broadcast_to(mask.q_slots_BT, (1, length))
+    if len(order) != length:
+        raise ValueError(f"The declared sequence order has {len(order)} slots, but attention "
+                         f"runs over {length}: declare the order of the sequence it sees.")
+    return jnp.asarray(order, jnp.int32)[None]
 
 
 def _start(q_BTKGD: jax.Array, dtype: Any) -> Acc:
@@ -137,13 +170,16 @@ def _start(q_BTKGD: jax.Array, dtype: Any) -> Acc:
 
 
 def _accumulate(acc: Acc, q_BTKGD: jax.Array, block: Mapping[str, jax.Array | None],
-                mask: Mask) -> Acc:
+                mask: Mask, softcap: float = 0.0) -> Acc:
     """`acc` with the key block `block` (k, v (B, S, K, D)) attended under `mask`: the
     online-softmax (log-sum-exp) merge. The running max is held constant for autodiff (the
-    result does not depend on it), so hidden scores never meet inf - inf."""
+    result does not depend on it), so hidden scores never meet inf - inf. `softcap` > 0: the
+    scaled scores become softcap * tanh(scores / softcap) first, as `einsum_attention` does."""
     dtype = acc.sum_BKGT.dtype
     scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, block["k"]).astype(dtype)
     scores_BKGTS = scores_BKGTS / math.sqrt(q_BTKGD.shape[-1])
+    if softcap:
+        scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
     visible_BTS = mask.dense()
     if visible_BTS is not None:
         scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, jnp.finfo(dtype).min)
@@ -182,33 +218,102 @@ def _block_mask(slots_1T: jax.Array, segments_BT: jax.Array | None,
 def allgather_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                         slots_1T: jax.Array, segments_BT: jax.Array | None, *,
                         axes: tuple[str, ...], n: int, causal: bool, window: int,
-                        softmax_dtype: Any) -> jax.Array:
+                        softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
     """One shard's attention: the whole sequence's keys gathered once, one softmax."""
     q_BTKGD, block = _local(q_BTHD, k_BSKD, v_BSKD, slots_1T, segments_BT)
     gather = lambda x: None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True)
     whole = {name: gather(x) for name, x in block.items()}
     mask = _block_mask(slots_1T, segments_BT, whole, causal, window)
-    return _finish(_accumulate(_start(q_BTKGD, softmax_dtype), q_BTKGD, whole, mask), v_BSKD)
+    acc = _accumulate(_start(q_BTKGD, softmax_dtype), q_BTKGD, whole, mask, softcap)
+    return _finish(acc, v_BSKD)
 
 
-def ring_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                   slots_1T: jax.Array, segments_BT: jax.Array | None, *,
-                   axes: tuple[str, ...], n: int, causal: bool, window: int,
-                   softmax_dtype: Any) -> jax.Array:
-    """One shard's attention: `n` steps, each attending to the key block in hand while it
-    moves on to the next shard (the last step sends nothing)."""
+def _halves(x: jax.Array | None, axis: int) -> list[jax.Array | None]:
+    """`x` cut in two along `axis` (one piece when that length is odd)."""
+    if x is None:
+        return [None, None]
+    return jnp.split(x, 2, axis=axis) if x.shape[axis] % 2 == 0 else [x]
+
+
+def _block_halves(block: Mapping[str, jax.Array | None]) -> list[dict[str, jax.Array | None]]:
+    cut = {name: _halves(x, 1) for name, x in block.items()}
+    parts = len(cut["k"])
+    return [{name: pieces[i] for name, pieces in cut.items()} for i in range(parts)]
+
+
+def _skipping(acc: Acc, q_BTKGD: jax.Array, block: Mapping[str, jax.Array | None],
+              mask: Mask, softcap: float) -> tuple[Acc, jax.Array]:
+    """`_accumulate`, skipped where `mask` hides every (query, key) pair; and the number of
+    score entries (query x key, per row and head) computed, 0 when skipped."""
+    visible = mask.dense()
+    size = jnp.int32(q_BTKGD.shape[1] * block["k"].shape[1])
+    if visible is None:
+        return _accumulate(acc, q_BTKGD, block, mask, softcap), size
+    seen = jnp.any(visible)
+    acc = jax.lax.cond(seen, lambda a: _accumulate(a, q_BTKGD, block, mask, softcap),
+                       lambda a: a, acc)
+    return acc, jnp.where(seen, size, 0)
+
+
+def _split_acc(acc: Acc, parts: int) -> list[Acc]:
+    if parts == 1:
+        return [acc]
+    cut = zip(jnp.split(acc.max_BKGT, 2, -1), jnp.split(acc.sum_BKGT, 2, -1),
+              jnp.split(acc.out_BTKGD, 2, 1))
+    return [Acc(*pieces) for pieces in cut]
+
+
+def _join_acc(accs: list[Acc]) -> Acc:
+    if len(accs) == 1:
+        return accs[0]
+    return Acc(jnp.concatenate([a.max_BKGT for a in accs], -1),
+               jnp.concatenate([a.sum_BKGT for a in accs], -1),
+               jnp.concatenate([a.out_BTKGD for a in accs], 1))
+
+
+def _ring_step(acc: Acc, q_BTKGD: jax.Array, slots_1T: jax.Array,
+               segments_BT: jax.Array | None, held: Mapping[str, jax.Array | None],
+               causal: bool, window: Any, softcap: float) -> tuple[Acc, jax.Array]:
+    """`acc` with the block in hand attended half by half (queries and keys each cut in two),
+    each hidden half-by-half pair skipped; and the score entries computed."""
+    qs, slots, segments = _halves(q_BTKGD, 1), _halves(slots_1T, 1), _halves(segments_BT, 1)
+    accs, work = _split_acc(acc, len(qs)), jnp.int32(0)
+    for i, q_half in enumerate(qs):
+        for keys in _block_halves(held):
+            mask = _block_mask(slots[i], segments[i], keys, causal, window)
+            accs[i], done = _skipping(accs[i], q_half, keys, mask, softcap)
+            work = work + done
+    return _join_acc(accs), work
+
+
+def ring_work(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T: jax.Array,
+              segments_BT: jax.Array | None, *, axes: tuple[str, ...], n: int, causal: bool,
+              window: Any, softmax_dtype: Any, softcap: float = 0.0
+              ) -> tuple[jax.Array, jax.Array]:
+    """One shard's ring attention and the score entries it computed (hidden halves skipped):
+    `n` steps, each attending to the key block in hand while it moves on to the next shard
+    (the last step sends nothing)."""
     q_BTKGD, block = _local(q_BTHD, k_BSKD, v_BSKD, slots_1T, segments_BT)
     ring = [(i, (i + 1) % n) for i in range(n)]
     send = lambda x: None if x is None else jax.lax.ppermute(x, axes, ring)
+    attend = lambda acc, held: _ring_step(acc, q_BTKGD, slots_1T, segments_BT, held, causal,
+                                          window, softcap)
 
-    def step(carry: tuple[Acc, dict], _: None) -> tuple[tuple[Acc, dict], None]:
-        acc, held = carry
-        acc = _accumulate(acc, q_BTKGD, held, _block_mask(slots_1T, segments_BT, held, causal, window))
-        return (acc, {name: send(x) for name, x in held.items()}), None
+    def step(carry: tuple[Acc, dict, jax.Array], _: None) -> tuple[tuple[Acc, dict, jax.Array],
+                                                                   None]:
+        acc, held, work = carry
+        acc, done = attend(acc, held)
+        return (acc, {name: send(x) for name, x in held.items()}, work + done), None
 
-    (acc, held), _ = jax.lax.scan(step, (_start(q_BTKGD, softmax_dtype), block), length=n - 1)
-    acc = _accumulate(acc, q_BTKGD, held, _block_mask(slots_1T, segments_BT, held, causal, window))
-    return _finish(acc, v_BSKD)
+    start = (_start(q_BTKGD, softmax_dtype), block, jnp.int32(0))
+    (acc, held, work), _ = jax.lax.scan(step, start, length=n - 1)
+    acc, done = attend(acc, held)
+    return _finish(acc, v_BSKD), work + done
+
+
+def ring_attention(*args: Any, **kwargs: Any) -> jax.Array:
+    """One shard's ring attention (`ring_work` without the count)."""
+    return ring_work(*args, **kwargs)[0]
 
 
 # Attention across sequence shards by `model.context_attention`: one shard's body in shard_map.
@@ -223,8 +328,7 @@ def zigzag_order(length: int, shards: int) -> np.ndarray:
     chunk i and chunk 2 x shards - 1 - i, so each holds as many early (cheap) queries as late
     (dear) ones. `order[j]` is the original slot of position j; tokens, positions, segment ids
     and targets permuted by it (and the attention given these slots) leave the loss unchanged.
-    The attention here already masks by the slots it is given, in any order; the step that
-    permutes the batch (and skips the hidden blocks, the point of the balance) is to come."""
+    The LM task permutes its batch by it (`training_order`, `sequence_order`)."""
     if length % (2 * shards):
         raise ConfigError(paragraph(
             f"The load-balanced (zigzag) order cuts a sequence into 2 x {shards} chunks, but the",
@@ -243,6 +347,39 @@ def causal_work(order: np.ndarray, shards: int) -> np.ndarray:
     return (np.asarray(order).reshape(shards, -1) + 1).sum(axis=1)
 
 
+# The order the sequence lies in while a model runs (`sequence_order`): None is the natural one.
+_ORDER: contextvars.ContextVar[np.ndarray | None] = contextvars.ContextVar(
+    "jaxscale_sequence_order", default=None)
+
+# `model.context_order`: auto is zigzag for the ring under a causal mask when 2 x shards divide
+# the length (the ring skips what the mask hides, so the balance pays), natural otherwise.
+CONTEXT_ORDERS = ("auto", "zigzag", "natural")
+
+
+@contextlib.contextmanager
+def sequence_order(order: np.ndarray | None) -> Iterator[None]:
+    """Declare, while tracing a model, that its whole sequences lie permuted by `order`
+    (`order[j]` the original slot at position j; None: natural): attention across sequence
+    shards then masks by these slots. The caller permutes inputs, positions and segment ids."""
+    token = _ORDER.set(None if order is None else np.asarray(order))
+    try:
+        yield
+    finally:
+        _ORDER.reset(token)
+
+
+def training_order(length: int, choice: str, variant: str) -> np.ndarray | None:
+    """The order a causal LM lays a training sequence of `length` in under the active rules
+    (`model.context_order`, see `CONTEXT_ORDERS`): the zigzag order, or None (natural, also
+    whenever nothing splits the sequence)."""
+    shards = _active_shards()
+    if shards is None or choice == "natural":
+        return None
+    if choice == "auto" and (variant != "ring" or length % (2 * shards.count)):
+        return None
+    return zigzag_order(length, shards.count)
+
+
 def check_config(mesh_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any],
                  seq_len: int) -> None:
     """`config.validate`'s context checks: a known variant, and, with a known `mesh.context`
@@ -252,6 +389,12 @@ def check_config(mesh_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any],
         raise ConfigError(paragraph(
             f"model.context_attention={variant!r} is not an attention across sequence shards;",
             f"use one of {', '.join(CONTEXT_ATTENTION)} (models/context.py).",
+        ))
+    order = model_cfg.get("context_order", "auto")
+    if order not in CONTEXT_ORDERS:
+        raise ConfigError(paragraph(
+            f"model.context_order={order!r} is not an order of the sequence over its shards;",
+            f"use one of {', '.join(CONTEXT_ORDERS)} (models/context.py).",
         ))
     size = mesh_cfg.get("context", 1) * mesh_cfg.get("dcn_context", 1)
     if size <= 1:  # 1, or -1 (filled from the device count: checked when attention runs)
@@ -271,3 +414,5 @@ def check_config(mesh_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any],
             f"sequence. Use a data.seq_len that is a multiple of {size}, or a smaller",
             "mesh.context.",
         ))
+    if order == "zigzag" and seq_len % (2 * size):
+        zigzag_order(seq_len, size)  # its paragraph names the length and the fix
