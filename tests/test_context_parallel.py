@@ -41,17 +41,18 @@ def _qkv():
             jax.random.normal(keys[2], (B, T, K, D)))
 
 
-def _attention(mesh, variant, window=0):
+def _attention(mesh, variant, window=0, softcap=0.0):
     """(q, k, v) -> sum(sin(attention)) with the sequence split over `mesh` (None: plain)."""
     def loss(q_BTHD, k_BTKD, v_BTKD):
         mask = Mask.sequence(T, jnp.asarray(SEGMENTS), window=window)
         if mesh is None:
-            return jnp.sum(jnp.sin(attend(q_BTHD, k_BTKD, v_BTKD, mask)))
+            return jnp.sum(jnp.sin(attend(q_BTHD, k_BTKD, v_BTKD, mask, softcap=softcap)))
         with use_rules(RULES, mesh):
             q_BTHD = constrain(q_BTHD, "batch", "length", "heads", "head_dim")
             k_BTKD = constrain(k_BTKD, "batch", "length", "kv", "head_dim")
             v_BTKD = constrain(v_BTKD, "batch", "length", "kv", "head_dim")
-            out_BTHD = attend(q_BTHD, k_BTKD, v_BTKD, mask, context_impl=variant)
+            out_BTHD = attend(q_BTHD, k_BTKD, v_BTKD, mask, context_impl=variant,
+                              softcap=softcap)
         return jnp.sum(jnp.sin(out_BTHD))
     return loss
 
@@ -76,15 +77,17 @@ def test_attention_across_shards_equals_plain(plain, variant, collective, mesh):
 
 
 @pytest.mark.parametrize("variant", ["allgather", "ring"])
-def test_a_sliding_window_across_shards_equals_plain(variant):
+@pytest.mark.parametrize("option", [dict(window=5), dict(softcap=0.5)])
+def test_a_sliding_window_or_softcap_across_shards_equals_plain(variant, option):
     """A window shorter than a shard (5 of 16 over 4 shards): keys from the previous shard
-    only, and inside each packed document (Mistral's `model.sliding_window`)."""
+    only, and inside each packed document (Mistral's `model.sliding_window`). Soft-capped
+    scores (Gemma 2's `attn_softcap`, a cap that bites: the scores here exceed it)."""
     grad = lambda mesh: jax.jit(jax.value_and_grad(
-        _attention(mesh, variant, window=5), argnums=(0, 1, 2)))(*_qkv())
+        _attention(mesh, variant, **option), argnums=(0, 1, 2)))(*_qkv())
     (loss, grads), (ref_loss, ref_grads) = grad(make_mesh({"context": 4, "data": 2})), grad(None)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert not np.allclose(loss, plain_loss := _attention(None, None)(*_qkv()), rtol=1e-3), (
-        plain_loss)  # the window changes what is attended to
+        plain_loss)  # the option changes what is attended to
     for name, g, r in zip("qkv", grads, ref_grads):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=f"d loss / d {name}")
 
