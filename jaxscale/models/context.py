@@ -219,12 +219,20 @@ def allgather_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                         slots_1T: jax.Array, segments_BT: jax.Array | None, *,
                         axes: tuple[str, ...], n: int, causal: bool, window: int,
                         softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
-    """One shard's attention: the whole sequence's keys gathered once, one softmax."""
+    """One shard's attention: the whole sequence's keys gathered once, then attended block by
+    block (the `n` shards' blocks, in a scan, each step as the ring's: hidden halves skipped,
+    recomputed in the backward pass), so no (T/n, T) score matrix is ever whole."""
     q_BTKGD, block = _local(q_BTHD, k_BSKD, v_BSKD, slots_1T, segments_BT)
-    gather = lambda x: None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True)
-    whole = {name: gather(x) for name, x in block.items()}
-    mask = _block_mask(slots_1T, segments_BT, whole, causal, window)
-    acc = _accumulate(_start(q_BTKGD, softmax_dtype), q_BTKGD, whole, mask, softcap)
+    gather = lambda x: None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=False)
+    blocks = {name: gather(x) for name, x in block.items()}  # (B or 1, n, S, ...)
+    blocks = {name: None if x is None else jnp.moveaxis(x, 1, 0) for name, x in blocks.items()}
+    attend = _step_fn(q_BTKGD, slots_1T, segments_BT, causal, window, softcap)
+
+    def step(acc: Acc, held: dict) -> tuple[Acc, None]:
+        return attend(acc, held)[0], None
+
+    acc, _ = jax.lax.scan(step, _start(q_BTKGD, softmax_dtype),
+                          {name: x for name, x in blocks.items() if x is not None})
     return _finish(acc, v_BSKD)
 
 
@@ -286,6 +294,18 @@ def _ring_step(acc: Acc, q_BTKGD: jax.Array, slots_1T: jax.Array,
     return _join_acc(accs), work
 
 
+def _step_fn(q_BTKGD: jax.Array, slots_1T: jax.Array, segments_BT: jax.Array | None,
+             causal: bool, window: Any, softcap: float
+             ) -> Callable[[Acc, Mapping[str, jax.Array | None]], tuple[Acc, jax.Array]]:
+    """(acc, block) -> `_ring_step`, rematerialised: the backward pass keeps a step's inputs
+    only (the running state and the block) and recomputes its scores, so the saved scores of
+    n steps never pile up."""
+    def step(acc: Acc, held: Mapping[str, jax.Array | None]) -> tuple[Acc, jax.Array]:
+        held = {"segments": None, **held}
+        return _ring_step(acc, q_BTKGD, slots_1T, segments_BT, held, causal, window, softcap)
+    return jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
+
+
 def ring_work(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T: jax.Array,
               segments_BT: jax.Array | None, *, axes: tuple[str, ...], n: int, causal: bool,
               window: Any, softmax_dtype: Any, softcap: float = 0.0
@@ -296,8 +316,7 @@ def ring_work(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T:
     q_BTKGD, block = _local(q_BTHD, k_BSKD, v_BSKD, slots_1T, segments_BT)
     ring = [(i, (i + 1) % n) for i in range(n)]
     send = lambda x: None if x is None else jax.lax.ppermute(x, axes, ring)
-    attend = lambda acc, held: _ring_step(acc, q_BTKGD, slots_1T, segments_BT, held, causal,
-                                          window, softcap)
+    attend = _step_fn(q_BTKGD, slots_1T, segments_BT, causal, window, softcap)
 
     def step(carry: tuple[Acc, dict, jax.Array], _: None) -> tuple[tuple[Acc, dict, jax.Array],
                                                                    None]:
