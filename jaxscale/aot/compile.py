@@ -22,7 +22,7 @@ import ml_collections as mlc
 
 from jaxscale import config as config_lib
 from jaxscale.aot import flops as flops_lib
-from jaxscale.aot import hlo
+from jaxscale.aot import hlo, traffic
 from jaxscale.aot.choices import fit_advice, require_language_model, rows_per_chip
 from jaxscale.aot.topology import Topology, TopologyError, topology_devices
 from jaxscale.errors import JaxscaleError, MeshError, paragraph
@@ -80,6 +80,7 @@ class StepReport:
     hbm_limit_bytes: float = 0.0  # what libtpu lets a program use (0: the capacity)
     host_temp_bytes: int = 0      # pinned host memory: activations a remat policy offloads
     host_argument_bytes: int = 0  # pinned host memory: arguments placed on the host
+    attention_traffic: dict | None = None  # expected across sequence shards (aot.traffic)
 
     @property
     def total_bytes(self) -> int:
@@ -168,7 +169,8 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         kernel_calls=calls, kernel_flops=in_kernels,
         collectives=[asdict(c) for c in hlo.collectives(optimized, slices)],
         compile_s=elapsed, tokens_per_step=config.data.batch_size * config.data.seq_len,
-        hlo_path=text_path if hlo_dir else None)
+        hlo_path=text_path if hlo_dir else None,
+        attention_traffic=traffic.attention_traffic(config))
 
 
 def _dumped(dump_dir: str, suffix: str) -> str:

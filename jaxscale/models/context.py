@@ -7,17 +7,19 @@ sharded einsum would gather queries, keys, values and scores alike. Here each sh
 queries and sees the keys in one of two ways (`CONTEXT_ATTENTION`):
 
 - `allgather`: keys and values (with their slots and segment ids) are all-gathered over the
-  sequence axes once per layer; one softmax over the whole sequence. Cheap for grouped-query
-  models, whose K/V are small next to Q; memory holds the whole sequence's K/V per shard.
+  sequence axes once per layer, then attended block by block as the ring attends (tiles,
+  hidden ones skipped). Cheap for grouped-query models, whose K/V are small next to Q;
+  memory holds the whole sequence's K/V per shard.
 - `ring`: K/V blocks rotate around the sequence axes with `ppermute`; each of the `n` steps
   attends the local queries to the block in hand, merged with the online-softmax rule (running
-  max, sum and unnormalised output, `_accumulate`), while the next block travels. A shard holds
-  two K/V blocks at a time. Each step splits the local queries and the block in hand into
-  halves and skips (`lax.cond`) every half-by-half pair that the mask hides entirely (causal,
-  window or segments): exact, since a hidden pair adds nothing to the online softmax. The
-  backward pass is jax's autodiff through the ring loop (a scan whose transposed `ppermute`
-  rotates the other way), which keeps every step's block as a residual: K/V memory in the
-  backward is the all-gather's. A custom VJP that re-rotates the blocks is a later increment.
+  max, sum and unnormalised output, `models/blockwise.py`), while the next block travels. A
+  shard holds two K/V blocks at a time. Each step attends in tiles (`models/blockwise.py`: at least
+  halves of the local queries and of the block in hand) and skips (`lax.cond`) every tile the
+  mask hides entirely (causal, window or segments): exact, since a hidden tile adds nothing
+  to the online softmax. The backward pass is jax's autodiff through the ring loop (a scan
+  whose transposed `ppermute` rotates the other way), which keeps every step's block as a
+  residual (not its scores: each step is rematerialised): K/V memory in the backward is the
+  all-gather's. A custom VJP that re-rotates the blocks is a later increment.
 
 Load balance (`model.context_order`): with a causal mask and the sequence in its natural order,
 shard i's queries see i + 1 of the n blocks, so the last shard does ~2x the average work and
@@ -54,6 +56,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models import blockwise
 from jaxscale.models.mask import Mask
 from jaxscale.rules import AxisRules, active_rules, logical_to_mesh_axes
 
@@ -71,15 +74,6 @@ class Shards(NamedTuple):
     @property
     def count(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.axes)
-
-
-class Acc(NamedTuple):
-    """Online-softmax state of the local queries: running max and sum (B, K, G, T) and the
-    unnormalised output (B, T, K, G, D), all in the softmax dtype."""
-
-    max_BKGT: jax.Array
-    sum_BKGT: jax.Array
-    out_BTKGD: jax.Array
 
 
 def _as_tuple(axes: Any) -> tuple[str, ...]:
@@ -163,56 +157,11 @@ def _slots(mask: Mask, length: int) -> jax.Array:
     return jnp.asarray(order, jnp.int32)[None]
 
 
-def _start(q_BTKGD: jax.Array, dtype: Any) -> Acc:
-    b, t, k, g, d = q_BTKGD.shape
-    return Acc(jnp.full((b, k, g, t), jnp.finfo(dtype).min, dtype),
-               jnp.zeros((b, k, g, t), dtype), jnp.zeros((b, t, k, g, d), dtype))
-
-
-def _accumulate(acc: Acc, q_BTKGD: jax.Array, block: Mapping[str, jax.Array | None],
-                mask: Mask, softcap: float = 0.0) -> Acc:
-    """`acc` with the key block `block` (k, v (B, S, K, D)) attended under `mask`: the
-    online-softmax (log-sum-exp) merge. The running max is held constant for autodiff (the
-    result does not depend on it), so hidden scores never meet inf - inf. `softcap` > 0: the
-    scaled scores become softcap * tanh(scores / softcap) first, as `einsum_attention` does."""
-    dtype = acc.sum_BKGT.dtype
-    scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, block["k"]).astype(dtype)
-    scores_BKGTS = scores_BKGTS / math.sqrt(q_BTKGD.shape[-1])
-    if softcap:
-        scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
-    visible_BTS = mask.dense()
-    if visible_BTS is not None:
-        scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, jnp.finfo(dtype).min)
-    max_BKGT = jax.lax.stop_gradient(jnp.maximum(acc.max_BKGT, scores_BKGTS.max(-1)))
-    probs_BKGTS = jnp.exp(scores_BKGTS - max_BKGT[..., None])
-    if visible_BTS is not None:  # a block hidden from a query adds nothing to its sums
-        probs_BKGTS = jnp.where(visible_BTS[:, None, None], probs_BKGTS, 0.0)
-    scale_BKGT = jnp.exp(acc.max_BKGT - max_BKGT)
-    v_BSKD = block["v"]
-    new_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS.astype(v_BSKD.dtype), v_BSKD)
-    out_BTKGD = (acc.out_BTKGD * rearrange(scale_BKGT, "b k g t -> b t k g 1")
-                 + new_BTKGD.astype(dtype))
-    return Acc(max_BKGT, acc.sum_BKGT * scale_BKGT + probs_BKGTS.sum(-1), out_BTKGD)
-
-
-def _finish(acc: Acc, like: jax.Array) -> jax.Array:
-    """The normalised output (B, T, H, D) in `like`'s dtype. Every query sees at least its own
-    key (padding is segment 0 and sees itself), so no sum is 0."""
-    out_BTKGD = acc.out_BTKGD / rearrange(acc.sum_BKGT, "b k g t -> b t k g 1")
-    return rearrange(out_BTKGD, "b t k g d -> b t (k g) d").astype(like.dtype)
-
-
 def _local(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T: jax.Array,
            segments_BT: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array | None]]:
     """The shard's queries grouped by kv head, and its own key block."""
     q_BTKGD = rearrange(q_BTHD, "b t (k g) d -> b t k g d", k=k_BSKD.shape[2])
     return q_BTKGD, {"k": k_BSKD, "v": v_BSKD, "slots": slots_1T, "segments": segments_BT}
-
-
-def _block_mask(slots_1T: jax.Array, segments_BT: jax.Array | None,
-                block: Mapping[str, jax.Array | None], causal: bool, window: int) -> Mask:
-    return Mask(slots_1T, block["slots"], segments_BT,
-                None if segments_BT is None else block["segments"], causal, window=window)
 
 
 def allgather_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
@@ -226,84 +175,14 @@ def allgather_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
     gather = lambda x: None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=False)
     blocks = {name: gather(x) for name, x in block.items()}  # (B or 1, n, S, ...)
     blocks = {name: None if x is None else jnp.moveaxis(x, 1, 0) for name, x in blocks.items()}
-    attend = _step_fn(q_BTKGD, slots_1T, segments_BT, causal, window, softcap)
+    attend = blockwise.step_fn(q_BTKGD, slots_1T, segments_BT, causal, window, softcap)
 
-    def step(acc: Acc, held: dict) -> tuple[Acc, None]:
+    def step(acc: blockwise.Acc, held: dict) -> tuple[blockwise.Acc, None]:
         return attend(acc, held)[0], None
 
-    acc, _ = jax.lax.scan(step, _start(q_BTKGD, softmax_dtype),
+    acc, _ = jax.lax.scan(step, blockwise.start(q_BTKGD, softmax_dtype),
                           {name: x for name, x in blocks.items() if x is not None})
-    return _finish(acc, v_BSKD)
-
-
-def _halves(x: jax.Array | None, axis: int) -> list[jax.Array | None]:
-    """`x` cut in two along `axis` (one piece when that length is odd)."""
-    if x is None:
-        return [None, None]
-    return jnp.split(x, 2, axis=axis) if x.shape[axis] % 2 == 0 else [x]
-
-
-def _block_halves(block: Mapping[str, jax.Array | None]) -> list[dict[str, jax.Array | None]]:
-    cut = {name: _halves(x, 1) for name, x in block.items()}
-    parts = len(cut["k"])
-    return [{name: pieces[i] for name, pieces in cut.items()} for i in range(parts)]
-
-
-def _skipping(acc: Acc, q_BTKGD: jax.Array, block: Mapping[str, jax.Array | None],
-              mask: Mask, softcap: float) -> tuple[Acc, jax.Array]:
-    """`_accumulate`, skipped where `mask` hides every (query, key) pair; and the number of
-    score entries (query x key, per row and head) computed, 0 when skipped."""
-    visible = mask.dense()
-    size = jnp.int32(q_BTKGD.shape[1] * block["k"].shape[1])
-    if visible is None:
-        return _accumulate(acc, q_BTKGD, block, mask, softcap), size
-    seen = jnp.any(visible)
-    acc = jax.lax.cond(seen, lambda a: _accumulate(a, q_BTKGD, block, mask, softcap),
-                       lambda a: a, acc)
-    return acc, jnp.where(seen, size, 0)
-
-
-def _split_acc(acc: Acc, parts: int) -> list[Acc]:
-    if parts == 1:
-        return [acc]
-    cut = zip(jnp.split(acc.max_BKGT, 2, -1), jnp.split(acc.sum_BKGT, 2, -1),
-              jnp.split(acc.out_BTKGD, 2, 1))
-    return [Acc(*pieces) for pieces in cut]
-
-
-def _join_acc(accs: list[Acc]) -> Acc:
-    if len(accs) == 1:
-        return accs[0]
-    return Acc(jnp.concatenate([a.max_BKGT for a in accs], -1),
-               jnp.concatenate([a.sum_BKGT for a in accs], -1),
-               jnp.concatenate([a.out_BTKGD for a in accs], 1))
-
-
-def _ring_step(acc: Acc, q_BTKGD: jax.Array, slots_1T: jax.Array,
-               segments_BT: jax.Array | None, held: Mapping[str, jax.Array | None],
-               causal: bool, window: Any, softcap: float) -> tuple[Acc, jax.Array]:
-    """`acc` with the block in hand attended half by half (queries and keys each cut in two),
-    each hidden half-by-half pair skipped; and the score entries computed."""
-    qs, slots, segments = _halves(q_BTKGD, 1), _halves(slots_1T, 1), _halves(segments_BT, 1)
-    accs, work = _split_acc(acc, len(qs)), jnp.int32(0)
-    for i, q_half in enumerate(qs):
-        for keys in _block_halves(held):
-            mask = _block_mask(slots[i], segments[i], keys, causal, window)
-            accs[i], done = _skipping(accs[i], q_half, keys, mask, softcap)
-            work = work + done
-    return _join_acc(accs), work
-
-
-def _step_fn(q_BTKGD: jax.Array, slots_1T: jax.Array, segments_BT: jax.Array | None,
-             causal: bool, window: Any, softcap: float
-             ) -> Callable[[Acc, Mapping[str, jax.Array | None]], tuple[Acc, jax.Array]]:
-    """(acc, block) -> `_ring_step`, rematerialised: the backward pass keeps a step's inputs
-    only (the running state and the block) and recomputes its scores, so the saved scores of
-    n steps never pile up."""
-    def step(acc: Acc, held: Mapping[str, jax.Array | None]) -> tuple[Acc, jax.Array]:
-        held = {"segments": None, **held}
-        return _ring_step(acc, q_BTKGD, slots_1T, segments_BT, held, causal, window, softcap)
-    return jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
+    return blockwise.finish(acc, v_BSKD)
 
 
 def ring_work(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T: jax.Array,
@@ -316,18 +195,17 @@ def ring_work(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T:
     q_BTKGD, block = _local(q_BTHD, k_BSKD, v_BSKD, slots_1T, segments_BT)
     ring = [(i, (i + 1) % n) for i in range(n)]
     send = lambda x: None if x is None else jax.lax.ppermute(x, axes, ring)
-    attend = _step_fn(q_BTKGD, slots_1T, segments_BT, causal, window, softcap)
+    attend = blockwise.step_fn(q_BTKGD, slots_1T, segments_BT, causal, window, softcap)
 
-    def step(carry: tuple[Acc, dict, jax.Array], _: None) -> tuple[tuple[Acc, dict, jax.Array],
-                                                                   None]:
+    def step(carry: tuple[blockwise.Acc, dict, jax.Array], _: None) -> tuple[tuple, None]:
         acc, held, work = carry
         acc, done = attend(acc, held)
         return (acc, {name: send(x) for name, x in held.items()}, work + done), None
 
-    start = (_start(q_BTKGD, softmax_dtype), block, jnp.int32(0))
+    start = (blockwise.start(q_BTKGD, softmax_dtype), block, jnp.int32(0))
     (acc, held, work), _ = jax.lax.scan(step, start, length=n - 1)
     acc, done = attend(acc, held)
-    return _finish(acc, v_BSKD), work + done
+    return blockwise.finish(acc, v_BSKD), work + done
 
 
 def ring_attention(*args: Any, **kwargs: Any) -> jax.Array:
