@@ -189,9 +189,9 @@ HBM_FRACTION = 0.8          # headroom for XLA's own buffers, collectives and fr
 
 @dataclass(frozen=True)
 class LongContext:
-    """A long-context preset: a SIZE at a long `seq_len` on its TPU targets, each with the
-    context and fsdp sizes and what the compiler said of one micro-batch (a sequence per
-    `context` chips)."""
+    """A long-context preset: a SIZE at a long `seq_len` on its TPU targets, each with its
+    context size (a sequence per `context` chips, FSDP over the rest) and what the TPU compiler
+    said of the whole preset (`gib` per chip with the accumulation, the step ESTIMATE)."""
 
     size: Size
     targets: dict[str, tuple[Target, int, Compiled]]  # name -> (target, context, compiled)
@@ -202,13 +202,14 @@ _LLAMA31_8B = dict(vocab_size=128256, embed=4096, num_layers=32, num_heads=32, n
                    tie_embeddings=False, rope_scaling="llama3", rope_factor=8.0,
                    rope_original_max_len=8192, attention="einsum", loss_chunks=16,
                    context_attention="ring", context_order="auto")
-# Compiled by `jaxscale compile --topology=v5p:2x2x4` (libtpu, nothing runs): bench/RESULTS.md.
+# `jaxscale compile --topology=v5p:2x2x4 --config=llama:8b-128k,v5p-32` (libtpu 0.0.52,
+# nothing runs): bench/RESULTS.md.
 LONG_CONTEXT: dict[str, LongContext] = {
     "8b-128k": LongContext(
         Size(_LLAMA31_8B, "fsdp", "full", seq_len=131072, batch=32, lr=1e-5, warmup=50,
              steps=1000),
         {"v5p-32": (Target(16, 1, "v5p", topology="v5p:2x2x4"), 4,
-                    Compiled(1, 49.09, (28547, 28846)))}),
+                    Compiled(1, 56.82, (228377, 231832)))}),
 }
 
 
