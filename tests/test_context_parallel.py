@@ -63,10 +63,11 @@ def plain():
     return jax.jit(jax.value_and_grad(_attention(None, None), argnums=(0, 1, 2)))(*_qkv())
 
 
-@pytest.mark.parametrize("variant, collective", [("allgather", "all_gather"),
-                                                 ("ring", "collective_permute")])
-@pytest.mark.parametrize("mesh", [{"context": 4, "data": 2},
-                                  {"context": 2, "tensor": 2, "fsdp": 2}])
+@pytest.mark.parametrize("variant, collective, mesh", [
+    (variant, collective, mesh)
+    for variant, collective in [("allgather", "all_gather"), ("ring", "collective_permute")]
+    for mesh in ({"context": 4, "data": 2}, {"context": 2, "tensor": 2, "fsdp": 2})] + [
+    ("ring_vjp", "collective_permute", {"context": 4, "data": 2})])  # custom VJP: ring backward
 def test_attention_across_shards_equals_plain(plain, variant, collective, mesh):
     fn = jax.jit(jax.value_and_grad(_attention(make_mesh(mesh), variant), argnums=(0, 1, 2)))
     assert collective in fn.lower(*_qkv()).as_text()  # the keys really travel between shards
@@ -76,7 +77,7 @@ def test_attention_across_shards_equals_plain(plain, variant, collective, mesh):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=f"d loss / d {name}")
 
 
-@pytest.mark.parametrize("variant", ["allgather", "ring"])
+@pytest.mark.parametrize("variant", ["allgather", "ring", "ring_vjp"])
 @pytest.mark.parametrize("option", [dict(window=5), dict(softcap=0.5)])
 def test_a_sliding_window_or_softcap_across_shards_equals_plain(variant, option):
     """A window shorter than a shard (5 of 16 over 4 shards): keys from the previous shard

@@ -6,7 +6,8 @@ rows x T/n x K/tensor x D elements of the compute dtype. Per layer and pass:
 
 - `ring`: n - 1 `ppermute`s each of the key and the value block (plus the block's int32 slots,
   and segment ids when packed) in the forward pass; the backward pass sends the blocks'
-  cotangents back around the ring (keys and values again, no ints).
+  cotangents back around the ring (keys and values again, no ints). `ring_vjp` (custom VJP)
+  instead rotates keys, values and slots with their float32 dK and dV n times.
 - `allgather`: one `all_gather` of keys and values (and their ints); the backward pass
   reduce-scatters the cotangents of the gathered blocks. Counted as `aot/hlo.py` counts them
   (the gathered result, the scattered input: n blocks each), and mixed in the compiled
@@ -42,11 +43,15 @@ def attention_traffic(config: mlc.ConfigDict) -> dict[str, Any] | None:
     block = tokens * kv_heads * m.head_dim * COMPUTE_BYTES.get(config.precision, 2)
     ints = d.seq_len / n * 4 + (tokens * 4 if d.get("sources") else 0)
     forward_passes = 1 + (m.get("remat", "none") != "none")
-    ring = m.get("context_attention") == "ring"
+    variant = m.get("context_attention", "allgather")
+    ring = variant != "allgather"
     steps = n - 1 if ring else n
     scale = m.num_layers * config.train.grad_accum
-    return {"variant": "ring" if ring else "allgather", "shards": n, "block_bytes": block,
+    backward = steps * 2 * block
+    if variant == "ring_vjp":  # k, v, slots and float32 dK, dV, n hops
+        backward = n * (2 * block + ints + 2 * tokens * kv_heads * m.head_dim * 4)
+    return {"variant": variant, "shards": n, "block_bytes": block,
             "forward_kind": "collective-permute" if ring else "all-gather",
             "forward": forward_passes * steps * (2 * block + ints) * scale,
             "backward_kind": "collective-permute" if ring else "reduce-scatter",
-            "backward": steps * 2 * block * scale}
+            "backward": backward * scale}

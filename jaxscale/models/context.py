@@ -19,7 +19,10 @@ queries and sees the keys in one of two ways (`CONTEXT_ATTENTION`):
   to the online softmax. The backward pass is jax's autodiff through the ring loop (a scan
   whose transposed `ppermute` rotates the other way), which keeps every step's block as a
   residual (not its scores: each step is rematerialised): K/V memory in the backward is the
-  all-gather's. A custom VJP that re-rotates the blocks is a later increment.
+  all-gather's.
+- `ring_vjp`: the ring with a custom VJP (`models/ring_vjp.py`): the forward pass keeps only
+  the shard's own q, k, v, output and log-sum-exp, and the backward pass rotates the blocks
+  again, their dK/dV travelling with them; one sliding window for every layer only.
 
 Load balance (`model.context_order`): with a causal mask and the sequence in its natural order,
 shard i's queries see i + 1 of the n blocks, so the last shard does ~2x the average work and
@@ -58,6 +61,7 @@ from jax.sharding import PartitionSpec as P
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models import blockwise
 from jaxscale.models.mask import Mask
+from jaxscale.models.ring_vjp import ring_vjp_attention
 from jaxscale.rules import AxisRules, active_rules, logical_to_mesh_axes
 
 Q_AXES = ("batch", "length", "heads", "head_dim")
@@ -217,6 +221,7 @@ def ring_attention(*args: Any, **kwargs: Any) -> jax.Array:
 CONTEXT_ATTENTION: dict[str, Callable[..., jax.Array]] = {
     "allgather": allgather_attention,
     "ring": ring_attention,
+    "ring_vjp": ring_vjp_attention,  # the backward pass a ring too (models/ring_vjp.py)
 }
 
 
@@ -248,7 +253,7 @@ def causal_work(order: np.ndarray, shards: int) -> np.ndarray:
 _ORDER: contextvars.ContextVar[np.ndarray | None] = contextvars.ContextVar(
     "jaxscale_sequence_order", default=None)
 
-# `model.context_order`: auto is zigzag for the ring under a causal mask when 2 x shards divide
+# `model.context_order`: auto is zigzag for the rings under a causal mask when 2 x shards divide
 # the length (the ring skips what the mask hides, so the balance pays), natural otherwise.
 CONTEXT_ORDERS = ("auto", "zigzag", "natural")
 
@@ -272,7 +277,7 @@ def training_order(length: int, choice: str, variant: str) -> np.ndarray | None:
     shards = _active_shards()
     if shards is None or choice == "natural":
         return None
-    if choice == "auto" and (variant != "ring" or length % (2 * shards.count)):
+    if choice == "auto" and (variant == "allgather" or length % (2 * shards.count)):
         return None
     return zigzag_order(length, shards.count)
 
