@@ -42,11 +42,9 @@ Without a TARGET, sizes use all local devices (`data=-1` for 125m, `fsdp=-1` oth
 accumulation. Tensor parallelism is not needed at these sizes; for larger meshes try
 `--config.rules_preset=fsdp_tp --config.mesh.tensor=4`.
 
-Long context (`LONG_CONTEXT`, not in `VARIANTS`): `8b-128k,v5p-32` is a Llama-3.1-8B shape
-(vocab 128256, 8 kv heads, mlp 14336, rope llama3 x8) at 131,072 tokens per sequence, its mesh
-sized by the TPU compiler (bench/RESULTS.md): each sequence over `mesh.context` chips (ring
-attention in the zigzag order, einsum tiles), FSDP over the rest, full remat, the loss in 16
-chunks, a 32 x 131,072-token global batch by accumulation (docs/long-context.md).
+Long context (`LONG_CONTEXT`, not in `VARIANTS`): `8b-128k,v5p-32`, a Llama-3.1-8B shape at
+131,072 tokens per sequence sized by the TPU compiler (bench/RESULTS.md): a sequence per 4 chips
+(`mesh.context`, ring attention), FSDP over the rest, 32 sequences a step (docs/long-context.md).
 
 Data stays the byte-level stdlib corpus: bytes are token ids 0..255, a subset of the 32000-entry
 vocabulary, so the initial loss is ln(32000) = 10.4 rather than ln(256). Every field can still be

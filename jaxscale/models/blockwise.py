@@ -95,7 +95,7 @@ def tiles(length: int) -> int:
     return parts
 
 
-def _tiled(x: jax.Array | None, axis: int, parts: int) -> jax.Array | None:
+def tiled(x: jax.Array | None, axis: int, parts: int) -> jax.Array | None:
     """`x` with `axis` cut into `parts` tiles, the tile index moved first."""
     if x is None:
         return None
@@ -103,7 +103,7 @@ def _tiled(x: jax.Array | None, axis: int, parts: int) -> jax.Array | None:
     return jnp.moveaxis(x.reshape(shape), axis, 0)
 
 
-def _untiled(x: jax.Array, axis: int) -> jax.Array:
+def untiled(x: jax.Array, axis: int) -> jax.Array:
     x = jnp.moveaxis(x, 0, axis)
     return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
 
@@ -130,7 +130,7 @@ def step(acc: Acc, q_BTKGD: jax.Array, slots_1T: jax.Array, segments_BT: jax.Arr
     """`acc` with the block in hand attended tile by tile (`tiles` of the queries and of the
     keys), each hidden tile skipped; and the score entries computed."""
     p, q = tiles(q_BTKGD.shape[1]), tiles(held["k"].shape[1])
-    keys = {name: _tiled(x, 1, q) for name, x in held.items()}
+    keys = {name: tiled(x, 1, q) for name, x in held.items()}
     keys = {"segments": None, **keys}
 
     @_remat
@@ -146,10 +146,10 @@ def step(acc: Acc, q_BTKGD: jax.Array, slots_1T: jax.Array, segments_BT: jax.Arr
         (acc_i, work), _ = jax.lax.scan(key_tile, (acc_i, jnp.int32(0)), keys)
         return acc_i, work
 
-    accs = Acc(_tiled(acc.max_BKGT, 3, p), _tiled(acc.sum_BKGT, 3, p), _tiled(acc.out_BTKGD, 1, p))
-    xs = (accs, _tiled(q_BTKGD, 1, p), _tiled(slots_1T, 1, p), _tiled(segments_BT, 1, p))
+    accs = Acc(tiled(acc.max_BKGT, 3, p), tiled(acc.sum_BKGT, 3, p), tiled(acc.out_BTKGD, 1, p))
+    xs = (accs, tiled(q_BTKGD, 1, p), tiled(slots_1T, 1, p), tiled(segments_BT, 1, p))
     accs, works = jax.lax.map(lambda x: query_tile(*x), xs)
-    acc = Acc(_untiled(accs.max_BKGT, 3), _untiled(accs.sum_BKGT, 3), _untiled(accs.out_BTKGD, 1))
+    acc = Acc(untiled(accs.max_BKGT, 3), untiled(accs.sum_BKGT, 3), untiled(accs.out_BTKGD, 1))
     return acc, works.sum()
 
 

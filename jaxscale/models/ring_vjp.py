@@ -64,7 +64,7 @@ def _block_grads(q: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
     """dQ of the local queries and dK, dV of the block in hand, tile by tile, hidden tiles
     skipped (`blockwise.tiles`)."""
     p, r = blockwise.tiles(q.shape[1]), blockwise.tiles(held["k"].shape[1])
-    tiled = blockwise._tiled
+    tiled = blockwise.tiled
     keys = {"segments": None, **{name: tiled(x, 1, r) for name, x in held.items()}}
     b, s, k, d = held["k"].shape
 
@@ -82,14 +82,14 @@ def _block_grads(q: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
             return dq + tile[0], (tile[1], tile[2])
 
         dq_i, (dk_j, dv_j) = jax.lax.scan(key_tile, jnp.zeros(q_i.shape, jnp.float32), keys)
-        untile = lambda x: blockwise._untiled(x, 1)  # (Q, B, C, K, D) -> (B, S, K, D)
+        untile = lambda x: blockwise.untiled(x, 1)  # (Q, B, C, K, D) -> (B, S, K, D)
         return (dkv[0] + untile(dk_j), dkv[1] + untile(dv_j)), dq_i
 
     xs = (tiled(q, 1, p), tiled(do, 1, p), tiled(lse, 3, p), tiled(delta, 3, p),
           tiled(slots, 1, p), tiled(segments, 1, p))
     zero = jnp.zeros((b, s, k, d), jnp.float32)
     (dk, dv), dq = jax.lax.scan(query_tile, (zero, zero), xs)
-    return blockwise._untiled(dq, 1), dk, dv
+    return blockwise.untiled(dq, 1), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
