@@ -68,8 +68,8 @@ def test_the_planner_shards_long_sequences_over_context_only():
     from jaxscale.aot.plan import apply, candidates
 
     c = llama.get_config("tiny")
-    c.data.update(seq_len=LONG_SEQUENCE, batch_size=4)
-    c.model.max_len = LONG_SEQUENCE
+    c.data.update(seq_len=LONG_SEQUENCE, batch_size=2)  # few candidates: a cheap test
+    c.model.update(max_len=LONG_SEQUENCE, num_layers=1)
     found = [apply(c, cand.overrides) for cand in candidates(c, parse_topology("v5p:2x2x1"))]
     sharded = [x for x in found if x.mesh.context > 1]
     assert {(x.mesh.context, x.model.context_attention) for x in sharded} == {
