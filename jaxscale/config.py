@@ -56,7 +56,8 @@ def base_config() -> mlc.ConfigDict:
         name="llama", vocab_size=256, embed=128, num_layers=4, num_heads=4, num_kv_heads=2,
         head_dim=32, mlp=512, max_len=2048, rope_theta=10000.0, norm_eps=1e-5,
         tie_embeddings=False, remat="none", attention="einsum",
-        context_attention="allgather",  # across sequence shards (mesh.context > 1): or "ring"
+        context_attention="allgather",  # across sequence shards (mesh.context > 1): ring, ring_vjp
+        context_order="auto",  # training sequence over its shards: auto | zigzag | natural
         loss_chunks=1,  # LM head + loss over the sequence in this many chunks (less memory)
         # rotary scaling as HF `rope_scaling` (none | linear | llama3), see models/rope.py
         rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0,

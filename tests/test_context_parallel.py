@@ -41,17 +41,18 @@ def _qkv():
             jax.random.normal(keys[2], (B, T, K, D)))
 
 
-def _attention(mesh, variant, window=0):
+def _attention(mesh, variant, window=0, softcap=0.0):
     """(q, k, v) -> sum(sin(attention)) with the sequence split over `mesh` (None: plain)."""
     def loss(q_BTHD, k_BTKD, v_BTKD):
         mask = Mask.sequence(T, jnp.asarray(SEGMENTS), window=window)
         if mesh is None:
-            return jnp.sum(jnp.sin(attend(q_BTHD, k_BTKD, v_BTKD, mask)))
+            return jnp.sum(jnp.sin(attend(q_BTHD, k_BTKD, v_BTKD, mask, softcap=softcap)))
         with use_rules(RULES, mesh):
             q_BTHD = constrain(q_BTHD, "batch", "length", "heads", "head_dim")
             k_BTKD = constrain(k_BTKD, "batch", "length", "kv", "head_dim")
             v_BTKD = constrain(v_BTKD, "batch", "length", "kv", "head_dim")
-            out_BTHD = attend(q_BTHD, k_BTKD, v_BTKD, mask, context_impl=variant)
+            out_BTHD = attend(q_BTHD, k_BTKD, v_BTKD, mask, context_impl=variant,
+                              softcap=softcap)
         return jnp.sum(jnp.sin(out_BTHD))
     return loss
 
@@ -62,10 +63,11 @@ def plain():
     return jax.jit(jax.value_and_grad(_attention(None, None), argnums=(0, 1, 2)))(*_qkv())
 
 
-@pytest.mark.parametrize("variant, collective", [("allgather", "all_gather"),
-                                                 ("ring", "collective_permute")])
-@pytest.mark.parametrize("mesh", [{"context": 4, "data": 2},
-                                  {"context": 2, "tensor": 2, "fsdp": 2}])
+@pytest.mark.parametrize("variant, collective, mesh", [
+    (variant, collective, mesh)
+    for variant, collective in [("allgather", "all_gather"), ("ring", "collective_permute")]
+    for mesh in ({"context": 4, "data": 2}, {"context": 2, "tensor": 2, "fsdp": 2})] + [
+    ("ring_vjp", "collective_permute", {"context": 4, "data": 2})])  # custom VJP: ring backward
 def test_attention_across_shards_equals_plain(plain, variant, collective, mesh):
     fn = jax.jit(jax.value_and_grad(_attention(make_mesh(mesh), variant), argnums=(0, 1, 2)))
     assert collective in fn.lower(*_qkv()).as_text()  # the keys really travel between shards
@@ -75,16 +77,18 @@ def test_attention_across_shards_equals_plain(plain, variant, collective, mesh):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=f"d loss / d {name}")
 
 
-@pytest.mark.parametrize("variant", ["allgather", "ring"])
-def test_a_sliding_window_across_shards_equals_plain(variant):
+@pytest.mark.parametrize("variant", ["allgather", "ring", "ring_vjp"])
+@pytest.mark.parametrize("option", [dict(window=5), dict(softcap=0.5)])
+def test_a_sliding_window_or_softcap_across_shards_equals_plain(variant, option):
     """A window shorter than a shard (5 of 16 over 4 shards): keys from the previous shard
-    only, and inside each packed document (Mistral's `model.sliding_window`)."""
+    only, and inside each packed document (Mistral's `model.sliding_window`). Soft-capped
+    scores (Gemma 2's `attn_softcap`, a cap that bites: the scores here exceed it)."""
     grad = lambda mesh: jax.jit(jax.value_and_grad(
-        _attention(mesh, variant, window=5), argnums=(0, 1, 2)))(*_qkv())
+        _attention(mesh, variant, **option), argnums=(0, 1, 2)))(*_qkv())
     (loss, grads), (ref_loss, ref_grads) = grad(make_mesh({"context": 4, "data": 2})), grad(None)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert not np.allclose(loss, plain_loss := _attention(None, None)(*_qkv()), rtol=1e-3), (
-        plain_loss)  # the window changes what is attended to
+        plain_loss)  # the option changes what is attended to
     for name, g, r in zip("qkv", grads, ref_grads):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=f"d loss / d {name}")
 
@@ -100,17 +104,25 @@ def one_device():
     return run_steps(_gqa_config({}), jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh, variant, pipeline", [
-    ({"context": 4, "data": 2}, "ring", {}),
-    ({"context": 2, "fsdp": 2, "tensor": 2}, "allgather", {}),
-    pytest.param({"context": 2, "pipeline": 2, "data": 2}, "ring", dict(microbatches=2),
+@pytest.mark.parametrize("mesh, variant, order, pipeline", [
+    ({"context": 4, "data": 2}, "ring", "zigzag", {}),
+    ({"context": 2, "fsdp": 2, "tensor": 2}, "allgather", "natural", {}),
+    pytest.param({"context": 2, "pipeline": 2, "data": 2}, "ring", "auto", dict(microbatches=2),
                  marks=pytest.mark.exhaustive),  # GPipe stages: shard_map under the stages' vmap
 ])
-def test_llama_on_sequence_shards_equals_one_device(one_device, mesh, variant, pipeline):
+def test_llama_on_sequence_shards_equals_one_device(one_device, monkeypatch, mesh, variant,
+                                                    order, pipeline):
+    """The zigzag case lays every sequence in the load-balanced order (inputs, targets,
+    positions and slots permuted, hidden halves skipped) and still equals one device."""
     config = _gqa_config(mesh, **pipeline)
-    config.model.context_attention = variant
+    config.model.update(context_attention=variant, context_order=order)
     config_lib.validate(config)
+    orders = []
+    zigzag = context.zigzag_order
+    monkeypatch.setattr(context, "zigzag_order", lambda *a: orders.append(a) or zigzag(*a))
     assert_equal_runs(run_steps(config, jax.devices()), one_device)
+    shards = mesh["context"]
+    assert set(orders) == ({(config.data.seq_len, shards)} if order != "natural" else set())
 
 
 def test_train_step_rotates_keys_and_mesh_names_context():

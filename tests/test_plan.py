@@ -60,6 +60,29 @@ def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
     assert {x.model.attention for x in found} == {"splash", "einsum"}
 
 
+def test_the_planner_shards_long_sequences_over_context_only():
+    """A long sequence (`choices.LONG_SEQUENCE`) adds `mesh.context` candidates with each
+    attention variant (einsum inside: splash does not run on sequence shards), after those
+    without; a short one gets none."""
+    from jaxscale.aot.choices import LONG_SEQUENCE
+    from jaxscale.aot.plan import apply, candidates
+
+    c = llama.get_config("tiny")
+    c.data.update(seq_len=LONG_SEQUENCE, batch_size=2)  # few candidates: a cheap test
+    c.model.update(max_len=LONG_SEQUENCE, num_layers=1)
+    found = [apply(c, cand.overrides) for cand in candidates(c, parse_topology("v5p:2x2x1"))]
+    sharded = [x for x in found if x.mesh.context > 1]
+    assert {(x.mesh.context, x.model.context_attention) for x in sharded} == {
+        (n, v) for n in (2, 4) for v in ("ring", "allgather")}
+    assert {x.model.attention for x in sharded} == {"einsum"}
+    assert all(x.mesh.context * x.mesh.data * x.mesh.fsdp * x.mesh.tensor * x.mesh.pipeline == 4
+               for x in found)
+    assert found[0].mesh.context == 1 and found.index(sharded[0]) > 0
+    c.data.seq_len = LONG_SEQUENCE // 2
+    assert all(apply(c, cand.overrides).mesh.context == 1
+               for cand in candidates(c, parse_topology("v5p:2x2x1")))
+
+
 def test_planner_tries_no_remat_first_only_where_the_guess_says_it_fits():
     from jaxscale.aot.plan import Candidate, apply, dominated, iter_candidates
 

@@ -42,6 +42,15 @@ def test_every_tpu_preset_is_sized_by_the_compiler():
                 assert rows == compiled.micro_batch and compiled.step_ms[0] > 0
     with pytest.raises(ConfigError, match="as the TPU compiler has it"):
         llama.get_config("7b,v5e-8")
+    # The long-context presets: a sequence per `context` chips on a mesh the compiler sized.
+    for size, preset in llama.LONG_CONTEXT.items():
+        for target, (t, context, compiled) in preset.targets.items():
+            c = llama.get_config(f"{size},{target}")
+            assert parse_topology(t.topology).num_chips == t.total == c.mesh.fsdp * context
+            assert c.mesh.context == context and c.data.seq_len % (2 * context) == 0
+            assert compiled.gib <= (1 - llama.FIT_MARGIN) * t.hbm_gib
+    with pytest.raises(ConfigError, match="needs one of its targets"):
+        llama.get_config("8b-128k,v5e-16")
 
 
 def _tightest(size: str) -> str:

@@ -50,6 +50,27 @@ def attentions(config: mlc.ConfigDict) -> tuple[str, ...]:
     return (config.model.get("attention", "einsum"),)
 
 
+# Context parallelism is searched for sequences at least this long (`model.context_attention`
+# and `mesh.context`, `models/context.py`): below it one chip holds a sequence's activations
+# with room to spare, and the shards' attention traffic would only cost.
+LONG_SEQUENCE = 32768
+CONTEXT_SIZES = (2, 4, 8, 16)
+CONTEXT_VARIANTS = ("ring", "allgather")  # the ring first: no whole-sequence K/V per chip
+
+
+def context_options(config: mlc.ConfigDict, chips: int) -> list[dict]:
+    """The sequence shardings to search: none, and for a long sequence (`LONG_SEQUENCE`)
+    every `mesh.context` in `CONTEXT_SIZES` that divides the chips and the length (the
+    zigzag order's 2 x context chunks too) with each attention variant."""
+    options = [{}]
+    seq = config.data.seq_len
+    if seq < LONG_SEQUENCE:
+        return options
+    return options + [{"mesh.context": c, "model.context_attention": v}
+                      for c in CONTEXT_SIZES if chips % c == 0 and seq % (2 * c) == 0
+                      for v in CONTEXT_VARIANTS]
+
+
 def loss_chunks(config: mlc.ConfigDict) -> tuple[int, ...]:
     """The loss chunkings that apply: whole, and chunked where the length divides."""
     return tuple(n for n in LOSS_CHUNKS if config.data.seq_len % n == 0)

@@ -84,6 +84,7 @@ class StepReport:
     hbm_limit_bytes: float = 0.0  # what libtpu lets a program use (0: the capacity)
     host_temp_bytes: int = 0      # pinned host memory: activations a remat policy offloads
     host_argument_bytes: int = 0  # pinned host memory: arguments placed on the host
+    attention_traffic: dict | None = None  # expected across sequence shards (aot.traffic)
 
     @property
     def total_bytes(self) -> int:
@@ -174,7 +175,8 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         kernel_calls=calls, kernel_flops=in_kernels, int8_flops=hlo.int8_flops(partitioned),
         collectives=[asdict(c) for c in hlo.collectives(optimized, slices)],
         compile_s=elapsed, tokens_per_step=config.data.batch_size * config.data.seq_len,
-        hlo_path=text_path if hlo_dir else None)
+        hlo_path=text_path if hlo_dir else None,
+        attention_traffic=traffic.attention_traffic(config))
 
 
 def _expected_collectives(config: mlc.ConfigDict, mesh: Any) -> dict[str, float]:

@@ -280,7 +280,13 @@ def collectives(module: Module | str, slice_of: list[int] | None = None) -> list
             channel = _CHANNEL.search(ins.rest)
             found.append((comp, Collective(kind, size, count, looped, ins.name, group, dcn,
                                            int(channel.group(1)) if channel else 0)))
-    return _one_per_channel(found)
+    return _one_per_channel(found, _fusion_bodies(module))
+
+
+def _fusion_bodies(module: Module) -> set[str]:
+    """The computations a `fusion` instruction calls (where libtpu repeats a collective)."""
+    return {callee for instrs in module.comps.values() for ins in instrs
+            if ins.opcode == "fusion" for callee, _ in _CALLS.findall(ins.rest) if callee}
 
 
 def _megascale(ins: Instr, count: int, looped: bool, num_slices: int) -> Collective:
@@ -321,18 +327,21 @@ def _warn_once(message: str) -> None:
                     message)
 
 
-def _one_per_channel(found: list[tuple[str, Collective]]) -> list[Collective]:
+def _one_per_channel(found: list[tuple[str, Collective]],
+                     fusions: set[str] | None = None) -> list[Collective]:
     """libtpu's async collective fusions repeat one collective (one channel_id) in the fusion
     that starts it and in each fusion that continues it while computing (7B on v5e-64: every
-    layer weight's gather 3 times): per channel, count the ops of one computation only, the
-    one with the most bytes per step (ops sharing a channel in one computation, such as a
-    collective-permute split in two halves, all count)."""
-    groups: dict[tuple[str, int], dict[str, list[Collective]]] = defaultdict(
-        lambda: defaultdict(list))
+    layer weight's gather 3 times): per channel, count the ops of one fusion computation only,
+    the one with the most bytes per step (ops sharing a channel in one computation, such as a
+    collective-permute split in two halves, all count). Ops outside fusions (`fusions`, None:
+    every computation counts as one) are never repeats: a `shard_map` ppermute keeps
+    channel_id 1 in the forward, rematerialised and backward loops of a ring, three transfers."""
+    groups: dict[tuple, dict[str, list[Collective]]] = defaultdict(lambda: defaultdict(list))
     out = []
     for comp, c in found:
         if c.channel:
-            groups[(c.kind, c.channel)][comp].append(c)
+            alone = fusions is not None and comp not in fusions
+            groups[(c.kind, c.channel) + ((comp,) if alone else ())][comp].append(c)
         else:
             out.append(c)
     for by_comp in groups.values():

@@ -23,6 +23,7 @@ from jaxscale import config as config_lib
 from jaxscale.aot.choices import (
     ATTENTIONS,
     attentions,
+    context_options,
     fit_advice,
     loss_chunks,
     require_language_model,
@@ -101,10 +102,19 @@ def _expert_splits(config: mlc.ConfigDict, n: int) -> tuple[int, ...]:
                  and n % e == 0) + (1,)
 
 
+def _with_context(config: mlc.ConfigDict, n: int) -> Iterator[tuple[tuple[int, ...], dict]]:
+    """(pipeline, data, fsdp, tensor) of the chips left beside each sequence sharding
+    (`choices.context_options`: none, and for long sequences `mesh.context` > 1)."""
+    for ctx in context_options(config, n):
+        for factors in _factorizations(n // ctx.get("mesh.context", 1), config.model.num_layers):
+            yield factors, ctx
+
+
 def _preset_fits_mesh(preset: str, mesh: dict[str, int]) -> bool:
+    """Every preset maps `length -> context`: `context` is as free as data and pipeline."""
     big = {axis for axis, size in mesh.items() if size > 1}
-    every = {"data", "pipeline", "expert"}  # axes every preset uses
-    return PRESET_AXES[preset] <= big and big <= PRESET_AXES[preset] | every
+    free = {"data", "pipeline", "expert", "context"}  # axes every preset uses
+    return PRESET_AXES[preset] <= big and big <= PRESET_AXES[preset] | free
 
 
 def _pipeline_options(stages: int, step_rows: int) -> list[dict]:
@@ -143,7 +153,7 @@ def _search_order(cand: Candidate, remats: tuple[str, ...] = REMATS) -> tuple:
     accumulating), 1F1B, most microbatches."""
     o = cand.overrides
     attention = o["model.attention"]
-    return (o["mesh.pipeline"], remats.index(o["model.remat"]),
+    return (o["mesh.pipeline"], o.get("mesh.context", 1), remats.index(o["model.remat"]),
             ATTENTIONS.index(attention) if attention in ATTENTIONS else len(ATTENTIONS),
             o["mesh.tensor"], -o.get("mesh.expert", 1), -o["mesh.fsdp"], o["train.grad_accum"],
             o.get("model.loss_chunks", 1), SCHEDULES.index(o.get("pipeline.schedule", "1f1b")),
@@ -167,12 +177,12 @@ def _all_candidates(config: mlc.ConfigDict, topology: Topology,
     dims = dims_of(config)
     found = []
     moe = _expert_splits(config, n) != (1,)
-    for expert, (pipeline, data, fsdp, tensor), preset, remat, attention, chunks in (
+    for expert, ((pipeline, data, fsdp, tensor), ctx), preset, remat, attention, chunks in (
             (e, *rest) for e in _expert_splits(config, n) for rest in itertools.product(
-                _factorizations(n // e, config.model.num_layers), PRESETS, REMATS,
-                attentions(config), loss_chunks(config))):
+                _with_context(config, n // e), PRESETS, REMATS, attentions(config),
+                loss_chunks(config))):
         mesh = {"data": data * slices, "pipeline": pipeline, "fsdp": fsdp, "tensor": tensor,
-                "expert": expert}
+                "expert": expert, "context": ctx.get("mesh.context", 1)}
         if not _preset_fits_mesh(preset, mesh):
             continue
         per_chip = config.data.batch_size // (data * fsdp * expert * slices)
@@ -184,7 +194,7 @@ def _all_candidates(config: mlc.ConfigDict, topology: Topology,
                     "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
                     "mesh.pipeline": pipeline, "rules_preset": preset, "model.remat": remat,
                     "model.attention": attention, "model.loss_chunks": chunks,
-                    "train.grad_accum": accum, "train.eval_every": 0, **pipe,
+                    "train.grad_accum": accum, "train.eval_every": 0, **pipe, **ctx,
                     **({"mesh.expert": expert} if moe else {}),
                     **({"mesh.dcn_data": slices} if slices > 1 else {})})
                 found.append((_search_order(cand, remats), cand))

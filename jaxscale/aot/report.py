@@ -48,6 +48,27 @@ def expected_lines(report: StepReport) -> list[str]:
     return lines
 
 
+def traffic_lines(report: StepReport) -> list[str]:
+    """Attention's expected bytes across sequence shards (`aot.traffic`) next to the compiled
+    totals of the same collective kinds (which also hold FSDP's gathers, scatters and
+    windowed-einsum permutes)."""
+    t = report.attention_traffic
+    if not t:
+        return []
+    compiled = defaultdict(int)
+    for c in report.collectives:
+        compiled[c["kind"]] += c["bytes"] * c["executions"]
+    kinds = dict.fromkeys((t["forward_kind"], t["backward_kind"]))
+    expected = defaultdict(float)
+    expected[t["forward_kind"]] += t["forward"]
+    expected[t["backward_kind"]] += t["backward"]
+    return [f"attention across {t['shards']} sequence shards ({t['variant']}): ANALYTIC "
+            f"{_gib(t['forward'])} forward (remat's recompute included) + "
+            f"{_gib(t['backward'])} backward per chip/step; block {_gib(t['block_bytes'])}"] + [
+        f"  {kind}: expected {_gib(expected[kind])}, compiled {_gib(compiled[kind])}"
+        for kind in kinds]
+
+
 def format_report(report: StepReport) -> str:
     r, est = report, step_estimate(report)
     limit = r.hbm_limit_bytes or r.hbm_bytes
@@ -90,6 +111,7 @@ def format_report(report: StepReport) -> str:
                      "compute)")
     lines += ["collectives per chip per step (TPU compiler):"] + collective_table(r.collectives)
     lines += expected_lines(r)
+    lines += traffic_lines(r)
     lines += [
         "step time ESTIMATE (roofline: peak compute, ring collectives at link bandwidth; not a"
         " measurement):",

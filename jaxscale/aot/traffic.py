@@ -1,22 +1,47 @@
-"""The analytic collective bytes a compiled step should move, to check the collective table
-against: the MoE capacity path's token dispatch (`models/moe.capacity_experts`).
+"""The analytic collective bytes a compiled step should move, to read the compiler's collective
+table against: the MoE capacity path's token dispatch and attention across sequence shards.
+Bytes per chip per step, counted the way `aot/hlo.py` counts a collective.
 
-Each MoE layer's expert buffers, (rows, experts X, slots C, embed E) in the compute dtype, are
-filled with rows over all the batch's mesh axes and computed with experts over `expert`, so the
-reshard between the two is an all-to-all over `expert`, of the buffer's per-chip share each way:
-tokens to their experts and the experts' outputs back (2 a layer in the forward pass), their
-transposes in the backward pass (2 more), and the forward pair again where remat recomputes the
-layer (every `model.remat` but `none`). The dropless path (grouped matmul) has no dispatch to
-count here; with `mesh.expert` 1 the buffers never move. Bytes follow `aot.hlo`: an all-to-all's
-payload per chip, as the table shows it.
+**MoE dispatch** (`models/moe.capacity_experts`). Each MoE layer's expert buffers, (rows,
+experts X, slots C, embed E) in the compute dtype, are filled with rows over all the batch's
+mesh axes and computed with experts over `expert`, so the reshard between the two is an
+all-to-all over `expert`, of the buffer's per-chip share each way: tokens to their experts and
+the experts' outputs back (2 a layer in the forward pass), their transposes in the backward pass
+(2 more), and the forward pair again where remat recomputes the layer (every `model.remat` but
+`none`). The dropless path (grouped matmul) has no dispatch to count here; with `mesh.expert` 1
+the buffers never move.
+
+**Attention across sequence shards** (`models/context.py`). With `mesh.context` x
+`mesh.dcn_context` = n > 1, each chip holds `rows` sequences' T/n tokens and K/tensor kv heads of
+head dim D, so one key (or value) block is rows x T/n x K/tensor x D elements of the compute
+dtype. Per layer and pass:
+
+- `ring`: n - 1 `ppermute`s each of the key and the value block (plus the block's int32 slots,
+  and segment ids when packed) in the forward pass; the backward pass sends the blocks'
+  cotangents back around the ring (keys and values again, no ints). `ring_vjp` (custom VJP)
+  instead rotates keys, values and slots with their float32 dK and dV n times.
+- `allgather`: one `all_gather` of keys and values (and their ints); the backward pass
+  reduce-scatters the cotangents of the gathered blocks. Counted as `aot/hlo.py` counts them
+  (the gathered result, the scattered input: n blocks each), and mixed in the compiled
+  report with FSDP's own gathers and scatters of the weights.
+
+A rematerialised layer (`model.remat` other than none) runs its forward pass again in the
+backward pass, so its forward traffic counts twice.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import ml_collections as mlc
 import numpy as np
+
+
+def _compute_bytes(config: mlc.ConfigDict) -> int:
+    from jaxscale.precision import get_policy  # lazy: jax
+
+    return np.dtype(get_policy(config.precision).compute).itemsize
 
 
 def moe_all_to_all_bytes(config: mlc.ConfigDict, mesh) -> float:
@@ -25,7 +50,6 @@ def moe_all_to_all_bytes(config: mlc.ConfigDict, mesh) -> float:
     The buffers' rows split as the rules split `batch` (the presets: data x fsdp x expert),
     C = moe.capacity(capacity_factor, seq_len x experts_per_token, num_experts) per row."""
     from jaxscale.models.moe import ROW_AXES, MoEConfig, capacity  # lazy: jax
-    from jaxscale.precision import get_policy
     from jaxscale.rules import AxisRules
 
     moe = MoEConfig.from_config(config.model.get("moe"))
@@ -37,6 +61,36 @@ def moe_all_to_all_bytes(config: mlc.ConfigDict, mesh) -> float:
     spec = AxisRules.from_config(config).spec(ROW_AXES, shape, mesh, warn=False)
     axes = spec[0] or ()
     shards = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
-    itemsize = np.dtype(get_policy(config.precision).compute).itemsize
+    itemsize = _compute_bytes(config)
     per_layer = 4 + 2 * (config.model.get("remat", "none") != "none")
     return config.model.num_layers * per_layer * math.prod(shape) * itemsize / shards
+
+
+def attention_traffic(config: mlc.ConfigDict) -> dict[str, Any] | None:
+    """Expected attention bytes per chip per step across sequence shards: the forward kind
+    and bytes (`collective-permute` for the ring, `all-gather` for allgather; remat's second
+    forward pass included) and the backward pass's, or None when nothing splits the
+    sequence."""
+    m, d, mesh = config.model, config.data, config.mesh
+    n = mesh.get("context", 1) * mesh.get("dcn_context", 1)
+    if n <= 1:
+        return None
+    batch_shards = max(1, mesh.get("data", 1)) * mesh.get("fsdp", 1) * mesh.get("dcn_data", 1)
+    rows = d.batch_size / (config.train.grad_accum * batch_shards * mesh.get("dcn_fsdp", 1))
+    tokens = rows * d.seq_len / n  # one chip's tokens of one micro-batch
+    kv_heads = m.num_kv_heads / min(mesh.get("tensor", 1), m.num_kv_heads)
+    block = tokens * kv_heads * m.head_dim * _compute_bytes(config)
+    ints = d.seq_len / n * 4 + (tokens * 4 if d.get("sources") else 0)
+    forward_passes = 1 + (m.get("remat", "none") != "none")
+    variant = m.get("context_attention", "allgather")
+    ring = variant != "allgather"
+    steps = n - 1 if ring else n
+    scale = m.num_layers * config.train.grad_accum
+    backward = steps * 2 * block
+    if variant == "ring_vjp":  # k, v, slots and float32 dK, dV, n hops
+        backward = n * (2 * block + ints + 2 * tokens * kv_heads * m.head_dim * 4)
+    return {"variant": variant, "shards": n, "block_bytes": block,
+            "forward_kind": "collective-permute" if ring else "all-gather",
+            "forward": forward_passes * steps * (2 * block + ints) * scale,
+            "backward_kind": "collective-permute" if ring else "reduce-scatter",
+            "backward": backward * scale}

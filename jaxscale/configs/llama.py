@@ -42,6 +42,10 @@ Without a TARGET, sizes use all local devices (`data=-1` for 125m, `fsdp=-1` oth
 accumulation. Tensor parallelism is not needed at these sizes; for larger meshes try
 `--config.rules_preset=fsdp_tp --config.mesh.tensor=4`.
 
+Long context (`LONG_CONTEXT`, not in `VARIANTS`): `8b-128k,v5p-32`, a Llama-3.1-8B shape at
+131,072 tokens per sequence sized by the TPU compiler (bench/RESULTS.md): a sequence per 4 chips
+(`mesh.context`, `ring_vjp` attention), FSDP over the rest, 32 sequences a step (docs/long-context.md).
+
 Data stays the byte-level stdlib corpus: bytes are token ids 0..255, a subset of the 32000-entry
 vocabulary, so the initial loss is ln(32000) = 10.4 rather than ln(256). Every field can still be
 overridden on the command line.
@@ -181,6 +185,44 @@ STATE_BYTES_PER_PARAM = state_bytes_per_param(accumulate=True)
 HBM_FRACTION = 0.8          # headroom for XLA's own buffers, collectives and fragmentation
 
 
+@dataclass(frozen=True)
+class LongContext:
+    """A long-context preset: a SIZE at a long `seq_len` on its TPU targets, each with its
+    context size (a sequence per `context` chips, FSDP over the rest) and what the TPU compiler
+    said of the whole preset (`gib` per chip with the accumulation, the step ESTIMATE)."""
+
+    size: Size
+    targets: dict[str, tuple[Target, int, Compiled]]  # name -> (target, context, compiled)
+
+
+_LLAMA31_8B = dict(vocab_size=128256, embed=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                   head_dim=128, mlp=14336, max_len=131072, rope_theta=500000.0, norm_eps=1e-5,
+                   tie_embeddings=False, rope_scaling="llama3", rope_factor=8.0,
+                   rope_original_max_len=8192, attention="einsum", loss_chunks=16,
+                   context_attention="ring_vjp", context_order="auto")
+# `jaxscale compile --topology=v5p:2x2x4 --config=llama:8b-128k,v5p-32` (libtpu 0.0.52,
+# nothing runs): bench/RESULTS.md.
+LONG_CONTEXT: dict[str, LongContext] = {
+    "8b-128k": LongContext(
+        Size(_LLAMA31_8B, "fsdp", "full", seq_len=131072, batch=32, lr=1e-5, warmup=50,
+             steps=1000),
+        {"v5p-32": (Target(16, 1, "v5p", topology="v5p:2x2x4"), 4,
+                    Compiled(1, 55.92, (208754, 213731)))}),
+}
+
+
+def build_long(name: str, target_name: str) -> mlc.ConfigDict:
+    """The long-context preset `name` on `target_name`: a sequence per `context` chips, FSDP
+    over the rest, accumulation up to the size's global batch."""
+    preset = LONG_CONTEXT[name]
+    target, context, _ = preset.targets[target_name]
+    c = build(name, None, sizes={name: preset.size})
+    fsdp = target.devices // context
+    c.mesh.update(data=1, fsdp=fsdp, context=context, dcn_data=target.slices)
+    c.train.update(grad_accum=preset.size.batch // (fsdp * target.slices), eval_every=0)
+    return c
+
+
 def num_params(size: str, sizes: Mapping[str, Size] = SIZES) -> int:
     """SIZE's parameter count as its model table entry's config class has it (`model.name`:
     a Qwen2 counts its q/k/v biases, a Qwen3 its q/k norms)."""
@@ -248,6 +290,13 @@ def parse_arg(arg: str | None) -> tuple[str, str | None]:
     """'1b,v5e-16' -> ('1b', 'v5e-16'); None / '' -> ('tiny', None). Raises on unknown names."""
     parts = [p.strip() for p in (arg or "tiny").split(",")]
     size, target = parts[0], (parts[1] if len(parts) > 1 else None)
+    if size in LONG_CONTEXT:
+        if len(parts) != 2 or target not in LONG_CONTEXT[size].targets:
+            raise ConfigError(paragraph(
+                f"configs/llama.py: the long-context preset {size} needs one of its targets:",
+                f"{', '.join(f'{size},{t}' for t in LONG_CONTEXT[size].targets)}.",
+            ))
+        return size, target
     if size not in SIZES or len(parts) > 2 or (target is not None and target not in TARGETS):
         raise ConfigError(paragraph(
             f"configs/llama.py: cannot read the argument {arg!r}. Use SIZE or SIZE,TARGET",
@@ -264,7 +313,8 @@ def parse_arg(arg: str | None) -> tuple[str, str | None]:
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
-    return build(*parse_arg(arg))
+    size, target = parse_arg(arg)
+    return build_long(size, target) if size in LONG_CONTEXT else build(size, target)
 
 
 def build(size_name: str, target_name: str | None = None, micro: int | None = None,

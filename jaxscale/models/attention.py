@@ -36,7 +36,6 @@ from einops import rearrange
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models import context, splash
 from jaxscale.models.fused import FUSED_AXIS, QKV
 from jaxscale.models.layers import RMSNorm, param, project
@@ -144,20 +143,15 @@ def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mask |
            context_impl: str = "allgather", softcap: float = 0.0) -> jax.Array:
     """softmax(q.k / sqrt(D), masked) . v with the kernel `impl`; K kv heads serve H/K heads.
     A whole sequence that the active rules split over sequence shards runs by `context_impl`
-    (`models/context.py`). Soft-capped scores (`softcap` > 0, Gemma 2) run the einsum kernel
-    (`model.attention` is checked to be einsum) and refuse sequence shards."""
+    (`models/context.py`), soft-capped too. Soft-capped scores (`softcap` > 0, Gemma 2)
+    otherwise run the einsum kernel (`model.attention` is checked to be einsum)."""
     shards = (context.sequence_shards(q_BTHD.shape[1], impl)
               if mask is not None and mask.aligned else None)
-    if softcap:
-        if shards is not None:
-            raise ConfigError(paragraph(
-                f"model.attn_softcap={softcap} (Gemma 2's attention-logit soft-capping) is not",
-                "applied by the attention across sequence shards (models/context.py). Train",
-                "the model without mesh.context > 1."))
-        return einsum_attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
     if shards is not None:
         return context.attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype,
-                                 variant=context_impl, shards=shards)
+                                 variant=context_impl, shards=shards, softcap=softcap)
+    if softcap:
+        return einsum_attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
     return ATTENTION_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype)
 
 

@@ -7,18 +7,34 @@ sharded einsum would gather queries, keys, values and scores alike. Here each sh
 queries and sees the keys in one of two ways (`CONTEXT_ATTENTION`):
 
 - `allgather`: keys and values (with their slots and segment ids) are all-gathered over the
-  sequence axes once per layer; one softmax over the whole sequence. Cheap for grouped-query
-  models, whose K/V are small next to Q; memory holds the whole sequence's K/V per shard.
+  sequence axes once per layer, then attended block by block as the ring attends (tiles,
+  hidden ones skipped). Cheap for grouped-query models, whose K/V are small next to Q;
+  memory holds the whole sequence's K/V per shard.
 - `ring`: K/V blocks rotate around the sequence axes with `ppermute`; each of the `n` steps
   attends the local queries to the block in hand, merged with the online-softmax rule (running
-  max, sum and unnormalised output, `_accumulate`), while the next block travels. A shard holds
-  two K/V blocks at a time. The backward pass is jax's autodiff through the ring loop (a scan
+  max, sum and unnormalised output, `models/blockwise.py`), while the next block travels. A
+  shard holds two K/V blocks at a time. Each step attends in tiles (`models/blockwise.py`: at least
+  halves of the local queries and of the block in hand) and skips (`lax.cond`) every tile the
+  mask hides entirely (causal, window or segments): exact, since a hidden tile adds nothing
+  to the online softmax. The backward pass is jax's autodiff through the ring loop (a scan
   whose transposed `ppermute` rotates the other way), which keeps every step's block as a
-  residual: K/V memory in the backward is the all-gather's. A custom VJP that re-rotates the
-  blocks is a later increment, and so are skipping fully hidden causal blocks and the
-  load-balanced (zigzag) order.
+  residual (not its scores: each step is rematerialised): K/V memory in the backward is the
+  all-gather's.
+- `ring_vjp`: the ring with a custom VJP (`models/ring_vjp.py`): the forward pass keeps only
+  the shard's own q, k, v, output and log-sum-exp, and the backward pass rotates the blocks
+  again, their dK/dV travelling with them; one sliding window for every layer only.
 
-Both take the causal mask from global slots (which travel with their keys, so any order of the
+Load balance (`model.context_order`): with a causal mask and the sequence in its natural order,
+shard i's queries see i + 1 of the n blocks, so the last shard does ~2x the average work and
+sets the step time. In the zigzag order (`zigzag_order`) shard i holds chunks i and 2n - 1 - i
+of 2n, so every shard does the same work once hidden halves are skipped (`causal_work`,
+bench/context_balance.py). The LM task lays inputs, targets, positions and segment ids in that
+order (the loss is a sum over tokens, so it is unchanged) and declares it with
+`sequence_order`, which tells the attention here the slots of its keys; anything else (a
+model called without it: evaluation, generation) runs in the natural order.
+
+Both soft-cap the scores when asked (Gemma 2's `attn_softcap`), take the causal mask from
+global slots (which travel with their keys, so any order of the
 sequence over the shards masks correctly), keep packed documents apart by segment ids (which
 travel likewise), and run grouped-query attention natively (K kv heads serve H/K query heads).
 The specs of the `shard_map` come from the active rules, as in `models/splash.py`: batch over
@@ -29,8 +45,10 @@ D head dim, n sequence shards.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -41,7 +59,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models import blockwise
 from jaxscale.models.mask import Mask
+from jaxscale.models.ring_vjp import ring_vjp_attention
 from jaxscale.rules import AxisRules, active_rules, logical_to_mesh_axes
 
 Q_AXES = ("batch", "length", "heads", "head_dim")
@@ -60,32 +80,29 @@ class Shards(NamedTuple):
         return math.prod(self.mesh.shape[a] for a in self.axes)
 
 
-class Acc(NamedTuple):
-    """Online-softmax state of the local queries: running max and sum (B, K, G, T) and the
-    unnormalised output (B, T, K, G, D), all in the softmax dtype."""
-
-    max_BKGT: jax.Array
-    sum_BKGT: jax.Array
-    out_BTKGD: jax.Array
-
-
 def _as_tuple(axes: Any) -> tuple[str, ...]:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def sequence_shards(length: int, impl: str) -> Shards | None:
-    """The sequence shards of whole-sequence attention under the active rules, or None when
-    nothing splits the sequence (no rules active, or `length`'s mesh axes all of size 1).
-    Raises a ConfigError paragraph when the sequence is split but attention cannot follow."""
+def _active_shards() -> Shards | None:
+    """The active rules' sequence shards, or None when nothing splits the sequence."""
     active = active_rules()
     if active is None:
         return None
     rules, mesh = active
     wanted = _as_tuple(logical_to_mesh_axes(Q_AXES, rules.rules)[1])
     axes = tuple(a for a in wanted if mesh.shape.get(a, 1) > 1)
-    if not axes:
+    return Shards(rules, mesh, axes) if axes else None
+
+
+def sequence_shards(length: int, impl: str) -> Shards | None:
+    """The sequence shards of whole-sequence attention under the active rules, or None when
+    nothing splits the sequence (no rules active, or `length`'s mesh axes all of size 1).
+    Raises a ConfigError paragraph when the sequence is split but attention cannot follow."""
+    shards = _active_shards()
+    if shards is None:
         return None
-    shards = Shards(rules, mesh, axes)
+    axes, mesh = shards.axes, shards.mesh
     sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in axes)
     if impl != "einsum":
         raise ConfigError(paragraph(
@@ -105,9 +122,12 @@ def sequence_shards(length: int, impl: str) -> Shards | None:
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mask,
-              softmax_dtype: Any, *, variant: str, shards: Shards) -> jax.Array:
+              softmax_dtype: Any, *, variant: str, shards: Shards,
+              softcap: float = 0.0) -> jax.Array:
     """Whole-sequence attention (`mask.aligned`) with the sequence split over `shards.axes`,
-    by the `variant` in `CONTEXT_ATTENTION`; out (B, T, H, D) sharded like the queries."""
+    by the `variant` in `CONTEXT_ATTENTION`; out (B, T, H, D) sharded like the queries. The
+    slots are the declared `sequence_order`'s when one is active (the sequence lies permuted),
+    else the mask's."""
     lenient = AxisRules(shards.rules.rules, strict=False, indivisible="replicate")
     spec = lambda logical, x: lenient.spec(logical, x.shape, shards.mesh, "<context>", warn=False)
     batch, length, heads, _ = spec(Q_AXES, q_BTHD)
@@ -117,53 +137,28 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mas
     if batch != kv_batch:
         batch = None
     q_spec, kv_spec = P(batch, length, heads, None), P(batch, length, kv, None)
-    arrays = {"q": q_BTHD, "k": k_BTKD, "v": v_BTKD,
-              "slots": jnp.broadcast_to(mask.q_slots_BT, (1, q_BTHD.shape[1]))}
+    arrays = {"q": q_BTHD, "k": k_BTKD, "v": v_BTKD, "slots": _slots(mask, q_BTHD.shape[1])}
     specs = {"q": q_spec, "k": kv_spec, "v": kv_spec, "slots": P(None, length)}
     if mask.q_segments_BT is not None:  # packed documents: their ids travel with the keys
         arrays["segments"], specs["segments"] = mask.q_segments_BT, P(batch, length)
     body = CONTEXT_ATTENTION[variant]
     run = lambda a: body(a["q"], a["k"], a["v"], a["slots"], a.get("segments"),
                          axes=shards.axes, n=shards.count, causal=mask.causal,
-                         window=mask.window, softmax_dtype=softmax_dtype)
+                         window=mask.window, softmax_dtype=softmax_dtype, softcap=softcap)
     return jax.shard_map(run, mesh=shards.mesh, in_specs=(specs,), out_specs=q_spec,
                          check_vma=False)(arrays)
 
 
-def _start(q_BTKGD: jax.Array, dtype: Any) -> Acc:
-    b, t, k, g, d = q_BTKGD.shape
-    return Acc(jnp.full((b, k, g, t), jnp.finfo(dtype).min, dtype),
-               jnp.zeros((b, k, g, t), dtype), jnp.zeros((b, t, k, g, d), dtype))
-
-
-def _accumulate(acc: Acc, q_BTKGD: jax.Array, block: Mapping[str, jax.Array | None],
-                mask: Mask) -> Acc:
-    """`acc` with the key block `block` (k, v (B, S, K, D)) attended under `mask`: the
-    online-softmax (log-sum-exp) merge. The running max is held constant for autodiff (the
-    result does not depend on it), so hidden scores never meet inf - inf."""
-    dtype = acc.sum_BKGT.dtype
-    scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, block["k"]).astype(dtype)
-    scores_BKGTS = scores_BKGTS / math.sqrt(q_BTKGD.shape[-1])
-    visible_BTS = mask.dense()
-    if visible_BTS is not None:
-        scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, jnp.finfo(dtype).min)
-    max_BKGT = jax.lax.stop_gradient(jnp.maximum(acc.max_BKGT, scores_BKGTS.max(-1)))
-    probs_BKGTS = jnp.exp(scores_BKGTS - max_BKGT[..., None])
-    if visible_BTS is not None:  # a block hidden from a query adds nothing to its sums
-        probs_BKGTS = jnp.where(visible_BTS[:, None, None], probs_BKGTS, 0.0)
-    scale_BKGT = jnp.exp(acc.max_BKGT - max_BKGT)
-    v_BSKD = block["v"]
-    new_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS.astype(v_BSKD.dtype), v_BSKD)
-    out_BTKGD = (acc.out_BTKGD * rearrange(scale_BKGT, "b k g t -> b t k g 1")
-                 + new_BTKGD.astype(dtype))
-    return Acc(max_BKGT, acc.sum_BKGT * scale_BKGT + probs_BKGTS.sum(-1), out_BTKGD)
-
-
-def _finish(acc: Acc, like: jax.Array) -> jax.Array:
-    """The normalised output (B, T, H, D) in `like`'s dtype. Every query sees at least its own
-    key (padding is segment 0 and sees itself), so no sum is 0."""
-    out_BTKGD = acc.out_BTKGD / rearrange(acc.sum_BKGT, "b k g t -> b t k g 1")
-    return rearrange(out_BTKGD, "b t k g d -> b t (k g) d").astype(like.dtype)
+def _slots(mask: Mask, length: int) -> jax.Array:
+    """The (1, T) global slots of the whole sequence as it lies: the active `sequence_order`,
+    else the mask's own (aligned: the queries' slots are the keys')."""
+    order = _ORDER.get()
+    if order is None:
+        return jnp.broadcast_to(mask.q_slots_BT, (1, length))
+    if len(order) != length:
+        raise ValueError(f"The declared sequence order has {len(order)} slots, but attention "
+                         f"runs over {length}: declare the order of the sequence it sees.")
+    return jnp.asarray(order, jnp.int32)[None]
 
 
 def _local(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T: jax.Array,
@@ -173,48 +168,60 @@ def _local(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T: ja
     return q_BTKGD, {"k": k_BSKD, "v": v_BSKD, "slots": slots_1T, "segments": segments_BT}
 
 
-def _block_mask(slots_1T: jax.Array, segments_BT: jax.Array | None,
-                block: Mapping[str, jax.Array | None], causal: bool, window: int) -> Mask:
-    return Mask(slots_1T, block["slots"], segments_BT,
-                None if segments_BT is None else block["segments"], causal, window=window)
-
-
 def allgather_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                         slots_1T: jax.Array, segments_BT: jax.Array | None, *,
                         axes: tuple[str, ...], n: int, causal: bool, window: int,
-                        softmax_dtype: Any) -> jax.Array:
-    """One shard's attention: the whole sequence's keys gathered once, one softmax."""
+                        softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
+    """One shard's attention: the whole sequence's keys gathered once, then attended block by
+    block (the `n` shards' blocks, in a scan, each step as the ring's: hidden halves skipped,
+    recomputed in the backward pass), so no (T/n, T) score matrix is ever whole."""
     q_BTKGD, block = _local(q_BTHD, k_BSKD, v_BSKD, slots_1T, segments_BT)
-    gather = lambda x: None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True)
-    whole = {name: gather(x) for name, x in block.items()}
-    mask = _block_mask(slots_1T, segments_BT, whole, causal, window)
-    return _finish(_accumulate(_start(q_BTKGD, softmax_dtype), q_BTKGD, whole, mask), v_BSKD)
+    gather = lambda x: None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=False)
+    blocks = {name: gather(x) for name, x in block.items()}  # (B or 1, n, S, ...)
+    blocks = {name: None if x is None else jnp.moveaxis(x, 1, 0) for name, x in blocks.items()}
+    attend = blockwise.step_fn(q_BTKGD, slots_1T, segments_BT, causal, window, softcap)
+
+    def step(acc: blockwise.Acc, held: dict) -> tuple[blockwise.Acc, None]:
+        return attend(acc, held)[0], None
+
+    acc, _ = jax.lax.scan(step, blockwise.start(q_BTKGD, softmax_dtype),
+                          {name: x for name, x in blocks.items() if x is not None})
+    return blockwise.finish(acc, v_BSKD)
 
 
-def ring_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                   slots_1T: jax.Array, segments_BT: jax.Array | None, *,
-                   axes: tuple[str, ...], n: int, causal: bool, window: int,
-                   softmax_dtype: Any) -> jax.Array:
-    """One shard's attention: `n` steps, each attending to the key block in hand while it
-    moves on to the next shard (the last step sends nothing)."""
+def ring_work(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T: jax.Array,
+              segments_BT: jax.Array | None, *, axes: tuple[str, ...], n: int, causal: bool,
+              window: Any, softmax_dtype: Any, softcap: float = 0.0
+              ) -> tuple[jax.Array, jax.Array]:
+    """One shard's ring attention and the score entries it computed (hidden halves skipped):
+    `n` steps, each attending to the key block in hand while it moves on to the next shard
+    (the last step sends nothing)."""
     q_BTKGD, block = _local(q_BTHD, k_BSKD, v_BSKD, slots_1T, segments_BT)
     ring = [(i, (i + 1) % n) for i in range(n)]
     send = lambda x: None if x is None else jax.lax.ppermute(x, axes, ring)
+    attend = blockwise.step_fn(q_BTKGD, slots_1T, segments_BT, causal, window, softcap)
 
-    def step(carry: tuple[Acc, dict], _: None) -> tuple[tuple[Acc, dict], None]:
-        acc, held = carry
-        acc = _accumulate(acc, q_BTKGD, held, _block_mask(slots_1T, segments_BT, held, causal, window))
-        return (acc, {name: send(x) for name, x in held.items()}), None
+    def step(carry: tuple[blockwise.Acc, dict, jax.Array], _: None) -> tuple[tuple, None]:
+        acc, held, work = carry
+        acc, done = attend(acc, held)
+        return (acc, {name: send(x) for name, x in held.items()}, work + done), None
 
-    (acc, held), _ = jax.lax.scan(step, (_start(q_BTKGD, softmax_dtype), block), length=n - 1)
-    acc = _accumulate(acc, q_BTKGD, held, _block_mask(slots_1T, segments_BT, held, causal, window))
-    return _finish(acc, v_BSKD)
+    start = (blockwise.start(q_BTKGD, softmax_dtype), block, jnp.int32(0))
+    (acc, held, work), _ = jax.lax.scan(step, start, length=n - 1)
+    acc, done = attend(acc, held)
+    return blockwise.finish(acc, v_BSKD), work + done
+
+
+def ring_attention(*args: Any, **kwargs: Any) -> jax.Array:
+    """One shard's ring attention (`ring_work` without the count)."""
+    return ring_work(*args, **kwargs)[0]
 
 
 # Attention across sequence shards by `model.context_attention`: one shard's body in shard_map.
 CONTEXT_ATTENTION: dict[str, Callable[..., jax.Array]] = {
     "allgather": allgather_attention,
     "ring": ring_attention,
+    "ring_vjp": ring_vjp_attention,  # the backward pass a ring too (models/ring_vjp.py)
 }
 
 
@@ -223,8 +230,7 @@ def zigzag_order(length: int, shards: int) -> np.ndarray:
     chunk i and chunk 2 x shards - 1 - i, so each holds as many early (cheap) queries as late
     (dear) ones. `order[j]` is the original slot of position j; tokens, positions, segment ids
     and targets permuted by it (and the attention given these slots) leave the loss unchanged.
-    The attention here already masks by the slots it is given, in any order; the step that
-    permutes the batch (and skips the hidden blocks, the point of the balance) is to come."""
+    The LM task permutes its batch by it (`training_order`, `sequence_order`)."""
     if length % (2 * shards):
         raise ConfigError(paragraph(
             f"The load-balanced (zigzag) order cuts a sequence into 2 x {shards} chunks, but the",
@@ -243,6 +249,39 @@ def causal_work(order: np.ndarray, shards: int) -> np.ndarray:
     return (np.asarray(order).reshape(shards, -1) + 1).sum(axis=1)
 
 
+# The order the sequence lies in while a model runs (`sequence_order`): None is the natural one.
+_ORDER: contextvars.ContextVar[np.ndarray | None] = contextvars.ContextVar(
+    "jaxscale_sequence_order", default=None)
+
+# `model.context_order`: auto is zigzag for the rings under a causal mask when 2 x shards divide
+# the length (the ring skips what the mask hides, so the balance pays), natural otherwise.
+CONTEXT_ORDERS = ("auto", "zigzag", "natural")
+
+
+@contextlib.contextmanager
+def sequence_order(order: np.ndarray | None) -> Iterator[None]:
+    """Declare, while tracing a model, that its whole sequences lie permuted by `order`
+    (`order[j]` the original slot at position j; None: natural): attention across sequence
+    shards then masks by these slots. The caller permutes inputs, positions and segment ids."""
+    token = _ORDER.set(None if order is None else np.asarray(order))
+    try:
+        yield
+    finally:
+        _ORDER.reset(token)
+
+
+def training_order(length: int, choice: str, variant: str) -> np.ndarray | None:
+    """The order a causal LM lays a training sequence of `length` in under the active rules
+    (`model.context_order`, see `CONTEXT_ORDERS`): the zigzag order, or None (natural, also
+    whenever nothing splits the sequence)."""
+    shards = _active_shards()
+    if shards is None or choice == "natural":
+        return None
+    if choice == "auto" and (variant == "allgather" or length % (2 * shards.count)):
+        return None
+    return zigzag_order(length, shards.count)
+
+
 def check_config(mesh_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any],
                  seq_len: int) -> None:
     """`config.validate`'s context checks: a known variant, and, with a known `mesh.context`
@@ -252,6 +291,12 @@ def check_config(mesh_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any],
         raise ConfigError(paragraph(
             f"model.context_attention={variant!r} is not an attention across sequence shards;",
             f"use one of {', '.join(CONTEXT_ATTENTION)} (models/context.py).",
+        ))
+    order = model_cfg.get("context_order", "auto")
+    if order not in CONTEXT_ORDERS:
+        raise ConfigError(paragraph(
+            f"model.context_order={order!r} is not an order of the sequence over its shards;",
+            f"use one of {', '.join(CONTEXT_ORDERS)} (models/context.py).",
         ))
     size = mesh_cfg.get("context", 1) * mesh_cfg.get("dcn_context", 1)
     if size <= 1:  # 1, or -1 (filled from the device count: checked when attention runs)
@@ -271,3 +316,5 @@ def check_config(mesh_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any],
             f"sequence. Use a data.seq_len that is a multiple of {size}, or a smaller",
             "mesh.context.",
         ))
+    if order == "zigzag" and seq_len % (2 * size):
+        zigzag_order(seq_len, size)  # its paragraph names the length and the fix

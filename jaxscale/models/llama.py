@@ -64,8 +64,12 @@ class LlamaConfig:
     # at i - sliding_window < j <= i only (in training, evaluation and the KV cache alike);
     # 0 or None: the full causal context. Checked by `check_sliding_window`.
     sliding_window: int | None = 0
-    # attention across sequence shards (mesh.context > 1): "allgather" or "ring" (models/context.py)
+    # attention across sequence shards (mesh.context > 1): "allgather", "ring" or "ring_vjp"
+    # (models/context.py)
     context_attention: str = "allgather"
+    # the order of a training sequence over its shards: "auto" (zigzag for the ring when the
+    # length allows), "zigzag" (load-balanced causal work) or "natural" (models/context.py)
+    context_order: str = "auto"
     # Decoder switches (Qwen2/2.5 and Qwen3 are this model with them on; `models/qwen.py`):
     qkv_bias: bool = False   # a bias on the q/k/v projections
     qk_norm: bool = False    # per-head RMSNorm of q and k before rotary

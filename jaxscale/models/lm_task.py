@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models import context
 from jaxscale.models.llama import Llama, head_scope
 from jaxscale.models.moe import router_loss
 from jaxscale.models.runner import LayerRunner
@@ -72,22 +73,39 @@ def lm_loss(model: Llama, batch: Mapping[str, jax.Array],
     return _next_token_loss(model, batch, run_layers) + router_loss(model, model.cfg.moe)
 
 
+def _training_order(model: Llama, length: int) -> Any:
+    """The order the sequence's positions lie in while the step runs (`model.context_order`):
+    the zigzag order on sequence shards (`context.training_order`), else None (natural). The
+    losses are sums over positions, so any order gives the same loss."""
+    return context.training_order(length, model.cfg.context_order, model.cfg.context_attention)
+
+
 def _next_token_loss(model: Llama, batch: Mapping[str, jax.Array],
                      run_layers: LayerRunner | None = None) -> jax.Array:
     tokens_BT1 = constrain(batch["tokens"], "batch", "length")
-    if "segment_ids" in batch:
+    order = _training_order(model, tokens_BT1.shape[1] - 1)
+    with context.sequence_order(order):
+        if "segment_ids" in batch:
+            if run_layers is not None and run_layers.fuses_loss:
+                return _fused_packed_loss(model, batch, run_layers, order)
+            losses_BT, mask_BT = packed_losses(model, batch, run_layers, order)
+            return (losses_BT * mask_BT).sum() / _target_count(batch, mask_BT)
+        inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+        positions_BT = jnp.broadcast_to(jnp.arange(inputs_BT.shape[1]), inputs_BT.shape)
+        if order is not None:
+            inputs_BT, targets_BT, positions_BT = (_permuted(x, order) for x in (
+                inputs_BT, targets_BT, positions_BT))
         if run_layers is not None and run_layers.fuses_loss:
-            return _fused_packed_loss(model, batch, run_layers)
-        losses_BT, mask_BT = packed_losses(model, batch, run_layers)
-        return (losses_BT * mask_BT).sum() / _target_count(batch, mask_BT)
-    if run_layers is not None and run_layers.fuses_loss:
-        return run_layers.fused_loss(model, tokens_BT1[:, :-1], tokens_BT1[:, 1:],
-                                     mean_head_loss)
-    inputs_BT = tokens_BT1[:, :-1]
-    positions_BT = jnp.broadcast_to(jnp.arange(inputs_BT.shape[1]), inputs_BT.shape)
-    h_BTE = model.hidden(inputs_BT, positions_BT, run_layers)
-    with head_scope(run_layers):
-        return mean_head_loss(model, h_BTE, tokens_BT1[:, 1:])
+            return run_layers.fused_loss(model, inputs_BT, targets_BT, mean_head_loss,
+                                         positions_BT if order is not None else None)
+        h_BTE = model.hidden(inputs_BT, positions_BT, run_layers)
+        with head_scope(run_layers):
+            return mean_head_loss(model, h_BTE, targets_BT)
+
+
+def _permuted(x_BT: jax.Array, order: Any) -> jax.Array:
+    """`x_BT`'s positions in `order`, still sharded by the rules."""
+    return constrain(x_BT[:, order], "batch", "length")
 
 
 class _PackedRows(NamedTuple):
@@ -98,13 +116,15 @@ class _PackedRows(NamedTuple):
     same_BT: jax.Array  # True where the target lies in the input's document (carries loss)
 
 
-def _packed_rows(batch: Mapping[str, jax.Array]) -> _PackedRows:
+def _packed_rows(batch: Mapping[str, jax.Array], order: Any = None) -> _PackedRows:
+    """The packed rows' fields, each position laid in `order` when one is given."""
     tokens_BT1 = constrain(batch["tokens"], "batch", "length")
     segments_BT1 = constrain(batch["segment_ids"], "batch", "length")
     positions_BT = constrain(batch["positions"], "batch", "length")[:, :-1]
     same_BT = (segments_BT1[:, 1:] == segments_BT1[:, :-1]) & (segments_BT1[:, 1:] > 0)
-    return _PackedRows(tokens_BT1[:, :-1], tokens_BT1[:, 1:], positions_BT,
+    rows = _PackedRows(tokens_BT1[:, :-1], tokens_BT1[:, 1:], positions_BT,
                        segments_BT1[:, :-1], same_BT)
+    return rows if order is None else _PackedRows(*(_permuted(x, order) for x in rows))
 
 
 def with_target_counts(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -128,10 +148,12 @@ def _target_count(batch: Mapping[str, jax.Array], same_BT: jax.Array) -> jax.Arr
 
 
 def packed_losses(model: Llama, batch: Mapping[str, jax.Array],
-                  run_layers: LayerRunner | None = None) -> tuple[jax.Array, jax.Array]:
+                  run_layers: LayerRunner | None = None, order: Any = None
+                  ) -> tuple[jax.Array, jax.Array]:
     """Per-token losses (B, T) of packed rows and their float mask: 1 where the target lies in
-    the same document as the input (padding and document boundaries carry no loss)."""
-    rows = _packed_rows(batch)
+    the same document as the input (padding and document boundaries carry no loss); both
+    with positions in `order` when given (the caller declares it, `context.sequence_order`)."""
+    rows = _packed_rows(batch, order)
     h_BTE = model.hidden(rows.inputs_BT, rows.positions_BT, run_layers, rows.segments_BT)
     with head_scope(run_layers):
         losses_BT = head_losses(model, h_BTE, rows.targets_BT)
@@ -139,12 +161,12 @@ def packed_losses(model: Llama, batch: Mapping[str, jax.Array],
 
 
 def _fused_packed_loss(model: Llama, batch: Mapping[str, jax.Array],
-                       run_layers: LayerRunner) -> jax.Array:
+                       run_layers: LayerRunner, order: Any = None) -> jax.Array:
     """The packed rows' loss through a runner that fuses the loss (1F1B). Such a runner
     averages per-microbatch losses, but microbatches hold different numbers of real targets:
     each microbatch returns its masked loss *sum* over its fixed size b*T (targets outside the
     document marked -1), so the schedule yields sum / (B*T), rescaled here to sum / count."""
-    rows = _packed_rows(batch)
+    rows = _packed_rows(batch, order)
 
     def masked_sum(micro: Llama, h_bTE: jax.Array, targets_bT: jax.Array) -> jax.Array:
         losses_bT = head_losses(micro, h_bTE, jnp.maximum(targets_bT, 0))
