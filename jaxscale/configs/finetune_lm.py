@@ -78,6 +78,16 @@ _LORA = dict(rank=16, alpha=32.0, targets=("attn/w[qkvo]$", "mlp/w_(gate|up|down
 _QWEN = dict(vocab_size=151936, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True)
 _RECIPE_1B = dict(strategy="fsdp", remat="full", seq_len=2048, batch=256, lr=3e-4, warmup=2000,
                   steps=50_000)
+# Gemma: head_dim 256 (not embed / heads), scores scaled by 1/sqrt(256), tied embeddings.
+_GEMMA = dict(head_dim=256, query_pre_attn_scalar=256.0, norm_eps=1e-6, tie_embeddings=True)
+
+
+def _pattern(layers: int, period: int) -> tuple[str, ...]:
+    """HF's layer_types for a `sliding_window_pattern`: every period-th layer global."""
+    return tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                 for i in range(layers))
+
+
 FAMILIES: dict[str, llama.Size] = {
     "qwen3-0.6b": llama.Size(dict(_QWEN, name="qwen3", embed=1024, num_layers=28, num_heads=16,
                                   num_kv_heads=8, head_dim=128, mlp=3072, max_len=40960),
@@ -90,6 +100,17 @@ FAMILIES: dict[str, llama.Size] = {
                                   max_len=32768, rope_theta=1e6, norm_eps=1e-5,
                                   tie_embeddings=False, sliding_window=0),
                              **dict(_RECIPE_1B, batch=512, steps=100_000)),
+    "gemma3-1b": llama.Size(dict(_GEMMA, name="gemma3", vocab_size=262144, embed=1152,
+                                 num_layers=26, num_heads=4, num_kv_heads=1, mlp=6912,
+                                 max_len=32768, rope_theta=1e6, rope_local_theta=1e4,
+                                 sliding_window=512, layer_types=_pattern(26, 6)),
+                            **_RECIPE_1B),
+    "gemma2-2b": llama.Size(dict(_GEMMA, name="gemma2", vocab_size=256000, embed=2304,
+                                 num_layers=26, num_heads=8, num_kv_heads=4, mlp=9216,
+                                 max_len=8192, rope_theta=1e4, sliding_window=4096,
+                                 layer_types=_pattern(26, 2), attn_softcap=50.0,
+                                 final_softcap=30.0),
+                            **_RECIPE_1B),
 }
 
 
