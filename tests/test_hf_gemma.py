@@ -23,6 +23,7 @@ from jaxscale.models import ModelDef, check_model
 from jaxscale.models.gemma import Gemma3Config
 from jaxscale.models.scan import scan_layers
 from jaxscale.precision import get_policy
+from jaxscale.weights.init_from import check_model_config
 from jaxscale.weights.sources import open_huggingface
 from jaxscale.weights.tree import flatten
 from tests.test_hf_qwen import assert_same_training, train_steps
@@ -116,6 +117,9 @@ def test_import_export_import_is_exact(hf_models, name, tmp_path):
     transformers loads with equal logits, and the same import again."""
     model, path, converted = hf_models[name]
     model_cfg = convert.hf_to_workdir(path, str(tmp_path / "converted"))
+    # A run's config holds the pattern as a tuple (config.json as a list): the same model.
+    check_model_config(str(tmp_path / "converted"),
+                       dict(model_cfg, layer_types=tuple(model_cfg["layer_types"])))
     out = convert.workdir_to_hf(str(tmp_path / "converted"), str(tmp_path / "export"))
     original = {k: v.numpy() for k, v in model.state_dict().items()}
     exported = hf.SafetensorsReader(out)
