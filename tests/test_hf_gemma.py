@@ -184,10 +184,11 @@ def test_switches_carry_axes_and_patterns_refuse_static_kernels():
     h, positions = jnp.zeros((1, 6, 32)), jnp.arange(6)[None]
     with pytest.raises(ConfigError, match="covers 4 layers, but this stack holds \\[2\\]"):
         scan_layers(stage, h, positions)
+    capped = dict(base, name="gemma2", layer_types=(), attn_softcap=50.0)
     with pytest.raises(ConfigError, match="model.attention='dot_product_attention' does not"
                                           " soft-cap"):
-        check_model(dict(base, name="gemma2", layer_types=(), attn_softcap=50.0,
-                         attention="dot_product_attention"), 16)
+        check_model(dict(capped, attention="dot_product_attention"), 16)
+    check_model(dict(capped, attention="splash"), 16)  # the kernel's own soft-cap (test_splash)
 
 
 def gemma_style(mesh: dict, preset: str = "", **pipeline):

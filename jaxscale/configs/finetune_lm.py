@@ -29,12 +29,20 @@ table at its published shapes (`FAMILIES`), to fine-tune a `launch.convert --fro
                    kv), mlp 14336, vocab 32768, rope 1e6, untied, no sliding window (v0.3's
                    config.json has `sliding_window: null`; v0.1's 4096 is
                    `--config.model.sliding_window=4096`)                                  7,248.0M
+    gemma3-1b      Gemma-3-1B (`model.name=gemma3`): embed 1152, 26 layers (every 6th global,
+                   the rest a 512-token window, local rotary 1e4), 4 heads (1 kv), head_dim
+                   256, mlp 6912, vocab 262144, rope 1e6, tied                              999.9M
+    gemma2-2b      Gemma-2-2B (`model.name=gemma2`): embed 2304, 26 layers (alternating a
+                   4096-token window and global), 8 heads (4 kv), head_dim 256, mlp 9216,
+                   vocab 256000, rope 1e4, soft-caps 50 / 30, tied                        2,614.3M
 
-Each takes the recipe of the Llama size it is closest to (qwen: `1b`'s 256 x 2048 tokens,
-full remat, FSDP; mistral-7b: `7b`'s 512 x 2048) and the same TARGETs, sized the same way where
-the TPU compiler has not sized them (`configs/llama.py` `COMPILED` holds the Llama sizes only):
+Each takes the recipe of the Llama size it is closest to (qwen and gemma: `1b`'s 256 x 2048
+tokens, full remat, FSDP; mistral-7b: `7b`'s 512 x 2048) and the same TARGETs, sized the same
+way where the TPU compiler has not sized them (`configs/llama.py` `COMPILED` holds the Llama sizes only):
 the largest power-of-two micro-batch whose estimate (`jaxscale.aot.memory`, with the family's
-own parameter count: Qwen2's biases, Qwen3's q/k norms) stays under 80% of a device's HBM. On
+own parameter count: Qwen2's biases, Qwen3's q/k norms) stays under 80% of a device's HBM. The
+Gemmas keep the einsum kernel on every target (their mixed local/global pattern is a traced
+window, which splash and cuDNN do not take), and their estimate counts its scores. On
 TPU that estimate errs on the safe side (`qwen3-0.6b,v5e-8`: 2 sequences a chip, which libtpu
 0.0.52 compiles to 5.41 GiB of 14.90); `jaxscale compile` with the preset shows what the
 compiler needs, and `JAXSCALE_COMPILE_PRESETS=1` makes `tests/test_presets.py` compile every
