@@ -67,7 +67,7 @@ def base_config() -> mlc.ConfigDict:
         # rope_local_theta when > 0) or "full_attention"; () every layer alike (models/gemma.py)
         layer_types=(), rope_local_theta=0.0,
         query_pre_attn_scalar=0.0,  # attention scores times 1/sqrt(this); 0: head_dim (Gemma)
-        attn_softcap=0.0, final_softcap=0.0,  # > 0: cap * tanh(x / cap) (Gemma 2), einsum only
+        attn_softcap=0.0, final_softcap=0.0,  # > 0: cap * tanh(x / cap) (Gemma 2); einsum or splash
         # mixture of experts in place of the dense MLP when num_experts > 0 (models/moe.py):
         # capacity_factor 0 = dropless; every = MoE on every n-th layer (1 only, for now)
         moe=mlc.ConfigDict(dict(num_experts=0, experts_per_token=2, norm_topk_prob=True, mlp=0,

@@ -170,7 +170,7 @@ def test_gpu_presets_size_with_the_one_memory_model():
 
 
 def test_family_presets_have_the_published_shapes_and_the_table_flops():
-    """finetune_lm.py's Qwen3, Qwen2.5 and Mistral presets build their model table family at
+    """finetune_lm.py's Qwen3, Qwen2.5, Mistral, Gemma 3 and Gemma 2 presets build their model table family at
     the published parameter counts (tied embeddings counted once, Qwen2's biases and Qwen3's
     q/k norms included), size their targets with the one memory model, and take FLOPs per
     token from the table entry, where the switches add none."""
@@ -179,7 +179,8 @@ def test_family_presets_have_the_published_shapes_and_the_table_flops():
 
     finetune, llama = MODULES["finetune_lm.py"], MODULES["llama.py"]
     published = {"qwen3-0.6b": ("qwen3", 596_049_920), "qwen2.5-0.5b": ("qwen2", 494_032_768),
-                 "mistral-7b": ("mistral", 7_248_023_552)}
+                 "mistral-7b": ("mistral", 7_248_023_552), "gemma3-1b": ("gemma3", 999_885_952),
+                 "gemma2-2b": ("gemma2", 2_614_341_888)}
     assert set(finetune.FAMILIES) == set(published)
     for size, (name, n) in published.items():
         c = finetune.get_config(f"{size},lora,h100x8")
@@ -201,6 +202,15 @@ def test_family_presets_have_the_published_shapes_and_the_table_flops():
     assert built["qwen2.5-0.5b"].qkv_bias and not built["qwen2.5-0.5b"].qk_norm
     assert built["mistral-7b"].sliding_window == 0 and built["qwen3-0.6b"].tie_embeddings
     assert finetune.get_config("mistral-7b,v5e-64").model.attention == "splash"
+    # Gemma: HF's pattern (every 6th / 2nd layer global), Gemma 2's soft-caps; the mixed
+    # pattern keeps the einsum kernel on every target (splash and cuDNN take a static window).
+    g3, g2 = built["gemma3-1b"], built["gemma2-2b"]
+    assert [i for i, t in enumerate(g3.layer_types) if t == "full_attention"] == [5, 11, 17, 23]
+    assert g3.qk_norm and g3.rope_local_theta == 1e4 and g3.sliding_window == 512
+    assert g2.layer_types[:2] == ("sliding_attention", "full_attention") and not g2.qk_norm
+    assert (g2.attn_softcap, g2.final_softcap) == (50.0, 30.0)
+    for variant in ("gemma3-1b,v5e-16", "gemma2-2b,lora,h100x8"):
+        assert finetune.get_config(variant).model.attention == "einsum"
     with pytest.raises(ConfigError, match="mistral-7b model does not fit v5e-16.*Targets that "
                        "fit mistral-7b: v4-32, v5e-64, v5e-256, h100x8, 2xh100x8"):
         finetune.get_config("mistral-7b,lora,v5e-16")

@@ -19,6 +19,7 @@ from jaxscale.models import ModelDef, check_model
 from jaxscale.models.gemma import Gemma3Config
 from jaxscale.models.scan import scan_layers
 from jaxscale.precision import get_policy
+from jaxscale.weights.init_from import check_model_config
 from jaxscale.weights.sources import open_huggingface
 from tests.hf_common import (
     assert_greedy_equals_transformers,
@@ -100,7 +101,11 @@ def test_import_export_import_is_exact(hf_models, name, tmp_path):
     """HF -> launch.convert's workdir -> HF -> HF again, bit for bit (`hf_common`), 20 tokens
     (past the window) for the reloaded model's logits."""
     model, path, converted = hf_models[name]
-    assert assert_import_export_import_exact(model, path, tmp_path, 20) == converted.config
+    model_cfg = assert_import_export_import_exact(model, path, tmp_path, 20)
+    assert model_cfg == converted.config
+    # A run's config holds the pattern as a tuple (config.json as a list): the same model.
+    check_model_config(str(tmp_path / "converted"),
+                       dict(model_cfg, layer_types=tuple(model_cfg["layer_types"])))
 
 
 def test_load_and_save_dispatch_on_the_architecture(hf_models, tmp_path):
@@ -138,36 +143,54 @@ def test_switches_carry_axes_and_patterns_refuse_static_kernels():
     check_model(base, 16)
     with pytest.raises(ConfigError, match="model.attention='splash' cannot follow a mixed"):
         check_model(dict(base, attention="splash"), 16)
-    # A pipeline stage's slice of the layers cannot follow the whole stack's pattern: refused.
+    # A stack holding a slice of the layers must be given its slice of the pattern.
     model = model_def.module(model_def.init_params(jax.random.key(0)))
     graphdef, state = nnx.split(model.layers)
     stage = nnx.merge(graphdef, jax.tree.map(lambda x: x[:2], state))
     h, positions = jnp.zeros((1, 6, 32)), jnp.arange(6)[None]
     with pytest.raises(ConfigError, match="covers 4 layers, but this stack holds \\[2\\]"):
         scan_layers(stage, h, positions)
+    capped = dict(base, name="gemma2", layer_types=(), attn_softcap=50.0)
     with pytest.raises(ConfigError, match="model.attention='dot_product_attention' does not"
                                           " soft-cap"):
-        check_model(dict(base, name="gemma2", layer_types=(), attn_softcap=50.0,
-                         attention="dot_product_attention"), 16)
+        check_model(dict(capped, attention="dot_product_attention"), 16)
+    check_model(dict(capped, attention="splash"), 16)  # the kernel's own soft-cap (test_splash)
 
 
-def gemma_style(mesh: dict, preset: str = ""):
-    """test_parallel_equivalence's model as a Gemma 3-style one: its switches, a mixed
-    local/global pattern with a window shorter than the sequence and its own local rotary."""
-    c = make_config(mesh, preset, batch=8)
-    c.model.update(name="gemma3", num_layers=3, sliding_window=5, rope_local_theta=100.0,
-                   layer_types=("sliding_attention", "full_attention", "sliding_attention"),
-                   query_pre_attn_scalar=24.0)
+def gemma_style(mesh: dict, preset: str = "", **pipeline):
+    """test_parallel_equivalence's model as a Gemma-style one: Gemma 3's switches (post-norms,
+    qk-norm, GeGLU, the scales), Gemma 2's soft-caps of the scores and logits, and a mixed
+    local/global pattern (a window shorter than the sequence, its own local rotary) whose
+    halves differ, so a pipeline stage scanning another stage's slice of it would show."""
+    c = make_config(mesh, preset, batch=8, **pipeline)
+    c.model.update(name="gemma3", num_layers=4, sliding_window=5, rope_local_theta=100.0,
+                   layer_types=("sliding_attention", "sliding_attention", "full_attention",
+                                "sliding_attention"),
+                   query_pre_attn_scalar=24.0, attn_softcap=1.0, final_softcap=3.0)
     return c
 
 
-@pytest.mark.exhaustive  # ~40 s; the mesh machinery is the Qwen3-style test's (test_hf_qwen)
-def test_gemma_style_trains_on_fsdp_tensor_mesh_as_on_one_device():
-    """Three steps on fsdp=4 x tensor=2 (full remat, so the per-layer flag is scanned through
-    the rematerialised layers): the 1-device losses and parameters after the steps."""
-    reference = train_steps(gemma_style({}), jax.devices()[:1])
-    config = gemma_style({"fsdp": 4, "tensor": 2}, "fsdp_tp")
-    config.model.remat = "full"
-    got = train_steps(config, jax.devices())
-    assert_same_training(got, reference, new_leaves={"layers/attn_post_norm/scale",
-                                                     "layers/mlp_post_norm/scale"})
+@pytest.fixture(scope="module")
+def gemma_reference():
+    return train_steps(gemma_style({}), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mesh, preset, pipeline, remat", [
+    # 1F1B: the pattern's stage slices ride behind the layer leaves (parallel/onef1b.py).
+    ({"pipeline": 2, "data": 4}, "pp", dict(microbatches=2, schedule="1f1b"), "none"),
+    # Full remat, so the per-layer flag is scanned through the rematerialised layers.
+    pytest.param({"fsdp": 4, "tensor": 2}, "fsdp_tp", {}, "full", marks=pytest.mark.exhaustive),
+    pytest.param({"pipeline": 2, "fsdp": 2, "tensor": 2}, "pp", dict(microbatches=2), "none",
+                 marks=pytest.mark.exhaustive),  # GPipe (parallel/gpipe.py)
+    pytest.param({"pipeline": 2, "data": 4}, "pp", dict(microbatches=2, repeats=2,
+                                                        schedule="circular"), "none",
+                 marks=pytest.mark.exhaustive),  # stage s holds layers s and s + 2
+])
+def test_gemma_style_trains_on_meshes_as_on_one_device(gemma_reference, mesh, preset, pipeline,
+                                                       remat):
+    """Three steps on the mesh: the 1-device losses and parameters after the steps."""
+    config = gemma_style(mesh, preset, **pipeline)
+    config.model.remat = remat
+    assert_same_training(train_steps(config, jax.devices()), gemma_reference,
+                         new_leaves={"layers/attn_post_norm/scale",
+                                     "layers/mlp_post_norm/scale"})

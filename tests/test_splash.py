@@ -25,12 +25,13 @@ def _qkv(b=2, t=256, h=4, k=2, d=64, seed=0):
             jax.random.normal(v, (b, t, k, d)))
 
 
-def _both(mask, q, k, v):
+def _both(mask, q, k, v, softcap=0.0):
     """(out, grads) of a weighted sum of the attention output, for splash and for einsum."""
     def run(impl):
         w = jnp.cos(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
-        loss = lambda q, k, v: (attend(q, k, v, mask, impl=impl) * w).sum()
-        out = jax.jit(lambda q, k, v: attend(q, k, v, mask, impl=impl))(q, k, v)
+        out_of = lambda q, k, v: attend(q, k, v, mask, impl=impl, softcap=softcap)
+        loss = lambda q, k, v: (out_of(q, k, v) * w).sum()
+        out = jax.jit(out_of)(q, k, v)
         return out, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     return run("splash"), run("einsum")
 
@@ -40,15 +41,21 @@ SEGMENTS = jnp.asarray(np.stack([np.repeat([1, 2, 3, 4], [100, 28, 64, 64]),
                                  np.repeat([1, 2, 0], [128, 60, 68])]), jnp.int32)
 
 
-@pytest.mark.parametrize("name, mask, heads", [
-    ("causal", Mask.sequence(256), (4, 2)),
-    ("causal+segments", Mask.sequence(256, SEGMENTS), (4, 2)),
-    ("bidirectional+segments", Mask.sequence(256, SEGMENTS, causal=False), (4, 4)),
-    ("multi-query", Mask.sequence(256), (4, 1)),
+@pytest.mark.parametrize("name, mask, heads, softcap", [
+    ("causal", Mask.sequence(256), (4, 2), 0.0),
+    ("causal+segments", Mask.sequence(256, SEGMENTS), (4, 2), 0.0),
+    ("bidirectional+segments", Mask.sequence(256, SEGMENTS, causal=False), (4, 4), 0.0),
+    ("multi-query", Mask.sequence(256), (4, 1), 0.0),
+    # Gemma 2's soft-cap, small enough to bite (the scores here are ~N(0, 1)).
+    ("causal+segments+softcap", Mask.sequence(256, SEGMENTS), (4, 2), 0.7),
 ])
-def test_kernel_and_gradients_equal_einsum(name, mask, heads):
+def test_kernel_and_gradients_equal_einsum(name, mask, heads, softcap):
     q, k, v = _qkv(h=heads[0], k=heads[1])
-    (out, grads), (ref, ref_grads) = _both(mask, q, k, v)
+    (out, grads), (ref, ref_grads) = _both(mask, q, k, v, softcap)
+    if softcap:  # the cap is applied, not ignored by both
+        uncapped = attend(q, k, v, mask, impl="einsum")
+        assert float(jnp.max(jnp.abs(uncapped - ref))) > 100 * float(
+            jnp.max(jnp.abs(out - ref)))
     chex.assert_trees_all_close(out, ref, atol=2e-5, rtol=2e-5)
     for got, want, what in zip(grads, ref_grads, "qkv"):
         chex.assert_trees_all_close(got, want, atol=5e-5, rtol=5e-5,

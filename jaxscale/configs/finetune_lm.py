@@ -29,12 +29,20 @@ table at its published shapes (`FAMILIES`), to fine-tune a `launch.convert --fro
                    kv), mlp 14336, vocab 32768, rope 1e6, untied, no sliding window (v0.3's
                    config.json has `sliding_window: null`; v0.1's 4096 is
                    `--config.model.sliding_window=4096`)                                  7,248.0M
+    gemma3-1b      Gemma-3-1B (`model.name=gemma3`): embed 1152, 26 layers (every 6th global,
+                   the rest a 512-token window, local rotary 1e4), 4 heads (1 kv), head_dim
+                   256, mlp 6912, vocab 262144, rope 1e6, tied                              999.9M
+    gemma2-2b      Gemma-2-2B (`model.name=gemma2`): embed 2304, 26 layers (alternating a
+                   4096-token window and global), 8 heads (4 kv), head_dim 256, mlp 9216,
+                   vocab 256000, rope 1e4, soft-caps 50 / 30, tied                        2,614.3M
 
-Each takes the recipe of the Llama size it is closest to (qwen: `1b`'s 256 x 2048 tokens,
-full remat, FSDP; mistral-7b: `7b`'s 512 x 2048) and the same TARGETs, sized the same way where
-the TPU compiler has not sized them (`configs/llama.py` `COMPILED` holds the Llama sizes only):
+Each takes the recipe of the Llama size it is closest to (qwen and gemma: `1b`'s 256 x 2048
+tokens, full remat, FSDP; mistral-7b: `7b`'s 512 x 2048) and the same TARGETs, sized the same
+way where the TPU compiler has not sized them (`configs/llama.py` `COMPILED` holds the Llama sizes only):
 the largest power-of-two micro-batch whose estimate (`jaxscale.aot.memory`, with the family's
-own parameter count: Qwen2's biases, Qwen3's q/k norms) stays under 80% of a device's HBM. On
+own parameter count: Qwen2's biases, Qwen3's q/k norms) stays under 80% of a device's HBM. The
+Gemmas keep the einsum kernel on every target (their mixed local/global pattern is a traced
+window, which splash and cuDNN do not take), and their estimate counts its scores. On
 TPU that estimate errs on the safe side (`qwen3-0.6b,v5e-8`: 2 sequences a chip, which libtpu
 0.0.52 compiles to 5.41 GiB of 14.90); `jaxscale compile` with the preset shows what the
 compiler needs, and `JAXSCALE_COMPILE_PRESETS=1` makes `tests/test_presets.py` compile every
@@ -78,6 +86,16 @@ _LORA = dict(rank=16, alpha=32.0, targets=("attn/w[qkvo]$", "mlp/w_(gate|up|down
 _QWEN = dict(vocab_size=151936, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True)
 _RECIPE_1B = dict(strategy="fsdp", remat="full", seq_len=2048, batch=256, lr=3e-4, warmup=2000,
                   steps=50_000)
+# Gemma: head_dim 256 (not embed / heads), scores scaled by 1/sqrt(256), tied embeddings.
+_GEMMA = dict(head_dim=256, query_pre_attn_scalar=256.0, norm_eps=1e-6, tie_embeddings=True)
+
+
+def _pattern(layers: int, period: int) -> tuple[str, ...]:
+    """HF's layer_types for a `sliding_window_pattern`: every period-th layer global."""
+    return tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                 for i in range(layers))
+
+
 FAMILIES: dict[str, llama.Size] = {
     "qwen3-0.6b": llama.Size(dict(_QWEN, name="qwen3", embed=1024, num_layers=28, num_heads=16,
                                   num_kv_heads=8, head_dim=128, mlp=3072, max_len=40960),
@@ -90,6 +108,17 @@ FAMILIES: dict[str, llama.Size] = {
                                   max_len=32768, rope_theta=1e6, norm_eps=1e-5,
                                   tie_embeddings=False, sliding_window=0),
                              **dict(_RECIPE_1B, batch=512, steps=100_000)),
+    "gemma3-1b": llama.Size(dict(_GEMMA, name="gemma3", vocab_size=262144, embed=1152,
+                                 num_layers=26, num_heads=4, num_kv_heads=1, mlp=6912,
+                                 max_len=32768, rope_theta=1e6, rope_local_theta=1e4,
+                                 sliding_window=512, layer_types=_pattern(26, 6)),
+                            **_RECIPE_1B),
+    "gemma2-2b": llama.Size(dict(_GEMMA, name="gemma2", vocab_size=256000, embed=2304,
+                                 num_layers=26, num_heads=8, num_kv_heads=4, mlp=9216,
+                                 max_len=8192, rope_theta=1e4, sliding_window=4096,
+                                 layer_types=_pattern(26, 2), attn_softcap=50.0,
+                                 final_softcap=30.0),
+                            **_RECIPE_1B),
 }
 
 

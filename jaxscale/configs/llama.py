@@ -242,7 +242,15 @@ def memory_estimate(size: str, target: Target, micro_batch: int,
     return int(step_bytes(dims, tokens=micro_batch * s.seq_len, seq_len=s.seq_len,
                           state_bytes=STATE_BYTES_PER_PARAM,
                           param_shards=target.devices if s.strategy == "fsdp" else 1,
-                          remat=s.remat, einsum_scores=not target.gpu))
+                          remat=s.remat,
+                          einsum_scores=not target.gpu or mixed_pattern(s.model)))
+
+
+def mixed_pattern(model: Mapping[str, Any]) -> bool:
+    """Does the model mix local and global layers (Gemma's `layer_types`)? Then each layer's
+    window is a traced value that only the einsum kernel takes (`models/llama.py`
+    `check_layer_pattern`): a target keeps `model.attention=einsum` and its scores count."""
+    return len(set(model.get("layer_types") or ())) > 1
 
 
 def micro_batch(size: str, target: str, sizes: Mapping[str, Size] = SIZES) -> int:
@@ -364,7 +372,9 @@ def _apply_target(c: mlc.ConfigDict, size_name: str, target_name: str,
         # off by default here; lower data.batch_size to evaluate.
         c.train.eval_every = 0
     c.precision = "bf16-mixed"
-    if t.gpu:
+    if mixed_pattern(s.model):  # Gemma: the einsum kernel (`mixed_pattern`)
+        c.model.attention = "einsum"
+    elif t.gpu:
         c.model.attention = "dot_product_attention"
     elif block_size(s.seq_len) is not None:  # a length on the kernel's 128 grid
         # TPU: the Pallas splash kernel never holds the (B, H, T, T) float32 scores that

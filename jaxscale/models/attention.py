@@ -123,17 +123,24 @@ def fused_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
 
 
 def splash_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                     mask: Mask | None, softmax_dtype: Any) -> jax.Array:
+                     mask: Mask | None, softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
     """The Pallas TPU splash kernel (`models/splash.py`): scores never reach HBM. Decoding
-    against a cache, and lengths off its 128 grid, run `einsum_attention` instead."""
+    against a cache, and lengths off its 128 grid, run `einsum_attention` instead. `softcap`:
+    the kernel's own logit soft-capping (Gemma 2)."""
     return splash.attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype,
-                            fallback=einsum_attention)
+                            fallback=einsum_attention, softcap=softcap)
 
 
 # Attention kernels by `model.attention`: (q, k, v, mask, softmax dtype) -> out (B, T, H, D).
 ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
     "einsum": einsum_attention,
     "dot_product_attention": fused_attention,
+    "splash": splash_attention,
+}
+# The kernels that soft-cap the scores (a `softcap` argument > 0, Gemma 2's `attn_softcap`);
+# `model.attention=dot_product_attention` with a soft-cap is refused by the config check.
+SOFTCAP_IMPLS: dict[str, Callable[..., jax.Array]] = {
+    "einsum": einsum_attention,
     "splash": splash_attention,
 }
 
@@ -144,14 +151,14 @@ def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mask |
     """softmax(q.k / sqrt(D), masked) . v with the kernel `impl`; K kv heads serve H/K heads.
     A whole sequence that the active rules split over sequence shards runs by `context_impl`
     (`models/context.py`), soft-capped too. Soft-capped scores (`softcap` > 0, Gemma 2)
-    otherwise run the einsum kernel (`model.attention` is checked to be einsum)."""
+    otherwise run a kernel of `SOFTCAP_IMPLS` (the config check refuses the others)."""
     shards = (context.sequence_shards(q_BTHD.shape[1], impl)
               if mask is not None and mask.aligned else None)
     if shards is not None:
         return context.attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype,
                                  variant=context_impl, shards=shards, softcap=softcap)
     if softcap:
-        return einsum_attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
+        return SOFTCAP_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
     return ATTENTION_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype)
 
 

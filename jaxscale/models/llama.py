@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.attention import ATTENTION_IMPLS, Attention, KVCache
+from jaxscale.models.attention import ATTENTION_IMPLS, SOFTCAP_IMPLS, Attention, KVCache
 from jaxscale.models.layers import MLP, RMSNorm, param
 from jaxscale.models.moe import MoE, MoEConfig, check_moe
 from jaxscale.models.moe import num_params as moe_params
@@ -85,7 +85,7 @@ class LlamaConfig:
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float = 0.0  # rotary base of the local layers; 0: rope_theta
     # Gemma 2's soft-capping, x -> cap * tanh(x / cap), of the attention scores and of the
-    # final logits; 0: none. Attention soft-capping runs the einsum kernel only.
+    # final logits; 0: none. Attention soft-capping runs the einsum or splash kernel.
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     # Mixture of experts in place of the dense MLP (num_experts > 0): jaxscale/models/moe.py.
@@ -191,10 +191,11 @@ def check_layer_pattern(m: Mapping[str, Any]) -> None:
             f"model.layer_types={list(kinds)!r} must name one of {', '.join(known)} for each",
             f"of the model.num_layers={m['num_layers']} layers (or be empty: every layer alike)."))
     attention = m.get("attention", "einsum")
-    if m.get("attn_softcap") and attention != "einsum":
+    if m.get("attn_softcap") and attention not in SOFTCAP_IMPLS:
         raise ConfigError(paragraph(
             f"model.attention={attention!r} does not soft-cap the attention scores",
-            f"(model.attn_softcap={m['attn_softcap']}, Gemma 2's): use model.attention=einsum."))
+            f"(model.attn_softcap={m['attn_softcap']}, Gemma 2's): use model.attention=einsum",
+            "(or splash on TPUs)."))
     if len(set(kinds)) > 1 and attention != "einsum":
         raise ConfigError(paragraph(
             f"model.attention={attention!r} cannot follow a mixed model.layer_types (local and",

@@ -14,6 +14,7 @@ recomputes, never the values: every policy gives the loss and gradients of `none
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -88,11 +89,18 @@ def check_remat(name: str) -> None:
                           f"{', '.join(REMAT_POLICIES)}.")
 
 
-def _per_layer(block: nnx.Module) -> dict[str, jax.Array]:
+def layer_data(block: nnx.Module) -> dict[str, jax.Array]:
     """What the block's layers differ in besides their parameters (`Block.per_layer`: Gemma's
-    local/global flag), stacked (L,) to scan beside them; {} for a uniform stack. A pipeline
-    stage holds a slice of the layers that this whole-model pattern cannot follow."""
-    extra = getattr(block, "per_layer", lambda: None)() or {}
+    local/global flag), stacked (L,) over the whole model's layers; {} for a uniform stack. A
+    pipeline schedule splits it over its stages beside the weights and hands each stage its
+    slice (`scan_layers(per_layer=...)`)."""
+    return getattr(block, "per_layer", lambda: None)() or {}
+
+
+def _per_layer(block: nnx.Module, given: Mapping[str, jax.Array] | None) -> dict[str, jax.Array]:
+    """The per-layer data to scan beside the block's stacked state: `given` (a pipeline stage's
+    slice) or the block's own, which must then cover exactly the layers the state holds."""
+    extra = dict(layer_data(block) if given is None else given)
     if not extra:
         return extra
     layers = {len(x) for x in extra.values()}
@@ -100,24 +108,27 @@ def _per_layer(block: nnx.Module) -> dict[str, jax.Array]:
     if layers != stacked:
         raise ConfigError(paragraph(
             f"The model's local/global layer pattern (model.layer_types) covers {layers.pop()}",
-            f"layers, but this stack holds {sorted(stacked)}: a pipeline stage runs a slice of",
-            "the layers, and the per-layer pattern is not split over stages yet. Train a",
-            "mixed-pattern model (Gemma) without pipeline stages (mesh.pipeline=1)."))
+            f"layers, but this stack holds {sorted(stacked)}: a stack that runs a slice of the",
+            "layers (a pipeline stage) must be given its slice of the pattern",
+            "(`scan_layers(per_layer=...)`, as the pipeline schedules in jaxscale/parallel do)."))
     return extra
 
 
 def scan_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
                 remat: str = "none", cache: KVCache | None = None,
-                cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None
+                cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None,
+                per_layer: Mapping[str, jax.Array] | None = None
                 ) -> jax.Array | tuple[jax.Array, KVCache]:
     """Applies a stacked `block` layer by layer with `lax.scan` (optionally rematerialised).
+    `per_layer`: the stack's slice of the model's per-layer data (`layer_data`), for a stack
+    that holds a slice of the layers; by default the block's own.
 
     With a stacked `cache` (L, B, S, K, D) each layer reads and writes its own slice, and the
     result is (h, updated cache). Without one, what the layers sow as `nnx.Intermediate` (the
     MoE router's statistics) is left on `block`, stacked over the layers, as `nnx.scan` does.
     """
     nnx.pop(block, nnx.Intermediate)  # a previous call's sown values are not layer inputs
-    per_layer = _per_layer(block)
+    per_layer = _per_layer(block, per_layer)
     graphdef, state = nnx.split(block)
     if cache is not None:
         def apply_cached(h, xs):

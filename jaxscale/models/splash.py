@@ -17,6 +17,9 @@ What runs where:
   since it is the case the kernel is for.
 - A sliding window (`Mask.window`, Mistral): the kernel's `LocalMask` (`kernel_mask`), which
   also skips the tiles outside the window, combined with segment ids like the causal mask.
+- Soft-capped scores (`softcap` > 0, Gemma 2's `attn_softcap`): the kernel's own
+  `attn_logits_soft_cap`, cap * tanh(scores / cap) on the scaled scores as `einsum` does,
+  forward and backward (the fallback gets the same cap).
 - Not on TPU: the kernel in Pallas interpret mode: exact but slow (tests), warned once.
 
 Grouped-query attention runs natively: the kernel's MHA form takes K kv heads for H query heads
@@ -46,7 +49,7 @@ from jaxscale.errors import paragraph
 from jaxscale.models.mask import Mask
 from jaxscale.rules import AxisRules, active_rules
 
-Kernel = Callable[..., jax.Array]  # (q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype) -> out_BTHD
+Kernel = Callable[..., jax.Array]  # (q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap) -> out
 Run = Callable[..., jax.Array]     # (q_BTHD, k_BSKD, v_BSKD, segments_BT | None) -> out_BTHD
 
 LANES = 128                    # the kernel's kv block must be a multiple of this
@@ -66,8 +69,9 @@ def block_size(length: int) -> int | None:
 
 
 def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mask | None,
-              softmax_dtype: Any, *, fallback: Kernel) -> jax.Array:
-    """Attention by the splash kernel where it applies, `fallback` (einsum) elsewhere.
+              softmax_dtype: Any, *, fallback: Kernel, softcap: float = 0.0) -> jax.Array:
+    """Attention by the splash kernel where it applies, `fallback` (einsum) elsewhere; scores
+    soft-capped at `softcap` when > 0 (both ways).
 
     `softmax_dtype` is not consulted by the kernel: it always keeps its running max, sum and
     output accumulator in float32, as precise as any precision policy asks."""
@@ -76,7 +80,7 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mas
         mask = Mask(jnp.zeros((1, t), jnp.int32), jnp.zeros((1, s), jnp.int32),
                     causal=False, aligned=t == s)
     if not mask.aligned:
-        return fallback(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype)
+        return fallback(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
     block = block_size(t)
     if block is None:
         _warn_once(f"length{t}", paragraph(
@@ -84,7 +88,7 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mas
             "splash kernel's lane width), so attention falls back to einsum and materialises",
             f"the scores. Use a data.seq_len that is a multiple of {LANES} to get the kernel.",
         ))
-        return fallback(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype)
+        return fallback(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
     active = active_rules()
     platform = (active[1].devices.flat[0].platform if active is not None
                 else jax.default_backend())
@@ -96,7 +100,7 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mas
             "model.attention=einsum, or dot_product_attention on GPU, outside TPUs.",
         ))
     segments_BT = mask.q_segments_BT
-    run = _kernel_call(block, mask.causal, interpret, mask.window)
+    run = _kernel_call(block, mask.causal, interpret, mask.window, softcap)
     if active is None:
         return run(q_BTHD, k_BSKD, v_BSKD, segments_BT)
     return _sharded(run, active[0], active[1], q_BTHD, k_BSKD, v_BSKD, segments_BT)
@@ -111,8 +115,10 @@ def kernel_mask(shape: tuple[int, int], causal: bool, window: int = 0) -> mask_l
     return mask_lib.CausalMask(shape) if causal else mask_lib.FullMask(shape)
 
 
-def _kernel_call(block: int, causal: bool, interpret: bool, window: int = 0) -> Run:
-    """(q_BTHD, k_BSKD, v_BSKD, segments_BT | None) -> out_BTHD on one device's shard."""
+def _kernel_call(block: int, causal: bool, interpret: bool, window: int = 0,
+                 softcap: float = 0.0) -> Run:
+    """(q_BTHD, k_BSKD, v_BSKD, segments_BT | None) -> out_BTHD on one device's shard; the
+    kernel soft-caps the (already scaled) scores at `softcap` when > 0."""
 
     def run(q_BTHD, k_BSKD, v_BSKD, segments_BT):
         (_, t, h, d), s = q_BTHD.shape, k_BSKD.shape[1]
@@ -123,7 +129,7 @@ def _kernel_call(block: int, causal: bool, interpret: bool, window: int = 0) -> 
             block_q_dq=block, block_kv_dq=block)
         kernel = kernel_lib.make_splash_mha(
             mask_lib.MultiHeadMask([one] * h), block_sizes=blocks, head_shards=1,
-            q_seq_shards=1, interpret=interpret)
+            q_seq_shards=1, interpret=interpret, attn_logits_soft_cap=softcap or None)
         # The kernel takes one example, heads first, and queries already scaled.
         q_BHTD = (q_BTHD * (1.0 / math.sqrt(d))).astype(q_BTHD.dtype).swapaxes(1, 2)
         k_BKSD, v_BKSD = k_BSKD.swapaxes(1, 2), v_BSKD.swapaxes(1, 2)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale.models.scan import scan_layers
+from jaxscale.models.scan import layer_data, scan_layers
 from jaxscale.parallel.schedules import check_batch, check_layers, get_schedule
 from jaxscale.rules import AxisRules, active_rules, use_rules
 
@@ -64,6 +64,13 @@ def stage_layout(state: nnx.State, mesh: Mesh, repeats: int, stages: int) -> nnx
         return var.replace(jax.lax.with_sharding_constraint(value, sharding))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def stage_layer_data(block: nnx.Module, repeats: int, stages: int) -> dict[str, jax.Array]:
+    """The block's per-layer data (`scan.layer_data`: Gemma's local/global flag), (L,) ->
+    (R, S, P) as `stage_layout` lays out the weights, so each stage scans its own layers'."""
+    return {k: v.reshape(repeats, stages, -1, *v.shape[1:])
+            for k, v in layer_data(block).items()}
 
 
 def _batch_spec(mesh: Mesh, shape: tuple[int, ...], lead: tuple) -> PartitionSpec:
@@ -140,13 +147,15 @@ def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array
     pos_MbT = constrain_batch(positions_BT.reshape(mb, M, T).swapaxes(0, 1), mesh, None)
     seg_MbT = None if segments_BT is None else constrain_batch(
         segments_BT.reshape(mb, M, T).swapaxes(0, 1), mesh, None)
-    weights = stage_layout(state, mesh, R, S)
+    # The per-layer data (Gemma's local/global flag) split over the stages like the weights.
+    weights = (stage_layout(state, mesh, R, S), stage_layer_data(block, R, S))
     stage_ids = jnp.arange(S)
 
-    def stage_fn(stage_state, x_bTE, pos_bT, seg_bT=None):
-        stage = nnx.merge(graphdef, stage_state)
-        out = scan_layers(stage, x_bTE, pos_bT, remat, segments_BT=seg_bT)
-        return out, nnx.pop(stage, nnx.Intermediate)  # what the layers sowed (MoE router stats)
+    def stage_fn(stage, x_bTE, pos_bT, seg_bT=None):
+        stage_state, per_layer = stage
+        module = nnx.merge(graphdef, stage_state)
+        out = scan_layers(module, x_bTE, pos_bT, remat, segments_BT=seg_bT, per_layer=per_layer)
+        return out, nnx.pop(module, nnx.Intermediate)  # what the layers sowed (MoE router stats)
 
     run_stages = jax.vmap(stage_fn, spmd_axis_name="pipeline")
     pick_repeat = jax.vmap(lambda w, r: jax.tree.map(lambda a: a[r], w), in_axes=(1, 0),

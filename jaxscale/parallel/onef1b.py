@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.runner import LossFn
-from jaxscale.models.scan import scan_layers
+from jaxscale.models.scan import layer_data, scan_layers
 from jaxscale.parallel.gpipe import constrain_batch, pipeline_layers, rules_axes, stage_layout
 from jaxscale.parallel.schedules import check_batch, check_layers
 
@@ -339,22 +339,28 @@ class OneFOneB:
         layer_tree, head_tree = jax.tree.structure(layer_vars), jax.tree.structure(rest)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), layers)
         variables = lambda s: jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        # The per-layer data (Gemma's local/global flag) ride behind the layer leaves, laid out
+        # over the stages as they are and never differentiated: each stage scans its own slice.
+        extra = layer_data(model.layers)
+        n = layer_tree.num_leaves
 
         def stage_fn(w: Leaves, x_bTE: jax.Array, pos_bT: jax.Array,
                      seg_bT: jax.Array | None = None) -> jax.Array:
-            block = nnx.merge(block_def, layer_tree.unflatten(w))
-            return scan_layers(block, x_bTE, pos_bT, self.remat, segments_BT=seg_bT)
+            block = nnx.merge(block_def, layer_tree.unflatten(w[:n]))
+            return scan_layers(block, x_bTE, pos_bT, self.remat, segments_BT=seg_bT,
+                               per_layer=dict(zip(extra, w[n:])))
 
         def head_loss(head: Leaves, y_bTE: jax.Array, tgt_bT: jax.Array) -> jax.Array:
             m = nnx.merge(graphdef, abstract, head_tree.unflatten(head))
             return loss_fn(m, y_bTE, tgt_bT)
 
         def layout(w: Leaves) -> Leaves:
-            laid_out = stage_layout(layer_tree.unflatten(w), mesh, 1, S)
-            return [a[0] for a in jax.tree.leaves(laid_out)]
+            laid_out = stage_layout(layer_tree.unflatten(w[:n]), mesh, 1, S)
+            return ([a[0] for a in jax.tree.leaves(laid_out)]
+                    + [e.reshape(S, -1, *e.shape[1:]) for e in w[n:]])
 
         def primal(w: Leaves, head: Leaves, h_BTE, rows: Rows, tgt_BT) -> jax.Array:
-            y_BTE = pipeline_layers(nnx.merge(block_def, layer_tree.unflatten(w)), h_BTE,
+            y_BTE = pipeline_layers(nnx.merge(block_def, layer_tree.unflatten(w[:n])), h_BTE,
                                     rows[0], mesh=mesh, stages=S,
                                     microbatches=self.microbatches, repeats=1, remat=self.remat,
                                     segments_BT=rows[1] if len(rows) > 1 else None)
@@ -362,7 +368,9 @@ class OneFOneB:
 
         plan = _Plan(mesh, S, self.microbatches, stage_fn, head_loss, layout,
                      tuple(PartitionSpec("pipeline", None, *rules_axes(v, mesh)[1:])
-                           for v in variables(layer_vars)),
+                           for v in variables(layer_vars))
+                     + (PartitionSpec("pipeline"),) * len(extra),
                      tuple(PartitionSpec("pipeline", *rules_axes(v, mesh))
                            for v in variables(rest)))
-        return plan, primal, jax.tree.leaves(layer_vars), jax.tree.leaves(rest)
+        layers = jax.tree.leaves(layer_vars) + list(extra.values())
+        return plan, primal, layers, jax.tree.leaves(rest)

@@ -76,7 +76,12 @@ def _saved_model_config(path: str) -> dict | None:
 
 def _differing_flags(saved: dict, model_cfg: Any, skip: tuple[str, ...] = ()) -> list[str]:
     return [f"--config.model.{k}={v}" for k, v in saved.items()
-            if k not in skip and model_cfg.get(k) != v]
+            if k not in skip and _plain(model_cfg.get(k)) != _plain(v)]
+
+
+def _plain(value: Any) -> Any:
+    """A sequence as a list: JSON keeps a tuple field (Gemma's `layer_types`) as a list."""
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _model_hint(path: str, model_cfg: Any) -> str:

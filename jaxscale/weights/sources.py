@@ -250,12 +250,16 @@ def rebuild_base(config: Any) -> dict:
     model_def = lora.with_adapters(ModelDef.build(config.model, get_policy(config.precision)),
                                    config.lora)
     params_rng, _ = jax.random.split(jax.random.key(config.seed))  # as train.state._initializer
-    params = jax.jit(model_def.init_params)(params_rng)
-    _, frozen = split_trainable(params, lora.trainable(config.lora))
+    trainable = lora.trainable(config.lora)
+    shapes = flatten(split_trainable(jax.eval_shape(model_def.init_params, params_rng),
+                                     trainable)[1])
+    saved = open_weights(config.init_from).leaves if config.get("init_from") else {}
+    if set(shapes) <= set(saved):  # the saved weights cover the base: no initialisation to
+        # compile (seconds on a CPU), the same arrays the run's init + overwrite gave
+        return {k: np.asarray(saved[k].read(), s.dtype) for k, s in shapes.items()}
+    _, frozen = split_trainable(jax.jit(model_def.init_params)(params_rng), trainable)
     flat = {k: np.asarray(v) for k, v in flatten(frozen).items()}
-    if config.get("init_from"):
-        saved = open_weights(config.init_from).leaves
-        flat.update({k: np.asarray(v, flat[k].dtype) for k, v in saved.items() if k in flat})
+    flat.update({k: np.asarray(v, flat[k].dtype) for k, v in saved.items() if k in flat})
     return flat
 
 
