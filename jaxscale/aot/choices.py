@@ -72,7 +72,7 @@ def fit_advice(config: mlc.ConfigDict, rows_per_chip: float | None = None) -> st
              (m.get("remat", "none") in KEEPS_MORE_THAN_QKV,
               "model.remat=save_qkv_proj (keeps q/k/v only)"),
              (m.get("remat", "none") != "full", "model.remat=full"),
-             (m.get("loss_chunks", 1) == 1 and chunks in loss_chunks(config),
+             (m.get("loss_chunks", 0) in (0, 1) and chunks in loss_chunks(config),
               f"model.loss_chunks={chunks} (the LM head and loss a chunk at a time)"),
              (attention != "splash" and "splash" in attentions(config),
               "model.attention=splash"),
