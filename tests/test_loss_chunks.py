@@ -12,8 +12,7 @@ import pytest
 from configs import tiny_lm
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
-from jaxscale.models import ModelDef
-from jaxscale.models import lm_task
+from jaxscale.models import ModelDef, lm_task
 from jaxscale.models.lm_task import choose_loss_chunks, lm_loss
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer

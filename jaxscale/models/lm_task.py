@@ -22,7 +22,6 @@ from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import Task, masked_sums
 from jaxscale.rules import constrain, shard_counts
 
-
 # Automatic loss chunking (`model.loss_chunks=0`, the default) splits the LM head and loss into
 # the fewest chunks that keep a chip's float32 logits of one micro-batch at or under this. Why
 # 1 GiB: the loss holds about three logits-sized float32 buffers at once (logits, softmax and
