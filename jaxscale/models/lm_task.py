@@ -73,10 +73,13 @@ def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Ar
     activations of a step with a big vocabulary, exist 1/n at a time, for one more head
     forward pass of compute.
 
-    The head weight is gathered once, before the scan, not once per chunk: it is constrained
-    to be whole but for its vocabulary shards, then broadcast to one copy per batch shard
-    (S, E, V), so each chunk's weight gradient is a local sum on its batch shard that the scan
-    accumulates without collectives; the copies' gradients are reduced once, after the scan."""
+    The head weight is gathered once, before the scan, not once per chunk: it is broadcast to
+    one copy per batch shard (S, E, V), whole but for its vocabulary shards (one all-gather
+    over the FSDP shards), so each chunk's weight gradient is a local sum on its batch shard
+    that the scan accumulates without collectives; the copies' gradients are summed once, after
+    the scan, straight into the weight's own sharding. (Constraining the (E, V) weight to
+    replicated first moves the same bytes but all-reduces into a replicated float32 copy: half
+    a GiB more per chip for a 128k vocabulary; bench/RESULTS.md.)"""
     B, T, E = h_BTE.shape
     n = loss_chunks_for(model, (B, T, model.cfg.vocab_size))
     if n == 1:
@@ -87,7 +90,7 @@ def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Ar
             "loss run over the positions in that many equal chunks. Use a divisor of the",
             "length (1: no chunks; 0: automatic)."))
     S = shard_counts((B,), "batch")[0]
-    w_EV = constrain(model.head_weight(), None, "vocab")
+    w_EV = model.head_weight()
     w_SEV = constrain(jnp.broadcast_to(w_EV, (S, *w_EV.shape)), "batch", None, "vocab")
     to_chunks = lambda x: jnp.moveaxis(x.reshape(S, B // S, T // n, n, *x.shape[2:]), 3, 0)
     h_nSbCE = constrain(to_chunks(h_BTE), None, "batch", None, "length", "embed")
