@@ -122,3 +122,23 @@ def test_automatic_chunks_follow_the_budget_and_keep_the_loss(monkeypatch):
     assert chosen == [16]
     np.testing.assert_allclose(loss, want, rtol=1e-6)
     chex.assert_trees_all_close(grads, want_grads, atol=1e-6, rtol=1e-5)
+
+
+def test_the_chunk_loop_moves_no_head_sized_collective():
+    """The head weight is gathered, and its gradient reduced, once per step, not per chunk: in
+    the compiled (XLA:CPU, fsdp=8) step no collective inside a loop moves as much as a shard
+    of the head weight (the layers' own FSDP gathers are smaller here)."""
+    from jaxscale.aot import hlo
+    from jaxscale.mesh import make_mesh
+    from jaxscale.train.build import batch_spec, build_step
+
+    c = tiny_lm.get_config("test")
+    c.model.update(loss_chunks=8, vocab_size=8192)
+    c.data.update(seq_len=64, batch_size=8)
+    c.mesh.update(data=1, pipeline=1, fsdp=8, tensor=1)
+    c.rules_preset = "fsdp"
+    text = build_step(c, make_mesh(c.mesh, jax.devices())).lower(batch_spec(c)).compile().as_text()
+    head_shard = c.model.embed * c.model.vocab_size * 4 // 8
+    looped = [x for x in hlo.collectives(text) if x.in_loop and x.bytes >= head_shard]
+    assert not looped, looped
+    assert any(x.bytes >= head_shard for x in hlo.collectives(text))  # gathered, once
