@@ -63,6 +63,27 @@ def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
                                                            targets_BT)
 
 
+@jax.custom_vjp
+def _reduced_before_layers(w_EV: jax.Array, h_BTE: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Identity. Its backward pass hands the layers their cotangent only together with the head
+    weight's gradient reduced into the weight's sharding (an optimization barrier ties the two),
+    so the whole (E, V) float32 gradient the reduction produces is freed before the layers'
+    backward pass, the step's peak, instead of overlapping it."""
+    return w_EV, h_BTE
+
+
+def _reduced_fwd(w_EV: jax.Array, h_BTE: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+    return (w_EV, h_BTE), None
+
+
+def _reduced_bwd(_: None, g: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    g_EV, g_BTE = g
+    return jax.lax.optimization_barrier((constrain(g_EV, "embed", "vocab"), g_BTE))
+
+
+_reduced_before_layers.defvjp(_reduced_fwd, _reduced_bwd)
+
+
 def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Per-position losses (B, T) of the head on the last layer's output `h_BTE`.
 
@@ -90,7 +111,7 @@ def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Ar
             "loss run over the positions in that many equal chunks. Use a divisor of the",
             "length (1: no chunks; 0: automatic)."))
     S = shard_counts((B,), "batch")[0]
-    w_EV = model.head_weight()
+    w_EV, h_BTE = _reduced_before_layers(model.head_weight(), h_BTE)
     w_SEV = constrain(jnp.broadcast_to(w_EV, (S, *w_EV.shape)), "batch", None, "vocab")
     to_chunks = lambda x: jnp.moveaxis(x.reshape(S, B // S, T // n, n, *x.shape[2:]), 3, 0)
     h_nSbCE = constrain(to_chunks(h_BTE), None, "batch", None, "length", "embed")
