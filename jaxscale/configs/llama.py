@@ -314,6 +314,9 @@ def _apply_target(c: mlc.ConfigDict, size_name: str, target_name: str,
         # off by default here; lower data.batch_size to evaluate.
         c.train.eval_every = 0
     c.precision = "bf16-mixed"
+    # `COMPILED`'s micro-batches were sized with the LM head and loss whole: the presets keep
+    # it so (not the automatic `model.loss_chunks=0`) until bench/presets.py re-sizes them.
+    c.model.loss_chunks = 1
     if t.gpu:
         c.model.attention = "dot_product_attention"
     elif block_size(s.seq_len) is not None:  # a length on the kernel's 128 grid
