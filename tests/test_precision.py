@@ -208,7 +208,7 @@ def test_persistent_overflow_at_min_scale_is_a_clear_error():
     ls.check(e)
 
 
-@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("chunks", [pytest.param(1, marks=pytest.mark.exhaustive), 4])
 def test_bf16_logits_give_the_float32_logits_loss_within_bf16_tolerance(chunks):
     """`bf16-mixed,logits=bfloat16`: the logits are stored in bfloat16 (the head's matmul
     output), the loss is still float32 and equals bf16-mixed's (float32 logits) to bfloat16's
