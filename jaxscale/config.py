@@ -58,7 +58,7 @@ def base_config() -> mlc.ConfigDict:
         tie_embeddings=False, remat="none", attention="einsum",
         context_attention="allgather",  # across sequence shards (mesh.context > 1): ring, ring_vjp
         context_order="auto",  # training sequence over its shards: auto | zigzag | natural
-        loss_chunks=1,  # LM head + loss over the sequence in this many chunks (less memory)
+        loss_chunks=0,  # LM head + loss in this many chunks (less memory); 0: automatic (lm_task)
         # rotary scaling as HF `rope_scaling` (none | linear | llama3), see models/rope.py
         rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0,
         rope_high_freq_factor=4.0, rope_original_max_len=8192,
@@ -203,7 +203,7 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
              "jaxscale/presets.py), or '' to use config.rules.")
     _require(c.optim.name in OPTIMIZERS,
              f"optim.name={c.optim.name!r}: use one of {', '.join(OPTIMIZERS)}.")
-    chunks = m.get("loss_chunks", 1)
+    chunks = m.get("loss_chunks", 0) or 1  # the automatic choice always divides
     stages = c.mesh.pipeline
     if c.pipeline.schedule == "1f1b" and stages > 1:  # the head's positions split over stages
         _require(d.seq_len % stages == 0,

@@ -10,11 +10,13 @@ logits=bfloat16`. The model consults the policy at well-named points (`param`, `
 loss scaling); it is float32 in every policy and the explicit form rejects anything else, because
 a bfloat16 loss loses the small differences between steps that training follows. Lower-precision
 *logits* (the vocabulary-sized activation) are what saves memory: ask for them with the `logits`
-override; the loss still reduces them in float32.
+override, after a named policy too (`bf16-mixed,logits=bfloat16`); the loss still reduces them
+in float32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,15 +126,32 @@ def _parse_explicit(text: str) -> Policy:
     return Policy(text, param, compute, jnp.float32, overrides, loss_scaling=half)
 
 
+def _with_overrides(base: Policy, name: str, text: str) -> Policy:
+    """A named policy with per-module overrides, e.g. 'bf16-mixed,logits=bfloat16': the
+    logits (the head's matmul output, the largest activation at a big vocabulary) stored in
+    bfloat16, while the loss still reduces them in float32 (`lm_task.token_losses`)."""
+    parts = _explicit_pairs(text)
+    if not parts or set(parts) - set(MODULES):
+        raise _explicit_error(name, "after a named policy only the per-module overrides "
+                              f"{', '.join(MODULES)} may follow")
+    half = jnp.dtype(jnp.float16) in set(map(jnp.dtype, parts.values()))
+    return dataclasses.replace(base, name=name, overrides={**base.overrides, **parts},
+                               loss_scaling=base.loss_scaling or half)
+
+
 def get_policy(name: str) -> Policy:
     """Returns the policy for a config string, or raises listing the valid names."""
     named = _named()
     if name in named:
         return named[name]
+    base, _, rest = name.partition(",")
+    if base in named and rest:
+        return _with_overrides(named[base], name, rest)
     if "=" in name:
         return _parse_explicit(name)
     raise ConfigError(paragraph(
-        f"Unknown precision policy {name!r}. Valid names: {', '.join(POLICIES)}, or the",
+        f"Unknown precision policy {name!r}. Valid names: {', '.join(POLICIES)} (each may be",
+        "followed by per-module overrides, e.g. 'bf16-mixed,logits=bfloat16'), or the",
         "explicit form 'params=float32,compute=bfloat16,output=float32' (with optional",
         f"per-module overrides {', '.join(f'{m}=DTYPE' for m in MODULES)}).",
     ))

@@ -196,3 +196,15 @@ def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     lenient = AxisRules(rules.rules, strict=False, indivisible="replicate")
     spec = lenient.spec(logical, x.shape, mesh, path="<activation>", warn=False)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def shard_counts(shape: Sequence[int], *logical: str | None) -> tuple[int, ...]:
+    """How many shards `constrain(x, *logical)` splits each dimension of an activation of
+    `shape` into under the active rules (all 1 when none are active)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return (1,) * len(shape)
+    rules, mesh = active
+    lenient = AxisRules(rules.rules, strict=False, indivisible="replicate")
+    spec = lenient.spec(logical, shape, mesh, path="<activation>", warn=False)
+    return tuple(math.prod(mesh.shape[a] for a in _as_tuple(axes)) for axes in spec)

@@ -89,3 +89,27 @@ def test_the_table_is_what_libtpu_reports(tmp_path):
     for gen, (device_kind, available) in found.items():
         assert chip_of(device_kind) is TPUS[gen], (gen, device_kind)
         assert float(available) * GiB == TPUS[gen].usable_hbm_bytes, (gen, available)
+
+
+def test_usable_hbm_is_the_compilers_limit_where_reported_else_the_table():
+    """A live device's runtime limit wins; compile-only devices (no stats, or an error) fall
+    back to the table's libtpu limit; the planner judges fit against the compiler's limit
+    (v6e: 31.24 GiB usable where the documented 32 GB is 29.8 GiB)."""
+    from jaxscale.aot.plan import fits
+    from jaxscale.aot.topology import usable_hbm_bytes
+
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            if isinstance(self.stats, Exception):
+                raise self.stats
+            return self.stats
+
+    v6e = TPUS["v6e"]
+    assert usable_hbm_bytes([Device({"bytes_limit": 30 * GiB})], v6e) == 30 * GiB
+    for stats in (None, {}, RuntimeError("compile-only")):
+        assert usable_hbm_bytes([Device(stats)], v6e) == 31.24 * GiB
+    step = {"total_bytes": 30 * GiB, "hbm_bytes": v6e.hbm_bytes}
+    assert not fits(step, 0.0) and fits({**step, "hbm_limit_bytes": 31.24 * GiB}, 0.0)

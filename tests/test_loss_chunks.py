@@ -12,8 +12,8 @@ import pytest
 from configs import tiny_lm
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
-from jaxscale.models import ModelDef
-from jaxscale.models.lm_task import lm_loss
+from jaxscale.models import ModelDef, lm_task
+from jaxscale.models.lm_task import choose_loss_chunks, lm_loss
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
 from tests.helpers import run_steps
@@ -86,10 +86,59 @@ def test_sharded_training_with_chunks_equals_without(mesh, preset, train):
                                _losses(mesh, preset, 1, **train), rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunks", [0, 3])
+@pytest.mark.parametrize("chunks", [-1, 3])
 def test_loss_chunks_must_divide_the_sequence(chunks):
     c = tiny_lm.get_config("test")
     c.data.seq_len, c.model.loss_chunks = 64, chunks
-    with pytest.raises(ConfigError, match=r"model.loss_chunks=.* must be a positive divisor of "
-                                          r"data.seq_len \(64\)"):
+    with pytest.raises(ConfigError, match=r"model.loss_chunks=.* must be 0 \(automatic\) or a "
+                                          r"positive divisor of data.seq_len \(64\)"):
         config_lib.validate(c)
+
+
+def test_automatic_chunks_are_the_fewest_divisors_under_the_budget():
+    gib = 1 << 30
+    seven_b = 64 * 2048 * 32000 * 4  # float32 logits of 64 x 2,048 tokens, 32k vocabulary
+    assert choose_loss_chunks(2048, seven_b) == 16 and choose_loss_chunks(2048, seven_b / 2) == 8
+    assert choose_loss_chunks(2048, 4 * 2048 * 32000 * 4) == 1  # 0.98 GiB: whole
+    assert choose_loss_chunks(96, 5 * gib) == 6  # 5 is no divisor of 96: the next one
+    assert choose_loss_chunks(96, 5 * gib, length_shards=32) == 3  # 32 | 96/n: n in (1, 3)
+    for positions in (1, 7, 96, 1000):  # always a divisor, even where no divisor fits
+        for length_shards in (1, 2, 3):
+            n = choose_loss_chunks(positions, 1e12, length_shards)
+            assert positions % n == 0, (positions, length_shards, n)
+
+
+def test_automatic_chunks_follow_the_budget_and_keep_the_loss(monkeypatch):
+    """`loss_chunks=0` chunks where a chip's logits exceed `LOGITS_BUDGET`, with the whole
+    sequence's loss and gradients (packed rows)."""
+    batch = {"tokens": TOKENS, "segment_ids": SEGMENTS.astype(np.int32),
+             "positions": POSITIONS.astype(np.int32)}
+    chosen = []
+    monkeypatch.setattr(lm_task, "LOGITS_BUDGET", 4 * 64 * 256 * 4 / 16)  # a 16th of the logits
+    real = lm_task.choose_loss_chunks
+    monkeypatch.setattr(lm_task, "choose_loss_chunks", lambda *a: chosen.append(real(*a)) or
+                        chosen[-1])
+    (loss, grads), (want, want_grads) = _loss_and_grads(0, batch), _loss_and_grads(1, batch)
+    assert chosen == [16]
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    chex.assert_trees_all_close(grads, want_grads, atol=1e-6, rtol=1e-5)
+
+
+def test_the_chunk_loop_moves_no_head_sized_collective():
+    """The head weight is gathered, and its gradient reduced, once per step, not per chunk: in
+    the compiled (XLA:CPU, fsdp=8) step no collective inside a loop moves as much as a shard
+    of the head weight (the layers' own FSDP gathers are smaller here)."""
+    from jaxscale.aot import hlo
+    from jaxscale.mesh import make_mesh
+    from jaxscale.train.build import batch_spec, build_step
+
+    c = tiny_lm.get_config("test")
+    c.model.update(loss_chunks=8, vocab_size=8192)
+    c.data.update(seq_len=64, batch_size=8)
+    c.mesh.update(data=1, pipeline=1, fsdp=8, tensor=1)
+    c.rules_preset = "fsdp"
+    text = build_step(c, make_mesh(c.mesh, jax.devices())).lower(batch_spec(c)).compile().as_text()
+    head_shard = c.model.embed * c.model.vocab_size * 4 // 8
+    looped = [x for x in hlo.collectives(text) if x.in_loop and x.bytes >= head_shard]
+    assert not looped, looped
+    assert any(x.bytes >= head_shard for x in hlo.collectives(text))  # gathered, once

@@ -159,7 +159,7 @@ def test_plan_with_nothing_fitting_names_the_closest_and_what_is_left_to_try(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "0 fit with a 10% HBM margin, 2 do not" in proc.stdout
     advice = re.search(r"No candidate fits\. Closest: (.*) at [\d.]+ GiB per chip, over the "
-                       r"13\.4 GiB budget by [\d.]+ GiB\. To fit: (.*)\.", proc.stdout)
+                       r"14\.2 GiB budget by [\d.]+ GiB\. To fit: (.*)\.", proc.stdout)
     assert advice, proc.stdout
     assert "attention=splash" in advice[1]
     assert "more chips" in advice[2] and "optim.name=adam8bit" in advice[2]

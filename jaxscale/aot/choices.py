@@ -17,7 +17,9 @@ ATTENTIONS = ("splash", "einsum")
 # The LM head and loss whole, then in 8 chunks (`model.loss_chunks`): chunking costs one more
 # head forward pass (0.5% of the compiled FLOPs of a 7B step) and keeps only a chunk of the
 # float32 logits and their gradient: 10 GiB less temporaries per chip for 7B under fsdp=4 x
-# tensor=4 at 512 x 2,048 tokens on v5p-16 (96.25 -> 86.22 GiB, bench/RESULTS.md).
+# tensor=4 at 512 x 2,048 tokens on v5p-16 (96.25 -> 86.22 GiB, bench/RESULTS.md). The
+# config's default, 0, chooses at trace time (`models.lm_task.loss_chunks_for`); the planner
+# spells its candidates' count out, so each compile, guess and winner's flags say what ran.
 LOSS_CHUNKS = (1, 8)
 ADAM = ("adamw", "adam")  # the optimizers whose two float32 moments 8-bit Adam replaces
 # Remat policies that keep more than q/k/v (`models/scan.py`): for them `save_qkv_proj` is
@@ -93,7 +95,7 @@ def fit_advice(config: mlc.ConfigDict, rows_per_chip: float | None = None) -> st
              (m.get("remat", "none") in KEEPS_MORE_THAN_QKV,
               "model.remat=save_qkv_proj (keeps q/k/v only)"),
              (m.get("remat", "none") != "full", "model.remat=full"),
-             (m.get("loss_chunks", 1) == 1 and chunks in loss_chunks(config),
+             (m.get("loss_chunks", 0) in (0, 1) and chunks in loss_chunks(config),
               f"model.loss_chunks={chunks} (the LM head and loss a chunk at a time)"),
              (attention != "splash" and "splash" in attentions(config),
               "model.attention=splash"),

@@ -24,7 +24,7 @@ from jaxscale import config as config_lib
 from jaxscale.aot import flops as flops_lib
 from jaxscale.aot import hlo, traffic
 from jaxscale.aot.choices import fit_advice, require_language_model, rows_per_chip
-from jaxscale.aot.topology import Topology, TopologyError, topology_devices
+from jaxscale.aot.topology import Topology, TopologyError, topology_devices, usable_hbm_bytes
 from jaxscale.errors import JaxscaleError, MeshError, paragraph
 
 _HBM_OOM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds? available HBM \(([\d.]+)G\)")
@@ -160,7 +160,8 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
     slices = ([d.slice_index for d in mesh.devices.flat] if topology.num_slices > 1 else None)
     return StepReport(
         topology=topology.label(), num_chips=topology.num_chips, mesh=dict(mesh.shape),
-        hbm_bytes=topology.chip.hbm_bytes, hbm_limit_bytes=topology.chip.hbm_limit_bytes,
+        hbm_bytes=topology.chip.hbm_bytes,
+        hbm_limit_bytes=usable_hbm_bytes(devices, topology.chip) or 0.0,
         argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
         alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
         generated_code_bytes=mem.generated_code_size_in_bytes,

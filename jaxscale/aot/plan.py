@@ -173,7 +173,7 @@ def _all_candidates(config: mlc.ConfigDict, topology: Topology,
     """Every combination, in search order, with every field spelled out (not yet validated)."""
     require_language_model(config)
     n, slices = topology.chips_per_slice, topology.num_slices
-    budget = topology.chip.hbm_bytes * (1 - margin)
+    budget = topology.chip.hbm_limit_bytes * (1 - margin)
     dims = dims_of(config)
     found = []
     moe = _expert_splits(config, n) != (1,)
@@ -238,9 +238,15 @@ def dominated(cand: Candidate, fitting: list[Candidate]) -> bool:
                        for a, b in zip(costs(f), costs(cand))) for f in fitting)
 
 
+def usable(result: dict) -> float:
+    """The HBM a compiled result may fill: the compiler's limit where the result has it (libtpu
+    lets a program use more than the documented "GB" on v5e / v5p / v6e), else the capacity."""
+    return result.get("hbm_limit_bytes") or result["hbm_bytes"]
+
+
 def fits(result: dict, margin: float) -> bool:
-    """A compiled result that leaves `margin` of the chip's HBM free."""
-    return "error" not in result and result["total_bytes"] <= result["hbm_bytes"] * (1 - margin)
+    """A compiled result that leaves `margin` of the usable HBM free."""
+    return "error" not in result and result["total_bytes"] <= usable(result) * (1 - margin)
 
 
 def rank(results: list[tuple[Candidate, dict]], margin: float
@@ -255,7 +261,7 @@ def rank(results: list[tuple[Candidate, dict]], margin: float
         else:
             over.append((cand, r))
     ok.sort(key=lambda cr: (cr[1]["estimate"]["full_overlap_s"], cr[1]["estimate"]["no_overlap_s"]))
-    over.sort(key=lambda cr: cr[1]["total_bytes"] - cr[1]["hbm_bytes"] * (1 - margin))
+    over.sort(key=lambda cr: cr[1]["total_bytes"] - usable(cr[1]) * (1 - margin))
     return ok, over, failed
 
 
@@ -287,7 +293,7 @@ def format_plan(results: list[tuple[Candidate, dict]], margin: float, top: int,
         advice = fit_advice(closest, rows_per_chip(closest, m.data * m.dcn_data, m.fsdp))
         lines.append(
             f"No candidate fits. Closest: {cand.label()} at {gib(r['total_bytes'])} GiB per chip, "
-            f"over the {gib(r['hbm_bytes'] * (1 - margin))} GiB budget by "
-            f"{gib(r['total_bytes'] - r['hbm_bytes'] * (1 - margin))} GiB. To fit: "
+            f"over the {gib(usable(r) * (1 - margin))} GiB budget by "
+            f"{gib(r['total_bytes'] - usable(r) * (1 - margin))} GiB. To fit: "
             f"{advice}.")
     return "\n".join(lines)

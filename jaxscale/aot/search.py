@@ -64,6 +64,7 @@ def _failure(e: Exception, topology: Topology) -> dict:
     HBM (its temporaries, a lower bound of the total), so the ranking can say by how much."""
     if isinstance(e, HbmOom):
         return {"total_bytes": e.temp_bytes, "hbm_bytes": topology.chip.hbm_bytes,
+                "hbm_limit_bytes": e.available_bytes,  # the compiler's own, from its error
                 "over_hbm": "libtpu: CompileTimeHbmOom (temporaries alone)"}
     lines = [line for line in str(e).splitlines() if line.strip()]
     return {"error": f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]}

@@ -129,3 +129,16 @@ def topology_devices(topology: Topology) -> list[Any]:
             f"chip ({topology.num_chips}). This libtpu version may name topologies differently.",
         ))
     return devices
+
+
+def usable_hbm_bytes(devices: list[Any], chip: Chip) -> float | None:
+    """The HBM one program may use on these devices: the runtime's own limit where the device
+    reports one (`memory_stats()['bytes_limit']` of a live TPU), else the table's
+    (`Chip.hbm_limit_bytes`: libtpu's limit as its out-of-HBM error prints it, else the
+    documented capacity). Compile-only devices report no memory stats."""
+    try:
+        stats = devices[0].memory_stats() if devices else None
+    except Exception:  # compile-only topology devices: no runtime behind them
+        stats = None
+    limit = (stats or {}).get("bytes_limit")
+    return float(limit) if limit else chip.hbm_limit_bytes

@@ -372,6 +372,9 @@ def _apply_target(c: mlc.ConfigDict, size_name: str, target_name: str,
         # off by default here; lower data.batch_size to evaluate.
         c.train.eval_every = 0
     c.precision = "bf16-mixed"
+    # `COMPILED`'s micro-batches were sized with the LM head and loss whole: the presets keep
+    # it so (not the automatic `model.loss_chunks=0`) until bench/presets.py re-sizes them.
+    c.model.loss_chunks = 1
     if mixed_pattern(s.model):  # Gemma: the einsum kernel (`mixed_pattern`)
         c.model.attention = "einsum"
     elif t.gpu:

@@ -55,8 +55,9 @@ class LlamaConfig:
     remat: str = "none"
     # The LM head and loss run over the sequence in this many strided chunks, each recomputed
     # in the backward pass (`head_losses`): the (batch, length, vocab) float32 logits and their
-    # gradient exist one chunk at a time. 1: the whole sequence at once.
-    loss_chunks: int = 1
+    # gradient exist one chunk at a time. 1: the whole sequence at once; 0 (default): automatic,
+    # the fewest chunks that keep a chip's logits under `lm_task.LOGITS_BUDGET`.
+    loss_chunks: int = 0
     # or "dot_product_attention" (fused; cuDNN flash on GPUs), or "splash" (the Pallas TPU
     # flash kernel: no score matrix in HBM; models/splash.py)
     attention: str = "einsum"
@@ -156,11 +157,11 @@ def check_config(m: Mapping[str, Any], seq_len: int) -> None:
             f"model.attention={attention!r}: use one of {', '.join(ATTENTION_IMPLS)}.")
     check_sliding_window(m)
     check_layer_pattern(m)
-    chunks = m.get("loss_chunks", 1)
-    require(isinstance(chunks, int) and chunks >= 1 and seq_len % chunks == 0,
-            f"model.loss_chunks={chunks!r} must be a positive divisor of data.seq_len",
-            f"({seq_len}): the LM head and loss run over the sequence in that many chunks",
-            "(1: all at once; 4-16 cut the float32 logits' memory that many times).")
+    chunks = m.get("loss_chunks", 0)
+    require(isinstance(chunks, int) and (chunks == 0 or chunks >= 1 and seq_len % chunks == 0),
+            f"model.loss_chunks={chunks!r} must be 0 (automatic) or a positive divisor of",
+            f"data.seq_len ({seq_len}): the LM head and loss run over the sequence in that many",
+            "chunks (1: all at once; 4-16 cut the float32 logits' memory that many times).")
     check_moe(m)
 
 
@@ -281,16 +282,29 @@ class Llama(nnx.Module):
             h_BTE = h_BTE * jnp.asarray(math.sqrt(self.cfg.embed), self.policy.compute)
         return constrain(h_BTE, "batch", "length", "embed")
 
-    def head(self, h_BTE: jax.Array) -> jax.Array:
+    def head_weight(self) -> jax.Array:
+        """The LM head's (embed, vocab) weight in the logits dtype (the embedding's transpose
+        when tied). `lm_task.head_losses` gathers it once for all its loss chunks."""
         dtype = self.policy.dtype_for("logits")
-        h_BTE = self.final_norm(h_BTE).astype(dtype)
         if self.cfg.tie_embeddings:
-            logits_BTV = jnp.einsum("bte,ve->btv", h_BTE, self.embedding[...].astype(dtype))
+            return self.embedding[...].astype(dtype).T
+        return self.lm_head[...].astype(dtype)
+
+    def head(self, h_BTE: jax.Array, w_EV: jax.Array | None = None) -> jax.Array:
+        """Logits (B, T, V) of the last layer's output; `w_EV` replaces `head_weight()`.
+
+        Also (S, b, T, E) rows with an (S, E, V) weight: one weight copy per batch shard, the
+        form in which a loss-chunk scan accumulates the head's gradient without collectives."""
+        h_BTE = self.final_norm(h_BTE).astype(self.policy.dtype_for("logits"))
+        w_EV = self.head_weight() if w_EV is None else w_EV
+        if w_EV.ndim == 3:
+            logits = jnp.einsum("sbte,sev->sbtv", h_BTE, w_EV)
         else:
-            logits_BTV = jnp.einsum("bte,ev->btv", h_BTE, self.lm_head[...].astype(dtype))
+            logits = jnp.einsum("bte,ev->btv", h_BTE, w_EV)
         if cap := self.cfg.final_softcap:  # Gemma 2
-            logits_BTV = cap * jnp.tanh(logits_BTV / cap)
-        return constrain(logits_BTV, "batch", "length", "vocab")
+            logits = cap * jnp.tanh(logits / cap)
+        lead = ("batch", None) if w_EV.ndim == 3 else ("batch",)
+        return constrain(logits, *lead, "length", "vocab")
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
         """An empty stacked KV cache for `batch` rows of up to `max_len` positions."""

@@ -1,12 +1,13 @@
 """The language-model task of the decoder families (`LM`): the next-token loss `lm_loss` (the
-LM head and loss together, chunk by chunk with `model.loss_chunks`, and fused into a pipeline's
-last stage), the packed batch's preparation and target counts, and the held-out sums. Every
+LM head and loss together, chunk by chunk under `model.loss_chunks` (automatic by default), and
+fused into a pipeline's last stage), the packed batch's preparation and target counts, and the held-out sums. Every
 entry of the model table built on `models/llama.py`'s decoder uses it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -20,43 +21,109 @@ from jaxscale.models.llama import Llama, head_scope
 from jaxscale.models.moe import router_loss
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import Task, masked_sums
-from jaxscale.rules import constrain
+from jaxscale.rules import constrain, shard_counts
+
+# Automatic loss chunking (`model.loss_chunks=0`, the default) splits the LM head and loss into
+# the fewest chunks that keep a chip's float32 logits of one micro-batch at or under this. Why
+# 1 GiB: the loss holds about three logits-sized float32 buffers at once (logits, softmax and
+# their gradient), so the budget caps the head at ~3 GiB, a fifth of the smallest chip's HBM
+# (v5e, 16 GiB), while below it chunking would buy little memory for its cost (one more head
+# forward pass). 7B (32k vocabulary) at 64 x 2,048 tokens a chip: 15.6 GiB of logits, 16
+# chunks; at 4 x 2,048 (and any tiny test model): 1 GiB or less, no chunks.
+LOGITS_BUDGET = 1 << 30
+
+
+def choose_loss_chunks(positions: int, chip_bytes: float, length_shards: int = 1,
+                       budget: float | None = None) -> int:
+    """The fewest chunks n, a divisor of `positions`, that bring `chip_bytes` (a chip's float32
+    logits of the micro-batch) to `budget` (`LOGITS_BUDGET`) or under (the most chunks if none
+    does); where it can, n also leaves each chunk's positions a multiple of `length_shards`, so
+    a sequence-sharded length stays evenly sharded within a chunk."""
+    divisors = [n for n in range(1, positions + 1) if positions % n == 0]
+    even = [n for n in divisors if (positions // n) % length_shards == 0] or divisors
+    budget = LOGITS_BUDGET if budget is None else budget
+    return next((n for n in even if chip_bytes / n <= budget), even[-1])
+
+
+def loss_chunks_for(model: Llama, shape_BTV: tuple[int, int, int]) -> int:
+    """`model.cfg.loss_chunks`, or where it is 0 the automatic choice for logits of
+    `shape_BTV` under the active sharding rules (a divisor of T by construction, whatever
+    micro-batch, pipeline stage or packed rows the head sees)."""
+    if model.cfg.loss_chunks:
+        return model.cfg.loss_chunks
+    shards = shard_counts(shape_BTV, "batch", "length", "vocab")
+    chip_bytes = math.prod(shape_BTV) * 4 / math.prod(shards)
+    return choose_loss_chunks(shape_BTV[1], chip_bytes, shards[1])
 
 
 def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Per-position cross entropy (B, T), computed in float32 whatever the compute dtype."""
+    """Per-position cross entropy (B, T), computed in float32 whatever the logits' dtype: with
+    bfloat16 logits (precision override `logits=bfloat16`) the upcast fuses into the log-sum-exp
+    reduction, so only the logits are stored in bfloat16 and the softmax still sums in float32."""
     return optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32),
                                                            targets_BT)
+
+
+@jax.custom_vjp
+def _reduced_before_layers(w_EV: jax.Array, h_BTE: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Identity. Its backward pass hands the layers their cotangent only together with the head
+    weight's gradient reduced into the weight's sharding (an optimization barrier ties the two),
+    so the whole (E, V) float32 gradient the reduction produces is freed before the layers'
+    backward pass, the step's peak, instead of overlapping it."""
+    return w_EV, h_BTE
+
+
+def _reduced_fwd(w_EV: jax.Array, h_BTE: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+    return (w_EV, h_BTE), None
+
+
+def _reduced_bwd(_: None, g: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    g_EV, g_BTE = g
+    return jax.lax.optimization_barrier((constrain(g_EV, "embed", "vocab"), g_BTE))
+
+
+_reduced_before_layers.defvjp(_reduced_fwd, _reduced_bwd)
 
 
 def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Per-position losses (B, T) of the head on the last layer's output `h_BTE`.
 
-    With `model.cfg.loss_chunks = n > 1` the positions are split into n chunks, chunk k holding
+    With n = `loss_chunks_for(...)` > 1 the positions are split into n chunks, chunk k holding
     positions k, k+n, k+2n, ... (strided, so a sharded `length` stays sharded within a chunk),
     and a scan computes head and loss chunk by chunk, recomputing each chunk's logits in the
     backward pass: the float32 logits and their gradient, (B, T, V) each and the largest
     activations of a step with a big vocabulary, exist 1/n at a time, for one more head
-    forward pass of compute."""
-    n = model.cfg.loss_chunks
+    forward pass of compute.
+
+    The head weight is gathered once, before the scan, not once per chunk: it is broadcast to
+    one copy per batch shard (S, E, V), whole but for its vocabulary shards (one all-gather
+    over the FSDP shards), so each chunk's weight gradient is a local sum on its batch shard
+    that the scan accumulates without collectives; the copies' gradients are summed once, after
+    the scan, straight into the weight's own sharding. (Constraining the (E, V) weight to
+    replicated first moves the same bytes but all-reduces into a replicated float32 copy: half
+    a GiB more per chip for a 128k vocabulary; bench/RESULTS.md.)"""
+    B, T, E = h_BTE.shape
+    n = loss_chunks_for(model, (B, T, model.cfg.vocab_size))
     if n == 1:
         return token_losses(model.head(h_BTE), targets_BT)
-    B, T, E = h_BTE.shape
     if T % n:
         raise ConfigError(paragraph(
             f"model.loss_chunks={n} must divide the sequence length, {T} here: the LM head and",
             "loss run over the positions in that many equal chunks. Use a divisor of the",
-            "length (1: no chunks)."))
-    to_chunks = lambda x: jnp.moveaxis(x.reshape(B, T // n, n, *x.shape[2:]), 2, 0)
-    h_nBCE = constrain(to_chunks(h_BTE), None, "batch", "length", "embed")
+            "length (1: no chunks; 0: automatic)."))
+    S = shard_counts((B,), "batch")[0]
+    w_EV, h_BTE = _reduced_before_layers(model.head_weight(), h_BTE)
+    w_SEV = constrain(jnp.broadcast_to(w_EV, (S, *w_EV.shape)), "batch", None, "vocab")
+    to_chunks = lambda x: jnp.moveaxis(x.reshape(S, B // S, T // n, n, *x.shape[2:]), 3, 0)
+    h_nSbCE = constrain(to_chunks(h_BTE), None, "batch", None, "length", "embed")
 
     @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     def chunk(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
-        h_BCE, targets_BC = xs
-        return None, token_losses(model.head(h_BCE), targets_BC)
+        h_SbCE, targets_SbC = xs
+        return None, token_losses(model.head(h_SbCE, w_SEV), targets_SbC)
 
-    _, losses_nBC = jax.lax.scan(chunk, None, (h_nBCE, to_chunks(targets_BT)))
-    return jnp.moveaxis(losses_nBC, 0, 2).reshape(B, T)
+    _, losses_nSbC = jax.lax.scan(chunk, None, (h_nSbCE, to_chunks(targets_BT)))
+    return jnp.moveaxis(losses_nSbC, 0, -1).reshape(B, T)
 
 
 def mean_head_loss(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:
