@@ -115,3 +115,4 @@ def _apply_target(c: mlc.ConfigDict, size: str, target: str) -> None:
     c.train.eval_every = 0 if c.train.grad_accum > 1 else c.train.eval_every
     c.precision = "bf16-mixed"
     c.model.attention = "splash"
+    c.model.loss_chunks = 1  # as `COMPILED` was sized (not the automatic default), as llama's
