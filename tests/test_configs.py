@@ -203,14 +203,16 @@ def test_family_presets_have_the_published_shapes_and_the_table_flops():
     assert built["mistral-7b"].sliding_window == 0 and built["qwen3-0.6b"].tie_embeddings
     assert finetune.get_config("mistral-7b,v5e-64").model.attention == "splash"
     # Gemma: HF's pattern (every 6th / 2nd layer global), Gemma 2's soft-caps; the mixed
-    # pattern keeps the einsum kernel on every target (splash and cuDNN take a static window).
+    # pattern runs splash on TPUs (a local and a global kernel, one per layer) and keeps einsum
+    # on GPUs (cuDNN's kernel takes a static window only).
     g3, g2 = built["gemma3-1b"], built["gemma2-2b"]
     assert [i for i, t in enumerate(g3.layer_types) if t == "full_attention"] == [5, 11, 17, 23]
     assert g3.qk_norm and g3.rope_local_theta == 1e4 and g3.sliding_window == 512
     assert g2.layer_types[:2] == ("sliding_attention", "full_attention") and not g2.qk_norm
     assert (g2.attn_softcap, g2.final_softcap) == (50.0, 30.0)
-    for variant in ("gemma3-1b,v5e-16", "gemma2-2b,lora,h100x8"):
-        assert finetune.get_config(variant).model.attention == "einsum"
+    for variant, kernel in (("gemma3-1b,v5e-16", "splash"), ("gemma2-2b,lora,v5e-64", "splash"),
+                            ("gemma2-2b,lora,h100x8", "einsum")):
+        assert finetune.get_config(variant).model.attention == kernel
     with pytest.raises(ConfigError, match="mistral-7b model does not fit v5e-16.*Targets that "
                        "fit mistral-7b: v4-32, v5e-64, v5e-256, h100x8, 2xh100x8"):
         finetune.get_config("mistral-7b,lora,v5e-16")

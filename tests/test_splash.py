@@ -123,6 +123,28 @@ def test_decoding_with_a_cache_falls_back_and_equals_the_full_forward():
     chex.assert_trees_all_close(logits[:, :128], full, atol=1e-5, rtol=1e-5)
 
 
+def test_gemma_local_and_global_layers_equal_einsum():
+    """A scanned local/global pattern (Gemma 3's): each layer's traced flag picks the local
+    (window 32 of 128) or the global kernel by `lax.cond`; logits and gradients as einsum's."""
+    tokens = np.random.default_rng(5).integers(0, 256, (2, 128)).astype(np.int32)
+    gemma = dict(name="gemma3", num_layers=2, sliding_window=32,
+                 layer_types=("sliding_attention", "full_attention"))
+    out = {}
+    for impl in ("splash", "einsum"):
+        model_def, params = _tiny(impl, **gemma)
+        logits = lambda p, m=model_def: m.module(p)(tokens).astype(jnp.float32)
+        grad = jax.grad(lambda p, f=logits: (f(p) * jnp.cos(f(p))).sum())
+        if impl == "splash":  # two kernels (and their backward) under one cond per layer
+            jaxpr = str(jax.make_jaxpr(grad)(params))
+            assert "cond" in jaxpr and "pallas_call" in jaxpr
+        out[impl] = jax.jit(logits)(params), jax.jit(grad)(params)
+    chex.assert_trees_all_close(out["splash"], out["einsum"], atol=1e-4, rtol=1e-4)
+    # The window bites: with both layers global the logits differ.
+    model_def, params = _tiny("einsum", **{**gemma, "layer_types": ("full_attention",) * 2})
+    everywhere = jax.jit(lambda p: model_def.module(p)(tokens))(params)
+    assert float(jnp.max(jnp.abs(everywhere - out["einsum"][0]))) > 1e-2
+
+
 def _losses(impl: str, mesh: dict, preset: str, steps: int = 2, **train) -> np.ndarray:
     c = tiny_lm.get_config("test")
     c.model.update(attention=impl, num_heads=4, num_kv_heads=2)

@@ -248,8 +248,9 @@ def memory_estimate(size: str, target: Target, micro_batch: int,
 
 def mixed_pattern(model: Mapping[str, Any]) -> bool:
     """Does the model mix local and global layers (Gemma's `layer_types`)? Then each layer's
-    window is a traced value that only the einsum kernel takes (`models/llama.py`
-    `check_layer_pattern`): a target keeps `model.attention=einsum` and its scores count."""
+    window is a traced value that cuDNN's fused kernel cannot take (`models/llama.py`
+    `check_layer_pattern`): a GPU target keeps `model.attention=einsum` and its scores count
+    (TPUs run splash, which picks its local or global kernel per layer)."""
     return len(set(model.get("layer_types") or ())) > 1
 
 
@@ -375,10 +376,8 @@ def _apply_target(c: mlc.ConfigDict, size_name: str, target_name: str,
     # `COMPILED`'s micro-batches were sized with the LM head and loss whole: the presets keep
     # it so (not the automatic `model.loss_chunks=0`) until bench/presets.py re-sizes them.
     c.model.loss_chunks = 1
-    if mixed_pattern(s.model):  # Gemma: the einsum kernel (`mixed_pattern`)
-        c.model.attention = "einsum"
-    elif t.gpu:
-        c.model.attention = "dot_product_attention"
+    if t.gpu:  # Gemma's mixed pattern: the einsum kernel (`mixed_pattern`)
+        c.model.attention = "einsum" if mixed_pattern(s.model) else "dot_product_attention"
     elif block_size(s.seq_len) is not None:  # a length on the kernel's 128 grid
         # TPU: the Pallas splash kernel never holds the (B, H, T, T) float32 scores that
         # einsum keeps in HBM (bench/RESULTS.md compares their temporaries); the planner picks

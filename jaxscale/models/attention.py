@@ -271,7 +271,7 @@ class Attention(nnx.Module):
         window = self.window if local is None else jnp.where(local, self.window, 0)
         if cache is None:
             k_BSKD, v_BSKD, mask = k_BTKD, v_BTKD, Mask.sequence(
-                t, segments_BT, window=window)
+                t, segments_BT, window=window, local_window=self.window)
         else:
             cache = cache.write(k_BTKD, v_BTKD, cache_index, segments_BT)
             cache = cache.constrained(LAYER_CACHE_AXES)

@@ -182,8 +182,9 @@ def check_sliding_window(m: Mapping[str, Any]) -> None:
 
 def check_layer_pattern(m: Mapping[str, Any]) -> None:
     """`model.layer_types`: one known kind per layer. A mixed pattern passes each layer's
-    window to the mask as a traced value, which only the einsum kernel (and the KV cache)
-    take; the fused and splash kernels build their masks from a static window."""
+    window to the mask as a traced value: einsum (and the KV cache) take it, splash chooses
+    between its static local and global kernels per layer (`models/splash.py`); the fused
+    kernel builds its mask from a static window, so it is refused."""
     kinds = tuple(m.get("layer_types") or ())
     known = ("sliding_attention", "full_attention")
     bad = [k for k in kinds if k not in known]
@@ -197,11 +198,12 @@ def check_layer_pattern(m: Mapping[str, Any]) -> None:
             f"model.attention={attention!r} does not soft-cap the attention scores",
             f"(model.attn_softcap={m['attn_softcap']}, Gemma 2's): use model.attention=einsum",
             "(or splash on TPUs)."))
-    if len(set(kinds)) > 1 and attention != "einsum":
+    if len(set(kinds)) > 1 and attention not in ("einsum", "splash"):
         raise ConfigError(paragraph(
             f"model.attention={attention!r} cannot follow a mixed model.layer_types (local and",
             "global layers, Gemma's pattern): the layers are scanned, so each layer's window is",
-            "a traced value, and that kernel needs a static window. Use model.attention=einsum."))
+            "a traced value, and that kernel needs a static window. Use model.attention=einsum",
+            "(or splash on TPUs)."))
 
 
 class Block(nnx.Module):

@@ -38,15 +38,19 @@ class Mask:
     # > 0: a causal query sees only the `window` latest slots (itself included). A traced int
     # (a per-layer window scanned with the layers, Gemma's local/global pattern): 0 is full.
     window: int | jax.Array = 0
+    # With a traced `window`: the static window it takes on a local layer, so a kernel whose
+    # masks are static (splash) can choose its local or its global kernel on `window > 0`.
+    local_window: int = 0
 
     @classmethod
     def sequence(cls, length: int, segments_BT: jax.Array | None = None,
-                 causal: bool = True, window: int | jax.Array = 0) -> "Mask":
+                 causal: bool = True, window: int | jax.Array = 0,
+                 local_window: int = 0) -> "Mask":
         """Self-attention over one whole sequence per row (training, evaluation, a prefill
         without cache); `segments_BT` (B, T) ids keep packed documents apart."""
         slots_1T = jnp.arange(length, dtype=jnp.int32)[None]
         return cls(slots_1T, slots_1T, segments_BT, segments_BT, causal, aligned=True,
-                   window=window)
+                   window=window, local_window=local_window)
 
     @classmethod
     def cached(cls, length: int, index: jax.Array, cache_len: int,

@@ -17,6 +17,12 @@ What runs where:
   since it is the case the kernel is for.
 - A sliding window (`Mask.window`, Mistral): the kernel's `LocalMask` (`kernel_mask`), which
   also skips the tiles outside the window, combined with segment ids like the causal mask.
+- A local/global pattern (Gemma's `model.layer_types`): the layers are scanned, so a layer's
+  window is a traced value (`Mask.window`, `Mask.local_window` its static local value) and the
+  kernel's masks are static; `jax.lax.cond` on `window > 0` runs the local (`LocalMask`) or
+  the global (causal) kernel, one of the two per layer. Under `jax.vmap` with the flag batched
+  (pipeline stages hold different layers) the cond becomes a select: both kernels run and
+  one output is kept, so such a layer costs a local plus a global kernel.
 - Soft-capped scores (`softcap` > 0, Gemma 2's `attn_softcap`): the kernel's own
   `attn_logits_soft_cap`, cap * tanh(scores / cap) on the scaled scores as `einsum` does,
   forward and backward (the fallback gets the same cap).
@@ -99,8 +105,17 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mas
             "so here it runs in Pallas interpret mode, exact but slow (meant for tests). Use",
             "model.attention=einsum, or dot_product_attention on GPU, outside TPUs.",
         ))
-    segments_BT = mask.q_segments_BT
-    run = _kernel_call(block, mask.causal, interpret, mask.window, softcap)
+    args = (q_BTHD, k_BSKD, v_BSKD, mask.q_segments_BT)
+    call = lambda window: lambda *a: _placed(
+        _kernel_call(block, mask.causal, interpret, window, softcap), active, *a)
+    if isinstance(mask.window, jax.Array):  # a local/global pattern: this layer's flag picks
+        return jax.lax.cond(mask.window > 0, call(mask.local_window), call(0), *args)
+    return call(mask.window)(*args)
+
+
+def _placed(run: Run, active: tuple[AxisRules, jax.sharding.Mesh] | None, q_BTHD: jax.Array,
+            k_BSKD: jax.Array, v_BSKD: jax.Array, segments_BT: jax.Array | None) -> jax.Array:
+    """`run` on one device, or sharded over the active mesh (`_sharded`)."""
     if active is None:
         return run(q_BTHD, k_BSKD, v_BSKD, segments_BT)
     return _sharded(run, active[0], active[1], q_BTHD, k_BSKD, v_BSKD, segments_BT)
