@@ -41,8 +41,9 @@ tokens, full remat, FSDP; mistral-7b: `7b`'s 512 x 2048) and the same TARGETs, s
 way where the TPU compiler has not sized them (`configs/llama.py` `COMPILED` holds the Llama sizes only):
 the largest power-of-two micro-batch whose estimate (`jaxscale.aot.memory`, with the family's
 own parameter count: Qwen2's biases, Qwen3's q/k norms) stays under 80% of a device's HBM. The
-Gemmas keep the einsum kernel on every target (their mixed local/global pattern is a traced
-window, which splash and cuDNN do not take), and their estimate counts its scores. On
+Gemmas run splash on TPU targets (their mixed local/global pattern is a traced window, so each
+layer picks splash's local or global kernel) and einsum on GPU targets (cuDNN's kernel takes a
+static window only); their estimate counts einsum's scores on every target. On
 TPU that estimate errs on the safe side (`qwen3-0.6b,v5e-8`: 2 sequences a chip, which libtpu
 0.0.52 compiles to 5.41 GiB of 14.90); `jaxscale compile` with the preset shows what the
 compiler needs, and `JAXSCALE_COMPILE_PRESETS=1` makes `tests/test_presets.py` compile every
