@@ -145,9 +145,10 @@ def test_gemma_local_and_global_layers_equal_einsum():
     assert float(jnp.max(jnp.abs(everywhere - out["einsum"][0]))) > 1e-2
 
 
-def _losses(impl: str, mesh: dict, preset: str, steps: int = 2, **train) -> np.ndarray:
+def _losses(impl: str, mesh: dict, preset: str, steps: int = 2, model: dict | None = None,
+            **train) -> np.ndarray:
     c = tiny_lm.get_config("test")
-    c.model.update(attention=impl, num_heads=4, num_kv_heads=2)
+    c.model.update(attention=impl, num_heads=4, num_kv_heads=2, **(model or {}))
     c.data.update(seq_len=128, batch_size=8)
     c.mesh.update({**dict(data=1, pipeline=1, fsdp=1, tensor=1), **mesh})
     c.rules_preset = preset
@@ -177,3 +178,17 @@ def test_sharded_training_over_fsdp_and_tensor_equals_einsum():
 def test_sharded_training_under_vmapped_stages_and_replicas_equals_einsum(mesh, train):
     np.testing.assert_allclose(_losses("splash", mesh, "pp", **train),
                                _losses("einsum", mesh, "pp", **train), rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("mesh, preset, train", [
+    (dict(fsdp=4, tensor=2), "fsdp_tp", {}),  # the cond chooses between two shard_maps
+    # 1F1B vmaps the stages, so each layer's cond is a select: both kernels run.
+    (dict(pipeline=2, data=2, tensor=2), "pp", dict(microbatches=4, schedule="1f1b")),
+])
+def test_gemma_pattern_trains_sharded_and_pipelined_as_einsum(mesh, preset, train):
+    gemma = dict(name="gemma3", num_layers=4, sliding_window=32, layer_types=(
+        "sliding_attention", "full_attention", "sliding_attention", "sliding_attention"))
+    np.testing.assert_allclose(_losses("splash", mesh, preset, model=gemma, **train),
+                               _losses("einsum", mesh, preset, model=gemma, **train), rtol=1e-5)
