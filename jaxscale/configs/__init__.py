@@ -8,7 +8,10 @@ file: a user's own `configs/my_run.py` is never shadowed by a bundled one.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from types import ModuleType
 
 DIRECTORY = os.path.dirname(os.path.abspath(__file__))
 
@@ -29,3 +32,18 @@ def resolve(spec: str) -> str:
     if name in bundled_names():
         return os.path.join(DIRECTORY, f"{name}.py") + sep + arg
     return spec
+
+
+def sibling(name: str) -> ModuleType:
+    """The bundled config `NAME` as a module, for a config built on another (`mixtral` and
+    `finetune_lm` on `llama`): loaded by path, as ml_collections loads config files, so it
+    works from any directory; one module per name (dataclasses look their module up while it
+    executes)."""
+    key = f"_jaxscale_configs_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    spec = importlib.util.spec_from_file_location(key, os.path.join(DIRECTORY, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module
+    spec.loader.exec_module(module)
+    return module

@@ -57,27 +57,12 @@ a `configs/llama.py:tiny` workdir to fine-tune real weights.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-from types import ModuleType
-
 import ml_collections as mlc
 
+from jaxscale.configs import sibling
 from jaxscale.errors import ConfigError, paragraph
 
-
-def _sibling(name: str) -> ModuleType:
-    """Loads configs/NAME.py by path: config files are loaded by path too, from any directory."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_jaxscale_configs_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-llama = _sibling("llama")
+llama = sibling("llama")
 
 _FULL_LR_FACTOR = 0.1
 _LORA = dict(rank=16, alpha=32.0, targets=("attn/w[qkvo]$", "mlp/w_(gate|up|down)$"))

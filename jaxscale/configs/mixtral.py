@@ -26,28 +26,14 @@ steps). The data is the byte-level stdlib corpus of `configs/llama.py`.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from dataclasses import dataclass
-from types import ModuleType
 
 import ml_collections as mlc
 
+from jaxscale.configs import sibling
 from jaxscale.errors import ConfigError, paragraph
 
-
-def _sibling(name: str) -> ModuleType:
-    """Loads configs/NAME.py by path (config files are loaded by path, from any directory)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_jaxscale_configs_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-llama = _sibling("llama")
+llama = sibling("llama")
 
 _TINY_MOE = dict(num_experts=4, experts_per_token=2, capacity_factor=2.0)
 _MIXTRAL_MOE = dict(num_experts=8, experts_per_token=2, capacity_factor=1.25)
