@@ -36,7 +36,7 @@ from einops import rearrange
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.models import context, splash
+from jaxscale.models import blockwise, context, splash
 from jaxscale.models.fused import FUSED_AXIS, QKV
 from jaxscale.models.layers import RMSNorm, param, project
 from jaxscale.models.mask import Mask
@@ -97,10 +97,7 @@ def einsum_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
     `softcap` > 0 (Gemma 2): the scaled scores become softcap * tanh(scores / softcap)."""
     kv = k_BSKD.shape[2]
     q_BTKGD = rearrange(q_BTHD, "b t (k g) d -> b t k g d", k=kv)
-    scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD)
-    scores_BKGTS = scores_BKGTS.astype(softmax_dtype) / math.sqrt(q_BTHD.shape[-1])
-    if softcap:
-        scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
+    scores_BKGTS = blockwise.scores(q_BTKGD, k_BSKD, softmax_dtype, softcap)
     visible_BTS = None if mask is None else mask.dense()
     if visible_BTS is not None:
         scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS,

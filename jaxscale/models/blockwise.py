@@ -45,6 +45,16 @@ def start(q_BTKGD: jax.Array, dtype: Any) -> Acc:
                jnp.zeros((b, k, g, t), dtype), jnp.zeros((b, t, k, g, d), dtype))
 
 
+def scores(q_BTKGD: jax.Array, k_BSKD: jax.Array, dtype: Any, softcap: float = 0.0
+           ) -> jax.Array:
+    """q.k / sqrt(D) in `dtype`, (B, K, G, T, S); `softcap` > 0 (Gemma 2): softcap *
+    tanh(scores / softcap). The one score formula of every attention path (`einsum_attention`,
+    the online-softmax blocks here, the ring's custom backward)."""
+    s_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD).astype(dtype)
+    s_BKGTS = s_BKGTS / math.sqrt(q_BTKGD.shape[-1])
+    return softcap * jnp.tanh(s_BKGTS / softcap) if softcap else s_BKGTS
+
+
 def accumulate(acc: Acc, q_BTKGD: jax.Array, block: Block, mask: Mask,
                softcap: float = 0.0) -> Acc:
     """`acc` with the key block `block` attended under `mask`: the online-softmax merge. The
@@ -52,10 +62,7 @@ def accumulate(acc: Acc, q_BTKGD: jax.Array, block: Block, mask: Mask,
     scores never meet inf - inf. `softcap` > 0: the scaled scores become
     softcap * tanh(scores / softcap) first, as `einsum_attention` does."""
     dtype = acc.sum_BKGT.dtype
-    scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, block["k"]).astype(dtype)
-    scores_BKGTS = scores_BKGTS / math.sqrt(q_BTKGD.shape[-1])
-    if softcap:
-        scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
+    scores_BKGTS = scores(q_BTKGD, block["k"], dtype, softcap)
     visible_BTS = mask.dense()
     if visible_BTS is not None:
         scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, jnp.finfo(dtype).min)

@@ -29,13 +29,10 @@ from jaxscale.models import blockwise
 
 def _scores(q_BTKGD: jax.Array, k_BSKD: jax.Array, softcap: float
             ) -> tuple[jax.Array, jax.Array | None]:
-    """Scaled (and soft-capped) float32 scores, and tanh of the cap (None without)."""
-    s = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD).astype(jnp.float32)
-    s = s / math.sqrt(q_BTKGD.shape[-1])
-    if not softcap:
-        return s, None
-    t = jnp.tanh(s / softcap)
-    return softcap * t, t
+    """Scaled (and soft-capped) float32 scores (`blockwise.scores`), and tanh of the cap
+    (None without): the cap's derivative is 1 - tanh^2."""
+    s = blockwise.scores(q_BTKGD, k_BSKD, jnp.float32, softcap)
+    return s, (s / softcap if softcap else None)
 
 
 def _tile_grads(q: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, keys: dict,
