@@ -30,7 +30,8 @@ MeshAxes = str | tuple[str, ...] | None
 Rule = tuple[str, MeshAxes]
 
 
-def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+def as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+    """One spec entry (None, an axis name or a tuple of them) as a tuple of mesh axis names."""
     if mesh_axes is None:
         return ()
     return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
@@ -65,7 +66,7 @@ def logical_to_mesh_axes(logical: Sequence[str | None], rules: Sequence[Rule]) -
         if name not in names:
             continue
         pos = list(logical).index(name)
-        wanted = set(_as_tuple(mesh_axes))
+        wanted = set(as_tuple(mesh_axes))
         if result[pos] == "?" and not (wanted & used):
             result[pos] = mesh_axes
             used |= wanted
@@ -129,7 +130,7 @@ class AxisRules:
 
     def _fit(self, path: str, shape: Sequence[int], logical: Sequence[str | None], dim: int,
              mesh_axes: MeshAxes, mesh: Mesh, warn: bool) -> MeshAxes:
-        axes = _as_tuple(mesh_axes)
+        axes = as_tuple(mesh_axes)
         unknown = [a for a in axes if a not in mesh.shape]
         if unknown:
             raise RulesError(paragraph(
@@ -207,4 +208,4 @@ def shard_counts(shape: Sequence[int], *logical: str | None) -> tuple[int, ...]:
     rules, mesh = active
     lenient = AxisRules(rules.rules, strict=False, indivisible="replicate")
     spec = lenient.spec(logical, shape, mesh, path="<activation>", warn=False)
-    return tuple(math.prod(mesh.shape[a] for a in _as_tuple(axes)) for axes in spec)
+    return tuple(math.prod(mesh.shape[a] for a in as_tuple(axes)) for axes in spec)

@@ -62,7 +62,7 @@ from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models import blockwise
 from jaxscale.models.mask import Mask
 from jaxscale.models.ring_vjp import ring_vjp_attention
-from jaxscale.rules import AxisRules, active_rules, logical_to_mesh_axes
+from jaxscale.rules import AxisRules, active_rules, as_tuple, logical_to_mesh_axes
 
 Q_AXES = ("batch", "length", "heads", "head_dim")
 KV_AXES = ("batch", "length", "kv", "head_dim")
@@ -80,17 +80,13 @@ class Shards(NamedTuple):
         return math.prod(self.mesh.shape[a] for a in self.axes)
 
 
-def _as_tuple(axes: Any) -> tuple[str, ...]:
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-
-
 def _active_shards() -> Shards | None:
     """The active rules' sequence shards, or None when nothing splits the sequence."""
     active = active_rules()
     if active is None:
         return None
     rules, mesh = active
-    wanted = _as_tuple(logical_to_mesh_axes(Q_AXES, rules.rules)[1])
+    wanted = as_tuple(logical_to_mesh_axes(Q_AXES, rules.rules)[1])
     axes = tuple(a for a in wanted if mesh.shape.get(a, 1) > 1)
     return Shards(rules, mesh, axes) if axes else None
 

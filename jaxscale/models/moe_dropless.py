@@ -42,7 +42,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.rules import AxisRules, active_rules
+from jaxscale.rules import AxisRules, active_rules, as_tuple
 
 Weights = tuple[jax.Array, jax.Array, jax.Array]  # gate (X, E, F), up (X, E, F), down (X, F, E)
 
@@ -168,10 +168,6 @@ def dropless_experts(x_NE: jax.Array, weights_NK: jax.Array, experts_NK: jax.Arr
     return jnp.einsum("nke,nk->ne", out_NKE, weights_NK.astype(dtype))
 
 
-def _axes(spec_dim: Any) -> tuple[str, ...]:
-    return () if spec_dim is None else (spec_dim,) if isinstance(spec_dim, str) else tuple(spec_dim)
-
-
 def expert_parallel(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.Array,
                     w: Weights, dtype: Any) -> jax.Array | None:
     """The dropless output (B, T, E) with the experts split over devices as the active rules
@@ -184,16 +180,16 @@ def expert_parallel(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.A
     lenient = AxisRules(rules.rules, strict=False, indivisible="replicate")
     spec = lambda logical, x: tuple(lenient.spec(logical, x.shape, mesh, "<moe>", warn=False))
     expert, _, mlp = spec(("expert", "embed", "mlp"), w[0])
-    expert_axes = _axes(expert)
+    expert_axes = as_tuple(expert)
     if math.prod(mesh.shape[a] for a in expert_axes) == 1:
         return None
     batch, length, _ = spec(("batch", "length", "embed"), x_BTE)
-    token_axes = _axes(batch) + _axes(length)
+    token_axes = as_tuple(batch) + as_tuple(length)
     # A hidden dimension split over an axis that also splits the tokens cannot be summed over
     # it (different devices hold different tokens there): gather it instead.
-    mlp = tuple(a for a in _axes(mlp) if a not in token_axes) or None
+    mlp = tuple(a for a in as_tuple(mlp) if a not in token_axes) or None
     group = tuple(a for a in expert_axes if a in token_axes)      # tokens gathered over these
-    replicated = tuple(a for a in expert_axes if a not in token_axes) + _axes(mlp)
+    replicated = tuple(a for a in expert_axes if a not in token_axes) + as_tuple(mlp)
     x_spec, k_spec = P(batch, length, None), P(batch, length, None)
     w_specs = (P(expert, None, mlp), P(expert, None, mlp), P(expert, mlp, None))
 

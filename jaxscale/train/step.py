@@ -25,7 +25,7 @@ from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import step_metrics
 from jaxscale.parallel.accumulate import accumulate_per_replica
 from jaxscale.precision import DynamicLossScale, Policy
-from jaxscale.rules import AxisRules, logical_to_mesh_axes, use_rules
+from jaxscale.rules import AxisRules, as_tuple, logical_to_mesh_axes, use_rules
 from jaxscale.train.state import TrainState, merge_trees
 
 # A batch is a dict of arrays sharing the leading `batch` dimension, e.g. {'tokens': (B, T+1)}
@@ -160,14 +160,14 @@ def batch_sharding(rules: AxisRules, mesh: Mesh, shapes: dict[str, tuple[int, ..
 def check_batch_divides(rules: AxisRules, mesh: Mesh, rows: int) -> None:
     """Refuses a global batch that the batch axes do not divide: sharded over fewer devices,
     the rest would repeat their rows' work, silently wasting a share of every step."""
-    axes = tuple(a for a in _as_axes(logical_to_mesh_axes(("batch",), rules.rules)[0])
+    axes = tuple(a for a in as_tuple(logical_to_mesh_axes(("batch",), rules.rules)[0])
                  if mesh.shape.get(a, 1) > 1)
     devices = math.prod(mesh.shape[a] for a in axes)
     if rows % devices == 0:
         return
     spec = AxisRules(rules.rules, indivisible="replicate").spec(("batch",), (rows,), mesh,
                                                                 "<batch>", warn=False)
-    used = math.prod(mesh.shape[a] for a in _as_axes(spec[0]))
+    used = math.prod(mesh.shape[a] for a in as_tuple(spec[0]))
     raise ConfigError(paragraph(
         f"data.batch_size={rows} is not divisible by the {devices} devices of the batch axes",
         f"({', '.join(f'{a}={mesh.shape[a]}' for a in axes)}): it would be split over {used} of",
@@ -175,10 +175,6 @@ def check_batch_divides(rules: AxisRules, mesh: Mesh, rows: int) -> None:
         f"batch compute. Set data.batch_size to a multiple of {devices} (e.g.",
         f"{-(-rows // devices) * devices}), or change the mesh.",
     ))
-
-
-def _as_axes(axes: Any) -> tuple[str, ...]:
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def jit_steps(ctx: StepContext, shardings: TrainState,
