@@ -1,6 +1,7 @@
 """Test set-up: 8 simulated CPU devices (before jax initialises) and strict rank promotion."""
 
 import os
+import shutil
 import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -17,6 +18,19 @@ import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# The command-line runs the tests start (the docs' blocks, the fault and multi-process tests)
+# share one persistent compilation cache for this test run: the same tiny models compile once
+# instead of in every process (a docs walk-through runs `jaxscale` a dozen times). Set after
+# jax is imported, so this process's own compiles stay uncached; emptied when a run starts
+# (below), so every run, like CI's, starts cold.
+JIT_CACHE = os.path.join(ROOT, ".pytest_cache", "jit-cache")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", JIT_CACHE)
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controlling process, before any worker starts
+        shutil.rmtree(JIT_CACHE, ignore_errors=True)
 
 # More meshes, schedules and remat policies of a property that a default test already proves:
 # `@pytest.mark.exhaustive` runs only with JAXSCALE_EXHAUSTIVE=1, so `make test` (and CI, 30
