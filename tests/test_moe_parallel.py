@@ -13,6 +13,7 @@ from flax import nnx
 
 from aot_common import TINY, libtpu_test, run_module
 from jaxscale.config import validate
+from jaxscale.errors import ConfigError
 from jaxscale.models import llama, moe
 from jaxscale.train.loop import Trainer
 from test_moe import _block, _loop, _tiny_moe_config, _train
@@ -21,24 +22,49 @@ from test_moe import _block, _loop, _tiny_moe_config, _train
 def test_the_dense_grouped_matmul_equals_ragged_dot():
     """Off TPU the dropless path runs `grouped_matmul`'s dense form; it equals ragged_dot,
     rows past the last group zero, an empty group included."""
-    from jaxscale.models.moe_dropless import grouped_matmul
+    from jaxscale.models.moe_gmm import grouped_matmul
 
     x = jax.random.normal(jax.random.key(6), (10, 8))
     w = jax.random.normal(jax.random.key(7), (4, 8, 5))
     sizes = jnp.array([3, 0, 4, 2], jnp.int32)
-    dense = np.asarray(grouped_matmul(x, w, sizes, native=False))
-    np.testing.assert_allclose(dense, grouped_matmul(x, w, sizes, native=True), rtol=1e-5,
+    dense = np.asarray(grouped_matmul(x, w, sizes, "dense"))
+    np.testing.assert_allclose(dense, grouped_matmul(x, w, sizes, "ragged_dot"), rtol=1e-5,
                                atol=1e-6)
     np.testing.assert_allclose(dense[3:7], x[3:7] @ w[2], rtol=1e-5, atol=1e-6)
     assert not dense[9].any()
 
 
-def test_the_native_grouped_matmul_vmaps_and_differentiates_as_the_dense_form():
-    """TPU's ragged_dot takes no batch dimensions: `moe_dropless.ragged_dot` folds a vmapped
+def test_megablox_equals_ragged_dot_forward_and_backward():
+    """The Pallas megablox grouped matmul (`moe_gmm.megablox`, interpreted on CPU; on TPU the
+    kernel itself) equals jax's ragged_dot, value and both gradients (megablox's gmm / tgmm
+    backward), with rows past the last group zero (its extra weightless group) and an empty
+    group; 13 rows are padded to the row tile."""
+    from jaxscale.models.moe_gmm import grouped_matmul, megablox_tiling
+
+    keys = jax.random.split(jax.random.key(9), 3)
+    x = jax.random.normal(keys[0], (13, 8))
+    w = jax.random.normal(keys[1], (3, 8, 5))
+    g = jax.random.normal(keys[2], (13, 5))
+    sizes = jnp.array([4, 0, 6], jnp.int32)
+    assert megablox_tiling(13, 8, 5) == (16, 8, 5)
+    loss = lambda kernel: lambda x, w: jnp.sum(grouped_matmul(x, w, sizes, kernel) * g)
+    got = jax.value_and_grad(loss("megablox"), argnums=(0, 1))(x, w)
+    want = jax.value_and_grad(loss("ragged_dot"), argnums=(0, 1))(x, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    out = grouped_matmul(x, w, sizes, "megablox")
+    assert not np.asarray(out[10:]).any() and not np.asarray(got[1][1][1]).any()
+
+
+@pytest.mark.parametrize("kernels", [("ragged_dot",),
+                                     pytest.param(("megablox",), marks=pytest.mark.exhaustive)])
+def test_the_native_grouped_matmuls_vmap_and_differentiate_as_the_dense_form(kernels):
+    """TPU's ragged_dot and megablox (`models/moe_gmm.py`; megablox interpreted on CPU, the
+    Pallas kernel's own gmm/tgmm backward) take no batch dimensions: `_folding` folds a vmapped
     batch into the groups, forward and backward. Under two nested vmaps (pipeline stages:
-    weights batched; per-replica accumulation inside: weights not) its value and gradients
+    weights batched; per-replica accumulation inside: weights not) their values and gradients
     equal the dense form's."""
-    from jaxscale.models.moe_dropless import grouped_matmul
+    from jaxscale.models.moe_gmm import grouped_matmul
 
     keys = jax.random.split(jax.random.key(8), 4)
     x = jax.random.normal(keys[0], (2, 3, 10, 4))          # (stages, replicas, rows, embed)
@@ -46,15 +72,16 @@ def test_the_native_grouped_matmul_vmaps_and_differentiates_as_the_dense_form():
     sizes = jax.random.randint(keys[2], (2, 3, 3), 0, 4).astype(jnp.int32)
     g = jax.random.normal(keys[3], (2, 3, 10, 5))
 
-    def loss(native):
-        per_replica = lambda x, w, s: jax.vmap(lambda xx, ss: grouped_matmul(xx, w, ss, native)
+    def loss(kernel):
+        per_replica = lambda x, w, s: jax.vmap(lambda xx, ss: grouped_matmul(xx, w, ss, kernel)
                                                )(x, s)
         return lambda x, w: jnp.sum(jax.vmap(per_replica)(x, w, sizes) * g)
 
-    got = jax.jit(jax.value_and_grad(loss(True), argnums=(0, 1)))(x, w)
-    want = jax.value_and_grad(loss(False), argnums=(0, 1))(x, w)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    want = jax.value_and_grad(loss("dense"), argnums=(0, 1))(x, w)
+    for kernel in kernels:
+        got = jax.jit(jax.value_and_grad(loss(kernel), argnums=(0, 1)))(x, w)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=kernel)
 
 
 @pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=2, expert=2),
@@ -183,3 +210,85 @@ def test_dropless_expert_parallel_compiles_for_tpu(mesh, tmp_path):
                        f"--config.pipeline.microbatches={microbatches}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "reduce-scatter" in proc.stdout  # the expert group's outputs going home
+
+
+def test_the_ragged_dispatch_plan_sends_every_assignment_to_its_expert_and_back():
+    """`moe_dispatch.plan`, the ragged all-to-all's offsets and sizes, simulated device by device
+    in numpy: every device's sorted assignments land in their experts' devices' buffers (by
+    source device, then expert, within the static buffer) and the way back returns each row to
+    the slot it left."""
+    from jaxscale.models.moe_dispatch import buffer_rows, plan
+
+    rng = np.random.default_rng(0)
+    D, L, n, k = 4, 2, 5, 2
+    experts = np.stack([rng.choice(D * L, size=(n, k), replace=True) for _ in range(D)])
+    experts[0] = 2  # device 0 routes everything to device 1's first expert
+    counts = np.stack([np.bincount(e.reshape(-1), minlength=D * L) for e in experts])
+    sorted_rows = [np.sort(e.reshape(-1)) for e in experts]  # each row named by its expert
+    rows = buffer_rows(n, k, D, L)
+    buffers = [np.full(rows, -1) for _ in range(D)]
+    plans = [plan(jnp.asarray(counts), me, L) for me in range(D)]
+    for src in range(D):
+        starts, sizes, lands, _ = (np.asarray(a) for a in plans[src].send)
+        for dst in range(D):
+            chunk = sorted_rows[src][starts[dst]:starts[dst] + sizes[dst]]
+            buffers[dst][lands[dst]:lands[dst] + sizes[dst]] = chunk
+    for dst in range(D):
+        got = buffers[dst][buffers[dst] >= 0]
+        want = np.concatenate([s[(s // L) == dst] for s in sorted_rows])
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.asarray(plans[dst].local_DL).sum(),
+                                      len(want))
+        assert (buffers[dst][len(want):] == -1).all()
+    back = [np.full(n * k, -1) for _ in range(D)]
+    for src in range(D):  # each buffer's chunks home again
+        starts, sizes, lands, _ = (np.asarray(a) for a in plans[src].back)
+        for dst in range(D):
+            back[dst][lands[dst]:lands[dst] + sizes[dst]] = \
+                buffers[src][starts[dst]:starts[dst] + sizes[dst]]
+    for d in range(D):
+        np.testing.assert_array_equal(back[d], sorted_rows[d])
+
+
+@pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=2, expert=2),
+                                  pytest.param(dict(expert=4, data=2),
+                                               marks=pytest.mark.exhaustive)])
+def test_the_ragged_all_to_all_dispatch_equals_the_loop_and_the_allgather(mesh, monkeypatch):
+    """`model.moe.dispatch=ragged_all_to_all` (models/moe_dispatch.py) with the collective's
+    semantics emulated from an all-gather (XLA:CPU has no ragged-all-to-all): the output equals
+    the per-token loop, and its gradients (the collective's transpose: jax's rule, applied to
+    the emulation) the all-gather dispatch's. Two local experts per device (sorted in the
+    buffer), the hidden width split over tensor."""
+    from jaxscale.mesh import make_mesh
+    from jaxscale.models import moe_dispatch
+    from jaxscale.presets import PRESETS
+    from jaxscale.rules import AxisRules, normalize_rules, use_rules
+
+    device_mesh = make_mesh(mesh, jax.devices())
+    rules = AxisRules(normalize_rules(PRESETS["fsdp_tp"]))
+    x = jax.random.normal(jax.random.key(1), (8, 6, 8))
+    g = jax.random.normal(jax.random.key(2), (8, 6, 8))
+
+    def run(dispatch):
+        block = _block(num_experts=4, experts_per_token=2, dispatch=dispatch)
+
+        @nnx.jit
+        def loss(block, x):
+            def f(block, x):
+                with use_rules(rules, device_mesh):
+                    out = block(x)
+                return jnp.sum(out * g), out
+            return nnx.value_and_grad(f, argnums=(0, 1), has_aux=True)(block, x)
+
+        (_, out), grads = loss(block, x)
+        return block, out, grads
+
+    with pytest.raises(ConfigError, match="XLA on cpu has no ragged-all-to-all"):
+        run("ragged_all_to_all")
+    monkeypatch.setattr(moe_dispatch, "ragged_all_to_all",
+                        moe_dispatch.emulated_ragged_all_to_all)
+    block, out, grads = run("ragged_all_to_all")
+    np.testing.assert_allclose(np.asarray(out), _loop(block, x), rtol=1e-5, atol=1e-6)
+    _, _, want = run("allgather")
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
