@@ -194,22 +194,39 @@ def test_pipeline_stages_carry_the_router_statistics_out(microbatches, repeats):
 @pytest.mark.exhaustive
 @pytest.mark.slow
 @libtpu_test
-@pytest.mark.parametrize("mesh", [
-    dict(expert=4),                                       # the shard_map, ragged_dot unbatched
-    dict(expert=2, pipeline=2, data=2, microbatches=2),  # inside stages and replicas (vmaps)
+@pytest.mark.parametrize("mesh, flags", [
+    # the ragged all-to-all dispatch (auto on TPU), megablox (auto: embed and width of 256)
+    (dict(expert=4), ["--config.model.embed=256", "--config.model.moe.mlp=256"]),
+    (dict(expert=4), ["--config.model.moe.dispatch=allgather"]),  # gathered, ragged_dot
+    (dict(expert=2, pipeline=2, data=2, microbatches=2), []),  # inside stages and replicas
 ])
-def test_dropless_expert_parallel_compiles_for_tpu(mesh, tmp_path):
-    """The TPU lowering of the dropless path (libtpu, ahead of time: launch.compile): jax's
-    ragged_dot there, whose TPU lowering takes no batch dimensions, so under the pipeline's
-    and the replicas' vmaps it must be folded (`moe_dropless.ragged_dot`)."""
+def test_dropless_expert_parallel_compiles_for_tpu(mesh, flags, tmp_path):
+    """The TPU lowering of the dropless path (libtpu, ahead of time: launch.compile): the
+    ragged all-to-all dispatch, its bytes as `aot/traffic.py` expects (every assignment out
+    and back), megablox's Pallas calls; the all-gather dispatch's reduce-scatter; and under
+    the pipeline's and the replicas' vmaps the grouped matmul folded (`moe_gmm._folding`: TPU's
+    ragged dot takes no batch dimensions) and the ragged all-to-all batched."""
+    import json
+
     sizes = {"data": 1, **mesh}
     microbatches = sizes.pop("microbatches", 1)
-    flags = [f"--config.mesh.{axis}={size}" for axis, size in sizes.items()]
+    axes = [f"--config.mesh.{axis}={size}" for axis, size in sizes.items()]
+    out = tmp_path / "report.json"
     proc = run_module(["launch.compile", f"--topology=v5p:2x2x{math.prod(sizes.values()) // 4}",
-                       *TINY, "--config.model.moe.num_experts=4", *flags,
-                       f"--config.pipeline.microbatches={microbatches}"], tmp_path)
+                       *TINY, "--config.model.moe.num_experts=4", *axes, *flags,
+                       f"--config.pipeline.microbatches={microbatches}", f"--out={out}"],
+                      tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "reduce-scatter" in proc.stdout  # the expert group's outputs going home
+    report = json.loads(out.read_text())
+    ragged = [c for c in report["collectives"] if c["name"].startswith("ragged_all_to_all")]
+    if "--config.model.moe.dispatch=allgather" in flags:
+        assert not ragged and "reduce-scatter" in proc.stdout
+        return
+    assert ragged
+    if flags:  # megablox's kernels; the dispatch's bytes as expected
+        assert report["kernel_calls"] > 0
+        sent = sum(c["bytes"] * c["executions"] for c in ragged)
+        assert sent == report["expected_collectives"]["all-to-all"]
 
 
 def test_the_ragged_dispatch_plan_sends_every_assignment_to_its_expert_and_back():
@@ -292,3 +309,46 @@ def test_the_ragged_all_to_all_dispatch_equals_the_loop_and_the_allgather(mesh, 
     _, _, want = run("allgather")
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+_RAGGED_HLO = """HloModule m, num_partitions=4
+
+ENTRY %main (p0: bf16[8,16], p1: bf16[32,16], o: s32[4], x: bf16[64,32]) -> (bf16[32,16], bf16[64,128]) {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[32,16]{1,0} parameter(1)
+  %o = s32[4]{0} parameter(2)
+  %ragged_all_to_all.1 = bf16[32,16]{1,0} ragged-all-to-all(%p0, %p1, %o, %o, %o, /*index=5*/%o), channel_id=1, replica_groups={{0,1,2,3}}
+  %x = bf16[64,32]{1,0} parameter(3)
+  %pallas_call.1 = bf16[64,128]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "e30=", "cost_estimate": {"bytes_accessed":1,"flops":524288,"transcendentals":0}}}
+  ROOT %t = (bf16[32,16]{1,0}, bf16[64,128]{1,0}) tuple(%ragged_all_to_all.1, %pallas_call.1)
+}
+"""
+
+
+def test_the_hlo_reader_counts_ragged_all_to_alls_and_pallas_cost_estimates():
+    """`aot/hlo.py` on the dropless dispatch's ops (as libtpu writes them): a ragged-all-to-all
+    is an all-to-all of the rows sent (its 8-row operand, not its 32-row receive buffer), and a
+    Pallas kernel's cost estimate (megablox's) counts in the FLOPs and the grouped FLOPs."""
+    from jaxscale.aot import hlo
+
+    module = hlo.parse(_RAGGED_HLO)
+    (a2a,) = hlo.collectives(module)
+    assert (a2a.kind, a2a.bytes, a2a.group) == ("all-to-all", 8 * 16 * 2, 4)
+    assert hlo.flops(module) == hlo.grouped_flops(module) == 524288
+
+
+def test_the_ragged_dispatch_traffic_is_every_assignment_out_and_back():
+    """`aot/traffic.moe_ragged_bytes`: the Mixtral preset dropless on v5p-128 (expert=8 x
+    fsdp=8, tokens over both): each chip's 4 x 4096 tokens x 2 choices x embed 4096 in bf16,
+    6 ragged all-to-alls a layer under full remat, 32 layers; none with dispatch=allgather."""
+    from jaxscale.aot.traffic import moe_all_to_all_bytes
+    from jaxscale.configs import mixtral
+    from jaxscale.mesh import MESH_AXES
+
+    c = mixtral.get_config("8x7b,v5p-128")
+    c.model.moe.capacity_factor = 0.0
+    assert (c.mesh.fsdp, c.mesh.expert) == (8, 8)
+    mesh = jax.sharding.AbstractMesh(tuple(c.mesh[a] for a in MESH_AXES), MESH_AXES)
+    assert moe_all_to_all_bytes(c, mesh) == 32 * 6 * (4 * 4096) * 2 * 4096 * 2
+    c.model.moe.dispatch = "allgather"
+    assert moe_all_to_all_bytes(c, mesh) == 0.0

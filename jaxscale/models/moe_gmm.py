@@ -114,9 +114,16 @@ def megablox(x_ME: jax.Array, w_XEF: jax.Array, sizes_X: jax.Array) -> jax.Array
 
 def megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
     """Megablox's (rows, contracted, output) tile: 512 rows (fewer for a short input, a multiple
-    of 8) and 512-wide k and n tiles, or the whole dimension where it is narrower (a TPU block's
-    last dimensions are multiples of 128 or whole; megablox masks a ragged last k or n tile)."""
-    return (min(512, -(-m // 8) * 8), min(512, k), min(512, n))
+    of 8), and one width for k and n, since the backward pass swaps them (its `gmm` with the
+    weights transposed): the largest of 512, 256, 128 dividing both (TPU blocks' last dimension
+    is a multiple of 128 or the whole array's). Dimensions that are not multiples of 128 get
+    whole-dimension tiles, which only interpret mode runs (`resolve_kernel` refuses them on
+    TPU)."""
+    rows = min(512, -(-m // 8) * 8)
+    if k % 128 or n % 128:
+        return (rows, k, n)
+    width = next(t for t in (512, 256, 128) if k % t == 0 and n % t == 0)
+    return (rows, width, width)
 
 
 FOLDED = {"ragged_dot": _folding(jax.lax.ragged_dot), "megablox": _folding(megablox)}
@@ -146,11 +153,14 @@ def resolve_kernel(choice: str, embed: int, width: int, dtype: Any) -> str:
         if platform != "tpu":
             return "dense"
         return "megablox" if fits and supported else "ragged_dot"
-    if choice == "megablox" and (platform not in ("tpu", "cpu") or not supported):
+    if choice == "megablox" and (platform not in ("tpu", "cpu") or not supported
+                                 or (platform == "tpu" and not fits)):
         raise ConfigError(paragraph(
             f"model.moe.grouped_matmul='megablox' cannot run here (platform {platform}, compute",
-            f"dtype {jnp.dtype(dtype).name}): megablox is a Pallas TPU kernel on bfloat16 or",
-            "float32 operands (on CPU it runs interpreted, for tests). Use",
+            f"dtype {jnp.dtype(dtype).name}, embed {embed}, expert width {width} a device):",
+            "megablox is a Pallas TPU kernel on bfloat16 or float32 operands whose tiles need",
+            "the embed and the per-device expert width (model.moe.mlp over mesh.tensor) to be",
+            "multiples of 128 (on CPU it runs interpreted, for tests). Use",
             "model.moe.grouped_matmul=auto or ragged_dot, or a bf16/f32 precision policy."))
     return choice
 
