@@ -352,3 +352,21 @@ def test_the_ragged_dispatch_traffic_is_every_assignment_out_and_back():
     assert moe_all_to_all_bytes(c, mesh) == 32 * 6 * (4 * 4096) * 2 * 4096 * 2
     c.model.moe.dispatch = "allgather"
     assert moe_all_to_all_bytes(c, mesh) == 0.0
+
+
+def test_the_kernel_and_dispatch_choices_are_checked_in_one_paragraph():
+    """`model.moe.grouped_matmul` / `dispatch` outside their choices, and megablox on an
+    operand type it does not take, are ConfigErrors naming the field; auto is the dense form
+    and the all-gather on CPU."""
+    from jaxscale.models.moe_dispatch import resolve_dispatch
+    from jaxscale.models.moe_gmm import resolve_kernel
+
+    for field in ("grouped_matmul", "dispatch"):
+        with pytest.raises(ConfigError, match=f"model.moe.{field}='bogus' is not one of"):
+            moe.check_moe({"moe": {"num_experts": 4, field: "bogus"}})
+    with pytest.raises(ConfigError, match="grouped_matmul='megablox' cannot run here"):
+        resolve_kernel("megablox", 128, 128, jnp.float16)
+    assert resolve_kernel("auto", 128, 128, jnp.bfloat16) == "dense"
+    assert resolve_dispatch("auto", "cpu", ("expert",), ("expert",)) == "allgather"
+    assert resolve_dispatch("auto", "tpu", ("expert",), ("expert",)) == "ragged_all_to_all"
+    assert resolve_dispatch("auto", "tpu", (), ("expert",)) == "allgather"
