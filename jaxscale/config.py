@@ -72,7 +72,8 @@ def base_config() -> mlc.ConfigDict:
         # capacity_factor 0 = dropless; every = MoE on every n-th layer (1 only, for now)
         moe=mlc.ConfigDict(dict(num_experts=0, experts_per_token=2, norm_topk_prob=True, mlp=0,
                                 shared_experts=0, capacity_factor=0.0,
-                                router_aux_loss_coef=0.01, router_z_loss_coef=0.0, every=1))))
+                                router_aux_loss_coef=0.01, router_z_loss_coef=0.0, every=1,
+                                grouped_matmul="auto", dispatch="auto"))))
     c.data = mlc.ConfigDict(dict(
         corpus="stdlib",           # stdlib | digits | files (implied by a non-empty `sources`)
         max_bytes=4_000_000, seq_len=128, batch_size=32, eval_batches=4, part="all",

@@ -13,6 +13,7 @@ from flax import nnx
 
 from aot_common import TINY, libtpu_test, run_module
 from jaxscale.config import validate
+from jaxscale.errors import ConfigError
 from jaxscale.models import llama, moe
 from jaxscale.train.loop import Trainer
 from test_moe import _block, _loop, _tiny_moe_config, _train
@@ -21,24 +22,49 @@ from test_moe import _block, _loop, _tiny_moe_config, _train
 def test_the_dense_grouped_matmul_equals_ragged_dot():
     """Off TPU the dropless path runs `grouped_matmul`'s dense form; it equals ragged_dot,
     rows past the last group zero, an empty group included."""
-    from jaxscale.models.moe_dropless import grouped_matmul
+    from jaxscale.models.moe_gmm import grouped_matmul
 
     x = jax.random.normal(jax.random.key(6), (10, 8))
     w = jax.random.normal(jax.random.key(7), (4, 8, 5))
     sizes = jnp.array([3, 0, 4, 2], jnp.int32)
-    dense = np.asarray(grouped_matmul(x, w, sizes, native=False))
-    np.testing.assert_allclose(dense, grouped_matmul(x, w, sizes, native=True), rtol=1e-5,
+    dense = np.asarray(grouped_matmul(x, w, sizes, "dense"))
+    np.testing.assert_allclose(dense, grouped_matmul(x, w, sizes, "ragged_dot"), rtol=1e-5,
                                atol=1e-6)
     np.testing.assert_allclose(dense[3:7], x[3:7] @ w[2], rtol=1e-5, atol=1e-6)
     assert not dense[9].any()
 
 
-def test_the_native_grouped_matmul_vmaps_and_differentiates_as_the_dense_form():
-    """TPU's ragged_dot takes no batch dimensions: `moe_dropless.ragged_dot` folds a vmapped
+def test_megablox_equals_ragged_dot_forward_and_backward():
+    """The Pallas megablox grouped matmul (`moe_gmm.megablox`, interpreted on CPU; on TPU the
+    kernel itself) equals jax's ragged_dot, value and both gradients (megablox's gmm / tgmm
+    backward), with rows past the last group zero (its extra weightless group) and an empty
+    group; 13 rows are padded to the row tile."""
+    from jaxscale.models.moe_gmm import grouped_matmul, megablox_tiling
+
+    keys = jax.random.split(jax.random.key(9), 3)
+    x = jax.random.normal(keys[0], (13, 8))
+    w = jax.random.normal(keys[1], (3, 8, 5))
+    g = jax.random.normal(keys[2], (13, 5))
+    sizes = jnp.array([4, 0, 6], jnp.int32)
+    assert megablox_tiling(13, 8, 5) == (16, 8, 5)
+    loss = lambda kernel: lambda x, w: jnp.sum(grouped_matmul(x, w, sizes, kernel) * g)
+    got = jax.value_and_grad(loss("megablox"), argnums=(0, 1))(x, w)
+    want = jax.value_and_grad(loss("ragged_dot"), argnums=(0, 1))(x, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    out = grouped_matmul(x, w, sizes, "megablox")
+    assert not np.asarray(out[10:]).any() and not np.asarray(got[1][1][1]).any()
+
+
+@pytest.mark.parametrize("kernels", [("ragged_dot",),
+                                     pytest.param(("megablox",), marks=pytest.mark.exhaustive)])
+def test_the_native_grouped_matmuls_vmap_and_differentiate_as_the_dense_form(kernels):
+    """TPU's ragged_dot and megablox (`models/moe_gmm.py`; megablox interpreted on CPU, the
+    Pallas kernel's own gmm/tgmm backward) take no batch dimensions: `_folding` folds a vmapped
     batch into the groups, forward and backward. Under two nested vmaps (pipeline stages:
-    weights batched; per-replica accumulation inside: weights not) its value and gradients
+    weights batched; per-replica accumulation inside: weights not) their values and gradients
     equal the dense form's."""
-    from jaxscale.models.moe_dropless import grouped_matmul
+    from jaxscale.models.moe_gmm import grouped_matmul
 
     keys = jax.random.split(jax.random.key(8), 4)
     x = jax.random.normal(keys[0], (2, 3, 10, 4))          # (stages, replicas, rows, embed)
@@ -46,15 +72,16 @@ def test_the_native_grouped_matmul_vmaps_and_differentiates_as_the_dense_form():
     sizes = jax.random.randint(keys[2], (2, 3, 3), 0, 4).astype(jnp.int32)
     g = jax.random.normal(keys[3], (2, 3, 10, 5))
 
-    def loss(native):
-        per_replica = lambda x, w, s: jax.vmap(lambda xx, ss: grouped_matmul(xx, w, ss, native)
+    def loss(kernel):
+        per_replica = lambda x, w, s: jax.vmap(lambda xx, ss: grouped_matmul(xx, w, ss, kernel)
                                                )(x, s)
         return lambda x, w: jnp.sum(jax.vmap(per_replica)(x, w, sizes) * g)
 
-    got = jax.jit(jax.value_and_grad(loss(True), argnums=(0, 1)))(x, w)
-    want = jax.value_and_grad(loss(False), argnums=(0, 1))(x, w)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    want = jax.value_and_grad(loss("dense"), argnums=(0, 1))(x, w)
+    for kernel in kernels:
+        got = jax.jit(jax.value_and_grad(loss(kernel), argnums=(0, 1)))(x, w)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=kernel)
 
 
 @pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=2, expert=2),
@@ -167,19 +194,179 @@ def test_pipeline_stages_carry_the_router_statistics_out(microbatches, repeats):
 @pytest.mark.exhaustive
 @pytest.mark.slow
 @libtpu_test
-@pytest.mark.parametrize("mesh", [
-    dict(expert=4),                                       # the shard_map, ragged_dot unbatched
-    dict(expert=2, pipeline=2, data=2, microbatches=2),  # inside stages and replicas (vmaps)
+@pytest.mark.parametrize("mesh, flags", [
+    # the ragged all-to-all dispatch (auto on TPU), megablox (auto: embed and width of 256)
+    (dict(expert=4), ["--config.model.embed=256", "--config.model.moe.mlp=256"]),
+    (dict(expert=4), ["--config.model.moe.dispatch=allgather"]),  # gathered, ragged_dot
+    (dict(expert=2, pipeline=2, data=2, microbatches=2), []),  # inside stages and replicas
 ])
-def test_dropless_expert_parallel_compiles_for_tpu(mesh, tmp_path):
-    """The TPU lowering of the dropless path (libtpu, ahead of time: launch.compile): jax's
-    ragged_dot there, whose TPU lowering takes no batch dimensions, so under the pipeline's
-    and the replicas' vmaps it must be folded (`moe_dropless.ragged_dot`)."""
+def test_dropless_expert_parallel_compiles_for_tpu(mesh, flags, tmp_path):
+    """The TPU lowering of the dropless path (libtpu, ahead of time: launch.compile): the
+    ragged all-to-all dispatch, its bytes as `aot/traffic.py` expects (every assignment out
+    and back), megablox's Pallas calls; the all-gather dispatch's reduce-scatter; and under
+    the pipeline's and the replicas' vmaps the grouped matmul folded (`moe_gmm._folding`: TPU's
+    ragged dot takes no batch dimensions) and the ragged all-to-all batched."""
+    import json
+
     sizes = {"data": 1, **mesh}
     microbatches = sizes.pop("microbatches", 1)
-    flags = [f"--config.mesh.{axis}={size}" for axis, size in sizes.items()]
+    axes = [f"--config.mesh.{axis}={size}" for axis, size in sizes.items()]
+    out = tmp_path / "report.json"
     proc = run_module(["launch.compile", f"--topology=v5p:2x2x{math.prod(sizes.values()) // 4}",
-                       *TINY, "--config.model.moe.num_experts=4", *flags,
-                       f"--config.pipeline.microbatches={microbatches}"], tmp_path)
+                       *TINY, "--config.model.moe.num_experts=4", *axes, *flags,
+                       f"--config.pipeline.microbatches={microbatches}", f"--out={out}"],
+                      tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "reduce-scatter" in proc.stdout  # the expert group's outputs going home
+    report = json.loads(out.read_text())
+    ragged = [c for c in report["collectives"] if c["name"].startswith("ragged_all_to_all")]
+    if "--config.model.moe.dispatch=allgather" in flags:
+        assert not ragged and "reduce-scatter" in proc.stdout
+        return
+    assert ragged
+    if flags:  # megablox's kernels; the dispatch's bytes as expected
+        assert report["kernel_calls"] > 0
+        sent = sum(c["bytes"] * c["executions"] for c in ragged)
+        assert sent == report["expected_collectives"]["all-to-all"]
+
+
+def test_the_ragged_dispatch_plan_sends_every_assignment_to_its_expert_and_back():
+    """`moe_dispatch.plan`, the ragged all-to-all's offsets and sizes, simulated device by device
+    in numpy: every device's sorted assignments land in their experts' devices' buffers (by
+    source device, then expert, within the static buffer) and the way back returns each row to
+    the slot it left."""
+    from jaxscale.models.moe_dispatch import buffer_rows, plan
+
+    rng = np.random.default_rng(0)
+    D, L, n, k = 4, 2, 5, 2
+    experts = np.stack([rng.choice(D * L, size=(n, k), replace=True) for _ in range(D)])
+    experts[0] = 2  # device 0 routes everything to device 1's first expert
+    counts = np.stack([np.bincount(e.reshape(-1), minlength=D * L) for e in experts])
+    sorted_rows = [np.sort(e.reshape(-1)) for e in experts]  # each row named by its expert
+    rows = buffer_rows(n, k, D, L)
+    buffers = [np.full(rows, -1) for _ in range(D)]
+    plans = [plan(jnp.asarray(counts), me, L) for me in range(D)]
+    for src in range(D):
+        starts, sizes, lands, _ = (np.asarray(a) for a in plans[src].send)
+        for dst in range(D):
+            chunk = sorted_rows[src][starts[dst]:starts[dst] + sizes[dst]]
+            buffers[dst][lands[dst]:lands[dst] + sizes[dst]] = chunk
+    for dst in range(D):
+        got = buffers[dst][buffers[dst] >= 0]
+        want = np.concatenate([s[(s // L) == dst] for s in sorted_rows])
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.asarray(plans[dst].local_DL).sum(),
+                                      len(want))
+        assert (buffers[dst][len(want):] == -1).all()
+    back = [np.full(n * k, -1) for _ in range(D)]
+    for src in range(D):  # each buffer's chunks home again
+        starts, sizes, lands, _ = (np.asarray(a) for a in plans[src].back)
+        for dst in range(D):
+            back[dst][lands[dst]:lands[dst] + sizes[dst]] = \
+                buffers[src][starts[dst]:starts[dst] + sizes[dst]]
+    for d in range(D):
+        np.testing.assert_array_equal(back[d], sorted_rows[d])
+
+
+@pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=2, expert=2),
+                                  pytest.param(dict(expert=4, data=2),
+                                               marks=pytest.mark.exhaustive)])
+def test_the_ragged_all_to_all_dispatch_equals_the_loop_and_the_allgather(mesh, monkeypatch):
+    """`model.moe.dispatch=ragged_all_to_all` (models/moe_dispatch.py) with the collective's
+    semantics emulated from an all-gather (XLA:CPU has no ragged-all-to-all): the output equals
+    the per-token loop, and its gradients (the collective's transpose: jax's rule, applied to
+    the emulation) the all-gather dispatch's. Two local experts per device (sorted in the
+    buffer), the hidden width split over tensor."""
+    from jaxscale.mesh import make_mesh
+    from jaxscale.models import moe_dispatch
+    from jaxscale.presets import PRESETS
+    from jaxscale.rules import AxisRules, normalize_rules, use_rules
+
+    device_mesh = make_mesh(mesh, jax.devices())
+    rules = AxisRules(normalize_rules(PRESETS["fsdp_tp"]))
+    x = jax.random.normal(jax.random.key(1), (8, 6, 8))
+    g = jax.random.normal(jax.random.key(2), (8, 6, 8))
+
+    def run(dispatch):
+        block = _block(num_experts=4, experts_per_token=2, dispatch=dispatch)
+
+        @nnx.jit
+        def loss(block, x):
+            def f(block, x):
+                with use_rules(rules, device_mesh):
+                    out = block(x)
+                return jnp.sum(out * g), out
+            return nnx.value_and_grad(f, argnums=(0, 1), has_aux=True)(block, x)
+
+        (_, out), grads = loss(block, x)
+        return block, out, grads
+
+    with pytest.raises(ConfigError, match="XLA on cpu has no ragged-all-to-all"):
+        run("ragged_all_to_all")
+    monkeypatch.setattr(moe_dispatch, "ragged_all_to_all",
+                        moe_dispatch.emulated_ragged_all_to_all)
+    block, out, grads = run("ragged_all_to_all")
+    np.testing.assert_allclose(np.asarray(out), _loop(block, x), rtol=1e-5, atol=1e-6)
+    _, _, want = run("allgather")
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+_RAGGED_HLO = """HloModule m, num_partitions=4
+
+ENTRY %main (p0: bf16[8,16], p1: bf16[32,16], o: s32[4], x: bf16[64,32]) -> (bf16[32,16], bf16[64,128]) {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[32,16]{1,0} parameter(1)
+  %o = s32[4]{0} parameter(2)
+  %ragged_all_to_all.1 = bf16[32,16]{1,0} ragged-all-to-all(%p0, %p1, %o, %o, %o, /*index=5*/%o), channel_id=1, replica_groups={{0,1,2,3}}
+  %x = bf16[64,32]{1,0} parameter(3)
+  %pallas_call.1 = bf16[64,128]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "e30=", "cost_estimate": {"bytes_accessed":1,"flops":524288,"transcendentals":0}}}
+  ROOT %t = (bf16[32,16]{1,0}, bf16[64,128]{1,0}) tuple(%ragged_all_to_all.1, %pallas_call.1)
+}
+"""
+
+
+def test_the_hlo_reader_counts_ragged_all_to_alls_and_pallas_cost_estimates():
+    """`aot/hlo.py` on the dropless dispatch's ops (as libtpu writes them): a ragged-all-to-all
+    is an all-to-all of the rows sent (its 8-row operand, not its 32-row receive buffer), and a
+    Pallas kernel's cost estimate (megablox's) counts in the FLOPs and the grouped FLOPs."""
+    from jaxscale.aot import hlo
+
+    module = hlo.parse(_RAGGED_HLO)
+    (a2a,) = hlo.collectives(module)
+    assert (a2a.kind, a2a.bytes, a2a.group) == ("all-to-all", 8 * 16 * 2, 4)
+    assert hlo.flops(module) == hlo.grouped_flops(module) == 524288
+
+
+def test_the_ragged_dispatch_traffic_is_every_assignment_out_and_back():
+    """`aot/traffic.moe_ragged_bytes`: the Mixtral preset dropless on v5p-128 (expert=8 x
+    fsdp=8, tokens over both): each chip's 4 x 4096 tokens x 2 choices x embed 4096 in bf16,
+    6 ragged all-to-alls a layer under full remat, 32 layers; none with dispatch=allgather."""
+    from jaxscale.aot.traffic import moe_all_to_all_bytes
+    from jaxscale.configs import mixtral
+    from jaxscale.mesh import MESH_AXES
+
+    c = mixtral.get_config("8x7b,v5p-128")
+    c.model.moe.capacity_factor = 0.0
+    assert (c.mesh.fsdp, c.mesh.expert) == (8, 8)
+    mesh = jax.sharding.AbstractMesh(tuple(c.mesh[a] for a in MESH_AXES), MESH_AXES)
+    assert moe_all_to_all_bytes(c, mesh) == 32 * 6 * (4 * 4096) * 2 * 4096 * 2
+    c.model.moe.dispatch = "allgather"
+    assert moe_all_to_all_bytes(c, mesh) == 0.0
+
+
+def test_the_kernel_and_dispatch_choices_are_checked_in_one_paragraph():
+    """`model.moe.grouped_matmul` / `dispatch` outside their choices, and megablox on an
+    operand type it does not take, are ConfigErrors naming the field; auto is the dense form
+    and the all-gather on CPU."""
+    from jaxscale.models.moe_dispatch import resolve_dispatch
+    from jaxscale.models.moe_gmm import resolve_kernel
+
+    for field in ("grouped_matmul", "dispatch"):
+        with pytest.raises(ConfigError, match=f"model.moe.{field}='bogus' is not one of"):
+            moe.check_moe({"moe": {"num_experts": 4, field: "bogus"}})
+    with pytest.raises(ConfigError, match="grouped_matmul='megablox' cannot run here"):
+        resolve_kernel("megablox", 128, 128, jnp.float16)
+    assert resolve_kernel("auto", 128, 128, jnp.bfloat16) == "dense"
+    assert resolve_dispatch("auto", "cpu", ("expert",), ("expert",)) == "allgather"
+    assert resolve_dispatch("auto", "tpu", ("expert",), ("expert",)) == "ragged_all_to_all"
+    assert resolve_dispatch("auto", "tpu", (), ("expert",)) == "allgather"

@@ -14,7 +14,9 @@ Across slices libtpu compiles one slice's program and hands the collectives that
 its Megascale runtime as host-transfer sends: those count as DCN collectives, and what only
 feeds a send stays live. Bytes: the gathered result for all-gather, the input for
 reduce-scatter, the payload otherwise; for a collective-permute the payload times the fraction
-of devices sending.
+of devices sending. A `ragged-all-to-all` (the dropless MoE's dispatch, `models/moe_dispatch.py`)
+counts as an all-to-all of the smaller of its operand and output buffers: one is the static
+worst-case receive buffer, the other the rows actually sent (each device's assignments).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _RAGGED = re.compile(r"lhs_ragged_dims=\{(\d+)\}")
 _CHANNEL = re.compile(r"channel_id=(\d+)")
 _FUSED_COLLECTIVE = "all-reduce-scatter"  # libtpu's reduce-scatter, as a fusion
+_RAGGED_A2A = "ragged-all-to-all"
+_KERNEL_FLOPS = re.compile(r'"cost_estimate":\s*\{[^}]*"flops":\s*(\d+)')
 # Multi-slice: libtpu compiles one slice's program and hands the collectives that cross slices
 # to the Megascale runtime as host-transfer `send`s, their kind and groups in attributes.
 _MEGASCALE_KIND = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
@@ -253,9 +257,15 @@ def collectives(module: Module | str, slice_of: list[int] | None = None) -> list
             if kind == "send" and _MEGASCALE_KIND.search(ins.rest):
                 found.append((comp, _megascale(ins, count, looped,
                                                len(set(slice_of)) if slice_of else 2)))
+            ragged = kind == _RAGGED_A2A
+            if ragged:
+                kind = "all-to-all"
             if kind not in KINDS:
                 continue
             size = shape_bytes(ins.shape)
+            if ragged:  # operand 0 is the data sent, the result the receive buffer
+                sent = _OP.findall(ins.rest.split(")")[0])[:1]
+                size = min([size] + [shape_bytes(shapes[o]) for o in sent if o in shapes])
             if comp.startswith(_FUSED_COLLECTIVE):  # the all-reduce of a reduce-scatter fusion
                 kind = "reduce-scatter"
             if kind == "reduce-scatter" or (kind == "all-gather" and ins.opcode.endswith(
@@ -385,11 +395,68 @@ def dot_flops(module: Module) -> dict[str, float]:
             types = {m.group(1) for m in (_ARRAY.search(lhs), _ARRAY.search(rhs)) if m}
             total[types.pop() if len(types) == 1 else "mixed"] += (
                 2.0 * math.prod(out) * k * count / groups)
+    kernels = kernel_cost_flops(module)
+    if kernels:
+        total["pallas"] += kernels
     return dict(total)
 
 
+def kernel_cost_flops(module: Module) -> float:
+    """FLOPs per device per step of Pallas TPU kernels that carry a cost estimate in their
+    backend config (megablox's grouped matmuls: 2 x rows x k x n of its static row count, an
+    upper bound like a ragged-dot's, `grouped_flops`), loop bodies x trip counts; 0 for kernels
+    without one (splash attention, counted analytically by `aot.flops.kernel_flops`)."""
+    total = 0.0
+    counts = _summed_counts(module)
+    for comp, instrs in module.live.items():
+        count = counts.get(comp, 0)
+        for ins in instrs:
+            m = _KERNEL_FLOPS.search(ins.rest) if ins.opcode == "custom-call" else None
+            if m and count and 'custom_call_target="tpu_custom_call"' in ins.rest:
+                total += float(m.group(1)) * count
+    return total
+
+
+def _summed_counts(module: Module) -> dict[str, int]:
+    """Executions per step of each computation, summed over its call sites: a jitted function
+    called from several places (megablox's `gmm`, once per grouped matmul of a layer) is one
+    computation that `Module.mult` (the most executions of any one site) counts once."""
+    callers: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for comp, instrs in module.live.items():
+        for instr in instrs:
+            trip = _trip_count(module, instr) if instr.opcode == "while" else 1
+            for single, many in _CALLS.findall(instr.rest):
+                for callee in [single] if single else _OP.findall(many):
+                    body = instr.opcode == "while" and f"body=%{callee}" in instr.rest
+                    callers[callee].append((comp, trip if body else 1))
+
+    @functools.cache
+    def count(comp: str) -> int:
+        if comp == module.entry:
+            return 1
+        return sum(count(caller) * factor for caller, factor in callers.get(comp, []))
+
+    return {comp: count(comp) for comp in module.live}
+
+
+def grouped_flops(module: Module) -> float:
+    """The part of `flops` in grouped matmuls (`ragged-dot`s and cost-estimated Pallas kernels,
+    the dropless MoE's), counted at their static row counts: every row of the (gathered or
+    worst-case received) buffer, while only the routed rows are multiplied. Subtract it and add
+    the routed count to compare with the model (bench/RESULTS.md, dropless MoE)."""
+    ragged = dot_flops(_only(module, "ragged-dot"))
+    return sum(ragged.values()) + kernel_cost_flops(module)
+
+
+def _only(module: Module, opcode: str) -> Module:
+    live = {c: [i for i in instrs if i.opcode == opcode] for c, instrs in module.live.items()}
+    return Module(module.comps, module.params, module.entry, module.partitions, module.mult,
+                  live)
+
+
 def flops(module: Module) -> float:
-    """Matmul FLOPs per device per step, all operand types (`dot_flops`)."""
+    """Matmul FLOPs per device per step, all operand types (`dot_flops`), with Pallas kernels'
+    own cost estimates (`kernel_cost_flops`)."""
     return sum(dot_flops(module).values())
 
 

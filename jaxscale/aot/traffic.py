@@ -8,8 +8,16 @@ mesh axes and computed with experts over `expert`, so the reshard between the tw
 all-to-all over `expert`, of the buffer's per-chip share each way: tokens to their experts and
 the experts' outputs back (2 a layer in the forward pass), their transposes in the backward pass
 (2 more), and the forward pair again where remat recomputes the layer (every `model.remat` but
-`none`). The dropless path (grouped matmul) has no dispatch to count here; with `mesh.expert` 1
-the buffers never move.
+`none`). With `mesh.expert` 1 the buffers never move.
+
+**MoE dropless dispatch** (`models/moe_dispatch.py`, `model.moe.dispatch` ragged_all_to_all, or
+auto on TPU). Each chip sends its n tokens' n x k assignments (embed E, compute dtype) to their
+experts' devices and receives as many back: 2 ragged all-to-alls a layer forward, 2 in the
+backward pass, 2 more under remat, each of n x k x E elements (`aot/hlo.py` counts the smaller of
+the op's send and receive buffers: the rows sent). This is exact whatever the routing (every
+assignment travels once; the share a device keeps for itself is counted too, as for the
+all-to-all). The all-gather dispatch moves expert-axis x n tokens instead and has no separate
+expectation here (it mixes with FSDP's gathers).
 
 **Attention across sequence shards** (`models/context.py`). With `mesh.context` x
 `mesh.dcn_context` = n > 1, each chip holds `rows` sequences' T/n tokens and K/tensor kv heads of
@@ -53,8 +61,10 @@ def moe_all_to_all_bytes(config: mlc.ConfigDict, mesh) -> float:
     from jaxscale.rules import AxisRules
 
     moe = MoEConfig.from_config(config.model.get("moe"))
-    if not moe.num_experts or moe.capacity_factor <= 0 or mesh.shape.get("expert", 1) <= 1:
+    if not moe.num_experts or mesh.shape.get("expert", 1) <= 1:
         return 0.0
+    if moe.capacity_factor <= 0:
+        return moe_ragged_bytes(config, mesh)
     rows, t, x = config.data.batch_size, config.data.seq_len, moe.num_experts
     shape = (rows, x, capacity(moe.capacity_factor, t * moe.experts_per_token, x),
              config.model.embed)
@@ -64,6 +74,28 @@ def moe_all_to_all_bytes(config: mlc.ConfigDict, mesh) -> float:
     itemsize = _compute_bytes(config)
     per_layer = 4 + 2 * (config.model.get("remat", "none") != "none")
     return config.model.num_layers * per_layer * math.prod(shape) * itemsize / shards
+
+
+def moe_ragged_bytes(config: mlc.ConfigDict, mesh) -> float:
+    """Ragged all-to-all bytes per chip per step of the dropless dispatch on `mesh` (0 when it
+    does not run: `model.moe.dispatch=allgather`, or auto where the expert axes do not split the
+    tokens). n: the step's tokens over the mesh axes that split `batch` and `length`."""
+    from jaxscale.models.moe import MoEConfig  # lazy: jax
+    from jaxscale.rules import AxisRules, as_tuple
+
+    moe = MoEConfig.from_config(config.model.get("moe"))
+    if moe.dispatch == "allgather":
+        return 0.0
+    b, t, e = config.data.batch_size, config.data.seq_len, config.model.embed
+    batch, length, _ = AxisRules.from_config(config).spec(("batch", "length", "embed"),
+                                                          (b, t, e), mesh, warn=False)
+    token_axes = as_tuple(batch) + as_tuple(length)
+    if "expert" not in token_axes:
+        return 0.0
+    tokens = b * t / math.prod(mesh.shape[a] for a in token_axes)
+    per_layer = 4 + 2 * (config.model.get("remat", "none") != "none")
+    return (config.model.num_layers * per_layer * tokens * moe.experts_per_token * e
+            * _compute_bytes(config))
 
 
 def attention_traffic(config: mlc.ConfigDict) -> dict[str, Any] | None:

@@ -58,6 +58,10 @@ METRICS = {"aux": "moe_aux_loss", "z": "moe_z_loss", "dropped": "moe_dropped",
            "load_max": "moe_load_max", "load_min": "moe_load_min"}
 
 
+GROUPED_MATMULS = ("auto", "ragged_dot", "megablox", "dense")
+DISPATCHES = ("auto", "allgather", "ragged_all_to_all")
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """`config.model.moe`: num_experts 0 keeps the dense MLP."""
@@ -71,6 +75,10 @@ class MoEConfig:
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
     every: int = 1               # MoE on every n-th layer (only 1, every layer, for now)
+    # Dropless only (`models/moe_dropless.py`): the grouped matmul's kernel and, with an expert
+    # axis, how tokens reach their experts; "auto" picks by platform and shapes.
+    grouped_matmul: str = "auto"  # auto | ragged_dot | megablox | dense
+    dispatch: str = "auto"        # auto | allgather | ragged_all_to_all
 
     @classmethod
     def from_config(cls, moe_cfg: Mapping[str, Any] | None) -> "MoEConfig":
@@ -115,6 +123,16 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             f"model.moe.router_aux_loss_coef={moe.router_aux_loss_coef} and",
             f"model.moe.router_z_loss_coef={moe.router_z_loss_coef} must be >= 0 (0: the loss is",
             "reported but not trained on).")
+    require(moe.grouped_matmul in GROUPED_MATMULS,
+            f"model.moe.grouped_matmul={moe.grouped_matmul!r} is not one of",
+            f"{', '.join(GROUPED_MATMULS)}: auto picks the Pallas megablox kernel on TPU where",
+            "the shapes fill its 128-wide tiles and jax.lax.ragged_dot otherwise, dense (every",
+            "row times every expert) off TPU.")
+    require(moe.dispatch in DISPATCHES,
+            f"model.moe.dispatch={moe.dispatch!r} is not one of {', '.join(DISPATCHES)}: auto",
+            "sends each token only to the devices holding its experts (ragged all-to-all) on",
+            "TPU and GPU, and all-gathers the expert group's tokens on CPU, which has no ragged",
+            "all-to-all.")
     require(moe.every == 1,
             f"model.moe.every={moe.every}: only 1 (an MoE block on every layer) is supported. The",
             "layers run as one scanned stack of identical blocks, so dense and MoE layers cannot",
@@ -177,12 +195,15 @@ class MoE(nnx.Module):
         """Expert-parallel when the rules split the experts over devices, else on the tokens
         as GSPMD shards them (`models/moe_dropless.py`)."""
         dtype = self.policy.compute
-        out_BTE = expert_parallel(x_BTE, weights_BTK, experts_BTK, w, dtype)
+        grouped = self.moe.grouped_matmul
+        out_BTE = expert_parallel(x_BTE, weights_BTK, experts_BTK, w, dtype, grouped,
+                                  self.moe.dispatch)
         if out_BTE is not None:
             return out_BTE
         B, T, E = x_BTE.shape
         return dropless_experts(x_BTE.reshape(B * T, E), weights_BTK.reshape(B * T, -1),
-                                experts_BTK.reshape(B * T, -1), w, dtype).reshape(B, T, E)
+                                experts_BTK.reshape(B * T, -1), w, dtype, grouped
+                                ).reshape(B, T, E)
 
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         # Routed per row: the (B, T) layout keeps the batch's sharding through top_k.
