@@ -4,10 +4,12 @@ Attention across sequence shards, `allgather` and `ring`, equals plain einsum at
 forward pass and in the gradients of q, k and v (float32, grouped-query heads, packed documents
 with padding, heads split over `tensor` too), and its compiled form really gathers or rotates
 the keys; the zigzag order balances causal work and attention follows it. A tiny grouped-query
-Llama trained three steps on `context=4 x data=2` and `context=2 x fsdp=2 x tensor=2` (and,
-marked exhaustive, `context=2 x pipeline=2 x data=2`) equals one device (the helpers of
-tests/test_parallel_equivalence.py). Sequence shards that attention cannot follow are
-one-paragraph errors.
+Llama trained three steps on packed documents under a sliding window equals one device (the
+helpers of tests/test_parallel_equivalence.py) on `context=4 x data=2` (ring, zigzag) and
+`context=2 x fsdp=2 x tensor=2` (allgather); marked exhaustive, each mesh with the other
+variants, `context=2 x pipeline=2 x data=2` under GPipe and 1F1B, and unpacked rows. A model of
+the context mesh evaluates and generates as on one device. Sequence shards that attention
+cannot follow are one-paragraph errors.
 """
 
 import json
