@@ -114,14 +114,14 @@ def _gqa_config(mesh, sources="", **pipeline):
     return c
 
 
-WINDOW = 6  # shorter than a shard of the 32-token rows (8 at context=4) and most documents
+WINDOW = 6  # shorter than a shard of the 32-token rows (8 at context=4) and every document
 WORDS = "the quick brown fox jumps over lazy dog".split()
 
 
 @pytest.fixture(scope="module")
 def packed_sources(tmp_path_factory) -> str:
-    """300 documents of 2 or 3 words (7 to 17 bytes + EOS): first-fit packs 2 or 3 of them into
-    every 33-token row; most are longer than WINDOW."""
+    """300 documents of 2 or 3 words (7 to 17 bytes + EOS, each longer than WINDOW): first-fit
+    packs 2 or 3 of them into every 33-token row."""
     rng = np.random.default_rng(0)
     docs = [" ".join(rng.choice(WORDS, rng.integers(2, 4))) for _ in range(300)]
     path = tmp_path_factory.mktemp("packed") / "docs.jsonl"
