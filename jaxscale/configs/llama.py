@@ -45,10 +45,10 @@ accumulation. Tensor parallelism is not needed at these sizes; for larger meshes
 Long context (`LONG_CONTEXT`, not in `VARIANTS`): `8b-128k,TARGET`, a Llama-3.1-8B shape at
 131,072 tokens per sequence, 32 sequences a step, sized by the TPU compiler (bench/RESULTS.md):
 a sequence per `context` chips (`ring_vjp` attention), FSDP over the rest. v5p-32: context 4 x
-fsdp 4; v6e-128: context 8 x fsdp 16 (docs/long-context.md). v5e
-has none: its 16 GB need fsdp=16 for the Adam state, and even context 16 on v5e-256 compiles to
-15.44 GiB per chip, over the 10% margin; on v4-32 (16 chips of 32 GiB) the v5p-32 mesh
-would need the 55.92 GiB per chip it compiles to there.
+fsdp 4; v6e-128: context 8 x fsdp 16 (docs/long-context.md). v5e has none: its 16 GB need
+fsdp=16 for the Adam state, and even context 16 on v5e-256 compiles to 15.44 GiB per chip, over
+the 10% margin, as v6e-64 (context 4 x fsdp 16) does at 27.53 GiB; on v4-32 (16 chips of 32 GiB)
+the v5p-32 mesh would need the 55.92 GiB per chip it compiles to there.
 
 Data stays the byte-level stdlib corpus: bytes are token ids 0..255, a subset of the 32000-entry
 vocabulary, so the initial loss is ln(32000) = 10.4 rather than ln(256). Every field can still be
