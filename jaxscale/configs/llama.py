@@ -42,9 +42,13 @@ Without a TARGET, sizes use all local devices (`data=-1` for 125m, `fsdp=-1` oth
 accumulation. Tensor parallelism is not needed at these sizes; for larger meshes try
 `--config.rules_preset=fsdp_tp --config.mesh.tensor=4`.
 
-Long context (`LONG_CONTEXT`, not in `VARIANTS`): `8b-128k,v5p-32`, a Llama-3.1-8B shape at
-131,072 tokens per sequence sized by the TPU compiler (bench/RESULTS.md): a sequence per 4 chips
-(`mesh.context`, `ring_vjp` attention), FSDP over the rest, 32 sequences a step (docs/long-context.md).
+Long context (`LONG_CONTEXT`, not in `VARIANTS`): `8b-128k,TARGET`, a Llama-3.1-8B shape at
+131,072 tokens per sequence, 32 sequences a step, sized by the TPU compiler (bench/RESULTS.md):
+a sequence per `context` chips (`ring_vjp` attention), FSDP over the rest. v5p-32: context 4 x
+fsdp 4; v6e-128: context 8 x fsdp 16 (docs/long-context.md). v5e has none: its 16 GB need
+fsdp=16 for the Adam state, and even context 16 on v5e-256 compiles to 15.44 GiB per chip, over
+the 10% margin, as v6e-64 (context 4 x fsdp 16) does at 27.53 GiB; on v4-32 (16 chips of 32 GiB)
+the v5p-32 mesh would need the 55.92 GiB per chip it compiles to there.
 
 Data stays the byte-level stdlib corpus: bytes are token ids 0..255, a subset of the 32000-entry
 vocabulary, so the initial loss is ln(32000) = 10.4 rather than ln(256). Every field can still be
@@ -200,14 +204,17 @@ _LLAMA31_8B = dict(vocab_size=128256, embed=4096, num_layers=32, num_heads=32, n
                    tie_embeddings=False, rope_scaling="llama3", rope_factor=8.0,
                    rope_original_max_len=8192, attention="einsum", loss_chunks=16,
                    context_attention="ring_vjp", context_order="auto")
-# `jaxscale compile --topology=v5p:2x2x4 --config=llama:8b-128k,v5p-32` (libtpu 0.0.52,
-# nothing runs): bench/RESULTS.md.
+# `jaxscale compile --topology=TOPOLOGY --config=llama:8b-128k,TARGET` (libtpu 0.0.52,
+# nothing runs), each target's topology: bench/RESULTS.md.
 LONG_CONTEXT: dict[str, LongContext] = {
     "8b-128k": LongContext(
         Size(_LLAMA31_8B, "fsdp", "full", seq_len=131072, batch=32, lr=1e-5, warmup=50,
              steps=1000),
         {"v5p-32": (Target(16, 1, "v5p", topology="v5p:2x2x4"), 4,
-                    Compiled(1, 55.92, (208754, 213731)))}),
+                    Compiled(1, 55.92, (208754, 213731))),
+         # v6e (31.24 GiB usable): fsdp=16 keeps the Adam state at 5.61 GiB per chip
+         "v6e-128": (Target(128, 1, "v6e", topology="v6e:8x16"), 8,
+                     Compiled(1, 19.03, (13047, 14994)))}),
 }
 
 
