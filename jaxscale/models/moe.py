@@ -118,10 +118,10 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             "reported but not trained on).")
     layers = m.get("num_layers", moe.every)
     require(isinstance(moe.every, int) and moe.every >= 1 and layers % moe.every == 0,
-            f"model.moe.every={moe.every!r} must be a positive divisor of model.num_layers=",
-            f"{layers}: the layers are scanned in groups of every-1 dense layers and one MoE",
-            "layer. Use 1 (experts on every layer), a divisor of num_layers, or change",
-            "num_layers.")
+            f"model.moe.every={moe.every!r} must be a positive divisor of",
+            f"model.num_layers={layers}: the layers are scanned in groups of every-1 dense",
+            "layers and one MoE layer. Use 1 (experts on every layer), a divisor of num_layers,",
+            "or change num_layers.")
     if mesh is None:
         return
     require(experts_axis <= 1 or n % experts_axis == 0,
@@ -132,9 +132,9 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
     require(moe.every == 1 or layers % (parts * moe.every) == 0,
             f"model.moe.every={moe.every} with mesh.pipeline x mesh.dcn_pipeline x",
             f"pipeline.repeats={parts}: each pipeline stage (in each repeat) must hold whole",
-            f"groups of {moe.every} layers (every-1 dense, one MoE), so model.num_layers=",
-            f"{layers} must be divisible by {parts * moe.every}. Change num_layers, the",
-            "pipeline size, the repeats or model.moe.every.")
+            f"groups of {moe.every} layers (every-1 dense, one MoE), so",
+            f"model.num_layers={layers} must be divisible by {parts * moe.every}. Change",
+            "num_layers, the pipeline size, the repeats or model.moe.every.")
 
 
 def expert_width(moe: MoEConfig, mlp: int) -> int:
