@@ -4,6 +4,8 @@ first), parameters, FLOPs and the KV cache follow it, and a tiny MoE decoder tra
 pipeline stages with one device's losses and router metrics, the router's losses in the
 gradients."""
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxscale.config import validate
-from jaxscale.models import ModelDef, llama, llama_flops, moe
+from jaxscale.models import ModelDef, llama, llama_flops, lora, moe
 from tests.test_moe import POLICY, _tiny_moe_config, _train
 
 
@@ -29,6 +31,11 @@ def test_every_other_layer_has_the_experts_and_decodes_with_the_cache():
     assert cfg.moe_layers == 1
     assert cfg.num_params() == ModelDef.build(c.model, POLICY).num_params() == sum(
         x.size for x in jax.tree.leaves(params))
+    lora_cfg = SimpleNamespace(rank=2, alpha=4.0, targets=("attn/wq$",), dropout=0.0)
+    adapters = [k for k in lora.with_adapters(ModelDef.build(c.model, POLICY), lora_cfg).shapes()
+                if "lora" in k]  # LoRA targets match in every block of the group
+    assert sorted(adapters) == [f"layers/{b}/attn/wq_lora_{ab}" for b in ("dense_0", "moe")
+                                for ab in "ab"]
     every_layer, dense = _tiny_moe_config().model, _tiny_moe_config(num_experts=0).model
     for count in (llama_flops.flops_per_token, llama_flops.recompute_flops_per_token):
         assert count(c.model, 32) == pytest.approx(
