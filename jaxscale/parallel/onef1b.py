@@ -24,7 +24,10 @@ Because the loss, where the backward starts, is inside the schedule, 1F1B cannot
 gradient (layers, head, input) as residuals; the backward rule scales them by the incoming
 cotangent. The embedding,
 LoRA's frozen/trainable split, gradient accumulation and loss scaling stay ordinary autodiff in
-train/step.py. Undifferentiated calls (evaluation) run the GPipe forward.
+train/step.py. Undifferentiated calls (evaluation) run the GPipe forward. What the layers sow
+(the MoE router's statistics) each stage's forward returns and sums, and its backward seeds
+with the cotangent of the caller's loss term on them (`sown_loss`, the router's losses): they
+leave the schedule as GPipe's do, their gradient already inside the loss's.
 """
 
 from __future__ import annotations
