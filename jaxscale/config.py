@@ -141,7 +141,7 @@ def validate(c: mlc.ConfigDict) -> None:
     d, t = c.data, c.train
     check_model(c.model, d.seq_len)
     check_context(c.mesh, c.model, d.seq_len)  # sequence shards (mesh.context)
-    check_moe(c.model, c.mesh, c.pipeline.get("schedule", "gpipe"))  # experts vs mesh, stages
+    check_moe(c.model, c.mesh, c.pipeline.get("repeats", 1))  # experts vs mesh, stages
     check_quantized(c.precision, c.model, c.lora)  # int8: what it cannot quantize is refused
     _require(t.steps > 0 and t.log_every > 0, "train.steps and train.log_every must be positive.")
     _require(t.grad_accum >= 1 and d.batch_size % t.grad_accum == 0,

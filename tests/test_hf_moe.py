@@ -99,8 +99,26 @@ def test_router_loss_coefficient_follows_output_router_logits(hf_models, tmp_pat
     assert written["output_router_logits"] and written["router_aux_loss_coef"] == 0.02
 
 
+def test_a_decoder_sparse_step_is_moe_every(tmp_path):
+    """Qwen3-MoE's decoder_sparse_step=2 (layer 0 a dense intermediate_size SwiGLU, layer 1 the
+    experts) is model.moe.every=2: logits equal transformers', and hf.save writes the original
+    tensors and the step back, bit for bit."""
+    config_cls, model_cls, overrides = FAMILIES["qwen3_moe"]
+    path = str(tmp_path / "step2")
+    model = make_tiny(model_cls, config_cls(**{**COMMON, **overrides, "decoder_sparse_step": 2}),
+                      path, noisy=("norm", "gate.weight"))
+    model_cfg, params = load(path)
+    assert model_cfg["moe"]["every"] == 2
+    assert params["layers"]["moe"]["mlp"]["w_gate"].shape == (1, 4, 32, 24)
+    assert params["layers"]["dense_0"]["mlp"]["w_down"].shape == (1, 64, 32)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 40)).astype(np.int32)
+    assert np.max(np.abs(jax_logits(model_cfg, params, tokens) - hf_logits(model, tokens))) < 1e-4
+    assert hf_moe.moe_config_to_hf(model_cfg)["decoder_sparse_step"] == 2
+    assert_load_and_save_dispatch(path, hf_moe.open_qwen3_moe, tmp_path / "load")
+
+
 @pytest.mark.parametrize("name, change, culprit", [
-    ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2 .*every layer must be"),
+    ("qwen3_moe", dict(decoder_sparse_step=3), "decoder_sparse_step=3 .*no repeating"),
     ("qwen3_moe", dict(mlp_only_layers=[1]), r"mlp_only_layers=\[1\]"),
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
     ("mixtral", dict(sliding_window=-1), "sliding_window=-1 is not a positive integer"),

@@ -73,7 +73,8 @@ def moe_all_to_all_bytes(config: mlc.ConfigDict, mesh) -> float:
     shards = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
     itemsize = _compute_bytes(config)
     per_layer = 4 + 2 * (config.model.get("remat", "none") != "none")
-    return config.model.num_layers * per_layer * math.prod(shape) * itemsize / shards
+    moe_layers = config.model.num_layers // moe.every  # MoE on every `every`-th layer
+    return moe_layers * per_layer * math.prod(shape) * itemsize / shards
 
 
 def moe_ragged_bytes(config: mlc.ConfigDict, mesh) -> float:

@@ -18,14 +18,19 @@ and stacking only, so round trips stay bit for bit.
 The router's load-balancing loss trains only where the HF config asks for it
 (`output_router_logits`): transformers' loss is `experts_per_token` times jaxscale's `aux`
 statistic, so `model.moe.router_aux_loss_coef` = `router_aux_loss_coef` x experts_per_token, and
-0 (reported, not trained on) otherwise. What the decoder cannot reproduce is refused in one
-paragraph naming the field: dense layers among the MoE ones (`decoder_sparse_step` != 1,
-`mlp_only_layers`), router jitter, and whatever the Mistral / Qwen3 converters refuse.
+0 (reported, not trained on) otherwise. Qwen3-MoE's `decoder_sparse_step` n (experts on layer i
+when (i + 1) % n == 0, a dense `intermediate_size` SwiGLU on the others) is `model.moe.every`:
+the decoder's `LayerGroup` of n-1 dense layers then one MoE layer, HF layer g*n + j stored at
+group g of `layers/dense_{j}` (j < n-1) or `layers/moe`. What the decoder cannot reproduce is
+refused in one paragraph naming the field: other dense-layer patterns (`mlp_only_layers`, a
+step that does not divide the layers), router jitter, and whatever the Mistral / Qwen3
+converters refuse.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -64,7 +69,7 @@ def moe_config_from_hf(hf: Mapping[str, Any], where: str = "config.json",
     experts = hf.get("num_local_experts") or hf.get("num_experts")
     require_keys({**hf, "num_local_experts": experts},
                  ("num_local_experts", "num_experts_per_tok", family["width"]), where, name)
-    _refuse_dense_layers(hf, where)
+    every = _sparse_step(hf, where)
     if hf.get("router_jitter_noise"):
         raise ConversionError(paragraph(
             f"{where}: router_jitter_noise={hf['router_jitter_noise']!r} multiplies the router's",
@@ -82,21 +87,25 @@ def moe_config_from_hf(hf: Mapping[str, Any], where: str = "config.json",
     moe = dict(num_experts=int(experts), experts_per_token=k,
                norm_topk_prob=name == "mixtral" or bool(hf.get("norm_topk_prob", False)),
                mlp=0 if width == fields["mlp"] else width, capacity_factor=0.0,
-               router_aux_loss_coef=coef, router_z_loss_coef=0.0)
+               router_aux_loss_coef=coef, router_z_loss_coef=0.0, every=every)
     return {**fields, "name": name, "moe": moe}
 
 
-def _refuse_dense_layers(hf: Mapping[str, Any], where: str) -> None:
-    """A dense MLP on some layers (Qwen3-MoE's `decoder_sparse_step` / `mlp_only_layers`) is a
-    non-uniform layer stack, which the scanned decoder does not build yet."""
+def _sparse_step(hf: Mapping[str, Any], where: str) -> int:
+    """`model.moe.every` of Qwen3-MoE's `decoder_sparse_step`: a dense MLP on all but every
+    n-th layer is the decoder's scanned group of n layers; `mlp_only_layers` (dense layers
+    anywhere) and a step that does not divide the layers are no repeating group."""
     step, dense = hf.get("decoder_sparse_step") or 1, list(hf.get("mlp_only_layers") or [])
-    if step != 1 or dense:
+    layers = hf.get("num_hidden_layers")
+    if dense or not isinstance(step, int) or step < 1 or (layers or step) % step:
         raise ConversionError(paragraph(
-            f"{where}: decoder_sparse_step={step!r} and mlp_only_layers={dense!r} give some",
-            "layers a dense MLP instead of the experts; jaxscale's decoder runs one scanned",
-            "stack of identical layers, so every layer must be an MoE layer. Convert a",
-            "checkpoint with decoder_sparse_step 1 and mlp_only_layers [] (per-layer patterns",
-            "of dense and MoE layers are not supported yet)."))
+            f"{where}: decoder_sparse_step={step!r} and mlp_only_layers={dense!r} (over",
+            f"num_hidden_layers={layers!r}) give the layers a dense MLP in no repeating",
+            "group; jaxscale's decoder scans groups of model.moe.every layers (dense ones, then",
+            "one MoE layer), so the dense layers must be all but every n-th, n dividing the",
+            "layers. Convert a checkpoint with mlp_only_layers [] and a decoder_sparse_step",
+            "that divides num_hidden_layers."))
+    return step
 
 
 def moe_config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
@@ -109,7 +118,9 @@ def moe_config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
             ("shared_experts", moe.shared_experts, moe.shared_experts > 0,
              f"{family['arch']} has no shared experts"),
             ("norm_topk_prob", moe.norm_topk_prob, name == "mixtral" and not moe.norm_topk_prob,
-             "Mixtral always renormalises the top-k weights")):
+             "Mixtral always renormalises the top-k weights"),
+            ("every", moe.every, name == "mixtral" and moe.every != 1,
+             "Mixtral has the experts on every layer")):
         if wrong:
             raise ConversionError(paragraph(
                 f"model.moe.{key}={value!r} does not fit a Hugging Face {name}: {why}, so the",
@@ -124,19 +135,48 @@ def moe_config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
     return {**hf, "architectures": [family["arch"]], "model_type": family["model_type"],
             "num_local_experts": moe.num_experts, "num_experts_per_tok": k,
             family["width"]: width,
-            **({"decoder_sparse_step": 1, "mlp_only_layers": [],
+            **({"decoder_sparse_step": moe.every, "mlp_only_layers": [],
                 "norm_topk_prob": moe.norm_topk_prob} if name == "qwen3_moe" else
                {"router_jitter_noise": 0.0}),
             "output_router_logits": moe.router_aux_loss_coef > 0,
             "router_aux_loss_coef": moe.router_aux_loss_coef / k}
 
 
+@dataclass(frozen=True)
+class _GroupLeaf(Leaf):
+    """A leaf of a `LayerGroup` block: its group g holds HF layer g * every + offset."""
+
+    every: int = 1
+    offset: int = 0
+
+    def layer_names(self, i: int | None) -> tuple[str, ...]:
+        return super().layer_names(None if i is None else i * self.every + self.offset)
+
+
 def moe_leaves(model_cfg: Mapping[str, Any]) -> dict[str, Leaf]:
     """{jaxscale path: Leaf} of an MoE family: its attention family's leaves with the dense
-    MLP's replaced by the router and the stacked experts."""
-    name, family = model_cfg["name"], FAMILIES[model_cfg["name"]]
-    leaves = (llama_leaves(model_cfg) if name == "mixtral"
-              else qwen_leaves({**model_cfg, "name": "qwen3"}))
+    MLP's replaced by the router and the stacked experts; with `model.moe.every` > 1 the
+    layers' leaves of each block of the group (`_GroupLeaf`), the dense blocks keeping the MLP."""
+    name = model_cfg["name"]
+    dense = (llama_leaves(model_cfg) if name == "mixtral"
+             else qwen_leaves({**model_cfg, "name": "qwen3"}))
+    sparse = _sparse_leaves(model_cfg, dict(dense))
+    every = MoEConfig.from_config(model_cfg.get("moe")).every
+    if every == 1:
+        return sparse
+    grouped = {k: v for k, v in dense.items() if not k.startswith("layers/")}
+    groups = [(f"dense_{j}", dense, j) for j in range(every - 1)] + [("moe", sparse, every - 1)]
+    for block, leaves, offset in groups:
+        for path, leaf in leaves.items():
+            if path.startswith("layers/"):
+                grouped[f"layers/{block}/{path.removeprefix('layers/')}"] = _GroupLeaf(
+                    leaf.hf_name, leaf.to_jax, leaf.to_hf, leaf.stacked, every, offset)
+    return grouped
+
+
+def _sparse_leaves(model_cfg: Mapping[str, Any], leaves: dict[str, Leaf]) -> dict[str, Leaf]:
+    """`leaves` (an attention family's) with the dense MLP's replaced by the MoE block's."""
+    family = FAMILIES[model_cfg["name"]]
     del leaves["layers/mlp/w_gate_up"], leaves["layers/mlp/w_down"]
     p = f"model.layers.{{i}}.{family['block']}."
     n = MoEConfig.from_config(model_cfg.get("moe")).num_experts

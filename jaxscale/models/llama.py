@@ -122,13 +122,18 @@ class LlamaConfig:
                     self.rope_low_freq_factor, self.rope_high_freq_factor,
                     self.rope_original_max_len)
 
+    @property
+    def moe_layers(self) -> int:
+        """How many layers run the experts: every `moe.every`-th (none without experts)."""
+        return self.num_layers // self.moe.every if self.moe.num_experts else 0
+
     def num_params(self) -> int:
         e, f, l = self.embed, self.mlp, self.num_layers
         attn = e * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        ffn = moe_params(self.moe, e, f) if self.moe.num_experts else 3 * e * f
-        per_layer = attn + ffn + 2 * e + self._switch_params()
+        ffn = self.moe_layers * moe_params(self.moe, e, f) + (l - self.moe_layers) * 3 * e * f
+        per_layer = attn + 2 * e + self._switch_params()
         head = 0 if self.tie_embeddings else e * self.vocab_size
-        return self.vocab_size * e + l * per_layer + e + head
+        return self.vocab_size * e + l * per_layer + ffn + e + head
 
     def _switch_params(self) -> int:
         """Parameters per layer of the switches: the q/k/v bias and the q/k norm scales."""
@@ -211,7 +216,9 @@ class Block(nnx.Module):
     With `post_norms` (Gemma) the attention and MLP outputs are normalised again before they
     join the residual stream."""
 
-    def __init__(self, cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs, stack: int):
+    def __init__(self, cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs, stack: int,
+                 moe: bool | None = None):
+        moe = bool(cfg.moe.num_experts) if moe is None else moe  # experts or the dense MLP
         norm = lambda: RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack,
                                offset=cfg.norm_offset)
         self.attn_norm = norm()
@@ -221,7 +228,7 @@ class Block(nnx.Module):
                               **attention_switches(cfg))
         self.mlp_norm = norm()
         self.mlp = (MoE(cfg.embed, cfg.mlp, cfg.moe, policy, rngs, stack=stack)
-                    if cfg.moe.num_experts else MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack,
+                    if moe else MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack,
                                                     activation=cfg.mlp_activation))
         if cfg.post_norms:
             self.attn_post_norm, self.mlp_post_norm = norm(), norm()
@@ -253,6 +260,60 @@ class Block(nnx.Module):
         return h_BTE if cache is None else (h_BTE, cache)
 
 
+class LayerGroup(nnx.Module):
+    """`model.moe.every` = n > 1 consecutive layers: n-1 dense blocks (`dense_0`..) then one
+    MoE block (`moe`), each stacked over the num_layers / n groups, so the scan runs one group
+    per step (MaxText's interleaved MoE blocks). Layer i has the experts when (i + 1) % n == 0,
+    Hugging Face Qwen-MoE's `decoder_sparse_step`. Pipeline stages split the groups."""
+
+    def __init__(self, cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs, stack: int):
+        self.every = cfg.moe.every
+        for j in range(self.every - 1):
+            setattr(self, f"dense_{j}", Block(cfg, policy, rngs, stack, moe=False))
+        self.moe = Block(cfg, policy, rngs, stack, moe=True)
+        local = cfg.local_layers
+        self.local_pattern = local if len(set(local)) > 1 else None
+
+    @property
+    def layers_per_step(self) -> int:
+        """Layers a scan step runs (`scan.scan_layers` views the KV cache so)."""
+        return self.every
+
+    def blocks(self) -> list[Block]:
+        """The group's blocks in layer order."""
+        return [getattr(self, f"dense_{j}") for j in range(self.every - 1)] + [self.moe]
+
+    def per_layer(self) -> dict[str, jax.Array] | None:
+        """The mixed local/global flag as (groups, n) for the scan over groups."""
+        if self.local_pattern is None:
+            return None
+        return {"local": jnp.asarray(self.local_pattern).reshape(-1, self.every)}
+
+    def __call__(self, h_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
+                 cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None,
+                 local: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+        """The group's output; with the group's (n, ...) `cache`, (output, updated cache)."""
+        caches = []
+        for j, block in enumerate(self.blocks()):
+            layer_cache = None if cache is None else jax.tree.map(lambda a, j=j: a[j], cache)
+            h_BTE = block(h_BTE, positions_BT, layer_cache, cache_index, segments_BT,
+                          None if local is None else local[j])
+            if cache is not None:
+                h_BTE, layer_cache = h_BTE
+                caches.append(layer_cache)
+        return h_BTE if cache is None else (h_BTE, jax.tree.map(
+            lambda *a: jnp.stack(a), *caches))
+
+
+def layer_stack(cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs) -> Block | LayerGroup:
+    """The scanned stack: one `Block` per layer, or with MoE on every n-th layer
+    (`model.moe.every` > 1) one `LayerGroup` of n layers per scan step."""
+    n = cfg.moe.every if cfg.moe.num_experts else 1
+    if n == 1:
+        return Block(cfg, policy, rngs, stack=cfg.num_layers)
+    return LayerGroup(cfg, policy, rngs, stack=cfg.num_layers // n)
+
+
 def attention_switches(cfg: LlamaConfig) -> dict[str, Any]:
     """The `Attention` keywords of the config's decoder switches. A pattern of one kind is
     static: its window (none for global layers) and rotary; a mixed one is chosen per layer."""
@@ -272,7 +333,7 @@ class Llama(nnx.Module):
         self.cfg, self.policy = cfg, policy
         self.embedding = param(rngs, (cfg.vocab_size, cfg.embed), ("vocab", "embed"),
                                fan_in=1, dtype=policy.param)
-        self.layers = Block(cfg, policy, rngs, stack=cfg.num_layers)
+        self.layers = layer_stack(cfg, policy, rngs)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, offset=cfg.norm_offset)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"),

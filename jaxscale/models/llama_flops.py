@@ -14,16 +14,37 @@ HLO (tiny dims, 4 experts, v5p:2x2x1): under `remat=full` an MoE layer recompute
 all three routed-expert matmuls (the combine's backward needs the experts' outputs), and the
 shared experts' gate/up as the dense MLP (`_experts_recompute` for the other policies); the
 capacity path computes every slot of its expert buffers, empty or not
-(`padding_flops_per_token`).
+(`padding_flops_per_token`). With MoE on every n-th layer only (`model.moe.every`), each count
+is the MoE layers' plus the dense layers' (`_by_layer_kind`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxscale.models.moe import MoEConfig, active_mlp, capacity, expert_width
 from jaxscale.models.scan import NAMED_POLICIES
+
+Count = Callable[[Mapping[str, Any], int], float]
+
+
+def _by_layer_kind(count: Count) -> Count:
+    """`count` of a model with MoE on every n-th layer (`model.moe.every` = n > 1): that of its
+    num_layers / n MoE layers plus that of its dense layers, the part no layer has (the head)
+    once. Every count here is affine in num_layers, so the parts add up."""
+    @functools.wraps(count)
+    def mixed(m: Mapping[str, Any], seq_len: int) -> float:
+        moe = MoEConfig.from_config(m.get("moe"))
+        if not moe.num_experts or moe.every == 1:
+            return count(m, seq_len)
+        layers, dense = m["num_layers"], {**dict(m), "moe": {}}
+        sparse = layers // moe.every
+        return (count({**dict(m), "num_layers": sparse}, seq_len)
+                + count({**dense, "num_layers": layers - sparse}, seq_len)
+                - count({**dense, "num_layers": 0}, seq_len))
+    return mixed
 
 
 def llama_flops_per_token(num_layers: int, embed: int, heads: int, kv_heads: int, head_dim: int,
@@ -43,6 +64,7 @@ def llama_flops_per_token(num_layers: int, embed: int, heads: int, kv_heads: int
     return 6.0 * matmul_params + 12.0 * num_layers * heads * head_dim * seq_len
 
 
+@_by_layer_kind
 def flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
     """`llama_flops_per_token` of a `config.model` section; an MoE layer counts its active
     parameters (`moe.active_mlp`: the routed and shared experts a token passes through, and the
@@ -57,6 +79,7 @@ def _remat(m: Mapping[str, Any]) -> str:
     return m.get("remat", "none")
 
 
+@_by_layer_kind
 def recompute_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
     """Matmul FLOPs per token that the backward pass recomputes under `model.remat` (and the
     head's, under `model.loss_chunks`).
@@ -106,6 +129,7 @@ def _mlp_widths(m: Mapping[str, Any]) -> tuple[int, int]:
     return width * moe.shared_experts, width * moe.experts_per_token
 
 
+@_by_layer_kind
 def padding_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
     """Matmul FLOPs per token an MoE capacity path (`model.moe.capacity_factor > 0`) spends on
     the empty slots of its expert buffers: each row (sequence) fills X buffers of C slots,

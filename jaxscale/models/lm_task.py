@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -18,7 +18,7 @@ import optax
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models import context
 from jaxscale.models.llama import Llama, head_scope
-from jaxscale.models.moe import router_loss
+from jaxscale.models.moe import router_loss, router_objective
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import Task, masked_sums
 from jaxscale.rules import constrain, shard_counts
@@ -164,7 +164,8 @@ def _next_token_loss(model: Llama, batch: Mapping[str, jax.Array],
                 inputs_BT, targets_BT, positions_BT))
         if run_layers is not None and run_layers.fuses_loss:
             return run_layers.fused_loss(model, inputs_BT, targets_BT, mean_head_loss,
-                                         positions_BT if order is not None else None)
+                                         positions_BT if order is not None else None,
+                                         sown_loss=_router_objective(model))
         h_BTE = model.hidden(inputs_BT, positions_BT, run_layers)
         with head_scope(run_layers):
             return mean_head_loss(model, h_BTE, targets_BT)
@@ -240,9 +241,18 @@ def _fused_packed_loss(model: Llama, batch: Mapping[str, jax.Array],
         return jnp.sum(jnp.where(targets_bT >= 0, losses_bT, 0.0)) / targets_bT.size
 
     targets_BT = jnp.where(rows.same_BT, rows.targets_BT, -1)
+    scale = rows.same_BT.size / _target_count(batch, rows.same_BT)
     per_position = run_layers.fused_loss(model, rows.inputs_BT, targets_BT, masked_sum,
-                                         rows.positions_BT, rows.segments_BT)
-    return per_position * (rows.same_BT.size / _target_count(batch, rows.same_BT))
+                                         rows.positions_BT, rows.segments_BT,
+                                         sown_loss=_router_objective(model),
+                                         sown_weight=1.0 / scale)  # the router's weighs 1
+    return per_position * scale
+
+
+def _router_objective(model: Llama) -> Callable[[Any], Any]:
+    """The router's loss term of what the layers sow, for a runner that runs the backward in
+    its schedule (1F1B) and so must differentiate it there (`moe.router_objective`)."""
+    return functools.partial(router_objective, moe=model.cfg.moe)
 
 
 def prepare_batch(batch: Mapping[str, jax.Array]) -> Mapping[str, jax.Array]:

@@ -74,7 +74,9 @@ class MoEConfig:
     capacity_factor: float = 0.0  # 0: dropless (grouped matmul); > 0: fixed expert buffers
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
-    every: int = 1               # MoE on every n-th layer (only 1, every layer, for now)
+    # MoE on every n-th layer, the dense MLP on the others: layer i has the experts when
+    # (i + 1) % every == 0 (HF Qwen-MoE's decoder_sparse_step); num_layers must divide by it.
+    every: int = 1
     # Dropless only (`models/moe_dropless.py`): the grouped matmul's kernel and, with an expert
     # axis, how tokens reach their experts; "auto" picks by platform and shapes.
     grouped_matmul: str = "auto"  # auto | ragged_dot | megablox | dense
@@ -87,11 +89,10 @@ class MoEConfig:
 
 
 def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
-              schedule: str = "gpipe") -> None:
+              repeats: int = 1) -> None:
     """`config.model.moe`'s checks (a ConfigError paragraph naming the field and the fix); with
-    `config.mesh` (and `pipeline.schedule`), that the experts divide over its
-    `expert` axis and pipeline stages run a schedule that carries the router's losses (GPipe,
-    circular)."""
+    `config.mesh` (and `pipeline.repeats`), that the experts divide over its `expert` axis and
+    every pipeline stage holds whole groups of `every` layers."""
     moe = MoEConfig.from_config(m.get("moe"))
     n, k = moe.num_experts, moe.experts_per_token
 
@@ -133,22 +134,25 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             "sends each token only to the devices holding its experts (ragged all-to-all) on",
             "TPU and GPU, and all-gathers the expert group's tokens on CPU, which has no ragged",
             "all-to-all.")
-    require(moe.every == 1,
-            f"model.moe.every={moe.every}: only 1 (an MoE block on every layer) is supported. The",
-            "layers run as one scanned stack of identical blocks, so dense and MoE layers cannot",
-            "alternate yet; set model.moe.every=1 or model.moe.num_experts=0.")
+    layers = m.get("num_layers", moe.every)
+    require(isinstance(moe.every, int) and moe.every >= 1 and layers % moe.every == 0,
+            f"model.moe.every={moe.every!r} must be a positive divisor of",
+            f"model.num_layers={layers}: the layers are scanned in groups of every-1 dense",
+            "layers and one MoE layer. Use 1 (experts on every layer), a divisor of num_layers,",
+            "or change num_layers.")
     if mesh is None:
         return
     require(experts_axis <= 1 or n % experts_axis == 0,
             f"model.moe.num_experts={n} is not divisible by the {experts_axis} devices of the",
             "mesh's expert axis (mesh.expert x mesh.dcn_expert): each device holds an equal",
             "share of the experts. Use a multiple of that many experts, or a smaller expert axis.")
-    stages = mesh.get("pipeline", 1) * mesh.get("dcn_pipeline", 1)
-    require(stages <= 1 or schedule != "1f1b",
-            f"model.moe.num_experts={n} with pipeline.schedule='1f1b' on mesh.pipeline x",
-            f"mesh.dcn_pipeline={stages}: 1F1B runs each stage's backward inside its schedule,",
-            "which does not yet take the router's losses. Use pipeline.schedule=gpipe (or",
-            "circular; with model.remat=full to save activation memory) for MoE models.")
+    parts = mesh.get("pipeline", 1) * mesh.get("dcn_pipeline", 1) * max(repeats, 1)
+    require(moe.every == 1 or layers % (parts * moe.every) == 0,
+            f"model.moe.every={moe.every} with mesh.pipeline x mesh.dcn_pipeline x",
+            f"pipeline.repeats={parts}: each pipeline stage (in each repeat) must hold whole",
+            f"groups of {moe.every} layers (every-1 dense, one MoE), so",
+            f"model.num_layers={layers} must be divisible by {parts * moe.every}. Change",
+            "num_layers, the pipeline size, the repeats or model.moe.every.")
 
 
 def expert_width(moe: MoEConfig, mlp: int) -> int:
@@ -297,19 +301,36 @@ def capacity_experts(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.
     return out_BTE, jnp.mean((~kept_BM).astype(jnp.float32))
 
 
-def router_loss(model: nnx.Module, moe: MoEConfig) -> jax.Array | float:
-    """The router's loss term of a forward pass, averaged over the MoE layers:
-    aux_coef x aux + z_coef x z. Pops the sown statistics and records the step's metrics
-    (`METRICS`) on `model` as Intermediates named by the metric (`task.step_metrics` pops
-    them).
-    0.0 for a model without MoE layers."""
-    sown = nnx.to_flat_state(nnx.pop(model, nnx.Intermediate))
-    stats = [v.get_value() for path, v in sown if path[-1] == ROUTER_STATS]
+def _router_stats(sown: nnx.State) -> jax.Array | None:
+    """The router statistics in `sown` (what a forward pass's layers sowed), (MoE layers,
+    len(STATS)); None without MoE layers."""
+    stats = [v.get_value() for path, v in nnx.to_flat_state(sown) if path[-1] == ROUTER_STATS]
     if not stats:
+        return None
+    return jnp.concatenate([s.reshape(-1, len(STATS)) for s in stats])
+
+
+def router_objective(sown: nnx.State, moe: MoEConfig) -> jax.Array | float:
+    """The router's loss term, aux_coef x aux + z_coef x z averaged over the MoE layers, of
+    the statistics in `sown`; 0.0 without MoE layers. Linear in them: a schedule that runs the
+    backward itself (1F1B) differentiates it from its constant gradient."""
+    stats_LS = _router_stats(sown)
+    if stats_LS is None:
         return 0.0
-    stats_S = jnp.mean(jnp.concatenate([s.reshape(-1, len(STATS)) for s in stats]), axis=0)
-    named = dict(zip(STATS, stats_S))
-    for stat, metric in METRICS.items():
-        setattr(model, metric, nnx.Intermediate(jax.lax.stop_gradient(named[stat])))
+    named = dict(zip(STATS, jnp.mean(stats_LS, axis=0)))
     return moe.router_aux_loss_coef * named["aux"] + moe.router_z_loss_coef * named["z"]
 
+
+def router_loss(model: nnx.Module, moe: MoEConfig) -> jax.Array | float:
+    """The router's loss term of a forward pass (`router_objective`). Pops the sown
+    statistics and records the step's metrics (`METRICS`) on `model` as Intermediates named by
+    the metric (`task.step_metrics` pops them).
+    0.0 for a model without MoE layers."""
+    sown = nnx.pop(model, nnx.Intermediate)
+    stats_LS = _router_stats(sown)
+    if stats_LS is None:
+        return 0.0
+    named = dict(zip(STATS, jnp.mean(stats_LS, axis=0)))
+    for stat, metric in METRICS.items():
+        setattr(model, metric, nnx.Intermediate(jax.lax.stop_gradient(named[stat])))
+    return router_objective(sown, moe)

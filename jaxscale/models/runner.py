@@ -37,6 +37,11 @@ class LayerRunner(Protocol):
 
     def fused_loss(self, model: Any, tokens_BT: jax.Array, targets_BT: jax.Array,
                    loss_fn: LossFn, positions_BT: jax.Array | None = None,
-                   segments_BT: jax.Array | None = None) -> jax.Array:
+                   segments_BT: jax.Array | None = None,
+                   sown_loss: Callable[[Any], Any] | None = None,
+                   sown_weight: jax.Array | float = 1.0) -> jax.Array:
         """loss_fn(model, layers(model.embed(tokens)), targets), layers run by the runner
-        (mean of the microbatches' losses; packed rows pass their positions and segments)."""
+        (mean of the microbatches' losses; packed rows pass their positions and segments).
+        What the layers sow is left on `model.layers`; `sown_loss` of it (the MoE router's
+        losses, `sown_weight` times this loss's weight in the total) is differentiated with
+        it, the backward running inside the schedule."""

@@ -124,7 +124,8 @@ def scan_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
     that holds a slice of the layers; by default the block's own.
 
     With a stacked `cache` (L, B, S, K, D) each layer reads and writes its own slice, and the
-    result is (h, updated cache). Without one, what the layers sow as `nnx.Intermediate` (the
+    result is (h, updated cache); a block whose scan step runs n layers (`layers_per_step`:
+    the Llama's `LayerGroup` of dense and MoE layers) reads its step's (n, B, S, K, D). Without one, what the layers sow as `nnx.Intermediate` (the
     MoE router's statistics) is left on `block`, stacked over the layers, as `nnx.scan` does.
     """
     nnx.pop(block, nnx.Intermediate)  # a previous call's sown values are not layer inputs
@@ -136,7 +137,10 @@ def scan_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
             return nnx.merge(graphdef, layer_state)(h, positions_BT, layer_cache, cache_index,
                                                     segments_BT, **extra)
 
-        h_BTE, cache = jax.lax.scan(apply_cached, h_BTE, (state, cache, per_layer))
+        n = getattr(block, "layers_per_step", 1)
+        steps = jax.tree.map(lambda a: a.reshape(-1, n, *a.shape[1:]), cache) if n > 1 else cache
+        h_BTE, steps = jax.lax.scan(apply_cached, h_BTE, (state, steps, per_layer))
+        cache = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), steps) if n > 1 else steps
         return h_BTE, cache.constrained()
 
     packed = {} if segments_BT is None else {"segments_BT": segments_BT}  # ViT blocks: never

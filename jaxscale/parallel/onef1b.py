@@ -24,12 +24,16 @@ Because the loss, where the backward starts, is inside the schedule, 1F1B cannot
 gradient (layers, head, input) as residuals; the backward rule scales them by the incoming
 cotangent. The embedding,
 LoRA's frozen/trainable split, gradient accumulation and loss scaling stay ordinary autodiff in
-train/step.py. Undifferentiated calls (evaluation) run the GPipe forward.
+train/step.py. Undifferentiated calls (evaluation) run the GPipe forward. What the layers sow
+(the MoE router's statistics) each stage's forward returns and sums, and its backward seeds
+with the cotangent of the caller's loss term on them (`sown_loss`, the router's losses): they
+leave the schedule as GPipe's do, their gradient already inside the loss's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -56,7 +60,8 @@ class _Plan:
     mesh: Mesh
     stages: int
     microbatches: int
-    stage_fn: Callable[..., jax.Array]  # (w (P, ...), x, pos[, segments]) -> y
+    # (w (P, ...), x, pos[, segments]) -> (y, what the stage's layers sow (P, ...): MoE stats)
+    stage_fn: Callable[..., tuple[jax.Array, Leaves]]
     head_loss: Callable[[Leaves, jax.Array, jax.Array], jax.Array]  # (head, y, targets) -> loss
     layout: Callable[[Leaves], Leaves]  # (L, ...) layer leaves -> (S, P, ...) on `pipeline`
     layer_specs: tuple[PartitionSpec, ...]  # of the (S, P, ...) weight-gradient accumulators
@@ -80,6 +85,7 @@ class _Carry(NamedTuple):
     gw: Leaves  # (S, P, ...) weight-gradient sums
     gh: Leaves  # (S, ...) head-gradient sums, each stage's over its share of the positions
     loss: jax.Array  # (S,) sums of the stages' shares of the microbatch losses
+    sown: Leaves  # (S, P, ...) sums over the microbatches of what the layers sowed
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -118,19 +124,22 @@ def _stage_step(plan: _Plan, do_fwd: bool) -> Callable:
     caller)."""
     S, M, K = plan.stages, plan.microbatches, plan.slots
 
-    def step(c: _Carry, w: Leaves, s: jax.Array, t: jax.Array, x_M: jax.Array, rows_M: Rows
-             ) -> _Carry:
+    def step(c: _Carry, w: Leaves, ct_sown: Leaves, s: jax.Array, t: jax.Array, x_M: jax.Array,
+             rows_M: Rows) -> _Carry:
         m_f, m_b = t - s, t - (2 * S - 2) + s  # microbatches of this stage's forward, backward
         ok_f, ok_b = (m_f >= 0) & (m_f < M), (m_b >= 0) & (m_b < M)
         if do_fwd:
             x = jnp.where(s == 0, x_M[m_f % M], c.fwd)
-            y = plan.stage_fn(w, x, *[a[m_f % M] for a in rows_M])
-            return c._replace(fwd=y, stash=_write(c.stash, m_f % K, x, ok_f))
+            y, sown = plan.stage_fn(w, x, *[a[m_f % M] for a in rows_M])
+            return c._replace(fwd=y, stash=_write(c.stash, m_f % K, x, ok_f),
+                              sown=_accumulate(c.sown, sown, ok_f))
         x_b = jax.lax.dynamic_index_in_dim(c.stash, m_b % K, 0, keepdims=False)
         f = lambda d, x: plan.stage_fn(_join(d, w, plan.layer_diff), x,
                                        *[a[m_b % M] for a in rows_M])
         _, pull = jax.vjp(f, _pick(w, plan.layer_diff), x_b)
-        d_w, dx = pull(c.bwd)
+        # The sown values' cotangent: the router losses' gradient flows through the router
+        # into this stage's weights and, by dx, into the stages before it.
+        d_w, dx = pull((c.bwd, ct_sown))
         buf = c.dx if c.dx is None else _write(c.dx, m_b % M, dx, (s == 0) & ok_b)
         return c._replace(bwd=dx, dx=buf, gw=_accumulate(c.gw, d_w, ok_b))
 
@@ -185,39 +194,45 @@ def _constrain_carry(plan: _Plan, c: _Carry) -> _Carry:
                   c.dx if c.dx is None else constrain_batch(c.dx, mesh, "pipeline", None),
                   on(plan.layer_specs, c.gw), on(plan.head_specs, c.gh),
                   jax.lax.with_sharding_constraint(
-                      c.loss, NamedSharding(mesh, PartitionSpec("pipeline"))))
+                      c.loss, NamedSharding(mesh, PartitionSpec("pipeline"))),
+                  [jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(
+                      "pipeline"))) for x in c.sown])
 
 
-def _init_carry(plan: _Plan, w_SP: Leaves, head: Leaves, x_MbTE: jax.Array) -> _Carry:
+def _init_carry(plan: _Plan, w_SP: Leaves, head: Leaves, x_MbTE: jax.Array, rows_M: Rows
+                ) -> _Carry:
     S, (M, b, T, E) = plan.stages, x_MbTE.shape
     zeros = lambda *shape: jnp.zeros(shape + (b, T, E), x_MbTE.dtype)
+    sown_P = jax.eval_shape(plan.stage_fn, [a[0] for a in w_SP], x_MbTE[0],
+                            *[a[0] for a in rows_M])[1]  # what one stage sows (P, ...)
     return _constrain_carry(plan, _Carry(
         zeros(S), zeros(S), zeros(S, plan.slots), zeros(S, M) if plan.want_dx else None,
         [jnp.zeros_like(w) if d else None for w, d in zip(w_SP, plan.layer_diff)],
         [jnp.zeros((S,) + h.shape, h.dtype) if d else None for h, d in zip(head, plan.head_diff)],
-        jnp.zeros((S,), jnp.float32)))
+        jnp.zeros((S,), jnp.float32), [jnp.zeros((S,) + a.shape, a.dtype) for a in sown_P]))
 
 
 def _run(plan: _Plan, w_SP: Leaves, head: Leaves, x_MbTE: jax.Array, rows_M: Rows,
-         tgt_MbT: jax.Array, seed: jax.Array) -> _Carry:
-    """The three scans: warmup (forward only), steady (1F1B + head), cooldown (backward only)."""
+         tgt_MbT: jax.Array, seed: jax.Array, ct_SP: Leaves) -> _Carry:
+    """The three scans: warmup (forward only), steady (1F1B + head), cooldown (backward only);
+    `ct_SP`: each stage's cotangent of what its layers sow, per microbatch."""
     S, M = plan.stages, plan.microbatches
     stage_ids = jnp.arange(S)
     phases = ((True, False, False, 0, S - 1), (True, True, True, S - 1, M + S - 1),
               (False, False, True, M + S - 1, M + 2 * S - 2))
-    c = _init_carry(plan, w_SP, head, x_MbTE)
+    c = _init_carry(plan, w_SP, head, x_MbTE, rows_M)
     staged = lambda fwd: jax.vmap(_stage_step(plan, fwd), spmd_axis_name="pipeline",
-                                  in_axes=(0, 0, 0, None, None, None))
+                                  in_axes=(0, 0, 0, 0, None, None, None))
     forward, backward = staged(True), staged(False)
     for do_fwd, do_head, do_bwd, start, stop in phases:
 
         def body(c: _Carry, t: jax.Array, do_fwd=do_fwd, do_head=do_head, do_bwd=do_bwd):
             if do_fwd:
-                c = forward(c, w_SP, stage_ids, t, x_MbTE, rows_M)
+                c = forward(c, w_SP, ct_SP, stage_ids, t, x_MbTE, rows_M)
             if do_head:
                 c = _head_step(plan, c, t, head, seed / M, tgt_MbT)
             if do_bwd:
-                c = backward(c, w_SP, stage_ids, t, x_MbTE, rows_M)
+                c = backward(c, w_SP, ct_SP, stage_ids, t, x_MbTE, rows_M)
             fwd = jnp.roll(c.fwd, 1, axis=0) if do_fwd else c.fwd  # to the next stage
             bwd = jnp.roll(c.bwd, -1, axis=0) if do_bwd else c.bwd  # to the previous stage
             return _constrain_carry(plan, c._replace(fwd=fwd, bwd=bwd)), None
@@ -227,20 +242,23 @@ def _run(plan: _Plan, w_SP: Leaves, head: Leaves, x_MbTE: jax.Array, rows_M: Row
 
 
 def _gradients(plan: _Plan, layers: Leaves, head: Leaves, h_BTE: jax.Array,
-               rows: Rows, tgt_BT: jax.Array, seed: jax.Array
-               ) -> tuple[jax.Array, Leaves, Leaves, jax.Array | None]:
-    """(loss, layer grads, head grads, input grad), all scaled by `seed`; None: no gradient."""
-    M, mesh = plan.microbatches, plan.mesh
+               rows: Rows, tgt_BT: jax.Array, seed: jax.Array, ct_sown: Leaves
+               ) -> tuple[jax.Array, Leaves, Leaves, jax.Array | None, Leaves]:
+    """(loss, layer grads, head grads, input grad, sown (L, ...) means over microbatches), the
+    gradients scaled by `seed`; None: no gradient. `ct_sown`: the sown values' cotangent per
+    microbatch, (L, ...)."""
+    M, mesh, S = plan.microbatches, plan.mesh, plan.stages
     B, T, E = h_BTE.shape
     b = B // M
     # Microbatch m takes rows m, m+M, ... (as in gpipe.py): every device keeps its rows.
     split = lambda x: constrain_batch(x.reshape(b, M, *x.shape[1:]).swapaxes(0, 1), mesh, None)
     c = _run(plan, plan.layout(layers), head, split(h_BTE), tuple(split(a) for a in rows),
-             split(tgt_BT), seed)
-    gw = [g if g is None else g.reshape((-1,) + g.shape[2:]) for g in c.gw]  # (S, P) -> L
+             split(tgt_BT), seed, [a.reshape(S, -1, *a.shape[1:]) for a in ct_sown])
+    to_layers = lambda g: g if g is None else g.reshape((-1,) + g.shape[2:])  # (S, P) -> L
+    gw = [to_layers(g) for g in c.gw]
     gh = [g if g is None else jnp.sum(g, axis=0) for g in c.gh]  # one reduce over `pipeline`
     dx = None if c.dx is None else constrain_batch(c.dx[0].swapaxes(0, 1).reshape(B, T, E), mesh)
-    return jnp.sum(c.loss) / M, gw, gh, dx
+    return jnp.sum(c.loss) / M, gw, gh, dx, [to_layers(a) / M for a in c.sown]
 
 
 def _head_diff(plan: _Plan, head: list[CustomVJPPrimal], h_BTE: jax.Array,
@@ -253,35 +271,54 @@ def _head_diff(plan: _Plan, head: list[CustomVJPPrimal], h_BTE: jax.Array,
     return tuple(x.perturbed and r for x, r in zip(head, read))
 
 
-def _fused(plan: _Plan, primal: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """(layers, head, h, rows, targets, seed) -> loss, differentiated by the schedule; `rows`
-    is (positions,) or, for packed rows, (positions, segment ids)."""
+def _fused(plan: _Plan, primal: Callable[..., tuple[jax.Array, Leaves]]
+           ) -> Callable[..., tuple[jax.Array, Leaves]]:
+    """(layers, head, h, rows, targets, seed, sown cotangent) -> (loss, sown (L, ...)),
+    differentiated by the schedule; `rows` is (positions,) or, for packed rows, (positions,
+    segment ids). The sown values' own cotangent is ignored: their loss term's gradient is
+    in the loss's (`OneFOneB.fused_loss`)."""
 
     @jax.custom_vjp
-    def fused(layers, head, h_BTE, rows, tgt_BT, seed):
+    def fused(layers, head, h_BTE, rows, tgt_BT, seed, ct_sown):
         return primal(layers, head, h_BTE, rows, tgt_BT)
 
-    def fwd(layers, head, h_BTE, rows, tgt_BT, seed):
+    def fwd(layers, head, h_BTE, rows, tgt_BT, seed, ct_sown):
         # Only differentiated leaves get gradients: LoRA's frozen base weights and a frozen
         # embedding's input gradient cost nothing; nor does a head parameter the head never reads.
         v = custom_vjp_primal_tree_values
         p = dataclasses.replace(
             plan, layer_diff=tuple(x.perturbed for x in layers), want_dx=h_BTE.perturbed,
             head_diff=_head_diff(plan, head, h_BTE.value, tgt_BT.value))
-        loss, gw, gh, dx = _gradients(p, v(layers), v(head), h_BTE.value, tuple(v(rows)),
-                                      tgt_BT.value, seed.value)
-        return loss, (gw, gh, dx, seed.value)
+        loss, gw, gh, dx, sown = _gradients(p, v(layers), v(head), h_BTE.value,
+                                            tuple(v(rows)), tgt_BT.value, seed.value,
+                                            v(ct_sown))
+        return (loss, sown), (gw, gh, dx, seed.value)
 
     def bwd(res, ct):
         gw, gh, dx, seed = res
+        ct = ct[0]  # the loss's; the sown values' gradient is in it
         if isinstance(ct, SymbolicZero):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         k = ct / seed  # 1 under loss scaling (the seed was the scale), else the cotangent
         scale = lambda g: g if g is None else g * k.astype(g.dtype)
-        return [scale(g) for g in gw], [scale(g) for g in gh], scale(dx), None, None, None
+        return [scale(g) for g in gw], [scale(g) for g in gh], scale(dx), None, None, None, None
 
     fused.defvjp(fwd, bwd, symbolic_zeros=True)
     return fused
+
+
+def _sown_cotangent(sown_loss: Callable[[nnx.State], Any] | None, sown: nnx.State,
+                    scale: jax.Array) -> Leaves:
+    """d sown_loss / d (what the layers sow, (L, ...)) times `scale`, as flat leaves: a
+    constant, the loss being linear in them (the router's losses are means of the layers'
+    statistics)."""
+    zeros = [jnp.zeros(a.shape, a.dtype) for a in jax.tree.leaves(sown)]
+    if sown_loss is None or not zeros:
+        return zeros
+    tree = jax.tree.structure(sown)
+    grad = jax.grad(lambda leaves: jnp.asarray(sown_loss(tree.unflatten(leaves)),
+                                               jnp.float32))(zeros)
+    return [g * scale.astype(g.dtype) for g in grad]
 
 
 # ----------------------------------------------------------------------------- the runner
@@ -313,22 +350,37 @@ class OneFOneB:
 
     def fused_loss(self, model: nnx.Module, tokens_BT: jax.Array, targets_BT: jax.Array,
                    loss_fn: LossFn, positions_BT: jax.Array | None = None,
-                   segments_BT: jax.Array | None = None) -> jax.Array:
+                   segments_BT: jax.Array | None = None,
+                   sown_loss: Callable[[nnx.State], Any] | None = None,
+                   sown_weight: jax.Array | float = 1.0) -> jax.Array:
         """`loss_fn(model, layers(model.embed(tokens)), targets)` with the layers run as
         a 1F1B pipeline, averaged over microbatches. The model must expose `embed`, `layers`
         (a stacked block) and `head`. Packed rows pass their positions and segment ids.
+
+        What the layers sow (the MoE router's statistics) is left on `model.layers`, (L, ...)
+        means over the microbatches, as GPipe leaves it. The backward runs inside the schedule,
+        so a loss term the caller computes from them, `sown_loss` (linear in the sown values,
+        as `moe.router_objective`; weighing `sown_weight` times this loss in the caller's
+        total), is differentiated here: its gradient is in this loss's, and the sown values
+        carry none of their own.
         """
         B, T = tokens_BT.shape
         check_batch(B, self.microbatches)
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
         rows = (positions_BT,) if segments_BT is None else (positions_BT, segments_BT)
+        nnx.pop(model.layers, nnx.Intermediate)  # a previous call's sown values are no weights
         h_BTE = model.embed(tokens_BT)
         plan, primal, layers, head = self._plan(model, loss_fn)
         check_layers(layers[0].shape[0], self.stages, 1)
-        seed = jnp.ones((), jnp.float32) if self.seed is None else self.seed
-        return _fused(plan, primal)(layers, head, h_BTE, rows, targets_BT,
-                                    jnp.asarray(seed, jnp.float32))
+        seed = jnp.asarray(1.0 if self.seed is None else self.seed, jnp.float32)
+        b = B // self.microbatches  # what the whole stack sows for one microbatch: (L, ...)
+        sown = jax.eval_shape(functools.partial(plan.stage_fn, as_state=True), layers,
+                              h_BTE[:b], *[r[:b] for r in rows])[1]
+        ct = _sown_cotangent(sown_loss, sown, seed * sown_weight / self.microbatches)
+        loss, sown_L = _fused(plan, primal)(layers, head, h_BTE, rows, targets_BT, seed, ct)
+        nnx.update(model.layers, jax.tree.structure(sown).unflatten(sown_L))
+        return loss
 
     def _plan(self, model: nnx.Module, loss_fn: LossFn
               ) -> tuple[_Plan, Callable[..., jax.Array], Leaves, Leaves]:
@@ -345,10 +397,13 @@ class OneFOneB:
         n = layer_tree.num_leaves
 
         def stage_fn(w: Leaves, x_bTE: jax.Array, pos_bT: jax.Array,
-                     seg_bT: jax.Array | None = None) -> jax.Array:
+                     seg_bT: jax.Array | None = None, as_state: bool = False
+                     ) -> tuple[jax.Array, Leaves | nnx.State]:
             block = nnx.merge(block_def, layer_tree.unflatten(w[:n]))
-            return scan_layers(block, x_bTE, pos_bT, self.remat, segments_BT=seg_bT,
-                               per_layer=dict(zip(extra, w[n:])))
+            y = scan_layers(block, x_bTE, pos_bT, self.remat, segments_BT=seg_bT,
+                            per_layer=dict(zip(extra, w[n:])))
+            sown = nnx.pop(block, nnx.Intermediate)  # what the layers sowed: MoE router stats
+            return y, sown if as_state else jax.tree.leaves(sown)
 
         def head_loss(head: Leaves, y_bTE: jax.Array, tgt_bT: jax.Array) -> jax.Array:
             m = nnx.merge(graphdef, abstract, head_tree.unflatten(head))
@@ -359,12 +414,14 @@ class OneFOneB:
             return ([a[0] for a in jax.tree.leaves(laid_out)]
                     + [e.reshape(S, -1, *e.shape[1:]) for e in w[n:]])
 
-        def primal(w: Leaves, head: Leaves, h_BTE, rows: Rows, tgt_BT) -> jax.Array:
-            y_BTE = pipeline_layers(nnx.merge(block_def, layer_tree.unflatten(w[:n])), h_BTE,
-                                    rows[0], mesh=mesh, stages=S,
+        def primal(w: Leaves, head: Leaves, h_BTE, rows: Rows, tgt_BT
+                   ) -> tuple[jax.Array, Leaves]:
+            block = nnx.merge(block_def, layer_tree.unflatten(w[:n]))
+            y_BTE = pipeline_layers(block, h_BTE, rows[0], mesh=mesh, stages=S,
                                     microbatches=self.microbatches, repeats=1, remat=self.remat,
                                     segments_BT=rows[1] if len(rows) > 1 else None)
-            return head_loss(head, y_BTE, tgt_BT)
+            sown = jax.tree.leaves(nnx.pop(block, nnx.Intermediate))
+            return head_loss(head, y_BTE, tgt_BT), sown
 
         plan = _Plan(mesh, S, self.microbatches, stage_fn, head_loss, layout,
                      tuple(PartitionSpec("pipeline", None, *rules_axes(v, mesh)[1:])
