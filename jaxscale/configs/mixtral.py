@@ -15,7 +15,8 @@ SIZE (the Llama decoder of `configs/llama.py` with an MoE block, `model.moe`, on
 TARGET (one slice): `v5p-128` (64 chips, libtpu topology v5p:4x4x4; the suffix counts
 TensorCores): experts over `expert` (8 chips, one expert each) x the weights over `fsdp` (8), the
 batch over both, the capacity path, whose token dispatch is an all-to-all over `expert`
-(`docs/moe.md`: dropless with an expert axis is refused). The micro-batch is the TPU
+(`--config.model.moe.capacity_factor=0` makes it dropless: a ragged all-to-all and megablox on
+TPU, more HBM for the worst-case receive buffer; `docs/moe.md`). The micro-batch is the TPU
 compiler's (`COMPILED`, `launch.compile` with libtpu, nothing ran): the largest power of two that
 leaves 10% of HBM free; bench/RESULTS.md has its memory, FLOPs and step-time estimate. Attention
 is the Pallas splash kernel, precision `bf16-mixed`, remat `full`.

@@ -9,10 +9,11 @@ they live. `shared_experts` adds an always-on dense SwiGLU of `shared_experts` x
 
 Two compute paths, chosen by `capacity_factor`:
 - 0 (dropless): the token-expert assignments are sorted by expert and the three matmuls run as
-  grouped matmuls (`jax.lax.ragged_dot`): no token is dropped and no FLOP is spent on padding.
-  With the experts split over devices (`mesh.expert` > 1) it runs expert-parallel in a
-  shard_map: tokens gathered over the expert group, local experts, partial outputs
-  reduce-scattered back (`models/moe_dropless.py`, which says why not an all-to-all).
+  grouped matmuls (`models/moe_gmm.py`: `jax.lax.ragged_dot`, or Pallas megablox on TPU, as
+  `grouped_matmul` picks): no token is dropped. With the experts split over devices
+  (`mesh.expert` > 1) it runs expert-parallel in a shard_map (`models/moe_dropless.py`): each
+  assignment sent to its expert's device by a ragged all-to-all (`models/moe_dispatch.py`,
+  TPU and GPU) or the expert group's tokens all-gathered (CPU), as `dispatch` picks.
 - > 0: every expert gets, per sequence (row of the batch, so drops do not depend on the mesh),
   a fixed buffer of ceil(capacity_factor x the row's assignments / experts) slots, filled in
   priority order (every token's first choice before any second choice, tokens in
