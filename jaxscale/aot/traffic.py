@@ -83,6 +83,8 @@ def attention_traffic(config: mlc.ConfigDict) -> dict[str, Any] | None:
     ints = d.seq_len / n * 4 + (tokens * 4 if d.get("sources") else 0)
     forward_passes = 1 + (m.get("remat", "none") != "none")
     variant = m.get("context_attention", "allgather")
+    if variant == "ring" and m.get("attention", "einsum") == "splash":
+        variant = "ring_vjp"  # the splash blocks' ring has the custom VJP's ring backward
     ring = variant != "allgather"
     steps = n - 1 if ring else n
     scale = m.num_layers * config.train.grad_accum

@@ -33,7 +33,14 @@ order (the loss is a sum over tokens, so it is unchanged) and declares it with
 `sequence_order`, which tells the attention here the slots of its keys; anything else (a
 model called without it: evaluation, generation) runs in the natural order.
 
-Both soft-cap the scores when asked (Gemma 2's `attn_softcap`), take the causal mask from
+With `model.attention=splash` every variant attends a block by the Pallas splash kernel
+instead of einsum tiles (`models/context_splash.py`): the declared order cut into chunks of
+consecutive slots, each (query chunk, key chunk) pair one kernel call whose static mask (full,
+causal, or a window's `LocalMask` at the pair's offset) follows from the chunks' distance, hidden
+pairs skipped, merged by log-sum-exp; its custom VJP (splash's backward kernels) makes `ring`
+and `ring_vjp` the same ring. A layout off the kernel's 128-lane grid runs the einsum tiles.
+
+All soft-cap the scores when asked (Gemma 2's `attn_softcap`), take the causal mask from
 global slots (which travel with their keys, so any order of the
 sequence over the shards masks correctly), keep packed documents apart by segment ids (which
 travel likewise), and run grouped-query attention natively (K kv heads serve H/K query heads).
@@ -311,11 +318,24 @@ def training_order(length: int, choice: str, variant: str) -> np.ndarray | None:
     (`model.context_order`, see `CONTEXT_ORDERS`): the zigzag order, or None (natural, also
     whenever nothing splits the sequence)."""
     shards = _active_shards()
-    if shards is None or choice == "natural":
+    return None if shards is None else _order(length, shards.count, choice, variant)
+
+
+def _order(length: int, shards: int, choice: str, variant: str) -> np.ndarray | None:
+    if choice == "natural":
         return None
-    if choice == "auto" and (variant == "allgather" or length % (2 * shards.count)):
+    if choice == "auto" and (variant == "allgather" or length % (2 * shards)):
         return None
-    return zigzag_order(length, shards.count)
+    return zigzag_order(length, shards)
+
+
+def splash_blocks_run(length: int, shards: int, choice: str, variant: str) -> bool:
+    """Whether `model.attention=splash` over `shards` sequence shards runs the splash kernels
+    (the training order cuts into chunks on the kernel's grid) rather than the einsum tiles:
+    what the FLOP accounting must know (`aot/flops.py`)."""
+    order = _order(length, shards, choice, variant)
+    order = np.arange(length) if order is None else order
+    return context_splash.layout(order, shards) is not None
 
 
 def check_config(mesh_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any],
