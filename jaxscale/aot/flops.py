@@ -57,7 +57,8 @@ def kernel_flops(config: mlc.ConfigDict, num_chips: int) -> float:
     m, d = config.model, config.data
     if m.get("attention", "einsum") != "splash" or block_size(d.seq_len) is None:
         return 0.0
-    shards = config.mesh.get("context", 1) * config.mesh.get("dcn_context", 1)
+    mesh = config.get("mesh") or {}
+    shards = mesh.get("context", 1) * mesh.get("dcn_context", 1)
     if shards > 1 and not splash_blocks_run(d.seq_len, shards, m.get("context_order", "auto"),
                                             m.get("context_attention", "allgather")):
         return 0.0  # the einsum tiles run across the sequence shards: the HLO counts them
