@@ -3,8 +3,12 @@ kernel (Pallas interpret mode on CPU) per (query chunk, key chunk) pair, merged 
 equals plain attention in the loss and in the gradients of q, k and v (the custom VJP by
 splash's backward kernels), for the ring and the all-gather, with grouped-query heads, packed
 documents with padding, a sliding window and the zigzag order. The pair masks follow from the
-chunk distance alone (checked against dense masks); a layout off the kernel's grid falls back
+chunk distance alone (checked against dense masks); a per-layer (traced) window picks its
+kernels; a layout off the kernel's grid falls back
 to the einsum blocks."""
+
+import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -134,3 +138,24 @@ def test_a_layout_off_the_kernel_grid_falls_back_to_einsum_blocks():
     with pytest.warns(UserWarning, match="does not cut into chunks"):
         got = run({"context": 4, "data": 2}, "splash")
     np.testing.assert_allclose(got, run(None, "einsum"), rtol=1e-5)
+
+
+@pytest.mark.exhaustive
+def test_a_per_layer_window_picks_the_local_or_the_global_blocks():
+    """Gemma's local/global pattern: the window is traced (scanned with the layers), and the
+    layer's flag picks the local (window 100) or the global splash blocks."""
+    (q, k, v), _ = _inputs(512)
+    mesh = make_mesh({"context": 2, "data": 2, "tensor": 2})
+
+    def loss(impl, q, k, v, window):
+        mask = Mask.sequence(512, window=window, local_window=100)
+        with use_rules(RULES, mesh) if impl == "splash" else contextlib.nullcontext():
+            return jnp.sum(jnp.sin(attend(q, k, v, mask, impl=impl, context_impl="ring")))
+
+    for window in (100, 0):
+        grad = lambda impl, w: jax.jit(jax.value_and_grad(
+            functools.partial(loss, impl), argnums=(0, 1, 2)))(q, k, v, jnp.int32(w))
+        (got, grads), (want, ref_grads) = grad("splash", window), grad("einsum", window)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        for g, r in zip(grads, ref_grads):
+            np.testing.assert_allclose(g, r, rtol=1e-4, atol=2e-5)
