@@ -4,8 +4,7 @@ equals plain attention in the loss and in the gradients of q, k and v (the custo
 splash's backward kernels), for the ring and the all-gather, with grouped-query heads, packed
 documents with padding, a sliding window and the zigzag order. The pair masks follow from the
 chunk distance alone (checked against dense masks); a per-layer (traced) window picks its
-kernels; a layout off the kernel's grid falls back
-to the einsum blocks."""
+kernels; a layout off the kernel's grid falls back to the einsum blocks."""
 
 import contextlib
 import functools
