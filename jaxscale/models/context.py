@@ -154,7 +154,7 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mas
     plan = _splash_plan(shards, variant, mask, q_BTHD.shape[1], softcap)
     if plan is not None:
         run = lambda window: placed(lambda a: context_splash.attention(
-            a["q"], a["k"], a["v"], a.get("segments"), plan=plan(window)))
+            a["q"], a["k"], a["v"], a["slots"], a.get("segments"), plan=plan(window)))
         if isinstance(mask.window, jax.Array):  # a local/global pattern: the layer's flag picks
             return jax.lax.cond(mask.window > 0, run(mask.local_window), run(0), arrays)
         return run(mask.window)(arrays)

@@ -10,8 +10,10 @@ Masks: a splash mask is static (numpy, known when the kernel is built), but whic
 block holds depends on the shard and the ring step, so is traced. The sequence's declared
 order (natural, or the zigzag of `context.zigzag_order`) is static, though: it is cut into
 `Layout.chunk`-slot chunks of consecutive slots, shard i holding chunks `Layout.table[i]`
-(natural: chunk i of n; zigzag: chunks i and 2n - 1 - i of 2n). A (query chunk a, key chunk b)
-pair then has one of a few masks, by d = a - b alone: hidden (d < 0, or a window that ends
+(natural: chunk i of n; zigzag: chunks i and 2n - 1 - i of 2n). The slots travel with the
+keys (as in the einsum ring), so a chunk's number is its first slot // chunk, whichever shard
+or ring step it comes from. A (query chunk a, key chunk b) pair then has one of a few masks, by
+d = a - b alone: hidden (d < 0, or a window that ends
 before the chunk; skipped by `lax.switch`, as the einsum blocks skip hidden tiles), full, causal
 (d = 0), or the splash `LocalMask` with the pair's offset d x chunk (a sliding window). The
 kernels for these few masks are built once; a traced d picks one (`lax.switch`). Segment ids
@@ -198,20 +200,22 @@ def _pairs(plan: Plan) -> tuple[jax.Array, jax.Array]:
     return jnp.asarray(u.ravel()), jnp.asarray(w.ravel())
 
 
-def _branch(plan: Plan, my: jax.Array, src: jax.Array, u: jax.Array, w: jax.Array
+def _branch(plan: Plan, q_slots: jax.Array, k_slots: jax.Array, u: jax.Array, w: jax.Array
             ) -> jax.Array:
-    table = jnp.asarray(plan.layout.table, jnp.int32)
-    d = table[my, u] - table[src, w]
+    """The switch branch of query chunk u against held key chunk w: their chunk numbers come
+    from the slots that travel with them, so no shard index is assumed."""
+    c = plan.layout.chunk
+    d = q_slots[0, u * c] // c - k_slots[0, w * c] // c
     return jnp.asarray(plan.branch_of_d)[d + plan.chunks - 1]
 
 
 Acc = tuple[jax.Array, jax.Array]  # merged output (B, H, T, D) f32, log-sum-exp (B, H, T) f32
 
 
-def _attend(plan: Plan, kernels: list, q: jax.Array, seg: jax.Array | None, my: jax.Array,
-            acc: Acc, held: dict, src: jax.Array) -> Acc:
-    """`acc` with the block of shard `src` attended: every (query chunk, key chunk) pair by
-    its kernel (hidden pairs skipped), merged by the log-sum-exp rule."""
+def _attend(plan: Plan, kernels: list, q: jax.Array, slots: jax.Array, seg: jax.Array | None,
+            acc: Acc, held: dict) -> Acc:
+    """`acc` with the block in hand attended: every (query chunk, key chunk) pair by its
+    kernel (hidden pairs skipped), merged by the log-sum-exp rule."""
     c = plan.layout.chunk
     b, h, _, d = q.shape
     hidden = lambda *_: (jnp.zeros((b, h, c, d), jnp.float32), jnp.full((b, h, c), NEG))
@@ -221,7 +225,8 @@ def _attend(plan: Plan, kernels: list, q: jax.Array, seg: jax.Array | None, my: 
         (out, lse), (u, w) = acc, uw
         args = (_chunk(q, u, c, 2), _chunk(held["k"], w, c, 2), _chunk(held["v"], w, c, 2),
                 _chunk(seg, u, c, 1), _chunk(held.get("segments"), w, c, 1))
-        out_p, lse_p = jax.lax.switch(_branch(plan, my, src, u, w), branches, *args)
+        branch = _branch(plan, slots, held["slots"], u, w)
+        out_p, lse_p = jax.lax.switch(branch, branches, *args)
         out_u, lse_u = _chunk(out, u, c, 2), _chunk(lse, u, c, 2)
         lse_n = jnp.logaddexp(lse_u, lse_p)
         out_u = (out_u * jnp.exp(lse_u - lse_n)[..., None]
@@ -242,32 +247,35 @@ def _gathered(plan: Plan, held: dict) -> dict:
             for name, x in held.items()}
 
 
-def _forward(plan: Plan, q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None
-             ) -> Acc:
+def _own(k: jax.Array, v: jax.Array, slots: jax.Array, seg: jax.Array | None) -> dict:
+    """The shard's own key block, as it travels: keys, values, slots (and segment ids)."""
+    return {"k": k, "v": v, "slots": slots, **({} if seg is None else {"segments": seg})}
+
+
+def _forward(plan: Plan, q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array,
+             seg: jax.Array | None) -> Acc:
     """The merged output and log-sum-exp of the shard's queries over every key block."""
-    my, n = jax.lax.axis_index(plan.axes), plan.n
     kernels = plan.kernels(q.shape[1])
     b, h, t, _ = q.shape
     acc = (jnp.zeros((b, h, t, v.shape[-1]), jnp.float32), jnp.full((b, h, t), NEG))
-    held = {"k": k, "v": v, **({} if seg is None else {"segments": seg})}
-    attend = lambda acc, held, src: _attend(plan, kernels, q, seg, my, acc, held, src)
+    attend = lambda acc, held: _attend(plan, kernels, q, slots, seg, acc, held)
+    held = _own(k, v, slots, seg)
     if plan.gather:
-        blocks = (_gathered(plan, held), jnp.arange(n))
-        return jax.lax.scan(lambda a, xs: (attend(a, *xs), None), acc, blocks)[0]
+        return jax.lax.scan(lambda a, x: (attend(a, x), None), acc, _gathered(plan, held))[0]
     send = _send(plan)
 
-    def step(carry: tuple[Acc, dict], s: jax.Array) -> tuple[tuple, None]:
+    def step(carry: tuple[Acc, dict], _: None) -> tuple[tuple, None]:
         acc, held = carry
-        return (attend(acc, held, (my - s) % n), send(held)), None
+        return (attend(acc, held), send(held)), None
 
-    (acc, held), _ = jax.lax.scan(step, (acc, held), jnp.arange(n - 1))
-    return attend(acc, held, (my - n + 1) % n)
+    (acc, held), _ = jax.lax.scan(step, (acc, held), length=plan.n - 1)
+    return attend(acc, held)
 
 
-def _attend_grads(plan: Plan, kernels: list, res: tuple, d_out: jax.Array, my: jax.Array,
-                  grads: tuple, held: dict, src: jax.Array) -> tuple:
-    """(dQ, dK, dV) f32 plus the shares of the block of shard `src` (dK, dV its own)."""
-    q, _, _, seg, out, lse = res
+def _attend_grads(plan: Plan, kernels: list, res: tuple, d_out: jax.Array, grads: tuple,
+                  held: dict) -> tuple:
+    """(dQ, dK, dV) f32 plus the shares of the block in hand (dK, dV the block's own)."""
+    q, _, _, slots, seg, out, lse = res
     c = plan.layout.chunk
     hidden = lambda q_u, k_w, v_w, *_: (jnp.zeros(q_u.shape, jnp.float32),
                                         jnp.zeros(k_w.shape, jnp.float32),
@@ -279,7 +287,7 @@ def _attend_grads(plan: Plan, kernels: list, res: tuple, d_out: jax.Array, my: j
         args = (_chunk(q, u, c, 2), _chunk(held["k"], w, c, 2), _chunk(held["v"], w, c, 2),
                 _chunk(seg, u, c, 1), _chunk(held.get("segments"), w, c, 1),
                 _chunk(out, u, c, 2), _chunk(lse, u, c, 2), _chunk(d_out, u, c, 2))
-        shares = jax.lax.switch(_branch(plan, my, src, u, w), branches, *args)
+        shares = jax.lax.switch(_branch(plan, slots, held["slots"], u, w), branches, *args)
         return tuple(_put(g, _chunk(g, i, c, 2) + share, i, c, 2)
                      for g, share, i in zip(grads, shares, (u, w, w))), None
 
@@ -287,57 +295,57 @@ def _attend_grads(plan: Plan, kernels: list, res: tuple, d_out: jax.Array, my: j
 
 
 def _backward(plan: Plan, res: tuple, d_out: jax.Array) -> tuple:
-    q, k, v, seg, _, _ = res
-    my, n = jax.lax.axis_index(plan.axes), plan.n
+    q, k, v, slots, seg, _, _ = res
     kernels = plan.kernels(q.shape[1])
-    grads = lambda dq, held, src, dk, dv: _attend_grads(plan, kernels, res, d_out, my,
-                                                        (dq, dk, dv), held, src)
+    grads = lambda dq, held, dk, dv: _attend_grads(plan, kernels, res, d_out, (dq, dk, dv),
+                                                   held)
     zero = lambda x: jnp.zeros(x.shape, jnp.float32)
-    held = {"k": k, "v": v, **({} if seg is None else {"segments": seg})}
+    held = _own(k, v, slots, seg)
     if plan.gather:  # gather again; the blocks' dK, dV reduce-scatter home
-        def block(dq: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
-            held, src = xs
-            dq, dk, dv = grads(dq, held, src, zero(k), zero(v))
+        def block(dq: jax.Array, held: dict) -> tuple[jax.Array, tuple]:
+            dq, dk, dv = grads(dq, held, zero(k), zero(v))
             return dq, (dk, dv)
 
-        dq, (dk, dv) = jax.lax.scan(block, zero(q), (_gathered(plan, held), jnp.arange(n)))
+        dq, (dk, dv) = jax.lax.scan(block, zero(q), _gathered(plan, held))
         dk, dv = (jax.lax.psum_scatter(x, plan.axes, scatter_dimension=0, tiled=False)
                   for x in (dk, dv))
     else:  # the ring again, each block's dK, dV riding with it: home after n hops
         send = _send(plan)
 
-        def step(carry: tuple, s: jax.Array) -> tuple[tuple, None]:
+        def step(carry: tuple, _: None) -> tuple[tuple, None]:
             dq, held = carry
-            dq, dk, dv = grads(dq, held, (my - s) % n, held["dk"], held["dv"])
+            dq, dk, dv = grads(dq, held, held["dk"], held["dv"])
             return (dq, send(dict(held, dk=dk, dv=dv))), None
 
         (dq, held), _ = jax.lax.scan(step, (zero(q), dict(held, dk=zero(k), dv=zero(v))),
-                                     jnp.arange(n))
+                                     length=plan.n)
         dk, dv = held["dk"], held["dv"]
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _blocks(plan: Plan, q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None
-            ) -> jax.Array:
-    return _forward(plan, q, k, v, seg)[0].astype(q.dtype)
+def _blocks(plan: Plan, q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array,
+            seg: jax.Array | None) -> jax.Array:
+    return _forward(plan, q, k, v, slots, seg)[0].astype(q.dtype)
 
 
-def _blocks_fwd(plan: Plan, q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None
-                ) -> tuple[jax.Array, tuple]:
-    out, lse = _forward(plan, q, k, v, seg)
+def _blocks_fwd(plan: Plan, q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array,
+                seg: jax.Array | None) -> tuple[jax.Array, tuple]:
+    out, lse = _forward(plan, q, k, v, slots, seg)
     out = out.astype(q.dtype)
-    return out, (q, k, v, seg, out, lse)
+    return out, (q, k, v, slots, seg, out, lse)
 
 
 _blocks.defvjp(_blocks_fwd, _backward)
 
 
-def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
+def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T: jax.Array,
               segments_BT: jax.Array | None, *, plan: Plan) -> jax.Array:
     """One shard's attention to every key block by splash kernels (see the module docstring);
+    `slots_1T` the global slots of the shard's tokens (whole chunks of `plan.layout`);
     out (B, T, H, D) like the queries."""
     scale = 1.0 / np.sqrt(q_BTHD.shape[-1])  # the kernel takes queries already scaled
     q_BHTD = (q_BTHD * scale).astype(q_BTHD.dtype).swapaxes(1, 2)
-    out_BHTD = _blocks(plan, q_BHTD, k_BSKD.swapaxes(1, 2), v_BSKD.swapaxes(1, 2), segments_BT)
+    out_BHTD = _blocks(plan, q_BHTD, k_BSKD.swapaxes(1, 2), v_BSKD.swapaxes(1, 2), slots_1T,
+                       segments_BT)
     return out_BHTD.swapaxes(1, 2)
