@@ -13,12 +13,12 @@ order (natural, or the zigzag of `context.zigzag_order`) is static, though: it i
 (natural: chunk i of n; zigzag: chunks i and 2n - 1 - i of 2n). The slots travel with the
 keys (as in the einsum ring), so a chunk's number is its first slot // chunk, whichever shard
 or ring step it comes from. A (query chunk a, key chunk b) pair then has one of a few masks, by
-d = a - b alone: hidden (d < 0, or a window that ends
-before the chunk; skipped by `lax.switch`, as the einsum blocks skip hidden tiles), full, causal
-(d = 0), or the splash `LocalMask` with the pair's offset d x chunk (a sliding window). The
-kernels for these few masks are built once; a traced d picks one (`lax.switch`). Segment ids
-travel with their keys and are the kernel's `SegmentIds(q, kv)`. Grouped-query heads run
-natively (the kernel's MHA form reads kv head h // G), the soft-cap is the kernel's own.
+d = a - b alone (`pair_kind`): hidden (d < 0, or a window that ends before the chunk; skipped
+by `lax.switch`, as the einsum blocks skip hidden tiles), full, causal (d = 0), or the splash
+`LocalMask` with the pair's offset d x chunk (a sliding window). The kernels for these few
+masks are built once per trace; a traced d picks one (`lax.switch`). Segment ids travel with
+their keys and are the kernel's `SegmentIds(q, kv)`. Grouped-query heads run natively (the
+kernel's MHA form reads kv head h // G), the soft-cap is the kernel's own.
 
 Gradients: the kernel's residual-saving forward (`save_residuals=True`, which yields the
 log-sum-exp needed to merge) is not differentiable in jax (its VJP refuses it), so the whole
@@ -30,7 +30,8 @@ the global gradient (P = exp(S - lse), dS = P (dP - rowsum(dO O))). `ring` and `
 rotate the blocks again in the backward pass, their dK/dV travelling home with them;
 `allgather` gathers K/V again and reduce-scatters dK/dV (the transpose of its gather).
 
-Per-pair outputs come back in the queries' dtype (the kernel's), merged in float32.
+Per-pair outputs (and dQ, dK, dV shares) come back in the inputs' dtype (the kernel's), and are
+merged (summed) in float32.
 Not on TPU the kernels run in Pallas interpret mode (tests). A layout off the kernel's
 128-lane grid (chunk not a multiple of 128) falls back to the einsum blocks (warned once).
 Shape suffixes: B batch, H heads, K kv heads, T local queries, S keys in hand, D head dim,
