@@ -158,3 +158,19 @@ def test_a_per_layer_window_picks_the_local_or_the_global_blocks():
         np.testing.assert_allclose(got, want, rtol=1e-5)
         for g, r in zip(grads, ref_grads):
             np.testing.assert_allclose(g, r, rtol=1e-4, atol=2e-5)
+
+
+def test_flop_accounting_knows_when_the_splash_blocks_run():
+    """The compile report adds the kernels' attention FLOPs analytically (the HLO has no dot
+    for them) only where the splash blocks run; einsum tiles are in the HLO's own count."""
+    from jaxscale.aot import flops
+    from jaxscale.configs import llama
+
+    c = llama.get_config("8b-128k,v5p-32")  # context=4, zigzag: chunks of 16,384 slots
+    c.model.attention = "splash"
+    assert context.splash_blocks_run(131072, 4, "auto", "ring")
+    assert flops.kernel_flops(c, 16) > 0
+    c.data.seq_len = 4 * 384  # shards of 384 slots: zigzag chunks of 192, off the 128 grid
+    assert not context.splash_blocks_run(c.data.seq_len, 4, "auto", "ring")
+    assert context.splash_blocks_run(c.data.seq_len, 4, "natural", "ring")
+    assert flops.kernel_flops(c, 16) == 0.0
