@@ -341,7 +341,7 @@ def splash_blocks_run(length: int, shards: int, choice: str, variant: str) -> bo
 def check_config(mesh_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any],
                  seq_len: int) -> None:
     """`config.validate`'s context checks: a known variant, and, with a known `mesh.context`
-    > 1, einsum attention and a sequence length the shards divide."""
+    > 1, an attention of `SHARDED_IMPLS` and a sequence length the shards divide."""
     variant = model_cfg.get("context_attention", "allgather")
     if variant not in CONTEXT_ATTENTION:
         raise ConfigError(paragraph(
