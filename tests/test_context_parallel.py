@@ -254,7 +254,8 @@ def test_train_step_rotates_keys_and_mesh_names_context():
 @pytest.mark.parametrize("mesh, fields, culprit", [
     ({"context": 4}, dict(data__seq_len=30), "data.seq_len=30 is not divisible by the 4"),
     ({"context": 2, "dcn_context": 2}, dict(data__seq_len=30), "(mesh.context x mesh.dcn_context)"),
-    ({"context": 2}, dict(model__attention="splash"), "model.attention='splash' does not run"),
+    ({"context": 2}, dict(model__attention="dot_product_attention"),
+     "model.attention='dot_product_attention' does not run"),
     ({}, dict(model__context_attention="zigzag"), "model.context_attention='zigzag' is not"),
     ({"context": 2}, dict(config__rules=[("batch", "data")]), "mesh axis 'context' has size 2"),
 ])
@@ -270,7 +271,8 @@ def test_config_errors(mesh, fields, culprit):
 
 @pytest.mark.parametrize("length, impl, culprit", [
     (T - 2, "einsum", "sequence length 14 is not divisible by the 4 sequence shards"),
-    (T, "splash", "model.attention='splash' does not run across sequence shards"),
+    (T, "dot_product_attention",
+     "model.attention='dot_product_attention' does not run across sequence shards"),
 ])
 def test_attention_refuses_what_shards_cannot_run(length, impl, culprit):
     """Under rules that split the sequence (a model called outside `config.validate`), the

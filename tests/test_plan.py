@@ -62,8 +62,8 @@ def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
 
 def test_the_planner_shards_long_sequences_over_context_only():
     """A long sequence (`choices.LONG_SEQUENCE`) adds `mesh.context` candidates with each
-    attention variant (einsum inside: splash does not run on sequence shards), after those
-    without; a short one gets none."""
+    attention variant (einsum tiles or splash blocks inside), after those without; a short
+    one gets none."""
     from jaxscale.aot.choices import LONG_SEQUENCE
     from jaxscale.aot.plan import apply, candidates
 
@@ -74,7 +74,7 @@ def test_the_planner_shards_long_sequences_over_context_only():
     sharded = [x for x in found if x.mesh.context > 1]
     assert {(x.mesh.context, x.model.context_attention) for x in sharded} == {
         (n, v) for n in (2, 4) for v in ("ring", "allgather")}
-    assert {x.model.attention for x in sharded} == {"einsum"}
+    assert {x.model.attention for x in sharded} == {"splash", "einsum"}
     assert all(x.mesh.context * x.mesh.data * x.mesh.fsdp * x.mesh.tensor * x.mesh.pipeline == 4
                for x in found)
     assert found[0].mesh.context == 1 and found.index(sharded[0]) > 0

@@ -14,7 +14,9 @@ With `model.attention=splash` the attention matmuls run inside Pallas kernels, c
 with no dot in the HLO to count: `kernel_flops` is what the compiled count then misses, the
 entry's `attention_flops` (the attention part of model + recompute, counted as the einsum
 computes it; the kernel itself skips the tiles a causal mask hides and recomputes QK^T in its
-backward pass, so its true count differs), which the report adds and labels as analytic.
+backward pass, so its true count differs), which the report adds and labels as analytic. Across
+sequence shards the splash blocks (`models/context_splash.py`) are such kernels too, unless the
+sequence's layout is off their grid and the einsum tiles run (`context.splash_blocks_run`).
 """
 
 from __future__ import annotations
@@ -49,11 +51,17 @@ def model_flops(config: mlc.ConfigDict, num_chips: int) -> float | None:
 def kernel_flops(config: mlc.ConfigDict, num_chips: int) -> float:
     """Attention FLOPs per chip per step done inside Pallas kernels (`model.attention=splash`
     where the kernel applies), invisible to the HLO dot count; 0 otherwise."""
+    from jaxscale.models.context import splash_blocks_run
     from jaxscale.models.splash import block_size
 
     m, d = config.model, config.data
     if m.get("attention", "einsum") != "splash" or block_size(d.seq_len) is None:
         return 0.0
+    mesh = config.get("mesh") or {}
+    shards = mesh.get("context", 1) * mesh.get("dcn_context", 1)
+    if shards > 1 and not splash_blocks_run(d.seq_len, shards, m.get("context_order", "auto"),
+                                            m.get("context_attention", "allgather")):
+        return 0.0  # the einsum tiles run across the sequence shards: the HLO counts them
     return _per_step(config, _entry(config).attention_flops, num_chips) or 0.0
 
 

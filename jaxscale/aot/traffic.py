@@ -32,6 +32,9 @@ dtype. Per layer and pass:
   reduce-scatters the cotangents of the gathered blocks. Counted as `aot/hlo.py` counts them
   (the gathered result, the scattered input: n blocks each), and mixed in the compiled
   report with FSDP's own gathers and scatters of the weights.
+- With `model.attention=splash` (the splash blocks, `models/context_splash.py`) the custom VJP
+  makes `ring` the `ring_vjp` ring, and `allgather` reduce-scatters float32 dK, dV (under
+  remat its backward pass's second gather of K/V is the recompute's, merged by the compiler).
 
 A rematerialised layer (`model.remat` other than none) runs its forward pass again in the
 backward pass, so its forward traffic counts twice.
@@ -116,12 +119,16 @@ def attention_traffic(config: mlc.ConfigDict) -> dict[str, Any] | None:
     ints = d.seq_len / n * 4 + (tokens * 4 if d.get("sources") else 0)
     forward_passes = 1 + (m.get("remat", "none") != "none")
     variant = m.get("context_attention", "allgather")
+    if variant == "ring" and m.get("attention", "einsum") == "splash":
+        variant = "ring_vjp"  # the splash blocks' ring has the custom VJP's ring backward
     ring = variant != "allgather"
     steps = n - 1 if ring else n
     scale = m.num_layers * config.train.grad_accum
     backward = steps * 2 * block
     if variant == "ring_vjp":  # k, v, slots and float32 dK, dV, n hops
         backward = n * (2 * block + ints + 2 * tokens * kv_heads * m.head_dim * 4)
+    elif m.get("attention", "einsum") == "splash":  # the splash blocks' VJP: float32 dK, dV
+        backward = backward * 4 / _compute_bytes(config)
     return {"variant": variant, "shards": n, "block_bytes": block,
             "forward_kind": "collective-permute" if ring else "all-gather",
             "forward": forward_passes * steps * (2 * block + ints) * scale,

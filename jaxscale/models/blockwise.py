@@ -8,8 +8,9 @@ zigzag order's hidden halves can be skipped), attended tile by tile with the onl
 (log-sum-exp) merge, each tile skipped (`lax.cond`) where the mask hides all of it (exact: a
 hidden tile adds nothing). Autodiff through the tiles is rematerialised at every level (a
 tile, a query tile's row of key tiles, the whole block), so the backward pass keeps the running
-state per tile, never the scores. This is the einsum path; on TPU the splash kernel with the
-block's offsets would do the same in VMEM (a later increment).
+state per tile, never the scores. This is the einsum path (`model.attention=einsum`); with
+`model.attention=splash` the splash kernel does the same per block with the block's offsets in
+its mask, in VMEM (`models/context_splash.py`).
 Shape suffixes: B batch, T local queries, S keys in hand, K kv heads, G heads per kv head,
 D head dim, P query tiles, Q key tiles, C tile length.
 """

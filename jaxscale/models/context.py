@@ -33,7 +33,14 @@ order (the loss is a sum over tokens, so it is unchanged) and declares it with
 `sequence_order`, which tells the attention here the slots of its keys; anything else (a
 model called without it: evaluation, generation) runs in the natural order.
 
-Both soft-cap the scores when asked (Gemma 2's `attn_softcap`), take the causal mask from
+With `model.attention=splash` every variant attends a block by the Pallas splash kernel
+instead of einsum tiles (`models/context_splash.py`): the declared order cut into chunks of
+consecutive slots, each (query chunk, key chunk) pair one kernel call whose static mask (full,
+causal, or a window's `LocalMask` at the pair's offset) follows from the chunks' distance, hidden
+pairs skipped, merged by log-sum-exp; its custom VJP (splash's backward kernels) makes `ring`
+and `ring_vjp` the same ring. A layout off the kernel's 128-lane grid runs the einsum tiles.
+
+All soft-cap the scores when asked (Gemma 2's `attn_softcap`), take the causal mask from
 global slots (which travel with their keys, so any order of the
 sequence over the shards masks correctly), keep packed documents apart by segment ids (which
 travel likewise), and run grouped-query attention natively (K kv heads serve H/K query heads).
@@ -59,11 +66,14 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models import blockwise
+from jaxscale.models import blockwise, context_splash, splash
 from jaxscale.models.mask import Mask
 from jaxscale.models.ring_vjp import ring_vjp_attention
 from jaxscale.rules import AxisRules, active_rules, as_tuple, logical_to_mesh_axes
 
+# `model.attention` kernels that run across sequence shards: einsum blocks, or splash kernels
+# per block (`models/context_splash.py`).
+SHARDED_IMPLS = ("einsum", "splash")
 Q_AXES = ("batch", "length", "heads", "head_dim")
 KV_AXES = ("batch", "length", "kv", "head_dim")
 
@@ -74,6 +84,7 @@ class Shards(NamedTuple):
     rules: AxisRules
     mesh: Mesh
     axes: tuple[str, ...]
+    impl: str = "einsum"  # `model.attention`: splash runs the blocks by its kernel
 
     @property
     def count(self) -> int:
@@ -100,12 +111,13 @@ def sequence_shards(length: int, impl: str) -> Shards | None:
         return None
     axes, mesh = shards.axes, shards.mesh
     sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in axes)
-    if impl != "einsum":
+    if impl not in SHARDED_IMPLS:
         raise ConfigError(paragraph(
             f"model.attention={impl!r} does not run across sequence shards yet, and the rules",
             f"split the sequence over the mesh axes {sizes} (context parallelism). Use",
-            "model.attention=einsum (attention then runs by model.context_attention=allgather",
-            "or ring, models/context.py), or set mesh.context=1.",
+            "model.attention=einsum or splash (attention then runs by",
+            "model.context_attention=allgather or ring, models/context.py), or set",
+            "mesh.context=1.",
         ))
     if length % shards.count:
         raise ConfigError(paragraph(
@@ -114,7 +126,7 @@ def sequence_shards(length: int, impl: str) -> Shards | None:
             f"sequence. Use a data.seq_len that is a multiple of {shards.count}, or a smaller",
             "mesh.context.",
         ))
-    return shards
+    return shards._replace(impl=impl)
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mask,
@@ -137,12 +149,47 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mas
     specs = {"q": q_spec, "k": kv_spec, "v": kv_spec, "slots": P(None, length)}
     if mask.q_segments_BT is not None:  # packed documents: their ids travel with the keys
         arrays["segments"], specs["segments"] = mask.q_segments_BT, P(batch, length)
+    placed = lambda run: jax.shard_map(run, mesh=shards.mesh, in_specs=(specs,),
+                                       out_specs=q_spec, check_vma=False)
+    plan = _splash_plan(shards, variant, mask, q_BTHD.shape[1], softcap)
+    if plan is not None:
+        run = lambda window: placed(lambda a: context_splash.attention(
+            a["q"], a["k"], a["v"], a["slots"], a.get("segments"), plan=plan(window)))
+        if isinstance(mask.window, jax.Array):  # a local/global pattern: the layer's flag picks
+            return jax.lax.cond(mask.window > 0, run(mask.local_window), run(0), arrays)
+        return run(mask.window)(arrays)
     body = CONTEXT_ATTENTION[variant]
     run = lambda a: body(a["q"], a["k"], a["v"], a["slots"], a.get("segments"),
                          axes=shards.axes, n=shards.count, causal=mask.causal,
                          window=mask.window, softmax_dtype=softmax_dtype, softcap=softcap)
-    return jax.shard_map(run, mesh=shards.mesh, in_specs=(specs,), out_specs=q_spec,
-                         check_vma=False)(arrays)
+    return placed(run)(arrays)
+
+
+def _splash_plan(shards: Shards, variant: str, mask: Mask, length: int, softcap: float
+                 ) -> Callable[[int], context_splash.Plan] | None:
+    """window -> the splash blocks' plan, when `shards.impl` is splash and the declared order
+    cuts into chunks on the kernel's grid; else None (the einsum blocks run; warned once)."""
+    if shards.impl != "splash":
+        return None
+    order = _ORDER.get()
+    order = np.arange(length) if order is None else order
+    layout = context_splash.layout(order, shards.count)
+    if layout is None:
+        splash.warn_once(f"context{length}/{shards.count}", paragraph(
+            f"model.attention=splash across {shards.count} sequence shards: the sequence of",
+            f"{length} does not cut into chunks of a multiple of {splash.LANES} slots per shard",
+            "(the kernel's grid), so attention runs by the einsum blocks. Use a data.seq_len",
+            f"that is a multiple of {2 * shards.count * splash.LANES}.",
+        ))
+        return None
+    interpret = shards.mesh.devices.flat[0].platform != "tpu"
+    if interpret:
+        splash.warn_once(f"interpret:{shards.mesh.devices.flat[0].platform}", paragraph(
+            "model.attention=splash off TPU: the splash kernels of the sequence shards run in",
+            "Pallas interpret mode, exact but slow (meant for tests)."))
+    return lambda window: context_splash.Plan(
+        tuple(shards.axes), shards.count, variant == "allgather", layout, mask.causal,
+        int(window), float(softcap), interpret)
 
 
 def _slots(mask: Mask, length: int) -> jax.Array:
@@ -271,17 +318,30 @@ def training_order(length: int, choice: str, variant: str) -> np.ndarray | None:
     (`model.context_order`, see `CONTEXT_ORDERS`): the zigzag order, or None (natural, also
     whenever nothing splits the sequence)."""
     shards = _active_shards()
-    if shards is None or choice == "natural":
+    return None if shards is None else _order(length, shards.count, choice, variant)
+
+
+def _order(length: int, shards: int, choice: str, variant: str) -> np.ndarray | None:
+    if choice == "natural":
         return None
-    if choice == "auto" and (variant == "allgather" or length % (2 * shards.count)):
+    if choice == "auto" and (variant == "allgather" or length % (2 * shards)):
         return None
-    return zigzag_order(length, shards.count)
+    return zigzag_order(length, shards)
+
+
+def splash_blocks_run(length: int, shards: int, choice: str, variant: str) -> bool:
+    """Whether `model.attention=splash` over `shards` sequence shards runs the splash kernels
+    (the training order cuts into chunks on the kernel's grid) rather than the einsum tiles:
+    what the FLOP accounting must know (`aot/flops.py`)."""
+    order = _order(length, shards, choice, variant)
+    order = np.arange(length) if order is None else order
+    return context_splash.layout(order, shards) is not None
 
 
 def check_config(mesh_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any],
                  seq_len: int) -> None:
     """`config.validate`'s context checks: a known variant, and, with a known `mesh.context`
-    > 1, einsum attention and a sequence length the shards divide."""
+    > 1, an attention of `SHARDED_IMPLS` and a sequence length the shards divide."""
     variant = model_cfg.get("context_attention", "allgather")
     if variant not in CONTEXT_ATTENTION:
         raise ConfigError(paragraph(
@@ -298,12 +358,12 @@ def check_config(mesh_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any],
     if size <= 1:  # 1, or -1 (filled from the device count: checked when attention runs)
         return
     impl = model_cfg.get("attention", "einsum")
-    if impl != "einsum":
+    if impl not in SHARDED_IMPLS:
         raise ConfigError(paragraph(
             f"model.attention={impl!r} does not run across sequence shards yet, and",
             f"mesh.context x mesh.dcn_context = {size} splits the sequence. Use",
-            "--config.model.attention=einsum (attention then runs by model.context_attention,",
-            "allgather or ring), or set --config.mesh.context=1.",
+            "--config.model.attention=einsum or splash (attention then runs by",
+            "model.context_attention, allgather or ring), or set --config.mesh.context=1.",
         ))
     if seq_len % size:
         raise ConfigError(paragraph(

@@ -69,6 +69,9 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
+warn_once = _warn_once  # for the splash blocks across sequence shards (`models/context_splash.py`)
+
+
 def block_size(length: int) -> int | None:
     """The largest tile that divides `length`, or None (the kernel cannot run)."""
     return next((b for b in BLOCKS if length % b == 0), None)
