@@ -147,6 +147,27 @@ OPTIMIZERS: dict[str, Callable[[Any, optax.Schedule], optax.GradientTransformati
 }
 
 
+# ---- Optimizer-state host offload (`optim.offload_state`) ------------------------------------
+# The optimizer state (AdamW's two float32 moments: 8 bytes a parameter, twice the float32
+# weights) is only read and written once a step, by the update, so it can live in the host's
+# pinned memory instead of HBM: the state's shardings carry `memory_kind=HOST_MEMORY`
+# (`train/state.py`), the step copies it onto the device for the update (`on_device`) and its
+# out_shardings copy the new state back. What it costs: the state crosses PCIe twice a step
+# (`aot/roofline.py` charges it at `hardware.Chip.host_bytes_s`). jax supports the memory kinds
+# on TPU, GPU and CPU (where host and device memory are the same RAM, so it changes nothing).
+HOST_MEMORY = "pinned_host"
+
+
+def on_host(shardings: Any) -> Any:
+    """The same shardings in pinned host memory (every leaf a NamedSharding)."""
+    return jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings)
+
+
+def on_device(tree: Any) -> Any:
+    """Inside a jitted step: `tree` (offloaded state) copied into device memory, same sharding."""
+    return jax.device_put(tree, jax.memory.Space.Device)
+
+
 def make_optimizer(optim_cfg: Any, total_steps: int) -> tuple[optax.GradientTransformation,
                                                              optax.Schedule]:
     """Returns (clipped optimizer, its learning-rate schedule) for `config.optim`."""

@@ -37,13 +37,13 @@ class StepSetup:
         """(ShapeDtypeStructs carrying shardings, shardings): the state without allocating."""
         c = self.ctx
         return abstract_state(c.model_def, c.optimizer, c.rules, c.mesh, self.trainable,
-                              self.init_extra)
+                              self.init_extra, c.offload_state)
 
     def init_state(self, seed: int) -> tuple[TrainState, TrainState]:
         """(state, shardings): the sharded initial state (before init_from or a checkpoint)."""
         c = self.ctx
         return init_state(c.model_def, c.optimizer, c.rules, c.mesh, seed, self.trainable,
-                          self.init_extra)
+                          self.init_extra, c.offload_state)
 
     def jit(self, shardings: TrainState, batch: BatchSpec) -> Callable:
         """The jitted train step as the loop forms it: explicit shardings, donated state."""
@@ -69,7 +69,8 @@ def build_step(config: mlc.ConfigDict, mesh: Mesh) -> StepSetup:
                       config.train.grad_accum, config.train.skip_nonfinite,
                       run_layers=make_layer_runner(config.pipeline, mesh, config.model.remat,
                                                    config.model.get("num_layers")),
-                      loss_scale=scaler)
+                      loss_scale=scaler,
+                      offload_state=bool(config.optim.get("offload_state", False)))
     return StepSetup(ctx, lora.trainable(config.lora), scaler.init if scaler else dict)
 
 
