@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale.rules import constrain, shard_counts
+from jaxscale.rules import AxisRules, active_rules, as_tuple, constrain, shard_counts
 
 
 def batch_shards(batch: int) -> int:
@@ -32,11 +32,56 @@ Axes = tuple[str | None, ...]
 
 def sum_shards(g_SX: jax.Array, dtype: Any, copy: Axes, weight: Axes) -> jax.Array:
     """The sum over the leading (batch-sharded) axis of per-shard gradients laid out as `copy`,
-    carried across devices in `dtype`, returned in `g_SX`'s dtype laid out as `weight`."""
+    carried across devices in `dtype`, returned in `g_SX`'s dtype laid out as `weight`.
+
+    Where it can (`_scatter_plan`) the sum is written out per mesh axis, as the layers' matmuls
+    get it from the partitioner: reduce-scattered over the batch axes that also shard the
+    weight (`fsdp`), then only the shard all-reduced over the others (`data`). Left to itself
+    the partitioner all-reduces the whole matrix over every batch device, then slices it."""
     out = g_SX.dtype
     g_SX = constrain(g_SX, "batch", *copy).astype(dtype)
-    total = jax.lax.reduce(g_SX, np.array(0, dtype), jax.lax.add, (0,))  # no float32 upcast
+    plan = _scatter_plan(g_SX.shape, copy, weight)
+    if plan is None:
+        total = jax.lax.reduce(g_SX, np.array(0, dtype), jax.lax.add, (0,))  # no f32 upcast
+        return constrain(total.astype(out), *weight)
+    mesh, in_spec, out_spec, scatters, rest = plan
+
+    def local(g: jax.Array) -> jax.Array:
+        g = g[0]
+        for dim, axes in scatters:
+            g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+        return jax.lax.psum(g, rest) if rest else g
+
+    total = jax.shard_map(local, mesh=mesh, in_specs=in_spec, out_specs=out_spec,
+                          check_vma=False)(g_SX)
     return constrain(total.astype(out), *weight)
+
+
+def _scatter_plan(shape: tuple[int, ...], copy: Axes, weight: Axes) -> tuple | None:
+    """(mesh, the shards' spec, the weight's spec, [(dim, mesh axes to reduce-scatter it
+    over)], the batch mesh axes left to all-reduce), or None where the per-axis form does not
+    apply: no active rules, inside a shard_map, or a weight dimension sharded over mesh axes
+    other than its copy's plus batch axes appended after them."""
+    active = active_rules()
+    if active is None or jax.sharding.get_abstract_mesh().manual_axes:
+        return None
+    rules, mesh = active
+    lenient = AxisRules(rules.rules, strict=False, indivisible="replicate")
+    spec = lambda logical, dims: lenient.spec(logical, dims, mesh, "<gradient>", warn=False)
+    in_spec = spec(("batch", *copy), shape)
+    out_spec = spec(weight, shape[1:])
+    batch = as_tuple(in_spec[0])
+    scatters, used = [], set()
+    for dim, (have, want) in enumerate(zip(in_spec[1:], out_spec)):
+        have, want = as_tuple(have), as_tuple(want)
+        extra = want[len(have):]
+        if want[:len(have)] != have or not set(extra) <= set(batch) - used:
+            return None
+        if extra:
+            scatters.append((dim, extra))
+            used.update(extra)
+    rest = tuple(a for a in batch if a not in used)
+    return mesh, in_spec, out_spec, scatters, rest
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
