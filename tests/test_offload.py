@@ -1,5 +1,7 @@
 """Host offload: the optimizer state in pinned host memory (`optim.offload_state`) trains as on
-the device, and its checkpoint restores into host memory.
+the device, and its checkpoint restores into host memory; compiled for a TPU, the report shows
+it apart from HBM and the estimate charges its PCIe traffic. The same compile checks that the
+gradients cross the `data` axis as bfloat16 FSDP shards (`models/shard_sums.py`).
 
 On CPU the host and the device memory are the same RAM, so what is checked here is the
 plumbing (shardings with `memory_kind='pinned_host'`, the step's copies, the checkpoint); the
@@ -7,11 +9,16 @@ HBM it saves on a TPU is measured by AOT compiles (bench/RESULTS.md).
 """
 
 import itertools
+import json
 
 import jax
 import numpy as np
+import pytest
 
+from aot_common import TINY, libtpu_test, run_module
 from configs.tiny_lm import get_config
+from jaxscale.aot import hlo
+from jaxscale.hardware import TPUS
 from jaxscale.optim import HOST_MEMORY
 from jaxscale.train.checkpoint import Checkpointer
 from jaxscale.train.loop import Trainer
@@ -60,3 +67,42 @@ def test_offloaded_optimizer_state_trains_and_restores_as_on_device(tmp_path):
     _, resumed = _steps(host, restored, batches[2:])
     _, straight = _steps(host, state, batches[2:])
     assert resumed == straight
+
+
+# One libtpu compile serves both checks below: the tiny Llama in bf16-mixed on v5p:2x2x2 as
+# data=2 x fsdp=4, with the optimizer state offloaded.
+@pytest.fixture(scope="module")
+def tiny_tpu(tmp_path_factory):
+    out = tmp_path_factory.mktemp("aot")
+    proc = run_module(["launch.compile", "--topology=v5p:2x2x2", *TINY, "--config.mesh.data=2",
+                       "--config.mesh.fsdp=4", "--config.optim.offload_state=True",
+                       f"--save_hlo={out / 'hlo'}", f"--out={out / 'report.json'}"], out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    with open(report["hlo_path"]) as f:
+        return proc.stdout, report, hlo.parse(f.read())
+
+
+@libtpu_test
+def test_gradients_cross_data_once_as_bf16_shards(tiny_tpu):
+    """Every gradient crosses `data` (the groups of 2) as its FSDP shard in bfloat16, the
+    embedding's and the LM head's too (they leave the lookup and the head in float32): the
+    data-axis all-reduces carry exactly the weight matrices' elements / 4 shards x 2 bytes."""
+    _, _, module = tiny_tpu
+    shapes = {i.name: i.shape for instrs in module.comps.values() for i in instrs}
+    over_data = [c for c in hlo.collectives(module) if c.kind == "all-reduce" and c.group == 2]
+    assert {shapes[c.name].lstrip("(").split("[")[0] for c in over_data} == {"bf16"}
+    E, V, L = 64, 256, 2  # llama.py:tiny: 4 heads (2 kv) of 16, mlp 128
+    per_layer = E * (4 + 2 + 2) * 16 + E * E + E * 2 * 128 + 128 * E
+    assert sum(c.total_bytes for c in over_data) == (2 * V * E + L * per_layer) // 4 * 2
+
+
+@libtpu_test
+def test_compile_report_shows_offloaded_state_apart_from_hbm_and_charges_pcie(tiny_tpu):
+    text, report, _ = tiny_tpu
+    moments = 2 * 4 * 106_816 // 4  # AdamW's float32 mu and nu of the tiny Llama over fsdp=4
+    assert report["host_argument_bytes"] == report["host_output_bytes"] >= moments
+    assert report["argument_bytes"] < report["host_argument_bytes"]  # not counted as HBM too
+    host = 2 * report["host_argument_bytes"] / (TPUS["v5p"].host_bytes_s / 2)
+    assert report["estimate"]["host_s"] == pytest.approx(host)
+    assert "pinned host memory (not HBM)" in text and "host (PCIe)" in text
