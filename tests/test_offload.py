@@ -18,6 +18,7 @@ import pytest
 from aot_common import TINY, libtpu_test, run_module
 from configs.tiny_lm import get_config
 from jaxscale.aot import hlo
+from jaxscale.aot.roofline import estimate
 from jaxscale.hardware import TPUS
 from jaxscale.optim import HOST_MEMORY
 from jaxscale.train.checkpoint import Checkpointer
@@ -106,3 +107,14 @@ def test_compile_report_shows_offloaded_state_apart_from_hbm_and_charges_pcie(ti
     host = 2 * report["host_argument_bytes"] / (TPUS["v5p"].host_bytes_s / 2)
     assert report["estimate"]["host_s"] == pytest.approx(host)
     assert "pinned host memory (not HBM)" in text and "host (PCIe)" in text
+
+
+def test_pcie_transfers_are_charged_on_their_own_link():
+    """Host bytes each way at half the both-ways PCIe figure, one direction after the other;
+    overlapped, the step is the slowest of compute, collectives and PCIe."""
+    chip = TPUS["v5p"]
+    est = estimate(chip, chip.peak_bf16_flops * 0.1, [], None, host_bytes=(3e9, 1e9))
+    assert est.host_s == pytest.approx(4e9 / (chip.host_bytes_s / 2))
+    assert est.no_overlap_s == pytest.approx(est.compute_s + est.host_s)
+    assert est.full_overlap_s == est.host_s > est.compute_s
+    assert estimate(chip, 1.0, [], None).host_s == 0.0
