@@ -163,12 +163,8 @@ def on_host(shardings: Any) -> Any:
     return jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings)
 
 
-def on_device(tree: Any, after: Any = None) -> Any:
-    """Inside a jitted step: `tree` (offloaded state) copied into device memory, same sharding,
-    not before `after` (the gradients) is computed: an optimization barrier makes the copy wait,
-    so the compiler cannot prefetch the state into HBM during the backward pass, the peak."""
-    if after is not None:
-        tree, _ = jax.lax.optimization_barrier((tree, after))
+def on_device(tree: Any) -> Any:
+    """Inside a jitted step: `tree` (offloaded state) copied into device memory, same sharding."""
     return jax.device_put(tree, jax.memory.Space.Device)
 
 

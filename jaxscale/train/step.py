@@ -123,7 +123,7 @@ def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[Train
         loss, grads = scaler.unscale(state.extra, (loss, grads))
     grad_norm = optax.global_norm(grads)
     if ctx.offload_state:  # onto the device for the update; out_shardings take it back
-        state = state.replace(opt_state=on_device(state.opt_state, after=grads))
+        state = state.replace(opt_state=on_device(state.opt_state))
     updates, opt_state = ctx.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     finite = applied = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
