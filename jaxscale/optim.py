@@ -7,7 +7,7 @@ uses a linear-warmup + cosine-decay schedule.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
@@ -156,6 +156,18 @@ OPTIMIZERS: dict[str, Callable[[Any, optax.Schedule], optax.GradientTransformati
 # (`aot/roofline.py` charges it at `hardware.Chip.host_bytes_s`). jax supports the memory kinds
 # on TPU, GPU and CPU (where host and device memory are the same RAM, so it changes nothing).
 HOST_MEMORY = "pinned_host"
+
+
+def check_offload(devices: Iterable[Any]) -> None:
+    """A one-paragraph ConfigError where a device has no pinned host memory to offload to."""
+    for device in devices:
+        kinds = {m.kind for m in device.addressable_memories()}
+        if HOST_MEMORY not in kinds:
+            raise ConfigError(paragraph(
+                f"optim.offload_state=True keeps the optimizer state in {HOST_MEMORY!r} memory,",
+                f"but {device.device_kind} devices offer only {', '.join(sorted(kinds))} here",
+                "(jax's memory kinds). Set optim.offload_state=False, or run on a backend with",
+                "pinned host memory (TPU, GPU and CPU in jax 0.10)."))
 
 
 def on_host(shardings: Any) -> Any:

@@ -19,8 +19,9 @@ from aot_common import TINY, libtpu_test, run_module
 from configs.tiny_lm import get_config
 from jaxscale.aot import hlo
 from jaxscale.aot.roofline import estimate
+from jaxscale.errors import ConfigError
 from jaxscale.hardware import TPUS
-from jaxscale.optim import HOST_MEMORY
+from jaxscale.optim import HOST_MEMORY, check_offload
 from jaxscale.train.checkpoint import Checkpointer
 from jaxscale.train.loop import Trainer
 
@@ -118,3 +119,18 @@ def test_pcie_transfers_are_charged_on_their_own_link():
     assert est.no_overlap_s == pytest.approx(est.compute_s + est.host_s)
     assert est.full_overlap_s == est.host_s > est.compute_s
     assert estimate(chip, 1.0, [], None).host_s == 0.0
+
+
+def test_offload_without_pinned_host_memory_is_a_config_error():
+    class Memory:
+        kind = "device"
+
+    class Device:
+        device_kind = "Accelerator X"
+
+        def addressable_memories(self):
+            return [Memory()]
+
+    check_offload(jax.devices())  # CPU devices have pinned host memory
+    with pytest.raises(ConfigError, match="offload_state=False"):
+        check_offload([Device()])
