@@ -159,10 +159,11 @@ HOST_MEMORY = "pinned_host"
 
 
 def check_offload(devices: Iterable[Any]) -> None:
-    """A one-paragraph ConfigError where a device has no pinned host memory to offload to."""
+    """A one-paragraph ConfigError where a device has no pinned host memory to offload to (a
+    device listing no memories, such as a TPU topology's for AOT compiles, is not judged)."""
     for device in devices:
         kinds = {m.kind for m in device.addressable_memories()}
-        if HOST_MEMORY not in kinds:
+        if kinds and HOST_MEMORY not in kinds:
             raise ConfigError(paragraph(
                 f"optim.offload_state=True keeps the optimizer state in {HOST_MEMORY!r} memory,",
                 f"but {device.device_kind} devices offer only {', '.join(sorted(kinds))} here",
