@@ -89,7 +89,8 @@ def base_config() -> mlc.ConfigDict:
     ))
     c.optim = mlc.ConfigDict(dict(name="adamw", lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                                   weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
-                                  clip_norm=1.0, momentum=0.9, nesterov=False))
+                                  clip_norm=1.0, momentum=0.9, nesterov=False,
+                                  offload_state=False))  # optimizer state in host memory
     c.train = mlc.ConfigDict(dict(
         steps=200, log_every=10, eval_every=100, grad_accum=1, skip_nonfinite=False,
         loggers=("jsonl", "tensorboard"),  # names in jaxscale.observe.loggers.LOGGERS (+ "wandb")

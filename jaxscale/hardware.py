@@ -63,6 +63,10 @@ class Chip:
 
 
 _LIBTPU = "usable HBM: libtpu 0.0.52's CompileTimeHbmOom, 'available HBM ({}G)'"
+# TPU host <-> HBM: no datasheet publishes it. "How to Scale Your Model" (jax-ml.github.io/
+# scaling-book/tpus, "PCIe bandwidth ... around 1.5e10 bytes/s per TPU", its v5e / v6e figure,
+# one way) is used for every TPU generation here: an ESTIMATE, both ways 2 x 1.5e10.
+TPU_HOST_BYTES_S = 2 * 1.5e10
 _NVIDIA = "NVLink and PCIe (both ways) from the same datasheet; HBM in binary units, as stacks are"
 
 CHIPS: dict[str, Chip] = {
@@ -73,7 +77,8 @@ CHIPS: dict[str, Chip] = {
                "per chip); ICI 2,400 Gbps and DCN (v5p's, assumed) from "
                "https://cloud.google.com/tpu/docs/v5p; " + _LIBTPU.format("30.75"),
                usable_hbm_bytes=30.75 * GiB, ici_bidir_bytes_s=2400e9 / 8, ici_ports=6,
-               dcn_bytes_s=50e9 / 8, generation="v4", torus_dims=3, max_chips=4096,
+               dcn_bytes_s=50e9 / 8,
+               host_bytes_s=TPU_HOST_BYTES_S, generation="v4", torus_dims=3, max_chips=4096,
                chip_config="megacore",
                # int8: the v4 page's "275 teraflops (bf16 or int8)": no faster than bf16
                peak_int8_ops=275e12),
@@ -83,7 +88,8 @@ CHIPS: dict[str, Chip] = {
                 "ICI 1,600 Gbps, 4 ports, NICs: the v5e column of "
                 "https://cloud.google.com/tpu/docs/v6e; " + _LIBTPU.format("15.75"),
                 usable_hbm_bytes=15.75 * GiB, ici_bidir_bytes_s=1600e9 / 8, ici_ports=4,
-                dcn_bytes_s=2 * 100e9 / 8 / 8, generation="v5e", torus_dims=2, max_chips=256,
+                dcn_bytes_s=2 * 100e9 / 8 / 8,
+                host_bytes_s=TPU_HOST_BYTES_S, generation="v5e", torus_dims=2, max_chips=256,
                 # int8: "Peak compute per chip (Int8) 393 TOPs", cloud.google.com/tpu/docs/v5e
                 peak_int8_ops=393e12),
     "v5p": Chip(("TPU v5p", "TPU v5"), 459e12, 95 * GiB,
@@ -91,7 +97,8 @@ CHIPS: dict[str, Chip] = {
                 "ICI 1,200 GB/s both ways per chip, 3D torus, DCN 50 Gbps per chip: "
                 "https://cloud.google.com/tpu/docs/v5p-training; " + _LIBTPU.format("95.73"),
                 usable_hbm_bytes=95.73 * GiB, ici_bidir_bytes_s=1200e9, ici_ports=6,
-                dcn_bytes_s=50e9 / 8, generation="v5p", torus_dims=3, max_chips=6144,
+                dcn_bytes_s=50e9 / 8,
+                host_bytes_s=TPU_HOST_BYTES_S, generation="v5p", torus_dims=3, max_chips=6144,
                 chip_config="megacore",
                 # int8: 918 TOPs (twice bf16), the v5p launch post, cloud.google.com/blog/
                 # products/ai-machine-learning/introducing-cloud-tpu-v5p-and-ai-hypercomputer
@@ -101,7 +108,8 @@ CHIPS: dict[str, Chip] = {
                 "https://cloud.google.com/tpu/docs/v6e (Trillium, 918 TFLOP/s bf16 per chip, "
                 "32 GB HBM, ICI 3,584 Gbps, 4 ports, 2D torus); " + _LIBTPU.format("31.24"),
                 usable_hbm_bytes=31.24 * GiB, ici_bidir_bytes_s=3584e9 / 8, ici_ports=4,
-                dcn_bytes_s=4 * 200e9 / 8 / 8, generation="v6e", torus_dims=2, max_chips=256,
+                dcn_bytes_s=4 * 200e9 / 8 / 8,
+                host_bytes_s=TPU_HOST_BYTES_S, generation="v6e", torus_dims=2, max_chips=256,
                 # int8: "Peak compute per chip (Int8) 1836 TOPs", cloud.google.com/tpu/docs/v6e
                 peak_int8_ops=1836e12),
     "a100": Chip(("A100",), 312e12, None,

@@ -7,7 +7,7 @@ uses a linear-warmup + cosine-decay schedule.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
@@ -145,6 +145,40 @@ def _adam8bit(c: Any, lr: optax.Schedule) -> optax.GradientTransformation:
 OPTIMIZERS: dict[str, Callable[[Any, optax.Schedule], optax.GradientTransformation]] = {
     "adamw": _adamw, "lamb": _lamb, "adafactor": _adafactor, "sgd": _sgd, "adam8bit": _adam8bit,
 }
+
+
+# ---- Optimizer-state host offload (`optim.offload_state`) ------------------------------------
+# The optimizer state (AdamW's two float32 moments: 8 bytes a parameter, twice the float32
+# weights) is only read and written once a step, by the update, so it can live in the host's
+# pinned memory instead of HBM: the state's shardings carry `memory_kind=HOST_MEMORY`
+# (`train/state.py`), the step copies it onto the device for the update (`on_device`) and its
+# out_shardings copy the new state back. What it costs: the state crosses PCIe twice a step
+# (`aot/roofline.py` charges it at `hardware.Chip.host_bytes_s`). jax supports the memory kinds
+# on TPU, GPU and CPU (where host and device memory are the same RAM, so it changes nothing).
+HOST_MEMORY = "pinned_host"
+
+
+def check_offload(devices: Iterable[Any]) -> None:
+    """A one-paragraph ConfigError where a device has no pinned host memory to offload to (a
+    device listing no memories, such as a TPU topology's for AOT compiles, is not judged)."""
+    for device in devices:
+        kinds = {m.kind for m in device.addressable_memories()}
+        if kinds and HOST_MEMORY not in kinds:
+            raise ConfigError(paragraph(
+                f"optim.offload_state=True keeps the optimizer state in {HOST_MEMORY!r} memory,",
+                f"but {device.device_kind} devices offer only {', '.join(sorted(kinds))} here",
+                "(jax's memory kinds). Set optim.offload_state=False, or run on a backend with",
+                "pinned host memory (TPU, GPU and CPU in jax 0.10)."))
+
+
+def on_host(shardings: Any) -> Any:
+    """The same shardings in pinned host memory (every leaf a NamedSharding)."""
+    return jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings)
+
+
+def on_device(tree: Any) -> Any:
+    """Inside a jitted step: `tree` (offloaded state) copied into device memory, same sharding."""
+    return jax.device_put(tree, jax.memory.Space.Device)
 
 
 def make_optimizer(optim_cfg: Any, total_steps: int) -> tuple[optax.GradientTransformation,

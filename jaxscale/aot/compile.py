@@ -84,6 +84,15 @@ class StepReport:
     hbm_limit_bytes: float = 0.0  # what libtpu lets a program use (0: the capacity)
     host_temp_bytes: int = 0      # pinned host memory: activations a remat policy offloads
     host_argument_bytes: int = 0  # pinned host memory: arguments placed on the host
+    host_output_bytes: int = 0    # pinned host memory: outputs (the offloaded optimizer state)
+
+    @property
+    def host_transfer_bytes(self) -> tuple[int, int]:
+        """(to the device, to the host) per chip per step over PCIe: host arguments read in,
+        host outputs written back, offloaded activations written in the forward pass and read
+        back in the backward pass."""
+        return (self.host_argument_bytes + self.host_temp_bytes,
+                self.host_output_bytes + self.host_temp_bytes)
     attention_traffic: dict | None = None  # expected across sequence shards (aot.traffic)
 
     @property
@@ -167,6 +176,7 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         generated_code_bytes=mem.generated_code_size_in_bytes,
         host_temp_bytes=mem.host_temp_size_in_bytes,
         host_argument_bytes=mem.host_argument_size_in_bytes,
+        host_output_bytes=mem.host_output_size_in_bytes,
         flops=hlo.flops(partitioned) + in_kernels,
         flops_cost_analysis=float(cost.get("flops", 0.0)),
         model_flops=flops_lib.model_flops(config, topology.num_chips),

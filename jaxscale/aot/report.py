@@ -16,7 +16,7 @@ def _gib(n: float) -> str:
 def step_estimate(report: StepReport) -> Estimate:
     chip = TPUS[report.topology.split(":")[0]]
     return estimate(chip, report.flops, report.collectives, report.model_flops,
-                    report.int8_flops)
+                    report.int8_flops, report.host_transfer_bytes)
 
 
 def collective_table(collectives: list[dict]) -> list[str]:
@@ -69,6 +69,17 @@ def traffic_lines(report: StepReport) -> list[str]:
         for kind in kinds]
 
 
+def host_lines(r: StepReport) -> list[str]:
+    """Pinned host memory, apart from HBM (offloaded activations and optimizer state), and what
+    crosses PCIe for it each step."""
+    if not (r.host_temp_bytes or r.host_argument_bytes or r.host_output_bytes):
+        return []
+    to_device, to_host = r.host_transfer_bytes
+    return [f"  pinned host memory (not HBM): temporaries {_gib(r.host_temp_bytes)}, arguments "
+            f"{_gib(r.host_argument_bytes)}, outputs {_gib(r.host_output_bytes)}; over PCIe "
+            f"per step {_gib(to_device)} to the chip, {_gib(to_host)} back"]
+
+
 def format_report(report: StepReport) -> str:
     r, est = report, step_estimate(report)
     limit = r.hbm_limit_bytes or r.hbm_bytes
@@ -82,8 +93,7 @@ def format_report(report: StepReport) -> str:
         f"  arguments {_gib(r.argument_bytes)}, outputs {_gib(r.output_bytes)} "
         f"({_gib(r.alias_bytes)} aliased to arguments), temporaries {_gib(r.temp_bytes)}",
         f"  total {_gib(r.total_bytes)} of {_gib(r.hbm_bytes)} HBM{usable}: {verdict}",
-        *([f"  pinned host memory (not HBM): temporaries {_gib(r.host_temp_bytes)}, arguments "
-           f"{_gib(r.host_argument_bytes)}"] if r.host_temp_bytes or r.host_argument_bytes else []),
+        *host_lines(r),
         f"FLOPs per chip per step: {r.flops:.3e} compiled (matmuls, loops x trip counts; "
         f"cost analysis, loop bodies once: {r.flops_cost_analysis:.3e})",
     ]
@@ -116,7 +126,8 @@ def format_report(report: StepReport) -> str:
         "step time ESTIMATE (roofline: peak compute, ring collectives at link bandwidth; not a"
         " measurement):",
         f"  compute {est.compute_s * 1e3:,.1f} ms, ICI {est.ici_s * 1e3:,.1f} ms, DCN "
-        f"{est.dcn_s * 1e3:,.1f} ms",
+        f"{est.dcn_s * 1e3:,.1f} ms" + (f", host (PCIe) {est.host_s * 1e3:,.1f} ms"
+                                        if est.host_s else ""),
         f"  step {est.full_overlap_s * 1e3:,.1f} ms (full overlap) .. "
         f"{est.no_overlap_s * 1e3:,.1f} ms (no overlap)" + (
             f"; MFU {est.mfu_full_overlap:.0%} .. {est.mfu_no_overlap:.0%}"

@@ -6,7 +6,10 @@ datasheet until a TPU has run them), each collective at its link
 bandwidth with the ring formula for its group size n (all-gather and reduce-scatter move
 (n-1)/n of the full buffer through each chip, all-reduce twice that, a collective-permute its
 payload over one link, all-to-all (n-1)/n), over ICI within a slice and DCN across slices.
-Two bounds: no overlap (compute + communication) and full overlap (the larger of the two).
+Host offload (optimizer state in pinned host memory, offloaded activations) crosses PCIe at
+`Chip.host_bytes_s / 2` a direction, the two directions counted one after the other (`host_s`).
+Two bounds: no overlap (compute + communication + host transfers) and full overlap (the largest
+of the three, each on its own links).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class Estimate:
     compute_s: float
     ici_s: float
     dcn_s: float
+    host_s: float
     no_overlap_s: float
     full_overlap_s: float
     mfu_no_overlap: float | None
@@ -46,10 +50,22 @@ def compute_seconds(chip: Chip, flops: float, int8_flops: float = 0.0) -> float:
     return (flops - int8_flops) / chip.peak_bf16_flops + int8_flops / int8_rate
 
 
+def host_seconds(chip: Chip, to_device: float, to_host: float) -> float:
+    """Seconds to move `to_device` + `to_host` bytes between the chip and its host's memory,
+    each direction at half the both-ways PCIe bandwidth (0 with nothing to move)."""
+    if not to_device and not to_host:
+        return 0.0
+    if not chip.host_bytes_s:
+        raise ValueError(f"{chip.name}: no host bandwidth in the hardware table")
+    return (to_device + to_host) / (chip.host_bytes_s / 2)
+
+
 def estimate(chip: Chip, flops: float, collectives: Iterable[dict],
-             model_flops: float | None, int8_flops: float = 0.0) -> Estimate:
+             model_flops: float | None, int8_flops: float = 0.0,
+             host_bytes: tuple[float, float] = (0.0, 0.0)) -> Estimate:
     """Per-chip step-time bounds; MFU = analytic model FLOPs / (time x bf16 peak), the bf16
-    peak even for int8 matmuls, so MFU compares across precision policies."""
+    peak even for int8 matmuls, so MFU compares across precision policies. `host_bytes`:
+    (to the device, to the host) over PCIe per step."""
     compute = compute_seconds(chip, flops, int8_flops)
     ici = dcn = 0.0
     for c in collectives:
@@ -59,7 +75,8 @@ def estimate(chip: Chip, flops: float, collectives: Iterable[dict],
             dcn += t
         else:
             ici += t
-    no_overlap, full_overlap = compute + ici + dcn, max(compute, ici + dcn)
+    host = host_seconds(chip, *host_bytes)
+    no_overlap, full_overlap = compute + ici + dcn + host, max(compute, ici + dcn, host)
     util = lambda t: model_flops / (t * chip.peak_bf16_flops) if model_flops and t else None
-    return Estimate(compute, ici, dcn, no_overlap, full_overlap, util(no_overlap),
+    return Estimate(compute, ici, dcn, host, no_overlap, full_overlap, util(no_overlap),
                     util(full_overlap))

@@ -29,6 +29,7 @@ from jaxscale.models.moe import num_params as moe_params
 from jaxscale.models.rope import Rope, check_rope
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.scan import check_remat, scan_layers
+from jaxscale.models.shard_sums import batch_shards, lookup
 from jaxscale.precision import Policy, get_policy
 from jaxscale.rules import constrain
 
@@ -340,7 +341,12 @@ class Llama(nnx.Module):
                                  fan_in=cfg.embed, dtype=policy.param)
 
     def embed(self, tokens_BT: jax.Array) -> jax.Array:
-        h_BTE = jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.policy.compute)
+        table_VE, compute = self.embedding[...], self.policy.compute
+        shards = batch_shards(tokens_BT.shape[0])
+        if shards > 1 and jnp.dtype(compute) != table_VE.dtype:  # gradient crosses in compute
+            h_BTE = lookup(table_VE, tokens_BT, shards, compute).astype(compute)
+        else:
+            h_BTE = jnp.take(table_VE, tokens_BT, axis=0).astype(compute)
         if self.cfg.embed_scale:  # Gemma: sqrt(embed), rounded to the compute dtype as HF does
             h_BTE = h_BTE * jnp.asarray(math.sqrt(self.cfg.embed), self.policy.compute)
         return constrain(h_BTE, "batch", "length", "embed")

@@ -20,6 +20,7 @@ from jaxscale.models import context
 from jaxscale.models.llama import Llama, head_scope
 from jaxscale.models.moe import router_loss, router_objective
 from jaxscale.models.runner import LayerRunner
+from jaxscale.models.shard_sums import shard_copies
 from jaxscale.models.task import Task, masked_sums
 from jaxscale.rules import constrain, shard_counts
 
@@ -104,16 +105,20 @@ def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Ar
     a GiB more per chip for a 128k vocabulary; bench/RESULTS.md.)"""
     B, T, E = h_BTE.shape
     n = loss_chunks_for(model, (B, T, model.cfg.vocab_size))
+    S = shard_counts((B,), "batch")[0]
     if n == 1:
-        return token_losses(model.head(h_BTE), targets_BT)
+        if not _narrow_sum(model, S):
+            return token_losses(model.head(h_BTE), targets_BT)
+        w_SEV = _head_copies(model, model.head_weight(), S)
+        logits_SbTV = model.head(h_BTE.reshape(S, B // S, T, E), w_SEV)
+        return token_losses(logits_SbTV, targets_BT.reshape(S, B // S, T)).reshape(B, T)
     if T % n:
         raise ConfigError(paragraph(
             f"model.loss_chunks={n} must divide the sequence length, {T} here: the LM head and",
             "loss run over the positions in that many equal chunks. Use a divisor of the",
             "length (1: no chunks; 0: automatic)."))
-    S = shard_counts((B,), "batch")[0]
     w_EV, h_BTE = _reduced_before_layers(model.head_weight(), h_BTE)
-    w_SEV = constrain(jnp.broadcast_to(w_EV, (S, *w_EV.shape)), "batch", None, "vocab")
+    w_SEV = _head_copies(model, w_EV, S)
     to_chunks = lambda x: jnp.moveaxis(x.reshape(S, B // S, T // n, n, *x.shape[2:]), 3, 0)
     h_nSbCE = constrain(to_chunks(h_BTE), None, "batch", None, "length", "embed")
 
@@ -124,6 +129,21 @@ def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Ar
 
     _, losses_nSbC = jax.lax.scan(chunk, None, (h_nSbCE, to_chunks(targets_BT)))
     return jnp.moveaxis(losses_nSbC, 0, -1).reshape(B, T)
+
+
+def _narrow_sum(model: Llama, shards: int) -> bool:
+    """Whether the head weight's gradient is summed across `shards` batch shards in the compute
+    dtype, narrower than the logits' (`shard_sums`): as the layers' gradients are."""
+    return shards > 1 and jnp.dtype(model.policy.compute) != jnp.dtype(
+        model.policy.dtype_for("logits"))
+
+
+def _head_copies(model: Llama, w_EV: jax.Array, shards: int) -> jax.Array:
+    """(S, E, V): one head weight copy per batch shard, whole but for its vocabulary shards;
+    their gradients summed across the shards in the compute dtype where narrower."""
+    if not _narrow_sum(model, shards):
+        return constrain(jnp.broadcast_to(w_EV, (shards, *w_EV.shape)), "batch", None, "vocab")
+    return shard_copies(w_EV, shards, model.policy.compute, (None, "vocab"), ("embed", "vocab"))
 
 
 def mean_head_loss(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:

@@ -14,7 +14,7 @@ import ml_collections as mlc
 from jax.sharding import Mesh
 
 from jaxscale.models import ModelDef, lora, task_of
-from jaxscale.optim import make_optimizer
+from jaxscale.optim import check_offload, make_optimizer
 from jaxscale.parallel.pipeline import make_layer_runner
 from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.rules import AxisRules
@@ -37,13 +37,13 @@ class StepSetup:
         """(ShapeDtypeStructs carrying shardings, shardings): the state without allocating."""
         c = self.ctx
         return abstract_state(c.model_def, c.optimizer, c.rules, c.mesh, self.trainable,
-                              self.init_extra)
+                              self.init_extra, c.offload_state)
 
     def init_state(self, seed: int) -> tuple[TrainState, TrainState]:
         """(state, shardings): the sharded initial state (before init_from or a checkpoint)."""
         c = self.ctx
         return init_state(c.model_def, c.optimizer, c.rules, c.mesh, seed, self.trainable,
-                          self.init_extra)
+                          self.init_extra, c.offload_state)
 
     def jit(self, shardings: TrainState, batch: BatchSpec) -> Callable:
         """The jitted train step as the loop forms it: explicit shardings, donated state."""
@@ -65,11 +65,15 @@ def build_step(config: mlc.ConfigDict, mesh: Mesh) -> StepSetup:
     model_def = lora.with_adapters(ModelDef.build(config.model, policy), config.lora)
     optimizer, lr = make_optimizer(config.optim, config.train.steps)
     scaler = DynamicLossScale.from_config(config.loss_scale) if policy.loss_scaling else None
+    offload = bool(config.optim.get("offload_state", False))
+    if offload:
+        check_offload(mesh.devices.flat)
     ctx = StepContext(model_def, optimizer, lr, policy, rules, mesh,
                       config.train.grad_accum, config.train.skip_nonfinite,
                       run_layers=make_layer_runner(config.pipeline, mesh, config.model.remat,
                                                    config.model.get("num_layers")),
-                      loss_scale=scaler)
+                      loss_scale=scaler,
+                      offload_state=offload)
     return StepSetup(ctx, lora.trainable(config.lora), scaler.init if scaler else dict)
 
 

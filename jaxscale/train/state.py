@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.models import ModelDef
+from jaxscale.optim import on_host
 from jaxscale.rules import AxisRules
 
 # merge_trees: used by train/step.py (the train state keeps trainable and frozen apart).
@@ -128,11 +129,13 @@ def _initializer(model_def: ModelDef, optimizer: optax.GradientTransformation,
 
 def abstract_state(model_def: ModelDef, optimizer: optax.GradientTransformation,
                    rules: AxisRules, mesh: Mesh, is_trainable: Callable[[str], bool] = all_trainable,
-                   init_extra: Callable[[], dict] = dict) -> tuple[TrainState, TrainState]:
-    """(ShapeDtypeStructs carrying their shardings, shardings) without allocating anything."""
+                   init_extra: Callable[[], dict] = dict, offload_opt: bool = False
+                   ) -> tuple[TrainState, TrainState]:
+    """(ShapeDtypeStructs carrying their shardings, shardings) without allocating anything;
+    `offload_opt`: the optimizer state in pinned host memory (`optim.on_host`)."""
     init = _initializer(model_def, optimizer, is_trainable, init_extra)
     shapes = jax.eval_shape(init, jax.random.key(0))
-    shardings = state_shardings(shapes, model_def, rules, mesh)
+    shardings = state_shardings(shapes, model_def, rules, mesh, offload_opt)
     with_sharding = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     return with_sharding, shardings
@@ -140,21 +143,25 @@ def abstract_state(model_def: ModelDef, optimizer: optax.GradientTransformation,
 
 def init_state(model_def: ModelDef, optimizer: optax.GradientTransformation, rules: AxisRules,
                mesh: Mesh, seed: int, is_trainable: Callable[[str], bool] = all_trainable,
-               init_extra: Callable[[], dict] = dict) -> tuple[TrainState, TrainState]:
+               init_extra: Callable[[], dict] = dict, offload_opt: bool = False
+               ) -> tuple[TrainState, TrainState]:
     """Creates the TrainState already sharded; returns (state, its shardings)."""
     init = _initializer(model_def, optimizer, is_trainable, init_extra)
-    _, shardings = abstract_state(model_def, optimizer, rules, mesh, is_trainable, init_extra)
+    _, shardings = abstract_state(model_def, optimizer, rules, mesh, is_trainable, init_extra,
+                                  offload_opt)
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed)), shardings
 
 
 def state_shardings(abstract: TrainState, model_def: ModelDef, rules: AxisRules,
-                    mesh: Mesh) -> TrainState:
-    """NamedShardings for every leaf of an (abstract) TrainState."""
+                    mesh: Mesh, offload_opt: bool = False) -> TrainState:
+    """NamedShardings for every leaf of an (abstract) TrainState; with `offload_opt` the
+    optimizer state's are in pinned host memory."""
     flat_sh = {p: NamedSharding(mesh, s) for p, s in param_specs(model_def, rules, mesh).items()}
     shapes = model_def.shapes()
     replicated = NamedSharding(mesh, PartitionSpec())
     by_path = lambda tree: unflatten({p: flat_sh[p] for p in flatten(tree)}) if tree else {}
     return TrainState(
         step=replicated, params=by_path(abstract.params), frozen=by_path(abstract.frozen),
-        opt_state=_opt_state_shardings(abstract.opt_state, flat_sh, shapes, mesh),
+        opt_state=(on_host if offload_opt else lambda t: t)(
+            _opt_state_shardings(abstract.opt_state, flat_sh, shapes, mesh)),
         rng=replicated, extra=jax.tree.map(lambda _: replicated, abstract.extra))

@@ -23,6 +23,7 @@ from jaxscale.models import ModelDef
 from jaxscale.models.layers import adapter_dropout
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import step_metrics
+from jaxscale.optim import on_device
 from jaxscale.parallel.accumulate import accumulate_per_replica
 from jaxscale.precision import DynamicLossScale, Policy
 from jaxscale.rules import AxisRules, as_tuple, logical_to_mesh_axes, use_rules
@@ -107,6 +108,7 @@ class StepContext:
     skip_nonfinite: bool = False
     run_layers: RunLayers = None
     loss_scale: DynamicLossScale | None = None  # set when the policy asks for loss scaling
+    offload_state: bool = False  # optimizer state in pinned host memory (`optim.offload_state`)
 
 
 def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
@@ -120,6 +122,8 @@ def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[Train
     if scaler is not None:
         loss, grads = scaler.unscale(state.extra, (loss, grads))
     grad_norm = optax.global_norm(grads)
+    if ctx.offload_state:  # onto the device for the update; out_shardings take it back
+        state = state.replace(opt_state=on_device(state.opt_state))
     updates, opt_state = ctx.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     finite = applied = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
