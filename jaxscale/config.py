@@ -285,8 +285,9 @@ def _check_group(node: mlc.ConfigDict, ref: mlc.ConfigDict, path: str, model_pat
     for key in node.keys():
         value, expected, where = node[key], ref[key], f"{path}.{key}"
         if isinstance(expected, mlc.ConfigDict):
-            _require(isinstance(value, mlc.ConfigDict),
-                     f"{where} must be a group of fields (a ConfigDict), not {value!r}.")
+            if not isinstance(value, mlc.ConfigDict):  # the message reprs the value: only then
+                raise ConfigError(paragraph(
+                    f"{where} must be a group of fields (a ConfigDict), not {value!r}."))
             _check_group(value, expected, where, model_path)
         elif value is None and expected is not None:
             hint = _REQUIRED_HINTS.get(key, "a value")
