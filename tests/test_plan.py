@@ -8,6 +8,7 @@ import json
 import os
 import re
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,19 +19,22 @@ from jaxscale.errors import ConfigError
 
 
 def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
-    from jaxscale.aot.plan import Candidate, apply, candidates, dominated
+    # The listing before validation (validating all 1,000 costs a minute): what is listed.
+    from jaxscale.aot.plan import Candidate, _all_candidates, apply, dominated, iter_candidates
 
-    c = llama.get_config("tiny")
-    found = [apply(c, cand.overrides) for cand in candidates(c, parse_topology("v5p:2x2x2"))]
-    assert found[0].mesh.fsdp == 8 and found[0].mesh.pipeline == 1  # likeliest winner first
+    c, topology = llama.get_config("tiny"), parse_topology("v5p:2x2x2")
+    found = [_view(cand.overrides) for cand in _all_candidates(c, topology)]
+    first = apply(c, next(iter_candidates(c, topology)).overrides)
+    assert first.mesh.fsdp == 8 and first.mesh.pipeline == 1  # likeliest winner first
+    assert found[0] == _view(next(iter_candidates(c, topology)).full)
     piped = [x for x in found if x.mesh.pipeline > 1]
     assert {x.pipeline.schedule for x in piped} == {"1f1b", "gpipe"}
     assert all(c.model.num_layers % x.mesh.pipeline == 0 for x in piped)
-    assert all((x.data.batch_size // x.train.grad_accum) % x.pipeline.microbatches == 0
+    assert all((c.data.batch_size // x.train.grad_accum) % x.pipeline.microbatches == 0
                for x in piped)
     assert found.index(piped[0]) > max(i for i, x in enumerate(found) if x.mesh.pipeline == 1)
     assert {x.model.remat for x in found} == {"full", "save_qkv_proj", "save_dot_except_mlp",
-                                              "dots", "none"}
+                                              "minimal", "dots_no_batch", "dots", "none"}
     # `tp` without tensor parallelism is `dp`, and `dp` over fsdp is `dp` over data: not searched.
     assert not any(x.rules_preset in ("tp", "fsdp_tp") and x.mesh.tensor == 1 for x in found)
     assert not any(x.rules_preset == "dp" and x.mesh.fsdp > 1 for x in found)
@@ -48,6 +52,7 @@ def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
                           [Candidate({"mesh.fsdp": 8, "model.loss_chunks": 8})])
     mesh_of = lambda x: (x.mesh.pipeline, x.mesh.fsdp, x.mesh.data, x.mesh.tensor, x.rules_preset,
                          x.model.remat, x.model.attention)
+    found = [x for x in found if x.mesh.pipeline == 1]
     first = [x for x in found if mesh_of(x) == mesh_of(found[0])]
     assert [(x.train.grad_accum, x.model.loss_chunks) for x in first[:3]] == [
         (1, 1), (1, 8), (2, 1)]
@@ -55,9 +60,23 @@ def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
     # 128 grid): splash first, einsum too; the tiny preset's 64 tokens keep einsum alone.
     assert {x.model.attention for x in found} == {"einsum"}
     c.data.seq_len = 256
-    found = [apply(c, cand.overrides) for cand in candidates(c, parse_topology("v5p:2x2x2"))]
+    found = [_view(cand.overrides) for cand in _all_candidates(c, topology)]
     assert found[0].model.attention == "splash"
     assert {x.model.attention for x in found} == {"splash", "einsum"}
+
+
+def _view(fields: dict) -> SimpleNamespace:
+    """A candidate's dotted fields as attributes (`x.mesh.fsdp`), without building a config."""
+    groups: dict = {}
+    for key, value in fields.items():
+        *parents, leaf = key.split(".")
+        node = groups
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    as_ns = lambda d: SimpleNamespace(**{k: as_ns(v) if isinstance(v, dict) else v
+                                         for k, v in d.items()})
+    return as_ns(groups)
 
 
 def test_the_planner_shards_long_sequences_over_context_only():
@@ -65,40 +84,67 @@ def test_the_planner_shards_long_sequences_over_context_only():
     attention variant (einsum inside: splash does not run on sequence shards), after those
     without; a short one gets none."""
     from jaxscale.aot.choices import LONG_SEQUENCE
-    from jaxscale.aot.plan import apply, candidates
+    from jaxscale.aot.plan import _all_candidates, specified
 
     c = llama.get_config("tiny")
     c.data.update(seq_len=LONG_SEQUENCE, batch_size=2)  # few candidates: a cheap test
     c.model.update(max_len=LONG_SEQUENCE, num_layers=1)
-    found = [apply(c, cand.overrides) for cand in candidates(c, parse_topology("v5p:2x2x1"))]
+    listed = _all_candidates(c, parse_topology("v5p:2x2x1"))
+    found = [_view({"mesh.context": 1, **cand.overrides}) for cand in listed]
     sharded = [x for x in found if x.mesh.context > 1]
+    # Validated (a few: validating all costs): the einsum ones are valid, splash ones are not.
+    some = [cand for cand in listed if cand.overrides.get("mesh.context", 1) > 1
+            and cand.overrides["model.remat"] == "full" and cand.overrides["train.grad_accum"] == 1]
+    valid = [_view(cand.overrides) for cand in some if specified(c, cand)]
+    assert {x.model.attention for x in valid} == {"einsum"}
+    assert len(valid) == sum(cand.overrides["model.attention"] == "einsum" for cand in some)
+    sharded = [x for x in sharded if x.model.attention == "einsum"]
     assert {(x.mesh.context, x.model.context_attention) for x in sharded} == {
         (n, v) for n in (2, 4) for v in ("ring", "allgather")}
-    assert {x.model.attention for x in sharded} == {"einsum"}
     assert all(x.mesh.context * x.mesh.data * x.mesh.fsdp * x.mesh.tensor * x.mesh.pipeline == 4
                for x in found)
     assert found[0].mesh.context == 1 and found.index(sharded[0]) > 0
     c.data.seq_len = LONG_SEQUENCE // 2
-    assert all(apply(c, cand.overrides).mesh.context == 1
-               for cand in candidates(c, parse_topology("v5p:2x2x1")))
+    assert all(cand.overrides.get("mesh.context", 1) == 1
+               for cand in _all_candidates(c, parse_topology("v5p:2x2x1")))
 
 
-def test_planner_tries_no_remat_first_only_where_the_guess_says_it_fits():
-    from jaxscale.aot.plan import Candidate, apply, dominated, iter_candidates
+def test_the_search_order_is_the_guessed_step_time_of_what_is_guessed_to_fit():
+    """Candidates the memory guess says fit come first, fastest guessed step first (compute
+    with the remat's recompute, plus the mesh's and accumulation's collectives); then those it
+    doubts, the same way; those guessed over `FAR_OVER` x the budget are never compiled."""
+    from collections import Counter
 
-    def first(c, topology):
-        return apply(c, next(iter_candidates(c, parse_topology(topology))).overrides)
-    # 1B at 4 sequences of 2,048 a chip on v5p-16: compiled without remat it needs 22.7 GiB of
-    # 95 (bench/RESULTS.md) and skips the 1.24x recompute, so it is tried first.
+    from jaxscale.aot.plan import FAR_OVER, _all_candidates, far_over, iter_candidates
+
     c = llama.get_config("1b")
     c.data.batch_size = 64
-    assert first(c, "v5p:2x2x4").model.remat == "none"
-    # 7B at 16 sequences a chip on v5p-32 would need about 180 GB of activations: full first.
-    assert first(llama.get_config("7b"), "v5p:2x4x4").model.remat == "full"
-    # On v5e-16 (16 GB a chip) the same 1B step without remat is guessed over, and so is
-    # keeping every dot; keeping the attention's projections (the MLP recomputed) is guessed
-    # to fit: the lightest policy that fits first, before full.
-    assert first(c, "v5e:4x4").model.remat == "save_dot_except_mlp"
+    for name in ("v5p:2x2x4", "v5e:4x4"):
+        topology = parse_topology(name)
+        budget = topology.chip.hbm_limit_bytes * 0.9
+        listed = _all_candidates(c, topology)
+        flat = [x for x in listed if x.overrides["mesh.pipeline"] == 1]
+        doubts = [x.guess_bytes > budget for x in flat]
+        assert doubts == sorted(doubts) and not doubts[0] and doubts[-1]
+        for tier in (False, True):
+            times = [round(x.guess_s, 4) for x, d in zip(flat, doubts) if d == tier]
+            assert times == sorted(times), name
+        # The first recomputes little: nothing on v5p-16 (1B, 4 sequences a chip: 22.7 GiB
+        # compiled of 95, bench/RESULTS.md), attention only on v5e-16 (the projections kept).
+        assert flat[0].overrides["model.remat"] == {"v5p:2x2x4": "dots",
+                                                    "v5e:4x4": "minimal"}[name]
+        skipped = Counter()
+        first = next(iter_candidates(c, topology, skipped=skipped, listed=listed))
+        assert first.full == flat[0].overrides
+        assert not any(far_over(x, topology, 0.1) for x in listed[:listed.index(flat[0])])
+    assert first.full["model.remat"] == "minimal"
+    assert any(x.guess_bytes > FAR_OVER * budget for x in listed)  # v5e: no remat at 4 a chip
+    assert far_over(next(x for x in listed if x.guess_bytes > FAR_OVER * budget), topology, 0.1)
+
+
+def test_what_cannot_win_or_cannot_fit_is_not_compiled():
+    from jaxscale.aot.plan import Candidate, dominated, implied_over, slower_than
+
     # Where no remat fits, more remat with the same settings cannot win.
     none = Candidate({"mesh.fsdp": 8, "model.remat": "none"})
     assert dominated(Candidate({"mesh.fsdp": 8, "model.remat": "full"}), [none])
@@ -107,6 +153,22 @@ def test_planner_tries_no_remat_first_only_where_the_guess_says_it_fits():
     qkv = Candidate({"mesh.fsdp": 8, "model.remat": "save_qkv_proj"})
     assert dominated(Candidate({"mesh.fsdp": 8, "model.remat": "full"}), [qkv])
     assert not dominated(qkv, [Candidate({"mesh.fsdp": 8, "model.remat": "full"})])
+    # Where one is over HBM, what needs no less (lighter remat, less accumulation, fewer loss
+    # chunks, einsum's scores) is over too; what needs less in one field may fit.
+    over = Candidate({"mesh.fsdp": 8, "model.remat": "minimal", "train.grad_accum": 2,
+                      "model.attention": "splash"})
+    same = {"mesh.fsdp": 8, "model.attention": "splash"}
+    assert implied_over(Candidate({**same, "model.remat": "none", "train.grad_accum": 1}), [over])
+    assert implied_over(Candidate({**over.overrides, "model.attention": "einsum"}), [over])
+    assert not implied_over(Candidate({**same, "model.remat": "none", "train.grad_accum": 4}),
+                            [over])
+    assert not implied_over(Candidate({**same, "model.remat": "full", "train.grad_accum": 2}),
+                            [over])
+    assert not implied_over(Candidate({**over.overrides, "mesh.fsdp": 4}), [over])
+    # Compute alone slower than the best step cannot win.
+    assert slower_than(Candidate({}, compute_s=2.0), 1.9)
+    assert not slower_than(Candidate({}, compute_s=1.8), 1.9)
+    assert not slower_than(Candidate({}, compute_s=2.0), None)
 
 
 def test_the_guess_orders_the_remat_policies_by_what_they_save():
@@ -256,3 +318,65 @@ def test_the_planner_searches_the_expert_axis_for_moe_models_only():
     assert _valid(moe, first.full)
     moe.model.moe.capacity_factor = 0.0
     assert _valid(moe, first.full)
+
+
+def _simulate(front, max_candidates: int, compile_fn) -> list:
+    """`search`'s loop without processes: what the frontier hands out, compiled in turn."""
+    results = []
+    while True:
+        front.learn(results)
+        got = front.next(len(front.kept) < max_candidates,
+                         extra=len(front.kept) < 2 * max_candidates)
+        if got is None:
+            front.finish(results)
+            return results
+        results.append((*got, compile_fn(got[1])))
+
+
+def test_the_frontier_skips_what_compiled_results_rule_out_and_expands_the_best():
+    # A stand-in compiler (no TPU): a candidate fits where its memory guess does, and its step is the guessed one, except that the search order's very first is
+    # slower than guessed. With a 2-candidate budget the search keeps going past it to the
+    # best's untried neighbours that the guess says may beat it, up to as many again.
+    from jaxscale.aot.frontier import (
+        MAX_STEPS,
+        NEIGHBOURS,
+        SKIP_DOMINATED,
+        SKIP_OVER,
+        SKIPS,
+        Frontier,
+        space_line,
+        steps_apart,
+    )
+    from jaxscale.aot.plan import dominated, fits, implied_over
+
+    c = llama.get_config("1b")
+    c.data.batch_size = 64
+    topology = parse_topology("v5e:4x4")
+    budget = topology.chip.hbm_limit_bytes * 0.9
+
+    def compile_fn(cand):
+        slow = 1.5 if cand.full == front.listed[0].overrides else 1.0
+        return {"total_bytes": cand.guess_bytes or 2 * budget, "hbm_bytes": budget / 0.9,
+                "estimate": {"no_overlap_s": cand.guess_s * slow, "full_overlap_s": 0.0,
+                             "mfu_full_overlap": None}}
+
+    front = Frontier(c, topology, 0.1)
+    results = _simulate(front, 2, compile_fn)
+    space = front.space
+    compiled = [cand for _, cand, _ in results]
+    assert 2 < len(compiled) <= 4 and space[NEIGHBOURS] == len(compiled) - 2
+    counted = ("compiled", "not reached", *SKIPS)  # each listed candidate once
+    assert sum(space[k] for k in counted) == space["listed"] == len(front.listed)
+    best = front.best[1]
+    assert best.full != front.listed[0].overrides  # a neighbour beat the first
+    assert any(steps_apart(cand, best) <= MAX_STEPS for cand in compiled[2:])
+    assert f"{space['compiled']} compiled" in space_line(space)
+    # Nothing compiled after a result that rules it out.
+    for i, (_, cand, _) in enumerate(results):
+        earlier = [(x, r) for _, x, r in results[:i]]
+        assert not dominated(cand, [x for x, r in earlier if fits(r, 0.1)])
+        assert not implied_over(cand, [x for x, r in earlier if not fits(r, 0.1)])
+    # A larger budget meets over-HBM results and what they rule out.
+    front = Frontier(c, topology, 0.1)
+    _simulate(front, 12, compile_fn)
+    assert front.space[SKIP_OVER] + front.space[SKIP_DOMINATED] > 0, dict(front.space)
