@@ -145,15 +145,17 @@ def _micro_batches(per_chip: int) -> list[int]:
 
 def _search_order(cand: Candidate, budget: float) -> tuple:
     """Likeliest winners first: no pipeline, no sequence sharding, then those the memory
-    guess says fit the HBM budget before those it doubts, each by the guessed step time
-    (compute with the remat's recompute, plus the collectives of the mesh and accumulation:
-    `guess.step_seconds`); ties go to splash attention (less memory than einsum at the same
+    guess says fit the HBM budget, fastest guessed step first (compute with the remat's
+    recompute, plus the collectives of the mesh and accumulation: `guess.step_seconds`), then
+    those it doubts, least guessed bytes first (the likeliest to fit after all: a refusal
+    rules out every candidate that needs no less, `implied_over`); ties go to splash attention (less memory than einsum at the same
     settings), no tensor parallelism, FSDP over the most chips, less accumulation, the loss
     whole, 1F1B, most microbatches."""
     o = cand.overrides
     attention = o["model.attention"]
     doubt = cand.guess_bytes is not None and cand.guess_bytes > budget
-    return (o["mesh.pipeline"], o.get("mesh.context", 1), doubt, round(cand.guess_s or 0.0, 4),
+    first = cand.guess_bytes if doubt else float(f"{cand.guess_s or 0.0:.4g}")  # ties: below
+    return (o["mesh.pipeline"], o.get("mesh.context", 1), doubt, first,
             ATTENTIONS.index(attention) if attention in ATTENTIONS else len(ATTENTIONS),
             o["mesh.tensor"], -o.get("mesh.expert", 1), -o["mesh.fsdp"], o["train.grad_accum"],
             o.get("model.loss_chunks", 1), SCHEDULES.index(o.get("pipeline.schedule", "1f1b")),
