@@ -357,6 +357,7 @@ def test_the_frontier_skips_what_compiled_results_rule_out_and_expands_the_best(
         NEIGHBOURS,
         SKIP_DOMINATED,
         SKIP_OVER,
+        SKIP_SCALED,
         SKIPS,
         Frontier,
         space_line,
@@ -395,3 +396,13 @@ def test_the_frontier_skips_what_compiled_results_rule_out_and_expands_the_best(
     front = Frontier(c, topology, 0.1)
     _simulate(front, 12, compile_fn)
     assert front.space[SKIP_OVER] + front.space[SKIP_DOMINATED] > 0, dict(front.space)
+    # The guess scaled as compiled ones came out: at 1.25x, those guessed over 80% of the
+    # budget are not compiled once a candidate of their remat policy has been.
+    scaled = lambda cand: {**compile_fn(cand), "total_bytes": 1.25 * compile_fn(cand)["total_bytes"]}
+    front = Frontier(c, topology, 0.1)
+    results = _simulate(front, 12, scaled)
+    assert front.space[SKIP_SCALED] > 0 and front.scale
+    remat = lambda cand: cand.full["model.remat"]
+    for i, (_, cand, _) in enumerate(results):
+        if cand.guess_bytes and remat(cand) in {remat(x) for _, x, _ in results[:i]}:
+            assert cand.guess_bytes * 1.25 <= budget

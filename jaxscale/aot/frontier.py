@@ -3,8 +3,9 @@
 `plan.py` lists every candidate with its guesses, in search order (the likeliest winners
 first); `search.py` runs the compiler. Between them this module decides, from what has been
 compiled, what is not worth compiling: a candidate that a fitting one dominates (it costs more
-and can save nothing), one that needs no less HBM than one found over HBM, one whose compute
-alone is slower than the best step found, one the memory guess puts far over. When the
+and can save nothing), one that needs no less HBM than one found over HBM, one the memory guess
+puts over once scaled as the compiled ones of its remat policy came out, one whose compute alone
+is slower than the best step found, one the memory guess puts far over. When the
 candidate budget is spent it does not stop while the best has an untried neighbour (one or two
 choices away, e.g. lighter remat with more accumulation, or another data x fsdp split) that
 the guess says may beat it: those are compiled too, up to as many again. Every listed
@@ -46,8 +47,13 @@ MAX_STEPS = 2  # choices a neighbour may differ in: lighter remat with more accu
 SKIP_DOMINATED = "dominated by a fitting one (costs more, saves nothing)"
 SKIP_OVER = "needs no less HBM than one over HBM"
 SKIP_SLOWER = "compute alone slower than the best step"
+SKIP_SCALED = "guessed over HBM once scaled as compiled ones of its remat"
 COMPILED, DROPPED, NEIGHBOURS = "compiled", "compiled, then dominated", "neighbours past the budget"
-SKIPS = (SKIP_GUESSED, SKIP_INVALID, SKIP_DOMINATED, SKIP_OVER, SKIP_SLOWER)
+SKIPS = (SKIP_GUESSED, SKIP_INVALID, SKIP_DOMINATED, SKIP_OVER, SKIP_SCALED, SKIP_SLOWER)
+
+
+def _remat(cand: Candidate) -> str:
+    return (cand.full or cand.overrides).get("model.remat", "")
 
 
 def steps_apart(a: Candidate, b: Candidate) -> int:
@@ -69,6 +75,7 @@ class Frontier:
         self.fitting: list[Candidate] = []
         self.over: list[Candidate] = []
         self.best: tuple[int, Candidate, dict] | None = None
+        self.scale: dict[str, float] = {}  # remat -> compiled / guessed bytes, mean
         self._main = 0  # the next index of the search order
 
     def learn(self, results: list[tuple[int, Candidate, dict]]) -> None:
@@ -83,6 +90,11 @@ class Frontier:
                 self.fitting.append(cand)
             elif "error" not in result:
                 self.over.append(cand)
+        ratios: dict[str, list[float]] = {}
+        for _, cand, result in results:
+            if "error" not in result and cand.guess_bytes:
+                ratios.setdefault(_remat(cand), []).append(result["total_bytes"] / cand.guess_bytes)
+        self.scale = {r: sum(v) / len(v) for r, v in ratios.items()}
         ok = [k for k in self.kept if fits(k[2], self.margin)]
         self.best = min(ok, key=lambda k: (step_s(k[2]), k[0])) if ok else None
 
@@ -94,9 +106,19 @@ class Frontier:
             return SKIP_DOMINATED
         if implied_over(cand, self.over):
             return SKIP_OVER
+        if self._scaled_over(cand):
+            return SKIP_SCALED
         if self.best is not None and slower_than(cand, step_s(self.best[2])):
             return SKIP_SLOWER
         return None
+
+    def _scaled_over(self, cand: Candidate) -> bool:
+        """The memory guess is off by a factor that depends on the remat policy and the shape
+        (`guess.CALIBRATION`): scaled by what compiled candidates of the same policy came to
+        (a refusal's temporaries, a lower bound, included), is it over the HBM budget?"""
+        scale = self.scale.get(_remat(cand))
+        budget = self.topology.chip.hbm_limit_bytes * (1 - self.margin)
+        return bool(scale and cand.guess_bytes and cand.guess_bytes * scale > budget)
 
     def next(self, room: bool, extra: bool) -> tuple[int, Candidate] | None:
         """The next candidate to compile (its index in the search order): the next in order

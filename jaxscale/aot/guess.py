@@ -74,7 +74,8 @@ def step_seconds(chip: Chip, dims: Dims | None, mesh: dict[str, int], accum: int
     sharding implies, each over one ring of `chip.ring_bandwidth`: per micro-batch FSDP
     gathers the bf16 weights twice (forward, backward) and reduce-scatters their gradient; the
     data axis all-reduces each fsdp shard's gradient; tensor parallelism moves every layer's
-    activations about eight times (forward and backward). Only an order: the compiled
+    activations about 16 times, forward and backward (7B on v5e-256 at tensor=2: about 320 ms
+    of a step's collectives, bench/RESULTS.md). Only an order: the compiled
     estimate (`aot.roofline`) ranks."""
     if dims is None:
         return compute_s
@@ -84,5 +85,5 @@ def step_seconds(chip: Chip, dims: Dims | None, mesh: dict[str, int], accum: int
     reduce = 2 if data == 1 else 1  # FSDP alone all-reduces the gradient, beside data scatters
     comm = accum * (2 + reduce) * weights * ring(fsdp) / bw
     comm += accum * 2 * weights / fsdp * ring(data) / bw
-    comm += 8 * dims.num_layers * tokens_per_chip * dims.embed * BF16 * ring(tensor) / bw
+    comm += 16 * dims.num_layers * tokens_per_chip * dims.embed * BF16 * ring(tensor) / bw
     return compute_s + comm
