@@ -72,8 +72,10 @@ def step_seconds(chip: Chip, dims: Dims | None, mesh: dict[str, int], accum: int
     """Guessed seconds of a step, no overlap: `compute_s` (the analytic FLOPs per chip with the
     remat recompute, `aot.flops.expected_flops`, at the chip's peak) plus the collectives a
     sharding implies, each over one ring of `chip.ring_bandwidth`: per micro-batch FSDP
-    gathers the bf16 weights twice (forward, backward) and reduce-scatters their gradient; the
-    data axis all-reduces each fsdp shard's gradient; tensor parallelism moves every layer's
+    gathers the bf16 weights twice (forward, backward) and reduces their gradient: an
+    all-reduce (twice a gather) where FSDP spans the slice, as libtpu compiles it on v5e-64 and
+    v5e-256, a reduce-scatter beside a data axis (bench/RESULTS.md); the data axis all-reduces
+    each fsdp shard's gradient; tensor parallelism moves every layer's
     activations about 16 times, forward and backward (7B on v5e-256 at tensor=2: about 320 ms
     of a step's collectives, bench/RESULTS.md). Only an order: the compiled
     estimate (`aot.roofline`) ranks."""
