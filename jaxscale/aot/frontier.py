@@ -6,7 +6,8 @@ compiled, what is not worth compiling: a candidate that a fitting one dominates 
 and can save nothing), one that needs no less HBM than one found over HBM, one the memory guess
 puts over once scaled as the compiled ones of its remat policy came out, one whose compute alone
 is slower than the best step found, one the memory guess puts far over. When the
-candidate budget is spent it does not stop while the best has an untried neighbour (one or two
+candidate budget is spent with nothing fitting it goes on in order; with a best, it does not
+stop while the best has an untried neighbour (one or two
 choices away, e.g. lighter remat with more accumulation, or another data x fsdp split) that
 the guess says may beat it: those are compiled too, up to as many again. Every listed
 candidate ends up counted by what became of it (`Frontier.space`), which the plan prints.
@@ -122,9 +123,11 @@ class Frontier:
 
     def next(self, room: bool, extra: bool) -> tuple[int, Candidate] | None:
         """The next candidate to compile (its index in the search order): the next in order
-        that may win while the budget has `room`; past it, while there is `extra` room, an
-        untried neighbour of the best that may beat it; None when there is none."""
-        while room and self._main < len(self.listed):
+        that may win while the budget has `room`; past it, while there is `extra` room, the
+        next in order while nothing fits yet, else an untried neighbour of the best that may
+        beat it; None when there is none."""
+        onward = room or (extra and self.best is None)  # nothing fits yet: the budget buys a plan
+        while onward and self._main < len(self.listed):
             self._main += 1
             if self._main - 1 not in self.taken and (got := self._take(self._main - 1)):
                 return got

@@ -77,8 +77,9 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
            margin: float = 0.1, compile_fn: CompileFn = compile_cached,
            space: Counter | None = None) -> list[tuple[Candidate, dict]]:
     """Compiles candidates in search order, `workers` at once (0: one per two cores), until
-    `max_candidates` are kept or the time budget is spent, then, up to as many again, the
-    untried neighbours of the best that the guess says may beat it (`Frontier.neighbours`);
+    `max_candidates` are kept or the time budget is spent, then, up to as many again, the next
+    ones while nothing fits, else the untried neighbours of the best that the guess says may
+    beat it (`Frontier.next`);
     returns (candidate, result) in search order. A candidate that cannot win is skipped
     (`Frontier.why_skip`), or, if it was already compiling when an earlier one was found to
     fit and dominate it, dropped and its place given to the next. `space` counts what became

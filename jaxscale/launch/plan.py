@@ -5,8 +5,8 @@
 
 Ranks by a roofline step-time ESTIMATE (no overlap: compute plus every collective); prints
 the winner's --config.* overrides and how much of the search space it compiled and skipped.
-Past --max_candidates it compiles up to as many again: the best's untried neighbours that
-the guess says may beat it.
+Past --max_candidates it compiles up to as many again: the next ones while nothing fits, else
+the best's untried neighbours that the guess says may beat it.
 """
 
 import os
@@ -22,7 +22,8 @@ _SLICES = flags.DEFINE_integer("num_slices", 1, "Slices joined over DCN (data-pa
 _TOP = flags.DEFINE_integer("top", 3, "How many ranked candidates to print.")
 _MARGIN = flags.DEFINE_float("hbm_margin", 0.1, "Fraction of HBM kept free.")
 _MAX = flags.DEFINE_integer("max_candidates", 16, "Compile this many candidates, then up to as "
-                            "many again: the best's untried neighbours that may beat it.")
+                            "many again while nothing fits or the best has an untried "
+                            "neighbour that may beat it.")
 _BUDGET = flags.DEFINE_float("time_budget_s", 3600.0, "Start no compile after this many s.")
 _WORKERS = flags.DEFINE_integer("workers", 0, "Compiling processes at once (0: one per two "
                                  "cores; a large compile keeps about 1.6 cores busy).")
