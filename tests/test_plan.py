@@ -363,12 +363,13 @@ def test_the_frontier_skips_what_compiled_results_rule_out_and_expands_the_best(
         space_line,
         steps_apart,
     )
-    from jaxscale.aot.plan import dominated, fits, implied_over
+    from jaxscale.aot.plan import _all_candidates, dominated, fits, implied_over
 
     c = llama.get_config("1b")
     c.data.batch_size = 64
     topology = parse_topology("v5e:4x4")
     budget = topology.chip.hbm_limit_bytes * 0.9
+    listed = _all_candidates(c, topology)  # once: each frontier below starts from it
 
     def compile_fn(cand):
         slow = 1.5 if cand.full == front.listed[0].overrides else 1.0
@@ -376,7 +377,7 @@ def test_the_frontier_skips_what_compiled_results_rule_out_and_expands_the_best(
                 "estimate": {"no_overlap_s": cand.guess_s * slow, "full_overlap_s": 0.0,
                              "mfu_full_overlap": None}}
 
-    front = Frontier(c, topology, 0.1)
+    front = Frontier(c, topology, 0.1, listed=listed)
     results = _simulate(front, 2, compile_fn)
     space = front.space
     compiled = [cand for _, cand, _ in results]
@@ -393,16 +394,20 @@ def test_the_frontier_skips_what_compiled_results_rule_out_and_expands_the_best(
         assert not dominated(cand, [x for x, r in earlier if fits(r, 0.1)])
         assert not implied_over(cand, [x for x, r in earlier if not fits(r, 0.1)])
     # A larger budget meets over-HBM results and what they rule out.
-    front = Frontier(c, topology, 0.1)
+    front = Frontier(c, topology, 0.1, listed=listed)
     _simulate(front, 12, compile_fn)
     assert front.space[SKIP_OVER] + front.space[SKIP_DOMINATED] > 0, dict(front.space)
     # The guess scaled as compiled ones came out: at 1.25x, those guessed over 80% of the
     # budget are not compiled once a candidate of their remat policy has been.
     scaled = lambda cand: {**compile_fn(cand), "total_bytes": 1.25 * compile_fn(cand)["total_bytes"]}
-    front = Frontier(c, topology, 0.1)
+    front = Frontier(c, topology, 0.1, listed=listed)
     results = _simulate(front, 12, scaled)
     assert front.space[SKIP_SCALED] > 0 and front.scale
     remat = lambda cand: cand.full["model.remat"]
     for i, (_, cand, _) in enumerate(results):
         if cand.guess_bytes and remat(cand) in {remat(x) for _, x, _ in results[:i]}:
             assert cand.guess_bytes * 1.25 <= budget
+    # Nothing fitting when the budget is spent: the search goes on in order, up to as many again.
+    over = lambda cand: {**compile_fn(cand), "total_bytes": 2 * budget}
+    front = Frontier(c, topology, 0.1, listed=listed)
+    assert len(_simulate(front, 2, over)) == 4 and front.best is None

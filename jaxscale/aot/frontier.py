@@ -67,9 +67,10 @@ class Frontier:
     """The listed candidates, what has been taken from them, and what the compiled ones say."""
 
     def __init__(self, config: mlc.ConfigDict, topology: Topology, margin: float,
-                 space: Counter | None = None):
+                 space: Counter | None = None, listed: list[Candidate] | None = None):
+        """`listed`: `plan._all_candidates` of these arguments, where the caller has it."""
         self.config, self.topology, self.margin = config, topology, margin
-        self.listed = _all_candidates(config, topology, margin)
+        self.listed = _all_candidates(config, topology, margin) if listed is None else listed
         self.space = Counter() if space is None else space
         self.taken: set[int] = set()
         self.kept: list[tuple[int, Candidate, dict]] = []
