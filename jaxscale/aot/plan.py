@@ -26,8 +26,10 @@ from jaxscale.aot.choices import (
     ATTENTIONS,
     attentions,
     context_options,
+    f32_logits,
     fit_advice,
     loss_chunks,
+    precisions,
     require_language_model,
     rows_per_chip,
 )
@@ -157,7 +159,8 @@ def _search_order(cand: Candidate, budget: float) -> tuple:
     first = cand.guess_bytes if doubt else float(f"{cand.guess_s or 0.0:.4g}")  # ties: below
     return (o["mesh.pipeline"], o.get("mesh.context", 1), doubt, first,
             ATTENTIONS.index(attention) if attention in ATTENTIONS else len(ATTENTIONS),
-            o["mesh.tensor"], -o.get("mesh.expert", 1), -o["mesh.fsdp"], o["train.grad_accum"],
+            f32_logits(o.get("precision", "")), o["mesh.tensor"], -o.get("mesh.expert", 1),
+            -o["mesh.fsdp"], o["train.grad_accum"],
             o.get("model.loss_chunks", 1), SCHEDULES.index(o.get("pipeline.schedule", "1f1b")),
             -o.get("pipeline.microbatches", 1), PRESETS.index(o["rules_preset"]))
 
@@ -195,10 +198,10 @@ def _all_candidates(config: mlc.ConfigDict, topology: Topology,
     dims, compute_s = dims_of(config), _compute_seconds(config, topology)
     found = []
     moe = _expert_splits(config, n) != (1,)
-    for expert, ((pipeline, data, fsdp, tensor), ctx), preset, remat, attention, chunks in (
+    for expert, ((pipeline, data, fsdp, tensor), ctx), preset, remat, attention, chunks, prec in (
             (e, *rest) for e in _expert_splits(config, n) for rest in itertools.product(
                 _with_context(config, n // e), PRESETS, REMATS, attentions(config),
-                loss_chunks(config))):
+                loss_chunks(config), precisions(config))):
         mesh = {"data": data * slices, "pipeline": pipeline, "fsdp": fsdp, "tensor": tensor,
                 "expert": expert, "context": ctx.get("mesh.context", 1)}
         if not _preset_fits_mesh(preset, mesh):
@@ -215,7 +218,8 @@ def _all_candidates(config: mlc.ConfigDict, topology: Topology,
                     "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
                     "mesh.pipeline": pipeline, "rules_preset": preset, "model.remat": remat,
                     "model.attention": attention, "model.loss_chunks": chunks,
-                    "train.grad_accum": accum, "train.eval_every": 0, **pipe, **ctx,
+                    "precision": prec, "train.grad_accum": accum, "train.eval_every": 0,
+                    **pipe, **ctx,
                     **({"mesh.expert": expert} if moe else {}),
                     **({"mesh.dcn_data": slices} if slices > 1 else {})},
                     guess_bytes=guess_bytes, guess_s=guess_s, compute_s=compute)
@@ -272,13 +276,15 @@ def candidates(config: mlc.ConfigDict, topology: Topology,
 
 # What a candidate pays, per searched field, where everything else is equal: more
 # accumulation adds weight gathers and per-step overhead, more loss chunks head recompute, more
-# remat recompute, and einsum attention the same FLOPs and collectives as splash (the estimate
-# counts both alike) with its scores in HBM, each with the same collectives or more. A field a
+# remat recompute, einsum attention the same FLOPs and collectives as splash (the estimate
+# counts both alike) with its scores in HBM, and float32 logits the same FLOPs as bf16 ones
+# with twice the head's bytes, each with the same collectives or more. A field a
 # candidate does not spell out has the config's default: 1 micro-batch, the loss whole, remat
 # as configured.
 _COSTS = {"train.grad_accum": (1, lambda v: v), "model.loss_chunks": (1, lambda v: v),
           "model.remat": (None, REMAT_COST.get),
-          "model.attention": (None, lambda v: ATTENTIONS.index(v) if v in ATTENTIONS else None)}
+          "model.attention": (None, lambda v: ATTENTIONS.index(v) if v in ATTENTIONS else None),
+          "precision": (None, lambda v: None if v is None else f32_logits(v))}
 
 
 # What a candidate needs in HBM, per searched field, where everything else is equal: less
@@ -287,7 +293,8 @@ _COSTS = {"train.grad_accum": (1, lambda v: v), "model.loss_chunks": (1, lambda 
 # refused (or that compiled over the margin) in every field cannot fit either.
 _NEEDS = {"train.grad_accum": (1, lambda v: -v), "model.loss_chunks": (1, lambda v: -v),
           "model.remat": (None, lambda v: REMATS.index(v) if v in REMATS else None),
-          "model.attention": (None, lambda v: ATTENTIONS.index(v) if v in ATTENTIONS else None)}
+          "model.attention": (None, lambda v: ATTENTIONS.index(v) if v in ATTENTIONS else None),
+          "precision": (None, lambda v: None if v is None else f32_logits(v))}
 
 
 def _no_less(fields: dict, a: Candidate, b: Candidate) -> bool:
