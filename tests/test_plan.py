@@ -37,6 +37,13 @@ def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
     assert found.index(piped[0]) > max(i for i, x in enumerate(found) if x.mesh.pipeline == 1)
     assert {x.model.remat for x in found} == {"full", "save_qkv_proj", "save_dot_except_mlp",
                                               "minimal", "dots_no_batch", "dots", "none"}
+    # bf16 logits are searched beside float32 ones under bf16-mixed (the same work), first;
+    # where they fit, the float32 twin cannot win
+    # (`test_the_search_order...`); other policies are searched as they are.
+    assert {x.precision for x in found} == {c.precision} == {"32-true"}
+    bf16 = Candidate({"mesh.fsdp": 8, "precision": "bf16-mixed,logits=bfloat16"})
+    assert dominated(Candidate({"mesh.fsdp": 8, "precision": "bf16-mixed"}), [bf16])
+    assert not dominated(bf16, [Candidate({"mesh.fsdp": 8, "precision": "bf16-mixed"})])
     # `tp` without tensor parallelism is `dp`, and `dp` over fsdp is `dp` over data: not searched.
     assert not any(x.rules_preset in ("tp", "fsdp_tp") and x.mesh.tensor == 1 for x in found)
     assert not any(x.rules_preset == "dp" and x.mesh.fsdp > 1 for x in found)
@@ -118,6 +125,7 @@ def test_the_search_order_is_the_guessed_step_time_of_what_is_guessed_to_fit():
     compiled."""
     from collections import Counter
 
+    from jaxscale.aot.choices import BF16_LOGITS
     from jaxscale.aot.plan import FAR_OVER, _all_candidates, far_over, iter_candidates
 
     c = llama.get_config("1b")
@@ -142,6 +150,8 @@ def test_the_search_order_is_the_guessed_step_time_of_what_is_guessed_to_fit():
         assert first.full == flat[0].overrides
         assert not any(far_over(x, topology, 0.1) for x in listed[:listed.index(flat[0])])
     assert first.full["model.remat"] == "minimal"
+    assert first.full["precision"] == "bf16-mixed,logits=bfloat16" == c.precision + BF16_LOGITS
+    assert {x.overrides["precision"] for x in listed} == {c.precision, c.precision + BF16_LOGITS}
     assert any(x.guess_bytes > FAR_OVER * budget for x in listed)  # v5e: no remat at 4 a chip
     assert far_over(next(x for x in listed if x.guess_bytes > FAR_OVER * budget), topology, 0.1)
 
