@@ -398,6 +398,7 @@ def test_the_frontier_skips_what_compiled_results_rule_out_and_expands_the_best(
     best = front.best[1]
     assert best.full != front.listed[0].overrides  # a neighbour beat the first
     assert any(steps_apart(cand, best) <= MAX_STEPS for cand in compiled[2:])
+    assert all(cand.guess_bytes <= budget for cand in compiled[2:])  # likely fits only
     assert f"{space['compiled']} compiled" in space_line(space)
     # Nothing compiled after a result that rules it out.
     for i, (_, cand, _) in enumerate(results):

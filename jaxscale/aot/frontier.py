@@ -9,7 +9,7 @@ is slower than the best step found, one the memory guess puts far over. When the
 candidate budget is spent with nothing fitting it goes on in order; with a best, it does not
 stop while the best has an untried neighbour (one or two
 choices away, e.g. lighter remat with more accumulation, or another data x fsdp split) that
-the guess says may beat it: those are compiled too, up to as many again. Every listed
+the guess says may beat it and fits: those are compiled too, up to as many again. Every listed
 candidate ends up counted by what became of it (`Frontier.space`), which the plan prints.
 """
 
@@ -122,6 +122,13 @@ class Frontier:
         budget = self.topology.chip.hbm_limit_bytes * (1 - self.margin)
         return bool(scale and cand.guess_bytes and cand.guess_bytes * scale > budget)
 
+    def _doubted(self, cand: Candidate) -> bool:
+        """Whether the memory guess (scaled as compiled ones of its remat, where there are)
+        puts `cand` over the budget: past the budget only a likely fit is worth a compile."""
+        budget = self.topology.chip.hbm_limit_bytes * (1 - self.margin)
+        return bool(cand.guess_bytes and cand.guess_bytes * self.scale.get(_remat(cand), 1.0)
+                    > budget)
+
     def next(self, room: bool, extra: bool) -> tuple[int, Candidate] | None:
         """The next candidate to compile (its index in the search order): the next in order
         that may win while the budget has `room`; past it, while there is `extra` room, the
@@ -149,7 +156,8 @@ class Frontier:
         best = self.best[1]
         for index, cand in enumerate(self.listed):
             if (index in self.taken or steps_apart(cand, best) > MAX_STEPS
-                    or (cand.guess_s or 0.0) > (best.guess_s or 0.0) * NEAR):
+                    or (cand.guess_s or 0.0) > (best.guess_s or 0.0) * NEAR
+                    or self._doubted(cand)):
                 continue
             if got := self._take(index):
                 self.space[NEIGHBOURS] += 1
