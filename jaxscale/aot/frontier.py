@@ -124,10 +124,12 @@ class Frontier:
 
     def _doubted(self, cand: Candidate) -> bool:
         """Whether the memory guess (scaled as compiled ones of its remat, where there are)
-        puts `cand` over the budget: past the budget only a likely fit is worth a compile."""
+        puts `cand` over the budget, or there is none: past the budget only a likely fit is
+        worth a compile."""
         budget = self.topology.chip.hbm_limit_bytes * (1 - self.margin)
-        return bool(cand.guess_bytes and cand.guess_bytes * self.scale.get(_remat(cand), 1.0)
-                    > budget)
+        if cand.guess_bytes is None:  # no guess (pipeline stages): nothing says it may win
+            return True
+        return cand.guess_bytes * self.scale.get(_remat(cand), 1.0) > budget
 
     def next(self, room: bool, extra: bool) -> tuple[int, Candidate] | None:
         """The next candidate to compile (its index in the search order): the next in order
