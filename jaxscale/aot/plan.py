@@ -1,15 +1,16 @@
 """The sharding planner: which candidate configs exist for a topology, in which order, which
-cannot win, and how the compiled ones rank.
+cannot win or cannot fit, and how the compiled ones rank.
 
 Candidates are factorizations of the chip count over pipeline / data / fsdp / tensor (and, for
 an MoE model, `expert`: `_expert_splits`), rules presets (each only on meshes where it differs
-from a simpler one), remat policies, the attention kernel and loss chunking (`choices`),
-per-chip micro-batches (gradient accumulation keeps the global batch) and, with pipeline
-stages, the schedule (1F1B, GPipe) and microbatch count, likeliest winners first (`_search_order`). Invalid ones are pruned by the config validation
-(lazily, when reached); `search.py` compiles the rest, skipping those that cannot beat one that
-already fits (`dominated`); those over HBM (with a margin) are set apart, and the rest ranked by
-the roofline step-time estimate (full overlap).
-"""
+from a simpler one), remat policies, the attention kernel, loss chunking and the logits' dtype
+(`choices`), per-chip micro-batches (gradient accumulation keeps the global batch) and, with
+pipeline stages, the schedule (1F1B, GPipe) and microbatch count, likeliest winners first by
+the guesses of `aot.guess` (`_search_order`). Invalid ones are pruned by the config validation
+(lazily, when reached); `frontier.py` decides from the compiled results what else cannot win
+(`dominated`, `slower_than`) or fit (`implied_over`), `search.py` compiles the rest; those over
+HBM (with a margin) are set apart, and the rest ranked by the roofline step-time estimate
+without overlap (`step_s`)."""
 
 from __future__ import annotations
 
