@@ -1,20 +1,23 @@
 """The sharding planner: which candidate configs exist for a topology, in which order, which
-cannot win, and how the compiled ones rank.
+cannot win or cannot fit, and how the compiled ones rank.
 
 Candidates are factorizations of the chip count over pipeline / data / fsdp / tensor (and, for
 an MoE model, `expert`: `_expert_splits`), rules presets (each only on meshes where it differs
-from a simpler one), remat policies, the attention kernel and loss chunking (`choices`),
-per-chip micro-batches (gradient accumulation keeps the global batch) and, with pipeline
-stages, the schedule (1F1B, GPipe) and microbatch count, likeliest winners first (`_search_order`). Invalid ones are pruned by the config validation
-(lazily, when reached); `search.py` compiles the rest, skipping those that cannot beat one that
-already fits (`dominated`); those over HBM (with a margin) are set apart, and the rest ranked by
-the roofline step-time estimate (full overlap).
-"""
+from a simpler one), remat policies, the attention kernel, loss chunking and the logits' dtype
+(`choices`), per-chip micro-batches (gradient accumulation keeps the global batch) and, with
+pipeline stages, the schedule (1F1B, GPipe) and microbatch count, likeliest winners first by
+the guesses of `aot.guess` (`_search_order`). Invalid ones are pruned by the config validation
+(lazily, when reached); `frontier.py` decides from the compiled results what else cannot win
+(`dominated`, `slower_than`) or fit (`implied_over`), `search.py` compiles the rest; those over
+HBM (with a margin) are set apart, and the rest ranked by the roofline step-time estimate
+without overlap (`step_s`)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import ml_collections as mlc
@@ -24,23 +27,30 @@ from jaxscale.aot.choices import (
     ATTENTIONS,
     attentions,
     context_options,
+    f32_logits,
     fit_advice,
     loss_chunks,
+    precisions,
     require_language_model,
     rows_per_chip,
 )
-from jaxscale.aot.guess import dims_of, remat_bytes
-from jaxscale.aot.memory import Dims
+from jaxscale.aot.guess import dims_of, remat_bytes, step_seconds
 from jaxscale.aot.topology import Topology
 from jaxscale.errors import JaxscaleError
 
 PRESETS = ("fsdp", "fsdp_tp", "tp", "dp")
-# The remat policies searched, most recompute (least HBM) first, and their recompute rank:
-# none < dots (elementwise only) < save_dot_except_mlp (and the MLP's matmuls) < save_qkv_proj
-# (and attention's out projection and einsums) < full (every matmul but the last).
-REMATS = ("full", "save_qkv_proj", "save_dot_except_mlp", "dots", "none")
+# The remat policies searched, least HBM first, and their recompute rank: none < dots
+# (elementwise only) < dots_no_batch (and attention's einsums) <= minimal (the same, keeping
+# the projections by name) < save_dot_except_mlp (and the MLP's gate/up) < save_qkv_proj (and
+# attention's out projection) < full (every matmul but the last). The offloaded policies are
+# not searched: the estimate does not charge their host copies, so they would win unfairly.
+REMATS = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "dots_no_batch", "dots",
+          "none")
 REMAT_COST = {r: len(REMATS) - 1 - i for i, r in enumerate(REMATS)}
 SCHEDULES = ("1f1b", "gpipe")  # 1F1B first: GPipe's bubble with activations bounded by stages
+# A candidate whose guessed bytes (`aot.guess`) exceed the HBM budget this many times is not
+# compiled: the guess is rough (within 1.5x where compiled, bench/RESULTS.md), not that rough.
+FAR_OVER = 2.0
 # The mesh axes each rules preset exists for: it is a candidate only where these are > 1, and
 # only on meshes whose axes > 1 it uses (besides `data` and `pipeline`, which every preset
 # uses): elsewhere it equals a simpler preset (`tp` at tensor=1 is `dp`; `dp` over `fsdp` is
@@ -52,6 +62,9 @@ PRESET_AXES = {"fsdp": {"fsdp"}, "fsdp_tp": {"fsdp", "tensor"}, "tp": {"tensor"}
 class Candidate:
     overrides: dict  # dotted config field -> value (those that differ from the config)
     full: dict = field(default_factory=dict, compare=False)  # every searched field
+    guess_bytes: float | None = field(default=None, compare=False)  # `guess.remat_bytes`
+    guess_s: float | None = field(default=None, compare=False)  # `guess.step_seconds`
+    compute_s: float | None = field(default=None, compare=False)  # its compute part
 
     def label(self) -> str:
         return " ".join(f"{k.split('.')[-1]}={v}" for k, v in self.overrides.items())
@@ -133,31 +146,39 @@ def _micro_batches(per_chip: int) -> list[int]:
             if m <= per_chip and per_chip % m == 0]
 
 
-def _remat_order(config: mlc.ConfigDict, dims: Dims | None, mesh: dict[str, int], accum: int,
-                 attention: str, chunks: int, budget: float) -> tuple[str, ...]:
-    """The policies the analytic guess says fit the HBM budget first, least recompute first
-    (the lightest that fits wins), then the rest, most recompute first (the likeliest to fit
-    after all); without a guess, `REMATS` (most recompute first)."""
-    guesses = {r: remat_bytes(config, dims, mesh, accum, attention, chunks, r) for r in REMATS}
-    if any(g is None for g in guesses.values()):
-        return REMATS
-    fit = [r for r in reversed(REMATS) if guesses[r] <= budget]
-    return tuple(fit) + tuple(r for r in REMATS if r not in fit)
-
-
-def _search_order(cand: Candidate, remats: tuple[str, ...] = REMATS) -> tuple:
-    """Likeliest winners first: no pipeline, the remat policy in `remats` order
-    (`_remat_order`), splash attention (less memory than einsum at the same settings), no
-    tensor parallelism, FSDP over the most chips, no accumulation (fewest weight gathers), the
-    loss whole then chunked (a little more compute, much less memory: tried before
-    accumulating), 1F1B, most microbatches."""
+def _search_order(cand: Candidate, budget: float) -> tuple:
+    """Likeliest winners first: no pipeline, no sequence sharding, then those the memory
+    guess says fit the HBM budget, fastest guessed step first (compute with the remat's
+    recompute, plus the collectives of the mesh and accumulation: `guess.step_seconds`), then
+    those it doubts, least guessed bytes first (the likeliest to fit after all: a refusal
+    rules out every candidate that needs no less, `implied_over`); ties go to splash attention (less memory than einsum at the same
+    settings), no tensor parallelism, FSDP over the most chips, less accumulation, the loss
+    whole, 1F1B, most microbatches."""
     o = cand.overrides
     attention = o["model.attention"]
-    return (o["mesh.pipeline"], o.get("mesh.context", 1), remats.index(o["model.remat"]),
+    doubt = cand.guess_bytes is not None and cand.guess_bytes > budget
+    first = cand.guess_bytes if doubt else float(f"{cand.guess_s or 0.0:.4g}")  # ties: below
+    return (o["mesh.pipeline"], o.get("mesh.context", 1), doubt, first,
             ATTENTIONS.index(attention) if attention in ATTENTIONS else len(ATTENTIONS),
-            o["mesh.tensor"], -o.get("mesh.expert", 1), -o["mesh.fsdp"], o["train.grad_accum"],
+            f32_logits(o.get("precision", "")), o["mesh.tensor"], -o.get("mesh.expert", 1),
+            -o["mesh.fsdp"], o["train.grad_accum"],
             o.get("model.loss_chunks", 1), SCHEDULES.index(o.get("pipeline.schedule", "1f1b")),
             -o.get("pipeline.microbatches", 1), PRESETS.index(o["rules_preset"]))
+
+
+def _compute_seconds(config: mlc.ConfigDict, topology: Topology) -> Callable[..., float]:
+    """(remat, attention, loss chunks) -> the analytic compiled FLOPs per chip at the chip's
+    peak (`flops.expected_flops`: the model's and the remat's recompute), memoized: it
+    depends on nothing else a candidate chooses (a pipeline's bubble aside)."""
+    from jaxscale.aot.flops import expected_flops
+
+    @functools.cache
+    def seconds(remat: str, attention: str, chunks: int) -> float:
+        c = apply(config, {"model.remat": remat, "model.attention": attention,
+                           "model.loss_chunks": chunks})
+        flops = expected_flops(c, topology.num_chips)
+        return (flops or 0.0) / topology.chip.peak_bf16_flops
+    return seconds
 
 
 def _valid(config: mlc.ConfigDict, overrides: dict) -> bool:
@@ -170,47 +191,82 @@ def _valid(config: mlc.ConfigDict, overrides: dict) -> bool:
 
 def _all_candidates(config: mlc.ConfigDict, topology: Topology,
                     margin: float = 0.1) -> list[Candidate]:
-    """Every combination, in search order, with every field spelled out (not yet validated)."""
+    """Every combination, in search order, with every field spelled out and its guesses (not
+    yet validated)."""
     require_language_model(config)
     n, slices = topology.chips_per_slice, topology.num_slices
     budget = topology.chip.hbm_limit_bytes * (1 - margin)
-    dims = dims_of(config)
+    dims, compute_s = dims_of(config), _compute_seconds(config, topology)
     found = []
     moe = _expert_splits(config, n) != (1,)
-    for expert, ((pipeline, data, fsdp, tensor), ctx), preset, remat, attention, chunks in (
+    for expert, ((pipeline, data, fsdp, tensor), ctx), preset, remat, attention, chunks, prec in (
             (e, *rest) for e in _expert_splits(config, n) for rest in itertools.product(
                 _with_context(config, n // e), PRESETS, REMATS, attentions(config),
-                loss_chunks(config))):
+                loss_chunks(config), precisions(config))):
         mesh = {"data": data * slices, "pipeline": pipeline, "fsdp": fsdp, "tensor": tensor,
                 "expert": expert, "context": ctx.get("mesh.context", 1)}
         if not _preset_fits_mesh(preset, mesh):
             continue
         per_chip = config.data.batch_size // (data * fsdp * expert * slices)
+        tokens = per_chip * config.data.seq_len / mesh["context"]
         for micro in _micro_batches(per_chip):
             accum = per_chip // micro
-            remats = _remat_order(config, dims, mesh, accum, attention, chunks, budget)
+            guess_bytes = remat_bytes(config, dims, mesh, accum, attention, chunks, remat)
+            compute = compute_s(remat, attention, chunks)
+            guess_s = step_seconds(topology.chip, dims, mesh, accum, tokens, compute)
             for pipe in _pipeline_options(pipeline, config.data.batch_size // accum):
                 cand = Candidate({
                     "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
                     "mesh.pipeline": pipeline, "rules_preset": preset, "model.remat": remat,
                     "model.attention": attention, "model.loss_chunks": chunks,
-                    "train.grad_accum": accum, "train.eval_every": 0, **pipe, **ctx,
+                    "precision": prec, "train.grad_accum": accum, "train.eval_every": 0,
+                    **pipe, **ctx,
                     **({"mesh.expert": expert} if moe else {}),
-                    **({"mesh.dcn_data": slices} if slices > 1 else {})})
-                found.append((_search_order(cand, remats), cand))
+                    **({"mesh.dcn_data": slices} if slices > 1 else {})},
+                    guess_bytes=guess_bytes, guess_s=guess_s, compute_s=compute)
+                found.append((_search_order(cand, budget), cand))
     return [cand for _, cand in sorted(found, key=lambda x: x[0])]
 
 
-def iter_candidates(config: mlc.ConfigDict, topology: Topology,
-                    margin: float = 0.1) -> Iterator[Candidate]:
+def far_over(cand: Candidate, topology: Topology, margin: float) -> bool:
+    """Whether the memory guess puts `cand` over `FAR_OVER` times the HBM budget: skipped."""
+    budget = topology.chip.hbm_limit_bytes * (1 - margin)
+    return cand.guess_bytes is not None and cand.guess_bytes > FAR_OVER * budget
+
+
+def iter_candidates(config: mlc.ConfigDict, topology: Topology, margin: float = 0.1,
+                    skipped: Counter | None = None, listed: list[Candidate] | None = None
+                    ) -> Iterator[Candidate]:
     """Valid candidates over meshes, rules presets, remat policies, attention implementations,
     micro-batches (gradient accumulation keeps the global batch) and pipeline schedules /
-    microbatch counts, in search order; each is validated only when reached (thousands exist
-    for a large slice), and its overrides keep only the fields that differ from the config."""
-    for cand in _all_candidates(config, topology, margin):
-        overrides = {k: v for k, v in cand.overrides.items() if _get(config, k) != v}
-        if _valid(config, overrides):
-            yield Candidate(overrides, cand.overrides)
+    microbatch counts, in search order, without those the memory guess puts far over HBM
+    (`far_over`); each is validated only when reached (thousands exist for a large slice), and
+    its overrides keep only the fields that differ from the config. `skipped` counts those left
+    out, by reason; `listed` (the `_all_candidates` of these arguments) saves listing them
+    again."""
+    skipped = Counter() if skipped is None else skipped
+    for cand in listed if listed is not None else _all_candidates(config, topology, margin):
+        if far_over(cand, topology, margin):
+            skipped[SKIP_GUESSED] += 1
+            continue
+        full = specified(config, cand)
+        if full is None:
+            skipped[SKIP_INVALID] += 1
+        else:
+            yield full
+
+
+def specified(config: mlc.ConfigDict, cand: Candidate) -> Candidate | None:
+    """`cand` (every field spelled out) as the overrides that differ from `config`, or None
+    where the config validation refuses it."""
+    overrides = {k: v for k, v in cand.overrides.items() if _get(config, k) != v}
+    if not _valid(config, overrides):
+        return None
+    return Candidate(overrides, cand.overrides, cand.guess_bytes, cand.guess_s, cand.compute_s)
+
+
+SKIP_GUESSED = f"guessed over {FAR_OVER:g}x the HBM budget"
+SKIP_INVALID = "refused by the config validation"
 
 
 def candidates(config: mlc.ConfigDict, topology: Topology,
@@ -220,22 +276,62 @@ def candidates(config: mlc.ConfigDict, topology: Topology,
 
 
 # What a candidate pays, per searched field, where everything else is equal: more
-# accumulation adds weight gathers and per-step overhead, more loss chunks head recompute, and
-# more remat recompute, each with the same collectives or more. A field a candidate does not
-# spell out has the config's default: 1 micro-batch, the loss whole, remat as configured.
+# accumulation adds weight gathers and per-step overhead, more loss chunks head recompute, more
+# remat recompute, einsum attention the same FLOPs and collectives as splash (the estimate
+# counts both alike) with its scores in HBM, and float32 logits the same FLOPs as bf16 ones
+# with twice the head's bytes, each with the same collectives or more. A field a
+# candidate does not spell out has the config's default: 1 micro-batch, the loss whole, remat
+# as configured.
 _COSTS = {"train.grad_accum": (1, lambda v: v), "model.loss_chunks": (1, lambda v: v),
-          "model.remat": (None, REMAT_COST.get)}
+          "model.remat": (None, REMAT_COST.get),
+          "model.attention": (None, lambda v: ATTENTIONS.index(v) if v in ATTENTIONS else None),
+          "precision": (None, lambda v: None if v is None else f32_logits(v))}
+
+
+# What a candidate needs in HBM, per searched field, where everything else is equal: less
+# accumulation, fewer loss chunks, lighter remat (later in `REMATS`) and einsum attention (its
+# scores) each need as much or more. A candidate needing at least as much as one libtpu
+# refused (or that compiled over the margin) in every field cannot fit either.
+_NEEDS = {"train.grad_accum": (1, lambda v: -v), "model.loss_chunks": (1, lambda v: -v),
+          "model.remat": (None, lambda v: REMATS.index(v) if v in REMATS else None),
+          "model.attention": (None, lambda v: ATTENTIONS.index(v) if v in ATTENTIONS else None),
+          "precision": (None, lambda v: None if v is None else f32_logits(v))}
+
+
+def _no_less(fields: dict, a: Candidate, b: Candidate) -> bool:
+    """Whether `b` differs from `a` only in `fields` (name -> (default, rank)), ranking no
+    lower in each, and differs in at least one."""
+    full = lambda c: c.full or c.overrides
+    same = lambda c: {k: v for k, v in full(c).items() if k not in fields}
+    ranks = lambda c: tuple(rank(full(c).get(k, default)) for k, (default, rank) in fields.items())
+    return (same(a) == same(b) and ranks(a) != ranks(b)
+            and all(x == y or (x is not None and y is not None and x <= y)
+                    for x, y in zip(ranks(a), ranks(b))))
 
 
 def dominated(cand: Candidate, fitting: list[Candidate]) -> bool:
     """True if a fitting candidate differs only by costing no more in every `_COSTS` field
     (less accumulation, fewer loss chunks, less remat): the candidate cannot win."""
-    full = lambda c: c.full or c.overrides
-    same = lambda c: {k: v for k, v in full(c).items() if k not in _COSTS}
-    costs = lambda c: tuple(cost(full(c).get(k, default)) for k, (default, cost) in _COSTS.items())
-    return any(same(f) == same(cand) and costs(f) != costs(cand)
-               and all(a == b or (a is not None and b is not None and a <= b)
-                       for a, b in zip(costs(f), costs(cand))) for f in fitting)
+    return any(_no_less(_COSTS, f, cand) for f in fitting)
+
+
+def implied_over(cand: Candidate, over: list[Candidate]) -> bool:
+    """True if a candidate found over HBM differs only by needing no more in every `_NEEDS`
+    field (more accumulation, more loss chunks, more remat, splash): this one cannot fit."""
+    return any(_no_less(_NEEDS, o, cand) for o in over)
+
+
+def slower_than(cand: Candidate, best_s: float | None) -> bool:
+    """True if `cand`'s compute alone (the analytic FLOPs at peak, what libtpu compiles to
+    within 1%) is slower than `best_s`, the no-overlap step of the best fitting candidate:
+    communication only adds to it, so it cannot win."""
+    return best_s is not None and cand.compute_s is not None and cand.compute_s > best_s
+
+
+def step_s(result: dict) -> float:
+    """The ranking's step time: the no-overlap estimate (compute plus every collective), the
+    bound that assumes nothing hides communication; full overlap breaks ties."""
+    return result["estimate"]["no_overlap_s"]
 
 
 def usable(result: dict) -> float:
@@ -260,7 +356,7 @@ def rank(results: list[tuple[Candidate, dict]], margin: float
             ok.append((cand, r))
         else:
             over.append((cand, r))
-    ok.sort(key=lambda cr: (cr[1]["estimate"]["full_overlap_s"], cr[1]["estimate"]["no_overlap_s"]))
+    ok.sort(key=lambda cr: (step_s(cr[1]), cr[1]["estimate"]["full_overlap_s"]))
     over.sort(key=lambda cr: cr[1]["total_bytes"] - usable(cr[1]) * (1 - margin))
     return ok, over, failed
 

@@ -16,12 +16,14 @@ import json
 import multiprocessing
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import ml_collections as mlc
 
 from jaxscale.aot.compile import HbmOom
-from jaxscale.aot.plan import Candidate, apply, dominated, fits, iter_candidates
+from jaxscale.aot.frontier import Frontier
+from jaxscale.aot.plan import Candidate, apply
 from jaxscale.aot.topology import Topology, compile_only_env
 from jaxscale.errors import ConfigError, paragraph
 
@@ -72,43 +74,40 @@ def _failure(e: Exception, topology: Topology) -> dict:
 
 def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
            max_candidates: int = 16, time_budget_s: float = 3600.0, workers: int = 0,
-           margin: float = 0.1, compile_fn: CompileFn = compile_cached
-           ) -> list[tuple[Candidate, dict]]:
+           margin: float = 0.1, compile_fn: CompileFn = compile_cached,
+           space: Counter | None = None) -> list[tuple[Candidate, dict]]:
     """Compiles candidates in search order, `workers` at once (0: one per two cores), until
-    `max_candidates` are kept or the time budget is spent; returns (candidate, result) in
-    search order. A candidate that cannot beat an earlier one that fits (`dominated`) is
-    skipped, or, if it was already compiling when that one was found to fit, dropped and its
-    place given to the next. A worker that dies breaks the pool and fails every compile in it:
-    those run again, each alone, so that only the one that dies fails; a candidate the broken
-    pool refused goes to the next pool."""
+    `max_candidates` are kept or the time budget is spent, then, up to as many again, the next
+    ones while nothing fits, else the untried neighbours of the best that the guess says may
+    beat it (`Frontier.next`);
+    returns (candidate, result) in search order. A candidate that cannot win is skipped
+    (`Frontier.why_skip`), or, if it was already compiling when an earlier one was found to
+    fit and dominate it, dropped and its place given to the next. `space` counts what became
+    of every listed candidate, by reason. A worker that dies breaks the pool and fails every
+    compile in it: those run again, each alone, so that only the one that dies fails; a
+    candidate the broken pool refused goes to the next pool."""
     if workers < 0 or max_candidates < 1 or time_budget_s <= 0:
         raise ConfigError(paragraph(
             f"--workers={workers}, --max_candidates={max_candidates} and",
             f"--time_budget_s={time_budget_s}: give workers >= 0 (0: one per two cores), at least",
             "one candidate and a positive time budget."))
     workers = workers or max(1, _cores() // 2)
-    queue = iter_candidates(config, topology, margin)
+    front = Frontier(config, topology, margin, space)
     deadline = time.monotonic() + time_budget_s
     results: list[tuple[int, Candidate, dict]] = []
-    started, exhausted, pending = 0, False, {}
+    pending: dict = {}
     unsent: list[tuple[int, Candidate]] = []  # refused by a pool that a death had broken
     pool = _pool(workers)
     job_of = lambda cand: (compile_fn, _config_json(config, cand.overrides), topology, cache_dir)
     try:
         while True:
-            kept, fitting = _kept(results, margin)
-            while ((unsent or not exhausted) and len(kept) + len(pending) < max_candidates
-                   and len(pending) < workers and time.monotonic() < deadline):
-                if unsent:
-                    where = unsent.pop()
-                else:
-                    cand = next(queue, None)
-                    exhausted = cand is None
-                    if cand is None:
-                        continue
-                    where, started = (started, cand), started + 1
-                if dominated(where[1], fitting):
-                    continue
+            front.learn(results)
+            while len(pending) < workers and time.monotonic() < deadline:
+                room = len(front.kept) + len(pending) < max_candidates
+                where = unsent.pop() if unsent else front.next(
+                    room, extra=len(front.kept) + len(pending) < 2 * max_candidates)
+                if where is None:
+                    break
                 try:
                     pending[pool.submit(*job_of(where[1]))] = where
                 except cf.process.BrokenProcessPool:  # a worker died since the last wait:
@@ -118,7 +117,8 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
                     pool.shutdown(cancel_futures=True)  # it died idle: no compile to blame
                     pool = _pool(workers)
             if not pending:
-                return [(cand, r) for _, cand, r in kept]
+                front.finish(results)
+                return [(cand, r) for _, cand, r in front.kept]
             done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
             finished = [(pending.pop(job), _result(job)) for job in done]
             suspects = [where for where, r in finished if _died(r)]
@@ -143,19 +143,6 @@ def _cores() -> int:
 
 def _config_json(config: mlc.ConfigDict, overrides: dict) -> str:
     return json.dumps(apply(config, overrides).to_dict(), default=list)
-
-
-def _kept(results: list[tuple[int, Candidate, dict]], margin: float
-          ) -> tuple[list[tuple[int, Candidate, dict]], list[Candidate]]:
-    """The results in search order without those an earlier fitting one dominates, and the
-    fitting candidates among them."""
-    kept, fitting = [], []
-    for index, cand, result in sorted(results, key=lambda x: x[0]):
-        if not dominated(cand, fitting):
-            kept.append((index, cand, result))
-            if fits(result, margin):
-                fitting.append(cand)
-    return kept, fitting
 
 
 def _pool(workers: int) -> cf.ProcessPoolExecutor:

@@ -1,0 +1,185 @@
+"""What the planner's search has learned so far, and which candidate it compiles next.
+
+`plan.py` lists every candidate with its guesses, in search order (the likeliest winners
+first); `search.py` runs the compiler. Between them this module decides, from what has been
+compiled, what is not worth compiling: a candidate that a fitting one dominates (it costs more
+and can save nothing), one that needs no less HBM than one found over HBM, one the memory guess
+puts over once scaled as the compiled ones of its remat policy came out, one whose compute alone
+is slower than the best step found, one the memory guess puts far over. When the
+candidate budget is spent with nothing fitting it goes on in order; with a best, it does not
+stop while the best has an untried neighbour (one or two
+choices away, e.g. lighter remat with more accumulation, or another data x fsdp split) that
+the guess says may beat it and fits: those are compiled too, up to as many again. Every listed
+candidate ends up counted by what became of it (`Frontier.space`), which the plan prints.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import ml_collections as mlc
+
+from jaxscale.aot.plan import (
+    SKIP_GUESSED,
+    SKIP_INVALID,
+    Candidate,
+    _all_candidates,
+    dominated,
+    far_over,
+    fits,
+    implied_over,
+    slower_than,
+    specified,
+    step_s,
+)
+from jaxscale.aot.topology import Topology
+
+# A neighbour past the budget is compiled when its guessed step is under the best's guess
+# times this: the guess cannot tell a data x fsdp split from its sibling (their collectives
+# differ by an all-reduce of a shard), so "about as fast" is worth a compile too.
+NEAR = 1.02
+# The fields a neighbour may differ in, grouped: a mesh (split) is one choice.
+CHOICES = (("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.pipeline", "mesh.expert",
+            "mesh.context", "model.context_attention", "mesh.dcn_data"),
+           ("rules_preset",), ("model.remat",), ("model.attention",), ("model.loss_chunks",),
+           ("train.grad_accum",), ("pipeline.schedule", "pipeline.microbatches"))
+MAX_STEPS = 2  # choices a neighbour may differ in: lighter remat with more accumulation is 2
+
+SKIP_DOMINATED = "dominated by a fitting one (costs more, saves nothing)"
+SKIP_OVER = "needs no less HBM than one over HBM"
+SKIP_SLOWER = "compute alone slower than the best step"
+SKIP_SCALED = "guessed over HBM once scaled as compiled ones of its remat"
+COMPILED, DROPPED, NEIGHBOURS = "compiled", "compiled, then dominated", "neighbours past the budget"
+SKIPS = (SKIP_GUESSED, SKIP_INVALID, SKIP_DOMINATED, SKIP_OVER, SKIP_SCALED, SKIP_SLOWER)
+
+
+def _remat(cand: Candidate) -> str:
+    return (cand.full or cand.overrides).get("model.remat", "")
+
+
+def steps_apart(a: Candidate, b: Candidate) -> int:
+    """How many `CHOICES` two candidates differ in (every field spelled out: `full`)."""
+    fa, fb = a.full or a.overrides, b.full or b.overrides
+    return sum(any(fa.get(k) != fb.get(k) for k in group) for group in CHOICES)
+
+
+class Frontier:
+    """The listed candidates, what has been taken from them, and what the compiled ones say."""
+
+    def __init__(self, config: mlc.ConfigDict, topology: Topology, margin: float,
+                 space: Counter | None = None, listed: list[Candidate] | None = None):
+        """`listed`: `plan._all_candidates` of these arguments, where the caller has it."""
+        self.config, self.topology, self.margin = config, topology, margin
+        self.listed = _all_candidates(config, topology, margin) if listed is None else listed
+        self.space = Counter() if space is None else space
+        self.taken: set[int] = set()
+        self.kept: list[tuple[int, Candidate, dict]] = []
+        self.fitting: list[Candidate] = []
+        self.over: list[Candidate] = []
+        self.best: tuple[int, Candidate, dict] | None = None
+        self.scale: dict[str, float] = {}  # remat -> compiled / guessed bytes, mean
+        self._main = 0  # the next index of the search order
+
+    def learn(self, results: list[tuple[int, Candidate, dict]]) -> None:
+        """The results in search order without those an earlier fitting one dominates; the
+        fitting ones, those over HBM, and the best (fastest fitting) of them."""
+        self.kept, self.fitting, self.over = [], [], []
+        for index, cand, result in sorted(results, key=lambda x: x[0]):
+            if dominated(cand, self.fitting):
+                continue
+            self.kept.append((index, cand, result))
+            if fits(result, self.margin):
+                self.fitting.append(cand)
+            elif "error" not in result:
+                self.over.append(cand)
+        ratios: dict[str, list[float]] = {}
+        for _, cand, result in results:
+            if "error" not in result and cand.guess_bytes:
+                ratios.setdefault(_remat(cand), []).append(result["total_bytes"] / cand.guess_bytes)
+        self.scale = {r: sum(v) / len(v) for r, v in ratios.items()}
+        ok = [k for k in self.kept if fits(k[2], self.margin)]
+        self.best = min(ok, key=lambda k: (step_s(k[2]), k[0])) if ok else None
+
+    def why_skip(self, cand: Candidate) -> str | None:
+        """The reason `cand` cannot win, from the guess and the compiled results, or None."""
+        if far_over(cand, self.topology, self.margin):
+            return SKIP_GUESSED
+        if dominated(cand, self.fitting):
+            return SKIP_DOMINATED
+        if implied_over(cand, self.over):
+            return SKIP_OVER
+        if self._scaled_over(cand):
+            return SKIP_SCALED
+        if self.best is not None and slower_than(cand, step_s(self.best[2])):
+            return SKIP_SLOWER
+        return None
+
+    def _scaled_over(self, cand: Candidate) -> bool:
+        """The memory guess is off by a factor that depends on the remat policy and the shape
+        (`guess.CALIBRATION`): scaled by what compiled candidates of the same policy came to
+        (a refusal's temporaries, a lower bound, included), is it over the HBM budget?"""
+        scale = self.scale.get(_remat(cand))
+        budget = self.topology.chip.hbm_limit_bytes * (1 - self.margin)
+        return bool(scale and cand.guess_bytes and cand.guess_bytes * scale > budget)
+
+    def _doubted(self, cand: Candidate) -> bool:
+        """Whether the memory guess (scaled as compiled ones of its remat, where there are)
+        puts `cand` over the budget, or there is none: past the budget only a likely fit is
+        worth a compile."""
+        budget = self.topology.chip.hbm_limit_bytes * (1 - self.margin)
+        if cand.guess_bytes is None:  # no guess (pipeline stages): nothing says it may win
+            return True
+        return cand.guess_bytes * self.scale.get(_remat(cand), 1.0) > budget
+
+    def next(self, room: bool, extra: bool) -> tuple[int, Candidate] | None:
+        """The next candidate to compile (its index in the search order): the next in order
+        that may win while the budget has `room`; past it, while there is `extra` room, the
+        next in order while nothing fits yet, else an untried neighbour of the best that may
+        beat it; None when there is none."""
+        onward = room or (extra and self.best is None)  # nothing fits yet: the budget buys a plan
+        while onward and self._main < len(self.listed):
+            self._main += 1
+            if self._main - 1 not in self.taken and (got := self._take(self._main - 1)):
+                return got
+        return self._neighbour() if extra and not room else None
+
+    def _take(self, index: int) -> tuple[int, Candidate] | None:
+        self.taken.add(index)
+        cand = self.listed[index]
+        why = self.why_skip(cand)
+        if why is None and (spec := specified(self.config, cand)) is not None:
+            return index, spec
+        self.space[why or SKIP_INVALID] += 1
+        return None
+
+    def _neighbour(self) -> tuple[int, Candidate] | None:
+        if self.best is None:
+            return None
+        best = self.best[1]
+        for index, cand in enumerate(self.listed):
+            if (index in self.taken or steps_apart(cand, best) > MAX_STEPS
+                    or (cand.guess_s or 0.0) > (best.guess_s or 0.0) * NEAR
+                    or self._doubted(cand)):
+                continue
+            if got := self._take(index):
+                self.space[NEIGHBOURS] += 1
+                return got
+        return None
+
+    def finish(self, results: list[tuple[int, Candidate, dict]]) -> None:
+        """Counts the compiled, those dropped after compiling, and those never reached."""
+        self.learn(results)
+        self.space[COMPILED] += len(results)
+        self.space[DROPPED] += len(results) - len(self.kept)
+        self.space["listed"] = len(self.listed)
+        self.space["not reached"] = len(self.listed) - len(self.taken)
+
+
+def space_line(space: Counter) -> str:
+    """The search space in one line: how much was compiled, what was skipped and why (every
+    listed candidate is counted once: compiled, skipped for a reason, or not reached)."""
+    extra = [f"{space[k]} {k}" for k in (NEIGHBOURS, DROPPED) if space.get(k)]
+    skips = [f"{space[k]} {k}" for k in SKIPS if space.get(k)]
+    return (f"Search space: {space.get('listed', 0)} candidates; {space.get(COMPILED, 0)} "
+            f"compiled" + (f" ({', '.join(extra)})" if extra else "") + "; skipped: "
+            + (", ".join(skips) or "none") + f"; {space.get('not reached', 0)} not reached.")
