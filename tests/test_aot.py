@@ -310,9 +310,10 @@ def test_splash_attention_compiles_for_tpu_with_its_flops_labelled(tmp_path):
 @libtpu_test
 @pytest.mark.parametrize("dcn, kinds, groups", [
     (["--num_slices=2", "--config.mesh.dcn_data=2"], {"all-reduce"}, {2}),
-    # FSDP and data parallelism over 2 x 2 slices: pairs of slices, and the loss over all 4.
+    # FSDP and data parallelism over 2 x 2 slices: pairs of slices, and the loss over all 4;
+    # the vocabulary matrices' gradients reduce-scattered over fsdp (`models/shard_sums.py`).
     (["--num_slices=4", "--config.mesh.dcn_data=2", "--config.mesh.dcn_fsdp=2"],
-     {"all-reduce", "all-gather", "all-to-all"}, {2, 4}),
+     {"all-reduce", "all-gather", "all-to-all", "reduce-scatter"}, {2, 4}),
     (["--num_slices=2", "--config.mesh.dcn_pipeline=2", "--config.pipeline.microbatches=4"],
      {"all-reduce", "all-gather", "reduce-scatter", "collective-permute"}, {2}),
 ], ids=["dcn_data", "dcn_data_fsdp", "dcn_pipeline"])
