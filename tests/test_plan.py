@@ -16,6 +16,7 @@ from aot_common import TINY, libtpu_test, run_module
 from configs import llama
 from jaxscale.aot.topology import parse_topology
 from jaxscale.errors import ConfigError
+from jaxscale.weights.tree import unflatten
 
 
 def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
@@ -76,16 +77,9 @@ def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
 
 def _view(fields: dict) -> SimpleNamespace:
     """A candidate's dotted fields as attributes (`x.mesh.fsdp`), without building a config."""
-    groups: dict = {}
-    for key, value in fields.items():
-        *parents, leaf = key.split(".")
-        node = groups
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
     as_ns = lambda d: SimpleNamespace(**{k: as_ns(v) if isinstance(v, dict) else v
                                          for k, v in d.items()})
-    return as_ns(groups)
+    return as_ns(unflatten({key.replace(".", "/"): value for key, value in fields.items()}))
 
 
 def test_the_planner_shards_long_sequences_over_context_only():

@@ -467,8 +467,9 @@ def int8_flops(module: Module) -> float:
 
 def kernel_calls(module: Module) -> int:
     """Executions per device per step of Pallas TPU kernels (`tpu_custom_call` custom calls,
-    e.g. splash attention), loop bodies x trip counts. Their FLOPs are not in `flops`: a custom
-    call carries no dot to count, so whoever reports FLOPs must add them (`aot.flops`)."""
+    e.g. splash attention), loop bodies x trip counts. `flops` holds only the FLOPs of kernels
+    that carry a cost estimate (megablox, `kernel_cost_flops`); for the others (splash) whoever
+    reports FLOPs must add them (`aot.flops.kernel_flops`)."""
     pallas = 'custom_call_target="tpu_custom_call"'
     return sum(module.mult.get(comp, (0, False))[0]
                for comp, instrs in module.live.items() for ins in instrs
