@@ -26,9 +26,8 @@ from jaxscale.models import ModelDef
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules, use_rules
 from jaxscale.storage import workdir_files
-from jaxscale.train.state import param_specs
 from jaxscale.train.step import batch_sharding
-from jaxscale.weights.place import named_shardings, place
+from jaxscale.weights.place import named_shardings, param_specs, place
 from jaxscale.weights.tree import flatten, unflatten
 
 

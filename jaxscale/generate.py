@@ -2,7 +2,7 @@
 
 The cache belongs to the model: `Llama.init_cache` makes a stacked `KVCache` of shape
 (layers, batch, max_len, kv, head_dim), and `model(tokens, cache=..., cache_index=...)` runs the
-model's own attention (models/attention.py, the one used for training) over it, returning the
+model's own attention (models/attention/, the one used for training) over it, returning the
 logits and the updated cache. The cache carries logical names, so the same rules that shard the
 parameters shard it (`batch` over data/fsdp, `kv` over tensor). Prompts of different lengths
 share a batch left-padded, with their lengths: padding gets segment id 0 and each row's
@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.models import ModelDef, entry_of
-from jaxscale.models.attention import CACHE_AXES, KVCache  # noqa: F401 (the cache's names)
+from jaxscale.models.attention.grouped_query import CACHE_AXES, KVCache  # noqa: F401
 from jaxscale.rules import AxisRules, use_rules
 
 
@@ -199,8 +199,7 @@ def generate_from_config(config: Any, params: Mapping, prompt_BT: np.ndarray, st
     """Places `params` on the config's mesh by its rules and generates `steps` tokens."""
     from jaxscale.mesh import make_mesh
     from jaxscale.precision import get_policy
-    from jaxscale.train.state import param_specs
-    from jaxscale.weights.place import named_shardings, place
+    from jaxscale.weights.place import named_shardings, param_specs, place
     from jaxscale.weights.tree import flatten, unflatten
 
     check_request(np.shape(prompt_BT)[1], steps, temperature, config.model.get("max_len", 0))

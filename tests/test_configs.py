@@ -18,16 +18,17 @@ from jax.sharding import AbstractMesh
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
 from jaxscale.mesh import MESH_AXES, resolve_mesh_shape
-from jaxscale.models import ModelDef, lora
-from jaxscale.models.llama import LlamaConfig
+from jaxscale.models import ModelDef
+from jaxscale.models.adapters import lora
+from jaxscale.models.decoder.config import LlamaConfig
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules
-from jaxscale.train.state import param_specs
+from jaxscale.weights.place import param_specs
 from jaxscale.weights.tree import flatten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(ROOT, "jaxscale", "configs", "*.py"))
-                      if not p.endswith("__init__.py"))
+                      if not os.path.basename(p).startswith("_"))  # `configs.bundled_names`
 DEFAULT_DEVICES = 8  # a variant whose mesh has a -1 axis is checked on the test's 8 devices
 
 
@@ -175,7 +176,7 @@ def test_family_presets_have_the_published_shapes_and_the_table_flops():
     q/k norms included), size their targets with the one memory model, and take FLOPs per
     token from the table entry, where the switches add none."""
     from jaxscale.models import entry_of
-    from jaxscale.models.llama_flops import flops_per_token
+    from jaxscale.models.decoder.flops import flops_per_token
 
     finetune, llama = MODULES["finetune_lm.py"], MODULES["llama.py"]
     published = {"qwen3-0.6b": ("qwen3", 596_049_920), "qwen2.5-0.5b": ("qwen2", 494_032_768),

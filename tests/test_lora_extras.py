@@ -9,11 +9,13 @@ from flax import nnx
 
 from configs import tiny_lm, vit_digits
 from jaxscale.errors import ConfigError
-from jaxscale.models import ModelDef, lora
-from jaxscale.models.layers import adapter_dropout, param, project
+from jaxscale.models import ModelDef
+from jaxscale.models.adapters import lora, lora_matmul
+from jaxscale.models.adapters.lora_matmul import adapter_dropout
+from jaxscale.models.nn.layers import ADAPTED_PROJECTION, param, project
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
-from jaxscale.train.state import param_specs
+from jaxscale.weights.place import param_specs
 from jaxscale.weights.tree import flatten, merge_trees
 from test_lora import assert_adapters_follow_base
 from tests.helpers import run_steps
@@ -30,6 +32,7 @@ class _Probe(nnx.Module):
         self.w_lora_a = nnx.Param(jnp.eye(dim), logical_axes=("embed", "lora_rank"))
         self.w_lora_b = nnx.Param(jnp.eye(dim), logical_axes=("lora_rank", "mlp"))
         self.w_lora_scale, self.w_lora_dropout = 1.0, rate
+        setattr(self, ADAPTED_PROJECTION, lora_matmul.project)  # as lora.add_adapters does
 
 
 def test_dropout_masks_the_adapter_input_in_training_only():

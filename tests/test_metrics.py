@@ -12,7 +12,7 @@ import pytest
 from jaxscale import hardware
 from jaxscale.hardware import peak_flops
 from jaxscale.models import vit
-from jaxscale.models.llama_flops import llama_flops_per_token
+from jaxscale.models.decoder.flops import llama_flops_per_token
 from jaxscale.observe import metrics
 from jaxscale.observe.metrics import MetricsWriter, mfu, read_metrics
 from jaxscale.observe.progress import ProgressBar

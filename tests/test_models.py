@@ -15,10 +15,15 @@ import pytest
 from jaxscale import models
 from jaxscale.errors import ConfigError
 from jaxscale.mesh import make_mesh
-from jaxscale.models import llama, lm_task, vit
+from jaxscale.models import vit
+from jaxscale.models.decoder import lm_task
+from jaxscale.models.decoder.config import LlamaConfig
+from jaxscale.models.decoder.llama import Llama
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import Task
-from jaxscale.parallel.pipeline import OneFOneB, PipelineRunner, make_layer_runner
+from jaxscale.parallel.gpipe import PipelineRunner
+from jaxscale.parallel.onef1b import OneFOneB
+from jaxscale.parallel.schedules import make_layer_runner
 
 
 def test_tables_name_every_model_and_task():
@@ -89,7 +94,7 @@ def _toy_entry(calls: list, token_batches: bool = True, hf: models.HuggingFace |
 
     task = Task(loss, lm_task.eval_sums, lm_task.batch_spec, unit="tokens", prepare=prepare,
                 token_batches=token_batches)
-    return models.ModelEntry(llama.LlamaConfig, llama.Llama, {"toy_task": task},
+    return models.ModelEntry(LlamaConfig, Llama, {"toy_task": task},
                              flops_per_token=lambda m, t: 1000.0 * t,
                              attention_flops=lambda m, t: 10.0 * t, hf=hf)
 
@@ -143,7 +148,7 @@ def test_a_new_family_is_one_table_line(monkeypatch, tmp_path):
 
 
 def test_models_import_nothing_from_training():
-    code = ("import sys, jaxscale.models, jaxscale.models.lora; print([m for m in sys.modules "
+    code = ("import sys, jaxscale.models, jaxscale.models.adapters.lora; print([m for m in sys.modules "
             "if m.startswith(('jaxscale.train', 'jaxscale.parallel'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=600).stdout

@@ -14,7 +14,7 @@ import pytest
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
 from jaxscale.mesh import make_mesh
-from jaxscale.parallel.pipeline import SCHEDULES, make_layer_runner
+from jaxscale.parallel.schedules import SCHEDULES, make_layer_runner
 from jaxscale.rules import use_rules
 from jaxscale.train.loop import Trainer
 from jaxscale.train.step import accumulate_grads

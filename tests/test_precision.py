@@ -11,7 +11,7 @@ import pytest
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
 from jaxscale.models import ModelDef
-from jaxscale.models.lm_task import lm_loss
+from jaxscale.models.decoder.lm_task import lm_loss
 from jaxscale.optim import make_optimizer
 from jaxscale.precision import POLICIES, DynamicLossScale, get_policy
 from jaxscale.train import step as step_lib

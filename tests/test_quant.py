@@ -1,4 +1,4 @@
-"""The `int8` precision policy (models/quant.py): qwix quantizes exactly the projection matmuls,
+"""The `int8` precision policy (models/adapters/int8.py): qwix quantizes exactly the projection matmuls,
 forward and backward, the model's parameters are untouched, the loss tracks bf16-mixed, the
 compile report counts the int8 matmuls at the chip's int8 peak, and what it cannot quantize is
 refused with one paragraph."""

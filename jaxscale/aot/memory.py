@@ -12,7 +12,7 @@ residuals; SwiGLU's gate, up and product) plus, with einsum attention, the float
 probabilities of every head; the LM head keeps float32 logits, softmax and gradient (a chunk of
 them with `loss_chunks`). Full remat keeps only each layer's bf16 input and recomputes one layer
 at a time (two layers' activations live at once); a policy named by what it saves
-(`models/scan.py` NAMED_POLICIES) keeps that input plus the named activations it saves in HBM
+(`models/nn/scan.py` NAMED_POLICIES) keeps that input plus the named activations it saves in HBM
 (`NAME_WIDTHS`; those it offloads live in host memory, `host_bytes`); jax's dot policies and
 none are counted as keeping all.
 """
@@ -62,7 +62,7 @@ class Dims:
                    head_dim=int(model.get("head_dim", 0)))
 
 
-# Elements per token and layer of each named activation (`models/scan.py` ACTIVATION_NAMES).
+# Elements per token and layer of each named activation (`models/nn/scan.py` ACTIVATION_NAMES).
 NAME_WIDTHS = {
     "qkv_proj": lambda d: (d.num_heads + 2 * _kv(d)) * _head_dim(d),
     "attn_out": lambda d: d.num_heads * _head_dim(d),
@@ -81,7 +81,7 @@ def _head_dim(d: Dims) -> int:
 
 def _named(remat: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """(saved, offloaded) names of a policy named by what it keeps, else None."""
-    from jaxscale.models.scan import NAMED_POLICIES  # lazy: this module stays free of jax
+    from jaxscale.models.nn.scan import NAMED_POLICIES  # lazy: this module stays free of jax
 
     named = NAMED_POLICIES.get(remat)
     return None if named is None else (named.saved, named.offloaded)

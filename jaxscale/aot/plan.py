@@ -109,7 +109,7 @@ def _expert_splits(config: mlc.ConfigDict, n: int) -> tuple[int, ...]:
     also each power of two dividing both the chips and the experts (each chip of an expert
     group holds num_experts / expert of them; the batch splits over it as over data), the
     most expert parallelism first; both the capacity path (all-to-all dispatch) and dropless
-    (the expert group's all-gather, `models/moe_dropless.py`) run on it."""
+    (the expert group's all-gather, `models/moe/dropless.py`) run on it."""
     experts = config.model.get("moe", {}).get("num_experts", 0)
     return tuple(e for e in (64, 32, 16, 8, 4, 2) if experts and experts % e == 0
                  and n % e == 0) + (1,)

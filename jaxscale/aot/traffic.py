@@ -2,7 +2,7 @@
 table against: the MoE capacity path's token dispatch and attention across sequence shards.
 Bytes per chip per step, counted the way `aot/hlo.py` counts a collective.
 
-**MoE dispatch** (`models/moe.capacity_experts`). Each MoE layer's expert buffers, (rows,
+**MoE dispatch** (`models/moe/layer.capacity_experts`). Each MoE layer's expert buffers, (rows,
 experts X, slots C, embed E) in the compute dtype, are filled with rows over all the batch's
 mesh axes and computed with experts over `expert`, so the reshard between the two is an
 all-to-all over `expert`, of the buffer's per-chip share each way: tokens to their experts and
@@ -10,7 +10,7 @@ the experts' outputs back (2 a layer in the forward pass), their transposes in t
 (2 more), and the forward pair again where remat recomputes the layer (every `model.remat` but
 `none`). With `mesh.expert` 1 the buffers never move.
 
-**MoE dropless dispatch** (`models/moe_dispatch.py`, `model.moe.dispatch` ragged_all_to_all, or
+**MoE dropless dispatch** (`models/moe/dispatch.py`, `model.moe.dispatch` ragged_all_to_all, or
 auto on TPU). Each chip sends its n tokens' n x k assignments (embed E, compute dtype) to their
 experts' devices and receives as many back: 2 ragged all-to-alls a layer forward, 2 in the
 backward pass, 2 more under remat, each of n x k x E elements (`aot/hlo.py` counts the smaller of
@@ -19,7 +19,7 @@ assignment travels once; the share a device keeps for itself is counted too, as 
 all-to-all). The all-gather dispatch moves expert-axis x n tokens instead and has no separate
 expectation here (it mixes with FSDP's gathers).
 
-**Attention across sequence shards** (`models/context.py`). With `mesh.context` x
+**Attention across sequence shards** (`models/attention/sequence/context.py`). With `mesh.context` x
 `mesh.dcn_context` = n > 1, each chip holds `rows` sequences' T/n tokens and K/tensor kv heads of
 head dim D, so one key (or value) block is rows x T/n x K/tensor x D elements of the compute
 dtype. Per layer and pass:
@@ -32,9 +32,10 @@ dtype. Per layer and pass:
   reduce-scatters the cotangents of the gathered blocks. Counted as `aot/hlo.py` counts them
   (the gathered result, the scattered input: n blocks each), and mixed in the compiled
   report with FSDP's own gathers and scatters of the weights.
-- With `model.attention=splash` (the splash blocks, `models/context_splash.py`) the custom VJP
-  makes `ring` the `ring_vjp` ring, and `allgather` reduce-scatters float32 dK, dV (under
-  remat its backward pass's second gather of K/V is the recompute's, merged by the compiler).
+- With `model.attention=splash` (the splash blocks,
+  `models/attention/sequence/context_splash.py`) the custom VJP makes `ring` the `ring_vjp`
+  ring, and `allgather` reduce-scatters float32 dK, dV (under remat its backward pass's second
+  gather of K/V is the recompute's, merged by the compiler).
 
 A rematerialised layer (`model.remat` other than none) runs its forward pass again in the
 backward pass, so its forward traffic counts twice.
@@ -60,7 +61,7 @@ def moe_all_to_all_bytes(config: mlc.ConfigDict, mesh) -> float:
 
     The buffers' rows split as the rules split `batch` (the presets: data x fsdp x expert),
     C = moe.capacity(capacity_factor, seq_len x experts_per_token, num_experts) per row."""
-    from jaxscale.models.moe import ROW_AXES, MoEConfig, capacity  # lazy: jax
+    from jaxscale.models.moe.layer import ROW_AXES, MoEConfig, capacity  # lazy: jax
     from jaxscale.rules import AxisRules
 
     moe = MoEConfig.from_config(config.model.get("moe"))
@@ -84,7 +85,7 @@ def moe_ragged_bytes(config: mlc.ConfigDict, mesh) -> float:
     """Ragged all-to-all bytes per chip per step of the dropless dispatch on `mesh` (0 when it
     does not run: `model.moe.dispatch=allgather`, or auto where the expert axes do not split the
     tokens). n: the step's tokens over the mesh axes that split `batch` and `length`."""
-    from jaxscale.models.moe import MoEConfig  # lazy: jax
+    from jaxscale.models.moe.layer import MoEConfig  # lazy: jax
     from jaxscale.rules import AxisRules, as_tuple
 
     moe = MoEConfig.from_config(config.model.get("moe"))

@@ -60,6 +60,7 @@ from __future__ import annotations
 import ml_collections as mlc
 
 from jaxscale.configs import sibling
+from jaxscale.configs._preset_parts import Size
 from jaxscale.errors import ConfigError, paragraph
 
 llama = sibling("llama")
@@ -82,24 +83,24 @@ def _pattern(layers: int, period: int) -> tuple[str, ...]:
                  for i in range(layers))
 
 
-FAMILIES: dict[str, llama.Size] = {
-    "qwen3-0.6b": llama.Size(dict(_QWEN, name="qwen3", embed=1024, num_layers=28, num_heads=16,
+FAMILIES: dict[str, Size] = {
+    "qwen3-0.6b": Size(dict(_QWEN, name="qwen3", embed=1024, num_layers=28, num_heads=16,
                                   num_kv_heads=8, head_dim=128, mlp=3072, max_len=40960),
                              **_RECIPE_1B),
-    "qwen2.5-0.5b": llama.Size(dict(_QWEN, name="qwen2", embed=896, num_layers=24, num_heads=14,
+    "qwen2.5-0.5b": Size(dict(_QWEN, name="qwen2", embed=896, num_layers=24, num_heads=14,
                                     num_kv_heads=2, head_dim=64, mlp=4864, max_len=32768),
                                **_RECIPE_1B),
-    "mistral-7b": llama.Size(dict(name="mistral", vocab_size=32768, embed=4096, num_layers=32,
+    "mistral-7b": Size(dict(name="mistral", vocab_size=32768, embed=4096, num_layers=32,
                                   num_heads=32, num_kv_heads=8, head_dim=128, mlp=14336,
                                   max_len=32768, rope_theta=1e6, norm_eps=1e-5,
                                   tie_embeddings=False, sliding_window=0),
                              **dict(_RECIPE_1B, batch=512, steps=100_000)),
-    "gemma3-1b": llama.Size(dict(_GEMMA, name="gemma3", vocab_size=262144, embed=1152,
+    "gemma3-1b": Size(dict(_GEMMA, name="gemma3", vocab_size=262144, embed=1152,
                                  num_layers=26, num_heads=4, num_kv_heads=1, mlp=6912,
                                  max_len=32768, rope_theta=1e6, rope_local_theta=1e4,
                                  sliding_window=512, layer_types=_pattern(26, 6)),
                             **_RECIPE_1B),
-    "gemma2-2b": llama.Size(dict(_GEMMA, name="gemma2", vocab_size=256000, embed=2304,
+    "gemma2-2b": Size(dict(_GEMMA, name="gemma2", vocab_size=256000, embed=2304,
                                  num_layers=26, num_heads=8, num_kv_heads=4, mlp=9216,
                                  max_len=8192, rope_theta=1e4, sliding_window=4096,
                                  layer_types=_pattern(26, 2), attn_softcap=50.0,

@@ -59,58 +59,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import ml_collections as mlc
 
 from jaxscale.aot.memory import Dims, state_bytes_per_param, step_bytes
 from jaxscale.config import base_config
+from jaxscale.configs._preset_parts import Compiled, LongContext, Size, Target
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.hardware import CHIPS, GiB
-
-
-@dataclass(frozen=True)
-class Size:
-    """A model size with its pre-training recipe (batch in sequences of `seq_len` tokens)."""
-
-    model: dict[str, Any]
-    strategy: str          # rules preset on hardware targets: 'dp' or 'fsdp'
-    remat: str
-    seq_len: int
-    batch: int
-    lr: float
-    warmup: int
-    steps: int
-    precision: str = "bf16-mixed"
-    max_bytes: int = 100_000_000  # enough held-out text (a tenth) for a few global batches
-
-
-@dataclass(frozen=True)
-class Target:
-    """Hardware: devices per slice (or host), slices (hosts) over DCN, the chip (a key of the
-    hardware table, `jaxscale.hardware.CHIPS`, which has its memory), and for a TPU slice the
-    libtpu topology name `jaxscale compile --topology` takes."""
-
-    devices: int
-    slices: int
-    chip: str
-    topology: str | None = None
-
-    @property
-    def total(self) -> int:
-        return self.devices * self.slices
-
-    @property
-    def gpu(self) -> bool:
-        return CHIPS[self.chip].generation is None
-
-    @property
-    def hbm_gib(self) -> float:
-        """HBM per device as the hardware table documents it (the presets' 10% margin is of
-        this; `jaxscale compile` also shows what libtpu lets a program use)."""
-        return CHIPS[self.chip].hbm_bytes / GiB
-
 
 _LLAMA2 = dict(vocab_size=32000, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
 SIZES: dict[str, Size] = {
@@ -138,22 +94,6 @@ TARGETS: dict[str, Target] = {
     "v5e-256": Target(256, 1, "v5e", topology="v5e:16x16"),
     "h100x8": Target(8, 1, "h100"), "2xh100x8": Target(8, 2, "h100"),
 }
-
-
-@dataclass(frozen=True)
-class Compiled:
-    """A TPU target's micro-batch as the TPU compiler chose it, not the estimate:
-    `python bench/presets.py` compiles SIZE,TARGET for the target's topology (libtpu 0.0.52,
-    nothing runs) at each power-of-two micro-batch, largest first, and keeps the first whose
-    total per chip (arguments + temporaries) leaves 10% of HBM free (`FIT_MARGIN`, the
-    planner's default). `gib` is that total; with `micro_batch` 0 not even one sequence fits
-    and `gib` is what the compiler asked for at one (a lower bound where libtpu refused the
-    step outright: its temporaries alone). `step_ms` is the roofline step-time ESTIMATE (full
-    overlap, no overlap), never a measurement."""
-
-    micro_batch: int
-    gib: float
-    step_ms: tuple[float, float] = (0.0, 0.0)
 
 
 FIT_MARGIN = 0.1  # fraction of HBM a compiled TPU preset leaves free
@@ -187,16 +127,6 @@ COMPILED: dict[tuple[str, str], Compiled] = {
 # bf16-mixed with Adam, counted as accumulating: the estimate comes before the micro-batch.
 STATE_BYTES_PER_PARAM = state_bytes_per_param(accumulate=True)
 HBM_FRACTION = 0.8          # headroom for XLA's own buffers, collectives and fragmentation
-
-
-@dataclass(frozen=True)
-class LongContext:
-    """A long-context preset: a SIZE at a long `seq_len` on its TPU targets, each with its
-    context size (a sequence per `context` chips, FSDP over the rest) and what the TPU compiler
-    said of the whole preset (`gib` per chip with the accumulation, the step ESTIMATE)."""
-
-    size: Size
-    targets: dict[str, tuple[Target, int, Compiled]]  # name -> (target, context, compiled)
 
 
 _LLAMA31_8B = dict(vocab_size=128256, embed=4096, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -255,7 +185,7 @@ def memory_estimate(size: str, target: Target, micro_batch: int,
 
 def mixed_pattern(model: Mapping[str, Any]) -> bool:
     """Does the model mix local and global layers (Gemma's `layer_types`)? Then each layer's
-    window is a traced value that cuDNN's fused kernel cannot take (`models/llama.py`
+    window is a traced value that cuDNN's fused kernel cannot take (`models/decoder/config.py`
     `check_layer_pattern`): a GPU target keeps `model.attention=einsum` and its scores count
     (TPUs run splash, which picks its local or global kernel per layer)."""
     return len(set(model.get("layer_types") or ())) > 1
@@ -364,7 +294,7 @@ def build(size_name: str, target_name: str | None = None, micro: int | None = No
 def _apply_target(c: mlc.ConfigDict, size_name: str, target_name: str,
                   micro: int | None, sizes: Mapping[str, Size]) -> None:
     """What a hardware target sets: mesh, micro-batch and accumulation, precision, attention."""
-    from jaxscale.models.splash import block_size  # lazy: loading a config stays light
+    from jaxscale.models.attention.splash import block_size  # lazy: loading a config stays light
 
     s, t = sizes[size_name], TARGETS[target_name]
     b = micro_batch(size_name, target_name, sizes) if micro is None else micro

@@ -24,8 +24,11 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.errors import ConfigError, ConversionError, paragraph
-from jaxscale.models import gemma, llama, llama_flops, lm_task, qwen, vit
-from jaxscale.models.scan import check_remat
+from jaxscale.models import vit
+from jaxscale.models.decoder import flops, gemma, lm_task, qwen
+from jaxscale.models.decoder.config import LlamaConfig, check_config
+from jaxscale.models.decoder.llama import Llama
+from jaxscale.models.nn.scan import check_remat
 from jaxscale.models.task import Task
 from jaxscale.precision import Policy
 
@@ -76,44 +79,38 @@ class ModelEntry:
 
 
 def _decoder(config_cls: Any, hf: HuggingFace) -> ModelEntry:
-    """The entry of a family that is the Llama decoder with other switch defaults: the same
-    module, task, checks and FLOP counts (biases and norms add no matmul)."""
-    return ModelEntry(config_cls, llama.Llama, {"lm": lm_task.LM},
-                      flops_per_token=llama_flops.flops_per_token,
-                      attention_flops=llama_flops.attention_flops_per_token,
-                      recompute_flops=llama_flops.recompute_flops_per_token,
-                      padding_flops=llama_flops.padding_flops_per_token,
-                      hf=hf, check=llama.check_config)
+    """The entry of a decoder family (`decoder/`): the Llama decoder with its config
+    class's switch defaults, so the same module, task, checks and FLOP counts (biases and norms
+    add no matmul)."""
+    return ModelEntry(config_cls, Llama, {"lm": lm_task.LM},
+                      flops_per_token=flops.flops_per_token,
+                      attention_flops=flops.attention_flops_per_token,
+                      recompute_flops=flops.recompute_flops_per_token,
+                      padding_flops=flops.padding_flops_per_token,
+                      hf=hf, check=check_config)
 
 
 DEFAULT_MODEL = "llama"  # what a config without `model.name` builds
 
 MODELS: dict[str, ModelEntry] = {
-    "llama": ModelEntry(
-        llama.LlamaConfig, llama.Llama, {"lm": lm_task.LM},
-        flops_per_token=llama_flops.flops_per_token,
-        attention_flops=llama_flops.attention_flops_per_token,
-        recompute_flops=llama_flops.recompute_flops_per_token,
-        padding_flops=llama_flops.padding_flops_per_token,
-        hf=HuggingFace("llama", "jaxscale.interop.hf:open_llama",
-                       "jaxscale.interop.hf:save_llama"),
-        check=llama.check_config),
+    "llama": _decoder(LlamaConfig, HuggingFace(
+        "llama", "jaxscale.interop.hf:open_llama", "jaxscale.interop.hf:save_llama")),
     # The Llama decoder with `sliding_window` (Mistral's config.json): the same module and task.
-    "mistral": _decoder(llama.LlamaConfig, HuggingFace(
+    "mistral": _decoder(LlamaConfig, HuggingFace(
         "mistral", "jaxscale.interop.hf_mistral:open_mistral",
         "jaxscale.interop.hf_mistral:save_mistral")),
-    # The Llama decoder with its switches on (models/qwen.py): the Llama's facts, other defaults.
+    # The Llama decoder with its switches on (decoder/qwen.py): its facts, other defaults.
     "qwen2": _decoder(qwen.Qwen2Config, HuggingFace(
         "qwen2", "jaxscale.interop.hf_qwen:open_qwen2", "jaxscale.interop.hf_qwen:save_qwen")),
     "qwen3": _decoder(qwen.Qwen3Config, HuggingFace(
         "qwen3", "jaxscale.interop.hf_qwen:open_qwen3", "jaxscale.interop.hf_qwen:save_qwen")),
-    # The decoder with `model.moe` (models/moe.py) on every layer: Mistral's / Qwen3's attention.
-    "mixtral": _decoder(llama.LlamaConfig, HuggingFace(
+    # The decoder with `model.moe` (moe/) on every layer: Mistral's / Qwen3's attention.
+    "mixtral": _decoder(LlamaConfig, HuggingFace(
         "mixtral", "jaxscale.interop.hf_moe:open_mixtral", "jaxscale.interop.hf_moe:save_moe")),
     "qwen3_moe": _decoder(qwen.Qwen3Config, HuggingFace(
         "qwen3_moe", "jaxscale.interop.hf_moe:open_qwen3_moe",
         "jaxscale.interop.hf_moe:save_moe")),
-    # The Llama decoder with Gemma's switches and local/global pattern (models/gemma.py).
+    # The Llama decoder with Gemma's switches and local/global pattern (decoder/gemma.py).
     "gemma3": _decoder(gemma.Gemma3Config, HuggingFace(
         "gemma3_text", "jaxscale.interop.hf_gemma:open_gemma3",
         "jaxscale.interop.hf_gemma:save_gemma")),
@@ -207,12 +204,12 @@ class ModelDef:
         cfg = e.config_cls.from_config(model_cfg)
         make = lambda rng: e.module_cls(cfg, nnx.Rngs(rng), policy)
         if policy.quantized is not None:
-            # `int8` swaps the projection modules for qwix's (models/quant.py); qwix is imported
-            # only here, so runs that do not quantize never pay its import.
-            from jaxscale.models import quant
+            # `int8` swaps the projection modules for qwix's (adapters/int8.py); qwix is
+            # imported only here, so runs that do not quantize never pay its import.
+            from jaxscale.models.adapters import int8
 
             plain = make
-            make = lambda rng: quant.quantize(plain(rng), policy)
+            make = lambda rng: int8.quantize(plain(rng), policy)
         return cls(*nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0)))), make, task)
 
     def remade(self, make: Callable[[jax.Array], nnx.Module]) -> "ModelDef":

@@ -2,7 +2,7 @@
 
 A model family lists its tasks in its table entry (`jaxscale.models.MODELS`); the generic step
 and `jaxscale.evaluate` call the chosen `Task`'s functions and never branch on its name. The
-functions live beside their model (the LM's in `models/lm_task.py`, classification's in
+functions live beside their model (the LM's in `decoder/lm_task.py`, classification's in
 `models/vit.py`); this module only says their shape.
 """
 
@@ -65,7 +65,7 @@ def masked_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None
 
 def step_metrics(model: Any) -> dict[str, jax.Array]:
     """Extra metrics a task's loss recorded on `model` as `nnx.Intermediate` variables named by
-    the metric (e.g. the MoE router's `moe_aux_loss`, `models/moe.router_loss`), popped so the
+    the metric (e.g. the MoE router's `moe_aux_loss`, `moe/layer.router_loss`), popped so the
     step can report them: {} for a model that records none."""
     return {"/".join(map(str, path)): v.get_value()
             for path, v in nnx.to_flat_state(nnx.pop(model, nnx.Intermediate))}

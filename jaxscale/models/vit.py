@@ -22,10 +22,10 @@ import optax
 from einops import rearrange
 from flax import nnx
 
-from jaxscale.models.attention import attend
-from jaxscale.models.layers import param, project
+from jaxscale.models.attention.kernels import attend
+from jaxscale.models.nn.layers import param, project
+from jaxscale.models.nn.scan import check_remat, scan_layers
 from jaxscale.models.runner import LayerRunner
-from jaxscale.models.scan import check_remat, scan_layers
 from jaxscale.models.task import Task, masked_sums
 from jaxscale.precision import Policy, get_policy
 from jaxscale.rules import constrain

@@ -29,7 +29,7 @@ GradFn = Callable[[dict[str, jax.Array]], tuple[tuple[jax.Array, dict[str, jax.A
 
 
 # Logical names of batch rows: `batch`, and `expert_batch`, the rows of the MoE capacity
-# buffers while their experts compute (models/moe.py). A rule putting these on `data` keeps it
+# buffers while their experts compute (models/moe/layer.py). A rule putting these on `data` keeps it
 # a pure replica axis.
 BATCH_NAMES = ("batch", "expert_batch")
 

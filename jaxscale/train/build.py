@@ -13,9 +13,10 @@ import jax
 import ml_collections as mlc
 from jax.sharding import Mesh
 
-from jaxscale.models import ModelDef, lora, task_of
+from jaxscale.models import ModelDef, task_of
+from jaxscale.models.adapters import lora
 from jaxscale.optim import check_offload, make_optimizer
-from jaxscale.parallel.pipeline import make_layer_runner
+from jaxscale.parallel.schedules import make_layer_runner
 from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.state import TrainState, abstract_state, init_state

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models import ModelDef
-from jaxscale.models.layers import adapter_dropout
+from jaxscale.models.adapters.lora_matmul import adapter_dropout
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import step_metrics
 from jaxscale.optim import on_device

@@ -1,15 +1,9 @@
-"""Attention, the one implementation for training and decoding: masks, kernels and the KV cache.
+"""Grouped-query causal attention (the Llama family's), one implementation for training and
+decoding, and its KV cache.
 
-`attend(q, k, v, mask, impl=...)` is the single function that computes attention from queries,
-keys, values and a `Mask`; the `Attention` module (the Llama's grouped-query causal attention)
-and the ViT's bidirectional attention both call it. Kernels are an explicit table
-(`ATTENTION_IMPLS`, chosen by `model.attention`). A `Mask` is described, not materialised: query
-and key *slots* (index in the sequence or the KV cache, not the rotary positions), optional
-segment ids (packed documents attend only within their own document), whether it is causal
-and an optional sliding window (`Attention(..., window=)`, `model.sliding_window`),
-so a kernel can use its own structured masking (the fused kernel's built-in causal mask, the
-splash kernel's causal mask and segment ids; `models/splash.py`) and others build the dense
-boolean mask with `Mask.dense`.
+`Attention` projects q/k/v through one fused weight (`nn/fused.py`), applies the
+decoder's switches (q/k/v bias, q/k norm, Gemma's query scale, soft-cap, local/global rotary and
+window) and computes attention with `kernels.attend`.
 
 Decoding keeps a `KVCache` (keys, values and segment ids of every slot so far, written at a
 given index): `Attention(x, positions, cache, cache_index)` writes the new keys/values at
@@ -26,21 +20,19 @@ G heads per kv head, D head dim, E embed, L layers.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-from einops import rearrange
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.models import blockwise, context, splash
-from jaxscale.models.fused import FUSED_AXIS, QKV
-from jaxscale.models.layers import RMSNorm, param, project
-from jaxscale.models.mask import Mask
-from jaxscale.models.rope import Rope, rotary
+from jaxscale.models.attention.kernels import attend, check_impl
+from jaxscale.models.attention.mask import Mask
+from jaxscale.models.nn.fused import FUSED_AXIS, QKV
+from jaxscale.models.nn.layers import RMSNorm, param, project
+from jaxscale.models.nn.rope import Rope, rotary
 from jaxscale.precision import Policy
 from jaxscale.rules import constrain
 
@@ -91,85 +83,11 @@ class KVCache:
         return getattr(self, name)
 
 
-def einsum_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                     mask: Mask | None, softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
-    """Grouped-query attention written out: the reference every other kernel must match.
-    `softcap` > 0 (Gemma 2): the scaled scores become softcap * tanh(scores / softcap)."""
-    kv = k_BSKD.shape[2]
-    q_BTKGD = rearrange(q_BTHD, "b t (k g) d -> b t k g d", k=kv)
-    scores_BKGTS = blockwise.scores(q_BTKGD, k_BSKD, softmax_dtype, softcap)
-    visible_BTS = None if mask is None else mask.dense()
-    if visible_BTS is not None:
-        scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS,
-                                 jnp.finfo(scores_BKGTS.dtype).min)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKD.dtype)
-    out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKD)
-    return rearrange(out_BTKGD, "b t k g d -> b t (k g) d")
-
-
-def fused_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                    mask: Mask | None, softmax_dtype: Any) -> jax.Array:
-    """`jax.nn.dot_product_attention` (cuDNN flash attention on GPUs where it applies)."""
-    if mask is not None and mask.aligned and mask.q_segments_BT is None:
-        window = (mask.window - 1, 0) if mask.window else None  # (left, right) keys, inclusive
-        return jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, is_causal=mask.causal,
-                                            local_window_size=window)
-    visible_BTS = None if mask is None else mask.dense()
-    return jax.nn.dot_product_attention(
-        q_BTHD, k_BSKD, v_BSKD, mask=None if visible_BTS is None else visible_BTS[:, None])
-
-
-def splash_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                     mask: Mask | None, softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
-    """The Pallas TPU splash kernel (`models/splash.py`): scores never reach HBM. Decoding
-    against a cache, and lengths off its 128 grid, run `einsum_attention` instead. `softcap`:
-    the kernel's own logit soft-capping (Gemma 2)."""
-    return splash.attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype,
-                            fallback=einsum_attention, softcap=softcap)
-
-
-# Attention kernels by `model.attention`: (q, k, v, mask, softmax dtype) -> out (B, T, H, D).
-ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
-    "einsum": einsum_attention,
-    "dot_product_attention": fused_attention,
-    "splash": splash_attention,
-}
-# The kernels that soft-cap the scores (a `softcap` argument > 0, Gemma 2's `attn_softcap`);
-# `model.attention=dot_product_attention` with a soft-cap is refused by the config check.
-SOFTCAP_IMPLS: dict[str, Callable[..., jax.Array]] = {
-    "einsum": einsum_attention,
-    "splash": splash_attention,
-}
-
-
-def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mask | None, *,
-           impl: str = "einsum", softmax_dtype: Any = jnp.float32,
-           context_impl: str = "allgather", softcap: float = 0.0) -> jax.Array:
-    """softmax(q.k / sqrt(D), masked) . v with the kernel `impl`; K kv heads serve H/K heads.
-    A whole sequence that the active rules split over sequence shards runs by `context_impl`
-    (`models/context.py`), soft-capped too. Soft-capped scores (`softcap` > 0, Gemma 2)
-    otherwise run a kernel of `SOFTCAP_IMPLS` (the config check refuses the others)."""
-    shards = (context.sequence_shards(q_BTHD.shape[1], impl)
-              if mask is not None and mask.aligned else None)
-    if shards is not None:
-        return context.attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype,
-                                 variant=context_impl, shards=shards, softcap=softcap)
-    if softcap:
-        return SOFTCAP_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
-    return ATTENTION_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype)
-
-
-def check_impl(impl: str) -> None:
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"Unknown model.attention={impl!r}; use one of "
-                         f"{list(ATTENTION_IMPLS)}.")
-
-
 class Attention(nnx.Module):
     """Grouped-query causal attention; shards over `batch`, `heads` and `kv`."""
 
     # Read through `project`: may carry LoRA adapters. q/k/v are the parts of one fused weight
-    # `wqkv` (E, K, G + 2, D), grouped by kv head (`models/fused.py` says why): one matmul, so
+    # `wqkv` (E, K, G + 2, D), grouped by kv head (`nn/fused.py` says why): one matmul, so
     # one input all-reduce under tensor parallelism.
     LORA_WEIGHTS = ("wq", "wk", "wv", "wo")
     FUSED = {"wqkv": QKV}
@@ -192,7 +110,7 @@ class Attention(nnx.Module):
         self.rope = rope if isinstance(rope, Rope) else Rope(theta=float(rope))
         self.policy, self.impl = policy, impl
         self.window = window or 0  # sliding window (`model.sliding_window`); 0: full causal
-        self.context_impl = context_impl  # across sequence shards (`models/context.py`)
+        self.context_impl = context_impl  # across sequence shards (`sequence/context.py`)
         # Gemma: scores scaled by 1/sqrt(query_pre_attn_scalar) instead of 1/sqrt(head_dim),
         # applied to q so every kernel keeps its own 1/sqrt(head_dim); 0: head_dim.
         scalar = query_pre_attn_scalar or head_dim
@@ -208,7 +126,7 @@ class Attention(nnx.Module):
                       qk_norm: bool, norm_eps: float, stack: int | None,
                       norm_offset: bool = False) -> None:
         """The decoder's switches (Qwen2/2.5, Qwen3): a q/k/v bias `bqkv` (K, G + 2, D) fused
-        like `wqkv` (`models/fused.py`) and with its output axes, so the `kv` rule shards it
+        like `wqkv` (`nn/fused.py`) and with its output axes, so the `kv` rule shards it
         with the kernel; per-head RMSNorms of q and k before rotary (`q_norm`, `k_norm`, scale
         on `head_dim`). Off, the module holds exactly the Llama's parameters."""
         self.qkv_bias, self.qk_norm = qkv_bias, qk_norm
@@ -251,7 +169,7 @@ class Attention(nnx.Module):
         the local rotary apply only where it is set."""
         c = self.policy.compute
         # Activation names (`checkpoint_name`) are what the named remat policies keep
-        # (`models/scan.py`): a name on anything else would change nothing else.
+        # (`nn/scan.py`): a name on anything else would change nothing else.
         qkv_BTKCD = constrain(project(self, "wqkv", "bte,ekcd->btkcd", x_BTE, c),
                               "batch", "length", "kv", FUSED_AXIS, "head_dim")
         qkv_BTKCD = checkpoint_name(self._biased(qkv_BTKCD), "qkv_proj")

@@ -110,7 +110,7 @@ def _leaf(path: str) -> tuple[str, str]:
 def is_legacy(flat: Mapping[str, Any]) -> bool:
     """True for Llama parameters saved before the fusion (separate `wq`/`wk`/`wv`/`w_gate`/
     `w_up`); `mlp/w_gate` is Llama-only, so a ViT's own `attn/wq` never counts, and an MoE
-    block's stacked experts (`mlp/w_gate` beside `mlp/router`, `models/moe.py`) are not parts."""
+    block's stacked experts (`mlp/w_gate` beside `mlp/router`, `moe/layer.py`) are not parts."""
     return any(p.endswith("mlp/w_gate") for p in flat) and not any(
         p.endswith(("mlp/w_gate_up", "mlp/router")) for p in flat)
 

@@ -1,7 +1,7 @@
 """The dropless MoE's ragged all-to-all dispatch (`model.moe.dispatch=ragged_all_to_all`): each
 token-expert assignment travels only to the device holding its expert, and its output back.
 
-`models/moe_dropless.expert_parallel`'s all-gather moves every token of the expert group to
+`moe/dropless.expert_parallel`'s all-gather moves every token of the expert group to
 every device of it (expert-axis x N tokens a device, of which only the assignments routed to
 its experts are used); this sends each device's N x k assignments, sorted by expert, with
 `jax.lax.ragged_all_to_all` (sizes known only at run time), runs the local experts' grouped
@@ -12,7 +12,7 @@ matmuls on what arrived, and sends the outputs back the same way (its transpose)
    offset (`plan`);
 2. sends device j the rows of j's experts (consecutive: experts are numbered device by device)
    into a receive buffer, ordered by source device, then expert;
-3. sorts the buffer by local expert (when a device holds several), runs `moe_gmm.expert_mlp`
+3. sorts the buffer by local expert (when a device holds several), runs `gmm.expert_mlp`
    (rows past the received ones are zero and, under megablox, cost nothing), unsorts;
 4. sends each source its rows back to where they left, and combines them per token.
 
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.moe_gmm import Weights, expert_mlp, resolve_kernel
+from jaxscale.models.moe.gmm import Weights, expert_mlp, resolve_kernel
 
 
 class Plan(NamedTuple):

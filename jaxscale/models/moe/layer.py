@@ -9,10 +9,10 @@ they live. `shared_experts` adds an always-on dense SwiGLU of `shared_experts` x
 
 Two compute paths, chosen by `capacity_factor`:
 - 0 (dropless): the token-expert assignments are sorted by expert and the three matmuls run as
-  grouped matmuls (`models/moe_gmm.py`: `jax.lax.ragged_dot`, or Pallas megablox on TPU, as
+  grouped matmuls (`gmm.py`: `jax.lax.ragged_dot`, or Pallas megablox on TPU, as
   `grouped_matmul` picks): no token is dropped. With the experts split over devices
-  (`mesh.expert` > 1) it runs expert-parallel in a shard_map (`models/moe_dropless.py`): each
-  assignment sent to its expert's device by a ragged all-to-all (`models/moe_dispatch.py`,
+  (`mesh.expert` > 1) it runs expert-parallel in a shard_map (`dropless.py`): each
+  assignment sent to its expert's device by a ragged all-to-all (`dispatch.py`,
   TPU and GPU) or the expert group's tokens all-gathered (CPU), as `dispatch` picks.
 - > 0: every expert gets, per sequence (row of the batch, so drops do not depend on the mesh),
   a fixed buffer of ceil(capacity_factor x the row's assignments / experts) slots, filled in
@@ -41,8 +41,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.layers import MLP, param
-from jaxscale.models.moe_dropless import dropless_experts, expert_parallel, swiglu
+from jaxscale.models.moe.dropless import dropless_experts, expert_parallel, swiglu
+from jaxscale.models.nn.layers import MLP, param
 from jaxscale.precision import Policy
 from jaxscale.rules import constrain
 
@@ -78,7 +78,7 @@ class MoEConfig:
     # MoE on every n-th layer, the dense MLP on the others: layer i has the experts when
     # (i + 1) % every == 0 (HF Qwen-MoE's decoder_sparse_step); num_layers must divide by it.
     every: int = 1
-    # Dropless only (`models/moe_dropless.py`): the grouped matmul's kernel and, with an expert
+    # Dropless only (`dropless.py`): the grouped matmul's kernel and, with an expert
     # axis, how tokens reach their experts; "auto" picks by platform and shapes.
     grouped_matmul: str = "auto"  # auto | ragged_dot | megablox | dense
     dispatch: str = "auto"        # auto | allgather | ragged_all_to_all
@@ -198,7 +198,7 @@ class MoE(nnx.Module):
     def _dropless(self, x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.Array,
                   w: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
         """Expert-parallel when the rules split the experts over devices, else on the tokens
-        as GSPMD shards them (`models/moe_dropless.py`)."""
+        as GSPMD shards them (`dropless.py`)."""
         dtype = self.policy.compute
         grouped = self.moe.grouped_matmul
         out_BTE = expert_parallel(x_BTE, weights_BTK, experts_BTK, w, dtype, grouped,

@@ -2,13 +2,13 @@
 expert parallelism over the mesh axes that the rules give the `expert` dimension.
 
 `dropless_experts` sorts the token-expert assignments by expert and runs the three SwiGLU
-matmuls as grouped matmuls (`models/moe_gmm.py`: megablox or `jax.lax.ragged_dot` on TPU, no
+matmuls as grouped matmuls (`gmm.py`: megablox or `jax.lax.ragged_dot` on TPU, no
 token dropped, no FLOP on padding; elsewhere their dense form).
 
 `expert_parallel` runs it with the experts split over devices (`mesh.expert` > 1 under the
 presets), inside a `jax.shard_map` whose specs come from the active rules (as in
-`models/splash.py` and `models/context.py`): tokens as the rules shard `batch` and `length`,
-expert weights as they shard (`expert`, `embed`, `mlp`), with `embed` gathered (FSDP's
+`attention/splash.py` and `attention/sequence/context.py`): tokens as the rules shard `batch`
+and `length`, expert weights as they shard (`expert`, `embed`, `mlp`), with `embed` gathered (FSDP's
 per-layer gather) and `mlp` kept split (tensor parallelism: a partial down projection, summed).
 Each device:
 1. all-gathers the tokens (and their router choices) of its expert group, the devices that
@@ -22,7 +22,7 @@ Two dispatches (`model.moe.dispatch`). The all-gather above moves expert-axis x 
 on every backend, is exact (the same grouped matmuls, only the summation order of a token's k
 contributions differs), and costs (expert-axis / k) x the traffic of an exact all-to-all of
 the assignments. That all-to-all's sizes depend on the routing: `jax.lax.ragged_all_to_all`
-carries them on TPU and GPU (`models/moe_dispatch.py`, the default there) but has no CPU
+carries them on TPU and GPU (`dispatch.py`, the default there) but has no CPU
 lowering, and a fixed-size `all_to_all` would reserve the worst case.
 Shape suffixes: N tokens, K choices per token, X experts (x local), M assignments, E embed,
 F expert hidden width.
@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.models.moe_dispatch import ragged_dispatch, resolve_dispatch
-from jaxscale.models.moe_gmm import Weights, expert_mlp, resolve_kernel, swiglu
+from jaxscale.models.moe.dispatch import ragged_dispatch, resolve_dispatch
+from jaxscale.models.moe.gmm import Weights, expert_mlp, resolve_kernel, swiglu
 from jaxscale.rules import AxisRules, active_rules, as_tuple
 
 __all__ = ["dropless_experts", "expert_parallel", "swiglu"]
@@ -69,7 +69,7 @@ def expert_parallel(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.A
     """The dropless output (B, T, E) with the experts split over devices as the active rules
     say, or None when they are not split (no rules active, or the expert dimension's mesh axes
     all of size 1): then `dropless_experts` runs under GSPMD as is. `grouped`, `dispatch`:
-    `model.moe.grouped_matmul` and `model.moe.dispatch` (`models/moe_dispatch.py`)."""
+    `model.moe.grouped_matmul` and `model.moe.dispatch` (`dispatch.py`)."""
     active = active_rules()
     if active is None:
         return None

@@ -1,47 +1,25 @@
-"""Llama building blocks in Flax NNX: every parameter and key activation has logical axis names.
+"""LoRA adapters at work inside a layer: how a projection reads a weight that took adapters.
 
-Parameters are created by `param`, which records `logical_axes` as NNX variable metadata; the
-rules module resolves them to PartitionSpecs. Layers can be created *stacked* (`stack=L`): every
-parameter gets a leading `layers` dimension so the decoder can `scan` over depth (compile time
-independent of depth) and the pipeline can split that axis into stages.
-Shape suffixes: B batch, T length, E embed, H heads, K kv heads, G heads per kv head,
-D head dim, F mlp hidden, V vocab, S source length. Attention (and its KV cache): attention.py;
-rotary embeddings: rope.py.
+`lora.py` attaches A and B beside a weight W (`wq` -> `wq_lora_a`, `wq_lora_b`,
+with `wq_lora_scale` and `wq_lora_dropout`) and sets this module's `project` as the module's
+`ADAPTED_PROJECTION` (`nn/layers.py`), so the layer's own `layers.project` hands its
+matmul here without the layers knowing of adapters. Normally the adapters are folded into the
+weight (`weight`: W + scale * A.B, one matmul, sharded like W); while the train step enables
+`adapter_dropout`, they act on a dropped-out copy of the input instead (the LoRA paper's
+x.W + scale * (drop(x).A).B, a mask per example). A fused weight (`nn/fused.py`: `wqkv`,
+`w_gate_up`) takes adapters per part, each part's term joined into its slot.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
-
-from jaxscale.models.fused import FUSED_AXIS, GATE_UP
-from jaxscale.precision import Policy
-from jaxscale.rules import constrain
-
-
-def param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None], *,
-          init: str = "normal", fan_in: int = 1, stack: int | None = None,
-          dtype=jnp.float32) -> nnx.Param:
-    """A parameter with logical axes; `stack` prepends a `layers` dimension."""
-    shape, axes = tuple(shape), tuple(axes)
-    if stack is not None:
-        shape, axes = (stack,) + shape, ("layers",) + axes
-    if init == "ones":
-        value = jnp.ones(shape, dtype)
-    elif init == "zeros":
-        value = jnp.zeros(shape, dtype)
-    else:  # fan-in scaled normal, computed on the unstacked shape
-        value = (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in))
-        value = value.astype(dtype)
-    return nnx.Param(value, logical_axes=axes)
 
 
 def lora_delta(a: jax.Array, b: jax.Array, scale: float, ndim: int) -> jax.Array:
@@ -54,7 +32,7 @@ def lora_delta(a: jax.Array, b: jax.Array, scale: float, ndim: int) -> jax.Array
 
 
 def _adapter_delta(module: nnx.Module, name: str, ndim: int) -> jax.Array | None:
-    """scale * A.B of the adapters `models/lora.py` attached for weight `name`, if any."""
+    """scale * A.B of the adapters `lora.add_adapters` attached for weight `name`, if any."""
     a = getattr(module, f"{name}_lora_a", None)
     if a is None:
         return None
@@ -63,9 +41,9 @@ def _adapter_delta(module: nnx.Module, name: str, ndim: int) -> jax.Array | None
 
 
 def weight(module: nnx.Module, name: str) -> jax.Array:
-    """`module.<name>`, plus its low-rank delta when `models/lora.py` attached adapters to it.
+    """`module.<name>`, plus its low-rank delta when `lora.add_adapters` attached adapters to it.
 
-    A fused weight (`module.FUSED[name]`, see `models/fused.py`) takes adapters per part
+    A fused weight (`module.FUSED[name]`, see `nn/fused.py`) takes adapters per part
     (`wq_lora_a`, ...): their deltas are joined into its layout, zeros for parts without."""
     w = getattr(module, name)[...]
     fused = getattr(type(module), "FUSED", {}).get(name)
@@ -95,7 +73,8 @@ def adapter_dropout(key: jax.Array) -> Iterator[None]:
 
 
 def project(module: nnx.Module, name: str, eq: str, x: jax.Array, dtype) -> jax.Array:
-    """`einsum(eq, x, module.<name>)` in `dtype`, LoRA adapters included.
+    """`einsum(eq, x, module.<name>)` in `dtype`, LoRA adapters included: a module's
+    `ADAPTED_PROJECTION` once it has adapters (`layers.project` calls it).
 
     Normally the adapters are folded into the weight (`weight`: one matmul, sharded like W).
     While training with lora.dropout > 0 they act on a dropped-out copy of the input instead,
@@ -146,64 +125,3 @@ def _dropout_term(module: nnx.Module, name: str, xs: str, ins: str, x: jax.Array
     h = jnp.einsum(f"{xs},{ins}{z}->{batch}{z}", dropped, a.astype(dtype))
     delta = jnp.einsum(f"{batch}{z},{z}{outs}->{batch}{outs}", h, b.astype(dtype))
     return getattr(module, f"{name}_lora_scale") * delta
-
-
-class RMSNorm(nnx.Module):
-    """RMSNorm over the last dimension of any-rank input; `axis` names the scale's logical axis
-    (`norm` for the residual stream, `head_dim` for the per-head q/k norms of Qwen3).
-
-    `offset` (Gemma): the input is multiplied by 1 + scale, the scale starting at zero, as
-    Gemma's checkpoints store it; off, by the scale itself (starting at one)."""
-
-    def __init__(self, dim: int, eps: float, policy: Policy, *, stack: int | None = None,
-                 axis: str = "norm", offset: bool = False):
-        self.scale = param(None, (dim,), (axis,), init="zeros" if offset else "ones",
-                           stack=stack, dtype=policy.param)
-        self.eps, self.policy, self.offset = eps, policy, offset
-
-    def __call__(self, x_BTE: jax.Array) -> jax.Array:
-        dtype = self.policy.dtype_for("norm")
-        x = x_BTE.astype(dtype)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        scale_11E = self.scale[...].astype(dtype).reshape((1,) * (x.ndim - 1) + (-1,))
-        if self.offset:
-            scale_11E = 1.0 + scale_11E
-        return (x * scale_11E).astype(self.policy.compute)
-
-
-# The gated MLP's activation by `model.mlp_activation`: SwiGLU (silu) or GeGLU (Gemma's
-# tanh-approximated GELU, HF `gelu_pytorch_tanh`).
-ACTIVATIONS = {
-    "silu": jax.nn.silu,
-    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-}
-
-
-class MLP(nnx.Module):
-    """SwiGLU (or GeGLU, `activation`): column-parallel gate/up over `mlp`, row-parallel down
-    back to `embed`.
-
-    Gate and up are one fused weight (E, 2, F) (`models/fused.py`: one matmul, so one input
-    all-reduce under tensor parallelism); LoRA still targets them as `w_gate` / `w_up`."""
-
-    LORA_WEIGHTS = ("w_gate", "w_up", "w_down")
-    FUSED = {"w_gate_up": GATE_UP}
-
-    def __init__(self, embed: int, hidden: int, policy: Policy, rngs: nnx.Rngs, *,
-                 stack: int | None = None, activation: str = "silu"):
-        kw = dict(stack=stack, dtype=policy.param)
-        # Two fan-in scaled normals: the same initial distribution as separate gate/up.
-        self.w_gate_up = param(rngs, (embed, 2, hidden), ("embed", FUSED_AXIS, "mlp"),
-                               fan_in=embed, **kw)
-        self.w_down = param(rngs, (hidden, embed), ("mlp", "embed"), fan_in=hidden, **kw)
-        self.policy, self.activation = policy, activation
-
-    def __call__(self, x_BTE: jax.Array) -> jax.Array:
-        c = self.policy.compute
-        # Named for the remat policies (`models/scan.py` ACTIVATION_NAMES).
-        gate_up_BT2F = checkpoint_name(project(self, "w_gate_up", "bte,ecf->btcf", x_BTE, c),
-                                       "mlp_gate_up")
-        gate_BTF, up_BTF = GATE_UP.split(gate_up_BT2F)
-        h_BTF = constrain(ACTIVATIONS[self.activation](gate_BTF) * up_BTF, "batch", "length", "mlp")
-        out_BTE = project(self, "w_down", "btf,fe->bte", h_BTF, c)
-        return constrain(out_BTE, "batch", "length", "embed")

@@ -1,7 +1,7 @@
 """The language-model task of the decoder families (`LM`): the next-token loss `lm_loss` (the
 LM head and loss together, chunk by chunk under `model.loss_chunks` (automatic by default), and
-fused into a pipeline's last stage), the packed batch's preparation and target counts, and the held-out sums. Every
-entry of the model table built on `models/llama.py`'s decoder uses it.
+fused into a pipeline's last stage), the packed batch's preparation and target counts, and the
+held-out sums. Every entry of the model table built on the decoder (`llama.py`) uses it.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import optax
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models import context
-from jaxscale.models.llama import Llama, head_scope
-from jaxscale.models.moe import router_loss, router_objective
+from jaxscale.models.attention.sequence import context
+from jaxscale.models.decoder.llama import Llama, head_scope
+from jaxscale.models.moe.layer import router_loss, router_objective
+from jaxscale.models.nn.shard_sums import shard_copies
 from jaxscale.models.runner import LayerRunner
-from jaxscale.models.shard_sums import shard_copies
 from jaxscale.models.task import Task, masked_sums
 from jaxscale.rules import constrain, shard_counts
 

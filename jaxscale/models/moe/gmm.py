@@ -1,4 +1,4 @@
-"""Grouped matmuls for the dropless MoE (`models/moe_dropless.py`): rows sorted by expert, each
+"""Grouped matmuls for the dropless MoE (`dropless.py`): rows sorted by expert, each
 group of rows times its expert's weights, rows past the last group zero.
 
 Three kernels (`model.moe.grouped_matmul`, resolved by `resolve_kernel`):
@@ -187,7 +187,7 @@ def grouped_matmul(x_ME: jax.Array, w_XEF: jax.Array, sizes_X: jax.Array, kernel
 def expert_mlp(x_ME: jax.Array, sizes_X: jax.Array, w: Weights, kernel: str) -> jax.Array:
     """The experts' SwiGLU on rows sorted by expert (`sizes_X` rows each, rows past the last
     group zero): three grouped matmuls. The gate and up outputs are named as the dense MLP's
-    (`models/scan.py` ACTIVATION_NAMES): the same remat policies keep them."""
+    (`nn/scan.py` ACTIVATION_NAMES): the same remat policies keep them."""
     w_gate_XEF, w_up_XEF, w_down_XFE = w
     matmul = lambda a, b: grouped_matmul(a, b, sizes_X, kernel)
     h_MF = swiglu(*(checkpoint_name(matmul(x_ME, w_XEF), "mlp_gate_up")

@@ -1,4 +1,7 @@
-"""8-bit block-wise absmax quantization (Dettmers et al., "8-bit optimizers"), on flat arrays.
+"""The Lo-Fi push codec: 8-bit block-wise absmax quantization (Dettmers et al., "8-bit
+optimizers") of flat arrays, what compressed pushes (`lofi.compress`) store.
+
+Not int8 training (`models/adapters/int8.py`, qwix): this only encodes values to store them.
 
 Each block of `block_size` consecutive values shares one float32 scale = max |x| / 127, so the
 error per value is at most scale / 2. Works on numpy and jax arrays alike. The snapshot format's

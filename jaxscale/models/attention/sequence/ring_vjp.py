@@ -1,5 +1,5 @@
 """Ring attention with a custom VJP: the backward pass is a ring too (`model.context_attention=
-ring_vjp`, `models/context.py`).
+ring_vjp`, `context.py`).
 
 Why: autodiff through the ring (`context.ring_attention`) keeps every step's K/V block as a
 residual, so the backward pass holds the whole sequence's K/V per shard, as the all-gather
@@ -9,8 +9,8 @@ gradient contributions to the block's dK/dV, which travel with the block and arr
 n hops, while dQ stays local (the flash-attention backward: P = exp(S - lse),
 dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = dS K, dK = dS^T Q, with the soft-cap's
 1 - tanh^2 on dS). Blocks are attended in tiles with hidden tiles skipped, as the forward pass
-does (`models/blockwise.py`).
-Shape suffixes as in `models/blockwise.py`.
+does (`attention/blockwise.py`).
+Shape suffixes as in `attention/blockwise.py`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from einops import rearrange
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models import blockwise
+from jaxscale.models.attention import blockwise
 
 
 def _scores(q_BTKGD: jax.Array, k_BSKD: jax.Array, softcap: float

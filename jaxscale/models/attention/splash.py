@@ -12,7 +12,7 @@ What runs where:
   in `einsum`, attends to itself, so no row is fully masked), length a multiple of 128 (the
   kernel's lane width; blocks of 512, 256 or 128, whichever divides it): the kernel.
 - Decoding against a KV cache (`Mask.cached`, not aligned), or a length not a multiple of 128:
-  the `fallback` kernel (`attention.py` passes `einsum_attention`). Decoding is memory-bound
+  the `fallback` kernel (`kernels.py` passes `einsum_attention`). Decoding is memory-bound
   and its score matrix is (T_new, S), small; a training length off the 128 grid warns once,
   since it is the case the kernel is for.
 - A sliding window (`Mask.window`, Mistral): the kernel's `LocalMask` (`kernel_mask`), which
@@ -52,7 +52,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import paragraph
-from jaxscale.models.mask import Mask
+from jaxscale.models.attention.mask import Mask
 from jaxscale.rules import AxisRules, active_rules
 
 Kernel = Callable[..., jax.Array]  # (q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap) -> out
@@ -69,7 +69,7 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-warn_once = _warn_once  # for the splash blocks across sequence shards (`models/context_splash.py`)
+warn_once = _warn_once  # for the splash blocks across sequence shards (sequence/context_splash.py)
 
 
 def block_size(length: int) -> int | None:

@@ -12,7 +12,8 @@ scanned block. So the family is a model table line (`models/__init__.py`) whose 
 changes the switches' defaults; the module, task, FLOP counts (norms and the scale are no
 matmuls) and sharding rules are the Llama's. Gemma 2 (`Gemma2ForCausalLM`) is the same without
 the q/k norms, with one rotary base, and with tanh soft-capping of the attention scores and the
-final logits (`attn_softcap`, `final_softcap`, read from its config.json; einsum or splash attention).
+final logits (`attn_softcap`, `final_softcap`, read from its config.json; einsum or splash
+attention).
 Hugging Face import/export: `interop/hf_gemma.py`.
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.decoder.config import LlamaConfig
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,8 @@ import jax
 from flax import nnx
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.attention import KVCache
 
-# The activations the Llama block names (`checkpoint_name`), per token and layer:
+# The activations the decoder block names (`checkpoint_name`), per token and layer:
 ACTIVATION_NAMES = (
     "qkv_proj",     # the fused q/k/v projection's output (before rotary): (H + 2K) x D
     "attn_out",     # attention's output before the out projection (MaxText's "context"): H x D
@@ -115,18 +114,20 @@ def _per_layer(block: nnx.Module, given: Mapping[str, jax.Array] | None) -> dict
 
 
 def scan_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
-                remat: str = "none", cache: KVCache | None = None,
+                remat: str = "none", cache: Any = None,
                 cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None,
                 per_layer: Mapping[str, jax.Array] | None = None
-                ) -> jax.Array | tuple[jax.Array, KVCache]:
+                ) -> jax.Array | tuple[jax.Array, Any]:
     """Applies a stacked `block` layer by layer with `lax.scan` (optionally rematerialised).
     `per_layer`: the stack's slice of the model's per-layer data (`layer_data`), for a stack
     that holds a slice of the layers; by default the block's own.
 
-    With a stacked `cache` (L, B, S, K, D) each layer reads and writes its own slice, and the
+    With a `cache` (any pytree whose leaves are stacked over the layers, (L, ...): the
+    attention's own layout, opaque here) each layer reads and writes its own slice, and the
     result is (h, updated cache); a block whose scan step runs n layers (`layers_per_step`:
-    the Llama's `LayerGroup` of dense and MoE layers) reads its step's (n, B, S, K, D). Without one, what the layers sow as `nnx.Intermediate` (the
-    MoE router's statistics) is left on `block`, stacked over the layers, as `nnx.scan` does.
+    the decoder's `LayerGroup` of dense and MoE layers) reads its step's (n, ...) slices.
+    Without one, what the layers sow as `nnx.Intermediate` (the MoE router's statistics) is
+    left on `block`, stacked over the layers, as `nnx.scan` does.
     """
     nnx.pop(block, nnx.Intermediate)  # a previous call's sown values are not layer inputs
     per_layer = _per_layer(block, per_layer)
@@ -141,7 +142,7 @@ def scan_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
         steps = jax.tree.map(lambda a: a.reshape(-1, n, *a.shape[1:]), cache) if n > 1 else cache
         h_BTE, steps = jax.lax.scan(apply_cached, h_BTE, (state, steps, per_layer))
         cache = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), steps) if n > 1 else steps
-        return h_BTE, cache.constrained()
+        return h_BTE, cache
 
     packed = {} if segments_BT is None else {"segments_BT": segments_BT}  # ViT blocks: never
 

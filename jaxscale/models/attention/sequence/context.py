@@ -12,15 +12,15 @@ queries and sees the keys in one of two ways (`CONTEXT_ATTENTION`):
   memory holds the whole sequence's K/V per shard.
 - `ring`: K/V blocks rotate around the sequence axes with `ppermute`; each of the `n` steps
   attends the local queries to the block in hand, merged with the online-softmax rule (running
-  max, sum and unnormalised output, `models/blockwise.py`), while the next block travels. A
-  shard holds two K/V blocks at a time. Each step attends in tiles (`models/blockwise.py`: at least
-  halves of the local queries and of the block in hand) and skips (`lax.cond`) every tile the
-  mask hides entirely (causal, window or segments): exact, since a hidden tile adds nothing
-  to the online softmax. The backward pass is jax's autodiff through the ring loop (a scan
+  max, sum and unnormalised output, `attention/blockwise.py`), while the next block travels.
+  A shard holds two K/V blocks at a time. Each step attends in tiles (`attention/blockwise.py`:
+  at least halves of the local queries and of the block in hand) and skips (`lax.cond`) every
+  tile the mask hides entirely (causal, window or segments): exact, since a hidden tile adds
+  nothing to the online softmax. The backward pass is jax's autodiff through the ring loop (a scan
   whose transposed `ppermute` rotates the other way), which keeps every step's block as a
   residual (not its scores: each step is rematerialised): K/V memory in the backward is the
   all-gather's.
-- `ring_vjp`: the ring with a custom VJP (`models/ring_vjp.py`): the forward pass keeps only
+- `ring_vjp`: the ring with a custom VJP (`ring_vjp.py`): the forward pass keeps only
   the shard's own q, k, v, output and log-sum-exp, and the backward pass rotates the blocks
   again, their dK/dV travelling with them; one sliding window for every layer only.
 
@@ -34,7 +34,7 @@ order (the loss is a sum over tokens, so it is unchanged) and declares it with
 model called without it: evaluation, generation) runs in the natural order.
 
 With `model.attention=splash` every variant attends a block by the Pallas splash kernel
-instead of einsum tiles (`models/context_splash.py`): the declared order cut into chunks of
+instead of einsum tiles (`context_splash.py`): the declared order cut into chunks of
 consecutive slots, each (query chunk, key chunk) pair one kernel call whose static mask (full,
 causal, or a window's `LocalMask` at the pair's offset) follows from the chunks' distance, hidden
 pairs skipped, merged by log-sum-exp; its custom VJP (splash's backward kernels) makes `ring`
@@ -44,7 +44,7 @@ All soft-cap the scores when asked (Gemma 2's `attn_softcap`), take the causal m
 global slots (which travel with their keys, so any order of the
 sequence over the shards masks correctly), keep packed documents apart by segment ids (which
 travel likewise), and run grouped-query attention natively (K kv heads serve H/K query heads).
-The specs of the `shard_map` come from the active rules, as in `models/splash.py`: batch over
+The specs of the `shard_map` come from the active rules, as in `attention/splash.py`: batch over
 its axes, length over the sequence axes, query and kv heads over theirs.
 Shape suffixes: B batch, T local queries, S keys in hand, K kv heads, G heads per kv head,
 D head dim, n sequence shards.
@@ -66,13 +66,14 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models import blockwise, context_splash, splash
-from jaxscale.models.mask import Mask
-from jaxscale.models.ring_vjp import ring_vjp_attention
+from jaxscale.models.attention import blockwise, splash
+from jaxscale.models.attention.mask import Mask
+from jaxscale.models.attention.sequence import context_splash
+from jaxscale.models.attention.sequence.ring_vjp import ring_vjp_attention
 from jaxscale.rules import AxisRules, active_rules, as_tuple, logical_to_mesh_axes
 
 # `model.attention` kernels that run across sequence shards: einsum blocks, or splash kernels
-# per block (`models/context_splash.py`).
+# per block (`context_splash.py`).
 SHARDED_IMPLS = ("einsum", "splash")
 Q_AXES = ("batch", "length", "heads", "head_dim")
 KV_AXES = ("batch", "length", "kv", "head_dim")
@@ -116,7 +117,7 @@ def sequence_shards(length: int, impl: str) -> Shards | None:
             f"model.attention={impl!r} does not run across sequence shards yet, and the rules",
             f"split the sequence over the mesh axes {sizes} (context parallelism). Use",
             "model.attention=einsum or splash (attention then runs by",
-            "model.context_attention=allgather or ring, models/context.py), or set",
+            "model.context_attention=allgather or ring, context.py), or set",
             "mesh.context=1.",
         ))
     if length % shards.count:
@@ -264,7 +265,7 @@ def ring_attention(*args: Any, **kwargs: Any) -> jax.Array:
 CONTEXT_ATTENTION: dict[str, Callable[..., jax.Array]] = {
     "allgather": allgather_attention,
     "ring": ring_attention,
-    "ring_vjp": ring_vjp_attention,  # the backward pass a ring too (models/ring_vjp.py)
+    "ring_vjp": ring_vjp_attention,  # the backward pass a ring too (ring_vjp.py)
 }
 
 
@@ -346,13 +347,13 @@ def check_config(mesh_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any],
     if variant not in CONTEXT_ATTENTION:
         raise ConfigError(paragraph(
             f"model.context_attention={variant!r} is not an attention across sequence shards;",
-            f"use one of {', '.join(CONTEXT_ATTENTION)} (models/context.py).",
+            f"use one of {', '.join(CONTEXT_ATTENTION)} (context.py).",
         ))
     order = model_cfg.get("context_order", "auto")
     if order not in CONTEXT_ORDERS:
         raise ConfigError(paragraph(
             f"model.context_order={order!r} is not an order of the sequence over its shards;",
-            f"use one of {', '.join(CONTEXT_ORDERS)} (models/context.py).",
+            f"use one of {', '.join(CONTEXT_ORDERS)} (context.py).",
         ))
     size = mesh_cfg.get("context", 1) * mesh_cfg.get("dcn_context", 1)
     if size <= 1:  # 1, or -1 (filled from the device count: checked when attention runs)

@@ -1,8 +1,8 @@
 """Splash blocks: attention across sequence shards with the Pallas splash kernel per block
-(`model.attention=splash` with `mesh.context` > 1; `models/context.py` routes here).
+(`model.attention=splash` with `mesh.context` > 1; `context.py` routes here).
 
-Why: the einsum blocks (`models/blockwise.py`) write every tile's float32 scores to HBM; the
-splash kernel (`models/splash.py`) keeps them in VMEM and skips the (128..512)^2 tiles its mask
+Why: the einsum blocks (`attention/blockwise.py`) write every tile's float32 scores to HBM; the
+splash kernel (`attention/splash.py`) keeps them in VMEM and skips the (128..512)^2 tiles its mask
 hides. Here a shard's queries meet each key block (rotated by the ring, or all-gathered) as
 splash calls, and the per-call outputs are merged by the log-sum-exp rule.
 
@@ -22,7 +22,7 @@ kernel's MHA form reads kv head h // G), the soft-cap is the kernel's own.
 
 Gradients: the kernel's residual-saving forward (`save_residuals=True`, which yields the
 log-sum-exp needed to merge) is not differentiable in jax (its VJP refuses it), so the whole
-shard body has a custom VJP, as `models/ring_vjp.py`: the forward keeps the shard's q, k, v,
+shard body has a custom VJP, as `ring_vjp.py`: the forward keeps the shard's q, k, v,
 merged output and log-sum-exp; the backward runs splash's own backward kernels
 (`_splash_attention_bwd`: dK/dV and dQ) per pair, given the merged output and log-sum-exp.
 That is exact: the flash backward of a pair with the global (O, lse) is that pair's share of
@@ -50,7 +50,7 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
-from jaxscale.models import splash
+from jaxscale.models.attention import splash
 
 NEG = -1e30  # the log-sum-exp of a row that saw nothing (finite: merges never meet inf - inf)
 

@@ -106,21 +106,22 @@ shard_copies.defvjp(_copies_fwd, _copies_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def lookup(table_VE: jax.Array, tokens_BT: jax.Array, shards: int, dtype: Any) -> jax.Array:
+def take_rows_sum_shards(table_VE: jax.Array, tokens_BT: jax.Array, shards: int, dtype: Any
+                         ) -> jax.Array:
     """`jnp.take(table_VE, tokens_BT, axis=0)`, whose table gradient is scatter-added on each
     of the `shards` batch shards locally in the table's dtype and summed across them in
     `dtype`. `shards` must divide the batch."""
     return jnp.take(table_VE, tokens_BT, axis=0)
 
 
-def _lookup_fwd(table_VE: jax.Array, tokens_BT: jax.Array, shards: int, dtype: Any
-                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def _take_fwd(table_VE: jax.Array, tokens_BT: jax.Array, shards: int, dtype: Any
+              ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     shape = jax.ShapeDtypeStruct(table_VE.shape, table_VE.dtype)
     return jnp.take(table_VE, tokens_BT, axis=0), (tokens_BT, shape)
 
 
-def _lookup_bwd(shards: int, dtype: Any, res: tuple[jax.Array, Any], g_BTE: jax.Array
-                ) -> tuple[jax.Array, np.ndarray]:
+def _take_bwd(shards: int, dtype: Any, res: tuple[jax.Array, Any], g_BTE: jax.Array
+              ) -> tuple[jax.Array, np.ndarray]:
     tokens_BT, table = res
     B = tokens_BT.shape[0]
     per_shard = lambda x: constrain(x.reshape(shards, B // shards, *x.shape[1:]), "batch",
@@ -131,4 +132,4 @@ def _lookup_bwd(shards: int, dtype: Any, res: tuple[jax.Array, Any], g_BTE: jax.
     return g_VE, np.zeros(tokens_BT.shape, jax.dtypes.float0)
 
 
-lookup.defvjp(_lookup_fwd, _lookup_bwd)
+take_rows_sum_shards.defvjp(_take_fwd, _take_bwd)

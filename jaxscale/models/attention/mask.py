@@ -1,6 +1,6 @@
 """`Mask`: which keys each query may see, described (slots, segments, causal), not materialised.
 
-Its own module so that every kernel can read it (`attention.py` for einsum and the fused kernel,
+Its own module so that every kernel can read it (`kernels.py` for einsum and the fused kernel,
 `splash.py` for the Pallas TPU kernel) without importing the module that tables the kernels.
 A kernel uses its own structured masking where it has one (the fused kernel's built-in causal
 mask, splash's causal mask and segment ids); the others build the dense boolean mask with

@@ -1,6 +1,6 @@
 """LoRA: low-rank adapters on the linear weights whose paths match `config.lora.targets`.
 
-For a matched weight W the model uses W + (alpha / rank) * A.B (`layers.weight`), where A and B
+For a matched weight W the model uses W + (alpha / rank) * A.B (`lora_matmul.weight`), where A and B
 are ordinary NNX parameters living next to W (`wq` -> `wq_lora_a`, `wq_lora_b`). They carry
 logical axes built from W's own (`lora_rank` for the new dimension, replicated by the default
 rules), so the same rules shard them: an FSDP-sharded `embed` input dimension stays sharded in A,
@@ -8,14 +8,17 @@ a tensor-parallel `heads` output dimension in B. B starts at zero, so a fresh ad
 model unchanged. Which dimensions of W are inputs: a weight whose last axis is `embed` projects
 back into the residual stream, so its last dimension is the output (`wo`, `w_down`); for every
 other weight the first (non-`layers`) dimension is the input (`wq`, `wk`, `wv`, `w_gate`, `w_up`).
-The Llama stores q/k/v and gate/up fused (`wqkv`, `w_gate_up`, see `models/fused.py`); adapters
-still target and name the parts (`attn/wq` -> `wq_lora_a`), so LoRA configs, checkpoints and
-ranks mean what they did, and `layers.weight` joins the parts' deltas into the fused weight.
-Any module listing a weight in its `LORA_WEIGHTS` (it reads it through `layers.project`) can
-take adapters: the Llama's `Attention` / `MLP` and the ViT's `SelfAttention` / `GeluMLP`.
+The Llama stores q/k/v and gate/up fused (`wqkv`, `w_gate_up`, see `nn/fused.py`);
+adapters still target and name the parts (`attn/wq` -> `wq_lora_a`), so LoRA configs,
+checkpoints and ranks mean what they did, and `lora_matmul.weight` joins the parts' deltas into
+the fused weight. Any module listing a weight in its `LORA_WEIGHTS` (it reads it through
+`nn.layers.project`) can take adapters: the Llama's attention / `MLP` and the ViT's
+`SelfAttention` / `GeluMLP`. `add_adapters` also sets the module's `ADAPTED_PROJECTION` to
+`lora_matmul.project`, which `nn.layers.project` then runs: the layers never import adapters.
 
 `lora.dropout` drops the adapter's *input* (x.W + scale * (drop(x).A).B, per example, as in the
-LoRA paper) while training only: the train step enables it with `adapter_dropout(key)`;
+LoRA paper) while training only: the train step enables it with
+`lora_matmul.adapter_dropout(key)`;
 evaluation, merging and export never do, so they see the deterministic model.
 
 The model knows nothing of training: `with_adapters(model_def, lora_cfg)` returns a ModelDef whose
@@ -29,19 +32,29 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import jax
 from flax import nnx, traverse_util
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models import ModelDef
-from jaxscale.models.fused import fuse_parts, unfuse
-from jaxscale.models.layers import adapter_dropout, lora_delta
+from jaxscale.models.adapters import lora_matmul
+from jaxscale.models.nn.fused import fuse_parts, unfuse
+from jaxscale.models.nn.layers import ADAPTED_PROJECTION
 
-__all__ = ["adapter_dropout", "add_adapters", "adapter_params", "is_adapter", "merge",
-           "trainable", "with_adapters"]
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
+
+
+class Remakeable(Protocol):
+    """What `with_adapters` needs of a `models.ModelDef` (the adapters sit below the model
+    table, which imports them, so they name the ModelDef by what they use of it)."""
+
+    make: Callable[[jax.Array], nnx.Module]
+
+    def remade(self, make: Callable[[jax.Array], nnx.Module]) -> Any: ...
+
+
+Def = TypeVar("Def", bound=Remakeable)
 
 
 def _flatten(tree: Mapping) -> dict[str, Any]:
@@ -82,7 +95,7 @@ def _split_axes(axes: tuple, shape: tuple) -> tuple[int, int]:
 def _candidates(module: nnx.Module) -> list[tuple[str, tuple, tuple, Any, str | None]]:
     """(name, logical axes, shape, dtype, fused weight or None) of every weight of `module`
     that might take adapters: its parameters, and the parts of its fused weights
-    (`models/fused.py`: adapters of `wq` live beside `wqkv` and are joined into it)."""
+    (`nn/fused.py`: adapters of `wq` live beside `wqkv` and are joined into it)."""
     fused = getattr(type(module), "FUSED", {})
     out = []
     for name, var in list(vars(module).items()):
@@ -127,6 +140,7 @@ def add_adapters(model: nnx.Module, lora_cfg: Any, rngs: nnx.Rngs) -> nnx.Module
                 logical_axes=axes[:lead] + ("lora_rank",) + axes[lead + n_in:]))
             setattr(module, f"{name}_lora_scale", scale)
             setattr(module, f"{name}_lora_dropout", float(lora_cfg.dropout))
+            setattr(module, ADAPTED_PROJECTION, lora_matmul.project)
             matched.append(full)
     if unsupported or not matched:
         raise ConfigError(paragraph(
@@ -138,7 +152,7 @@ def add_adapters(model: nnx.Module, lora_cfg: Any, rngs: nnx.Rngs) -> nnx.Module
     return model
 
 
-def with_adapters(model_def: ModelDef, lora_cfg: Any) -> ModelDef:
+def with_adapters(model_def: Def, lora_cfg: Any) -> Def:
     """The ModelDef with adapters attached (unchanged when lora.rank == 0). Base weights are
     initialised exactly as without LoRA (same seed), adapters from a derived key."""
     _check(lora_cfg)
@@ -178,6 +192,6 @@ def merge(params: Mapping, lora_cfg: Any) -> dict:
                     "rebuild the base from the run's config.init_from or seed first, e.g. with",
                     "merge_trees(adapters, base), then merge."))
             w = flat[base]
-            delta = lora_delta(flat[key], flat[base + "_lora_b"], scale, w.ndim)
+            delta = lora_matmul.lora_delta(flat[key], flat[base + "_lora_b"], scale, w.ndim)
             out[base] = (w + delta.astype(w.dtype)).astype(w.dtype)
     return _unflatten(fuse_parts(out) if fused else out)

@@ -2,13 +2,13 @@
 in), the attention part a fused kernel hides from the HLO count, and the remat recompute.
 
 The Qwen2 / Qwen3 entries share these counts: their switches (a q/k/v bias, per-head q/k
-RMSNorm; `models/qwen.py`) add no matmul, and `head_dim` is already a term of its own.
+RMSNorm; `qwen.py`) add no matmul, and `head_dim` is already a term of its own.
 
 Every function takes the `config.model` section and the sequence length, so that metrics and
 ahead-of-time accounting ask the model table (`jaxscale.models.MODELS`) and never the model's
 fields themselves.
 
-MoE layers (`models/moe.py`) count their active parameters (the experts_per_token routed
+MoE layers (`moe/layer.py`) count their active parameters (the experts_per_token routed
 experts, the shared experts and the router), not all experts. Measured on libtpu's partitioned
 HLO (tiny dims, 4 experts, v5p:2x2x1): under `remat=full` an MoE layer recomputes its router and
 all three routed-expert matmuls (the combine's backward needs the experts' outputs), and the
@@ -24,8 +24,8 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxscale.models.moe import MoEConfig, active_mlp, capacity, expert_width
-from jaxscale.models.scan import NAMED_POLICIES
+from jaxscale.models.moe.layer import MoEConfig, active_mlp, capacity, expert_width
+from jaxscale.models.nn.scan import NAMED_POLICIES
 
 Count = Callable[[Mapping[str, Any], int], float]
 
@@ -149,7 +149,7 @@ def padding_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
 
 def _named_recompute(m: Mapping[str, Any]) -> float | None:
     """Forward matmul FLOPs per token and layer that a policy named by what it keeps
-    (`models.scan.NAMED_POLICIES`) recomputes: the weight matmuls it keeps neither in HBM nor on
+    (`models.nn.scan.NAMED_POLICIES`) recomputes: the weight matmuls it keeps neither in HBM nor on
     the host (never w_down, as under `full`); None for a policy that is not named so."""
     named = NAMED_POLICIES.get(_remat(m))
     if named is None:

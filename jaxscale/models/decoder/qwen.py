@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.decoder.config import LlamaConfig
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Blockwise attention of a shard's queries to one key block: the online softmax in tiles.
 
-Why: attention across sequence shards (`models/context.py`) attends a shard's T/n queries to
+Why: attention across sequence shards (`sequence/context.py`) attends a shard's T/n queries to
 key blocks of T/n keys, one at a time. At 131,072 tokens over 4 shards one such block's float32
 scores are 32,768^2 x heads x 4 bytes (128 GiB for 32 heads): no chip holds them. So a block is
 cut into tiles of at most `TILE` queries by `TILE` keys (and at least in halves, so that the
@@ -10,7 +10,7 @@ hidden tile adds nothing). Autodiff through the tiles is rematerialised at every
 tile, a query tile's row of key tiles, the whole block), so the backward pass keeps the running
 state per tile, never the scores. This is the einsum path (`model.attention=einsum`); with
 `model.attention=splash` the splash kernel does the same per block with the block's offsets in
-its mask, in VMEM (`models/context_splash.py`).
+its mask, in VMEM (`sequence/context_splash.py`).
 Shape suffixes: B batch, T local queries, S keys in hand, K kv heads, G heads per kv head,
 D head dim, P query tiles, Q key tiles, C tile length.
 """
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from jaxscale.models.mask import Mask
+from jaxscale.models.attention.mask import Mask
 
 TILE = 2048  # queries (and keys) per score tile: TILE^2 x heads float32 scores at once
 Block = Mapping[str, jax.Array | None]  # k, v (B, S, K, D), slots (1, S), segments (B, S)
