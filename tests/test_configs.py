@@ -301,6 +301,28 @@ def test_finetune_from_a_pretraining_run(tmp_path):
     assert [l["step"] for l in lines] == [1, 2] and all(np.isfinite(l["loss"]) for l in lines)
 
 
+def test_generic_validation_asks_the_family_for_decoder_and_mesh_fields():
+    """A ViT config carries no decoder fields (no kv heads, no max_len: the validation no longer
+    asks for them), and the mesh checks run by family: a decoder's sequence shards and experts
+    by its own checks, a family without either refuses `mesh.context` and `mesh.expert`."""
+    vit = MODULES["vit_digits.py"].get_config("test")
+    assert not {"num_kv_heads", "max_len", "attention_kind"} & set(vit.model.keys())
+    config_lib.validate(vit)
+    vit.model.num_kv_heads = 4
+    with pytest.raises(ConfigError, match="config.model has no field 'num_kv_heads'"):
+        config_lib.validate(vit)
+    for axis in ("context", "expert"):
+        vit = MODULES["vit_digits.py"].get_config("test")
+        vit.mesh.update({"data": 1, axis: 2})
+        with pytest.raises(ConfigError, match=f"mesh.{axis} x mesh.dcn_{axis}=2, but "
+                                              "model.name='vit' has no"):
+            config_lib.validate(vit)
+    lm = MODULES["tiny_lm.py"].get_config("test")
+    lm.mesh.update(data=1, expert=2)
+    with pytest.raises(ConfigError, match="a dense model has none"):
+        config_lib.validate(lm)
+
+
 def test_each_subsystem_checks_its_own_section():
     """`config.validate` asks each section's owner: the model table checks `model` by family
     (the Llama's rotary rule does not apply to the ViT), storage checks `storage`, profiling

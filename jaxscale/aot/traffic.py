@@ -19,10 +19,11 @@ assignment travels once; the share a device keeps for itself is counted too, as 
 all-to-all). The all-gather dispatch moves expert-axis x n tokens instead and has no separate
 expectation here (it mixes with FSDP's gathers).
 
-**Attention across sequence shards** (`models/attention/sequence/context.py`). With `mesh.context` x
-`mesh.dcn_context` = n > 1, each chip holds `rows` sequences' T/n tokens and K/tensor kv heads of
-head dim D, so one key (or value) block is rows x T/n x K/tensor x D elements of the compute
-dtype. Per layer and pass:
+**Attention across sequence shards** (`models/attention/sequence/context.py`). With
+`mesh.context` x `mesh.dcn_context` = n > 1, each chip holds `rows` sequences' T/n tokens, so
+one K/V block, the keys and values of those tokens, is rows x T/n x the attention component's
+`kv_elements(tensor)` elements of the compute dtype (grouped-query: 2 x K/tensor kv heads x
+head dim D). Per layer and pass:
 
 - `ring`: n - 1 `ppermute`s each of the key and the value block (plus the block's int32 slots,
   and segment ids when packed) in the forward pass; the backward pass sends the blocks'
@@ -107,16 +108,19 @@ def attention_traffic(config: mlc.ConfigDict) -> dict[str, Any] | None:
     """Expected attention bytes per chip per step across sequence shards: the forward kind
     and bytes (`collective-permute` for the ring, `all-gather` for allgather; remat's second
     forward pass included) and the backward pass's, or None when nothing splits the
-    sequence."""
+    sequence (or the model has no attention component to ask)."""
+    from jaxscale.models import entry_of  # lazy: jax
+
     m, d, mesh = config.model, config.data, config.mesh
     n = mesh.get("context", 1) * mesh.get("dcn_context", 1)
-    if n <= 1:
+    attention = entry_of(m).attention
+    if n <= 1 or attention is None:
         return None
     batch_shards = max(1, mesh.get("data", 1)) * mesh.get("fsdp", 1) * mesh.get("dcn_data", 1)
     rows = d.batch_size / (config.train.grad_accum * batch_shards * mesh.get("dcn_fsdp", 1))
     tokens = rows * d.seq_len / n  # one chip's tokens of one micro-batch
-    kv_heads = m.num_kv_heads / min(mesh.get("tensor", 1), m.num_kv_heads)
-    block = tokens * kv_heads * m.head_dim * _compute_bytes(config)
+    kv = tokens * attention(m).kv_elements(mesh.get("tensor", 1))  # a K/V block's elements
+    kv_bytes = kv * _compute_bytes(config)
     ints = d.seq_len / n * 4 + (tokens * 4 if d.get("sources") else 0)
     forward_passes = 1 + (m.get("remat", "none") != "none")
     variant = m.get("context_attention", "allgather")
@@ -125,13 +129,13 @@ def attention_traffic(config: mlc.ConfigDict) -> dict[str, Any] | None:
     ring = variant != "allgather"
     steps = n - 1 if ring else n
     scale = m.num_layers * config.train.grad_accum
-    backward = steps * 2 * block
-    if variant == "ring_vjp":  # k, v, slots and float32 dK, dV, n hops
-        backward = n * (2 * block + ints + 2 * tokens * kv_heads * m.head_dim * 4)
+    backward = steps * kv_bytes
+    if variant == "ring_vjp":  # keys, values, slots and their float32 gradients, n hops
+        backward = n * (kv_bytes + ints + kv * 4)
     elif m.get("attention", "einsum") == "splash":  # the splash blocks' VJP: float32 dK, dV
         backward = backward * 4 / _compute_bytes(config)
-    return {"variant": variant, "shards": n, "block_bytes": block,
+    return {"variant": variant, "shards": n, "kv_block_bytes": kv_bytes,
             "forward_kind": "collective-permute" if ring else "all-gather",
-            "forward": forward_passes * steps * (2 * block + ints) * scale,
+            "forward": forward_passes * steps * (kv_bytes + ints) * scale,
             "backward_kind": "collective-permute" if ring else "reduce-scatter",
             "backward": backward * scale}

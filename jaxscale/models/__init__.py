@@ -1,10 +1,12 @@
 """The model table and `ModelDef`: every fact generic code needs about a model, in one place.
 
 `MODELS` maps `config.model.name` to its `ModelEntry`: the config dataclass and NNX module
-class, its tasks by `config.model.task` (loss, batch preparation, held-out sums: `models/task.py`),
-its FLOP counts per token, and where its Hugging Face import/export lives. Training, evaluation,
-metrics, conversion, weight sources and ahead-of-time accounting ask the entry and never name a
-model, so adding a family is one new module plus one line here.
+class, its tasks by `config.model.task` (loss, batch preparation, held-out sums: `task.py`), its
+FLOP counts per token, its checks (of its own fields, and of the mesh where it splits sequences
+or experts), its attention component (`attention/component.py`: cache and bytes, for the AOT
+memory and traffic models) and where its Hugging Face import/export lives. Training, evaluation,
+metrics, conversion, weight sources, config validation and ahead-of-time accounting ask the
+entry and never name a model, so adding a family is one new module plus one line here.
 `ModelDef` is a model's static structure (graph definition plus abstract, shape-only state with
 logical axes) and its task, built from `config.model`; training, evaluation, generation and
 conversion all start from it. Nothing here knows about training: `train/` imports `models/`,
@@ -14,6 +16,7 @@ never the reverse.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,8 +28,10 @@ from flax import nnx
 
 from jaxscale.errors import ConfigError, ConversionError, paragraph
 from jaxscale.models import vit
+from jaxscale.models.attention.component import AttentionKind
+from jaxscale.models.attention.kinds import attention_of
 from jaxscale.models.decoder import flops, gemma, lm_task, qwen
-from jaxscale.models.decoder.config import LlamaConfig, check_config
+from jaxscale.models.decoder.config import LlamaConfig, check_config, check_mesh
 from jaxscale.models.decoder.llama import Llama
 from jaxscale.models.nn.scan import check_remat
 from jaxscale.models.task import Task
@@ -66,6 +71,12 @@ class ModelEntry:
     hf: HuggingFace | None = None  # Hugging Face import/export; None: none
     # The family's own `config.model` checks at a sequence length (ConfigError paragraphs).
     check: Callable[[Mapping[str, Any], int], None] | None = None
+    # Its checks against `config.mesh`: (model_cfg, mesh_cfg, seq_len, pipeline repeats). None:
+    # the family splits neither sequences (`mesh.context`) nor experts (`mesh.expert`).
+    check_mesh: Callable[[Mapping[str, Any], Mapping[str, Any], int, int], None] | None = None
+    # The attention component of a `config.model` section (`models/attention/component.py`:
+    # its cache, bytes and widths, for the AOT memory and traffic models); None: none to ask.
+    attention: Callable[[Mapping[str, Any]], AttentionKind] | None = None
 
     def task(self, name: str | None, model_name: str = "") -> Task:
         """The task called `name` (None or empty: the model's own)."""
@@ -82,12 +93,17 @@ def _decoder(config_cls: Any, hf: HuggingFace) -> ModelEntry:
     """The entry of a decoder family (`decoder/`): the Llama decoder with its config
     class's switch defaults, so the same module, task, checks and FLOP counts (biases and norms
     add no matmul)."""
+    family = functools.partial  # a decoder count or check with the family's config class
     return ModelEntry(config_cls, Llama, {"lm": lm_task.LM},
-                      flops_per_token=flops.flops_per_token,
-                      attention_flops=flops.attention_flops_per_token,
-                      recompute_flops=flops.recompute_flops_per_token,
+                      flops_per_token=family(flops.flops_per_token, config_cls=config_cls),
+                      attention_flops=family(flops.attention_flops_per_token,
+                                             config_cls=config_cls),
+                      recompute_flops=family(flops.recompute_flops_per_token,
+                                             config_cls=config_cls),
                       padding_flops=flops.padding_flops_per_token,
-                      hf=hf, check=check_config)
+                      hf=hf, check=family(check_config, config_cls=config_cls),
+                      check_mesh=check_mesh,
+                      attention=lambda m: attention_of(config_cls.from_config(m)))
 
 
 DEFAULT_MODEL = "llama"  # what a config without `model.name` builds
@@ -142,14 +158,30 @@ def task_of(model_cfg: Mapping[str, Any]) -> Task:
     return entry(name).task(model_cfg.get("task"), name)
 
 
-def check_model(model_cfg: Mapping[str, Any], seq_len: int) -> None:
+def check_model(model_cfg: Mapping[str, Any], seq_len: int,
+                mesh_cfg: Mapping[str, Any] | None = None, repeats: int = 1) -> None:
     """The `config.model` section's checks (`config.validate` calls this): a known model, a task
-    it has, a known remat policy, and the family's own checks."""
+    it has, a known remat policy, and the family's own checks; with `config.mesh` (and
+    `pipeline.repeats`), the family's checks against it, or, for a family without any, that the
+    mesh splits no sequences and no experts."""
     e = entry_of(model_cfg)
     task_of(model_cfg)
     check_remat(model_cfg.get("remat", "none"))
     if e.check is not None:
         e.check(model_cfg, seq_len)
+    if mesh_cfg is None:
+        return
+    if e.check_mesh is not None:
+        e.check_mesh(model_cfg, mesh_cfg, seq_len, repeats)
+        return
+    for axis, what in (("context", "sequence shards"), ("expert", "experts")):
+        size = mesh_cfg.get(axis, 1) * mesh_cfg.get(f"dcn_{axis}", 1)
+        if size > 1:
+            name = model_cfg.get("name", DEFAULT_MODEL)
+            raise ConfigError(paragraph(
+                f"mesh.{axis} x mesh.dcn_{axis}={size}, but model.name={name!r} has no {what} to",
+                f"split over it. Set --config.mesh.{axis}=1 (and mesh.dcn_{axis}=1) and use",
+                "mesh.data or mesh.fsdp for those devices."))
 
 
 def _resolve(dotted: str) -> Callable:

@@ -221,12 +221,12 @@ def vit_flops_per_token(num_layers: int, embed: int, heads: int, head_dim: int, 
     """Training FLOPs per token of a ViT classifier (forward + backward), where `tokens` is the
     patches plus the class token of one image (`data.seq_len` of a ViT config).
 
-    The same convention as `llama_flops.llama_flops_per_token`: 6 FLOPs per matmul parameter
-    per token plus 12·L·H·Q·T for attention (bidirectional, so no causal saving to ignore). Per
-    layer the matmul parameters are q/k/v/o (4·E·H·Q) and the two MLP matrices (2·E·F); the
-    patch embedding (P²·C·E) runs once per patch and the classifier head (E·K) once per image,
-    so both are spread over the image's tokens. Biases, norms and position embeddings are left
-    out, as in the Llama count.
+    The same convention as the decoder's (`decoder/flops.flops_per_token`): 6 FLOPs per matmul
+    parameter per token plus 12·L·H·Q·T for attention (bidirectional, so no causal saving to
+    ignore). Per layer the matmul parameters are q/k/v/o (4·E·H·Q) and the two MLP matrices (2·E·F);
+    the patch embedding (P²·C·E) runs once per patch and the classifier head (E·K) once per image,
+    so both are spread over the image's tokens. Biases, norms and position embeddings are left out,
+    as in the Llama count.
     """
     per_token = num_layers * (4 * embed * heads * head_dim + 2 * embed * mlp)
     per_image = (tokens - 1) * patch_size * patch_size * channels * embed + embed * num_classes

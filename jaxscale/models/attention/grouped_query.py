@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models.attention.component import AttentionKind
 from jaxscale.models.attention.kernels import attend, check_impl
 from jaxscale.models.attention.mask import Mask
 from jaxscale.models.nn.fused import FUSED_AXIS, QKV
@@ -202,3 +204,70 @@ class Attention(nnx.Module):
                             "batch", "length", "embed")
         out_BTE = checkpoint_name(out_BTE, "out_proj")
         return out_BTE if cache is None else (out_BTE, cache)
+
+
+def switches(cfg: Any) -> dict[str, Any]:
+    """The `Attention` keywords of a decoder config's switches. A pattern of one kind is static:
+    its window (none for global layers) and rotary; a mixed one is chosen per layer."""
+    local = set(cfg.local_layers)
+    window = cfg.sliding_window if True in local else 0
+    mixed = dict(local_rope=cfg.local_rope) if len(local) > 1 and cfg.rope_local_theta else {}
+    return dict(window=window, context_impl=cfg.context_attention,
+                qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
+                norm_offset=cfg.norm_offset, query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+                softcap=cfg.attn_softcap, **mixed)
+
+
+def block_rope(cfg: Any) -> Rope:
+    """The rotary a block's attention starts from: the local one when every layer is local."""
+    return cfg.local_rope if all(cfg.local_layers) else cfg.rope
+
+
+class GroupedQuery(AttentionKind):
+    """The grouped-query component: K kv heads, each shared by H / K query heads; a (k, v)
+    cache of (K, D) per slot. Reads `embed`, `num_heads`, `num_kv_heads`, `head_dim` and the
+    decoder's switches (`switches`) of the config."""
+
+    def check(self) -> None:
+        h, k, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        if k < 1 or h % k:
+            raise ConfigError(paragraph(
+                f"model.num_heads={h} must be a multiple of model.num_kv_heads={k} (grouped-query",
+                "attention shares each kv head among a group)."))
+        if d % 2:
+            raise ConfigError(f"model.head_dim={d} must be even for rotary embeddings.")
+
+    def build(self, policy: Policy, rngs: nnx.Rngs, stack: int | None) -> Attention:
+        c = self.cfg
+        return Attention(c.embed, c.num_heads, c.num_kv_heads, c.head_dim, block_rope(c),
+                         policy, c.attention, rngs, stack=stack, **switches(c))
+
+    def init_cache(self, layers: int, batch: int, max_len: int, dtype: Any) -> KVCache:
+        return KVCache.zeros(layers, batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim,
+                             dtype)
+
+    def num_params(self) -> int:
+        c = self.cfg
+        qkv = c.head_dim * (c.num_heads + 2 * c.num_kv_heads)  # per embed row; the bias's size
+        return (c.embed * qkv + c.num_heads * c.head_dim * c.embed
+                + c.qkv_bias * qkv + c.qk_norm * 2 * c.head_dim)
+
+    def named_matmuls(self) -> dict[str, int]:
+        c = self.cfg
+        return {"qkv_proj": c.embed * c.head_dim * (c.num_heads + 2 * c.num_kv_heads),
+                "out_proj": c.num_heads * c.head_dim * c.embed}
+
+    def score_flops(self, seq_len: int) -> float:
+        return 4.0 * self.cfg.num_heads * self.cfg.head_dim * seq_len
+
+    def activation_widths(self) -> dict[str, int]:
+        c = self.cfg
+        return {"qkv_proj": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+                "attn_out": c.num_heads * c.head_dim, "out_proj": c.embed}
+
+    def kv_elements(self, tensor: int = 1) -> float:
+        """Keys and values of K / tensor kv heads (all K on each shard when tensor > K: the
+        `kv` rule then leaves them replicated)."""
+        k = self.cfg.num_kv_heads
+        return 2.0 * k / min(tensor, k) * self.cfg.head_dim
+

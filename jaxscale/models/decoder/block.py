@@ -1,7 +1,9 @@
 """The decoder's transformer block (pre-norm attention and MLP or MoE) and its scanned stack.
 
-`layer_stack` builds what the decoder scans: one `Block` stacked over the layers, or with MoE on
-every n-th layer one `LayerGroup` of n blocks per scan step.
+The block's attention is the component `model.attention_kind` names (`attention/kinds.py`),
+which builds it; its cache (a pytree of the component's layout, one layer's slice here) passes
+through untouched. `layer_stack` builds what the decoder scans: one `Block` stacked over the
+layers, or with MoE on every n-th layer one `LayerGroup` of n blocks per scan step.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models.attention.grouped_query import Attention, KVCache
+from jaxscale.models.attention.kinds import attention_of
 from jaxscale.models.decoder.config import LlamaConfig
 from jaxscale.models.moe.layer import MoE
 from jaxscale.models.nn.layers import MLP, RMSNorm
@@ -31,10 +33,7 @@ class Block(nnx.Module):
         norm = lambda: RMSNorm(cfg.embed, cfg.norm_eps, policy, stack=stack,
                                offset=cfg.norm_offset)
         self.attn_norm = norm()
-        rope = cfg.local_rope if all(cfg.local_layers) else cfg.rope
-        self.attn = Attention(cfg.embed, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                              rope, policy, cfg.attention, rngs, stack=stack,
-                              **attention_switches(cfg))
+        self.attn = attention_of(cfg).build(policy, rngs, stack)
         self.mlp_norm = norm()
         self.mlp = (MoE(cfg.embed, cfg.mlp, cfg.moe, policy, rngs, stack=stack)
                     if moe else MLP(cfg.embed, cfg.mlp, policy, rngs, stack=stack,
@@ -55,9 +54,9 @@ class Block(nnx.Module):
     def _post(self, name: str, out_BTE: jax.Array) -> jax.Array:
         return getattr(self, name)(out_BTE) if hasattr(self, name) else out_BTE
 
-    def __call__(self, h_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
+    def __call__(self, h_BTE: jax.Array, positions_BT: jax.Array, cache: Any = None,
                  cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None,
-                 local: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+                 local: jax.Array | None = None) -> jax.Array | tuple[jax.Array, Any]:
         """The block's output; with a (one-layer) `cache`, (output, updated cache)."""
         attn_out = self.attn(self.attn_norm(h_BTE), positions_BT, cache, cache_index,
                              segments_BT, local)
@@ -98,9 +97,9 @@ class LayerGroup(nnx.Module):
             return None
         return {"local": jnp.asarray(self.local_pattern).reshape(-1, self.every)}
 
-    def __call__(self, h_BTE: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
+    def __call__(self, h_BTE: jax.Array, positions_BT: jax.Array, cache: Any = None,
                  cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None,
-                 local: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+                 local: jax.Array | None = None) -> jax.Array | tuple[jax.Array, Any]:
         """The group's output; with the group's (n, ...) `cache`, (output, updated cache)."""
         caches = []
         for j, block in enumerate(self.blocks()):
@@ -122,14 +121,3 @@ def layer_stack(cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs) -> Block | Lay
         return Block(cfg, policy, rngs, stack=cfg.num_layers)
     return LayerGroup(cfg, policy, rngs, stack=cfg.num_layers // n)
 
-
-def attention_switches(cfg: LlamaConfig) -> dict[str, Any]:
-    """The `Attention` keywords of the config's decoder switches. A pattern of one kind is
-    static: its window (none for global layers) and rotary; a mixed one is chosen per layer."""
-    local = set(cfg.local_layers)
-    window = cfg.sliding_window if True in local else 0
-    mixed = dict(local_rope=cfg.local_rope) if len(local) > 1 and cfg.rope_local_theta else {}
-    return dict(window=window, context_impl=cfg.context_attention,
-                qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
-                norm_offset=cfg.norm_offset, query_pre_attn_scalar=cfg.query_pre_attn_scalar,
-                softcap=cfg.attn_softcap, **mixed)

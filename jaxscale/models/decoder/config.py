@@ -12,6 +12,8 @@ from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.attention.kernels import ATTENTION_IMPLS, SOFTCAP_IMPLS
+from jaxscale.models.attention.kinds import DEFAULT_ATTENTION, attention_of
+from jaxscale.models.attention.sequence.context import check_config as check_context
 from jaxscale.models.moe.layer import MoEConfig, check_moe
 from jaxscale.models.moe.layer import num_params as moe_params
 from jaxscale.models.nn.rope import Rope, check_rope
@@ -42,8 +44,12 @@ class LlamaConfig:
     # gradient exist one chunk at a time. 1: the whole sequence at once; 0 (default): automatic,
     # the fewest chunks that keep a chip's logits under `lm_task.LOGITS_BUDGET`.
     loss_chunks: int = 0
-    # or "dot_product_attention" (fused; cuDNN flash on GPUs), or "splash" (the Pallas TPU
-    # flash kernel: no score matrix in HBM; attention/splash.py)
+    # The attention component (`attention/kinds.py` ATTENTIONS): its parameters, cache, FLOPs
+    # and bytes. Default grouped-query (num_kv_heads kv heads of head_dim).
+    attention_kind: str = DEFAULT_ATTENTION
+    # The kernel it computes attention with: "einsum", "dot_product_attention" (fused; cuDNN
+    # flash on GPUs), or "splash" (the Pallas TPU flash kernel: no score matrix in HBM;
+    # attention/splash.py)
     attention: str = "einsum"
     # Sliding-window attention (Mistral's `sliding_window`): a query at position i sees the keys
     # at i - sliding_window < j <= i only (in training, evaluation and the KV cache alike);
@@ -113,33 +119,26 @@ class LlamaConfig:
         return self.num_layers // self.moe.every if self.moe.num_experts else 0
 
     def num_params(self) -> int:
+        """The model's parameters: its attention component's (`attention_of`), the MLP's or
+        experts', the norms (two a block, four with `post_norms`), embedding and head."""
         e, f, l = self.embed, self.mlp, self.num_layers
-        attn = e * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         ffn = self.moe_layers * moe_params(self.moe, e, f) + (l - self.moe_layers) * 3 * e * f
-        per_layer = attn + 2 * e + self._switch_params()
+        per_layer = attention_of(self).num_params() + (2 + 2 * self.post_norms) * e
         head = 0 if self.tie_embeddings else e * self.vocab_size
         return self.vocab_size * e + l * per_layer + ffn + e + head
 
-    def _switch_params(self) -> int:
-        """Parameters per layer of the switches: the q/k/v bias and the q/k norm scales."""
-        d = self.head_dim
-        return (self.qkv_bias * d * (self.num_heads + 2 * self.num_kv_heads)
-                + self.qk_norm * 2 * d + self.post_norms * 2 * self.embed)
 
-
-def check_config(m: Mapping[str, Any], seq_len: int) -> None:
-    """The Llama's own `config.model` checks, run by `config.validate` through the model table
+def check_config(m: Mapping[str, Any], seq_len: int,
+                 config_cls: type[LlamaConfig] = LlamaConfig) -> None:
+    """The decoder's own `config.model` checks, run by `config.validate` through the model table
     (a ConfigError paragraph naming the field): what would otherwise fail deep inside the build
-    or silently compute another model."""
+    or silently compute another model. `config_cls`: the family's (its defaults); the attention
+    component checks its own fields."""
     def require(ok: bool, *sentences: str) -> None:
         if not ok:
             raise ConfigError(paragraph(*sentences))
 
-    require(m["num_heads"] % m["num_kv_heads"] == 0,
-            f"model.num_heads={m['num_heads']} must be a multiple of model.num_kv_heads="
-            f"{m['num_kv_heads']} (grouped-query attention shares each kv head among a group).")
-    require(m["head_dim"] % 2 == 0,
-            f"model.head_dim={m['head_dim']} must be even for rotary embeddings.")
+    attention_of(config_cls.from_config(m)).check()
     require(seq_len <= m["max_len"],
             f"data.seq_len={seq_len} exceeds model.max_len={m['max_len']}.")
     check_rope(m)
@@ -154,6 +153,14 @@ def check_config(m: Mapping[str, Any], seq_len: int) -> None:
             f"data.seq_len ({seq_len}): the LM head and loss run over the sequence in that many",
             "chunks (1: all at once; 4-16 cut the float32 logits' memory that many times).")
     check_moe(m)
+
+
+def check_mesh(m: Mapping[str, Any], mesh_cfg: Mapping[str, Any], seq_len: int,
+               repeats: int = 1) -> None:
+    """The decoder's checks against `config.mesh` (and `pipeline.repeats`): attention across
+    sequence shards (`mesh.context`), the experts over `mesh.expert` and the pipeline stages."""
+    check_context(mesh_cfg, m, seq_len)
+    check_moe(m, mesh_cfg, repeats)
 
 
 def check_sliding_window(m: Mapping[str, Any]) -> None:

@@ -1,8 +1,12 @@
-"""The Llama's FLOP counts, its table entry's facts: training FLOPs per token (what MFU is quoted
-in), the attention part a fused kernel hides from the HLO count, and the remat recompute.
+"""The decoder's FLOP counts, its table entries' facts: training FLOPs per token (what MFU is
+quoted in), the attention part a fused kernel hides from the HLO count, and the remat recompute.
 
-The Qwen2 / Qwen3 entries share these counts: their switches (a q/k/v bias, per-head q/k
-RMSNorm; `qwen.py`) add no matmul, and `head_dim` is already a term of its own.
+What the attention contributes is asked of its component (`attention/kinds.attention_of`: its
+matmul parameters, those behind each named activation, its QK^T and AV FLOPs), so a new kind of
+attention is counted without an edit here. Every decoder family shares these counts, each with
+its own config class (`config_cls`, bound by the model table: its defaults, e.g. the attention
+kind): the switches (a q/k/v bias, per-head q/k RMSNorm, Gemma's norms and scales) add no
+matmul.
 
 Every function takes the `config.model` section and the sequence length, so that metrics and
 ahead-of-time accounting ask the model table (`jaxscale.models.MODELS`) and never the model's
@@ -24,10 +28,13 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxscale.models.attention.component import AttentionKind
+from jaxscale.models.attention.kinds import attention_of
+from jaxscale.models.decoder.config import LlamaConfig
 from jaxscale.models.moe.layer import MoEConfig, active_mlp, capacity, expert_width
 from jaxscale.models.nn.scan import NAMED_POLICIES
 
-Count = Callable[[Mapping[str, Any], int], float]
+Count = Callable[..., float]  # (model_cfg, seq_len, config_cls=...) -> a count per token
 
 
 def _by_layer_kind(count: Count) -> Count:
@@ -35,44 +42,43 @@ def _by_layer_kind(count: Count) -> Count:
     num_layers / n MoE layers plus that of its dense layers, the part no layer has (the head)
     once. Every count here is affine in num_layers, so the parts add up."""
     @functools.wraps(count)
-    def mixed(m: Mapping[str, Any], seq_len: int) -> float:
+    def mixed(m: Mapping[str, Any], seq_len: int, **kw: Any) -> float:
         moe = MoEConfig.from_config(m.get("moe"))
         if not moe.num_experts or moe.every == 1:
-            return count(m, seq_len)
+            return count(m, seq_len, **kw)
         layers, dense = m["num_layers"], {**dict(m), "moe": {}}
         sparse = layers // moe.every
-        return (count({**dict(m), "num_layers": sparse}, seq_len)
-                + count({**dense, "num_layers": layers - sparse}, seq_len)
-                - count({**dense, "num_layers": 0}, seq_len))
+        return (count({**dict(m), "num_layers": sparse}, seq_len, **kw)
+                + count({**dense, "num_layers": layers - sparse}, seq_len, **kw)
+                - count({**dense, "num_layers": 0}, seq_len, **kw))
     return mixed
 
 
-def llama_flops_per_token(num_layers: int, embed: int, heads: int, kv_heads: int, head_dim: int,
-                          mlp: int, vocab: int, seq_len: int) -> float:
-    """Training FLOPs per token of a Llama-style decoder (forward + backward).
-
-    Convention of PaLM (Chowdhery et al. 2022), appendix B: 6·N + 12·L·H·Q·T, where N counts
-    the parameters that take part in matmuls (q/k/v/o projections with grouped kv heads, the
-    three SwiGLU matrices, and the output projection onto the vocabulary; embeddings lookups and
-    norms are excluded), L layers, H query heads, Q head_dim, T sequence length. The factor 6 is
-    2 (multiply-add) × 3 (forward + two backward matmuls); the attention term counts QK^T and
-    AV without exploiting the causal mask, as PaLM and MaxText do, so numbers are comparable.
-    """
-    attn_params = embed * head_dim * (2 * heads + 2 * kv_heads)  # wq, wo, wk, wv
-    mlp_params = 3 * embed * mlp                                  # gate, up, down
-    matmul_params = num_layers * (attn_params + mlp_params) + embed * vocab
-    return 6.0 * matmul_params + 12.0 * num_layers * heads * head_dim * seq_len
+def _attention(m: Mapping[str, Any], config_cls: type[LlamaConfig]) -> AttentionKind:
+    """The attention component of a `config.model` section, with the family's defaults."""
+    return attention_of(config_cls.from_config(m))
 
 
 @_by_layer_kind
-def flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
-    """`llama_flops_per_token` of a `config.model` section; an MoE layer counts its active
-    parameters (`moe.active_mlp`: the routed and shared experts a token passes through, and the
-    router), not all experts."""
+def flops_per_token(m: Mapping[str, Any], seq_len: int,
+                    config_cls: type[LlamaConfig] = LlamaConfig) -> float:
+    """Training FLOPs per token of a decoder (forward + backward).
+
+    Convention of PaLM (Chowdhery et al. 2022), appendix B: 6·N + 3·L·A, where N counts the
+    parameters that take part in matmuls (the attention's projections, the three SwiGLU
+    matrices, an MoE layer's router and active experts, and the output projection onto the
+    vocabulary; embedding lookups and norms are excluded), L layers, and A the attention's own
+    forward FLOPs per token and layer (QK^T and AV: 4·H·Q·T for H query heads of head_dim Q over
+    T positions, so the familiar 12·L·H·Q·T). The factor 6 is 2 (multiply-add) × 3 (forward +
+    two backward matmuls); attention counts QK^T and AV without exploiting the causal mask, as
+    PaLM and MaxText do, so numbers are comparable. An MoE layer counts its active parameters
+    (`moe.active_mlp`: the routed and shared experts a token passes through, and the router),
+    not all experts."""
+    attn = _attention(m, config_cls)
     mlp, router = active_mlp(m)
-    return llama_flops_per_token(m["num_layers"], m["embed"], m["num_heads"], m["num_kv_heads"],
-                                 m["head_dim"], mlp, m["vocab_size"], seq_len) \
-        + 6.0 * m["num_layers"] * router
+    layer = attn.matmul_params() + 3 * m["embed"] * mlp + router
+    matmul = m["num_layers"] * layer + m["embed"] * m["vocab_size"]
+    return 6.0 * matmul + 3.0 * m["num_layers"] * attn.score_flops(seq_len)
 
 
 def _remat(m: Mapping[str, Any]) -> str:
@@ -80,29 +86,30 @@ def _remat(m: Mapping[str, Any]) -> str:
 
 
 @_by_layer_kind
-def recompute_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
+def recompute_flops_per_token(m: Mapping[str, Any], seq_len: int,
+                              config_cls: type[LlamaConfig] = LlamaConfig) -> float:
     """Matmul FLOPs per token that the backward pass recomputes under `model.remat` (and the
     head's, under `model.loss_chunks`).
 
     Measured on libtpu's partitioned HLO (1B dims, v5p:2x2x2, fsdp=8), `remat=full`
     (`nothing_saveable`) recomputes every matmul of a layer's forward except the last one, the
     MLP's down projection, whose output is the layer's output and is not needed to
-    differentiate the layer (XLA drops it as dead code): q/k/v/o, gate/up, and both attention
-    einsums. `dots` saves every matmul output (no matmul recomputed); `dots_no_batch` saves
-    those without batch dimensions, i.e. all but the two attention einsums (QK^T and AV), which
-    are recomputed. `model.loss_chunks > 1` recomputes each chunk's logits (the head's forward
-    matmul, 2·E·V per token) in the backward pass.
+    differentiate the layer (XLA drops it as dead code): the attention's projections, gate/up,
+    and both attention einsums. `dots` saves every matmul output (no matmul recomputed);
+    `dots_no_batch` saves those without batch dimensions, i.e. all but the two attention
+    einsums (QK^T and AV), which are recomputed. `model.loss_chunks > 1` recomputes each
+    chunk's logits (the head's forward matmul, 2·E·V per token) in the backward pass.
     """
-    attention = 4.0 * m["num_heads"] * m["head_dim"] * seq_len  # QK^T and AV, forward, a layer
+    attn = _attention(m, config_cls)
+    attention = attn.score_flops(seq_len)  # QK^T and AV, forward, a layer
     experts = _experts_recompute(m)
     if _remat(m) == "full":
-        projections = m["embed"] * m["head_dim"] * (2 * m["num_heads"] + 2 * m["num_kv_heads"])
         dense = _mlp_widths(m)[0]  # a dense MLP's w_down is not recomputed (experts' are)
-        per_layer = 2.0 * (projections + 2 * m["embed"] * dense + active_mlp(m)[1]) \
+        per_layer = 2.0 * (attn.matmul_params() + 2 * m["embed"] * dense + active_mlp(m)[1]) \
             + attention + experts
     elif _remat(m) == "dots_no_batch":  # the router's dot has no batch dimension: kept
         per_layer = attention + experts
-    elif (named := _named_recompute(m)) is not None:
+    elif (named := _named_recompute(m, attn)) is not None:
         per_layer = named + attention + experts + 2.0 * active_mlp(m)[1]
     else:  # 'none', 'dots': every matmul output is kept
         per_layer = 0.0
@@ -147,18 +154,19 @@ def padding_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
     return m["num_layers"] * (ratio - 1.0) * 3 * per_matmul * passes
 
 
-def _named_recompute(m: Mapping[str, Any]) -> float | None:
+def _named_recompute(m: Mapping[str, Any], attn: AttentionKind) -> float | None:
     """Forward matmul FLOPs per token and layer that a policy named by what it keeps
-    (`models.nn.scan.NAMED_POLICIES`) recomputes: the weight matmuls it keeps neither in HBM nor on
-    the host (never w_down, as under `full`); None for a policy that is not named so."""
+    (`models.nn.scan.NAMED_POLICIES`) recomputes: the weight matmuls it keeps neither in HBM nor
+    on the host (the attention's unnamed ones always; never w_down, as under `full`); None for a
+    policy that is not named so."""
     named = NAMED_POLICIES.get(_remat(m))
     if named is None:
         return None
     kept = set(named.saved) | set(named.offloaded)
-    e, d = m["embed"], m["head_dim"]
-    widths = {"qkv_proj": e * d * (m["num_heads"] + 2 * m["num_kv_heads"]),
-              "out_proj": m["num_heads"] * d * e, "mlp_gate_up": 2 * e * _mlp_widths(m)[0]}
-    return 2.0 * sum(v for k, v in widths.items() if k not in kept)
+    attention = attn.matmul_params() - sum(
+        v for k, v in attn.named_matmuls().items() if k in kept)
+    gate_up = 0 if "mlp_gate_up" in kept else 2 * m["embed"] * _mlp_widths(m)[0]
+    return 2.0 * (attention + gate_up)
 
 
 def _recomputes_attention(m: Mapping[str, Any]) -> bool:
@@ -167,9 +175,10 @@ def _recomputes_attention(m: Mapping[str, Any]) -> bool:
     return _remat(m) in ("full", "dots_no_batch") or _remat(m) in NAMED_POLICIES
 
 
-def attention_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
+def attention_flops_per_token(m: Mapping[str, Any], seq_len: int,
+                              config_cls: type[LlamaConfig] = LlamaConfig) -> float:
     """Attention matmul FLOPs per token of a step (what a fused attention kernel computes out of
-    the HLO's sight): the model count's 12·L·H·Q·T (forward and backward) plus the forward QK^T
-    and AV again where remat recomputes them."""
-    recomputed = _recomputes_attention(m)
-    return (12.0 + 4.0 * recomputed) * m["num_layers"] * m["num_heads"] * m["head_dim"] * seq_len
+    the HLO's sight): the model count's three times the attention's forward QK^T and AV (forward
+    and backward), plus the forward once more where remat recomputes it."""
+    passes = 3.0 + _recomputes_attention(m)
+    return passes * m["num_layers"] * _attention(m, config_cls).score_flops(seq_len)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models.attention.grouped_query import KVCache
+from jaxscale.models.attention.kinds import attention_of
 from jaxscale.models.decoder.block import layer_stack
 from jaxscale.models.decoder.config import LlamaConfig
 from jaxscale.models.nn.layers import RMSNorm, param
@@ -79,16 +79,16 @@ class Llama(nnx.Module):
         lead = ("batch", None) if w_EV.ndim == 3 else ("batch",)
         return constrain(logits, *lead, "length", "vocab")
 
-    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
-        """An empty stacked KV cache for `batch` rows of up to `max_len` positions."""
-        cfg = self.cfg
-        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
-                             dtype or self.policy.compute)
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> Any:
+        """An empty cache stacked over the layers for `batch` rows of up to `max_len` positions,
+        in the layout of the model's attention component (grouped-query: a `KVCache`)."""
+        return attention_of(self.cfg).init_cache(self.cfg.num_layers, batch, max_len,
+                                                 dtype or self.policy.compute)
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  run_layers: LayerRunner | None = None, *,
-                 cache: KVCache | None = None, cache_index: jax.Array | None = None,
-                 segments_BT: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+                 cache: Any = None, cache_index: jax.Array | None = None,
+                 segments_BT: jax.Array | None = None) -> jax.Array | tuple[jax.Array, Any]:
         """Logits for `tokens_BT`; `run_layers(block, h, positions)` may replace the scan.
 
         Packed rows: `segments_BT` (document ids, 0 on padding) keeps attention inside each
