@@ -1,9 +1,10 @@
 """The pure train step: `train_step(state, batch) -> (state, metrics)`.
 
-Built once per run by `make_train_step`, which closes over the static pieces (model definition,
+Built once per run by `jit_train_step`, which closes over the static pieces (model definition,
 optimizer, schedule, policy, rules and mesh) and returns a jitted function with explicit in/out
 shardings and a donated state. Gradient accumulation scans over microbatches inside the step.
-Periodic work (eval, checkpoints, Lo-Fi pushes) is not here: it hangs off the loop as hooks.
+Periodic work is not here: held-out metrics are `train/heldout.py`'s, checkpoints and Lo-Fi
+pushes hang off the loop as hooks.
 """
 
 from __future__ import annotations
