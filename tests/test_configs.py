@@ -154,20 +154,25 @@ def test_hardware_targets_set_what_they_promise():
 
 
 def test_gpu_presets_size_with_the_one_memory_model():
-    from jaxscale.aot.memory import Dims, state_bytes_per_param, step_bytes
+    """7b on h100x8 by hand: N = 6,738,415,616 parameters (Llama-2-7B's), FSDP over 8, full
+    remat, fused attention (no scores). State 22 N / 8 = 18,530,642,944 bytes; one gathered
+    layer in bf16 2 x 2 N / 32 = 842,301,952; per token the 32 layers' bf16 inputs 32 x 4,096 x
+    2, two layers' activations 2 x (10 x 4,096 + 4 x 11,008) x 2 and the float32 logits' three
+    buffers 3 x 32,000 x 4: 986,112 bytes."""
+    from jaxscale.aot.memory import state_bytes_per_param
 
     llama = MODULES["llama.py"]
     # f32 weights, Adam's two moments, gradient, accumulator, bf16 copy.
     assert llama.STATE_BYTES_PER_PARAM == state_bytes_per_param() == 22
-    s, t = llama.SIZES["7b"], llama.TARGETS["h100x8"]
-    dims = Dims.from_model(s.model, llama.num_params("7b"))
-    assert llama.memory_estimate("7b", t, 2) == int(step_bytes(
-        dims, tokens=2 * s.seq_len, seq_len=s.seq_len, state_bytes=22, param_shards=8,
-        remat="full"))
-    # The largest power of two under 80% of the device's HBM (the hardware table's).
-    b = llama.micro_batch("7b", "h100x8")
-    budget = llama.HBM_FRACTION * t.hbm_gib * 2**30
-    assert llama.memory_estimate("7b", t, b) <= budget < llama.memory_estimate("7b", t, 2 * b)
+    t = llama.TARGETS["h100x8"]
+    assert llama.num_params("7b") == 6_738_415_616
+    fixed = 18_530_642_944 + 842_301_952
+    assert llama.memory_estimate("7b", t, 2) == fixed + 2 * 2048 * 986_112 == 23_412_059_648
+    # The largest power of two within 80% of the device's 80 GiB (64 GiB): 16 sequences
+    # (51.7e9 bytes), not 32 (84.0e9).
+    assert llama.micro_batch("7b", "h100x8") == 16
+    assert llama.memory_estimate("7b", t, 16) == 51_685_862_912 <= 64 * 2**30
+    assert llama.memory_estimate("7b", t, 32) == 83_998_780_928 > 64 * 2**30
 
 
 def test_family_presets_have_the_published_shapes_and_the_table_flops():

@@ -51,13 +51,15 @@ def test_task_batch_spec_is_what_the_data_yields(name):
     feeds it: same names, shapes and dtypes."""
     import importlib
 
+    from jaxscale.data.packing import carries_segments
     from jaxscale.data.registry import build_data
 
     if name == "vit_digits":
         pytest.importorskip("sklearn")  # the digits
     c = importlib.import_module(f"configs.{name}").get_config("test")
     batch = next(build_data(c, 0, 1)[0].iterator())
-    spec = models.task_of(c.model).batch_spec(c.model, c.data.batch_size, c.data.seq_len)
+    spec = models.task_of(c.model).batch_spec(c.model, c.data.batch_size, c.data.seq_len,
+                                              carries_segments(c.data))
     assert {k: (v.shape, v.dtype) for k, v in spec.items()} == {
         k: (v.shape, v.dtype) for k, v in batch.items()}
 
@@ -110,7 +112,7 @@ def test_a_new_family_is_one_table_line(monkeypatch, tmp_path):
     from jaxscale.interop import hf
     from jaxscale.observe.metrics import model_flops_per_token
     from jaxscale.precision import get_policy
-    from jaxscale.train.step import accumulate_grads, loss_fn
+    from jaxscale.train.step import accumulate_grads, loss_and_metrics
     from jaxscale.weights.sources import read_hf_config
 
     calls = []
@@ -122,8 +124,8 @@ def test_a_new_family_is_one_table_line(monkeypatch, tmp_path):
     loss, _ = accumulate_grads(params, {}, {"tokens": tokens}, model_def, 1)
     plain = lm_task.lm_loss(model_def.module(params), {"tokens": tokens})
     assert calls == ["prepare", "loss"] and float(loss) == pytest.approx(3 * float(plain))
-    with pytest.raises(KeyError, match="weight"):  # loss_fn alone: no preparation
-        loss_fn(params, {}, {"tokens": tokens}, model_def)
+    with pytest.raises(KeyError, match="weight"):  # the loss alone: no preparation
+        loss_and_metrics(params, {}, {"tokens": tokens}, model_def)
 
     assert model_flops_per_token(TOY, 8) == 8000.0
     config = ml_collections.ConfigDict(dict(

@@ -63,7 +63,7 @@ def moe_all_to_all_bytes(config: mlc.ConfigDict, mesh) -> float:
     The buffers' rows split as the rules split `batch` (the presets: data x fsdp x expert),
     C = moe.capacity(capacity_factor, seq_len x experts_per_token, num_experts) per row."""
     from jaxscale.models.moe.layer import ROW_AXES, MoEConfig, capacity  # lazy: jax
-    from jaxscale.rules import AxisRules
+    from jaxscale.rules import AxisRules, as_tuple
 
     moe = MoEConfig.from_config(config.model.get("moe"))
     if not moe.num_experts or mesh.shape.get("expert", 1) <= 1:
@@ -73,9 +73,8 @@ def moe_all_to_all_bytes(config: mlc.ConfigDict, mesh) -> float:
     rows, t, x = config.data.batch_size, config.data.seq_len, moe.num_experts
     shape = (rows, x, capacity(moe.capacity_factor, t * moe.experts_per_token, x),
              config.model.embed)
-    spec = AxisRules.from_config(config).spec(ROW_AXES, shape, mesh, warn=False)
-    axes = spec[0] or ()
-    shards = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+    spec = AxisRules.from_config(config).activation_spec(ROW_AXES, shape, mesh)
+    shards = math.prod(mesh.shape[a] for a in as_tuple(spec[0]))
     itemsize = _compute_bytes(config)
     per_layer = 4 + 2 * (config.model.get("remat", "none") != "none")
     moe_layers = config.model.num_layers // moe.every  # MoE on every `every`-th layer
@@ -93,8 +92,8 @@ def moe_ragged_bytes(config: mlc.ConfigDict, mesh) -> float:
     if moe.dispatch == "allgather":
         return 0.0
     b, t, e = config.data.batch_size, config.data.seq_len, config.model.embed
-    batch, length, _ = AxisRules.from_config(config).spec(("batch", "length", "embed"),
-                                                          (b, t, e), mesh, warn=False)
+    batch, length, _ = AxisRules.from_config(config).activation_spec(
+        ("batch", "length", "embed"), (b, t, e), mesh)
     token_axes = as_tuple(batch) + as_tuple(length)
     if "expert" not in token_axes:
         return 0.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jaxscale.hardware import CHIPS, GiB
+from jaxscale.hardware import CHIPS, GiB, hbm_budget
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,15 @@ class Target:
 
     @property
     def hbm_gib(self) -> float:
-        """HBM per device as the hardware table documents it (the presets' 10% margin is of
-        this; `jaxscale compile` also shows what libtpu lets a program use)."""
+        """HBM per device as the hardware table documents it (what the memory estimate of
+        targets without a `Compiled` entry takes a share of)."""
         return CHIPS[self.chip].hbm_bytes / GiB
+
+    @property
+    def budget_gib(self) -> float:
+        """What a compiled step may fill per chip: the HBM libtpu lets a program use, less
+        `hardware.HBM_MARGIN` of it (`hardware.fits`, as the planner judges)."""
+        return hbm_budget(CHIPS[self.chip].hbm_limit_bytes) / GiB
 
 
 @dataclass(frozen=True)
@@ -60,8 +66,8 @@ class Compiled:
     """A TPU target's micro-batch as the TPU compiler chose it, not the estimate:
     `python bench/presets.py` compiles SIZE,TARGET for the target's topology (libtpu 0.0.52,
     nothing runs) at each power-of-two micro-batch, largest first, and keeps the first whose
-    total per chip (arguments + temporaries) leaves 10% of HBM free (`llama.FIT_MARGIN`, the
-    planner's default). `gib` is that total; with `micro_batch` 0 not even one sequence fits
+    total per chip (arguments + temporaries) is within the target's `budget_gib` (the planner's
+    `fits`). `gib` is that total; with `micro_batch` 0 not even one sequence fits
     and `gib` is what the compiler asked for at one (a lower bound where libtpu refused the
     step outright: its temporaries alone). `step_ms` is the roofline step-time ESTIMATE (full
     overlap, no overlap), never a measurement."""

@@ -47,8 +47,9 @@ Long context (`LONG_CONTEXT`, not in `VARIANTS`): `8b-128k,TARGET`, a Llama-3.1-
 a sequence per `context` chips (`ring_vjp` attention), FSDP over the rest. v5p-32: context 4 x
 fsdp 4; v6e-128: context 8 x fsdp 16 (docs/long-context.md). v5e has none: its 16 GB need
 fsdp=16 for the Adam state, and even context 16 on v5e-256 compiles to 15.44 GiB per chip, over
-the 10% margin, as v6e-64 (context 4 x fsdp 16) does at 27.53 GiB; on v4-32 (16 chips of 32 GiB)
-the v5p-32 mesh would need the 55.92 GiB per chip it compiles to there.
+the 14.18 GiB the margin leaves (`hardware.HBM_MARGIN`); v6e-64 (context 4 x fsdp 16, 27.53 GiB
+of the 28.12 it may fill) is not one; on v4-32 (16 chips of 32 GiB) the v5p-32 mesh would need
+the 55.92 GiB per chip it compiles to there.
 
 Data stays the byte-level stdlib corpus: bytes are token ids 0..255, a subset of the 32000-entry
 vocabulary, so the initial loss is ln(32000) = 10.4 rather than ln(256). Every field can still be
@@ -67,6 +68,7 @@ from jaxscale.aot.memory import Dims, state_bytes_per_param, step_bytes
 from jaxscale.config import base_config
 from jaxscale.configs._preset_parts import Compiled, LongContext, Size, Target
 from jaxscale.errors import ConfigError, paragraph
+from jaxscale.hardware import HBM_MARGIN
 
 _LLAMA2 = dict(vocab_size=32000, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
 SIZES: dict[str, Size] = {
@@ -96,7 +98,6 @@ TARGETS: dict[str, Target] = {
 }
 
 
-FIT_MARGIN = 0.1  # fraction of HBM a compiled TPU preset leaves free
 # Printed by `python bench/presets.py` (libtpu 0.0.52); `python bench/presets.py --check`
 # compiles every preset against it, `make test` the tightest of each size (tests/test_presets.py).
 COMPILED: dict[tuple[str, str], Compiled] = {
@@ -105,7 +106,7 @@ COMPILED: dict[tuple[str, str], Compiled] = {
     ("tiny", "v5e-8"): Compiled(2, 0.00, (0.00651, 0.006925)),
     ("tiny", "v5e-16"): Compiled(1, 0.00, (0.007359, 0.007567)),
     ("tiny", "v5e-64"): Compiled(1, 0.00, (0.01132, 0.01152)),
-    ("125m", "v4-8"): Compiled(32, 28.50, (183.6, 191.6)),
+    ("125m", "v4-8"): Compiled(16, 15.54, (183.6, 191.6)),
     ("125m", "v4-32"): Compiled(16, 13.73, (45.89, 52.77)),
     ("125m", "v5e-8"): Compiled(8, 9.13, (128.1, 137.5)),
     ("125m", "v5e-16"): Compiled(8, 9.13, (64.06, 74.12)),
@@ -216,8 +217,8 @@ def why_not(size: str, target: str, sizes: Mapping[str, Size] = SIZES) -> str | 
         compiled = COMPILED.get((size, target))
         if compiled:
             return (f"its training state and one sequence need {compiled.gib:.1f} GiB per chip "
-                    f"or more as the TPU compiler has it, over {1 - FIT_MARGIN:.0%} of the "
-                    f"{t.hbm_gib:.1f} GiB of HBM")
+                    f"or more as the TPU compiler has it, over the {t.budget_gib:.1f} GiB it may "
+                    f"fill ({HBM_MARGIN:.0%} of the HBM libtpu lets a program use kept free)")
         return (f"its training state and one sequence need about "
                 f"{memory_estimate(size, t, 1, sizes) / 2**30:.0f} GiB per device, more than "
                 f"{HBM_FRACTION:.0%} of the {t.hbm_gib:.0f} GiB of HBM")

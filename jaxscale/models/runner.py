@@ -19,7 +19,7 @@ import jax
 
 # (model, last layer's output h_BTE, targets_BT) -> the loss of the model's head on h (e.g.
 # `decoder/lm_task.mean_head_loss`: the head and loss together, so they may run chunk by chunk).
-# Not the step's loss of the parameters (`train/step.loss_fn`): only its head's part.
+# Not the step's loss of the parameters (`train/step.loss_and_metrics`): only its head's part.
 HeadLoss = Callable[[Any, jax.Array, jax.Array], jax.Array]
 
 

@@ -36,9 +36,10 @@ class Task:
     # eval_sums(model, batch) -> {'loss', 'correct', 'count'}, each summed over the batch's
     # counted predictions (masked rows and padding excluded), so totals divide once at the end.
     eval_sums: Callable[[Any, Batch], dict[str, jax.Array]]
-    # batch_spec(model_cfg, batch_size, seq_len) -> {name: jax.ShapeDtypeStruct}: the arrays
-    # of a global training batch, for compiling a step without reading data.
-    batch_spec: Callable[[Mapping[str, Any], int, int], dict[str, jax.ShapeDtypeStruct]]
+    # batch_spec(model_cfg, batch_size, seq_len, segments) -> {name: jax.ShapeDtypeStruct}: the
+    # arrays of a global training batch, for compiling a step without reading data; `segments`:
+    # the data's rows carry segment ids (packed documents, `data.packing.carries_segments`).
+    batch_spec: Callable[[Mapping[str, Any], int, int, bool], dict[str, jax.ShapeDtypeStruct]]
     unit: str  # what the eval count counts, reported by that name: 'tokens' | 'examples'
     # Applied to the whole batch before a step splits it (accumulation, replicas, pipeline
     # microbatches), e.g. the packed LM's batch-wide target count (`lm_task.with_target_counts`).

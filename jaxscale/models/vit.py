@@ -204,9 +204,10 @@ def eval_sums(model: ViT, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array
     return masked_sums(model(batch["images"]), batch["labels"], batch.get("mask"))
 
 
-def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int
-               ) -> dict[str, jax.ShapeDtypeStruct]:
-    """A training batch: float32 `images` (batch, size, size, channels) and int32 `labels`."""
+def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int,
+               segments: bool) -> dict[str, jax.ShapeDtypeStruct]:
+    """A training batch: float32 `images` (batch, size, size, channels) and int32 `labels`
+    (whatever `seq_len` and `segments`: images have no sequence)."""
     cfg = ViTConfig.from_config(model_cfg)  # its defaults for what the config leaves out
     size = cfg.image_size
     return {"images": jax.ShapeDtypeStruct((batch_size, size, size, cfg.channels), jnp.float32),

@@ -17,7 +17,7 @@ one all-to-all of the block weights per step (and back for the gradients): the p
 checkpoints and the 1-device model identical whatever the schedule.
 
 The layout helpers are stages.py's, shared with 1F1B (onef1b.py), which also runs this
-module's forward (`pipeline_layers`) for undifferentiated calls (evaluation). `PipelineRunner` is
+module's forward (`pipeline_layers`) for undifferentiated calls. `PipelineRunner` is
 the runner the schedule table (schedules.py) builds for `gpipe` and `circular`.
 """
 

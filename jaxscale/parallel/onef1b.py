@@ -126,9 +126,8 @@ class OneFOneB:
     """The 1F1B runner for `config.pipeline.schedule='1f1b'` (see the module docstring).
 
     `models/decoder/lm_task.lm_loss` calls `fused_loss` in place of the model's forward;
-    `train/step.loss_fn` calls
-    `scaled` under float16 loss scaling, so the backward inside the schedule starts from the
-    scaled loss and float16 cotangents do not underflow.
+    `train/step.loss_and_metrics` calls `scaled` under float16 loss scaling, so the backward
+    inside the schedule starts from the scaled loss and float16 cotangents do not underflow.
     """
 
     mesh: Mesh

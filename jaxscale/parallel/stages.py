@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.nn.scan import layer_data
-from jaxscale.rules import AxisRules, active_rules, use_rules
+from jaxscale.rules import active_rules, use_rules
 
 
 def iterations(stages: int, microbatches: int, repeats: int) -> int:
@@ -41,8 +41,7 @@ def rules_axes(var: nnx.Variable, mesh: Mesh) -> list:
     logical = var.get_metadata().get("logical_axes")
     if active is None or logical is None:
         return [None] * len(shape)
-    rules = AxisRules(active[0].rules, indivisible="replicate")
-    spec = rules.spec(tuple(logical), shape, mesh, "<pipeline weights>", warn=False)
+    spec = active[0].activation_spec(tuple(logical), shape, mesh, "<pipeline weights>")
     return [None if ax == "pipeline" or (isinstance(ax, tuple) and "pipeline" in ax) else ax
             for ax in tuple(spec)]
 
@@ -73,9 +72,8 @@ def _batch_spec(mesh: Mesh, shape: tuple[int, ...], lead: tuple) -> PartitionSpe
     active = active_rules()
     if active is None:
         return PartitionSpec(*lead)
-    lenient = AxisRules(active[0].rules, indivisible="replicate")
     rest = shape[len(lead):]
-    spec = lenient.spec(("batch",) + (None,) * (len(rest) - 1), rest, mesh, warn=False)
+    spec = active[0].activation_spec(("batch",) + (None,) * (len(rest) - 1), rest, mesh)
     return PartitionSpec(*lead, *spec)
 
 
@@ -98,11 +96,7 @@ def batch_over_stages(mesh: Mesh) -> Iterator[None]:
     if active is None or mesh.shape.get("pipeline", 1) == 1:
         yield
         return
-    rules, _ = active
-    axes = lambda a: () if a is None else ((a,) if isinstance(a, str) else tuple(a))
-    split = tuple((name, axes(a) + ("pipeline",) if name == "batch" and "pipeline" not in axes(a)
-                   else a) for name, a in rules.rules)
-    with use_rules(AxisRules(split, rules.strict, rules.indivisible), mesh):
+    with use_rules(active[0].extended("batch", "pipeline"), mesh):
         yield
 
 

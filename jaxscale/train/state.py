@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.models import ModelDef
 from jaxscale.optim import on_host
-from jaxscale.rules import AxisRules
+from jaxscale.rules import AxisRules, as_tuple
 from jaxscale.weights.place import param_specs
 
 # merge_trees: used by train/step.py (the train state keeps trainable and frozen apart).
@@ -62,7 +62,7 @@ def derived_spec(param_shape: tuple, spec: PartitionSpec, leaf_shape: tuple,
     if (len(leaf_shape) == len(param_shape) > 0
             and tuple(leaf_shape[:-1]) == tuple(param_shape[:-1])):
         last = axes[-1]
-        names = () if last is None else (last,) if isinstance(last, str) else tuple(last)
+        names = as_tuple(last)
         size = math.prod(mesh.shape[a] for a in names) if mesh is not None and names else 0
         keep = size and leaf_shape[-1] % size == 0
         return PartitionSpec(*axes[:-1], last if keep else None)

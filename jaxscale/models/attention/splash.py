@@ -165,8 +165,7 @@ def _sharded(run: Run, rules: AxisRules, mesh: jax.sharding.Mesh, q_BTHD: jax.Ar
              k_BSKD: jax.Array, v_BSKD: jax.Array, segments_BT: jax.Array | None) -> jax.Array:
     """`run` in a shard_map over the active mesh, specs from the rules: every shard holds whole
     sequences (length and head_dim are never split here) of its own query and kv heads."""
-    lenient = AxisRules(rules.rules, strict=False, indivisible="replicate")
-    spec = lambda logical, x: lenient.spec(logical, x.shape, mesh, "<splash>", warn=False)
+    spec = lambda logical, x: rules.activation_spec(logical, x.shape, mesh, "<splash>")
     batch, _, heads, _ = spec(("batch", "length", "heads", "head_dim"), q_BTHD)
     kv_batch, _, kv, _ = spec(("batch", "length", "kv", "head_dim"), k_BSKD)
     if heads != kv:  # e.g. 8 kv heads replicated over tensor=16: keep groups whole

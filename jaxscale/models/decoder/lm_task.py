@@ -292,11 +292,12 @@ def eval_sums(model: Llama, batch: Mapping[str, jax.Array]) -> dict[str, jax.Arr
     return masked_sums(model(tokens_BT1[:, :-1]), tokens_BT1[:, 1:], batch.get("mask"))
 
 
-def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int
-               ) -> dict[str, jax.ShapeDtypeStruct]:
-    """A training batch: `tokens` (batch, seq_len + 1) int32, inputs and shifted targets (packed
-    file sources add `segment_ids` and `positions` of the same shape)."""
-    return {"tokens": jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)}
+def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int,
+               segments: bool) -> dict[str, jax.ShapeDtypeStruct]:
+    """A training batch: `tokens` (batch, seq_len + 1) int32, inputs and shifted targets; rows
+    that carry segments (packed documents) add `segment_ids` and `positions` of that shape."""
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
+    return {"tokens": tokens, **({"segment_ids": tokens, "positions": tokens} if segments else {})}
 
 
 LM = Task(lm_loss, eval_sums, batch_spec, unit="tokens", prepare=prepare_batch,

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxscale.models.moe.dispatch import ragged_dispatch, resolve_dispatch
 from jaxscale.models.moe.gmm import Weights, expert_mlp, resolve_kernel, swiglu
-from jaxscale.rules import AxisRules, active_rules, as_tuple
+from jaxscale.rules import active_rules, as_tuple
 
 __all__ = ["dropless_experts", "expert_parallel", "swiglu"]
 
@@ -74,8 +74,7 @@ def expert_parallel(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.A
     if active is None:
         return None
     rules, mesh = active
-    lenient = AxisRules(rules.rules, strict=False, indivisible="replicate")
-    spec = lambda logical, x: tuple(lenient.spec(logical, x.shape, mesh, "<moe>", warn=False))
+    spec = lambda logical, x: tuple(rules.activation_spec(logical, x.shape, mesh, "<moe>"))
     expert, _, mlp = spec(("expert", "embed", "mlp"), w[0])
     expert_axes = as_tuple(expert)
     if math.prod(mesh.shape[a] for a in expert_axes) == 1:

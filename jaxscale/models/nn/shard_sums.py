@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale.rules import AxisRules, active_rules, as_tuple, constrain, shard_counts
+from jaxscale.rules import active_rules, as_tuple, constrain, shard_counts
 
 
 def batch_shards(batch: int) -> int:
@@ -66,8 +66,7 @@ def _scatter_plan(shape: tuple[int, ...], copy: Axes, weight: Axes) -> tuple | N
     if active is None or jax.sharding.get_abstract_mesh().manual_axes:
         return None
     rules, mesh = active
-    lenient = AxisRules(rules.rules, strict=False, indivisible="replicate")
-    spec = lambda logical, dims: lenient.spec(logical, dims, mesh, "<gradient>", warn=False)
+    spec = lambda logical, dims: rules.activation_spec(logical, dims, mesh, "<gradient>")
     in_spec = spec(("batch", *copy), shape)
     out_spec = spec(weight, shape[1:])
     batch = as_tuple(in_spec[0])

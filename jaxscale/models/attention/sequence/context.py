@@ -137,8 +137,8 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mas
     by the `variant` in `CONTEXT_ATTENTION`; out (B, T, H, D) sharded like the queries. The
     slots are the declared `sequence_order`'s when one is active (the sequence lies permuted),
     else the mask's."""
-    lenient = AxisRules(shards.rules.rules, strict=False, indivisible="replicate")
-    spec = lambda logical, x: lenient.spec(logical, x.shape, shards.mesh, "<context>", warn=False)
+    spec = lambda logical, x: shards.rules.activation_spec(logical, x.shape, shards.mesh,
+                                                           "<context>")
     batch, length, heads, _ = spec(Q_AXES, q_BTHD)
     kv_batch, _, kv, _ = spec(KV_AXES, k_BTKD)
     if heads != kv:  # e.g. kv heads replicated over tensor while query heads are split
