@@ -7,6 +7,8 @@ and traffic models take its facts, it trains, a 2 x 2 fsdp x tensor mesh compute
 run, and decoding through its cache gives the full forward pass's greedy tokens.
 """
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +45,15 @@ def test_an_unknown_kind_is_refused_with_the_table():
     with pytest.raises(ConfigError, match="attention_kind='shared_kv' is not an attention "
                                           "component; use one of grouped_query"):
         validate(c)
+
+
+@pytest.mark.parametrize("rel", ["models/decoder/flops.py", "models/decoder/block.py",
+                                 "models/decoder/llama.py", "aot/memory.py", "aot/traffic.py",
+                                 "aot/flops.py", "aot/guess.py", "generate.py"])
+def test_grouped_query_arithmetic_lives_in_its_component(rel):
+    """What asks the attention never spells grouped-query out (kv heads): its component does."""
+    text = (Path(kinds.__file__).parents[2] / rel).read_text()
+    assert "num_kv_heads" not in text, f"jaxscale/{rel}: ask the attention component"
 
 
 def test_the_kind_owns_its_parameters_cache_flops_and_bytes(shared_kv):

@@ -20,16 +20,17 @@ each other either.
  4. `config`: the base config and `validate`, which asks the packages below for their names
     (presets, remat policies, attention kinds, loggers, data files). The loop, the planner and
     Lo-Fi read and validate configs, so config sits below them all.
- 5. `weights`: parameter trees, placement, the committed-snapshot format, opening saved weights
-    (a run's orbax checkpoints read as weights included: `weights/restore.py`).
+ 5. `weights`: parameter trees, placement (each leaf's spec from the rules, and putting it there),
+    the committed-snapshot format, opening saved weights (a run's orbax checkpoints read as
+    weights included: `weights/restore.py`).
     Below train, not above it: the train state is made of weights' trees, the loop initialises
     from saved weights (`weights/init_from.py`), and nothing in weights needs a train state.
  6. `train`: the train state and its checkpoints (save, restore, resume), the one step builder,
     the step and the loop.
  7. `evaluate`, `interop`, `lofi`, `aot`: what runs, converts or plans trained weights (held-out
-    evaluation; Hugging Face import and export, which place weights with the train state's
-    specs; Lo-Fi workers and averagers; ahead-of-time compilation and the planner). The loop
-    knows none of them: it is handed its hooks.
+    evaluation; Hugging Face import and export, which place weights where `weights/place.py`
+    says, no train state needed; Lo-Fi workers and averagers; ahead-of-time compilation and
+    the planner). The loop knows none of them: it is handed its hooks.
  8. `generate`: sampling, from a workdir or a Hugging Face directory (through interop).
  9. `configs`: the bundled config files, a `get_config` each. Like a user's config file they may
     use any part of the library (the GPU presets size their micro-batch with `aot.memory`);

@@ -90,19 +90,18 @@ class ModelEntry:
 
 
 def _decoder(config_cls: Any, hf: HuggingFace) -> ModelEntry:
-    """The entry of a decoder family (`decoder/`): the Llama decoder with its config
-    class's switch defaults, so the same module, task, checks and FLOP counts (biases and norms
-    add no matmul)."""
-    family = functools.partial  # a decoder count or check with the family's config class
+    """The entry of a decoder family (`decoder/`): the Llama decoder with its config class's
+    switch defaults, so the same module, task, checks and FLOP counts (biases and norms add no
+    matmul), each read with that class's defaults (e.g. its attention kind)."""
+    def of_family(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return functools.partial(fn, config_cls=config_cls)
+
     return ModelEntry(config_cls, Llama, {"lm": lm_task.LM},
-                      flops_per_token=family(flops.flops_per_token, config_cls=config_cls),
-                      attention_flops=family(flops.attention_flops_per_token,
-                                             config_cls=config_cls),
-                      recompute_flops=family(flops.recompute_flops_per_token,
-                                             config_cls=config_cls),
+                      flops_per_token=of_family(flops.flops_per_token),
+                      attention_flops=of_family(flops.attention_flops_per_token),
+                      recompute_flops=of_family(flops.recompute_flops_per_token),
                       padding_flops=flops.padding_flops_per_token,
-                      hf=hf, check=family(check_config, config_cls=config_cls),
-                      check_mesh=check_mesh,
+                      hf=hf, check=of_family(check_config), check_mesh=check_mesh,
                       attention=lambda m: attention_of(config_cls.from_config(m)))
 
 
