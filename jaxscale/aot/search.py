@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import ml_collections as mlc
 
-from jaxscale.aot.compile import HbmOom
+from jaxscale.aot.compile import CompilerError, HbmOom, error_signature
 from jaxscale.aot.frontier import Frontier
 from jaxscale.aot.plan import Candidate, apply
 from jaxscale.aot.topology import Topology, compile_only_env
@@ -68,8 +68,11 @@ def _failure(e: Exception, topology: Topology) -> dict:
         return {"total_bytes": e.temp_bytes, "hbm_bytes": topology.chip.hbm_bytes,
                 "hbm_limit_bytes": e.available_bytes,  # the compiler's own, from its error
                 "over_hbm": "libtpu: CompileTimeHbmOom (temporaries alone)"}
+    if isinstance(e, CompilerError):  # the compiler's own line; the settings are the label
+        return {"error": e.compiler_line, "signature": e.signature}
     lines = [line for line in str(e).splitlines() if line.strip()]
-    return {"error": f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]}
+    error = f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+    return {"error": error, "signature": error_signature(error)}
 
 
 def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
@@ -77,7 +80,9 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
            margin: float = 0.1, compile_fn: CompileFn = compile_cached,
            space: Counter | None = None) -> list[tuple[Candidate, dict]]:
     """Compiles candidates in search order, `workers` at once (0: one per two cores), until
-    `max_candidates` are kept or the time budget is spent, then, up to as many again, the next
+    `max_candidates` are kept (failures not counted: they make the frontier skip their
+    siblings instead, `frontier.same_error_rules`) or the time budget is spent, then, up to as
+    many again, the next
     ones while nothing fits, else the untried neighbours of the best that the guess says may
     beat it (`Frontier.next`);
     returns (candidate, result) in search order. A candidate that cannot win is skipped
@@ -103,9 +108,9 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
         while True:
             front.learn(results)
             while len(pending) < workers and time.monotonic() < deadline:
-                room = len(front.kept) + len(pending) < max_candidates
+                used = front.counted + len(pending)  # failures use none of the budget
                 where = unsent.pop() if unsent else front.next(
-                    room, extra=len(front.kept) + len(pending) < 2 * max_candidates)
+                    used < max_candidates, extra=used < 2 * max_candidates)
                 if where is None:
                     break
                 try:
@@ -165,7 +170,7 @@ def _died(result: dict) -> bool:
 
 def _died_result() -> dict:
     return {"error": f"{_DIED} (out of memory? a libtpu crash?); rerun `launch.compile` on "
-                     "this candidate alone to see why"}
+                     "this candidate alone to see why", "signature": ""}  # maybe the machine's
 
 
 def _result(job: cf.Future) -> dict:
