@@ -63,3 +63,35 @@ def test_a_compiler_failure_is_one_paragraph_with_the_settings(tmp_path):
     assert "precision=bf16-mixed, grad_accum=2, batch 16 x 64: INVALID_ARGUMENT: No such " \
            "compile option: 'xla_no_such_option_here'. This is the compiler's own failure" in err
     assert "Traceback" not in proc.stderr and len(err.strip().splitlines()) == 1
+
+
+def test_the_barrier_changes_no_value_of_an_accumulated_step(monkeypatch):
+    # On CPU (no libtpu): one bf16-mixed step of 2 micro-batches on data=2 x fsdp=4, with the
+    # vocabulary gradients' reduce-scatters behind `settle`'s barrier and without it, gives
+    # the same loss, gradient norm and parameters to the bit. (That accumulation equals the
+    # large batch is test_parallel_equivalence's.)
+    import jax
+    import numpy as np
+
+    from configs.tiny_lm import get_config
+    from jaxscale.models import shard_sums
+    from jaxscale.train.loop import Trainer
+
+    def step(settle) -> tuple:
+        monkeypatch.setattr(shard_sums, "settle", settle)
+        c = get_config("test")
+        c.mesh.update(data=2, fsdp=4)
+        c.precision = "bf16-mixed"
+        c.train.update(grad_accum=2, eval_every=0)
+        trainer = Trainer.build(c, None)
+        batch = trainer.to_global(next(trainer.batches.iterator()))
+        state, metrics = trainer.train_fn(trainer.state, batch)
+        return jax.device_get((metrics["loss"], metrics["grad_norm"], state.params))
+
+    settled = []
+    barrier = shard_sums.settle
+    with_barrier = step(lambda g: settled.append(g.shape) or barrier(g))
+    assert len(settled) == 2  # the embedding's and the LM head's gradients, traced once each
+    without = step(lambda g: g)
+    for got, want in zip(jax.tree.leaves(with_barrier), jax.tree.leaves(without)):
+        np.testing.assert_array_equal(got, want)
