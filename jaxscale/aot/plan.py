@@ -266,8 +266,8 @@ def specified(config: mlc.ConfigDict, cand: Candidate) -> Candidate | None:
 
 
 SKIP_GUESSED = f"guessed over {FAR_OVER:g}x the HBM budget"
-SAME_ERROR = "same compiler error as "  # + a failed candidate's label (`frontier.why_skip`)
 SKIP_INVALID = "refused by the config validation"
+SAME_ERROR = "same compiler error as "  # + a failed candidate's label (`frontier.why_skip`)
 
 
 def candidates(config: mlc.ConfigDict, topology: Topology,
