@@ -129,3 +129,16 @@ def test_failures_alone_do_not_end_the_search(listed):
     assert len(results) > 2 and front.counted == 0
     assert sum(n for k, n in front.space.items() if k.startswith(SAME_ERROR)) > 0
     assert front.space["not reached"] == 0  # each was compiled or skipped, none left waiting
+
+
+def test_a_cached_result_is_keyed_on_the_code_and_the_compiler(monkeypatch):
+    # A plan replayed from a cache written before the accumulation fix reported a winner that
+    # no longer compiled: the key names the sources and the jax / libtpu versions too.
+    from jaxscale.aot import search
+
+    c, topology = llama.get_config("tiny"), parse_topology("v5e:2x2")
+    key = search.cache_key(c, topology)
+    assert key == search.cache_key(llama.get_config("tiny"), topology)
+    assert len(search.code_version()) == 16
+    monkeypatch.setattr(search, "code_version", lambda: "another tree")
+    assert search.cache_key(c, topology) != key

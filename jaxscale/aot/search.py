@@ -3,14 +3,17 @@
 `plan.py` says which candidates exist, in which order, and which cannot win; this module runs
 the TPU compiler on them, `workers` at once (a large compile keeps about 1.6 cores busy; a
 worker keeps a crashing compile away from the search, and libtpu's process lock is lifted for
-compile-only use), keyed on disk by a hash of config and topology so a rerun is instant. The
-result is the same for any number of workers: candidates come back in search order, and one
-that an earlier fitting candidate dominates is dropped even if it was compiling meanwhile.
+compile-only use), keyed on disk by a hash of config, topology and code (`cache_key`) so a
+rerun is instant. The result is the same for any number of workers: candidates come back in
+search order, and one that an earlier fitting candidate dominates is dropped even if it was
+compiling meanwhile.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
+import glob
 import hashlib
 import json
 import multiprocessing
@@ -18,6 +21,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
+from importlib import metadata
 
 import ml_collections as mlc
 
@@ -32,8 +36,32 @@ _DIED = "the compiling process died"
 
 
 def cache_key(config: mlc.ConfigDict, topology: Topology) -> str:
-    text = json.dumps([config.to_dict(), topology.label()], sort_keys=True, default=str)
+    """Config, topology and `code_version`: a result cached by other code or another compiler
+    is not this one's (issue 40: a plan replayed from a cache written before a change to the
+    step reported a winner that no longer compiled)."""
+    text = json.dumps([config.to_dict(), topology.label(), code_version()], sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@functools.cache
+def code_version() -> str:
+    """A digest of jaxscale's sources and the versions of jax, jaxlib and libtpu: what besides
+    the config decides a compile's result."""
+    import jaxscale
+
+    root = os.path.dirname(os.path.abspath(jaxscale.__file__))
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        digest.update(os.path.relpath(path, root).encode())
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    for package in ("jax", "jaxlib", "libtpu"):
+        try:
+            digest.update(f"{package}={metadata.version(package)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{package}=none".encode())
+    return digest.hexdigest()[:16]
 
 
 def compile_cached(config_json: str, topology: Topology, cache_dir: str) -> dict:
