@@ -81,6 +81,7 @@ def test_the_barrier_changes_no_value_of_an_accumulated_step(monkeypatch):
         monkeypatch.setattr(shard_sums, "settle", settle)
         c = get_config("test")
         c.mesh.update(data=2, fsdp=4)
+        c.model.num_layers = 1
         c.precision = "bf16-mixed"
         c.train.update(grad_accum=2, eval_every=0)
         trainer = Trainer.build(c, None)
