@@ -50,7 +50,7 @@ def main(argv):
     space = Counter()
     results = search(_CONFIG.value, topology, _CACHE.value, _MAX.value, _BUDGET.value,
                      _WORKERS.value, _MARGIN.value, space=space)
-    print(format_plan(results, _MARGIN.value, _TOP.value, topology, _CONFIG.value))
+    print(format_plan(results, _MARGIN.value, _TOP.value, topology, _CONFIG.value, space))
     print(space_line(space))
 
 
