@@ -31,8 +31,8 @@ def main(argv):
     from jaxscale.aot.report import format_report, step_estimate
     from jaxscale.aot.topology import parse_topology
 
-    report = compile_step(_CONFIG.value, parse_topology(_TOPOLOGY.value, _SLICES.value),
-                          _HLO.value)
+    report = compile_step(cli.resolved(_CONFIG.value),
+                          parse_topology(_TOPOLOGY.value, _SLICES.value), _HLO.value)
     print(format_report(report))
     if _OUT.value:
         with open(_OUT.value, "w") as f:

@@ -17,7 +17,7 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     distributed.setup()
     from jaxscale.aot.sharding_report import build_report, format_report
-    print(format_report(build_report(_CONFIG.value, _COMPILE.value)))
+    print(format_report(build_report(cli.resolved(_CONFIG.value), _COMPILE.value)))
 
 
 if __name__ == "__main__":

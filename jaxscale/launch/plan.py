@@ -47,10 +47,10 @@ def main(argv):
 
     topology = parse_topology(_TOPOLOGY.value, _SLICES.value)
     require_libtpu()
-    space = Counter()
-    results = search(_CONFIG.value, topology, _CACHE.value, _MAX.value, _BUDGET.value,
+    config, space = cli.resolved(_CONFIG.value), Counter()
+    results = search(config, topology, _CACHE.value, _MAX.value, _BUDGET.value,
                      _WORKERS.value, _MARGIN.value, space=space)
-    print(format_plan(results, _MARGIN.value, _TOP.value, topology, _CONFIG.value))
+    print(format_plan(results, _MARGIN.value, _TOP.value, topology, config))
     print(space_line(space))
 
 
