@@ -4,7 +4,8 @@
         [--config.mesh.fsdp=64 ...] [--num_slices=2] [--save_hlo=DIR] [--out=report.json]
 
 Prints memory per chip against HBM, FLOPs, collectives and a roofline step-time estimate.
-Needs `pip install 'jaxscale[tpu]'` (libtpu).
+Needs `pip install 'jaxscale[tpu]'` (libtpu). `--config.init_from=WEIGHTS` supplies the model as
+it does to `train` (only the shapes it records are read).
 """
 
 import json

@@ -6,7 +6,8 @@
 Ranks by a roofline step-time ESTIMATE (no overlap: compute plus every collective); prints
 the winner's --config.* overrides and how much of the search space it compiled and skipped.
 Past --max_candidates it compiles up to as many again: the next ones while nothing fits, else
-the best's untried neighbours that the guess says may beat it.
+the best's untried neighbours that the guess says may beat it. `--config.init_from=WEIGHTS`
+supplies the model as it does to `train` (only the shapes it records are read).
 """
 
 import os

@@ -42,7 +42,7 @@ from flax import nnx, traverse_util
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.adapters import lora_matmul
-from jaxscale.models.nn.fused import fuse_parts, unfuse
+from jaxscale.models.nn.fused import LLAMA_FUSED, fuse_parts, unfuse
 from jaxscale.models.nn.layers import ADAPTED_PROJECTION, ADAPTED_WEIGHT
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
@@ -207,4 +207,8 @@ def merge(params: Mapping, lora_cfg: Any) -> dict:
             w = flat[base]
             delta = lora_matmul.lora_delta(flat[key], flat[base + "_lora_b"], scale, w.ndim)
             out[base] = (w + delta.astype(w.dtype)).astype(w.dtype)
-    return _unflatten(fuse_parts(out) if fused else out)
+    # Fuse back only what was split: a mixture of experts' own `mlp/w_gate` / `w_up` are no parts.
+    parts = {f"{path.rsplit('/', 1)[0]}/{p}" for path in fused
+             for p in LLAMA_FUSED["/".join(path.split("/")[-2:])].parts}
+    joined = fuse_parts({k: v for k, v in out.items() if k in parts})
+    return _unflatten({**{k: v for k, v in out.items() if k not in parts}, **joined})
