@@ -324,3 +324,33 @@ def test_lora_adapters_on_experts_are_per_expert_and_merge_exactly():
         {k: v for k, v in params.items() if not lora.is_adapter(k)}))(tokens)))) > 1e-3
     with pytest.raises(ConfigError, match="lora.dropout=0.1 with adapters on layers/mlp/w_gate"):
         lora.with_adapters(plain, mlc.ConfigDict(dict(lora_cfg.to_dict(), dropout=0.1)))
+
+
+@pytest.mark.xdist_group("seaweedfs")
+def test_a_conversion_and_a_workdir_in_a_bucket_supply_the_model(seaweedfs, tmp_path):
+    """s3:// conversions and workdirs record their model and tokenizer as local ones do; a
+    Hugging Face directory in a bucket is one paragraph (safetensors reads local files)."""
+    from jaxscale.config import save_config
+    from jaxscale.data.tokenizer import load_tokenizer
+    from jaxscale.storage import locations, workdir_files
+    from jaxscale.weights.sources import WeightsError
+
+    _, bucket = seaweedfs
+    hf_dir = make_hf("qwen3", str(tmp_path / "hf"))
+    save_tokenizer(hf_dir, 200)
+    out = f"s3://{bucket}/conv"
+    model = convert.hf_to_workdir(hf_dir, out)
+    try:
+        run = resolve(finetune(out))
+        assert run.model.name == "qwen3" and run.data.tokenizer == out
+        assert {k: run.model[k] for k in model} == model
+        assert load_tokenizer(out).vocab_size == load_tokenizer(hf_dir).vocab_size
+        save_config(run, f"s3://{bucket}/run")
+        again = resolve(finetune(f"s3://{bucket}/run"))
+        assert again.model.to_dict() == run.model.to_dict() and again.data.tokenizer == out
+        with open(os.path.join(hf_dir, "config.json"), "rb") as f:
+            workdir_files.write_bytes(f"s3://{bucket}/hf/config.json", f.read())
+        with pytest.raises(WeightsError, match="Hugging Face directories are read with local"):
+            resolve(finetune(f"s3://{bucket}/hf"))
+    finally:
+        locations.configure()

@@ -43,6 +43,7 @@ import ml_collections as mlc
 from jaxscale.config import MODEL_COMMON
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.models import DEFAULT_MODEL, entry
+from jaxscale.storage import locations
 from jaxscale.weights.sources import recorded
 
 WEIGHTS, RUN = "weights", "run"
@@ -77,6 +78,8 @@ def resolve(config: mlc.ConfigDict, flagged: Collection[str] = ()) -> mlc.Config
     path = config.get("init_from")
     if not path:
         return config
+    if locations.is_remote(path):  # the run's S3 endpoint / region, as the loop sets them
+        locations.configure(config.get("storage"))
     found = recorded(path)
     if found.model is not None:
         if config.get("model_from_weights", False):
