@@ -300,7 +300,8 @@ def test_lora_adapters_on_experts_are_per_expert_and_merge_exactly():
     import ml_collections as mlc
 
     from jaxscale.errors import ConfigError
-    from jaxscale.models import ModelDef, lora
+    from jaxscale.models import ModelDef
+    from jaxscale.models.adapters import lora
     from jaxscale.precision import get_policy
 
     model_cfg = dict(name="mixtral", vocab_size=64, embed=16, num_layers=2, num_heads=2,
