@@ -34,10 +34,14 @@ _BATCH = ("batch", ("data", "fsdp", "expert"))
 _REPLICATED = [("length", "context"), ("head_dim", None), ("norm", None), ("lora_rank", None),
                ("fused", None),  # the q/k/v and gate/up parts of a fused weight
                ("expert", "expert"),  # MoE experts (models/moe/layer.py)
-               ("expert_batch", ("data", "fsdp"))]  # rows of the experts' capacity buffers
+               ("expert_batch", ("data", "fsdp")),  # rows of the experts' capacity buffers
+               ("q_lora", None), ("kv_lora", None)]  # latent attention's (when not on fsdp)
 _STAGES = [("layers", "pipeline")]
 _TP = [("vocab", "tensor"), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor")]
-_FSDP = [("embed", "fsdp"), ("mlp", "fsdp"), ("vocab", "fsdp")]
+# q_lora / kv_lora: latent attention's bottleneck dims (models/attention/latent.py), whose
+# up-projections have no embed dimension to shard.
+_FSDP = [("embed", "fsdp"), ("mlp", "fsdp"), ("vocab", "fsdp"), ("q_lora", "fsdp"),
+         ("kv_lora", "fsdp")]
 
 PRESETS: dict[str, list[tuple[str, Any]]] = {
     "dp": [_BATCH, ("vocab", None), ("heads", None), ("kv", None), ("mlp", None),

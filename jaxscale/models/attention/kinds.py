@@ -13,11 +13,13 @@ from typing import Any
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.attention.component import AttentionKind
 from jaxscale.models.attention.grouped_query import GroupedQuery
+from jaxscale.models.attention.latent import Latent
 
 DEFAULT_ATTENTION = "grouped_query"  # what a config without `model.attention_kind` builds
 
 ATTENTIONS: dict[str, type[AttentionKind]] = {
     "grouped_query": GroupedQuery,
+    "latent": Latent,  # multi-head latent attention (DeepSeek-V2/V3), `model.mla`
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.attention.kernels import ATTENTION_IMPLS, SOFTCAP_IMPLS
 from jaxscale.models.attention.kinds import DEFAULT_ATTENTION, attention_of
+from jaxscale.models.attention.latent import MLAConfig
 from jaxscale.models.attention.sequence.context import check_config as check_context
 from jaxscale.models.moe.config import MoEConfig
 from jaxscale.models.moe.config import num_params as moe_params
@@ -83,6 +84,8 @@ class LlamaConfig:
     final_softcap: float = 0.0
     # Mixture of experts in place of the dense MLP (num_experts > 0): jaxscale/models/moe/layer.py.
     moe: MoEConfig = MoEConfig()
+    # Multi-head latent attention's widths (`attention_kind=latent`): attention/latent.py.
+    mla: MLAConfig = MLAConfig()
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any]) -> "LlamaConfig":
@@ -90,6 +93,8 @@ class LlamaConfig:
         kw = {k: v for k, v in dict(model_cfg).items() if k in fields}
         if "moe" in kw:
             kw["moe"] = MoEConfig.from_config(kw["moe"])
+        if "mla" in kw:
+            kw["mla"] = MLAConfig.from_config(kw["mla"])
         if "layer_types" in kw:
             kw["layer_types"] = tuple(kw["layer_types"] or ())
         return cls(**kw)
