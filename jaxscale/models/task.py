@@ -46,6 +46,10 @@ class Task:
     prepare: Callable[[Batch], Batch] = same_batch
     perplexity: bool = False     # evaluation also reports exp(mean loss)
     token_batches: bool = False  # trains on {'tokens': (B, T+1)} int32 batches (what AOT builds)
+    # How `jaxscale train` fine-tunes this task's model from converted weights: the --config
+    # value, and the flags after --config.init_from (the default: the user's config, which
+    # takes its model from the weights).
+    finetune: tuple[str, str] = ("CONFIG", "--config.model_from_weights=true")
 
 
 def masked_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None

@@ -301,4 +301,5 @@ def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int,
 
 
 LM = Task(lm_loss, eval_sums, batch_spec, unit="tokens", prepare=prepare_batch,
-          perplexity=True, token_batches=True)
+          perplexity=True, token_batches=True,
+          finetune=("finetune_lm:lora", "--config.data.sources='text=YOUR/FILES/*.txt'"))
