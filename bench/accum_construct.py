@@ -4,7 +4,7 @@ A loop (`lax.scan`, as gradient accumulation) adds to a float32 carry a bf16 red
 converted to float32. libtpu 0.0.52's `while-loop-all-reduce-code-motion` accepts the convert
 when it checks whether it may move the reduce-scatter out of the loop, then fails on it when it
 rewrites the loop (`RET_CHECK ... user->opcode() == HloOpcode::kAdd`). jaxscale puts an
-optimization barrier between the reduce-scatter and the convert (`models/shard_sums.settle`).
+optimization barrier between the reduce-scatter and the convert (`models/nn/shard_sums.settle`).
 Prints one line per variant; when the first compiles too, a libtpu upgrade has fixed the pass
 and the barrier may go (bench/RESULTS.md, "Gradient accumulation on every TPU generation").
 

@@ -192,7 +192,7 @@ ENTRY %main (a: bf16[2,8]) -> bf16[8,8] {
                           ", dimensions={0}\n  ROOT %ag2 = bf16[8,8] all-gather(%p1), channel_id=7")
     assert sum(c.total_bytes for c in hlo.collectives(halves)) == 2 * 128
     # Outside fusions one channel is not a repeat: a shard_map ppermute keeps channel_id 1 in
-    # the forward and the backward loops of a ring (models/context.py), two transfers.
+    # the forward and the backward loops of a ring (models/attention/sequence/context.py), two transfers.
     calls = text.replace("fusion(%a), kind=kCustom, calls=", "call(%a), to_apply=").replace(
         "fusion(%a), kind=kOutput, calls=", "call(%a), to_apply=").replace(
         "ROOT %c = bf16[8,8]", "%c = bf16[8,8]").replace(
@@ -311,7 +311,7 @@ def test_splash_attention_compiles_for_tpu_with_its_flops_labelled(tmp_path):
 @pytest.mark.parametrize("dcn, kinds, groups", [
     (["--num_slices=2", "--config.mesh.dcn_data=2"], {"all-reduce"}, {2}),
     # FSDP and data parallelism over 2 x 2 slices: pairs of slices, and the loss over all 4;
-    # the vocabulary matrices' gradients reduce-scattered over fsdp (`models/shard_sums.py`).
+    # the vocabulary matrices' gradients reduce-scattered over fsdp (`models/nn/shard_sums.py`).
     (["--num_slices=4", "--config.mesh.dcn_data=2", "--config.mesh.dcn_fsdp=2"],
      {"all-reduce", "all-gather", "all-to-all", "reduce-scatter"}, {2, 4}),
     (["--num_slices=2", "--config.mesh.dcn_pipeline=2", "--config.pipeline.microbatches=4"],
@@ -384,7 +384,7 @@ def test_ragged_dot_flops_count_each_row_against_its_own_group():
 def test_moe_flops_per_token_count_the_active_experts():
     # 8 experts, top-2, one shared: a token passes through 3 expert-wide SwiGLUs and the router,
     # as a dense model 3x as wide plus the router's matmul; the other 6 experts cost nothing.
-    from jaxscale.models.llama_flops import flops_per_token
+    from jaxscale.models.decoder.flops import flops_per_token
 
     c = llama.get_config("tiny")
     dense = flops_per_token({**c.model, "mlp": 3 * 32}, 64)

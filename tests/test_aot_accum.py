@@ -4,7 +4,7 @@ libtpu 0.0.52 failed every accumulated `bf16-mixed` step on an FSDP mesh with
 `RET_CHECK ... while_loop_all_reduce_code_motion.cc ... user->opcode() == HloOpcode::kAdd`: the
 vocabulary matrices' gradients are reduce-scattered in bf16 and converted to float32 before the
 loop adds them to its carry, a form that pass accepts when it checks a loop and then fails on
-when it rewrites it (`models/shard_sums.settle`, bench/RESULTS.md). The sweep over every TPU
+when it rewrites it (`models/nn/shard_sums.settle`, bench/RESULTS.md). The sweep over every TPU
 generation, mesh and accumulation is `bench/accum_sweep.py`; here is its smallest failing case.
 """
 
@@ -74,7 +74,7 @@ def test_the_barrier_changes_no_value_of_an_accumulated_step(monkeypatch):
     import numpy as np
 
     from configs.tiny_lm import get_config
-    from jaxscale.models import shard_sums
+    from jaxscale.models.nn import shard_sums
     from jaxscale.train.loop import Trainer
 
     def step(settle) -> tuple:

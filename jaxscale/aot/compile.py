@@ -26,6 +26,7 @@ from jaxscale.aot import hlo, traffic
 from jaxscale.aot.choices import fit_advice, require_language_model, rows_per_chip
 from jaxscale.aot.topology import Topology, TopologyError, topology_devices, usable_hbm_bytes
 from jaxscale.errors import JaxscaleError, MeshError, paragraph
+from jaxscale.hardware import fits as hardware_fits
 
 _HBM_OOM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds? available HBM \(([\d.]+)G\)")
 
@@ -162,8 +163,10 @@ class StepReport:
 
     @property
     def fits(self) -> bool:
-        """Within the compiler's own HBM limit where the table has it, else the capacity."""
-        return self.total_bytes <= (self.hbm_limit_bytes or self.hbm_bytes)
+        """Whether the compiler accepts the step at all: within its own HBM limit where the
+        table has it, else the capacity (`hardware.fits` with no margin; the planner and the
+        presets ask for `hardware.HBM_MARGIN` of it free)."""
+        return hardware_fits(self.total_bytes, self.hbm_limit_bytes or self.hbm_bytes, 0.0)
 
     def to_json(self) -> dict:
         return {**asdict(self), "total_bytes": self.total_bytes, "fits": self.fits}

@@ -46,6 +46,7 @@ from jaxscale.aot.plan import (
     step_s,
 )
 from jaxscale.aot.topology import Topology
+from jaxscale.hardware import hbm_budget
 
 # A neighbour past the budget is compiled when its guessed step is under the best's guess
 # times this: the guess cannot tell a data x fsdp split from its sibling (their collectives
@@ -193,14 +194,14 @@ class Frontier:
         (`guess.CALIBRATION`): scaled by what compiled candidates of the same policy came to
         (a refusal's temporaries, a lower bound, included), is it over the HBM budget?"""
         scale = self.scale.get(_remat(cand))
-        budget = self.topology.chip.hbm_limit_bytes * (1 - self.margin)
+        budget = hbm_budget(self.topology.chip.hbm_limit_bytes, self.margin)
         return bool(scale and cand.guess_bytes and cand.guess_bytes * scale > budget)
 
     def _doubted(self, cand: Candidate) -> bool:
         """Whether the memory guess (scaled as compiled ones of its remat, where there are)
         puts `cand` over the budget, or there is none: past the budget only a likely fit is
         worth a compile."""
-        budget = self.topology.chip.hbm_limit_bytes * (1 - self.margin)
+        budget = hbm_budget(self.topology.chip.hbm_limit_bytes, self.margin)
         if cand.guess_bytes is None:  # no guess (pipeline stages): nothing says it may win
             return True
         return cand.guess_bytes * self.scale.get(_remat(cand), 1.0) > budget

@@ -30,6 +30,7 @@ from jaxscale.aot.frontier import Frontier
 from jaxscale.aot.plan import Candidate, apply
 from jaxscale.aot.topology import Topology, compile_only_env
 from jaxscale.errors import ConfigError, paragraph
+from jaxscale.hardware import HBM_MARGIN
 
 CompileFn = Callable[[str, Topology, str], dict]  # (config JSON, topology, cache dir) -> result
 _DIED = "the compiling process died"
@@ -105,7 +106,7 @@ def _failure(e: Exception, topology: Topology) -> dict:
 
 def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
            max_candidates: int = 16, time_budget_s: float = 3600.0, workers: int = 0,
-           margin: float = 0.1, compile_fn: CompileFn = compile_cached,
+           margin: float = HBM_MARGIN, compile_fn: CompileFn = compile_cached,
            space: Counter | None = None) -> list[tuple[Candidate, dict]]:
     """Compiles candidates in search order, `workers` at once (0: one per two cores), until
     `max_candidates` are kept (failures not counted: they make the frontier skip their

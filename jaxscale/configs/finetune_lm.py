@@ -1,13 +1,24 @@
-"""Fine-tune a decoder from saved weights: `--config=configs/finetune_lm.py:SIZE[,lora][,TARGET]`.
+"""Fine-tune a decoder from saved weights: `--config=finetune_lm[:lora]` or
+`--config=finetune_lm:SIZE[,lora][,TARGET]`.
 
-    python -m launch.train --config=configs/finetune_lm.py:1b,lora,v5e-16 --workdir=RUN \\
-        --config.init_from=WEIGHTS
+    jaxscale train --config=finetune_lm:lora --workdir=RUN --config.init_from=HF_DIR \\
+        --config.data.sources='text=my/files/*.txt'
 
-SIZE and TARGET are those of `configs/llama.py` (model dims, mesh, rules, micro-batch); the
-model must match the weights, so for a converted Hugging Face model also pass the
-`--config.model.*` flags `launch.convert` prints. `config.init_from` is required (validation
-stops with a clear error until it is set): a `launch.convert` output, a previous run's workdir
-or checkpoint, a params export or a Lo-Fi store.
+`config.init_from` is required (validation stops with a clear error until it is set): a Hugging
+Face model directory (read directly, no convert step), a `launch.convert` output, a previous
+run's workdir or checkpoint, a params export or a Lo-Fi store, locally or in a bucket.
+
+Without a SIZE (`finetune_lm`, `finetune_lm:lora`) the model comes with its weights
+(`config.model_from_weights`, `jaxscale/weights/resolve.py`): its fields are the ones
+`init_from` records, and so is `data.tokenizer` unless it is set; the recipe is the `1b` size's
+(FSDP over every local device, full remat, `bf16-mixed`, 256 x 2048 tokens a step; lower
+`--config.data.batch_size` or raise `--config.train.grad_accum` to fit your devices, or name a
+SIZE,TARGET preset). A `--config.model.*` flag may set the fields that do not change what the
+weights compute (`resolve.SAFE`: `max_len`, `remat`, the attention kernel, loss chunks, the MoE
+capacity and kernels); one that contradicts the weights (vocabulary, layers, widths, rotary,
+norms, family) is refused naming each field with both values. With a SIZE, the config names its
+model (SIZE and TARGET are those of `configs/llama.py`: model dims, mesh, rules, micro-batch),
+and weights of another model are refused the same way.
 
 Against pre-training it changes what fine-tuning needs: the learning rate is a tenth of the
 pre-training one for full fine-tuning (the weights are already good; large steps would undo
@@ -18,41 +29,15 @@ gradients: see `configs/llama.py`). `lora` trains rank-16 adapters (alpha 32) on
 attention and MLP projection instead: the base weights are frozen (no gradients or optimizer
 state) and, because the adapters start at zero, at the pre-training learning rate.
 
-Besides the Llama sizes, SIZE may be a small model of another decoder family of the model
-table at its published shapes (`FAMILIES`), to fine-tune a `launch.convert --from_hf` output:
+Besides the Llama sizes, SIZE may be a small model of another decoder family at its published
+shapes (`FAMILIES`, with the recipe of the closest Llama size), sized for each TARGET by the
+memory estimate: docs/fine-tune-families.md ("The published sizes") has the shapes, parameter
+counts and what the TPU compiler makes of the estimate.
 
-    qwen3-0.6b     Qwen3-0.6B (`model.name=qwen3`: qk-norm, head_dim 128 > embed / heads): embed
-                   1024, 28 layers, 16 heads (8 kv), mlp 3072, vocab 151936, rope 1e6, tied  596.0M
-    qwen2.5-0.5b   Qwen2.5-0.5B (`model.name=qwen2`: q/k/v biases): embed 896, 24 layers,
-                   14 heads (2 kv), mlp 4864, vocab 151936, rope 1e6, tied                  494.0M
-    mistral-7b     Mistral-7B-v0.3 (`model.name=mistral`): embed 4096, 32 layers, 32 heads (8
-                   kv), mlp 14336, vocab 32768, rope 1e6, untied, no sliding window (v0.3's
-                   config.json has `sliding_window: null`; v0.1's 4096 is
-                   `--config.model.sliding_window=4096`)                                  7,248.0M
-    gemma3-1b      Gemma-3-1B (`model.name=gemma3`): embed 1152, 26 layers (every 6th global,
-                   the rest a 512-token window, local rotary 1e4), 4 heads (1 kv), head_dim
-                   256, mlp 6912, vocab 262144, rope 1e6, tied                              999.9M
-    gemma2-2b      Gemma-2-2B (`model.name=gemma2`): embed 2304, 26 layers (alternating a
-                   4096-token window and global), 8 heads (4 kv), head_dim 256, mlp 9216,
-                   vocab 256000, rope 1e4, soft-caps 50 / 30, tied                        2,614.3M
-
-Each takes the recipe of the Llama size it is closest to (qwen and gemma: `1b`'s 256 x 2048
-tokens, full remat, FSDP; mistral-7b: `7b`'s 512 x 2048) and the same TARGETs, sized the same
-way where the TPU compiler has not sized them (`configs/llama.py` `COMPILED` holds the Llama sizes only):
-the largest power-of-two micro-batch whose estimate (`jaxscale.aot.memory`, with the family's
-own parameter count: Qwen2's biases, Qwen3's q/k norms) stays under 80% of a device's HBM. The
-Gemmas run splash on TPU targets (their mixed local/global pattern is a traced window, so each
-layer picks splash's local or global kernel) and einsum on GPU targets (cuDNN's kernel takes a
-static window only); their estimate counts einsum's scores on every target. On
-TPU that estimate errs on the safe side (`qwen3-0.6b,v5e-8`: 2 sequences a chip, which libtpu
-0.0.52 compiles to 5.41 GiB of 14.90); `jaxscale compile` with the preset shows what the
-compiler needs, and `JAXSCALE_COMPILE_PRESETS=1` makes `tests/test_presets.py` compile every
-TPU preset of these families and check it leaves 10% of HBM free. FLOPs per token (MFU, `launch.plan`) are the model table entry's, the Llama's
-count: biases and norms add no matmul.
-
-`:test` (and `:test,lora`) is the small-run mode: the tiny model of `configs/llama.py:tiny` for 4
-CPU steps, with `init_from=''` (fresh random weights) so it runs without a checkpoint; point it at
-a `configs/llama.py:tiny` workdir to fine-tune real weights.
+`:test` (and `:test,lora`) is the small-run mode: 4 CPU steps of the recipe of
+`configs/llama.py:tiny`, with `init_from=''`, so it runs without a checkpoint on the tiny model
+as a stand-in (fresh random weights); pointed at weights (a tiny Hugging Face directory of any
+family, a `configs/llama.py:tiny` workdir), it takes their model.
 """
 
 from __future__ import annotations
@@ -60,11 +45,13 @@ from __future__ import annotations
 import ml_collections as mlc
 
 from jaxscale.configs import sibling
+from jaxscale.configs._preset_parts import Size
 from jaxscale.errors import ConfigError, paragraph
 
 llama = sibling("llama")
 
 _FULL_LR_FACTOR = 0.1
+_RECIPE = "1b"  # the recipe of `finetune_lm[:lora]`, whose model comes from the weights
 _LORA = dict(rank=16, alpha=32.0, targets=("attn/w[qkvo]$", "mlp/w_(gate|up|down)$"))
 
 # Other families of the model table at their published shapes, with the recipe of the closest
@@ -82,24 +69,24 @@ def _pattern(layers: int, period: int) -> tuple[str, ...]:
                  for i in range(layers))
 
 
-FAMILIES: dict[str, llama.Size] = {
-    "qwen3-0.6b": llama.Size(dict(_QWEN, name="qwen3", embed=1024, num_layers=28, num_heads=16,
+FAMILIES: dict[str, Size] = {
+    "qwen3-0.6b": Size(dict(_QWEN, name="qwen3", embed=1024, num_layers=28, num_heads=16,
                                   num_kv_heads=8, head_dim=128, mlp=3072, max_len=40960),
                              **_RECIPE_1B),
-    "qwen2.5-0.5b": llama.Size(dict(_QWEN, name="qwen2", embed=896, num_layers=24, num_heads=14,
+    "qwen2.5-0.5b": Size(dict(_QWEN, name="qwen2", embed=896, num_layers=24, num_heads=14,
                                     num_kv_heads=2, head_dim=64, mlp=4864, max_len=32768),
                                **_RECIPE_1B),
-    "mistral-7b": llama.Size(dict(name="mistral", vocab_size=32768, embed=4096, num_layers=32,
+    "mistral-7b": Size(dict(name="mistral", vocab_size=32768, embed=4096, num_layers=32,
                                   num_heads=32, num_kv_heads=8, head_dim=128, mlp=14336,
                                   max_len=32768, rope_theta=1e6, norm_eps=1e-5,
                                   tie_embeddings=False, sliding_window=0),
                              **dict(_RECIPE_1B, batch=512, steps=100_000)),
-    "gemma3-1b": llama.Size(dict(_GEMMA, name="gemma3", vocab_size=262144, embed=1152,
+    "gemma3-1b": Size(dict(_GEMMA, name="gemma3", vocab_size=262144, embed=1152,
                                  num_layers=26, num_heads=4, num_kv_heads=1, mlp=6912,
                                  max_len=32768, rope_theta=1e6, rope_local_theta=1e4,
                                  sliding_window=512, layer_types=_pattern(26, 6)),
                             **_RECIPE_1B),
-    "gemma2-2b": llama.Size(dict(_GEMMA, name="gemma2", vocab_size=256000, embed=2304,
+    "gemma2-2b": Size(dict(_GEMMA, name="gemma2", vocab_size=256000, embed=2304,
                                  num_layers=26, num_heads=8, num_kv_heads=4, mlp=9216,
                                  max_len=8192, rope_theta=1e4, sliding_window=4096,
                                  layer_types=_pattern(26, 2), attn_softcap=50.0,
@@ -120,24 +107,26 @@ def _with_lora(base: str) -> tuple[str, str]:
 
 
 _SIZES = tuple(s for s in llama.SIZES if s != "tiny") + tuple(FAMILIES)
-VARIANTS: tuple[str, ...] = ("test", "test,lora") + tuple(
+VARIANTS: tuple[str, ...] = ("test", "test,lora", "", "lora") + tuple(
     v for size in _SIZES
     for base in (size, *(f"{size},{t}" for t in llama.TARGETS if _fits(size, t)))
     for v in _with_lora(base))
 
 
 def parse_arg(arg: str | None) -> tuple[str, bool]:
-    """'1b,lora,v5e-16' -> ('1b,v5e-16', True): the SIZE[,TARGET] and whether to use LoRA."""
+    """'1b,lora,v5e-16' -> ('1b,v5e-16', True): the SIZE[,TARGET] ('' without a SIZE: the
+    model comes from the weights) and whether to use LoRA."""
     parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
     lora = "lora" in parts
     rest = [p for p in parts if p != "lora"]
-    ok = rest == ["test"] or (0 < len(rest) <= 2 and rest[0] in _SIZES
-                              and all(t in llama.TARGETS for t in rest[1:]))
+    ok = rest in ([], ["test"]) or (0 < len(rest) <= 2 and rest[0] in _SIZES
+                                    and all(t in llama.TARGETS for t in rest[1:]))
     if not ok:
         raise ConfigError(paragraph(
-            f"configs/finetune_lm.py: cannot read the argument {arg!r}. Use test[,lora] or",
-            f"SIZE[,lora][,TARGET] with SIZE in {', '.join(_SIZES)}",
-            f"and TARGET in {', '.join(llama.TARGETS)}, e.g. :1b,lora,v5e-16.",
+            f"configs/finetune_lm.py: cannot read the argument {arg!r}. Use nothing or lora (the",
+            "model comes with config.init_from's weights), test[,lora], or SIZE[,lora][,TARGET]",
+            f"with SIZE in {', '.join(_SIZES)} and TARGET in {', '.join(llama.TARGETS)}, e.g.",
+            ":1b,lora,v5e-16 (a TARGET sizes the micro-batch for a model it knows: name a SIZE).",
         ))
     if len(rest) == 2 and rest[0] in FAMILIES and not _fits(*rest):
         size, target = rest
@@ -162,9 +151,10 @@ def _base_config(base: str) -> mlc.ConfigDict:
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
     base, use_lora = parse_arg(arg)
     test = base == "test"
-    c = llama.get_config("tiny") if test else _base_config(base)
+    c = llama.get_config("tiny") if test else _base_config(base or _RECIPE)
     pretrain_lr = c.optim.lr
     c.init_from = "" if test else mlc.config_dict.placeholder(str)
+    c.model_from_weights = base in ("", "test")  # the model is a stand-in for init_from's
     c.data.part = "b"
     c.optim.update(lr=pretrain_lr * (1.0 if use_lora else _FULL_LR_FACTOR), warmup_steps=50,
                    weight_decay=0.0, min_lr_ratio=0.1)

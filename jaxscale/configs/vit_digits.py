@@ -2,8 +2,10 @@
 
 `python -m launch.train --config=configs/vit_digits.py --workdir=DIR --cpu_devices=8` reaches
 >95% test accuracy in a few CPU minutes (`python -m launch.evaluate --workdir=DIR` reports it).
-`:test` is a seconds-long variant for the tests. To fine-tune a converted Hugging Face ViT,
-set `--config.init_from=CONVERTED` and the `--config.model.*` flags `launch.convert` prints.
+`:test` is a seconds-long variant for the tests. To fine-tune a Hugging Face ViT (its
+directory or a `launch.convert` output), set `--config.init_from=DIR
+--config.model_from_weights=true`: the run takes the weights' image size, patch size, channels
+and labels.
 """
 
 import ml_collections as mlc
@@ -20,7 +22,6 @@ def get_config(arg: str | None = None):
         name="vit", task="classify", image_size=8, patch_size=2, channels=1, num_classes=10,
         embed=64, num_layers=4, num_heads=4, head_dim=16, mlp=128, norm_eps=1e-6,
         remat="none",
-        num_kv_heads=4, max_len=17,  # read by config validation only (no kv groups in a ViT)
     ))
     # seq_len counts tokens per image (16 patches + class token); it only feeds tokens/s.
     c.data.update(corpus="digits", seq_len=17, batch_size=64, eval_batches=0, max_bytes=0,
