@@ -25,6 +25,7 @@ from jaxscale.aot.compile import HbmOom
 from jaxscale.aot.frontier import Frontier
 from jaxscale.aot.plan import Candidate, apply
 from jaxscale.aot.topology import Topology, compile_only_env
+from jaxscale.compat import toolchain
 from jaxscale.errors import ConfigError, paragraph
 
 CompileFn = Callable[[str, Topology, str], dict]  # (config JSON, topology, cache dir) -> result
@@ -32,7 +33,10 @@ _DIED = "the compiling process died"
 
 
 def cache_key(config: mlc.ConfigDict, topology: Topology) -> str:
-    text = json.dumps([config.to_dict(), topology.label()], sort_keys=True, default=str)
+    """The config, the topology and the installed compiler stack (`compat.toolchain`): a jax or
+    libtpu upgrade compiles anew instead of reading another version's result."""
+    text = json.dumps([config.to_dict(), topology.label(), toolchain()], sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
