@@ -6,6 +6,7 @@ refused with one paragraph."""
 import math
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ def _int8_dot_flops(jaxpr, times: int = 1) -> float:
             k = math.prod(eqn.invars[0].aval.shape[d] for d in contract)
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k * times
         inner = times * eqn.params.get("length", 1)
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             total += _int8_dot_flops(sub, inner)
     return total
 
