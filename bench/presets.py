@@ -131,7 +131,7 @@ def tpu_variants(sizes: list[str], targets: list[str], existing: bool
 def problems(found: list[dict]) -> list[str]:
     """--check: each preset that failed to compile, leaves less than the margin of HBM free,
     or needs other memory than `COMPILED` records (0.02 GiB either way under the jax it was
-    recorded with; under another, over 3% more: `compat.memory_drifted`)."""
+    recorded with; under another jax only the fit counts: `compat.memory_drifted`)."""
     out = []
     for x in found:
         name, r = f"{x['size']},{x['target']}", x["result"]
