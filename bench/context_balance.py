@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 jax.config.update("jax_num_cpu_devices", 8)
 
 from jaxscale.mesh import make_mesh
-from jaxscale.models import context
+from jaxscale.models.attention.sequence import context
 
 
 def ring_work(length: int, shards: int, order: np.ndarray) -> np.ndarray:

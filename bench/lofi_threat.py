@@ -32,7 +32,6 @@ ATTACKS = {
     "noise x100": lambda honest, rng: 100.0 * rng.normal(size=honest.shape[1]) *
     np.abs(honest).mean(),                                      # random garbage
 }
-AGGREGATORS = ("mean", "median", "trimmed_mean", "centered_clip")
 
 
 def round_error(name: str, n: int, f: int, attack: str, dim: int, rng: np.random.Generator,
@@ -67,7 +66,7 @@ def main() -> None:
                                                             range(n // 2 + 1))
     print(header + "\n" + "-" * len(header))
     for attack in ATTACKS:
-        for name in AGGREGATORS:
+        for name in aggregate.AGGREGATORS:
             row = []
             for f in range(n // 2 + 1):
                 errors = [round_error(name, n, f, attack, args.dim, np.random.default_rng(t))

@@ -68,7 +68,7 @@ def heldout_loss(init_from: str) -> float:
     c.mesh.data = -1
     c.data.eval_batches = 16
     trainer = Trainer.build(c, workdir=None)
-    return trainer.evaluate(trainer.state)
+    return trainer.evaluate(trainer.state)["loss"]
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from jaxscale.config import base_config
 from jaxscale.mesh import make_mesh
-from jaxscale.models import lora
+from jaxscale.models.adapters import lora
 from jaxscale.train.build import batch_spec, build_step
 
 # name: (precision, lora rank, optimizer). The analytic bytes per parameter (`analytic`) are

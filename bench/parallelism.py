@@ -40,7 +40,7 @@ import optax
 
 from configs.tiny_lm import get_config
 from jaxscale.aot.hlo import KINDS, collectives, summarize
-from jaxscale.parallel.pipeline import get_schedule
+from jaxscale.parallel.schedules import get_schedule
 from jaxscale.rules import use_rules
 from jaxscale.train.loop import Trainer
 
@@ -128,7 +128,7 @@ def explain(c, kind: str, tpu: bool = False) -> str:
                            "reduced over `pipeline` at the end of the step")
         elif p > 1:
             reasons.append("the head runs on 1/S of the rows on each stage "
-                           "(gpipe.batch_over_stages): its weight gradient is summed over "
+                           "(stages.batch_over_stages): its weight gradient is summed over "
                            "`pipeline` (in this tiny model, vocab 256, that costs more than the "
                            "broadcast it replaces; at 1B it saves 20% of temporaries)")
         reasons.append("norm-scale gradients and the loss")

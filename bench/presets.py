@@ -2,13 +2,14 @@
 
 For each SIZE and TPU TARGET, compiles `llama.build(SIZE, TARGET, micro)` for the target's
 topology at each power-of-two micro-batch (sequences per chip at once; gradient accumulation
-keeps the global batch), largest first, and keeps the first whose total per chip leaves
-`llama.FIT_MARGIN` of HBM free: fewer micro-batches mean fewer FSDP weight gathers per step.
+keeps the global batch), largest first, and keeps the first that fits (`aot.plan.fits`: `hardware.HBM_MARGIN` of the HBM libtpu lets a
+program use left free, as the planner judges): fewer micro-batches mean fewer FSDP weight gathers
+per step.
 Prints a markdown table (the presets table of bench/RESULTS.md) and the `COMPILED` entries for
 `configs/llama.py`. Results are cached like the planner's (`--cache_dir`), so a rerun is quick.
 With `--check`, compiles each preset as `configs/llama.py` now sets it (one compile each; how
-long the 21 take is in bench/RESULTS.md) and exits 1 naming any that no longer leaves 10% of
-HBM free or needs other memory than `COMPILED` records; `--json` writes the results.
+long the 21 take is in bench/RESULTS.md) and exits 1 naming any that no longer fits or needs
+other memory than `COMPILED` records; `--json` writes the results.
 
     python bench/presets.py [--sizes=tiny,125m,1b,7b] [--targets=v5e-16,...] [--workers=1]
     python bench/presets.py --check [--variants="1b,v5e-8;7b,v5e-16"] [--json=presets.json]
@@ -34,16 +35,10 @@ compile_only_env()
 from configs import llama
 
 
-def fits(result: dict, margin: float) -> bool:
-    """`margin` of the documented HBM free: `llama.COMPILED` was sized so. (The planner judges
-    against libtpu's usable HBM, `aot.plan.usable`; on v4 that is less than documented, and
-    re-sizing the presets by it, e.g. 125m on v4-8 at 16 sequences, not 32, is left to a rerun.)"""
-    return "error" not in result and result["total_bytes"] <= result["hbm_bytes"] * (1 - margin)
-
-
 def choose(size: str, target: str, cache_dir: str) -> dict:
     """In a worker process: the largest micro-batch that fits with the margin, and its result
     (micro 0 and the result at 1 when none fits)."""
+    from jaxscale.aot.plan import fits
     from jaxscale.aot.search import compile_cached
     from jaxscale.aot.topology import parse_topology
 
@@ -56,7 +51,7 @@ def choose(size: str, target: str, cache_dir: str) -> dict:
         config = llama.build(size, target, micro)
         r = compile_cached(json.dumps(config.to_dict(), default=list), topology, cache_dir)
         tried.append((micro, r))
-        if "error" in r or fits(r, llama.FIT_MARGIN):
+        if "error" in r or fits(r):
             return {"size": size, "target": target, "micro": micro, "result": r, "tried": tried}
     return {"size": size, "target": target, "micro": 0, "result": tried[-1][1], "tried": tried}
 
@@ -132,15 +127,19 @@ def problems(found: list[dict]) -> list[str]:
     """--check: each preset that failed to compile, leaves less than the margin of HBM free,
     or needs other memory than `COMPILED` records (0.02 GiB either way under the jax it was
     recorded with; under another jax only the fit counts: `compat.memory_drifted`)."""
+    from jaxscale.aot.plan import fits, usable
+    from jaxscale.hardware import HBM_MARGIN, hbm_budget
+
     out = []
     for x in found:
         name, r = f"{x['size']},{x['target']}", x["result"]
         recorded = llama.COMPILED[(x["size"], x["target"])].gib
         if "error" in r:
             out.append(f"{name}: {r['error']}")
-        elif not fits(r, llama.FIT_MARGIN):
-            out.append(f"{name}: {r['total_bytes'] / 2**30:.2f} GiB per chip leaves less than "
-                       f"{llama.FIT_MARGIN:.0%} of {r['hbm_bytes'] / 2**30:.1f} GiB free")
+        elif not fits(r):
+            out.append(f"{name}: {r['total_bytes'] / 2**30:.2f} GiB per chip is over the "
+                       f"{hbm_budget(usable(r)) / 2**30:.2f} GiB budget ({HBM_MARGIN:.0%} of "
+                       f"{usable(r) / 2**30:.2f} GiB free)")
         elif memory_drifted(r["total_bytes"] / 2**30, recorded):
             out.append(f"{name}: the compiler now needs {r['total_bytes'] / 2**30:.2f} GiB per "
                        f"chip, COMPILED records {recorded:.2f}")

@@ -9,8 +9,8 @@ What differs today, and where it is handled:
 - jax 0.12's XLA writes a tuple element as an operand `%t#k` instead of a `get-tuple-element`
   instruction: a fact of the HLO text, read in `aot/hlo.py` (`_tuple_elements`), which turns
   the new form into the old one; nothing in the Python APIs.
-- Compile results cached by the planner depend on the compiler and the HLO it is given, so
-  their cache key carries `toolchain()`.
+- Compile results cached by the planner depend on the compiler and the HLO it is given: their
+  cache key carries the jax, jaxlib and libtpu versions (`aot.search.code_version`).
 - jax 0.12 lowers the same step to different memory under the same libtpu (the presets from
   13% less to 10% more, the 7B v5p step 16 KiB less; bench/RESULTS.md): the recorded
   memory (`configs/llama.py`'s `COMPILED`, from jax 0.10.2) is matched exactly only under the
@@ -26,17 +26,7 @@ Layer 0 of `tests/test_imports.py`: imports nothing of jaxscale.
 
 from __future__ import annotations
 
-import functools
 from importlib import metadata
-
-_TOOLCHAIN = ("jax", "jaxlib", "libtpu", "flax")
-
-
-@functools.cache
-def toolchain() -> str:
-    """`jax=0.12.0.1 jaxlib=0.12.0.1 libtpu=0.0.52 flax=0.12.12`: the installed versions that
-    shape a compiled step (a missing package, e.g. libtpu on a GPU host, reads `-`)."""
-    return " ".join(f"{name}={_version(name)}" for name in _TOOLCHAIN)
 
 
 def _version(name: str) -> str:

@@ -40,7 +40,7 @@ def base_config() -> mlc.ConfigDict:
     c.mesh = mlc.ConfigDict(dict(data=-1, pipeline=1, fsdp=1, tensor=1,
                                  dcn_data=1, dcn_pipeline=1, dcn_fsdp=1, dcn_tensor=1,
                                  context=1, dcn_context=1,  # context: sequence shards
-                                 expert=1, dcn_expert=1))  # expert: MoE experts (models/moe.py)
+                                 expert=1, dcn_expert=1))  # expert: MoE experts (models/moe/)
     c.rules = [tuple(r) for r in DEFAULT_RULES]
     c.rules_preset = ""  # a name in jaxscale.presets.PRESETS replaces `rules` (dp, fsdp, pp, ...)
     c.rules_strict = False
@@ -55,21 +55,24 @@ def base_config() -> mlc.ConfigDict:
     c.model = mlc.ConfigDict(dict(
         name="llama", vocab_size=256, embed=128, num_layers=4, num_heads=4, num_kv_heads=2,
         head_dim=32, mlp=512, max_len=2048, rope_theta=10000.0, norm_eps=1e-5,
-        tie_embeddings=False, remat="none", attention="einsum",
+        tie_embeddings=False, remat="none",
+        attention_kind="grouped_query",  # the attention component (models/attention/kinds.py)
+        attention="einsum",  # its kernel: einsum | dot_product_attention | splash
         context_attention="allgather",  # across sequence shards (mesh.context > 1): ring, ring_vjp
         context_order="auto",  # training sequence over its shards: auto | zigzag | natural
         loss_chunks=0,  # LM head + loss in this many chunks (less memory); 0: automatic (lm_task)
-        # rotary scaling as HF `rope_scaling` (none | linear | llama3), see models/rope.py
+        # rotary scaling as HF `rope_scaling` (none | linear | llama3), see models/nn/rope.py
         rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0,
         rope_high_freq_factor=4.0, rope_original_max_len=8192,
         sliding_window=0,  # > 0: attend to that many latest positions only (Mistral)
         # Gemma's local/global pattern: per layer "sliding_attention" (the window, rotary base
-        # rope_local_theta when > 0) or "full_attention"; () every layer alike (models/gemma.py)
+        # rope_local_theta when > 0) or "full_attention"; () every layer alike
+        # (models/decoder/gemma.py)
         layer_types=(), rope_local_theta=0.0,
         query_pre_attn_scalar=0.0,  # attention scores times 1/sqrt(this); 0: head_dim (Gemma)
         attn_softcap=0.0, final_softcap=0.0,  # > 0: cap * tanh(x / cap) (Gemma 2); einsum or splash
-        # mixture of experts in place of the dense MLP when num_experts > 0 (models/moe.py):
-        # capacity_factor 0 = dropless; every = MoE on every n-th layer (1 only, for now)
+        # mixture of experts in place of the dense MLP when num_experts > 0 (models/moe/layer.py):
+        # capacity_factor 0 = dropless; every = MoE on every n-th layer, dense MLPs between
         moe=mlc.ConfigDict(dict(num_experts=0, experts_per_token=2, norm_topk_prob=True, mlp=0,
                                 shared_experts=0, capacity_factor=0.0,
                                 router_aux_loss_coef=0.01, router_z_loss_coef=0.0, every=1,
@@ -134,15 +137,12 @@ def validate(c: mlc.ConfigDict) -> None:
     its `storage`, the observers their `train.loggers` / `train.profile`); what is left here is
     the sections of the layers above (train, checkpoint, Lo-Fi) and what crosses sections."""
     from jaxscale.models import check_model  # lazy: importing the models pulls in jax
-    from jaxscale.models.context import check_config as check_context
-    from jaxscale.models.moe import check_moe
     from jaxscale.precision import check_quantized
 
     check_fields(c)
     d, t = c.data, c.train
-    check_model(c.model, d.seq_len)
-    check_context(c.mesh, c.model, d.seq_len)  # sequence shards (mesh.context)
-    check_moe(c.model, c.mesh, c.pipeline.get("repeats", 1))  # experts vs mesh, stages
+    # The model's own fields, and against the mesh: sequence shards, experts, stages.
+    check_model(c.model, d.seq_len, c.mesh, c.pipeline.get("repeats", 1))
     check_quantized(c.precision, c.model, c.lora)  # int8: what it cannot quantize is refused
     _require(t.steps > 0 and t.log_every > 0, "train.steps and train.log_every must be positive.")
     _require(t.grad_accum >= 1 and d.batch_size % t.grad_accum == 0,
@@ -237,8 +237,8 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
 
 
 BYTE_VOCAB = 256  # the stdlib corpus is byte-level: token ids 0..255
-# Fields every model config may carry besides its dataclass's: the validation reads them.
-_MODEL_COMMON = dict(name="llama", task="lm", num_heads=1, num_kv_heads=1, head_dim=2, max_len=1)
+# Fields every model config carries besides its dataclass's: which model, which task.
+_MODEL_COMMON = dict(name="llama", task="lm")
 # How a required field without a value (an ml_collections placeholder) is explained.
 _REQUIRED_HINTS = {"init_from": "a `launch.convert` output, a training workdir or a params export"}
 

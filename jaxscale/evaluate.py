@@ -5,14 +5,13 @@ newest checkpoint's parameters (LoRA adapters folded in) onto the mesh by the ru
 evaluates the held-out split of its dataset (`jaxscale.data.registry.heldout_batches`: every test image
 for image datasets, padded and masked; the run's own held-out batches for text), or every row
 of other text files (`eval_sources`, tokenized with the run's tokenizer, the last batch padded
-with masked rows). Metrics are summed
-per example/token by the model's task (`Task.eval_sums`, from the model table) and divided once
-at the end, so they do not depend on the batch split or the mesh.
+with masked rows). The metrics are the training loop's `eval_*` (`jaxscale.train.heldout`):
+summed per example/token by the model's task and divided once at the end, so they do not
+depend on the batch split or the mesh.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 
@@ -24,11 +23,11 @@ from jaxscale.errors import JaxscaleError
 from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef
 from jaxscale.precision import get_policy
-from jaxscale.rules import AxisRules, use_rules
+from jaxscale.rules import AxisRules
 from jaxscale.storage import workdir_files
-from jaxscale.train.state import param_specs
-from jaxscale.train.step import batch_sharding
-from jaxscale.weights.place import named_shardings, place
+from jaxscale.train.heldout import HeldOut
+from jaxscale.train.step import global_batch
+from jaxscale.weights.place import named_shardings, param_specs, place
 from jaxscale.weights.tree import flatten, unflatten
 
 
@@ -47,30 +46,13 @@ def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 
     mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
     policy = get_policy(config.precision)
     model_def = ModelDef.build(config.model, policy)
-    task = model_def.task  # its held-out sums and how they are reported
     shardings = named_shardings(mesh, param_specs(model_def, rules, mesh))
     placed = unflatten(place(flatten(params), shardings, policy.param))
     evals = heldout_batches(config, jax.process_index(), jax.process_count(), eval_sources)
     if max_batches:
         evals = evals[:max_batches]
-    shapes = {k: (config.data.batch_size,) + v.shape[1:] for k, v in evals[0].items()}
-    sharding = batch_sharding(rules, mesh, shapes)
-
-    @jax.jit
-    def sums(p, batch):
-        with use_rules(rules, mesh):
-            return task.eval_sums(model_def.module(p), batch)
-
-    total = {"loss": 0.0, "correct": 0.0, "count": 0.0}
-    for local in evals:
-        batch = {k: jax.make_array_from_process_local_data(sharding[k], v, shapes[k])
-                 for k, v in local.items()}
-        for k, v in jax.device_get(sums(placed, batch)).items():
-            total[k] += float(v)
-    loss = total["loss"] / total["count"]
-    perplexity = {"perplexity": math.exp(loss)} if task.perplexity else {}
-    return {"loss": loss, **perplexity, "accuracy": total["correct"] / total["count"],
-            task.unit: int(total["count"])}
+    batches = (global_batch(local, rules, mesh, config.data.batch_size) for local in evals)
+    return HeldOut(model_def, rules, mesh).metrics(placed, batches)
 
 
 def evaluate_workdir(workdir: str, max_batches: int = 0, eval_sources: str = ""

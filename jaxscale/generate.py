@@ -1,13 +1,15 @@
-"""Autoregressive generation for the Llama with a KV cache: greedy or temperature sampling.
+"""Autoregressive generation with the model's cache: greedy or temperature sampling.
 
-The cache belongs to the model: `Llama.init_cache` makes a stacked `KVCache` of shape
-(layers, batch, max_len, kv, head_dim), and `model(tokens, cache=..., cache_index=...)` runs the
-model's own attention (models/attention.py, the one used for training) over it, returning the
-logits and the updated cache. The cache carries logical names, so the same rules that shard the
-parameters shard it (`batch` over data/fsdp, `kv` over tensor). Prompts of different lengths
-share a batch left-padded, with their lengths: padding gets segment id 0 and each row's
-positions start at its first real token, so every row decodes as its prompt would alone. One
-jitted call runs the prefill and a `lax.scan` over the new tokens.
+The cache belongs to the model: `model.init_cache(batch, max_len)` makes an empty cache stacked
+over the layers, in the layout of the model's attention component (`models/attention/kinds.py`;
+grouped-query: keys and values of (layers, batch, max_len, kv, head_dim)), and
+`model(tokens, cache=..., cache_index=...)` runs the model's own attention (the one used for
+training) over it, returning the logits and the updated cache. Nothing here opens the cache.
+It carries logical names, so the same rules that shard the parameters shard it (`batch` over
+data/fsdp, `kv` over tensor). Prompts of different lengths share a batch left-padded, with their
+lengths: padding gets segment id 0 and each row's positions start at its first real token, so
+every row decodes as its prompt would alone. One jitted call runs the prefill and a `lax.scan`
+over the new tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from jax.sharding import Mesh
 
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.models import ModelDef, entry_of
-from jaxscale.models.attention import CACHE_AXES, KVCache  # noqa: F401 (the cache's names)
 from jaxscale.rules import AxisRules, use_rules
 
 
@@ -33,13 +34,8 @@ class GenerateError(JaxscaleError):
     """A generation request the model cannot serve (bad prompt, length or temperature)."""
 
 
-def init_cache(cfg: Any, batch: int, max_len: int, dtype: Any) -> KVCache:
-    """An empty stacked cache for a Llama config `cfg` (see `Llama.init_cache`)."""
-    return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
-
-
 def forward_cached(model: nnx.Module, tokens_BT: jax.Array, start: jax.Array,
-                   cache: KVCache, **rows: jax.Array) -> tuple[jax.Array, KVCache]:
+                   cache: Any, **rows: jax.Array) -> tuple[jax.Array, Any]:
     """Logits of `tokens_BT` placed at cache slots start.. (by default also their positions;
     `rows` may give `positions_BT` and `segments_BT`) given the cache; the updated cache."""
     return model(tokens_BT, cache=cache, cache_index=start, **rows)
@@ -199,8 +195,7 @@ def generate_from_config(config: Any, params: Mapping, prompt_BT: np.ndarray, st
     """Places `params` on the config's mesh by its rules and generates `steps` tokens."""
     from jaxscale.mesh import make_mesh
     from jaxscale.precision import get_policy
-    from jaxscale.train.state import param_specs
-    from jaxscale.weights.place import named_shardings, place
+    from jaxscale.weights.place import named_shardings, param_specs, place
     from jaxscale.weights.tree import flatten, unflatten
 
     check_request(np.shape(prompt_BT)[1], steps, temperature, config.model.get("max_len", 0))

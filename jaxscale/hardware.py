@@ -11,6 +11,8 @@ field is None where no public figure is known: nothing estimates with a guess.
 capacity (v4: less; v5e, v5p, v6e: more than the decimal "GB" the documentation prints). libtpu
 prints it in its compile-time out-of-memory error (`available HBM (31.24G)`, GiB), and
 tests/test_hardware.py asks the installed libtpu for it, so the table cannot drift from it.
+What fits is judged against it (`fits`, with `HBM_MARGIN` of it left free): by the planner, the
+compile report and the TPU presets alike.
 """
 
 from __future__ import annotations
@@ -60,6 +62,24 @@ class Chip:
         if self.ici_bidir_bytes_s is None or not self.ici_ports:
             raise ValueError(f"{self.name}: no ICI bandwidth and port count in the hardware table")
         return self.ici_bidir_bytes_s * 2 / self.ici_ports
+
+
+# The share of a chip's usable HBM (`Chip.hbm_limit_bytes`, or a live device's limit) that a step
+# must leave free to count as fitting: headroom for what the compiler's count of one step does not
+# hold (the runtime's own buffers, fragmentation, a libtpu that needs a little more). The
+# planner's default (`jaxscale plan --hbm_margin`) and what the TPU presets were sized with.
+HBM_MARGIN = 0.1
+
+
+def hbm_budget(usable_bytes: float, margin: float = HBM_MARGIN) -> float:
+    """The bytes per chip a step may fill on a chip that lets a program use `usable_bytes`."""
+    return usable_bytes * (1 - margin)
+
+
+def fits(total_bytes: float, usable_bytes: float, margin: float = HBM_MARGIN) -> bool:
+    """Whether a step needing `total_bytes` per chip fits a chip that lets a program use
+    `usable_bytes`, leaving `margin` of it free (0: whether the compiler accepts it at all)."""
+    return total_bytes <= hbm_budget(usable_bytes, margin)
 
 
 _LIBTPU = "usable HBM: libtpu 0.0.52's CompileTimeHbmOom, 'available HBM ({}G)'"

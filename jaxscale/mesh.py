@@ -19,10 +19,10 @@ from jax.sharding import Mesh
 
 from jaxscale.errors import MeshError, paragraph
 
-# Outer to inner: `tensor`, `context` (sequence shards, `models/context.py`) and `expert` (MoE
-# experts, `models/moe.py`) are innermost so tensor-parallel, ring-attention and all-to-all
-# partners are the closest devices. Axes after the first `_CLASSIC` appear in `mesh_summary` only
-# when larger than 1.
+# Outer to inner: `tensor`, `context` (sequence shards, `models/attention/sequence/context.py`) and
+# `expert` (MoE experts, `models/moe/layer.py`) are innermost so tensor-parallel, ring-attention and
+# all-to-all partners are the closest devices. Axes after the first `_CLASSIC` appear in
+# `mesh_summary` only when larger than 1.
 MESH_AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "tensor", "context", "expert")
 _CLASSIC = 4
 

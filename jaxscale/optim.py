@@ -54,8 +54,8 @@ def _sgd(c: Any, lr: optax.Schedule) -> optax.GradientTransformation:
 # parameter's leading dimensions and are sharded along them (state.py shards a leaf whose shape
 # matches a parameter's except in the last dimension with the parameter's spec minus that
 # dimension). Blocks along the last axis (not over the flattened array, as
-# jaxscale/weights/quant.py does) never straddle the leading dimensions, which is what keeps the
-# int8 array parameter-shaped.
+# jaxscale/weights/push_codec.py does) never straddle the leading dimensions, which is what keeps
+# the int8 array parameter-shaped.
 # First moment: signed linear absmax, round to nearest (error <= scale/2 per value).
 # Second moment: stored as sqrt(v) (halves the dynamic range in log space, so small v survive
 # 8 bits), rounded to nearest but never to 0 for v > 0 (at least one step): the denominator

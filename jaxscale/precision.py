@@ -1,7 +1,7 @@
 """Precision policies: one declarative object says which dtype is used where.
 
 Built from one config string, Fabric-style names (`32-true`, `bf16-mixed`, `bf16-true`,
-`16-mixed`, and `int8`: bf16-mixed with int8 weight matmuls, `models/quant.py`) or the explicit form `params=float32,compute=bfloat16,output=float32`, optionally
+`16-mixed`, and `int8`: bf16-mixed with int8 weight matmuls, `models/adapters/int8.py`) or the explicit form `params=float32,compute=bfloat16,output=float32`, optionally
 with per-module overrides: `params=float32,compute=bfloat16,norm=float32,softmax=float32,
 logits=bfloat16`. The model consults the policy at well-named points (`param`, `compute`, and
 `dtype_for(module)` for the modules in `MODULES`), never through scattered `astype` calls.
@@ -54,7 +54,8 @@ class Policy:
     overrides: Mapping[str, Any] = field(default_factory=dict)
     loss_scaling: bool = False
     # Quantized matmuls: None, or the integer type ("int8") the projection matmuls run in,
-    # forward and backward, applied to the model by `models/quant.py` (the model never asks).
+    # forward and backward, applied to the model by `models/adapters/int8.py` (the model never
+    # asks).
     quantized: str | None = None
 
     def dtype_for(self, module: str) -> Any:
@@ -248,7 +249,7 @@ def check_quantized(precision: str, model_cfg: Mapping[str, Any], lora_cfg: Mapp
     if moe.get("num_experts", 0):
         raise ConfigError(paragraph(
             f"precision={precision!r} with model.moe.num_experts={moe['num_experts']}: the",
-            "experts' grouped matmuls (models/moe.py) are not projections the int8 policy",
+            "experts' grouped matmuls (models/moe/layer.py) are not projections the int8 policy",
             "quantizes, so most of the model's FLOPs would stay bfloat16 while the run claims",
             "int8. Use --config.precision=bf16-mixed for mixture-of-experts models, or a dense",
             "model (model.moe.num_experts=0) for int8."))

@@ -15,13 +15,13 @@ the stacked `layers` dimension on `pipeline`, so any of them runs pipeline stage
   `fsdp_tp`; the name says what the mesh is for).
 
 Every preset also puts the `length` of activations on `context` (free when `mesh.context` is 1):
-with `mesh.context` > 1 norms, MLPs and projections run on sequence shards and attention runs
-across them (`models/context.py`, `model.context_attention`). Weights have no `length`.
+with `mesh.context` > 1 norms, MLPs and projections run on sequence shards and attention runs across
+them (`models/attention/sequence/context.py`, `model.context_attention`). Weights have no `length`.
 
-Every preset also puts MoE experts (`models/moe.py`) on `expert` and splits the batch over it as
-over `data` (free when `mesh.expert` is 1): with `mesh.expert` > 1 each device holds
-num_experts / expert of the experts and its own rows of the batch; tokens travel to their
-experts' devices and back (an all-to-all), the weights never do.
+Every preset also puts MoE experts (`models/moe/layer.py`) on `expert` and splits the batch over it
+as over `data` (free when `mesh.expert` is 1): with `mesh.expert` > 1 each device holds num_experts
+/ expert of the experts and its own rows of the batch; tokens travel to their experts' devices and
+back (an all-to-all), the weights never do.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ _BATCH = ("batch", ("data", "fsdp", "expert"))
 # and MoE experts over `expert` (expert parallelism).
 _REPLICATED = [("length", "context"), ("head_dim", None), ("norm", None), ("lora_rank", None),
                ("fused", None),  # the q/k/v and gate/up parts of a fused weight
-               ("expert", "expert"),  # MoE experts (models/moe.py)
+               ("expert", "expert"),  # MoE experts (models/moe/layer.py)
                ("expert_batch", ("data", "fsdp"))]  # rows of the experts' capacity buffers
 _STAGES = [("layers", "pipeline")]
 _TP = [("vocab", "tensor"), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor")]

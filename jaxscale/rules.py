@@ -18,7 +18,7 @@ import contextvars
 import math
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -35,6 +35,12 @@ def as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
     if mesh_axes is None:
         return ()
     return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+
+
+def from_tuple(axes: Sequence[str]) -> MeshAxes:
+    """`as_tuple`'s inverse, in a spec entry's shortest form: () -> None, ('a',) -> 'a'."""
+    axes = tuple(axes)
+    return axes if len(axes) > 1 else (axes[0] if axes else None)
 
 
 def normalize_rules(rules: Sequence[Sequence[Any]]) -> tuple[Rule, ...]:
@@ -158,11 +164,36 @@ class AxisRules:
                 f"by mesh axes {axes}; sharding it over {kept or 'nothing'} instead",
                 "(config.rules_indivisible='replicate').",
             ), stacklevel=2)
-        return kept if len(kept) > 1 else (kept[0] if kept else None)
+        return from_tuple(kept)
 
     def sharding(self, logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
                  path: str = "<array>") -> NamedSharding:
         return NamedSharding(mesh, self.spec(logical, shape, mesh, path))
+
+    def activation_spec(self, logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                        path: str = "<activation>") -> PartitionSpec:
+        """`spec` as activations (and batches, and the specs of a shard_map's operands) are
+        sharded: names without a rule replicated and mesh axes that do not divide a dimension
+        dropped, silently, whatever `strict` and `indivisible` say. Why: an activation is
+        transient and its shape is not the config's to fix (a smaller eval batch, a pipeline
+        micro-batch, a kernel's blocks must not fail); only parameters are held to the rules'
+        policies."""
+        lenient = AxisRules(self.rules, strict=False, indivisible="replicate")
+        return lenient.spec(logical, shape, mesh, path, warn=False)
+
+    def without(self, axis: str) -> "AxisRules":
+        """These rules with mesh `axis` taken out of every rule (e.g. inside a vmapped replica,
+        where `data` is the mapped dimension and shards nothing)."""
+        return replace(self, rules=tuple(
+            (name, from_tuple(a for a in as_tuple(axes) if a != axis)) for name, axes in self.rules))
+
+    def extended(self, name: str, axis: str) -> "AxisRules":
+        """These rules with mesh `axis` appended to every rule for the logical `name` that does
+        not name it yet (e.g. `batch` also split over `pipeline` after the stages)."""
+        grow = lambda axes: from_tuple(as_tuple(axes) + (axis,))
+        return replace(self, rules=tuple(
+            (n, grow(axes) if n == name and axis not in as_tuple(axes) else axes)
+            for n, axes in self.rules))
 
 
 # ----------------------------------------------------------------------------- activations
@@ -194,8 +225,7 @@ def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     if active is None:
         return x
     rules, mesh = active
-    lenient = AxisRules(rules.rules, strict=False, indivisible="replicate")
-    spec = lenient.spec(logical, x.shape, mesh, path="<activation>", warn=False)
+    spec = rules.activation_spec(logical, x.shape, mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
@@ -206,6 +236,5 @@ def shard_counts(shape: Sequence[int], *logical: str | None) -> tuple[int, ...]:
     if active is None:
         return (1,) * len(shape)
     rules, mesh = active
-    lenient = AxisRules(rules.rules, strict=False, indivisible="replicate")
-    spec = lenient.spec(logical, shape, mesh, path="<activation>", warn=False)
+    spec = rules.activation_spec(logical, shape, mesh)
     return tuple(math.prod(mesh.shape[a] for a in as_tuple(axes)) for axes in spec)

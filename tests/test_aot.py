@@ -148,7 +148,7 @@ def test_splash_attention_compiles_for_tpu_with_its_flops_labelled(tmp_path):
 @pytest.mark.parametrize("dcn, kinds, groups", [
     (["--num_slices=2", "--config.mesh.dcn_data=2"], {"all-reduce"}, {2}),
     # FSDP and data parallelism over 2 x 2 slices: pairs of slices, and the loss over all 4;
-    # the vocabulary matrices' gradients reduce-scattered over fsdp (`models/shard_sums.py`).
+    # the vocabulary matrices' gradients reduce-scattered over fsdp (`models/nn/shard_sums.py`).
     (["--num_slices=4", "--config.mesh.dcn_data=2", "--config.mesh.dcn_fsdp=2"],
      {"all-reduce", "all-gather", "all-to-all", "reduce-scatter"}, {2, 4}),
     (["--num_slices=2", "--config.mesh.dcn_pipeline=2", "--config.pipeline.microbatches=4"],
@@ -200,7 +200,7 @@ def test_compile_mesh_mismatch_is_one_paragraph(tmp_path):
 def test_moe_flops_per_token_count_the_active_experts():
     # 8 experts, top-2, one shared: a token passes through 3 expert-wide SwiGLUs and the router,
     # as a dense model 3x as wide plus the router's matmul; the other 6 experts cost nothing.
-    from jaxscale.models.llama_flops import flops_per_token
+    from jaxscale.models.decoder.flops import flops_per_token
 
     c = llama.get_config("tiny")
     dense = flops_per_token({**c.model, "mlp": 3 * 32}, 64)

@@ -10,7 +10,9 @@ import pytest
 
 from configs import tiny_lm
 from jaxscale.models import ModelDef
-from jaxscale.models.attention import ATTENTION_IMPLS, KVCache, Mask, attend
+from jaxscale.models.attention.grouped_query import KVCache
+from jaxscale.models.attention.kernels import ATTENTION_IMPLS, attend
+from jaxscale.models.attention.mask import Mask
 from jaxscale.precision import get_policy
 
 

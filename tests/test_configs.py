@@ -18,16 +18,17 @@ from jax.sharding import AbstractMesh
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
 from jaxscale.mesh import MESH_AXES, resolve_mesh_shape
-from jaxscale.models import ModelDef, lora
-from jaxscale.models.llama import LlamaConfig
+from jaxscale.models import ModelDef
+from jaxscale.models.adapters import lora
+from jaxscale.models.decoder.config import LlamaConfig
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules
-from jaxscale.train.state import param_specs
+from jaxscale.weights.place import param_specs
 from jaxscale.weights.tree import flatten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(ROOT, "jaxscale", "configs", "*.py"))
-                      if not p.endswith("__init__.py"))
+                      if not os.path.basename(p).startswith("_"))  # `configs.bundled_names`
 DEFAULT_DEVICES = 8  # a variant whose mesh has a -1 axis is checked on the test's 8 devices
 
 
@@ -153,20 +154,25 @@ def test_hardware_targets_set_what_they_promise():
 
 
 def test_gpu_presets_size_with_the_one_memory_model():
-    from jaxscale.aot.memory import Dims, state_bytes_per_param, step_bytes
+    """7b on h100x8 by hand: N = 6,738,415,616 parameters (Llama-2-7B's), FSDP over 8, full
+    remat, fused attention (no scores). State 22 N / 8 = 18,530,642,944 bytes; one gathered
+    layer in bf16 2 x 2 N / 32 = 842,301,952; per token the 32 layers' bf16 inputs 32 x 4,096 x
+    2, two layers' activations 2 x (10 x 4,096 + 4 x 11,008) x 2 and the float32 logits' three
+    buffers 3 x 32,000 x 4: 986,112 bytes."""
+    from jaxscale.aot.memory import state_bytes_per_param
 
     llama = MODULES["llama.py"]
     # f32 weights, Adam's two moments, gradient, accumulator, bf16 copy.
     assert llama.STATE_BYTES_PER_PARAM == state_bytes_per_param() == 22
-    s, t = llama.SIZES["7b"], llama.TARGETS["h100x8"]
-    dims = Dims.from_model(s.model, llama.num_params("7b"))
-    assert llama.memory_estimate("7b", t, 2) == int(step_bytes(
-        dims, tokens=2 * s.seq_len, seq_len=s.seq_len, state_bytes=22, param_shards=8,
-        remat="full"))
-    # The largest power of two under 80% of the device's HBM (the hardware table's).
-    b = llama.micro_batch("7b", "h100x8")
-    budget = llama.HBM_FRACTION * t.hbm_gib * 2**30
-    assert llama.memory_estimate("7b", t, b) <= budget < llama.memory_estimate("7b", t, 2 * b)
+    t = llama.TARGETS["h100x8"]
+    assert llama.num_params("7b") == 6_738_415_616
+    fixed = 18_530_642_944 + 842_301_952
+    assert llama.memory_estimate("7b", t, 2) == fixed + 2 * 2048 * 986_112 == 23_412_059_648
+    # The largest power of two within 80% of the device's 80 GiB (64 GiB): 16 sequences
+    # (51.7e9 bytes), not 32 (84.0e9).
+    assert llama.micro_batch("7b", "h100x8") == 16
+    assert llama.memory_estimate("7b", t, 16) == 51_685_862_912 <= 64 * 2**30
+    assert llama.memory_estimate("7b", t, 32) == 83_998_780_928 > 64 * 2**30
 
 
 def test_family_presets_have_the_published_shapes_and_the_table_flops():
@@ -175,7 +181,7 @@ def test_family_presets_have_the_published_shapes_and_the_table_flops():
     q/k norms included), size their targets with the one memory model, and take FLOPs per
     token from the table entry, where the switches add none."""
     from jaxscale.models import entry_of
-    from jaxscale.models.llama_flops import flops_per_token
+    from jaxscale.models.decoder.flops import flops_per_token
 
     finetune, llama = MODULES["finetune_lm.py"], MODULES["llama.py"]
     published = {"qwen3-0.6b": ("qwen3", 596_049_920), "qwen2.5-0.5b": ("qwen2", 494_032_768),
@@ -298,6 +304,28 @@ def test_finetune_from_a_pretraining_run(tmp_path):
     trainer.run()  # the LoRA variant, for a couple of steps
     lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [1, 2] and all(np.isfinite(l["loss"]) for l in lines)
+
+
+def test_generic_validation_asks_the_family_for_decoder_and_mesh_fields():
+    """A ViT config carries no decoder fields (no kv heads, no max_len: the validation no longer
+    asks for them), and the mesh checks run by family: a decoder's sequence shards and experts
+    by its own checks, a family without either refuses `mesh.context` and `mesh.expert`."""
+    vit = MODULES["vit_digits.py"].get_config("test")
+    assert not {"num_kv_heads", "max_len", "attention_kind"} & set(vit.model.keys())
+    config_lib.validate(vit)
+    vit.model.num_kv_heads = 4
+    with pytest.raises(ConfigError, match="config.model has no field 'num_kv_heads'"):
+        config_lib.validate(vit)
+    for axis in ("context", "expert"):
+        vit = MODULES["vit_digits.py"].get_config("test")
+        vit.mesh.update({"data": 1, axis: 2})
+        with pytest.raises(ConfigError, match=f"mesh.{axis} x mesh.dcn_{axis}=2, but "
+                                              "model.name='vit' has no"):
+            config_lib.validate(vit)
+    lm = MODULES["tiny_lm.py"].get_config("test")
+    lm.mesh.update(data=1, expert=2)
+    with pytest.raises(ConfigError, match="a dense model has none"):
+        config_lib.validate(lm)
 
 
 def test_each_subsystem_checks_its_own_section():

@@ -1,4 +1,4 @@
-"""Context parallelism (`mesh.context`, `models/context.py`) computes what one device computes.
+"""Context parallelism (`mesh.context`, `models/attention/sequence/context.py`) computes what one device computes.
 
 Attention across sequence shards, `allgather` and `ring`, equals plain einsum attention in the
 forward pass and in the gradients of q, k and v (float32, grouped-query heads, packed documents
@@ -28,10 +28,11 @@ from jaxscale.errors import ConfigError
 from jaxscale.evaluate import evaluate_params
 from jaxscale.generate import generate_from_config, make_generate
 from jaxscale.mesh import make_mesh, mesh_summary
-from jaxscale.models import ModelDef, context
-from jaxscale.models.attention import attend
-from jaxscale.models.lm_task import lm_loss
-from jaxscale.models.mask import Mask
+from jaxscale.models import ModelDef
+from jaxscale.models.attention.kernels import attend
+from jaxscale.models.attention.mask import Mask
+from jaxscale.models.attention.sequence import context
+from jaxscale.models.decoder.lm_task import lm_loss
 from jaxscale.precision import get_policy
 from jaxscale.presets import PRESETS
 from jaxscale.rules import AxisRules, constrain, normalize_rules, use_rules

@@ -1,4 +1,4 @@
-"""`model.attention=splash` across sequence shards (`models/context_splash.py`): the splash
+"""`model.attention=splash` across sequence shards (`models/attention/sequence/context_splash.py`): the splash
 kernel (Pallas interpret mode on CPU) per (query chunk, key chunk) pair, merged by log-sum-exp,
 equals plain attention in the loss and in the gradients of q, k and v (the custom VJP by
 splash's backward kernels), for the ring and the all-gather, with grouped-query heads, packed
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from jaxscale.mesh import make_mesh
-from jaxscale.models import context, context_splash
-from jaxscale.models.attention import attend
-from jaxscale.models.mask import Mask
+from jaxscale.models.attention.kernels import attend
+from jaxscale.models.attention.mask import Mask
+from jaxscale.models.attention.sequence import context, context_splash
 from jaxscale.presets import PRESETS
 from jaxscale.rules import AxisRules, constrain, normalize_rules, use_rules
 

@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up weights (models/fused.py): the fused model computes what separate
+"""Fused q/k/v and gate/up weights (models/nn/fused.py): the fused model computes what separate
 projections compute, the parts convert exactly, and weights of the pre-fusion layout load
 (converted) while a pre-fusion training checkpoint refuses to resume with a clear error."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxscale.models import ModelDef
-from jaxscale.models.fused import GATE_UP, QKV, fuse_parts, is_legacy, unfuse
+from jaxscale.models.nn.fused import GATE_UP, QKV, fuse_parts, is_legacy, unfuse
 from jaxscale.precision import get_policy
 from jaxscale.train.checkpoint import Checkpointer
 from jaxscale.train.state import TrainState
@@ -113,7 +113,7 @@ def test_gpipe_head_runs_split_over_stages():
     """Under GPipe the head's logits are split over `pipeline` by rows (each stage computes the
     head once for its share, not every stage for every row), and the logits equal the scan's."""
     from jaxscale.mesh import make_mesh
-    from jaxscale.parallel.pipeline import make_layer_runner
+    from jaxscale.parallel.schedules import make_layer_runner
     from jaxscale.presets import PRESETS
     from jaxscale.rules import AxisRules, use_rules
 

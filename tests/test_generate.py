@@ -11,6 +11,7 @@ from configs import tiny_lm
 from jaxscale import generate as gen
 from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef
+from jaxscale.models.attention.grouped_query import CACHE_AXES
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules, use_rules
 from jaxscale.train.state import init_state
@@ -49,7 +50,7 @@ def test_cached_logits_match_full_forward():
 
     def cached(p, toks):
         model = model_def.module(p)
-        cache = gen.init_cache(model.cfg, 2, 9, jnp.float32)
+        cache = model.init_cache(2, 9, jnp.float32)
         first, cache = gen.forward_cached(model, toks[:, :4], jnp.int32(0), cache)
         rest = []
         for i in range(4, 9):  # one token at a time
@@ -101,11 +102,11 @@ def test_kv_cache_is_sharded_by_the_rules():
     def prefill(p, tokens):
         with use_rules(rules, mesh):
             model = model_def.module(p)
-            cache = gen.init_cache(model.cfg, 4, 8, jnp.float32)
+            cache = model.init_cache(4, 8, jnp.float32)
             return gen.forward_cached(model, tokens, jnp.int32(0), cache)[1]
 
     cache = prefill(params, np.zeros((4, 3), np.int32))
-    expected = rules.spec(gen.CACHE_AXES, cache["k"].shape, mesh)
+    expected = rules.spec(CACHE_AXES, cache["k"].shape, mesh)
     # length over `context`: sequence shards (mesh.context, 1 here) split the cache like the keys;
     # rows over data x fsdp x expert (an expert axis also splits the batch)
     assert expected == PartitionSpec("pipeline", ("data", "fsdp", "expert"), "context", "tensor",
@@ -165,7 +166,7 @@ def cached_logits(model_def, params, tokens_BT, prefill):
     def step(cache, tokens, start):
         return gen.forward_cached(model_def.module(params), tokens, start, cache)[::-1]
 
-    cache = gen.init_cache(model_def.module(params).cfg, b, t, jnp.float32)
+    cache = model_def.module(params).init_cache(b, t, jnp.float32)
     cache, first = step(cache, tokens_BT[:, :prefill], jnp.int32(0))
     logits = [first]
     for i in range(prefill, t):

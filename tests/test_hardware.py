@@ -32,9 +32,11 @@ def test_every_chip_has_its_numbers_and_their_source():
         # libtpu's usable HBM differs from the documented capacity by a few percent, not more.
         assert 0.9 < chip.usable_hbm_bytes / chip.hbm_bytes < 1.1, gen
     assert set(TOPOLOGIES) == set(TPUS)
-    # The peak views are the table, not copies of it.
-    assert hardware.PEAK_FLOPS == {k: c.peak_bf16_flops for c in CHIPS.values()
-                                   for k in c.device_kinds}
+    # The peak views are the table's numbers, one per device kind.
+    assert hardware.PEAK_FLOPS == {
+        "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
+        "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12, "A100": 312e12,
+        "H100": 989e12, "H100 PCIe": 756e12, "H200": 989e12}
     assert chip_of("TPU v5 lite") is TPUS["v5e"] and chip_of("TPU v5") is TPUS["v5p"]
     assert chip_of("NVIDIA H100 PCIe") is CHIPS["h100-pcie"] and chip_of("cpu") is None
     with pytest.raises(ValueError, match="H100"):
@@ -50,8 +52,14 @@ def test_mfu_the_planner_and_the_presets_read_the_same_chip():
         est = estimate(topology.chip, chip.peak_bf16_flops, [], chip.peak_bf16_flops)
         assert est.compute_s == pytest.approx(1.0) and est.mfu_full_overlap == pytest.approx(1.0)
         assert peak_flops(chip.name) == topology.chip.peak_bf16_flops
+    # A preset's target reads its chip's HBM: the documented capacity (v5e's 16 GB is 14.90
+    # GiB), and what a compiled step may fill, libtpu's limit less the 10% margin (v4: 0.9 x
+    # 30.75 GiB; an H100 has no compiler limit in the table: 0.9 x its 80 GiB).
+    gib = {name: (t.hbm_gib, t.budget_gib) for name, t in llama.TARGETS.items()}
+    assert gib["v4-8"] == pytest.approx((32.0, 27.675))
+    assert gib["v5e-16"] == pytest.approx((14.9012, 14.175), abs=1e-4)
+    assert gib["h100x8"] == pytest.approx((80.0, 72.0))
     for name, target in llama.TARGETS.items():
-        assert target.hbm_gib == CHIPS[target.chip].hbm_bytes / GiB, name
         assert target.gpu == (target.topology is None), name
         if target.topology:
             assert parse_topology(target.topology).chip is CHIPS[target.chip], name
@@ -113,3 +121,12 @@ def test_usable_hbm_is_the_compilers_limit_where_reported_else_the_table():
         assert usable_hbm_bytes([Device(stats)], v6e) == 31.24 * GiB
     step = {"total_bytes": 30 * GiB, "hbm_bytes": v6e.hbm_bytes}
     assert not fits(step, 0.0) and fits({**step, "hbm_limit_bytes": 31.24 * GiB}, 0.0)
+    # With the default 10% margin: 28.116 GiB of v6e's 31.24 may be filled.
+    assert not fits({**step, "hbm_limit_bytes": 31.24 * GiB})
+    assert fits({**step, "total_bytes": 28.1 * GiB, "hbm_limit_bytes": 31.24 * GiB})
+
+
+def test_one_definition_of_fits_with_one_margin():
+    from jaxscale.hardware import HBM_MARGIN, fits, hbm_budget
+    assert HBM_MARGIN == 0.1 and hbm_budget(100.0) == pytest.approx(90.0)
+    assert fits(90.0, 100.0) and not fits(90.5, 100.0) and fits(100.0, 100.0, margin=0.0)

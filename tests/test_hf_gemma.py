@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers")
 from jaxscale.errors import ConfigError
 from jaxscale.interop import hf, hf_gemma
 from jaxscale.models import ModelDef, check_model
-from jaxscale.models.gemma import Gemma3Config
-from jaxscale.models.scan import scan_layers
+from jaxscale.models.decoder.gemma import Gemma3Config
+from jaxscale.models.nn.scan import scan_layers
 from jaxscale.precision import get_policy
 from jaxscale.weights.init_from import check_model_config
 from jaxscale.weights.sources import open_huggingface

@@ -15,9 +15,9 @@ transformers = pytest.importorskip("transformers")
 from jaxscale.interop import hf
 from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef
-from jaxscale.models.llama import LlamaConfig
+from jaxscale.models.decoder.config import LlamaConfig
 from jaxscale.precision import get_policy
-from jaxscale.train.state import param_specs
+from jaxscale.weights.place import param_specs
 from jaxscale.weights.tree import flatten
 
 CONFIGS = {
@@ -80,7 +80,7 @@ def test_logits_match_transformers(tmp_path, name):
 @pytest.mark.parametrize("name", SCALED)
 def test_rope_frequencies_match_transformers(tmp_path, name):
     """The scaled frequencies equal transformers' own (its rotary module's inv_freq)."""
-    from jaxscale.models.rope import Rope
+    from jaxscale.models.nn.rope import Rope
     model, path = make_hf(tmp_path, name)
     model_cfg, _ = hf.load_llama(path)
     rope = LlamaConfig.from_config(model_cfg).rope

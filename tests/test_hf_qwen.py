@@ -14,12 +14,13 @@ transformers = pytest.importorskip("transformers")
 
 from jaxscale.interop import hf, hf_qwen
 from jaxscale.mesh import make_mesh
-from jaxscale.models import ModelDef, lora
-from jaxscale.models.llama import LlamaConfig
-from jaxscale.models.qwen import Qwen2Config, Qwen3Config
+from jaxscale.models import ModelDef
+from jaxscale.models.adapters import lora
+from jaxscale.models.decoder.config import LlamaConfig
+from jaxscale.models.decoder.qwen import Qwen2Config, Qwen3Config
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
-from jaxscale.train.state import param_specs
+from jaxscale.weights.place import param_specs
 from jaxscale.weights.sources import open_huggingface
 from jaxscale.weights.tree import flatten, unflatten
 from tests.hf_common import (

@@ -15,7 +15,7 @@ from jaxscale.interop import hf, hf_vit
 from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef
 from jaxscale.precision import get_policy
-from jaxscale.train.state import param_specs
+from jaxscale.weights.place import param_specs
 from jaxscale.weights.tree import flatten
 
 

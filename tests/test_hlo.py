@@ -217,7 +217,8 @@ ENTRY %main (a: bf16[2,8]) -> bf16[8,8] {
                           ", dimensions={0}\n  ROOT %ag2 = bf16[8,8] all-gather(%p1), channel_id=7")
     assert sum(c.total_bytes for c in hlo.collectives(halves)) == 2 * 128
     # Outside fusions one channel is not a repeat: a shard_map ppermute keeps channel_id 1 in
-    # the forward and the backward loops of a ring (models/context.py), two transfers.
+    # the forward and the backward loops of a ring (models/attention/sequence/context.py), two
+    # transfers.
     calls = text.replace("fusion(%a), kind=kCustom, calls=", "call(%a), to_apply=").replace(
         "fusion(%a), kind=kOutput, calls=", "call(%a), to_apply=").replace(
         "ROOT %c = bf16[8,8]", "%c = bf16[8,8]").replace(

@@ -21,22 +21,41 @@ each other either.
  4. `config`: the base config and `validate`, which asks the packages below for their names
     (presets, remat policies, attention kinds, loggers, data files). The loop, the planner and
     Lo-Fi read and validate configs, so config sits below them all.
- 5. `weights`: parameter trees, placement, the committed-snapshot format, opening saved weights
-    (a run's orbax checkpoints read as weights included: `weights/restore.py`).
+ 5. `weights`: parameter trees, placement (each leaf's spec from the rules, and putting it there),
+    the committed-snapshot format, opening saved weights (a run's orbax checkpoints read as
+    weights included: `weights/restore.py`).
     Below train, not above it: the train state is made of weights' trees, the loop initialises
     from saved weights (`weights/init_from.py`), and nothing in weights needs a train state.
  6. `train`: the train state and its checkpoints (save, restore, resume), the one step builder,
     the step and the loop.
  7. `evaluate`, `interop`, `lofi`, `aot`: what runs, converts or plans trained weights (held-out
-    evaluation; Hugging Face import and export, which place weights with the train state's
-    specs; Lo-Fi workers and averagers; ahead-of-time compilation and the planner). The loop
-    knows none of them: it is handed its hooks.
+    evaluation; Hugging Face import and export, which place weights where `weights/place.py`
+    says, no train state needed; Lo-Fi workers and averagers; ahead-of-time compilation and
+    the planner). The loop knows none of them: it is handed its hooks.
  8. `generate`: sampling, from a workdir or a Hugging Face directory (through interop).
  9. `configs`: the bundled config files, a `get_config` each. Like a user's config file they may
     use any part of the library (the GPU presets size their micro-batch with `aot.memory`);
     only the command line loads them.
 10. `cli`: flag parsing and config loading.
 11. `launch`, then 12. `__main__`: the thin entry points.
+
+Inside `models/` the sub-packages keep an order of their own (`MODEL_LAYERS`), checked the same
+way, lowest first:
+
+ 0. `task`, `runner`: the interfaces a model's task and a layer runner (a pipeline schedule)
+    implement; they import nothing of models.
+ 1. `nn`: parameters with logical axes, `project`, norms, the MLP, rotary, fused weights, the
+    layer scan and remat policies, the sharded sums.
+ 2. `attention`: kernels, masks, attention across sequence shards, the attention components
+    (their parameters, cache, FLOPs and bytes). Below MoE and the decoder, above `nn`: the layer
+    scan treats a KV cache as an opaque pytree, so `nn` needs no attention.
+ 3. `moe`: the mixture-of-experts block, its router, dispatch and grouped matmuls.
+ 4. `decoder`, `vit`: the model families, which compose the parts below (peers: neither imports
+    the other).
+ 5. `adapters`: LoRA and int8 training change a built model from outside, through the layers'
+    `project` (a module carries its adapted projection; `nn` never imports the adapters), so no
+    family imports them.
+ 6. `__init__`: the model table, which names every family and applies int8 in `ModelDef.build`.
 
 `KNOWN_VIOLATIONS` lists the edges that break this order today, each with the edit that removes
 it (none since the Lo-Fi worker builds its own run, `lofi.worker.train_worker`, and weight sources
@@ -48,6 +67,7 @@ from __future__ import annotations
 
 import ast
 import os
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,6 +85,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("launch",),
     ("__main__",),
+)
+
+# The sub-packages (and top-level modules) of `models/`, lowest first (see the docstring).
+MODEL_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("task", "runner"),
+    ("nn",),
+    ("attention",),
+    ("moe",),
+    ("decoder", "vit"),
+    ("adapters",),
+    ("__init__",),
 )
 
 # (importing module, imported package): the imports against the order above that exist today,
@@ -162,14 +193,31 @@ def _package(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def _models_part(module: str) -> str | None:
+    """`jaxscale.models.nn.scan` -> `nn`; `jaxscale.models.vit` -> `vit`; `jaxscale.models` ->
+    `__init__`; None outside `models/`."""
+    if module == "jaxscale.models":
+        return "__init__"
+    if not module.startswith("jaxscale.models."):
+        return None
+    return module.split(".")[2]
+
+
 def _layer_violations(edges: dict[tuple[str, str], list[int]],
-                      layers: tuple[tuple[str, ...], ...]) -> dict[tuple[str, str], list[int]]:
-    """(importing module, imported package) -> lines, where that package is not in a lower layer."""
-    rank = {package: i for i, members in enumerate(layers) for package in members}
+                      layers: tuple[tuple[str, ...], ...],
+                      part: Callable[[str], str | None] = _package
+                      ) -> dict[tuple[str, str], list[int]]:
+    """(importing module, imported part) -> lines, where that part (`part` of a module: its
+    package, or its sub-package of `models/`) is not in a lower layer. Edges with an end that
+    has no part (outside `models/`, for `_models_part`) are not this order's business."""
+    rank = {member: i for i, members in enumerate(layers) for member in members}
     found: dict[tuple[str, str], set[int]] = {}
     for (a, b), lines in edges.items():
-        if _package(a) != _package(b) and rank[_package(b)] >= rank[_package(a)]:
-            found.setdefault((a, _package(b)), set()).update(lines)
+        part_a, part_b = part(a), part(b)
+        if part_a is None or part_b is None or part_a == part_b:
+            continue
+        if rank[part_b] >= rank[part_a]:
+            found.setdefault((a, part_b), set()).update(lines)
     return {edge: sorted(lines) for edge, lines in found.items()}
 
 
@@ -197,10 +245,10 @@ def test_layer_check_finds_upward_and_sideways_imports():
     layers = (("errors",), ("data", "models"), ("train",))
     edges = {("jaxscale.train.loop", "jaxscale.data.registry"): [1],  # down: fine
              ("jaxscale.data.registry", "jaxscale.train.loop"): [2],  # up
-             ("jaxscale.models.llama", "jaxscale.data.packing"): [3],  # sideways: peers
+             ("jaxscale.models.decoder.llama", "jaxscale.data.packing"): [3],  # sideways: peers
              ("jaxscale.train.loop", "jaxscale.train.step"): [4]}  # within a package
     assert _layer_violations(edges, layers) == {("jaxscale.data.registry", "train"): [2],
-                                                 ("jaxscale.models.llama", "data"): [3]}
+                                                 ("jaxscale.models.decoder.llama", "data"): [3]}
 
 
 def test_every_package_has_one_layer():
@@ -228,3 +276,37 @@ def test_no_package_imports_a_higher_layer():
     gone = sorted(KNOWN_VIOLATIONS - set(violations))
     assert not gone, ("fixed, so delete from KNOWN_VIOLATIONS: "
                       + "; ".join(f"{a} -> {b}" for a, b in gone))
+
+
+def test_models_check_finds_upward_and_sideways_imports():
+    """Inside `models/`: down is fine, up and between peers is not, outside it is not judged."""
+    edges = {("jaxscale.models.decoder.llama", "jaxscale.models.nn.scan"): [1],  # down: fine
+             ("jaxscale.models.nn.scan", "jaxscale.models.attention.kernels"): [2],  # up
+             ("jaxscale.models.vit", "jaxscale.models.decoder.config"): [3],  # sideways: peers
+             ("jaxscale.models.nn.layers", "jaxscale.models.nn.fused"): [4],  # within nn
+             ("jaxscale.models.moe.layer", "jaxscale.rules"): [5],  # outside models/
+             ("jaxscale.models.adapters.lora", "jaxscale.models"): [6]}  # the table: above
+    assert _layer_violations(edges, MODEL_LAYERS, _models_part) == {
+        ("jaxscale.models.nn.scan", "attention"): [2],
+        ("jaxscale.models.vit", "decoder"): [3],
+        ("jaxscale.models.adapters.lora", "__init__"): [6]}
+
+
+def test_every_models_part_has_one_layer():
+    parts = {_models_part(m) for m in _modules()} - {None}
+    placed = [p for members in MODEL_LAYERS for p in members]
+    assert len(placed) == len(set(placed)), "a part of models/ is listed in two layers"
+    assert parts <= set(placed), (
+        f"models/{sorted(parts - set(placed))} not in MODEL_LAYERS: place each (and say why in "
+        "this module's docstring and docs/architecture.md)")
+    assert set(placed) <= parts, f"{sorted(set(placed) - parts)} no longer exist: remove them"
+
+
+def test_no_models_part_imports_a_higher_one():
+    modules, edges = _graph()
+    violations = _layer_violations(edges, MODEL_LAYERS, _models_part)
+    where = lambda edge: (f"{os.path.relpath(modules[edge[0]], ROOT)}:"
+                          f"{','.join(map(str, violations[edge]))} imports from models/{edge[1]}")
+    assert not violations, ("imports against the order inside models/ (see tests/test_imports.py's "
+                            "docstring): " + "; ".join(map(where, sorted(violations))))
+

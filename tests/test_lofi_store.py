@@ -12,7 +12,7 @@ from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initi
 from jaxscale.weights import snapshot as W
 from jaxscale.weights.kv import Store
 from jaxscale.weights.manifest import CHUNK, StoreError
-from jaxscale.weights.quant import dequantize_blockwise, quantize_blockwise
+from jaxscale.weights.push_codec import dequantize_blockwise, quantize_blockwise
 from tests.lofi_common import TINY_BUDGET, _params, _push, _reference, data_dir, tamper, uncommit
 
 

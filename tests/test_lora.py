@@ -10,11 +10,12 @@ from jax.sharding import NamedSharding
 
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
-from jaxscale.models import ModelDef, lora
-from jaxscale.models.fused import LLAMA_FUSED
+from jaxscale.models import ModelDef
+from jaxscale.models.adapters import lora
+from jaxscale.models.nn.fused import LLAMA_FUSED
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
-from jaxscale.train.state import param_specs
+from jaxscale.weights.place import param_specs
 from jaxscale.weights.tree import flatten, merge_trees
 from tests.helpers import run_steps
 
@@ -59,7 +60,7 @@ def _dims(spec, ndim):
 def _base_weight(base, logical):
     """(stored weight, logical renames) of an adapted weight: a part of a fused weight
     (`attn/wq` of `attn/wqkv`) follows the fused one, whose `kv` dimension holds the query
-    heads grouped by kv head (models/fused.py)."""
+    heads grouped by kv head (models/nn/fused.py)."""
     if base in logical:
         return base, {}
     for fused_path, spec in LLAMA_FUSED.items():

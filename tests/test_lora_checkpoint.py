@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
-from jaxscale.models import lora
+from jaxscale.models.adapters import lora
 from jaxscale.train.checkpoint import Checkpointer
 from jaxscale.train.loop import Trainer, _attach_checkpoints
 from jaxscale.weights.restore import CheckpointError

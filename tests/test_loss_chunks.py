@@ -12,8 +12,9 @@ import pytest
 from configs import tiny_lm
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
-from jaxscale.models import ModelDef, lm_task
-from jaxscale.models.lm_task import choose_loss_chunks, lm_loss
+from jaxscale.models import ModelDef
+from jaxscale.models.decoder import lm_task
+from jaxscale.models.decoder.lm_task import choose_loss_chunks, lm_loss
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
 from tests.helpers import run_steps

@@ -12,7 +12,7 @@ import pytest
 from jaxscale import hardware
 from jaxscale.hardware import peak_flops
 from jaxscale.models import vit
-from jaxscale.models.llama_flops import llama_flops_per_token
+from jaxscale.models.decoder.flops import flops_per_token
 from jaxscale.observe import metrics
 from jaxscale.observe.metrics import MetricsWriter, mfu, read_metrics
 from jaxscale.observe.progress import ProgressBar
@@ -39,7 +39,9 @@ def test_llama_flops_by_hand():
     attn = 8 * 4 * (2 * 2 + 2 * 1)           # 192
     n = 2 * (attn + 3 * 8 * 16) + 8 * 32     # 2·(192+384)+256 = 1408
     expected = 6 * n + 12 * 2 * 2 * 4 * 10   # 8448 + 1920
-    assert llama_flops_per_token(2, 8, 2, 1, 4, 16, 32, 10) == expected == 10368
+    m = dict(num_layers=2, embed=8, num_heads=2, num_kv_heads=1, head_dim=4, mlp=16,
+             vocab_size=32)
+    assert flops_per_token(m, 10) == expected == 10368
 
 
 def test_writer_lines(tmp_path):
@@ -133,9 +135,11 @@ def test_every_shipped_model_has_a_flop_count():
         c = importlib.import_module(f"configs.{name}").get_config(arg)
         assert metrics.model_flops_per_token(c.model, c.data.seq_len) > 0, name
     llama = importlib.import_module("configs.llama").get_config("1b")
-    m, t = llama.model, llama.data.seq_len  # the table's count is the formula's, field by field
-    assert metrics.model_flops_per_token(m, t) == llama_flops_per_token(
-        m.num_layers, m.embed, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp, m.vocab_size, t)
+    m, t = llama.model, llama.data.seq_len  # the table's count is PaLM's formula, by hand:
+    # 6 x (16 layers x (q/k/v/o 2048 x 64 x (2 x 32 + 2 x 8) + SwiGLU 3 x 2048 x 8192)
+    #      + head 2048 x 32000) + 12 x 16 layers x 32 heads x 64 x 2048 positions
+    assert metrics.model_flops_per_token(m, t) == 6 * (16 * (10_485_760 + 50_331_648)
+                                                       + 65_536_000) + 805_306_368
 
 
 def test_throughput_window_mfu():

@@ -15,10 +15,15 @@ import pytest
 from jaxscale import models
 from jaxscale.errors import ConfigError
 from jaxscale.mesh import make_mesh
-from jaxscale.models import llama, lm_task, vit
+from jaxscale.models import vit
+from jaxscale.models.decoder import lm_task
+from jaxscale.models.decoder.config import LlamaConfig
+from jaxscale.models.decoder.llama import Llama
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import Task
-from jaxscale.parallel.pipeline import OneFOneB, PipelineRunner, make_layer_runner
+from jaxscale.parallel.gpipe import PipelineRunner
+from jaxscale.parallel.onef1b import OneFOneB
+from jaxscale.parallel.schedules import make_layer_runner
 
 
 def test_tables_name_every_model_and_task():
@@ -46,13 +51,15 @@ def test_task_batch_spec_is_what_the_data_yields(name):
     feeds it: same names, shapes and dtypes."""
     import importlib
 
+    from jaxscale.data.packing import carries_segments
     from jaxscale.data.registry import build_data
 
     if name == "vit_digits":
         pytest.importorskip("sklearn")  # the digits
     c = importlib.import_module(f"configs.{name}").get_config("test")
     batch = next(build_data(c, 0, 1)[0].iterator())
-    spec = models.task_of(c.model).batch_spec(c.model, c.data.batch_size, c.data.seq_len)
+    spec = models.task_of(c.model).batch_spec(c.model, c.data.batch_size, c.data.seq_len,
+                                              carries_segments(c.data))
     assert {k: (v.shape, v.dtype) for k, v in spec.items()} == {
         k: (v.shape, v.dtype) for k, v in batch.items()}
 
@@ -60,7 +67,7 @@ def test_task_batch_spec_is_what_the_data_yields(name):
 # The generic code: what asks the model table instead of naming a model or a task.
 GENERIC = ("train/step.py", "train/build.py", "evaluate.py", "observe/metrics.py",
            "interop/convert.py", "weights/sources.py", "aot/flops.py",
-           "aot/choices.py")
+           "aot/choices.py", "aot/memory.py", "aot/traffic.py", "aot/guess.py", "generate.py")
 
 
 @pytest.mark.parametrize("rel", GENERIC)
@@ -89,7 +96,7 @@ def _toy_entry(calls: list, token_batches: bool = True, hf: models.HuggingFace |
 
     task = Task(loss, lm_task.eval_sums, lm_task.batch_spec, unit="tokens", prepare=prepare,
                 token_batches=token_batches)
-    return models.ModelEntry(llama.LlamaConfig, llama.Llama, {"toy_task": task},
+    return models.ModelEntry(LlamaConfig, Llama, {"toy_task": task},
                              flops_per_token=lambda m, t: 1000.0 * t,
                              attention_flops=lambda m, t: 10.0 * t, hf=hf)
 
@@ -105,7 +112,7 @@ def test_a_new_family_is_one_table_line(monkeypatch, tmp_path):
     from jaxscale.interop import hf
     from jaxscale.observe.metrics import model_flops_per_token
     from jaxscale.precision import get_policy
-    from jaxscale.train.step import accumulate_grads, loss_fn
+    from jaxscale.train.step import accumulate_grads, loss_and_metrics
     from jaxscale.weights.sources import read_hf_config
 
     calls = []
@@ -117,8 +124,8 @@ def test_a_new_family_is_one_table_line(monkeypatch, tmp_path):
     loss, _ = accumulate_grads(params, {}, {"tokens": tokens}, model_def, 1)
     plain = lm_task.lm_loss(model_def.module(params), {"tokens": tokens})
     assert calls == ["prepare", "loss"] and float(loss) == pytest.approx(3 * float(plain))
-    with pytest.raises(KeyError, match="weight"):  # loss_fn alone: no preparation
-        loss_fn(params, {}, {"tokens": tokens}, model_def)
+    with pytest.raises(KeyError, match="weight"):  # the loss alone: no preparation
+        loss_and_metrics(params, {}, {"tokens": tokens}, model_def)
 
     assert model_flops_per_token(TOY, 8) == 8000.0
     config = ml_collections.ConfigDict(dict(
@@ -143,7 +150,7 @@ def test_a_new_family_is_one_table_line(monkeypatch, tmp_path):
 
 
 def test_models_import_nothing_from_training():
-    code = ("import sys, jaxscale.models, jaxscale.models.lora; print([m for m in sys.modules "
+    code = ("import sys, jaxscale.models, jaxscale.models.adapters.lora; print([m for m in sys.modules "
             "if m.startswith(('jaxscale.train', 'jaxscale.parallel'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=600).stdout

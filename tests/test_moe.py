@@ -1,4 +1,4 @@
-"""The mixture-of-experts block (jaxscale/models/moe.py): both compute paths equal a plain loop
+"""The mixture-of-experts block (jaxscale/models/moe/layer.py): both compute paths equal a plain loop
 over tokens and experts, the capacity path drops exactly the assignments expected, the router's
 losses equal hand-computed values, gradients reach every weight, config mistakes are one
 paragraph, and a tiny MoE decoder trains (losses and `moe_*` metrics from the step)."""
@@ -14,7 +14,10 @@ from flax import nnx
 from configs.tiny_lm import get_config
 from jaxscale.config import validate
 from jaxscale.errors import ConfigError
-from jaxscale.models import llama, lm_task, moe
+from jaxscale.models.decoder import lm_task
+from jaxscale.models.decoder.config import LlamaConfig
+from jaxscale.models.decoder.llama import Llama
+from jaxscale.models.moe.layer import METRICS, STATS, MoE, MoEConfig, capacity, check_moe, route
 from jaxscale.models.task import step_metrics
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
@@ -22,21 +25,21 @@ from jaxscale.train.loop import Trainer
 POLICY = get_policy("32-true")
 
 
-def _block(embed=8, mlp=16, **fields) -> moe.MoE:
-    return moe.MoE(embed, mlp, moe.MoEConfig(**fields), POLICY, nnx.Rngs(0))
+def _block(embed=8, mlp=16, **fields) -> MoE:
+    return MoE(embed, mlp, MoEConfig(**fields), POLICY, nnx.Rngs(0))
 
 
 @nnx.jit
-def _apply(block: moe.MoE, x_BTE: jax.Array) -> jax.Array:
+def _apply(block: MoE, x_BTE: jax.Array) -> jax.Array:
     """The block's output, jitted (its sown `router_stats` land on `block`)."""
     return block(x_BTE)
 
 
-def _loop(block: moe.MoE, x_BTE: jax.Array, keep=None) -> np.ndarray:
+def _loop(block: MoE, x_BTE: jax.Array, keep=None) -> np.ndarray:
     """The block's output token by token and choice by choice; `keep[n, j]` False drops token
     n's j-th choice."""
     x_NE = np.asarray(x_BTE.reshape(-1, x_BTE.shape[-1]), np.float64)
-    weights, experts, _ = jax.device_get(jax.jit(moe.route, static_argnums=2)(
+    weights, experts, _ = jax.device_get(jax.jit(route, static_argnums=2)(
         jnp.asarray(x_NE, jnp.float32), block.router[...], block.moe))
     gate, up, down = (np.asarray(w[...], np.float64) for w in (block.w_gate, block.w_up,
                                                                 block.w_down))
@@ -63,14 +66,14 @@ def test_compute_paths_equal_a_loop_over_experts(fields):
     x = jax.random.normal(jax.random.key(1), (2, 7, 8))
     got = np.asarray(_apply(block, x))
     np.testing.assert_allclose(got, _loop(block, x), rtol=1e-5, atol=1e-6)
-    assert float(block.router_stats.get_value()[moe.STATS.index("dropped")]) == 0.0
+    assert float(block.router_stats.get_value()[STATS.index("dropped")]) == 0.0
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 2.0])
 def test_remat_policies_keep_the_experts_gate_up_by_name(capacity_factor, capsys):
     """The experts' gate/up outputs carry the dense MLP's `mlp_gate_up` name, so a policy that
     keeps it (`minimal`) saves them for the backward pass and `save_qkv_proj` does not."""
-    from jaxscale.models.scan import REMAT_POLICIES
+    from jaxscale.models.nn.scan import REMAT_POLICIES
 
     graphdef, state = nnx.split(_block(num_experts=4, experts_per_token=2,
                                        capacity_factor=capacity_factor))
@@ -93,11 +96,11 @@ def test_capacity_path_drops_the_expected_assignments():
     block = _block(embed=4, num_experts=3, experts_per_token=2, capacity_factor=1.0)
     block.router[...] = jnp.array([[2.0, 1, 0], [1, 2, 0], [2, 1, 0], [0, 0, 0]])
     x = jnp.eye(4)[None, :3]
-    assert moe.capacity(1.0, 6, 3) == 2
+    assert capacity(1.0, 6, 3) == 2
     got = np.asarray(_apply(block, x))
     keep = [[True, True], [True, False], [True, False]]
     np.testing.assert_allclose(got, _loop(block, x, keep), rtol=1e-5, atol=1e-6)
-    stats = dict(zip(moe.STATS, np.asarray(block.router_stats.get_value())))
+    stats = dict(zip(STATS, np.asarray(block.router_stats.get_value())))
     assert stats["dropped"] == pytest.approx(2 / 6)
     # Loads count routed assignments (before drops): 3, 3, 0 of 6 over 3 experts.
     assert (stats["load_max"], stats["load_min"]) == pytest.approx((1.5, 0.0))
@@ -105,9 +108,9 @@ def test_capacity_path_drops_the_expected_assignments():
 
 def test_router_losses_equal_hand_computed_values():
     logits = np.array([[1.0, 0.0, -1.0, 0.5], [0.0, 2.0, 0.0, 0.0], [0.3, 0.2, 0.1, 0.0]])
-    cfg = moe.MoEConfig(num_experts=4, experts_per_token=2)
+    cfg = MoEConfig(num_experts=4, experts_per_token=2)
     # x = identity rows, so the router's rows are the logits.
-    weights, experts, stats = moe.route(jnp.eye(3), jnp.asarray(logits, jnp.float32), cfg)
+    weights, experts, stats = route(jnp.eye(3), jnp.asarray(logits, jnp.float32), cfg)
     probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     top2 = [[0, 3], [1, 0], [0, 1]]  # by hand from the logits
     np.testing.assert_array_equal(np.asarray(experts), top2)
@@ -129,8 +132,8 @@ def _tiny_moe_config(**moe_fields):
 
 def test_the_decoder_adds_its_router_losses_and_records_the_metrics():
     c = _tiny_moe_config(router_aux_loss_coef=0.5, router_z_loss_coef=0.25)
-    cfg = llama.LlamaConfig.from_config(c.model)
-    model = llama.Llama(cfg, nnx.Rngs(0))
+    cfg = LlamaConfig.from_config(c.model)
+    model = Llama(cfg, nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, 256)
 
     @nnx.jit
@@ -143,9 +146,9 @@ def test_the_decoder_adds_its_router_losses_and_records_the_metrics():
         return total, metrics, plain, model.layers.mlp.router_stats.get_value()
 
     total, metrics, plain, stats_LS = run(model)
-    assert sorted(metrics) == sorted(moe.METRICS.values())
-    assert stats_LS.shape == (2, len(moe.STATS))  # stacked over the 2 layers
-    mean = dict(zip(moe.STATS, np.asarray(stats_LS).mean(0)))
+    assert sorted(metrics) == sorted(METRICS.values())
+    assert stats_LS.shape == (2, len(STATS))  # stacked over the 2 layers
+    mean = dict(zip(STATS, np.asarray(stats_LS).mean(0)))
     assert float(metrics["moe_aux_loss"]) == pytest.approx(mean["aux"], rel=1e-6)
     assert float(total) == pytest.approx(
         float(plain) + 0.5 * mean["aux"] + 0.25 * mean["z"], rel=1e-6)
@@ -204,7 +207,7 @@ def test_pipeline_stages_must_hold_whole_groups_of_every_layers():
 def test_expert_axis_must_divide_the_experts():
     mesh = dict(data=2, expert=3)
     with pytest.raises(ConfigError, match=r"num_experts=4 is not divisible by the 3"):
-        moe.check_moe({"moe": dict(num_experts=4, experts_per_token=2)}, mesh)
+        check_moe({"moe": dict(num_experts=4, experts_per_token=2)}, mesh)
 
 
 @pytest.mark.parametrize("mesh, moe_fields, culprit", [
@@ -223,12 +226,12 @@ def test_expert_axis_mistakes_are_one_paragraph(mesh, moe_fields, culprit):
 def test_flops_per_token_count_the_active_experts():
     """Top-2 of 4 experts plus one shared expert: a token passes 3 expert widths and the
     router (2 layers x embed 64 x 4 experts), not all 4 experts."""
-    from jaxscale.models import llama_flops
+    from jaxscale.models.decoder import flops
 
     c = _tiny_moe_config(shared_experts=1)
     dense = get_config("test").model
     dense.mlp = 3 * c.model.mlp
-    extra = llama_flops.flops_per_token(c.model, 32) - llama_flops.flops_per_token(dense, 32)
+    extra = flops.flops_per_token(c.model, 32) - flops.flops_per_token(dense, 32)
     assert extra == 6.0 * 2 * 64 * 4
 
 

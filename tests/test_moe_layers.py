@@ -1,4 +1,4 @@
-"""MoE on every n-th layer (`model.moe.every`, `models/llama.LayerGroup`) and MoE under the
+"""MoE on every n-th layer (`model.moe.every`, `models/decoder/block.LayerGroup`) and MoE under the
 1F1B schedule (`parallel/onef1b.py`): the layer pattern is Hugging Face Qwen-MoE's (dense
 first), parameters, FLOPs and the KV cache follow it, and a tiny MoE decoder trains under 1F1B
 pipeline stages with one device's losses and router metrics, the router's losses in the
@@ -13,7 +13,12 @@ import pytest
 from flax import nnx
 
 from jaxscale.config import validate
-from jaxscale.models import ModelDef, llama, llama_flops, lora, moe
+from jaxscale.models import ModelDef
+from jaxscale.models.adapters import lora
+from jaxscale.models.decoder import flops
+from jaxscale.models.decoder.config import LlamaConfig
+from jaxscale.models.decoder.llama import Llama
+from jaxscale.models.moe.layer import METRICS
 from tests.test_moe import POLICY, _tiny_moe_config, _train
 
 
@@ -23,8 +28,8 @@ def test_every_other_layer_has_the_experts_and_decodes_with_the_cache():
     head's counted once), and incremental decoding equal to the full forward."""
     c = _tiny_moe_config(every=2)
     validate(c)
-    cfg = llama.LlamaConfig.from_config(c.model)
-    model = llama.Llama(cfg, nnx.Rngs(0))
+    cfg = LlamaConfig.from_config(c.model)
+    model = Llama(cfg, nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     assert params["layers"]["dense_0"]["mlp"]["w_gate_up"].shape[0] == 1
     assert params["layers"]["moe"]["mlp"]["w_gate"].shape == (1, 4, 64, c.model.mlp)
@@ -37,7 +42,7 @@ def test_every_other_layer_has_the_experts_and_decodes_with_the_cache():
     assert sorted(adapters) == [f"layers/{b}/attn/wq_lora_{ab}" for b in ("dense_0", "moe")
                                 for ab in "ab"]
     every_layer, dense = _tiny_moe_config().model, _tiny_moe_config(num_experts=0).model
-    for count in (llama_flops.flops_per_token, llama_flops.recompute_flops_per_token):
+    for count in (flops.flops_per_token, flops.recompute_flops_per_token):
         assert count(c.model, 32) == pytest.approx(
             (count(every_layer, 32) + count(dense, 32)) / 2, rel=1e-12)
 
@@ -71,7 +76,7 @@ def test_moe_trains_under_1f1b_stages_as_on_one_device(every, microbatches):
     validate(c)
     piped, m_piped = _train(c, jax.devices()[:2], steps=3)
     np.testing.assert_allclose(piped, one, rtol=1e-5)
-    for metric in moe.METRICS.values():
+    for metric in METRICS.values():
         assert m_piped[metric] == pytest.approx(m_one[metric], rel=1e-5, abs=1e-6), metric
 
 
@@ -89,5 +94,5 @@ def test_1f1b_carries_per_microbatch_router_losses_as_gpipe():
         validate(c)
         runs[schedule] = _train(c, jax.devices()[:4], steps=3)
     np.testing.assert_allclose(runs["1f1b"][0], runs["gpipe"][0], rtol=1e-5)
-    for metric in moe.METRICS.values():
+    for metric in METRICS.values():
         assert runs["1f1b"][1][metric] == pytest.approx(runs["gpipe"][1][metric], rel=1e-5)

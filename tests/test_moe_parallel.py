@@ -1,4 +1,4 @@
-"""MoE across devices: the dropless path's expert parallelism (models/moe_dropless.py) equals
+"""MoE across devices: the dropless path's expert parallelism (models/moe/dropless.py) equals
 the per-token loop and trains as one device, the capacity path's all-to-all too, pipeline
 stages carry the router's statistics out (parallel/gpipe.py), the grouped matmul's forms agree
 under nested vmaps, and the dropless path compiles for TPU."""
@@ -14,7 +14,9 @@ from flax import nnx
 from aot_common import TINY, libtpu_test, run_module
 from jaxscale.config import validate
 from jaxscale.errors import ConfigError
-from jaxscale.models import llama, moe
+from jaxscale.models.decoder.config import LlamaConfig
+from jaxscale.models.decoder.llama import Llama
+from jaxscale.models.moe.layer import STATS, check_moe
 from jaxscale.train.loop import Trainer
 from test_moe import _block, _loop, _tiny_moe_config, _train
 
@@ -22,7 +24,7 @@ from test_moe import _block, _loop, _tiny_moe_config, _train
 def test_the_dense_grouped_matmul_equals_ragged_dot():
     """Off TPU the dropless path runs `grouped_matmul`'s dense form; it equals ragged_dot,
     rows past the last group zero, an empty group included."""
-    from jaxscale.models.moe_gmm import grouped_matmul
+    from jaxscale.models.moe.gmm import grouped_matmul
 
     x = jax.random.normal(jax.random.key(6), (10, 8))
     w = jax.random.normal(jax.random.key(7), (4, 8, 5))
@@ -35,11 +37,11 @@ def test_the_dense_grouped_matmul_equals_ragged_dot():
 
 
 def test_megablox_equals_ragged_dot_forward_and_backward():
-    """The Pallas megablox grouped matmul (`moe_gmm.megablox`, interpreted on CPU; on TPU the
+    """The Pallas megablox grouped matmul (`moe/gmm.megablox`, interpreted on CPU; on TPU the
     kernel itself) equals jax's ragged_dot, value and both gradients (megablox's gmm / tgmm
     backward), with rows past the last group zero (its extra weightless group) and an empty
     group; 13 rows are padded to the row tile."""
-    from jaxscale.models.moe_gmm import grouped_matmul, megablox_tiling
+    from jaxscale.models.moe.gmm import grouped_matmul, megablox_tiling
 
     keys = jax.random.split(jax.random.key(9), 3)
     x = jax.random.normal(keys[0], (13, 8))
@@ -59,12 +61,12 @@ def test_megablox_equals_ragged_dot_forward_and_backward():
 @pytest.mark.parametrize("kernels", [("ragged_dot",),
                                      pytest.param(("megablox",), marks=pytest.mark.exhaustive)])
 def test_the_native_grouped_matmuls_vmap_and_differentiate_as_the_dense_form(kernels):
-    """TPU's ragged_dot and megablox (`models/moe_gmm.py`; megablox interpreted on CPU, the
+    """TPU's ragged_dot and megablox (`models/moe/gmm.py`; megablox interpreted on CPU, the
     Pallas kernel's own gmm/tgmm backward) take no batch dimensions: `_folding` folds a vmapped
     batch into the groups, forward and backward. Under two nested vmaps (pipeline stages:
     weights batched; per-replica accumulation inside: weights not) their values and gradients
     equal the dense form's."""
-    from jaxscale.models.moe_gmm import grouped_matmul
+    from jaxscale.models.moe.gmm import grouped_matmul
 
     keys = jax.random.split(jax.random.key(8), 4)
     x = jax.random.normal(keys[0], (2, 3, 10, 4))          # (stages, replicas, rows, embed)
@@ -88,7 +90,7 @@ def test_the_native_grouped_matmuls_vmap_and_differentiate_as_the_dense_form(ker
                                   pytest.param(dict(context=2, expert=4),
                                                marks=pytest.mark.exhaustive)])
 def test_expert_parallel_dropless_equals_a_loop_over_experts(mesh):
-    """Dropless with the experts split over `expert` (models/moe_dropless.py): tokens gathered
+    """Dropless with the experts split over `expert` (models/moe/dropless.py): tokens gathered
     over the expert group, local experts, outputs reduce-scattered back, the hidden width split
     over tensor and summed; equal to the per-token loop."""
     from jaxscale.mesh import make_mesh
@@ -122,7 +124,7 @@ def test_experts_shard_over_the_expert_axis_and_train_as_on_one_device(mesh, cap
     """Expert parallelism from the rules alone: on an `expert` mesh axis every expert weight
     is split over it (num_experts / expert per device, also over fsdp on embed), the batch too;
     the capacity path's tokens reach their experts by all-to-all, the dropless path's by an
-    all-gather over the expert group and back by reduce-scatter (models/moe_dropless.py); both
+    all-gather over the expert group and back by reduce-scatter (models/moe/dropless.py); both
     train with one device's losses. With pipeline stages the Switch loss is one per
     microbatch (as under gradient accumulation), no longer the whole batch's: its coefficient
     is 0 there, the z-loss (a mean over tokens) still trains."""
@@ -160,14 +162,14 @@ def test_pipeline_stages_carry_the_router_statistics_out(microbatches, repeats):
     with one microbatch all equal the scan's; with two, each layer's is the mean over the
     microbatches, which for the z-loss (a mean over tokens) is still the scan's."""
     from jaxscale.mesh import make_mesh
-    from jaxscale.models.scan import scan_layers
+    from jaxscale.models.nn.scan import scan_layers
     from jaxscale.parallel.gpipe import pipeline_layers
     from jaxscale.presets import PRESETS
     from jaxscale.rules import AxisRules, normalize_rules, use_rules
 
     c = _tiny_moe_config()
     c.model.num_layers = 4
-    block = llama.Llama(llama.LlamaConfig.from_config(c.model), nnx.Rngs(0)).layers
+    block = Llama(LlamaConfig.from_config(c.model), nnx.Rngs(0)).layers
     mesh = make_mesh(dict(pipeline=2, data=4), jax.devices())
     rules = AxisRules(normalize_rules(PRESETS["pp"]))
     h = jax.random.normal(jax.random.key(5), (8, 6, c.model.embed))
@@ -184,8 +186,8 @@ def test_pipeline_stages_carry_the_router_statistics_out(microbatches, repeats):
 
     out, piped, want, scanned = both(block, h)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-    assert piped.shape == scanned.shape == (4, len(moe.STATS))
-    z = moe.STATS.index("z")
+    assert piped.shape == scanned.shape == (4, len(STATS))
+    z = STATS.index("z")
     compared = slice(None) if microbatches == 1 else slice(z, z + 1)  # the Switch loss and
     # the loads of a microbatch are not those of the batch
     np.testing.assert_allclose(piped[:, compared], scanned[:, compared], rtol=1e-5)
@@ -204,7 +206,7 @@ def test_dropless_expert_parallel_compiles_for_tpu(mesh, flags, tmp_path):
     """The TPU lowering of the dropless path (libtpu, ahead of time: launch.compile): the
     ragged all-to-all dispatch, its bytes as `aot/traffic.py` expects (every assignment out
     and back), megablox's Pallas calls; the all-gather dispatch's reduce-scatter; and under
-    the pipeline's and the replicas' vmaps the grouped matmul folded (`moe_gmm._folding`: TPU's
+    the pipeline's and the replicas' vmaps the grouped matmul folded (`moe/gmm._folding`: TPU's
     ragged dot takes no batch dimensions) and the ragged all-to-all batched."""
     import json
 
@@ -230,11 +232,11 @@ def test_dropless_expert_parallel_compiles_for_tpu(mesh, flags, tmp_path):
 
 
 def test_the_ragged_dispatch_plan_sends_every_assignment_to_its_expert_and_back():
-    """`moe_dispatch.plan`, the ragged all-to-all's offsets and sizes, simulated device by device
+    """`moe/dispatch.plan`, the ragged all-to-all's offsets and sizes, simulated device by device
     in numpy: every device's sorted assignments land in their experts' devices' buffers (by
     source device, then expert, within the static buffer) and the way back returns each row to
     the slot it left."""
-    from jaxscale.models.moe_dispatch import buffer_rows, plan
+    from jaxscale.models.moe.dispatch import buffer_rows, plan
 
     rng = np.random.default_rng(0)
     D, L, n, k = 4, 2, 5, 2
@@ -271,13 +273,13 @@ def test_the_ragged_dispatch_plan_sends_every_assignment_to_its_expert_and_back(
                                   pytest.param(dict(expert=4, data=2),
                                                marks=pytest.mark.exhaustive)])
 def test_the_ragged_all_to_all_dispatch_equals_the_loop_and_the_allgather(mesh, monkeypatch):
-    """`model.moe.dispatch=ragged_all_to_all` (models/moe_dispatch.py) with the collective's
+    """`model.moe.dispatch=ragged_all_to_all` (models/moe/dispatch.py) with the collective's
     semantics emulated from an all-gather (XLA:CPU has no ragged-all-to-all): the output equals
     the per-token loop, and its gradients (the collective's transpose: jax's rule, applied to
     the emulation) the all-gather dispatch's. Two local experts per device (sorted in the
     buffer), the hidden width split over tensor."""
     from jaxscale.mesh import make_mesh
-    from jaxscale.models import moe_dispatch
+    from jaxscale.models.moe import dispatch as dispatch_lib
     from jaxscale.presets import PRESETS
     from jaxscale.rules import AxisRules, normalize_rules, use_rules
 
@@ -302,8 +304,8 @@ def test_the_ragged_all_to_all_dispatch_equals_the_loop_and_the_allgather(mesh, 
 
     with pytest.raises(ConfigError, match="XLA on cpu has no ragged-all-to-all"):
         run("ragged_all_to_all")
-    monkeypatch.setattr(moe_dispatch, "ragged_all_to_all",
-                        moe_dispatch.emulated_ragged_all_to_all)
+    monkeypatch.setattr(dispatch_lib, "ragged_all_to_all",
+                        dispatch_lib.emulated_ragged_all_to_all)
     block, out, grads = run("ragged_all_to_all")
     np.testing.assert_allclose(np.asarray(out), _loop(block, x), rtol=1e-5, atol=1e-6)
     _, _, want = run("allgather")
@@ -358,12 +360,12 @@ def test_the_kernel_and_dispatch_choices_are_checked_in_one_paragraph():
     """`model.moe.grouped_matmul` / `dispatch` outside their choices, and megablox on an
     operand type it does not take, are ConfigErrors naming the field; auto is the dense form
     and the all-gather on CPU."""
-    from jaxscale.models.moe_dispatch import resolve_dispatch
-    from jaxscale.models.moe_gmm import resolve_kernel
+    from jaxscale.models.moe.dispatch import resolve_dispatch
+    from jaxscale.models.moe.gmm import resolve_kernel
 
     for field in ("grouped_matmul", "dispatch"):
         with pytest.raises(ConfigError, match=f"model.moe.{field}='bogus' is not one of"):
-            moe.check_moe({"moe": {"num_experts": 4, field: "bogus"}})
+            check_moe({"moe": {"num_experts": 4, field: "bogus"}})
     with pytest.raises(ConfigError, match="grouped_matmul='megablox' cannot run here"):
         resolve_kernel("megablox", 128, 128, jnp.float16)
     assert resolve_kernel("auto", 128, 128, jnp.bfloat16) == "dense"

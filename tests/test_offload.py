@@ -1,7 +1,7 @@
 """Host offload: the optimizer state in pinned host memory (`optim.offload_state`) trains as on
 the device, and its checkpoint restores into host memory; compiled for a TPU, the report shows
 it apart from HBM and the estimate charges its PCIe traffic. The same compile checks that the
-gradients cross the `data` axis as bfloat16 FSDP shards (`models/shard_sums.py`).
+gradients cross the `data` axis as bfloat16 FSDP shards (`models/nn/shard_sums.py`).
 
 On CPU the host and the device memory are the same RAM, so what is checked here is the
 plumbing (shardings with `memory_kind='pinned_host'`, the step's copies, the checkpoint); the

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxscale import generate as gen
-from jaxscale.models.attention import ATTENTION_IMPLS
+from jaxscale.models.attention.kernels import ATTENTION_IMPLS
 from tests.test_generate import tiny
 
 LENGTHS = (3, 8, 5)

@@ -10,8 +10,8 @@ import pytest
 from configs import tiny_lm
 from jaxscale.data.packing import SegmentRows
 from jaxscale.models import ModelDef
-from jaxscale.models.attention import ATTENTION_IMPLS
-from jaxscale.models.lm_task import lm_loss, packed_losses
+from jaxscale.models.attention.kernels import ATTENTION_IMPLS
+from jaxscale.models.decoder.lm_task import lm_loss, packed_losses
 from jaxscale.precision import get_policy
 
 

@@ -11,8 +11,8 @@ from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError, JaxscaleError
 from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef
-from jaxscale.models.scan import scan_layers
-from jaxscale.parallel.pipeline import SCHEDULES, get_schedule, make_layer_runner
+from jaxscale.models.nn.scan import scan_layers
+from jaxscale.parallel.schedules import SCHEDULES, get_schedule, make_layer_runner
 from jaxscale.precision import get_policy
 from jaxscale.presets import PRESETS
 from jaxscale.rules import AxisRules, use_rules
@@ -112,7 +112,7 @@ def test_schedule_registry_and_unknown_preset():
 
 def test_default_rules_put_layer_stages_on_pipeline():
     """No preset needed: every rule set shards the stacked layers over `pipeline`."""
-    from jaxscale.train.state import param_specs
+    from jaxscale.weights.place import param_specs
 
     c = get_config("test")
     mesh = make_mesh({"pipeline": 2, "data": 4})
@@ -127,7 +127,7 @@ def test_default_rules_put_layer_stages_on_pipeline():
 def test_vit_runs_through_the_pipeline():
     """Models without positions (ViT) pipeline too, and equal their plain scan."""
     from configs.vit_digits import get_config as vit_config
-    from jaxscale.models.scan import scan_layers as vit_scan
+    from jaxscale.models.nn.scan import scan_layers as vit_scan
 
     c = vit_config("test")
     model_def = ModelDef.build(c.model, get_policy("32-true"))

@@ -14,10 +14,10 @@ import pytest
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
 from jaxscale.mesh import make_mesh
-from jaxscale.parallel.pipeline import SCHEDULES, make_layer_runner
+from jaxscale.parallel.schedules import SCHEDULES, make_layer_runner
 from jaxscale.rules import use_rules
 from jaxscale.train.loop import Trainer
-from jaxscale.train.step import accumulate_grads
+from jaxscale.train.step import accumulate_grads, loss_and_metrics
 from jaxscale.weights.tree import flatten
 from tests.test_parallel_equivalence import assert_equal_runs, make_config, run_steps
 
@@ -41,8 +41,8 @@ def test_1f1b_equals_one_device(reference, mesh, microbatches, grad_accum):
 
 def _float16_run(schedule: str) -> tuple[dict, float, float | None, bool]:
     """16-mixed with LoRA and tied embeddings on `pipeline=2`: the loss-scaled gradients (as
-    the train step computes them), the loss, 1F1B's evaluation loss, and whether the gradients
-    stay finite at a loss scale of 2^30, at which float16 cotangents overflow."""
+    the train step computes them), the loss, 1F1B's undifferentiated loss, and whether the
+    gradients stay finite at a loss scale of 2^30, at which float16 cotangents overflow."""
     c = make_config({"pipeline": 2}, "pp", microbatches=4, schedule=schedule)
     c.precision = "16-mixed"
     c.model.tie_embeddings = True
@@ -61,15 +61,20 @@ def _float16_run(schedule: str) -> tuple[dict, float, float | None, bool]:
     loss, flat = jax.device_get(grads(state, scale))
     huge = jax.device_get(grads(state, jax.numpy.float32(2.0 ** 30))[1])
     finite = all(np.all(np.isfinite(g)) for g in jax.tree.leaves(huge))
-    return ({k: np.asarray(v) for k, v in flatten(flat).items()}, float(loss / scale),
-            float(trainer.eval_fn(state, batch)) if schedule == "1f1b" else None, finite)
+    plain = None
+    if schedule == "1f1b":  # the schedule's primal: its loss where nothing differentiates it
+        with use_rules(ctx.rules, ctx.mesh):
+            plain = float(jax.jit(lambda p, f, b: loss_and_metrics(
+                p, f, b, ctx.model_def, ctx.run_layers)[0])(state.params, state.frozen, batch))
+    return ({k: np.asarray(v) for k, v in flatten(flat).items()}, float(loss / scale), plain,
+            finite)
 
 
 def test_1f1b_equals_gpipe_with_float16_loss_scaling_lora_and_tied_embeddings():
     """The backward inside the schedule starts from the loss scale: float16 cotangents are
     scaled (they overflow exactly when GPipe's do, which dynamic loss scaling relies on). Frozen
-    LoRA base weights, a frozen embedding that the head reads, and evaluation (the
-    undifferentiated path, GPipe's forward) all match GPipe."""
+    LoRA base weights, a frozen embedding that the head reads, and the undifferentiated loss
+    (1F1B's primal: GPipe's forward) all match GPipe."""
     (want, want_loss, _, want_finite), (got, got_loss, got_eval, got_finite) = (
         _float16_run("gpipe"), _float16_run("1f1b"))
     assert set(got) == set(want) and all(k.endswith(("_lora_a", "_lora_b")) for k in got)

@@ -12,7 +12,7 @@ import pytest
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
 from jaxscale.models import ModelDef
-from jaxscale.models.lm_task import lm_loss
+from jaxscale.models.decoder.lm_task import lm_loss
 from jaxscale.optim import make_optimizer
 from jaxscale.precision import POLICIES, DynamicLossScale, get_policy
 from jaxscale.train import step as step_lib
@@ -54,7 +54,8 @@ def test_policy_dtypes(name, param_dtype, compute_dtype):
     logits = jax.eval_shape(lambda p: model_def.module(p)(tokens), params)
     assert logits.dtype == jnp.float32
     batch = {"tokens": jnp.zeros((2, 9), jnp.int32)}
-    grads = jax.eval_shape(jax.grad(lambda p: step_lib.loss_fn(p, {}, batch, model_def)), params)
+    loss = lambda p: step_lib.loss_and_metrics(p, {}, batch, model_def)[0]
+    grads = jax.eval_shape(jax.grad(loss), params)
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(param_dtype)}
     optimizer, _ = make_optimizer(c.optim, 10)
     opt = jax.eval_shape(optimizer.init, params)
@@ -187,7 +188,7 @@ def test_per_module_overrides_reach_the_model():
     logits = jax.eval_shape(lambda p: model_def.module(p)(tokens), params)
     assert logits.dtype == jnp.bfloat16  # the override, not the float32 default of mixed policies
     batch = {"tokens": jnp.zeros((2, 9), jnp.int32)}
-    loss = jax.eval_shape(lambda p: step_lib.loss_fn(p, {}, batch, model_def), params)
+    loss = jax.eval_shape(lambda p: step_lib.loss_and_metrics(p, {}, batch, model_def)[0], params)
     assert loss.dtype == jnp.float32  # the loss still reduces in float32
     assert get_policy("params=float32,compute=float32,logits=float16").loss_scaling
 

@@ -1,4 +1,4 @@
-"""The `int8` precision policy (models/quant.py): qwix quantizes exactly the projection matmuls,
+"""The `int8` precision policy (models/adapters/int8.py): qwix quantizes exactly the projection matmuls,
 forward and backward, the model's parameters are untouched, the loss tracks bf16-mixed, the
 compile report counts the int8 matmuls at the chip's int8 peak, and what it cannot quantize is
 refused with one paragraph."""
@@ -58,7 +58,8 @@ def test_int8_quantizes_the_projection_matmuls_forward_and_backward():
     gap = np.abs(logits[1] - logits[0]).max() / np.abs(logits[0]).max()
     assert 0 < gap < 0.05, gap  # int8 applied, and only a rounding away from the float model
     batch = {"tokens": tokens}
-    grad = lambda m: jax.make_jaxpr(jax.grad(lambda p: step_lib.loss_fn(p, {}, batch, m)))
+    loss = lambda m: lambda p: step_lib.loss_and_metrics(p, {}, batch, m)[0]
+    grad = lambda m: jax.make_jaxpr(jax.grad(loss(m)))
     tokens_per_step = tokens.shape[0] * (tokens.shape[1] - 1)
     assert _int8_dot_flops(grad(int8)(params).jaxpr) == (
         6 * tokens_per_step * _projection_params(int8))

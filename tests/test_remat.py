@@ -1,4 +1,4 @@
-"""Remat policies (`models/scan.py`): each only changes what the backward pass recomputes, so
+"""Remat policies (`models/nn/scan.py`): each only changes what the backward pass recomputes, so
 every one gives the loss and gradients of `remat=none` on the tiny Llama; the named policies
 keep what their names say; the host-offloaded ones compile for a TPU topology.
 """
@@ -14,8 +14,10 @@ from flax import nnx
 
 from aot_common import libtpu_test, run, run_module
 from jaxscale.errors import ConfigError
-from jaxscale.models import llama, lm_task
-from jaxscale.models.scan import (
+from jaxscale.models.decoder import lm_task
+from jaxscale.models.decoder.config import LlamaConfig
+from jaxscale.models.decoder.llama import Llama
+from jaxscale.models.nn.scan import (
     ACTIVATION_NAMES,
     NAMED_POLICIES,
     REMAT_POLICIES,
@@ -24,12 +26,12 @@ from jaxscale.models.scan import (
 )
 
 # tiny_lm:test's shapes, float32 throughout: remat may reorder nothing but what is recomputed.
-CFG = llama.LlamaConfig(vocab_size=256, embed=64, num_layers=2, num_heads=4, num_kv_heads=2,
+CFG = LlamaConfig(vocab_size=256, embed=64, num_layers=2, num_heads=4, num_kv_heads=2,
                         head_dim=16, mlp=128)
 
 
 def _loss_and_grads(remat: str) -> tuple[jax.Array, dict]:
-    model = llama.Llama(dataclasses.replace(CFG, remat=remat), nnx.Rngs(0))
+    model = Llama(dataclasses.replace(CFG, remat=remat), nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, CFG.vocab_size)
 
@@ -59,7 +61,7 @@ def test_every_policy_gives_the_loss_and_gradients_of_none(remat, reference):
 def _saved_residual_names(remat: str, capsys) -> set[str]:
     """The activation names among the residuals `remat` keeps for one block's backward pass
     (`jax.ad_checkpoint.print_saved_residuals` says where each comes from)."""
-    model = llama.Llama(dataclasses.replace(CFG, num_layers=1, remat=remat), nnx.Rngs(0))
+    model = Llama(dataclasses.replace(CFG, num_layers=1, remat=remat), nnx.Rngs(0))
     graphdef, stacked = nnx.split(model.layers)
     state = jax.tree.map(lambda a: a[0], stacked)  # the one layer of the stack
     pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
@@ -130,7 +132,7 @@ def test_offloaded_policies_compile_for_tpu_with_host_memory_apart(tmp_path):
 @pytest.mark.slow
 def test_named_policies_recompute_what_the_flop_count_expects(tmp_path):
     # save_qkv_proj keeps q/k/v: the backward recomputes the out projection, gate/up and
-    # attention's forward, which the model table's recompute count (llama_flops) says, so the
+    # attention's forward, which the model table's recompute count (decoder/flops.py) says, so the
     # compiled FLOPs equal model + recompute as they do for `full` (tests/test_aot.py).
     out = tmp_path / "r.json"
     proc = run_module(["launch.compile", "--topology=v5p:2x2x1", "--config=configs/llama.py:1b",

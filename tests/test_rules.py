@@ -57,6 +57,35 @@ def test_indivisible_error_and_replicate(mesh):
         assert lenient.spec(("mlp",), (6,), mesh, path="mlp/w_up") == P("fsdp")
 
 
+def test_activation_spec_is_lenient_whatever_the_rules_policies(mesh):
+    """Activations drop indivisible mesh axes and replicate unknown names without a warning,
+    even under strict rules with indivisible='error' (which hold parameters to them)."""
+    import warnings
+    rules = AxisRules(normalize_rules([("batch", ("data", "fsdp")), ("mlp", "tensor")]),
+                      strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 6 rows: data=2 divides them, data x fsdp = 4 does not
+        assert rules.activation_spec(("batch", "mlp"), (6, 16), mesh) == P("data", "tensor")
+        assert rules.activation_spec(("batch", "heads"), (8, 3), mesh) == P(("data", "fsdp"), None)
+    with pytest.raises(RulesError):
+        rules.spec(("batch", "mlp"), (6, 16), mesh)
+
+
+def test_rules_without_an_axis_and_extended_by_one(mesh):
+    from jaxscale.rules import as_tuple, from_tuple
+    rules = AxisRules(normalize_rules([("batch", ("data", "fsdp")), ("embed", "data"),
+                                       ("mlp", "tensor"), ("length", None)]),
+                      strict=True, indivisible="replicate")
+    assert rules.without("data") == AxisRules(
+        (("batch", "fsdp"), ("embed", None), ("mlp", "tensor"), ("length", None)),
+        strict=True, indivisible="replicate")
+    assert rules.extended("batch", "tensor").rules[0] == ("batch", ("data", "fsdp", "tensor"))
+    assert rules.extended("length", "tensor").rules[3] == ("length", "tensor")
+    assert rules.extended("batch", "fsdp") == rules  # already there
+    assert [from_tuple(as_tuple(a)) for a in (None, "x", ("x",), ("x", "y"))] == [
+        None, "x", "x", ("x", "y")]
+
+
 def test_strict_requires_every_name_covered(mesh):
     rules = AxisRules(normalize_rules([("embed", "fsdp"), ("norm", None)]), strict=True)
     assert rules.spec(("norm",), (8,), mesh) == P(None)

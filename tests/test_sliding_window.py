@@ -15,9 +15,9 @@ from jaxscale import generate as gen
 from jaxscale.errors import ConfigError
 from jaxscale.interop import convert, hf, hf_mistral
 from jaxscale.models import ModelDef, check_model, hf_opener
-from jaxscale.models.attention import attend
-from jaxscale.models.mask import Mask
-from jaxscale.models.splash import kernel_mask
+from jaxscale.models.attention.kernels import attend
+from jaxscale.models.attention.mask import Mask
+from jaxscale.models.attention.splash import kernel_mask
 from jaxscale.precision import get_policy
 from jaxscale.weights.tree import flatten
 from tests.aot_common import libtpu_test, run_module

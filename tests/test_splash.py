@@ -10,8 +10,10 @@ import pytest
 
 from configs import tiny_lm
 from jaxscale.models import ModelDef
-from jaxscale.models.attention import KVCache, Mask, attend
-from jaxscale.models.splash import block_size
+from jaxscale.models.attention.grouped_query import KVCache
+from jaxscale.models.attention.kernels import attend
+from jaxscale.models.attention.mask import Mask
+from jaxscale.models.attention.splash import block_size
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer
 from tests.helpers import run_steps

@@ -17,7 +17,8 @@ from jaxscale.optim import make_optimizer
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.loop import Trainer
-from jaxscale.train.state import init_state, param_specs
+from jaxscale.train.state import init_state
+from jaxscale.weights.place import param_specs
 from jaxscale.weights.tree import flatten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,11 +18,11 @@ ATTENTIONS = ("splash", "einsum")
 # head forward pass (0.5% of the compiled FLOPs of a 7B step) and keeps only a chunk of the
 # float32 logits and their gradient: 10 GiB less temporaries per chip for 7B under fsdp=4 x
 # tensor=4 at 512 x 2,048 tokens on v5p-16 (96.25 -> 86.22 GiB, bench/RESULTS.md). The
-# config's default, 0, chooses at trace time (`models.lm_task.loss_chunks_for`); the planner
+# config's default, 0, chooses at trace time (`models.decoder.lm_task.loss_chunks_for`); the planner
 # spells its candidates' count out, so each compile, guess and winner's flags say what ran.
 LOSS_CHUNKS = (1, 8)
 ADAM = ("adamw", "adam")  # the optimizers whose two float32 moments 8-bit Adam replaces
-# Remat policies that keep more than q/k/v (`models/scan.py`): for them `save_qkv_proj` is
+# Remat policies that keep more than q/k/v (`models/nn/scan.py`): for them `save_qkv_proj` is
 # advised before `full`, most of full's saving at less recompute (7B on v5e-256: 10.6 GiB per
 # chip, 8% faster than full by the estimate; bench/RESULTS.md).
 KEEPS_MORE_THAN_QKV = ("none", "dots", "dots_no_batch", "minimal", "save_dot_except_mlp")
@@ -45,16 +45,16 @@ def require_language_model(config: mlc.ConfigDict) -> None:
 def attentions(config: mlc.ConfigDict) -> tuple[str, ...]:
     """The attention kernels that apply: splash and einsum where the splash kernel can run
     (a sequence length on its 128 grid), else the config's own."""
-    from jaxscale.models.splash import block_size
+    from jaxscale.models.attention.splash import block_size
 
     if block_size(config.data.seq_len) is not None:
         return ATTENTIONS
     return (config.model.get("attention", "einsum"),)
 
 
-# Context parallelism is searched for sequences at least this long (`model.context_attention`
-# and `mesh.context`, `models/context.py`): below it one chip holds a sequence's activations
-# with room to spare, and the shards' attention traffic would only cost.
+# Context parallelism is searched for sequences at least this long (`model.context_attention` and
+# `mesh.context`, `models/attention/sequence/context.py`): below it one chip holds a sequence's
+# activations with room to spare, and the shards' attention traffic would only cost.
 LONG_SEQUENCE = 32768
 CONTEXT_SIZES = (2, 4, 8, 16)
 CONTEXT_VARIANTS = ("ring", "allgather")  # the ring first: no whole-sequence K/V per chip

@@ -1,7 +1,7 @@
 """The analytic FLOPs a compiled train step should contain, to check the compiled count against.
 
 Every count is a fact of the model's table entry (`jaxscale.models.MODELS`; the Llama's in
-`models/llama_flops.py`), so nothing here names a model. `model_flops` is the PaLM-convention
+`models/decoder/flops.py`), so nothing here names a model. `model_flops` is the PaLM-convention
 training count (`flops_per_token`: 6 per matmul parameter per token plus 12·L·H·Q·T for
 attention), the number MFU is quoted in. A rematerialised step does more: the entry's
 `recompute_flops` adds the forward matmuls the backward pass redoes (and, under
@@ -10,13 +10,13 @@ of its expert buffers (the entry's `padding_flops`). So compiled FLOPs = model +
 padding, to within the matmuls outside the model (none on these steps); a pipeline adds its
 bubble iterations on top (they compute on padding).
 
-With `model.attention=splash` the attention matmuls run inside Pallas kernels, custom calls
-with no dot in the HLO to count: `kernel_flops` is what the compiled count then misses, the
-entry's `attention_flops` (the attention part of model + recompute, counted as the einsum
-computes it; the kernel itself skips the tiles a causal mask hides and recomputes QK^T in its
-backward pass, so its true count differs), which the report adds and labels as analytic. Across
-sequence shards the splash blocks (`models/context_splash.py`) are such kernels too, unless the
-sequence's layout is off their grid and the einsum tiles run (`context.splash_blocks_run`).
+With `model.attention=splash` the attention matmuls run inside Pallas kernels, custom calls with no
+dot in the HLO to count: `kernel_flops` is what the compiled count then misses, the entry's
+`attention_flops` (the attention part of model + recompute, counted as the einsum computes it; the
+kernel itself skips the tiles a causal mask hides and recomputes QK^T in its backward pass, so its
+true count differs), which the report adds and labels as analytic. Across sequence shards the splash
+blocks (`models/attention/sequence/context_splash.py`) are such kernels too, unless the sequence's
+layout is off their grid and the einsum tiles run (`context.splash_blocks_run`).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def model_flops(config: mlc.ConfigDict, num_chips: int) -> float | None:
 def kernel_flops(config: mlc.ConfigDict, num_chips: int) -> float:
     """Attention FLOPs per chip per step done inside Pallas kernels (`model.attention=splash`
     where the kernel applies), invisible to the HLO dot count; 0 otherwise."""
-    from jaxscale.models.context import splash_blocks_run
-    from jaxscale.models.splash import block_size
+    from jaxscale.models.attention.sequence.context import splash_blocks_run
+    from jaxscale.models.attention.splash import block_size
 
     m, d = config.model, config.data
     if m.get("attention", "einsum") != "splash" or block_size(d.seq_len) is None:

@@ -12,15 +12,16 @@ residuals; SwiGLU's gate, up and product) plus, with einsum attention, the float
 probabilities of every head; the LM head keeps float32 logits, softmax and gradient (a chunk of
 them with `loss_chunks`). Full remat keeps only each layer's bf16 input and recomputes one layer
 at a time (two layers' activations live at once); a policy named by what it saves
-(`models/scan.py` NAMED_POLICIES) keeps that input plus the named activations it saves in HBM
-(`NAME_WIDTHS`; those it offloads live in host memory, `host_bytes`); jax's dot policies and
-none are counted as keeping all.
+(`models/nn/scan.py` NAMED_POLICIES) keeps that input plus the named activations it saves in HBM
+(their widths: the attention component's, `Dims.attention_widths`, and the MLP's gate/up; those
+it offloads live in host memory, `host_bytes`); jax's dot policies and none are counted as
+keeping all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 F32, BF16 = 4, 2
 ADAM_MOMENTS = 2  # the optimizer state counted: Adam's two float32 moments
@@ -46,42 +47,35 @@ class Dims:
     mlp: int
     num_heads: int
     vocab_size: int
-    num_kv_heads: int = 0  # 0: as many as heads (no grouped-query attention)
-    head_dim: int = 0      # 0: embed / heads
+    # {activation name: elements per token and layer} of what the attention names (its
+    # component's `activation_widths`: grouped-query's q/k/v, attention output, out projection).
+    attention_widths: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_model(cls, model: Mapping, num_params: int) -> Dims | None:
         """From a `config.model` section's transformer widths (`embed`, `mlp`, `num_heads`,
-        `num_layers`, `vocab_size`, and `num_kv_heads` / `head_dim` where it has them); None
-        for a model that lacks one of the first five."""
+        `num_layers`, `vocab_size`) and its attention component's widths (asked of the model
+        table); None for a model that lacks one of them."""
+        from jaxscale.models import entry_of  # lazy: this module stays free of jax
+
         keys = ("num_layers", "embed", "mlp", "num_heads", "vocab_size")
-        if not all(k in model for k in keys):
+        attention = entry_of(model).attention
+        if attention is None or not all(k in model for k in keys):
             return None
         return cls(num_params, *(int(model[k]) for k in keys),
-                   num_kv_heads=int(model.get("num_kv_heads", 0)),
-                   head_dim=int(model.get("head_dim", 0)))
+                   attention_widths=attention(model).activation_widths())
 
-
-# Elements per token and layer of each named activation (`models/scan.py` ACTIVATION_NAMES).
-NAME_WIDTHS = {
-    "qkv_proj": lambda d: (d.num_heads + 2 * _kv(d)) * _head_dim(d),
-    "attn_out": lambda d: d.num_heads * _head_dim(d),
-    "out_proj": lambda d: d.embed,
-    "mlp_gate_up": lambda d: 2 * d.mlp,
-}
-
-
-def _kv(d: Dims) -> int:
-    return d.num_kv_heads or d.num_heads
-
-
-def _head_dim(d: Dims) -> int:
-    return d.head_dim or d.embed // d.num_heads
+    def width(self, name: str) -> int:
+        """Elements per token and layer of the activation `name` (`models/nn/scan.py`
+        ACTIVATION_NAMES): the MLP's gate/up, or the attention's; 0 for one nothing names."""
+        if name == "mlp_gate_up":
+            return 2 * self.mlp
+        return self.attention_widths.get(name, 0)
 
 
 def _named(remat: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """(saved, offloaded) names of a policy named by what it keeps, else None."""
-    from jaxscale.models.scan import NAMED_POLICIES  # lazy: this module stays free of jax
+    from jaxscale.models.nn.scan import NAMED_POLICIES  # lazy: this module stays free of jax
 
     named = NAMED_POLICIES.get(remat)
     return None if named is None else (named.saved, named.offloaded)
@@ -89,7 +83,7 @@ def _named(remat: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
 
 def named_bytes_per_token(dims: Dims, names: tuple[str, ...], tensor: int = 1) -> float:
     """Bytes per token of one layer's `names` activations (bf16, split over `tensor`)."""
-    return sum(NAME_WIDTHS[n](dims) for n in names) * BF16 / tensor
+    return sum(dims.width(n) for n in names) * BF16 / tensor
 
 
 def host_bytes(dims: Dims, *, tokens: float, remat: str, tensor: int = 1) -> float:

@@ -37,6 +37,8 @@ from jaxscale.aot.choices import (
 from jaxscale.aot.guess import dims_of, remat_bytes, step_seconds
 from jaxscale.aot.topology import Topology
 from jaxscale.errors import JaxscaleError
+from jaxscale.hardware import HBM_MARGIN, hbm_budget
+from jaxscale.hardware import fits as hardware_fits
 
 PRESETS = ("fsdp", "fsdp_tp", "tp", "dp")
 # The remat policies searched, least HBM first, and their recompute rank: none < dots
@@ -109,7 +111,7 @@ def _expert_splits(config: mlc.ConfigDict, n: int) -> tuple[int, ...]:
     also each power of two dividing both the chips and the experts (each chip of an expert
     group holds num_experts / expert of them; the batch splits over it as over data), the
     most expert parallelism first; both the capacity path (all-to-all dispatch) and dropless
-    (the expert group's all-gather, `models/moe_dropless.py`) run on it."""
+    (the expert group's all-gather, `models/moe/dropless.py`) run on it."""
     experts = config.model.get("moe", {}).get("num_experts", 0)
     return tuple(e for e in (64, 32, 16, 8, 4, 2) if experts and experts % e == 0
                  and n % e == 0) + (1,)
@@ -190,12 +192,12 @@ def _valid(config: mlc.ConfigDict, overrides: dict) -> bool:
 
 
 def _all_candidates(config: mlc.ConfigDict, topology: Topology,
-                    margin: float = 0.1) -> list[Candidate]:
+                    margin: float = HBM_MARGIN) -> list[Candidate]:
     """Every combination, in search order, with every field spelled out and its guesses (not
     yet validated)."""
     require_language_model(config)
     n, slices = topology.chips_per_slice, topology.num_slices
-    budget = topology.chip.hbm_limit_bytes * (1 - margin)
+    budget = hbm_budget(topology.chip.hbm_limit_bytes, margin)
     dims, compute_s = dims_of(config), _compute_seconds(config, topology)
     found = []
     moe = _expert_splits(config, n) != (1,)
@@ -230,11 +232,11 @@ def _all_candidates(config: mlc.ConfigDict, topology: Topology,
 
 def far_over(cand: Candidate, topology: Topology, margin: float) -> bool:
     """Whether the memory guess puts `cand` over `FAR_OVER` times the HBM budget: skipped."""
-    budget = topology.chip.hbm_limit_bytes * (1 - margin)
+    budget = hbm_budget(topology.chip.hbm_limit_bytes, margin)
     return cand.guess_bytes is not None and cand.guess_bytes > FAR_OVER * budget
 
 
-def iter_candidates(config: mlc.ConfigDict, topology: Topology, margin: float = 0.1,
+def iter_candidates(config: mlc.ConfigDict, topology: Topology, margin: float = HBM_MARGIN,
                     skipped: Counter | None = None, listed: list[Candidate] | None = None
                     ) -> Iterator[Candidate]:
     """Valid candidates over meshes, rules presets, remat policies, attention implementations,
@@ -267,10 +269,11 @@ def specified(config: mlc.ConfigDict, cand: Candidate) -> Candidate | None:
 
 SKIP_GUESSED = f"guessed over {FAR_OVER:g}x the HBM budget"
 SKIP_INVALID = "refused by the config validation"
+SAME_ERROR = "same compiler error as "  # + a failed candidate's label (`frontier.why_skip`)
 
 
 def candidates(config: mlc.ConfigDict, topology: Topology,
-               margin: float = 0.1) -> list[Candidate]:
+               margin: float = HBM_MARGIN) -> list[Candidate]:
     """All valid candidates, in search order (`iter_candidates`)."""
     return list(iter_candidates(config, topology, margin))
 
@@ -340,9 +343,9 @@ def usable(result: dict) -> float:
     return result.get("hbm_limit_bytes") or result["hbm_bytes"]
 
 
-def fits(result: dict, margin: float) -> bool:
-    """A compiled result that leaves `margin` of the usable HBM free."""
-    return "error" not in result and result["total_bytes"] <= usable(result) * (1 - margin)
+def fits(result: dict, margin: float = HBM_MARGIN) -> bool:
+    """A compiled result that leaves `margin` of the usable HBM free (`hardware.fits`)."""
+    return "error" not in result and hardware_fits(result["total_bytes"], usable(result), margin)
 
 
 def rank(results: list[tuple[Candidate, dict]], margin: float
@@ -357,14 +360,17 @@ def rank(results: list[tuple[Candidate, dict]], margin: float
         else:
             over.append((cand, r))
     ok.sort(key=lambda cr: (step_s(cr[1]), cr[1]["estimate"]["full_overlap_s"]))
-    over.sort(key=lambda cr: cr[1]["total_bytes"] - usable(cr[1]) * (1 - margin))
+    over.sort(key=lambda cr: cr[1]["total_bytes"] - hbm_budget(usable(cr[1]), margin))
     return ok, over, failed
 
 
 def format_plan(results: list[tuple[Candidate, dict]], margin: float, top: int,
-                topology: Topology, config: mlc.ConfigDict) -> str:
-    """The ranked table, those over HBM and those that failed, and the winner's flags (or,
-    with nothing fitting, the closest candidate and what would make it fit)."""
+                topology: Topology, config: mlc.ConfigDict, space: Counter | None = None
+                ) -> str:
+    """The ranked table, those over HBM, those that failed (the settings and the compiler's
+    line) and the untried ones skipped for failing the same way (`space`, the search's
+    counts), and the winner's flags (or, with nothing fitting, the closest candidate and what
+    would make it fit)."""
     ok, over, failed = rank(results, margin)
     gib = lambda n: f"{n / 2**30:.1f}"
     lines = [f"{len(results)} candidates compiled for {topology.label()}: {len(ok)} fit with a "
@@ -380,6 +386,10 @@ def format_plan(results: list[tuple[Candidate, dict]], margin: float, top: int,
                      + (f" ({r['over_hbm']})" if "over_hbm" in r else ""))
     for cand, r in failed:
         lines.append(f"   failed to compile: {cand.label()}: {r['error']}")
+    for reason, n in (space or {}).items():
+        if reason.startswith(SAME_ERROR) and n:
+            lines.append(f"   skipped: {reason} ({n} untried candidate{'s' * (n > 1)} sharing "
+                         "the settings of two that failed so)")
     if ok:
         lines.append(f"winner: {ok[0][0].flags()}")
     elif over:
@@ -389,7 +399,7 @@ def format_plan(results: list[tuple[Candidate, dict]], margin: float, top: int,
         advice = fit_advice(closest, rows_per_chip(closest, m.data * m.dcn_data, m.fsdp))
         lines.append(
             f"No candidate fits. Closest: {cand.label()} at {gib(r['total_bytes'])} GiB per chip, "
-            f"over the {gib(usable(r) * (1 - margin))} GiB budget by "
-            f"{gib(r['total_bytes'] - usable(r) * (1 - margin))} GiB. To fit: "
+            f"over the {gib(hbm_budget(usable(r), margin))} GiB budget by "
+            f"{gib(r['total_bytes'] - hbm_budget(usable(r), margin))} GiB. To fit: "
             f"{advice}.")
     return "\n".join(lines)

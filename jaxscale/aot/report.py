@@ -64,7 +64,8 @@ def traffic_lines(report: StepReport) -> list[str]:
     expected[t["backward_kind"]] += t["backward"]
     return [f"attention across {t['shards']} sequence shards ({t['variant']}): ANALYTIC "
             f"{_gib(t['forward'])} forward (remat's recompute included) + "
-            f"{_gib(t['backward'])} backward per chip/step; block {_gib(t['block_bytes'])}"] + [
+            f"{_gib(t['backward'])} backward per chip/step; "
+            f"K/V block {_gib(t['kv_block_bytes'])}"] + [
         f"  {kind}: expected {_gib(expected[kind])}, compiled {_gib(compiled[kind])}"
         for kind in kinds]
 

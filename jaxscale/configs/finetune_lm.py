@@ -18,37 +18,10 @@ gradients: see `configs/llama.py`). `lora` trains rank-16 adapters (alpha 32) on
 attention and MLP projection instead: the base weights are frozen (no gradients or optimizer
 state) and, because the adapters start at zero, at the pre-training learning rate.
 
-Besides the Llama sizes, SIZE may be a small model of another decoder family of the model
-table at its published shapes (`FAMILIES`), to fine-tune a `launch.convert --from_hf` output:
-
-    qwen3-0.6b     Qwen3-0.6B (`model.name=qwen3`: qk-norm, head_dim 128 > embed / heads): embed
-                   1024, 28 layers, 16 heads (8 kv), mlp 3072, vocab 151936, rope 1e6, tied  596.0M
-    qwen2.5-0.5b   Qwen2.5-0.5B (`model.name=qwen2`: q/k/v biases): embed 896, 24 layers,
-                   14 heads (2 kv), mlp 4864, vocab 151936, rope 1e6, tied                  494.0M
-    mistral-7b     Mistral-7B-v0.3 (`model.name=mistral`): embed 4096, 32 layers, 32 heads (8
-                   kv), mlp 14336, vocab 32768, rope 1e6, untied, no sliding window (v0.3's
-                   config.json has `sliding_window: null`; v0.1's 4096 is
-                   `--config.model.sliding_window=4096`)                                  7,248.0M
-    gemma3-1b      Gemma-3-1B (`model.name=gemma3`): embed 1152, 26 layers (every 6th global,
-                   the rest a 512-token window, local rotary 1e4), 4 heads (1 kv), head_dim
-                   256, mlp 6912, vocab 262144, rope 1e6, tied                              999.9M
-    gemma2-2b      Gemma-2-2B (`model.name=gemma2`): embed 2304, 26 layers (alternating a
-                   4096-token window and global), 8 heads (4 kv), head_dim 256, mlp 9216,
-                   vocab 256000, rope 1e4, soft-caps 50 / 30, tied                        2,614.3M
-
-Each takes the recipe of the Llama size it is closest to (qwen and gemma: `1b`'s 256 x 2048
-tokens, full remat, FSDP; mistral-7b: `7b`'s 512 x 2048) and the same TARGETs, sized the same
-way where the TPU compiler has not sized them (`configs/llama.py` `COMPILED` holds the Llama sizes only):
-the largest power-of-two micro-batch whose estimate (`jaxscale.aot.memory`, with the family's
-own parameter count: Qwen2's biases, Qwen3's q/k norms) stays under 80% of a device's HBM. The
-Gemmas run splash on TPU targets (their mixed local/global pattern is a traced window, so each
-layer picks splash's local or global kernel) and einsum on GPU targets (cuDNN's kernel takes a
-static window only); their estimate counts einsum's scores on every target. On
-TPU that estimate errs on the safe side (`qwen3-0.6b,v5e-8`: 2 sequences a chip, which libtpu
-0.0.52 compiles to 5.41 GiB of 14.90); `jaxscale compile` with the preset shows what the
-compiler needs, and `JAXSCALE_COMPILE_PRESETS=1` makes `tests/test_presets.py` compile every
-TPU preset of these families and check it leaves 10% of HBM free. FLOPs per token (MFU, `launch.plan`) are the model table entry's, the Llama's
-count: biases and norms add no matmul.
+Besides the Llama sizes, SIZE may be a small model of another decoder family at its published
+shapes (`FAMILIES`, with the recipe of the closest Llama size), sized for each TARGET by the
+memory estimate: docs/fine-tune-families.md ("The published sizes") has the shapes, parameter
+counts and what the TPU compiler makes of the estimate.
 
 `:test` (and `:test,lora`) is the small-run mode: the tiny model of `configs/llama.py:tiny` for 4
 CPU steps, with `init_from=''` (fresh random weights) so it runs without a checkpoint; point it at
@@ -60,6 +33,7 @@ from __future__ import annotations
 import ml_collections as mlc
 
 from jaxscale.configs import sibling
+from jaxscale.configs._preset_parts import Size
 from jaxscale.errors import ConfigError, paragraph
 
 llama = sibling("llama")
@@ -82,24 +56,24 @@ def _pattern(layers: int, period: int) -> tuple[str, ...]:
                  for i in range(layers))
 
 
-FAMILIES: dict[str, llama.Size] = {
-    "qwen3-0.6b": llama.Size(dict(_QWEN, name="qwen3", embed=1024, num_layers=28, num_heads=16,
+FAMILIES: dict[str, Size] = {
+    "qwen3-0.6b": Size(dict(_QWEN, name="qwen3", embed=1024, num_layers=28, num_heads=16,
                                   num_kv_heads=8, head_dim=128, mlp=3072, max_len=40960),
                              **_RECIPE_1B),
-    "qwen2.5-0.5b": llama.Size(dict(_QWEN, name="qwen2", embed=896, num_layers=24, num_heads=14,
+    "qwen2.5-0.5b": Size(dict(_QWEN, name="qwen2", embed=896, num_layers=24, num_heads=14,
                                     num_kv_heads=2, head_dim=64, mlp=4864, max_len=32768),
                                **_RECIPE_1B),
-    "mistral-7b": llama.Size(dict(name="mistral", vocab_size=32768, embed=4096, num_layers=32,
+    "mistral-7b": Size(dict(name="mistral", vocab_size=32768, embed=4096, num_layers=32,
                                   num_heads=32, num_kv_heads=8, head_dim=128, mlp=14336,
                                   max_len=32768, rope_theta=1e6, norm_eps=1e-5,
                                   tie_embeddings=False, sliding_window=0),
                              **dict(_RECIPE_1B, batch=512, steps=100_000)),
-    "gemma3-1b": llama.Size(dict(_GEMMA, name="gemma3", vocab_size=262144, embed=1152,
+    "gemma3-1b": Size(dict(_GEMMA, name="gemma3", vocab_size=262144, embed=1152,
                                  num_layers=26, num_heads=4, num_kv_heads=1, mlp=6912,
                                  max_len=32768, rope_theta=1e6, rope_local_theta=1e4,
                                  sliding_window=512, layer_types=_pattern(26, 6)),
                             **_RECIPE_1B),
-    "gemma2-2b": llama.Size(dict(_GEMMA, name="gemma2", vocab_size=256000, embed=2304,
+    "gemma2-2b": Size(dict(_GEMMA, name="gemma2", vocab_size=256000, embed=2304,
                                  num_layers=26, num_heads=8, num_kv_heads=4, mlp=9216,
                                  max_len=8192, rope_theta=1e4, sliding_window=4096,
                                  layer_types=_pattern(26, 2), attn_softcap=50.0,

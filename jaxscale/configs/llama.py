@@ -47,8 +47,9 @@ Long context (`LONG_CONTEXT`, not in `VARIANTS`): `8b-128k,TARGET`, a Llama-3.1-
 a sequence per `context` chips (`ring_vjp` attention), FSDP over the rest. v5p-32: context 4 x
 fsdp 4; v6e-128: context 8 x fsdp 16 (docs/long-context.md). v5e has none: its 16 GB need
 fsdp=16 for the Adam state, and even context 16 on v5e-256 compiles to 15.44 GiB per chip, over
-the 10% margin, as v6e-64 (context 4 x fsdp 16) does at 27.53 GiB; on v4-32 (16 chips of 32 GiB)
-the v5p-32 mesh would need the 55.92 GiB per chip it compiles to there.
+the 14.18 GiB the margin leaves (`hardware.HBM_MARGIN`); v6e-64 (context 4 x fsdp 16, 27.53 GiB
+of the 28.12 it may fill) is not one; on v4-32 (16 chips of 32 GiB) the v5p-32 mesh would need
+the 55.92 GiB per chip it compiles to there.
 
 Data stays the byte-level stdlib corpus: bytes are token ids 0..255, a subset of the 32000-entry
 vocabulary, so the initial loss is ln(32000) = 10.4 rather than ln(256). Every field can still be
@@ -59,58 +60,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import ml_collections as mlc
 
 from jaxscale.aot.memory import Dims, state_bytes_per_param, step_bytes
 from jaxscale.config import base_config
+from jaxscale.configs._preset_parts import Compiled, LongContext, Size, Target
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.hardware import CHIPS, GiB
-
-
-@dataclass(frozen=True)
-class Size:
-    """A model size with its pre-training recipe (batch in sequences of `seq_len` tokens)."""
-
-    model: dict[str, Any]
-    strategy: str          # rules preset on hardware targets: 'dp' or 'fsdp'
-    remat: str
-    seq_len: int
-    batch: int
-    lr: float
-    warmup: int
-    steps: int
-    precision: str = "bf16-mixed"
-    max_bytes: int = 100_000_000  # enough held-out text (a tenth) for a few global batches
-
-
-@dataclass(frozen=True)
-class Target:
-    """Hardware: devices per slice (or host), slices (hosts) over DCN, the chip (a key of the
-    hardware table, `jaxscale.hardware.CHIPS`, which has its memory), and for a TPU slice the
-    libtpu topology name `jaxscale compile --topology` takes."""
-
-    devices: int
-    slices: int
-    chip: str
-    topology: str | None = None
-
-    @property
-    def total(self) -> int:
-        return self.devices * self.slices
-
-    @property
-    def gpu(self) -> bool:
-        return CHIPS[self.chip].generation is None
-
-    @property
-    def hbm_gib(self) -> float:
-        """HBM per device as the hardware table documents it (the presets' 10% margin is of
-        this; `jaxscale compile` also shows what libtpu lets a program use)."""
-        return CHIPS[self.chip].hbm_bytes / GiB
-
+from jaxscale.hardware import HBM_MARGIN
 
 _LLAMA2 = dict(vocab_size=32000, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
 SIZES: dict[str, Size] = {
@@ -140,23 +98,6 @@ TARGETS: dict[str, Target] = {
 }
 
 
-@dataclass(frozen=True)
-class Compiled:
-    """A TPU target's micro-batch as the TPU compiler chose it, not the estimate:
-    `python bench/presets.py` compiles SIZE,TARGET for the target's topology (libtpu 0.0.52,
-    nothing runs) at each power-of-two micro-batch, largest first, and keeps the first whose
-    total per chip (arguments + temporaries) leaves 10% of HBM free (`FIT_MARGIN`, the
-    planner's default). `gib` is that total; with `micro_batch` 0 not even one sequence fits
-    and `gib` is what the compiler asked for at one (a lower bound where libtpu refused the
-    step outright: its temporaries alone). `step_ms` is the roofline step-time ESTIMATE (full
-    overlap, no overlap), never a measurement."""
-
-    micro_batch: int
-    gib: float
-    step_ms: tuple[float, float] = (0.0, 0.0)
-
-
-FIT_MARGIN = 0.1  # fraction of HBM a compiled TPU preset leaves free
 # Printed by `python bench/presets.py` (libtpu 0.0.52); `python bench/presets.py --check`
 # compiles every preset against it, `make test` the tightest of each size (tests/test_presets.py).
 COMPILED: dict[tuple[str, str], Compiled] = {
@@ -165,7 +106,7 @@ COMPILED: dict[tuple[str, str], Compiled] = {
     ("tiny", "v5e-8"): Compiled(2, 0.00, (0.00651, 0.006925)),
     ("tiny", "v5e-16"): Compiled(1, 0.00, (0.007359, 0.007567)),
     ("tiny", "v5e-64"): Compiled(1, 0.00, (0.01132, 0.01152)),
-    ("125m", "v4-8"): Compiled(32, 28.50, (183.6, 191.6)),
+    ("125m", "v4-8"): Compiled(16, 15.54, (183.6, 191.6)),
     ("125m", "v4-32"): Compiled(16, 13.73, (45.89, 52.77)),
     ("125m", "v5e-8"): Compiled(8, 9.13, (128.1, 137.5)),
     ("125m", "v5e-16"): Compiled(8, 9.13, (64.06, 74.12)),
@@ -187,16 +128,6 @@ COMPILED: dict[tuple[str, str], Compiled] = {
 # bf16-mixed with Adam, counted as accumulating: the estimate comes before the micro-batch.
 STATE_BYTES_PER_PARAM = state_bytes_per_param(accumulate=True)
 HBM_FRACTION = 0.8          # headroom for XLA's own buffers, collectives and fragmentation
-
-
-@dataclass(frozen=True)
-class LongContext:
-    """A long-context preset: a SIZE at a long `seq_len` on its TPU targets, each with its
-    context size (a sequence per `context` chips, FSDP over the rest) and what the TPU compiler
-    said of the whole preset (`gib` per chip with the accumulation, the step ESTIMATE)."""
-
-    size: Size
-    targets: dict[str, tuple[Target, int, Compiled]]  # name -> (target, context, compiled)
 
 
 _LLAMA31_8B = dict(vocab_size=128256, embed=4096, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -255,7 +186,7 @@ def memory_estimate(size: str, target: Target, micro_batch: int,
 
 def mixed_pattern(model: Mapping[str, Any]) -> bool:
     """Does the model mix local and global layers (Gemma's `layer_types`)? Then each layer's
-    window is a traced value that cuDNN's fused kernel cannot take (`models/llama.py`
+    window is a traced value that cuDNN's fused kernel cannot take (`models/decoder/config.py`
     `check_layer_pattern`): a GPU target keeps `model.attention=einsum` and its scores count
     (TPUs run splash, which picks its local or global kernel per layer)."""
     return len(set(model.get("layer_types") or ())) > 1
@@ -286,8 +217,8 @@ def why_not(size: str, target: str, sizes: Mapping[str, Size] = SIZES) -> str | 
         compiled = COMPILED.get((size, target))
         if compiled:
             return (f"its training state and one sequence need {compiled.gib:.1f} GiB per chip "
-                    f"or more as the TPU compiler has it, over {1 - FIT_MARGIN:.0%} of the "
-                    f"{t.hbm_gib:.1f} GiB of HBM")
+                    f"or more as the TPU compiler has it, over the {t.budget_gib:.1f} GiB it may "
+                    f"fill ({HBM_MARGIN:.0%} of the HBM libtpu lets a program use kept free)")
         return (f"its training state and one sequence need about "
                 f"{memory_estimate(size, t, 1, sizes) / 2**30:.0f} GiB per device, more than "
                 f"{HBM_FRACTION:.0%} of the {t.hbm_gib:.0f} GiB of HBM")
@@ -364,7 +295,7 @@ def build(size_name: str, target_name: str | None = None, micro: int | None = No
 def _apply_target(c: mlc.ConfigDict, size_name: str, target_name: str,
                   micro: int | None, sizes: Mapping[str, Size]) -> None:
     """What a hardware target sets: mesh, micro-batch and accumulation, precision, attention."""
-    from jaxscale.models.splash import block_size  # lazy: loading a config stays light
+    from jaxscale.models.attention.splash import block_size  # lazy: loading a config stays light
 
     s, t = sizes[size_name], TARGETS[target_name]
     b = micro_batch(size_name, target_name, sizes) if micro is None else micro

@@ -32,17 +32,18 @@ from dataclasses import dataclass
 import ml_collections as mlc
 
 from jaxscale.configs import sibling
+from jaxscale.configs._preset_parts import Compiled, Size, Target
 from jaxscale.errors import ConfigError, paragraph
 
 llama = sibling("llama")
 
 _TINY_MOE = dict(num_experts=4, experts_per_token=2, capacity_factor=2.0)
 _MIXTRAL_MOE = dict(num_experts=8, experts_per_token=2, capacity_factor=1.25)
-SIZES: dict[str, llama.Size] = {
-    "tiny": llama.Size(dict(llama.SIZES["tiny"].model, moe=_TINY_MOE), "fsdp", "none",
+SIZES: dict[str, Size] = {
+    "tiny": Size(dict(llama.SIZES["tiny"].model, moe=_TINY_MOE), "fsdp", "none",
                        seq_len=64, batch=16, lr=3e-3, warmup=2, steps=10, precision="32-true",
                        max_bytes=400_000),
-    "8x7b": llama.Size(dict(vocab_size=32000, embed=4096, num_layers=32, num_heads=32,
+    "8x7b": Size(dict(vocab_size=32000, embed=4096, num_layers=32, num_heads=32,
                             num_kv_heads=8, head_dim=128, mlp=14336, max_len=32768,
                             rope_theta=1e6, norm_eps=1e-5, tie_embeddings=False,
                             moe=_MIXTRAL_MOE),
@@ -56,17 +57,17 @@ class MoETarget:
     """A TPU slice for an MoE size: the chips (`configs/llama.py`'s `Target`) and how many of
     them the experts split over (`mesh.expert`; the rest is `mesh.fsdp`)."""
 
-    target: llama.Target
+    target: Target
     expert: int
 
 
 TARGETS: dict[str, MoETarget] = {
-    "v5p-128": MoETarget(llama.Target(64, 1, "v5p", topology="v5p:4x4x4"), expert=8),
+    "v5p-128": MoETarget(Target(64, 1, "v5p", topology="v5p:4x4x4"), expert=8),
 }
 # The TPU compiler's micro-batch (sequences per chip at once) and memory per chip
-# (`llama.Compiled`; libtpu 0.0.52, `launch.compile`, nothing ran; bench/RESULTS.md).
-COMPILED: dict[tuple[str, str], llama.Compiled] = {
-    ("8x7b", "v5p-128"): llama.Compiled(4, 26.91, (4743, 5065)),
+# (`Compiled`; libtpu 0.0.52, `launch.compile`, nothing ran; bench/RESULTS.md).
+COMPILED: dict[tuple[str, str], Compiled] = {
+    ("8x7b", "v5p-128"): Compiled(4, 26.91, (4743, 5065)),
 }
 VARIANTS: tuple[str, ...] = tuple(SIZES) + tuple(f"{s},{t}" for s, t in COMPILED)
 

@@ -20,7 +20,6 @@ def get_config(arg: str | None = None):
         name="vit", task="classify", image_size=8, patch_size=2, channels=1, num_classes=10,
         embed=64, num_layers=4, num_heads=4, head_dim=16, mlp=128, norm_eps=1e-6,
         remat="none",
-        num_kv_heads=4, max_len=17,  # read by config validation only (no kv groups in a ViT)
     ))
     # seq_len counts tokens per image (16 patches + class token); it only feeds tokens/s.
     c.data.update(corpus="digits", seq_len=17, batch_size=64, eval_batches=0, max_bytes=0,

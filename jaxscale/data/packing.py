@@ -18,6 +18,7 @@ import numpy as np
 from jaxscale.errors import ConfigError, paragraph
 
 PACKINGS = ("none", "concat", "pack")
+SEGMENTED = ("pack", "none")  # the packings whose rows carry `segment_ids` and `positions`
 OPEN_ROWS = 128  # first-fit looks at this many most recent rows with room left
 
 
@@ -99,12 +100,18 @@ def first_fit(lengths: np.ndarray, width: int) -> list[list[tuple[int, int, int]
     return rows
 
 
+def carries_segments(data: Any) -> bool:
+    """Whether the rows of `config.data` carry `segment_ids` and `positions` besides `tokens`:
+    file sources read with a `SEGMENTED` packing (the stdlib demo's windows never do)."""
+    return bool(data.get("sources")) and data.get("packing", "concat") in SEGMENTED
+
+
 def make_rows(source: Any, packing: str, seq_len: int, pad_id: int) -> Any:
     """The rows of `source` for `config.data.packing`; each has `num_rows` and `row(i)`."""
     width = seq_len + 1
     if packing == "concat":
         return ConcatRows(source, width)
-    if packing in ("pack", "none"):
+    if packing in SEGMENTED:
         return SegmentRows(source, width, pad_id, pack=packing == "pack")
     raise ConfigError(paragraph(
         f"data.packing={packing!r}: use 'concat' (join documents, cut windows), 'pack' (whole",

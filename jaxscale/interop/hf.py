@@ -23,7 +23,7 @@ mapping (`hf_config.py` holds the Llama decoder's) and its leaf table, opened an
 
 jaxscale's Llama uses the Hugging Face "rotate half" rotary layout, so q/k need no permutation:
 every weight is only transposed and reshaped (q/k/v and gate/up are also joined into the fused
-`wqkv` / `w_gate_up` on import and split on export, `models/fused.py`: exact, so round trips
+`wqkv` / `w_gate_up` on import and split on export, `models/nn/fused.py`: exact, so round trips
 stay bit for bit). Configurations the model cannot reproduce are rejected in one paragraph
 naming the field, never approximated.
 """
@@ -49,10 +49,10 @@ from jaxscale.interop.safetensors_io import (
     parse_dtype,
     write_checkpoint_files,
 )
-from jaxscale.models.fused import GATE_UP, QKV
+from jaxscale.models.nn.fused import GATE_UP, QKV
 from jaxscale.rules import AxisRules, normalize_rules
 from jaxscale.weights.leaf import Leaf as LazyLeaf
-from jaxscale.weights.place import named_shardings, place
+from jaxscale.weights.place import named_shardings, param_specs, place
 from jaxscale.weights.sources import open_huggingface, read_hf_config
 from jaxscale.weights.tree import flatten, unflatten
 
@@ -72,7 +72,7 @@ class Pretrained(NamedTuple):
 class Leaf:
     """One jaxscale parameter: its HF tensor name (with `{i}` for stacked layers) and the
     transforms between the HF tensor of one layer and jaxscale's layout of that layer. A fused
-    parameter (`models/fused.py`) names several HF tensors: `to_jax` then takes them all (in
+    parameter (`models/nn/fused.py`) names several HF tensors: `to_jax` then takes them all (in
     `hf_name` order) and `to_hf` returns them as a tuple."""
 
     hf_name: str | tuple[str, ...]
@@ -98,7 +98,7 @@ class Leaf:
 
 def llama_leaves(model_cfg: Mapping[str, Any]) -> dict[str, Leaf]:
     """{jaxscale path: Leaf} for every parameter of a Llama with `model_cfg`. q/k/v and
-    gate/up are stored fused (`models/fused.py`): they join and split their HF tensors."""
+    gate/up are stored fused (`models/nn/fused.py`): they join and split their HF tensors."""
     h, k, d, e = (model_cfg[n] for n in ("num_heads", "num_kv_heads", "head_dim", "embed"))
     ident = lambda x: x
     p = "model.layers.{i}."
@@ -197,7 +197,6 @@ def load_pretrained(source: Source, mesh: Mesh | None = None, rules: AxisRules |
     if mesh is None:
         return Pretrained(dict(source.model_cfg), unflatten({k: v.read() for k, v in
                                                              leaves.items()}))
-    from jaxscale.train.state import param_specs
     specs = param_specs(_model_def(source.model_cfg), rules or default_rules(), mesh)
     placed = place(leaves, named_shardings(mesh, specs), {k: v.dtype for k, v in leaves.items()})
     return Pretrained(dict(source.model_cfg), unflatten(placed))

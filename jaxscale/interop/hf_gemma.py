@@ -6,7 +6,7 @@ converter plus Gemma's norms, soft-caps and local/global pattern.
     save_gemma(model, out_dir, dtype=None, max_shard_size=None)
 
 `Gemma3ForCausalLM` has the Llama's q/k/v/o and gate/up/down tensors (joined into the fused
-`wqkv` / `w_gate_up` exactly, `models/fused.py`), Qwen3's `q_norm` / `k_norm`, and four norms a
+`wqkv` / `w_gate_up` exactly, `models/nn/fused.py`), Qwen3's `q_norm` / `k_norm`, and four norms a
 block: `input_layernorm` (jaxscale `attn_norm`), `post_attention_layernorm` (after attention,
 `attn_post_norm`, unlike the Llama's name), `pre_feedforward_layernorm` (`mlp_norm`) and
 `post_feedforward_layernorm` (`mlp_post_norm`). Norm weights are stored as HF stores them (the
@@ -14,8 +14,8 @@ offset from 1, `RMSNorm(offset=True)`), so round trips stay bit for bit. The con
 `layer_types`, `sliding_window`, the per-layer-type `rope_parameters` (or the older
 `rope_theta` / `rope_local_base_freq`), `query_pre_attn_scalar` and the soft-caps
 (`attn_logit_softcapping`, `final_logit_softcapping`: Gemma 2's, null in Gemma 3) become
-`config.model` fields; the switches themselves are the defaults of `models/gemma.py`'s config
-classes. `Gemma2ForCausalLM` is the same without the q/k norms and with one rotary base.
+`config.model` fields; the switches themselves are the defaults of `models/decoder/gemma.py`'s
+config classes. `Gemma2ForCausalLM` is the same without the q/k norms and with one rotary base.
 What the decoder cannot reproduce is refused in one paragraph naming the field: bidirectional
 attention, attention biases, another activation, a scaled rotary on the local layers.
 Opening and saving are `hf.open_decoder` / `hf.save_decoder`: this module is the family's
@@ -33,10 +33,10 @@ from jaxscale.interop.hf_config import decoder_fields
 from jaxscale.interop.hf_rope import rope_from_hf, rope_scaling_to_hf
 from jaxscale.models import lookup
 
-# By model.name: the HF model_type and class, the decoder switches the family has (exactly
-# these, the defaults of its `models/gemma.py` config class), its default global rotary base,
-# the pattern when config.json has no `layer_types` (every n-th layer global), and whether its
-# local layers have their own rotary base.
+# By model.name: the HF model_type and class, the decoder switches the family has (exactly these,
+# the defaults of its `models/decoder/gemma.py` config class), its default global rotary base, the
+# pattern when config.json has no `layer_types` (every n-th layer global), and whether its local
+# layers have their own rotary base.
 FAMILIES = {
     "gemma3": dict(model_type="gemma3_text", arch="Gemma3ForCausalLM", theta=1_000_000.0,
                    every=6, local_rope=True,

@@ -6,7 +6,7 @@
 `MistralForCausalLM` (config.json `model_type` "mistral") has the Llama's weight layout and
 names, an explicit `head_dim` that may differ from hidden / heads, and `sliding_window`: every
 layer's query at position i attends to the keys at i - sliding_window < j <= i only (null: the
-full causal context). jaxscale builds it as the Llama decoder (`models/llama.py`) with
+full causal context). jaxscale builds it as the Llama decoder (`models/decoder/`) with
 `model.sliding_window` set (model table entry `mistral`), so the conversion is `hf.py`'s Llama
 conversion (`hf_config.llama_config_from_hf`, `hf.llama_leaves`, opened and saved by
 `hf.open_decoder` / `hf.save_decoder`) with these fields added; what the Llama

@@ -4,16 +4,16 @@
     source = open_qwen3_moe(hf_dir)
     save_moe(model, out_dir, dtype=None, max_shard_size=None)
 
-Both are the decoder (`models/llama.py`) with every layer's SwiGLU replaced by `models/moe.py`'s
-block: a softmax router over `num_experts`, the top `experts_per_token`, their weights
-renormalised to sum to one (Mixtral always; Qwen3-MoE by its `norm_topk_prob`), each expert a
-SwiGLU, dropless (`capacity_factor=0`), as transformers computes them. Mixtral is Mistral's
+Both are the decoder (`models/decoder/`) with every layer's SwiGLU replaced by
+`models/moe/layer.py`'s block: a softmax router over `num_experts`, the top `experts_per_token`,
+their weights renormalised to sum to one (Mixtral always; Qwen3-MoE by its `norm_topk_prob`), each
+expert a SwiGLU, dropless (`capacity_factor=0`), as transformers computes them. Mixtral is Mistral's
 attention (`sliding_window`, null: full) and `block_sparse_moe.gate` + `experts.{j}.w1/w3/w2`
 (gate/up/down, width `intermediate_size`); Qwen3-MoE is Qwen3's attention (q/k norms, explicit
 `head_dim`) and `mlp.gate` + `mlp.experts.{j}.gate_proj/up_proj/down_proj` (width
 `moe_intermediate_size`). The router's (X, E) weight is transposed into `router` (E, X) and the
-experts' tensors are stacked into `w_gate` / `w_up` (X, E, F) and `w_down` (X, F, E): transposes
-and stacking only, so round trips stay bit for bit.
+experts' tensors are stacked into `w_gate` / `w_up` (X, E, F) and `w_down` (X, F, E): transposes and
+stacking only, so round trips stay bit for bit.
 
 The router's load-balancing loss trains only where the HF config asks for it
 (`output_router_logits`): transformers' loss is `experts_per_token` times jaxscale's `aux`
@@ -40,7 +40,7 @@ from jaxscale.interop.hf import ConversionError, Leaf, decoder_opener, decoder_s
 from jaxscale.interop.hf_config import require_keys
 from jaxscale.interop.hf_mistral import mistral_config_from_hf, mistral_config_to_hf
 from jaxscale.interop.hf_qwen import qwen_config_from_hf, qwen_config_to_hf, qwen_leaves
-from jaxscale.models.moe import MoEConfig, expert_width
+from jaxscale.models.moe.layer import MoEConfig, expert_width
 
 # By model.name: the HF model_type and class, the block's and its experts' tensor names
 # (gate, up, down), and the HF field holding the expert width.

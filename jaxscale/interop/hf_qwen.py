@@ -3,10 +3,10 @@
     source = open_qwen3(hf_dir)            # Source(config, lazy reader, leaves), as open_llama
     save_qwen(model, out_dir, dtype=None, max_shard_size=None)
 
-Both families are the Llama with a switch on (`models/qwen.py`), so the Llama's mapping
+Both families are the Llama with a switch on (`models/decoder/qwen.py`), so the Llama's mapping
 (`hf.llama_leaves`) covers every shared tensor and only the switches' tensors are added here:
 Qwen2's q/k/v biases join into the fused `bqkv` (K, G + 2, D) exactly as their weights join
-into `wqkv` (`models/fused.py`: reshapes and concatenation only, so round trips stay bit for
+into `wqkv` (`models/nn/fused.py`: reshapes and concatenation only, so round trips stay bit for
 bit), and Qwen3's `q_norm` / `k_norm` scales are per-head RMSNorm scales of `head_dim`.
 What the decoder cannot reproduce is refused in one paragraph naming the field: sliding-window
 layers (`use_sliding_window`, `layer_types`), mixture-of-experts fields, a Qwen3 with
@@ -24,10 +24,10 @@ from jaxscale.errors import paragraph
 from jaxscale.interop.hf import ConversionError, Leaf, decoder_opener, decoder_saver, llama_leaves
 from jaxscale.interop.hf_config import decoder_fields, llama_config_to_hf
 from jaxscale.models import DEFAULT_MODEL, lookup
-from jaxscale.models.fused import QKV
+from jaxscale.models.nn.fused import QKV
 
 # The switches each family has, by its model.name (= HF model_type): exactly these, on. They
-# are the defaults of the family's config class (`models/qwen.py`), so a converted config
+# are the defaults of the family's config class (`models/decoder/qwen.py`), so a converted config
 # leaves them out and `model.name` alone builds the model (no flag launch.train lacks).
 SWITCHES = {"qwen2": {"qkv_bias": True, "qk_norm": False},
             "qwen3": {"qkv_bias": False, "qk_norm": True}}

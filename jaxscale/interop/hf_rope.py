@@ -2,7 +2,7 @@
 
 HF configs declare rotary scaling in `rope_scaling` (transformers < 5) or `rope_parameters`
 (transformers >= 5, which also holds `rope_theta`), with `rope_type` (or the older `type`).
-jaxscale computes `linear` and `llama3` (Llama 3.1 / 3.2) exactly (jaxscale/models/rope.py);
+jaxscale computes `linear` and `llama3` (Llama 3.1 / 3.2) exactly (jaxscale/models/nn/rope.py);
 any other type is refused, since approximating it would change the model's logits.
 """
 

@@ -18,6 +18,7 @@ from absl import app, flags
 from jaxscale import cli
 from jaxscale.errors import ConfigError, exit_on_user_error, paragraph
 from jaxscale.lofi.accounting import accounting_lines, export_final
+from jaxscale.lofi.aggregate import AGGREGATORS
 from jaxscale.lofi.averager import AveragerConfig, describe, run_round
 from jaxscale.lofi.lease import DEFAULT_LEASE_S
 from jaxscale.lofi.store import check_store_root
@@ -31,18 +32,22 @@ _REPAIR_INDEX = flags.DEFINE_bool(
     "repair_index", False, "No longer needed, and refused: stores have no index to repair "
     "(committed snapshots are found by listing their COMMIT markers under commits/).")
 _INTERVAL = flags.DEFINE_float("interval_s", 1.0, "Polling interval with --watch.")
-_AGG = flags.DEFINE_enum("aggregator", "mean", ["mean", "median", "trimmed_mean", "centered_clip"],
+_DEFAULT = AveragerConfig()  # the flags' defaults are the averager's
+_AGG = flags.DEFINE_enum("aggregator", _DEFAULT.aggregator, list(AGGREGATORS),
                          "How deltas are reduced.")
-_TRIM = flags.DEFINE_float("trim", 0.2, "trimmed_mean: fraction trimmed at each end.")
-_TAU = flags.DEFINE_float("tau", 1.0, "centered_clip: clipping radius (whole-model L2 norm).")
+_TRIM = flags.DEFINE_float("trim", _DEFAULT.trim, "trimmed_mean: fraction trimmed at each end.")
+_TAU = flags.DEFINE_float("tau", _DEFAULT.tau,
+                          "centered_clip: clipping radius (whole-model L2 norm).")
 _MIN = flags.DEFINE_integer("min_workers", None, "Quorum (default: config.lofi.min_workers).")
 _ALLOWED = flags.DEFINE_list("allowed_workers", None, "Worker ids accepted (default: config).")
 _STALE = flags.DEFINE_integer("max_staleness", None, "Max rounds behind the base (0: any).")
 _OUTER = flags.DEFINE_enum("outer", None, ["none", "diloco"],
                            "Outer optimizer (default: 'diloco' for a config.lofi.sync=diloco job).")
-_OUTER_LR = flags.DEFINE_float("outer_lr", 0.7, "DiLoCo outer learning rate.")
-_OUTER_MOM = flags.DEFINE_float("outer_momentum", 0.9, "DiLoCo outer Nesterov momentum.")
-_BUDGET = flags.DEFINE_integer("chunk_budget_mb", 64, "Peak memory budget for streamed blocks.")
+_OUTER_LR = flags.DEFINE_float("outer_lr", _DEFAULT.outer_lr, "DiLoCo outer learning rate.")
+_OUTER_MOM = flags.DEFINE_float("outer_momentum", _DEFAULT.outer_momentum,
+                                "DiLoCo outer Nesterov momentum.")
+_BUDGET = flags.DEFINE_integer("chunk_budget_mb", _DEFAULT.chunk_budget_bytes >> 20,
+                               "Peak memory budget for streamed blocks.")
 _LEASE = flags.DEFINE_float(
     "claim_lease_s", DEFAULT_LEASE_S, "Seconds a round's claim outlives its averager: the "
     "holder renews it while alive, so after a crash another averager takes the round over this "

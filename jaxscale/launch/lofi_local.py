@@ -10,6 +10,7 @@ from absl import app, flags
 from jaxscale import cli
 from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import exit_on_user_error
+from jaxscale.lofi.aggregate import AGGREGATORS
 from jaxscale.lofi.job import LofiJob, lofi_vm_commands, run_local
 from jaxscale.storage import locations
 
@@ -18,7 +19,7 @@ _DEV = flags.DEFINE_integer("devices_per_worker", 2, "Simulated CPU devices per 
 _STORE = flags.DEFINE_string("store", None, "Shared store (path, gs://, s3://).", required=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Per-worker workdirs (default: STORE/runs).")
 _SYNC = flags.DEFINE_enum("sync", "end", list(LOFI_SYNC_MODES), "Lo-Fi schedule.")
-_AGG = flags.DEFINE_enum("aggregator", "mean", ["mean", "median", "trimmed_mean", "centered_clip"],
+_AGG = flags.DEFINE_enum("aggregator", "mean", list(AGGREGATORS),
                          "How the averager reduces the workers' deltas.")
 _DRY = flags.DEFINE_bool("dry_run", False, "Print one worker command per TPU VM and exit.")
 

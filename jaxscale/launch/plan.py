@@ -15,12 +15,13 @@ from absl import app, flags
 
 from jaxscale import cli
 from jaxscale.errors import exit_on_user_error
+from jaxscale.hardware import HBM_MARGIN
 
 _CONFIG = cli.define_config_file("config", "configs/llama.py:tiny", "Experiment config.")
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:4x4x8.", required=True)
 _SLICES = flags.DEFINE_integer("num_slices", 1, "Slices joined over DCN (data-parallel).")
 _TOP = flags.DEFINE_integer("top", 3, "How many ranked candidates to print.")
-_MARGIN = flags.DEFINE_float("hbm_margin", 0.1, "Fraction of HBM kept free.")
+_MARGIN = flags.DEFINE_float("hbm_margin", HBM_MARGIN, "Fraction of the usable HBM kept free.")
 _MAX = flags.DEFINE_integer("max_candidates", 16, "Compile this many candidates, then up to as "
                             "many again while nothing fits or the best has an untried "
                             "neighbour that may beat it.")
@@ -49,7 +50,7 @@ def main(argv):
     space = Counter()
     results = search(_CONFIG.value, topology, _CACHE.value, _MAX.value, _BUDGET.value,
                      _WORKERS.value, _MARGIN.value, space=space)
-    print(format_plan(results, _MARGIN.value, _TOP.value, topology, _CONFIG.value))
+    print(format_plan(results, _MARGIN.value, _TOP.value, topology, _CONFIG.value, space))
     print(space_line(space))
 
 

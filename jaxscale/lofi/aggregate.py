@@ -130,6 +130,12 @@ def _ones(n: int, dtype: np.dtype) -> np.ndarray:
     return ones
 
 
+# DiLoCo's outer Nesterov step as its paper sets it (Douillard et al. 2023, "DiLoCo: Distributed
+# Low-Communication Training of Language Models"): the averager's and its flags' defaults.
+DILOCO_LR = 0.7
+DILOCO_MOMENTUM = 0.9
+
+
 @dataclass(frozen=True)
 class OuterSGD:
     """DiLoCo's outer step: Nesterov SGD on the aggregated delta (treated as minus a gradient).
@@ -138,8 +144,8 @@ class OuterSGD:
     With lr=1, mu=0 this is plain averaging.
     """
 
-    lr: float = 0.7
-    momentum: float = 0.9
+    lr: float = DILOCO_LR
+    momentum: float = DILOCO_MOMENTUM
 
     def step(self, base: np.ndarray, delta: np.ndarray,
              momentum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

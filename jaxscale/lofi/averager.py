@@ -23,6 +23,7 @@ from jaxscale import __version__
 from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.lofi import fallback
+from jaxscale.lofi.aggregate import DILOCO_LR, DILOCO_MOMENTUM
 from jaxscale.lofi.lease import DEFAULT_LEASE_S, Renewal, claim, holder, release
 from jaxscale.lofi.store import worker_prefix, worker_pushes
 from jaxscale.lofi.stream import Abort, Drop, RoundInputs, stream_round
@@ -54,8 +55,8 @@ class AveragerConfig:
     allowed_workers: tuple[int, ...] | None = None   # None: everyone
     max_staleness: int = 0        # rounds between a push's synced average and the base; 0 = any
     outer: str = "none"                               # or "diloco"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = DILOCO_LR
+    outer_momentum: float = DILOCO_MOMENTUM
     chunk_budget_bytes: int = 64 << 20
     claim_timeout_s: float = DEFAULT_LEASE_S          # the claim lease (renewed while alive)
     clip_iters: int = 3                               # centered_clip iterations

@@ -1,10 +1,12 @@
 """The model table and `ModelDef`: every fact generic code needs about a model, in one place.
 
 `MODELS` maps `config.model.name` to its `ModelEntry`: the config dataclass and NNX module
-class, its tasks by `config.model.task` (loss, batch preparation, held-out sums: `models/task.py`),
-its FLOP counts per token, and where its Hugging Face import/export lives. Training, evaluation,
-metrics, conversion, weight sources and ahead-of-time accounting ask the entry and never name a
-model, so adding a family is one new module plus one line here.
+class, its tasks by `config.model.task` (loss, batch preparation, held-out sums: `task.py`), its
+FLOP counts per token, its checks (of its own fields, and of the mesh where it splits sequences
+or experts), its attention component (`attention/component.py`: cache and bytes, for the AOT
+memory and traffic models) and where its Hugging Face import/export lives. Training, evaluation,
+metrics, conversion, weight sources, config validation and ahead-of-time accounting ask the
+entry and never name a model, so adding a family is one new module plus one line here.
 `ModelDef` is a model's static structure (graph definition plus abstract, shape-only state with
 logical axes) and its task, built from `config.model`; training, evaluation, generation and
 conversion all start from it. Nothing here knows about training: `train/` imports `models/`,
@@ -14,6 +16,7 @@ never the reverse.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,8 +27,13 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.errors import ConfigError, ConversionError, paragraph
-from jaxscale.models import gemma, llama, llama_flops, lm_task, qwen, vit
-from jaxscale.models.scan import check_remat
+from jaxscale.models import vit
+from jaxscale.models.attention.component import AttentionKind
+from jaxscale.models.attention.kinds import attention_of
+from jaxscale.models.decoder import flops, gemma, lm_task, qwen
+from jaxscale.models.decoder.config import LlamaConfig, check_config, check_mesh
+from jaxscale.models.decoder.llama import Llama
+from jaxscale.models.nn.scan import check_remat
 from jaxscale.models.task import Task
 from jaxscale.precision import Policy
 
@@ -63,6 +71,12 @@ class ModelEntry:
     hf: HuggingFace | None = None  # Hugging Face import/export; None: none
     # The family's own `config.model` checks at a sequence length (ConfigError paragraphs).
     check: Callable[[Mapping[str, Any], int], None] | None = None
+    # Its checks against `config.mesh`: (model_cfg, mesh_cfg, seq_len, pipeline repeats). None:
+    # the family splits neither sequences (`mesh.context`) nor experts (`mesh.expert`).
+    check_mesh: Callable[[Mapping[str, Any], Mapping[str, Any], int, int], None] | None = None
+    # The attention component of a `config.model` section (`models/attention/component.py`:
+    # its cache, bytes and widths, for the AOT memory and traffic models); None: none to ask.
+    attention: Callable[[Mapping[str, Any]], AttentionKind] | None = None
 
     def task(self, name: str | None, model_name: str = "") -> Task:
         """The task called `name` (None or empty: the model's own)."""
@@ -76,44 +90,42 @@ class ModelEntry:
 
 
 def _decoder(config_cls: Any, hf: HuggingFace) -> ModelEntry:
-    """The entry of a family that is the Llama decoder with other switch defaults: the same
-    module, task, checks and FLOP counts (biases and norms add no matmul)."""
-    return ModelEntry(config_cls, llama.Llama, {"lm": lm_task.LM},
-                      flops_per_token=llama_flops.flops_per_token,
-                      attention_flops=llama_flops.attention_flops_per_token,
-                      recompute_flops=llama_flops.recompute_flops_per_token,
-                      padding_flops=llama_flops.padding_flops_per_token,
-                      hf=hf, check=llama.check_config)
+    """The entry of a decoder family (`decoder/`): the Llama decoder with its config class's
+    switch defaults, so the same module, task, checks and FLOP counts (biases and norms add no
+    matmul), each read with that class's defaults (e.g. its attention kind)."""
+    def of_family(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return functools.partial(fn, config_cls=config_cls)
+
+    return ModelEntry(config_cls, Llama, {"lm": lm_task.LM},
+                      flops_per_token=of_family(flops.flops_per_token),
+                      attention_flops=of_family(flops.attention_flops_per_token),
+                      recompute_flops=of_family(flops.recompute_flops_per_token),
+                      padding_flops=flops.padding_flops_per_token,
+                      hf=hf, check=of_family(check_config), check_mesh=check_mesh,
+                      attention=lambda m: attention_of(config_cls.from_config(m)))
 
 
 DEFAULT_MODEL = "llama"  # what a config without `model.name` builds
 
 MODELS: dict[str, ModelEntry] = {
-    "llama": ModelEntry(
-        llama.LlamaConfig, llama.Llama, {"lm": lm_task.LM},
-        flops_per_token=llama_flops.flops_per_token,
-        attention_flops=llama_flops.attention_flops_per_token,
-        recompute_flops=llama_flops.recompute_flops_per_token,
-        padding_flops=llama_flops.padding_flops_per_token,
-        hf=HuggingFace("llama", "jaxscale.interop.hf:open_llama",
-                       "jaxscale.interop.hf:save_llama"),
-        check=llama.check_config),
+    "llama": _decoder(LlamaConfig, HuggingFace(
+        "llama", "jaxscale.interop.hf:open_llama", "jaxscale.interop.hf:save_llama")),
     # The Llama decoder with `sliding_window` (Mistral's config.json): the same module and task.
-    "mistral": _decoder(llama.LlamaConfig, HuggingFace(
+    "mistral": _decoder(LlamaConfig, HuggingFace(
         "mistral", "jaxscale.interop.hf_mistral:open_mistral",
         "jaxscale.interop.hf_mistral:save_mistral")),
-    # The Llama decoder with its switches on (models/qwen.py): the Llama's facts, other defaults.
+    # The Llama decoder with its switches on (decoder/qwen.py): its facts, other defaults.
     "qwen2": _decoder(qwen.Qwen2Config, HuggingFace(
         "qwen2", "jaxscale.interop.hf_qwen:open_qwen2", "jaxscale.interop.hf_qwen:save_qwen")),
     "qwen3": _decoder(qwen.Qwen3Config, HuggingFace(
         "qwen3", "jaxscale.interop.hf_qwen:open_qwen3", "jaxscale.interop.hf_qwen:save_qwen")),
-    # The decoder with `model.moe` (models/moe.py) on every layer: Mistral's / Qwen3's attention.
-    "mixtral": _decoder(llama.LlamaConfig, HuggingFace(
+    # The decoder with `model.moe` (moe/) on every layer: Mistral's / Qwen3's attention.
+    "mixtral": _decoder(LlamaConfig, HuggingFace(
         "mixtral", "jaxscale.interop.hf_moe:open_mixtral", "jaxscale.interop.hf_moe:save_moe")),
     "qwen3_moe": _decoder(qwen.Qwen3Config, HuggingFace(
         "qwen3_moe", "jaxscale.interop.hf_moe:open_qwen3_moe",
         "jaxscale.interop.hf_moe:save_moe")),
-    # The Llama decoder with Gemma's switches and local/global pattern (models/gemma.py).
+    # The Llama decoder with Gemma's switches and local/global pattern (decoder/gemma.py).
     "gemma3": _decoder(gemma.Gemma3Config, HuggingFace(
         "gemma3_text", "jaxscale.interop.hf_gemma:open_gemma3",
         "jaxscale.interop.hf_gemma:save_gemma")),
@@ -145,14 +157,30 @@ def task_of(model_cfg: Mapping[str, Any]) -> Task:
     return entry(name).task(model_cfg.get("task"), name)
 
 
-def check_model(model_cfg: Mapping[str, Any], seq_len: int) -> None:
+def check_model(model_cfg: Mapping[str, Any], seq_len: int,
+                mesh_cfg: Mapping[str, Any] | None = None, repeats: int = 1) -> None:
     """The `config.model` section's checks (`config.validate` calls this): a known model, a task
-    it has, a known remat policy, and the family's own checks."""
+    it has, a known remat policy, and the family's own checks; with `config.mesh` (and
+    `pipeline.repeats`), the family's checks against it, or, for a family without any, that the
+    mesh splits no sequences and no experts."""
     e = entry_of(model_cfg)
     task_of(model_cfg)
     check_remat(model_cfg.get("remat", "none"))
     if e.check is not None:
         e.check(model_cfg, seq_len)
+    if mesh_cfg is None:
+        return
+    if e.check_mesh is not None:
+        e.check_mesh(model_cfg, mesh_cfg, seq_len, repeats)
+        return
+    for axis, what in (("context", "sequence shards"), ("expert", "experts")):
+        size = mesh_cfg.get(axis, 1) * mesh_cfg.get(f"dcn_{axis}", 1)
+        if size > 1:
+            name = model_cfg.get("name", DEFAULT_MODEL)
+            raise ConfigError(paragraph(
+                f"mesh.{axis} x mesh.dcn_{axis}={size}, but model.name={name!r} has no {what} to",
+                f"split over it. Set --config.mesh.{axis}=1 (and mesh.dcn_{axis}=1) and use",
+                "mesh.data or mesh.fsdp for those devices."))
 
 
 def _resolve(dotted: str) -> Callable:
@@ -207,12 +235,12 @@ class ModelDef:
         cfg = e.config_cls.from_config(model_cfg)
         make = lambda rng: e.module_cls(cfg, nnx.Rngs(rng), policy)
         if policy.quantized is not None:
-            # `int8` swaps the projection modules for qwix's (models/quant.py); qwix is imported
-            # only here, so runs that do not quantize never pay its import.
-            from jaxscale.models import quant
+            # `int8` swaps the projection modules for qwix's (adapters/int8.py); qwix is
+            # imported only here, so runs that do not quantize never pay its import.
+            from jaxscale.models.adapters import int8
 
             plain = make
-            make = lambda rng: quant.quantize(plain(rng), policy)
+            make = lambda rng: int8.quantize(plain(rng), policy)
         return cls(*nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0)))), make, task)
 
     def remade(self, make: Callable[[jax.Array], nnx.Module]) -> "ModelDef":

@@ -2,7 +2,7 @@
 
 A model family lists its tasks in its table entry (`jaxscale.models.MODELS`); the generic step
 and `jaxscale.evaluate` call the chosen `Task`'s functions and never branch on its name. The
-functions live beside their model (the LM's in `models/lm_task.py`, classification's in
+functions live beside their model (the LM's in `decoder/lm_task.py`, classification's in
 `models/vit.py`); this module only says their shape.
 """
 
@@ -36,9 +36,10 @@ class Task:
     # eval_sums(model, batch) -> {'loss', 'correct', 'count'}, each summed over the batch's
     # counted predictions (masked rows and padding excluded), so totals divide once at the end.
     eval_sums: Callable[[Any, Batch], dict[str, jax.Array]]
-    # batch_spec(model_cfg, batch_size, seq_len) -> {name: jax.ShapeDtypeStruct}: the arrays
-    # of a global training batch, for compiling a step without reading data.
-    batch_spec: Callable[[Mapping[str, Any], int, int], dict[str, jax.ShapeDtypeStruct]]
+    # batch_spec(model_cfg, batch_size, seq_len, segments) -> {name: jax.ShapeDtypeStruct}: the
+    # arrays of a global training batch, for compiling a step without reading data; `segments`:
+    # the data's rows carry segment ids (packed documents, `data.packing.carries_segments`).
+    batch_spec: Callable[[Mapping[str, Any], int, int, bool], dict[str, jax.ShapeDtypeStruct]]
     unit: str  # what the eval count counts, reported by that name: 'tokens' | 'examples'
     # Applied to the whole batch before a step splits it (accumulation, replicas, pipeline
     # microbatches), e.g. the packed LM's batch-wide target count (`lm_task.with_target_counts`).
@@ -65,7 +66,7 @@ def masked_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None
 
 def step_metrics(model: Any) -> dict[str, jax.Array]:
     """Extra metrics a task's loss recorded on `model` as `nnx.Intermediate` variables named by
-    the metric (e.g. the MoE router's `moe_aux_loss`, `models/moe.router_loss`), popped so the
+    the metric (e.g. the MoE router's `moe_aux_loss`, `moe/layer.router_loss`), popped so the
     step can report them: {} for a model that records none."""
     return {"/".join(map(str, path)): v.get_value()
             for path, v in nnx.to_flat_state(nnx.pop(model, nnx.Intermediate))}

@@ -22,10 +22,10 @@ import optax
 from einops import rearrange
 from flax import nnx
 
-from jaxscale.models.attention import attend
-from jaxscale.models.layers import param, project
+from jaxscale.models.attention.kernels import attend
+from jaxscale.models.nn.layers import param, project
+from jaxscale.models.nn.scan import check_remat, scan_layers
 from jaxscale.models.runner import LayerRunner
-from jaxscale.models.scan import check_remat, scan_layers
 from jaxscale.models.task import Task, masked_sums
 from jaxscale.precision import Policy, get_policy
 from jaxscale.rules import constrain
@@ -204,9 +204,10 @@ def eval_sums(model: ViT, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array
     return masked_sums(model(batch["images"]), batch["labels"], batch.get("mask"))
 
 
-def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int
-               ) -> dict[str, jax.ShapeDtypeStruct]:
-    """A training batch: float32 `images` (batch, size, size, channels) and int32 `labels`."""
+def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int,
+               segments: bool) -> dict[str, jax.ShapeDtypeStruct]:
+    """A training batch: float32 `images` (batch, size, size, channels) and int32 `labels`
+    (whatever `seq_len` and `segments`: images have no sequence)."""
     cfg = ViTConfig.from_config(model_cfg)  # its defaults for what the config leaves out
     size = cfg.image_size
     return {"images": jax.ShapeDtypeStruct((batch_size, size, size, cfg.channels), jnp.float32),
@@ -221,12 +222,12 @@ def vit_flops_per_token(num_layers: int, embed: int, heads: int, head_dim: int, 
     """Training FLOPs per token of a ViT classifier (forward + backward), where `tokens` is the
     patches plus the class token of one image (`data.seq_len` of a ViT config).
 
-    The same convention as `llama_flops.llama_flops_per_token`: 6 FLOPs per matmul parameter
-    per token plus 12·L·H·Q·T for attention (bidirectional, so no causal saving to ignore). Per
-    layer the matmul parameters are q/k/v/o (4·E·H·Q) and the two MLP matrices (2·E·F); the
-    patch embedding (P²·C·E) runs once per patch and the classifier head (E·K) once per image,
-    so both are spread over the image's tokens. Biases, norms and position embeddings are left
-    out, as in the Llama count.
+    The same convention as the decoder's (`decoder/flops.flops_per_token`): 6 FLOPs per matmul
+    parameter per token plus 12·L·H·Q·T for attention (bidirectional, so no causal saving to
+    ignore). Per layer the matmul parameters are q/k/v/o (4·E·H·Q) and the two MLP matrices (2·E·F);
+    the patch embedding (P²·C·E) runs once per patch and the classifier head (E·K) once per image,
+    so both are spread over the image's tokens. Biases, norms and position embeddings are left out,
+    as in the Llama count.
     """
     per_token = num_layers * (4 * embed * heads * head_dim + 2 * embed * mlp)
     per_image = (tokens - 1) * patch_size * patch_size * channels * embed + embed * num_classes

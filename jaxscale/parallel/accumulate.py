@@ -9,6 +9,8 @@ replicated over `data`, so every microbatch's gradient is all-reduced inside the
 over `data`, so accumulation is local, and one sum over that dimension after the loop is the
 step's single all-reduce. Within a replica `fsdp` still reduce-scatters each microbatch's
 gradient, as ZeRO-3 does: an unreduced accumulator would cost a full copy of the gradients.
+(The vocabulary matrices' bf16 reduce-scatters reach the float32 carry through a barrier that
+keeps libtpu from trying to move them out of the loop, where it fails: `shard_sums.settle`.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxscale.rules import AxisRules, active_rules, use_rules
+from jaxscale.rules import AxisRules, active_rules, as_tuple, use_rules
 
 # microbatch -> ((mean loss, extra metrics {name: scalar}), grads), as
 # `jax.value_and_grad(..., has_aux=True)` returns them.
@@ -29,22 +31,14 @@ GradFn = Callable[[dict[str, jax.Array]], tuple[tuple[jax.Array, dict[str, jax.A
 
 
 # Logical names of batch rows: `batch`, and `expert_batch`, the rows of the MoE capacity
-# buffers while their experts compute (models/moe.py). A rule putting these on `data` keeps it
+# buffers while their experts compute (models/moe/layer.py). A rule putting these on `data` keeps it
 # a pure replica axis.
 BATCH_NAMES = ("batch", "expert_batch")
 
 
-def _without(axes: Any, axis: str) -> Any:
-    if axes is None or isinstance(axes, str):
-        return None if axes == axis else axes
-    kept = tuple(a for a in axes if a != axis)
-    return kept if len(kept) > 1 else (kept[0] if kept else None)
-
-
 def _replica_rules(rules: AxisRules) -> AxisRules:
     """The rules inside one replica: `data` is the vmapped dimension, not a batch axis."""
-    return AxisRules(tuple((name, _without(axes, "data")) for name, axes in rules.rules),
-                     rules.strict, rules.indivisible)
+    return rules.without("data")
 
 
 def _fallback_reason(batch: dict[str, jax.Array], grad_accum: int, row_multiple: int
@@ -61,8 +55,8 @@ def _fallback_reason(batch: dict[str, jax.Array], grad_accum: int, row_multiple:
     replicas = mesh.shape.get("data", 1)
     if replicas == 1:
         return ""
-    used = [name for name, axes in rules.rules if name not in BATCH_NAMES and "data" in (
-        (axes,) if isinstance(axes, str) else tuple(axes or ()))]
+    used = [name for name, axes in rules.rules
+            if name not in BATCH_NAMES and "data" in as_tuple(axes)]
     if used:
         return f"the rules shard {used} over `data`, so it is not a pure replica axis"
     rows = {x.shape[0] for x in jax.tree.leaves(batch)}

@@ -16,99 +16,33 @@ by the rule ('layers', 'pipeline')), the step re-lays the layer dimension out as
 one all-to-all of the block weights per step (and back for the gradients): the price of keeping
 checkpoints and the 1-device model identical whatever the schedule.
 
-The 1F1B schedule (onef1b.py) reuses this module's public layout helpers (`stage_layout`,
-`rules_axes`, `constrain_batch`) and its forward (`pipeline_layers`, for evaluation).
+The layout helpers are stages.py's, shared with 1F1B (onef1b.py), which also runs this
+module's forward (`pipeline_layers`) for undifferentiated calls. `PipelineRunner` is
+the runner the schedule table (schedules.py) builds for `gpipe` and `circular`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from jaxscale.models.scan import layer_data, scan_layers
-from jaxscale.parallel.schedules import check_batch, check_layers, get_schedule
-from jaxscale.rules import AxisRules, active_rules, use_rules
-
-
-def rules_axes(var: nnx.Variable, mesh: Mesh) -> list:
-    """The mesh axes of each dimension of `var` under the active rules, `pipeline` dropped.
-
-    Inside the schedule the stage dimension is the only one on `pipeline`, so a parameter's own
-    spec (e.g. its `layers` dimension under the `pp` preset) must not claim that axis again.
-    """
-    shape = var[...].shape
-    active = active_rules()
-    logical = var.get_metadata().get("logical_axes")
-    if active is None or logical is None:
-        return [None] * len(shape)
-    rules = AxisRules(active[0].rules, indivisible="replicate")
-    spec = rules.spec(tuple(logical), shape, mesh, "<pipeline weights>", warn=False)
-    return [None if ax == "pipeline" or (isinstance(ax, tuple) and "pipeline" in ax) else ax
-            for ax in tuple(spec)]
-
-
-def stage_layout(state: nnx.State, mesh: Mesh, repeats: int, stages: int) -> nnx.State:
-    """(L, ...) leaves -> (R, S, P, ...) with S on `pipeline` and the rest as the rules say."""
-
-    def one(var: nnx.Variable) -> nnx.Variable:
-        value = var[...]
-        shape = value.shape
-        inner = rules_axes(var, mesh)[1:]
-        value = value.reshape(repeats, stages, shape[0] // (repeats * stages), *shape[1:])
-        sharding = NamedSharding(mesh, PartitionSpec(None, "pipeline", None, *inner))
-        return var.replace(jax.lax.with_sharding_constraint(value, sharding))
-
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def stage_layer_data(block: nnx.Module, repeats: int, stages: int) -> dict[str, jax.Array]:
-    """The block's per-layer data (`scan.layer_data`: Gemma's local/global flag), (L,) ->
-    (R, S, P) as `stage_layout` lays out the weights, so each stage scans its own layers'."""
-    return {k: v.reshape(repeats, stages, -1, *v.shape[1:])
-            for k, v in layer_data(block).items()}
-
-
-def _batch_spec(mesh: Mesh, shape: tuple[int, ...], lead: tuple) -> PartitionSpec:
-    """Spec for (lead..., batch, rest...) activations: batch on the rules' batch axes."""
-    active = active_rules()
-    if active is None:
-        return PartitionSpec(*lead)
-    lenient = AxisRules(active[0].rules, indivisible="replicate")
-    rest = shape[len(lead):]
-    spec = lenient.spec(("batch",) + (None,) * (len(rest) - 1), rest, mesh, warn=False)
-    return PartitionSpec(*lead, *spec)
-
-
-def constrain_batch(x: jax.Array, mesh: Mesh, *lead) -> jax.Array:
-    """`x` (lead..., batch, ...) with its batch dimension sharded as the rules shard `batch`."""
-    return jax.lax.with_sharding_constraint(
-        x, NamedSharding(mesh, _batch_spec(mesh, x.shape, tuple(lead))))
-
-
-@contextlib.contextmanager
-def batch_over_stages(mesh: Mesh) -> Iterator[None]:
-    """Activation rules with `batch` also split over `pipeline`, for what runs after the stages.
-
-    Why: the layers' output leaves the pipeline on the last stage's devices; computed under the
-    ordinary rules (batch replicated over `pipeline`) the LM head, the biggest matmul of a step
-    with its (B, T, V) logits, would run S times, once per stage on every row. Under these rules
-    each stage computes the head and loss for 1/S of the rows (only its share of the logits
-    exists), and the pipeline output is scattered to them instead of broadcast."""
-    active = active_rules()
-    if active is None or mesh.shape.get("pipeline", 1) == 1:
-        yield
-        return
-    rules, _ = active
-    axes = lambda a: () if a is None else ((a,) if isinstance(a, str) else tuple(a))
-    split = tuple((name, axes(a) + ("pipeline",) if name == "batch" and "pipeline" not in axes(a)
-                   else a) for name, a in rules.rules)
-    with use_rules(AxisRules(split, rules.strict, rules.indivisible), mesh):
-        yield
+from jaxscale.models.nn.scan import scan_layers
+from jaxscale.models.runner import HeadLoss
+from jaxscale.parallel.stages import (
+    batch_over_stages,
+    check_batch,
+    check_layers,
+    constrain_batch,
+    iterations,
+    stage_layer_data,
+    stage_layout,
+)
 
 
 def _add_sown(acc_SR: nnx.State, sown_S: nnx.State, work_S: jax.Array, M: int, R: int
@@ -192,9 +126,8 @@ def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array
     sown_P = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0, 0], weights), x_MbTE[0],
                             pos_MbT[0], *first_rows)[1]  # what one stage sows (P, ...)
     sown_SR = jax.tree.map(lambda a: jnp.zeros((S, R) + a.shape, a.dtype), sown_P)
-    iterations = get_schedule("circular").iterations(S, M, R)
     (_, io_SMbTE, sown_SR), _ = jax.lax.scan(iteration, (state_SbTE, io_SMbTE, sown_SR),
-                                             jnp.arange(iterations))
+                                             jnp.arange(iterations(S, M, R)))
     # (S, R, P, ...) sums over microbatches -> (L, ...) means in natural layer order, on `block`
     # as the plain scan leaves them (e.g. the MoE router's statistics for `moe.router_loss`).
     nnx.update(block, jax.tree.map(
@@ -202,3 +135,34 @@ def pipeline_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array
     out_MbTE = constrain_batch(io_SMbTE[0], mesh, None)
     with batch_over_stages(mesh):  # rows leave for the head split over stages, not broadcast
         return constrain_batch(out_MbTE.swapaxes(0, 1).reshape(B, T, E), mesh)
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineRunner:
+    """GPipe (repeats = 1) or circular (repeats > 1) layers over the `pipeline` axis."""
+
+    mesh: Mesh
+    stages: int
+    microbatches: int
+    repeats: int = 1
+    remat: str = "none"
+    fuses_loss: bool = False
+
+    def __call__(self, block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array | None,
+                 segments_BT: jax.Array | None = None) -> jax.Array:
+        return pipeline_layers(block, h_BTE, positions_BT, mesh=self.mesh, stages=self.stages,
+                               microbatches=self.microbatches, repeats=self.repeats,
+                               remat=self.remat, segments_BT=segments_BT)
+
+    def head_scope(self) -> contextlib.AbstractContextManager:
+        """The model's head runs split over stages by batch rows (`stages.batch_over_stages`)."""
+        return batch_over_stages(self.mesh)
+
+    def scaled(self, loss_scale: jax.Array) -> "PipelineRunner":
+        return self  # the loss scale reaches these layers through ordinary autodiff
+
+    def fused_loss(self, model: Any, tokens_BT: jax.Array, targets_BT: jax.Array,
+                   head_loss: HeadLoss, positions_BT: jax.Array | None = None,
+                   segments_BT: jax.Array | None = None) -> jax.Array:
+        raise NotImplementedError("GPipe / circular runners do not fuse the loss "
+                                  "(fuses_loss is False): call the runner instead.")

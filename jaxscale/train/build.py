@@ -13,16 +13,17 @@ import jax
 import ml_collections as mlc
 from jax.sharding import Mesh
 
-from jaxscale.models import ModelDef, lora, task_of
+from jaxscale.data.packing import carries_segments
+from jaxscale.models import ModelDef, task_of
+from jaxscale.models.adapters import lora
 from jaxscale.optim import check_offload, make_optimizer
-from jaxscale.parallel.pipeline import make_layer_runner
+from jaxscale.parallel.schedules import make_layer_runner
 from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.train.state import TrainState, abstract_state, init_state
-from jaxscale.train.step import StepContext, jit_steps
+from jaxscale.train.step import StepContext, jit_train_step
 
 BatchSpec = dict[str, jax.ShapeDtypeStruct]
-PACKED = ("pack", "none")  # data.packing modes whose rows carry segment ids and positions
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,7 @@ class StepSetup:
 
     def jit(self, shardings: TrainState, batch: BatchSpec) -> Callable:
         """The jitted train step as the loop forms it: explicit shardings, donated state."""
-        train_fn, _ = jit_steps(self.ctx, shardings, {k: v.shape for k, v in batch.items()})
-        return train_fn
+        return jit_train_step(self.ctx, shardings, {k: v.shape for k, v in batch.items()})
 
     def lower(self, batch: BatchSpec,
               state: tuple[TrainState, TrainState] | None = None) -> jax.stages.Lowered:
@@ -80,9 +80,7 @@ def build_step(config: mlc.ConfigDict, mesh: Mesh) -> StepSetup:
 def batch_spec(config: mlc.ConfigDict) -> BatchSpec:
     """The global batch the training loop feeds its step, from the config alone (no data read):
     the model's task says its arrays (`tokens` for a language model, `images` and `labels` for
-    a classifier); packed file sources add `segment_ids` and `positions`."""
+    a classifier) given the data's layout (rows that carry segment ids or not)."""
     d = config.data
-    spec = task_of(config.model).batch_spec(config.model, d.batch_size, d.seq_len)
-    if "tokens" in spec and d.get("sources") and d.get("packing", "concat") in PACKED:
-        spec.update(segment_ids=spec["tokens"], positions=spec["tokens"])
-    return spec
+    return task_of(config.model).batch_spec(config.model, d.batch_size, d.seq_len,
+                                            carries_segments(d))

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxscale.errors import paragraph, short_error
-from jaxscale.models.fused import is_legacy
+from jaxscale.models.nn.fused import is_legacy
 from jaxscale.storage import locations, orbax_paths
 from jaxscale.storage.diskfull import disk_full_error, is_disk_full
 from jaxscale.storage.retry import Retry, for_workdir, is_outage

@@ -34,10 +34,12 @@ from jaxscale.observe.throughput import Stopwatch, Throughput
 from jaxscale.runtime.preemption import Preempted, PreemptionWatch
 from jaxscale.storage import locations
 from jaxscale.train.build import batch_spec, build_step
+from jaxscale.train.heldout import HeldOut
 from jaxscale.train.hooks import CheckpointHook, Hook, StepInfo, check_finite, in_order
 from jaxscale.train.state import TrainState
-from jaxscale.train.step import StepContext, batch_sharding, jit_steps
+from jaxscale.train.step import StepContext, global_batch, jit_train_step
 from jaxscale.weights.init_from import init_params
+from jaxscale.weights.tree import merge_trees
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Trainer:
     state: TrainState
     shardings: TrainState
     train_fn: Any
-    eval_fn: Any
+    heldout: HeldOut
     batches: Any
     eval_data: list[dict[str, np.ndarray]]
     hooks: list[Hook] = field(default_factory=list)
@@ -76,8 +78,9 @@ class Trainer:
         # shapes then come from the batch the config describes.
         template = evals[0] if evals else batch_spec(config)
         shapes = {k: (config.data.batch_size,) + v.shape[1:] for k, v in template.items()}
-        train_fn, eval_fn = jit_steps(ctx, shardings, shapes)
-        return cls(config, workdir, ctx, state, shardings, train_fn, eval_fn, batches, evals)
+        train_fn = jit_train_step(ctx, shardings, shapes)
+        heldout = HeldOut(ctx.model_def, ctx.rules, ctx.mesh)
+        return cls(config, workdir, ctx, state, shardings, train_fn, heldout, batches, evals)
 
     @property
     def is_primary(self) -> bool:
@@ -85,14 +88,13 @@ class Trainer:
 
     def to_global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Assembles the global batch from this host's rows."""
-        shapes = {k: (self.config.data.batch_size,) + v.shape[1:] for k, v in local.items()}
-        sharding = batch_sharding(self.ctx.rules, self.ctx.mesh, shapes)
-        return {k: jax.make_array_from_process_local_data(sharding[k], v, shapes[k])
-                for k, v in local.items()}
+        return global_batch(local, self.ctx.rules, self.ctx.mesh, self.config.data.batch_size)
 
-    def evaluate(self, state: TrainState) -> float:
-        losses = [self.eval_fn(state, self.to_global(b)) for b in self.eval_data]
-        return float(np.mean(jax.device_get(losses)))
+    def evaluate(self, state: TrainState) -> dict[str, float]:
+        """The held-out metrics of `state` on the run's held-out batches: those of `jaxscale
+        evaluate` (`HeldOut`), logged as `eval_loss`, `eval_accuracy` (and `eval_perplexity`)."""
+        params = merge_trees(state.params, state.frozen) if state.frozen else state.params
+        return self.heldout.metrics(params, map(self.to_global, self.eval_data))
 
     def flops_per_token(self) -> float | None:
         return model_flops_per_token(self.config.model, self.config.data.seq_len)
@@ -173,7 +175,9 @@ class Trainer:
         if skipped := getattr(self.batches, "skipped_records", 0):  # data.skip_bad_records
             host["skipped_records"] = skipped
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-            host["eval_loss"] = self.evaluate(state)
+            held = self.evaluate(state)
+            host.update({f"eval_{k}": held[k] for k in ("loss", "accuracy", "perplexity")
+                         if k in held})
         info = replace(info, metrics=host)
         for hook in hooks:
             if hasattr(hook, "on_metrics"):

@@ -1,8 +1,8 @@
 """Sharded initialisation in four visible steps: shapes -> shardings -> jitted init -> donate.
 
 1. `ModelDef.build` (jaxscale/models) traces the model abstractly (`nnx.eval_shape`): shapes
-   and logical axes, no memory. 2. `param_shardings` resolves every parameter's logical axes
-   through the rules.
+   and logical axes, no memory. 2. `weights.place.param_specs` resolves every parameter's
+   logical axes through the rules (`state_shardings` adds the optimizer state's).
 3. `init_state` jits the real initialisation with those `out_shardings`, so each device only ever
    materialises its own shards (a full copy never exists on one device). 4. The train step
    donates the state. Parameters are held as plain nested dicts (the NNX state's pure form):
@@ -19,12 +19,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.models import ModelDef
 from jaxscale.optim import on_host
-from jaxscale.rules import AxisRules
+from jaxscale.rules import AxisRules, as_tuple
+from jaxscale.weights.place import param_specs
 
 # merge_trees: used by train/step.py (the train state keeps trainable and frozen apart).
 from jaxscale.weights.tree import all_trainable, flatten, merge_trees, split_trainable, unflatten  # noqa: F401
@@ -40,29 +40,6 @@ class TrainState:
     opt_state: Tree
     rng: jax.Array
     extra: dict                # policy state such as the dynamic loss scale
-
-
-# Flax's keyword for a variable's sharding (renamed from `sharding_names` in flax 0.12.4); the
-# only place jaxscale spells it.
-FLAX_SHARDING_KEY = "out_sharding"
-
-
-def sharded_abstract(model_def: ModelDef, rules: AxisRules, mesh: Mesh) -> nnx.State:
-    """A copy of the abstract NNX state whose variables carry their resolved PartitionSpecs in
-    Flax's sharding metadata, so `nnx.get_partition_spec` and NNX tooling see jaxscale's rules."""
-    state = jax.tree.map(lambda x: x, model_def.abstract)
-    for path, var in nnx.to_flat_state(state):
-        name = "/".join(map(str, path))
-        spec = rules.spec(var.get_metadata()["logical_axes"], var.shape, mesh, name)
-        var.set_metadata(**{FLAX_SHARDING_KEY: tuple(spec)})
-    return state
-
-
-def param_specs(model_def: ModelDef, rules: AxisRules, mesh: Mesh) -> dict[str, PartitionSpec]:
-    """Flat {path: PartitionSpec} for every parameter, resolved through the rules."""
-    specs = nnx.get_partition_spec(sharded_abstract(model_def, rules, mesh))
-    return {"/".join(map(str, path)): var.get_value()
-            for path, var in nnx.to_flat_state(specs)}
 
 
 def derived_spec(param_shape: tuple, spec: PartitionSpec, leaf_shape: tuple,
@@ -85,7 +62,7 @@ def derived_spec(param_shape: tuple, spec: PartitionSpec, leaf_shape: tuple,
     if (len(leaf_shape) == len(param_shape) > 0
             and tuple(leaf_shape[:-1]) == tuple(param_shape[:-1])):
         last = axes[-1]
-        names = () if last is None else (last,) if isinstance(last, str) else tuple(last)
+        names = as_tuple(last)
         size = math.prod(mesh.shape[a] for a in names) if mesh is not None and names else 0
         keep = size and leaf_shape[-1] % size == 0
         return PartitionSpec(*axes[:-1], last if keep else None)

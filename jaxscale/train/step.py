@@ -1,9 +1,10 @@
-"""The pure train and eval steps: `train_step(state, batch) -> (state, metrics)`.
+"""The pure train step: `train_step(state, batch) -> (state, metrics)`.
 
-Built once per run by `make_train_step`, which closes over the static pieces (model definition,
+Built once per run by `jit_train_step`, which closes over the static pieces (model definition,
 optimizer, schedule, policy, rules and mesh) and returns a jitted function with explicit in/out
 shardings and a donated state. Gradient accumulation scans over microbatches inside the step.
-Periodic work (eval, checkpoints, Lo-Fi pushes) is not here: it hangs off the loop as hooks.
+Periodic work is not here: held-out metrics are `train/heldout.py`'s, checkpoints and Lo-Fi
+pushes hang off the loop as hooks.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models import ModelDef
-from jaxscale.models.layers import adapter_dropout
+from jaxscale.models.adapters.lora_matmul import adapter_dropout
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import step_metrics
 from jaxscale.optim import on_device
@@ -47,12 +49,6 @@ def loss_and_metrics(params: Any, frozen: Any, batch: Batch, model_def: ModelDef
     loss = model_def.task.loss(model, batch, run_layers)
     loss = loss if loss_scale is None else loss * loss_scale  # float16: see DynamicLossScale
     return loss, step_metrics(model)
-
-
-def loss_fn(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
-            run_layers: RunLayers = None, loss_scale: jax.Array | None = None) -> jax.Array:
-    """The loss alone (`loss_and_metrics`)."""
-    return loss_and_metrics(params, frozen, batch, model_def, run_layers, loss_scale)[0]
 
 
 def accumulate_grads(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
@@ -147,17 +143,11 @@ def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[Train
     return new, metrics
 
 
-def eval_step(ctx: StepContext, state: TrainState, batch: Batch) -> jax.Array:
-    with use_rules(ctx.rules, ctx.mesh):
-        return loss_fn(state.params, state.frozen, batch, ctx.model_def, ctx.run_layers)
-
-
 def batch_sharding(rules: AxisRules, mesh: Mesh, shapes: dict[str, tuple[int, ...]]
                    ) -> dict[str, NamedSharding]:
     """Every batch array is sharded along its leading dimension by the rule for `batch`."""
-    lenient = AxisRules(rules.rules, indivisible="replicate")
-    return {k: NamedSharding(mesh, lenient.spec(("batch",) + (None,) * (len(s) - 1), s, mesh,
-                                                f"<batch:{k}>", warn=False))
+    return {k: NamedSharding(mesh, rules.activation_spec(("batch",) + (None,) * (len(s) - 1), s,
+                                                         mesh, f"<batch:{k}>"))
             for k, s in shapes.items()}
 
 
@@ -169,8 +159,7 @@ def check_batch_divides(rules: AxisRules, mesh: Mesh, rows: int) -> None:
     devices = math.prod(mesh.shape[a] for a in axes)
     if rows % devices == 0:
         return
-    spec = AxisRules(rules.rules, indivisible="replicate").spec(("batch",), (rows,), mesh,
-                                                                "<batch>", warn=False)
+    spec = rules.activation_spec(("batch",), (rows,), mesh, "<batch>")
     used = math.prod(mesh.shape[a] for a in as_tuple(spec[0]))
     raise ConfigError(paragraph(
         f"data.batch_size={rows} is not divisible by the {devices} devices of the batch axes",
@@ -181,13 +170,22 @@ def check_batch_divides(rules: AxisRules, mesh: Mesh, rows: int) -> None:
     ))
 
 
-def jit_steps(ctx: StepContext, shardings: TrainState,
-              batch_shapes: dict[str, tuple[int, ...]]) -> tuple[Callable, Callable]:
-    """Jitted (train_step, eval_step) with explicit shardings and a donated state."""
+def global_batch(local: dict[str, np.ndarray], rules: AxisRules, mesh: Mesh, rows: int
+                 ) -> dict[str, jax.Array]:
+    """The global batch of `rows` rows assembled from this host's rows `local`, sharded as
+    `batch_sharding` says."""
+    shapes = {k: (rows,) + v.shape[1:] for k, v in local.items()}
+    sharding = batch_sharding(rules, mesh, shapes)
+    return {k: jax.make_array_from_process_local_data(sharding[k], v, shapes[k])
+            for k, v in local.items()}
+
+
+def jit_train_step(ctx: StepContext, shardings: TrainState,
+                   batch_shapes: dict[str, tuple[int, ...]]) -> Callable:
+    """The jitted train step with explicit shardings and a donated state. (Held-out metrics are
+    not a step: `jaxscale.train.heldout`.)"""
     for shape in batch_shapes.values():
         check_batch_divides(ctx.rules, ctx.mesh, shape[0])
     batch_sh = batch_sharding(ctx.rules, ctx.mesh, batch_shapes)
-    train = jax.jit(lambda s, b: train_step(ctx, s, b), in_shardings=(shardings, batch_sh),
-                    out_shardings=(shardings, None), donate_argnums=0)
-    evaluate = jax.jit(lambda s, b: eval_step(ctx, s, b), in_shardings=(shardings, batch_sh))
-    return train, evaluate
+    return jax.jit(lambda s, b: train_step(ctx, s, b), in_shardings=(shardings, batch_sh),
+                   out_shardings=(shardings, None), donate_argnums=0)

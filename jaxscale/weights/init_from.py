@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxscale.errors import JaxscaleError, paragraph
-from jaxscale.models import lora
+from jaxscale.models.adapters import lora
 from jaxscale.weights.kv import Store
 from jaxscale.weights.place import place
 from jaxscale.weights.snapshot import PARAMS, write_snapshot

@@ -1,6 +1,6 @@
 """Parameters saved before q/k/v and gate/up were fused, converted on load.
 
-Llama weights written before `models/fused.py` (separate `attn/wq`, `attn/wk`, `attn/wv`,
+Llama weights written before `models/nn/fused.py` (separate `attn/wq`, `attn/wk`, `attn/wv`,
 `mlp/w_gate`, `mlp/w_up`) still load everywhere weights are read (`sources.open_weights`:
 `config.init_from`, `launch.convert --to_hf`, `launch.evaluate`): each complete set of parts
 becomes one lazy fused leaf, joined exactly (concatenation and reshape only) when it is read.
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from jaxscale.models.fused import Fused, fuse_parts, is_legacy
+from jaxscale.models.nn.fused import Fused, fuse_parts, is_legacy
 from jaxscale.weights.leaf import Index, Leaf
 
 

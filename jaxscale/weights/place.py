@@ -1,4 +1,9 @@
-"""The one function that puts weights onto a mesh: `place(leaves, shardings, dtype)`.
+"""Where each parameter goes on a mesh (`param_specs`) and the one function that puts it there
+(`place(leaves, shardings, dtype)`).
+
+`param_specs` resolves every parameter's logical axes through the rules: the train state,
+Hugging Face import, evaluation and generation all place weights with it, so loading a model
+never needs the train state.
 
 Leaves may be host arrays (numpy), device arrays, or lazily-read leaves (`sources.Leaf`, which
 read any part of a parameter on demand). Each parameter is assembled only for the shards this
@@ -16,7 +21,33 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Sharding
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec, Sharding
+
+from jaxscale.models import ModelDef
+from jaxscale.rules import AxisRules
+
+# Flax's keyword for a variable's sharding (renamed from `sharding_names` in flax 0.12.4); the
+# only place jaxscale spells it.
+FLAX_SHARDING_KEY = "out_sharding"
+
+
+def sharded_abstract(model_def: ModelDef, rules: AxisRules, mesh: Mesh) -> nnx.State:
+    """A copy of the abstract NNX state whose variables carry their resolved PartitionSpecs in
+    Flax's sharding metadata, so `nnx.get_partition_spec` and NNX tooling see jaxscale's rules."""
+    state = jax.tree.map(lambda x: x, model_def.abstract)
+    for path, var in nnx.to_flat_state(state):
+        name = "/".join(map(str, path))
+        spec = rules.spec(var.get_metadata()["logical_axes"], var.shape, mesh, name)
+        var.set_metadata(**{FLAX_SHARDING_KEY: tuple(spec)})
+    return state
+
+
+def param_specs(model_def: ModelDef, rules: AxisRules, mesh: Mesh) -> dict[str, PartitionSpec]:
+    """Flat {path: PartitionSpec} for every parameter, resolved through the rules."""
+    specs = nnx.get_partition_spec(sharded_abstract(model_def, rules, mesh))
+    return {"/".join(map(str, path)): var.get_value()
+            for path, var in nnx.to_flat_state(specs)}
 
 
 def place(leaves: Mapping[str, Any], shardings: Mapping[str, Sharding],
@@ -61,6 +92,6 @@ def _reader(value: Any) -> Callable[[tuple[slice, ...]], np.ndarray]:
 
 
 def named_shardings(mesh: Any, specs: Mapping[str, Any]) -> dict[str, Sharding]:
-    """{path: NamedSharding} from {path: PartitionSpec} (e.g. `train.state.param_specs`)."""
+    """{path: NamedSharding} from {path: PartitionSpec} (e.g. `param_specs`)."""
     from jax.sharding import NamedSharding
     return {path: NamedSharding(mesh, spec) for path, spec in specs.items()}

@@ -59,7 +59,7 @@ from jaxscale.weights.manifest import (
     chunk_of,
     validate_manifest,
 )
-from jaxscale.weights.quant import BLOCK, dequantize_blockwise, quantize_blockwise
+from jaxscale.weights.push_codec import BLOCK, dequantize_blockwise, quantize_blockwise
 
 COMMITS = "commits"
 PARAMS = "params"   # where a params export keeps its snapshot

@@ -243,7 +243,8 @@ def rebuild_base(config: Any) -> dict:
     to be exported or evaluated (merge it with the restored adapters, then `lora.merge`)."""
     import jax
 
-    from jaxscale.models import ModelDef, lora
+    from jaxscale.models import ModelDef
+    from jaxscale.models.adapters import lora
     from jaxscale.precision import get_policy
     from jaxscale.weights.tree import split_trainable
 
@@ -266,7 +267,7 @@ def rebuild_base(config: Any) -> dict:
 def merged_params(weights: Weights) -> dict:
     """The nested parameters of `weights` on the host, LoRA adapters folded into the base:
     what evaluation, generation and export use."""
-    from jaxscale.models import lora
+    from jaxscale.models.adapters import lora
 
     flat = weights.arrays()
     if any(lora.is_adapter(k) for k in flat):

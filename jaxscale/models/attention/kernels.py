@@ -1,0 +1,102 @@
+"""Attention kernels: `attend`, the one function every attention module computes attention with.
+
+`attend(q, k, v, mask, impl=...)` computes attention from queries, keys, values and a `Mask`;
+the decoder's attention components (`grouped_query.py`, ...) and the ViT's bidirectional
+attention all call it. Kernels are an explicit table (`ATTENTION_IMPLS`, chosen by
+`model.attention`). A `Mask` (`mask.py`) is described, not materialised: query and key *slots*
+(index in the sequence or the KV cache, not the rotary positions), optional segment ids (packed
+documents attend only within their own document), whether it is causal and an optional sliding
+window (`model.sliding_window`), so a kernel can use its own structured masking (the fused
+kernel's built-in causal mask, the splash kernel's causal mask and segment ids; `splash.py`)
+and others build the dense boolean mask with `Mask.dense`. A whole sequence that the rules
+split over sequence shards runs across them (`sequence/context.py`).
+Shape suffixes: B batch, T query length, S key length (cache length), H heads, K kv heads,
+G heads per kv head, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+
+from jaxscale.models.attention import blockwise, splash
+from jaxscale.models.attention.mask import Mask
+from jaxscale.models.attention.sequence import context
+
+
+def einsum_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
+                     mask: Mask | None, softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
+    """Grouped-query attention written out: the reference every other kernel must match.
+    `softcap` > 0 (Gemma 2): the scaled scores become softcap * tanh(scores / softcap)."""
+    kv = k_BSKD.shape[2]
+    q_BTKGD = rearrange(q_BTHD, "b t (k g) d -> b t k g d", k=kv)
+    scores_BKGTS = blockwise.scores(q_BTKGD, k_BSKD, softmax_dtype, softcap)
+    visible_BTS = None if mask is None else mask.dense()
+    if visible_BTS is not None:
+        scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS,
+                                 jnp.finfo(scores_BKGTS.dtype).min)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKD.dtype)
+    out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKD)
+    return rearrange(out_BTKGD, "b t k g d -> b t (k g) d")
+
+
+def fused_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
+                    mask: Mask | None, softmax_dtype: Any) -> jax.Array:
+    """`jax.nn.dot_product_attention` (cuDNN flash attention on GPUs where it applies)."""
+    if mask is not None and mask.aligned and mask.q_segments_BT is None:
+        window = (mask.window - 1, 0) if mask.window else None  # (left, right) keys, inclusive
+        return jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, is_causal=mask.causal,
+                                            local_window_size=window)
+    visible_BTS = None if mask is None else mask.dense()
+    return jax.nn.dot_product_attention(
+        q_BTHD, k_BSKD, v_BSKD, mask=None if visible_BTS is None else visible_BTS[:, None])
+
+
+def splash_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
+                     mask: Mask | None, softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
+    """The Pallas TPU splash kernel (`splash.py`): scores never reach HBM. Decoding
+    against a cache, and lengths off its 128 grid, run `einsum_attention` instead. `softcap`:
+    the kernel's own logit soft-capping (Gemma 2)."""
+    return splash.attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype,
+                            fallback=einsum_attention, softcap=softcap)
+
+
+# Attention kernels by `model.attention`: (q, k, v, mask, softmax dtype) -> out (B, T, H, D).
+ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
+    "einsum": einsum_attention,
+    "dot_product_attention": fused_attention,
+    "splash": splash_attention,
+}
+# The kernels that soft-cap the scores (a `softcap` argument > 0, Gemma 2's `attn_softcap`);
+# `model.attention=dot_product_attention` with a soft-cap is refused by the config check.
+SOFTCAP_IMPLS: dict[str, Callable[..., jax.Array]] = {
+    "einsum": einsum_attention,
+    "splash": splash_attention,
+}
+
+
+def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mask | None, *,
+           impl: str = "einsum", softmax_dtype: Any = jnp.float32,
+           context_impl: str = "allgather", softcap: float = 0.0) -> jax.Array:
+    """softmax(q.k / sqrt(D), masked) . v with the kernel `impl`; K kv heads serve H/K heads.
+    A whole sequence that the active rules split over sequence shards runs by `context_impl`
+    (`sequence/context.py`), soft-capped too. Soft-capped scores (`softcap` > 0, Gemma 2)
+    otherwise run a kernel of `SOFTCAP_IMPLS` (the config check refuses the others)."""
+    shards = (context.sequence_shards(q_BTHD.shape[1], impl)
+              if mask is not None and mask.aligned else None)
+    if shards is not None:
+        return context.attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype,
+                                 variant=context_impl, shards=shards, softcap=softcap)
+    if softcap:
+        return SOFTCAP_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
+    return ATTENTION_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype)
+
+
+def check_impl(impl: str) -> None:
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"Unknown model.attention={impl!r}; use one of "
+                         f"{list(ATTENTION_IMPLS)}.")
