@@ -17,9 +17,6 @@ What differs today, and where it is handled:
   jax it was recorded with (`memory_drifted`).
 - `jax.core.jaxprs_in_params` is gone in jax 0.12; `jax.extend.core.jaxprs_in_params`, in both,
   is the one spelling used.
-- Not handled here: libtpu's internal error `RET_CHECK ... while_loop_all_reduce_code_motion`
-  on gradient accumulation loops (issue 40) reaches more steps under jax 0.12: the v5p 7B
-  `grad_accum=4` winner and the `1b,v4-8` / `1b,v5e-8` presets, which compile under 0.10.2.
 
 Layer 0 of `tests/test_imports.py`: imports nothing of jaxscale.
 """
