@@ -7,8 +7,9 @@ The layers, lowest first. A package (or top-level module) imports only packages 
 packages of the same layer are peers and import none of each other, so no two packages import
 each other either.
 
- 0. `errors`, `hardware`, `presets`, `__init__`: error types and tables of facts (peak FLOP/s,
-    the rules presets, the version). They import nothing of jaxscale.
+ 0. `errors`, `hardware`, `presets`, `compat`, `__init__`: error types and tables of facts (peak
+    FLOP/s, the rules presets, the version, what differs between the supported jax / flax / orbax
+    versions). They import nothing of jaxscale.
  1. `storage`, `runtime`, `precision`, `optim`, `mesh`, `rules`: one concern each (bytes at a
     location, process start-up and pre-emption, precision policies, optimizers by name, the
     device mesh, logical-axis rules).
@@ -71,7 +72,7 @@ from collections.abc import Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("__init__", "errors", "hardware", "presets"),
+    ("__init__", "errors", "hardware", "presets", "compat"),
     ("storage", "runtime", "precision", "optim", "mesh", "rules"),
     ("data", "models"),
     ("parallel", "observe"),
