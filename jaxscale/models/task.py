@@ -46,6 +46,12 @@ class Task:
     prepare: Callable[[Batch], Batch] = same_batch
     perplexity: bool = False     # evaluation also reports exp(mean loss)
     token_batches: bool = False  # trains on {'tokens': (B, T+1)} int32 batches (what AOT builds)
+    # sequence_logps(model, {'tokens': (B, T+1), 'loss_mask': (B, T+1)}, run_layers) ->
+    # (summed log-probabilities of each row's masked targets (B,), their count (B,)): what
+    # objectives that compare whole responses build on (`jaxscale/objectives/`), with the
+    # task's own extra loss terms (the MoE router's) as a third, scalar value. None: the
+    # model scores no sequences (an image classifier).
+    sequence_logps: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] | None = None
 
 
 def masked_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None
