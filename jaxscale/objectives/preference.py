@@ -96,7 +96,7 @@ class PreferenceObjective:
     def uses_reference(self) -> bool:
         return self.name != "simpo"
 
-    def _scores(self, model: Any, reference: Any, batch: Batch,
+    def scores(self, model: Any, reference: Any, batch: Batch,
                 run_layers: LayerRunner | None
                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
         """(pair losses, chosen rewards, rejected rewards, policy log-probs (B, 2), extra)."""
@@ -113,7 +113,7 @@ class PreferenceObjective:
 
     def loss(self, model: Any, reference: Any, batch: Batch, run_layers: LayerRunner | None
              ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        losses_B, chosen_B, rejected_B, logps_B2, extra = self._scores(model, reference, batch,
+        losses_B, chosen_B, rejected_B, logps_B2, extra = self.scores(model, reference, batch,
                                                                        run_layers)
         loss = jnp.mean(losses_B) + extra
         if self.settings.sft_weight:
@@ -138,7 +138,7 @@ class PreferenceObjective:
     def eval_sums(self, model: Any, reference: Any, batch: Batch) -> dict[str, jax.Array]:
         """Sums over the pairs the per-row `mask` keeps (a last held-out batch's padding rows
         have mask 0)."""
-        losses_B, chosen_B, rejected_B, logps_B2, _ = self._scores(model, reference, batch,
+        losses_B, chosen_B, rejected_B, logps_B2, _ = self.scores(model, reference, batch,
                                                                    None)
         w_B = batch["mask"].astype(jnp.float32) if "mask" in batch else jnp.ones_like(losses_B)
         return {"loss": jnp.sum(w_B * losses_B), "rewards_chosen": jnp.sum(w_B * chosen_B),
