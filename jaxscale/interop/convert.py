@@ -107,8 +107,14 @@ def workdir_to_hf(workdir: str, out_dir: str, dtype: Any = None,
     hf.parse_dtype(dtype)  # before any weights are read
     local_only(out_dir, "--to_hf")
     check_output_dir(out_dir, "--to_hf")
-    return hf.save((model_cfg, workdir_params(workdir, lora_cfg)), out_dir, dtype=dtype,
-                   max_shard_size=max_shard_size)
+    out = hf.save((model_cfg, workdir_params(workdir, lora_cfg)), out_dir, dtype=dtype,
+                  max_shard_size=max_shard_size)
+    from jaxscale.data.tokenizer import copy_tokenizer_files, run_tokenizer_dir
+    run = workdir_files.read_json(locations.join(workdir, "config.json"))
+    tokenizer = None if locations.is_remote(workdir) else run_tokenizer_dir(run, workdir)
+    if tokenizer:  # the export carries the tokenizer (and chat template) the model was tuned with
+        copy_tokenizer_files(tokenizer, out)
+    return out
 
 
 def override_flags(model_cfg: Mapping[str, Any]) -> list[str]:
