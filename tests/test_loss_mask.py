@@ -98,16 +98,14 @@ def test_rows_keep_the_marks_and_train_on_all():
 
 @pytest.fixture(scope="module")
 def reference_runs():
-    """Loss and gradients of each masked batch as one program on one device."""
-    out = {}
-    for packed in (True, False):
-        batch = _masked_batch(packed)
-        config = make_config({})
-        out[packed] = (batch, _loss_and_grads_on(config, batch, jax.devices()[:1], False))
-    return out
+    """Loss and gradients of each masked batch (packed or not) as one program on one device."""
+    batches = {packed: _masked_batch(packed) for packed in (True, False)}
+    got = _loss_and_grads_on(make_config({}), list(batches.values()), jax.devices()[:1])
+    return {packed: (batches[packed], g) for packed, g in zip(batches, got)}
 
 
-def _loss_and_grads_on(config, batch, devices, pipelined):
+def _loss_and_grads_on(config, batches, devices):
+    """[(loss, grads)] of each of `batches` under `config` (one trainer) without a pipeline."""
     from jaxscale.rules import use_rules
     from jaxscale.train.loop import Trainer
     from jaxscale.train.step import accumulate_grads
@@ -120,10 +118,13 @@ def _loss_and_grads_on(config, batch, devices, pipelined):
     def grads(state, batch):
         with use_rules(ctx.rules, ctx.mesh):
             return accumulate_grads(state.params, state.frozen, batch, ctx.model_def,
-                                    ctx.grad_accum, ctx.run_layers if pipelined else None)
+                                    ctx.grad_accum)
 
-    loss, g = jax.device_get(grads(trainer.state, trainer.to_global(batch)))
-    return float(loss), {k: np.asarray(v) for k, v in flatten(g).items()}
+    out = []
+    for batch in batches:
+        loss, g = jax.device_get(grads(trainer.state, trainer.to_global(batch)))
+        out.append((float(loss), {k: np.asarray(v) for k, v in flatten(g).items()}))
+    return out
 
 
 @pytest.mark.parametrize("packed, mesh, preset, pipeline, grad_accum", [
@@ -142,7 +143,7 @@ def test_split_steps_normalise_as_one_device(reference_runs, packed, mesh, prese
     if "pipeline" in mesh:
         loss, grads = _loss_and_grads(config, batch, True)
     else:
-        loss, grads = _loss_and_grads_on(config, batch, jax.devices(), False)
+        (loss, grads), = _loss_and_grads_on(config, [batch], jax.devices())
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert set(grads) == set(want)
     for k in want:

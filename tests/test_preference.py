@@ -30,6 +30,7 @@ from jaxscale.objectives.preference import pair_losses
 from jaxscale.rules import use_rules
 from jaxscale.train.loop import Trainer
 from jaxscale.weights.tree import flatten
+from tests.aot_common import TINY, libtpu_test, run_module
 from tests.chat_common import WORDS, tokenizer_dir
 
 GOOD, BAD = ("yes", "sure", "good", "fine", "thanks"), ("no", "bad", "maybe", "lazy", "dog")
@@ -264,3 +265,44 @@ def test_the_reference_is_counted_and_lora_init_holds_none(data):
     assert trainer.state.reference == {} and trainer.ctx.reference.in_state is False
     _, metrics = trainer.train_fn(trainer.state, trainer.to_global(trainer.eval_data[0]))
     assert float(metrics["loss"]) == pytest.approx(math.log(2), abs=1e-6)  # adapters start at 0
+
+
+@pytest.mark.exhaustive
+@libtpu_test
+def test_tpu_compile_counts_the_reference(data, tmp_path):
+    """`jaxscale compile`'s arguments per chip hold the reference: dpo's exceed simpo's (the
+    same step, reference-free) by the parameters' bytes over the FSDP shards (widths that are
+    multiples of 128, so that TPU tiling pads nothing)."""
+    tok, pairs = data
+    dims = dict(vocab_size=512, embed=256, mlp=512, num_heads=2, num_kv_heads=2, head_dim=128)
+    reports = {}
+    for name in ("dpo", "simpo"):
+        out = tmp_path / f"{name}.json"
+        proc = run_module(["launch.compile", "--topology=v5p:2x2x1", *TINY,
+                           "--config.mesh.fsdp=4",
+                           *(f"--config.model.{k}={v}" for k, v in dims.items()),
+                           f"--config.data.sources=preference={pairs}",
+                           f"--config.data.tokenizer={tok}", f"--config.objective.name={name}",
+                           f"--out={out}"], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports[name] = json.loads(out.read_text())
+    import math
+
+    from jaxscale.configs import llama
+    from jaxscale.mesh import make_mesh
+    from jaxscale.models import ModelDef
+    from jaxscale.precision import get_policy
+    from jaxscale.rules import AxisRules, as_tuple
+    from jaxscale.weights.place import param_specs
+    config = llama.get_config("tiny")
+    config.model.update(dims)
+    config.mesh.update(data=1, fsdp=4)
+    model_def = ModelDef.build(config.model, get_policy("bf16-mixed"))
+    mesh = make_mesh(config.mesh, jax.devices()[:4])
+    shapes = model_def.shapes()
+    per_chip = sum(  # float32 parameters, each over the mesh axes its spec names
+        4 * math.prod(shapes[k].shape) / math.prod(mesh.shape[a] for d in spec
+                                                   for a in as_tuple(d))
+        for k, spec in param_specs(model_def, AxisRules.from_config(config), mesh).items())
+    extra = reports["dpo"]["argument_bytes"] - reports["simpo"]["argument_bytes"]
+    assert extra == pytest.approx(per_chip, rel=0.01)
