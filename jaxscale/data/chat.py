@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import hashlib
 import json
 import os
 import re
@@ -327,7 +328,6 @@ def encode_chat(tokenizer_path: str, messages: Sequence[Mapping[str, Any]],
 
 def template_hash(tokenizer: str, template_file: str = "") -> str:
     """What identifies the template a chat source is read with (for index caches)."""
-    import hashlib
     try:
         text = find_template(tokenizer, template_file)
     except ConfigError:

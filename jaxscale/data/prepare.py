@@ -222,21 +222,21 @@ def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shard
     # Chat records are rendered with the source tokenizer's template (or the named file); `out`
     # then carries that template and the special tokens it reads, so `data.tokenizer=OUT`
     # renders prompts (`generate --chat`) as the data was rendered.
-    render_with = src if fmt in CHAT_FORMATS else tok_path
-    chat_files = [n for n in ("tokenizer_config.json", "special_tokens_map.json")
-                  if os.path.isfile(os.path.join(os.path.dirname(src), n))] if (
-        fmt in CHAT_FORMATS) else []
-    chat_files += [TEMPLATE_FILE] if fmt in CHAT_FORMATS else []
+    chat = fmt in CHAT_FORMATS
+    render_with = src if chat else tok_path
+    copied = [n for n in ("tokenizer_config.json", "special_tokens_map.json")
+              if chat and os.path.isfile(os.path.join(os.path.dirname(src), n))]
     names = [f"data-{k:05d}-of-{num_shards:05d}.array_record" for k in range(num_shards)]
-    claim_out(out, names + [n + ".lengths.npy" for n in names] + chat_files
+    claim_out(out, names + [n + ".lengths.npy" for n in names] + copied
+              + ([TEMPLATE_FILE] if chat else [])
               + ([os.path.basename(tok_path)] if tok_path != "bytes" else []))
     if train_vocab:
         train_tokenizer(readers, train_vocab, tok_path)
     elif src:
         shutil.copyfile(src, tok_path)  # the prepared data carries its tokenizer
-    for name in chat_files[:-1]:
+    for name in copied:
         shutil.copyfile(os.path.join(os.path.dirname(src), name), os.path.join(out, name))
-    if chat_files:
+    if chat:
         with open(os.path.join(out, TEMPLATE_FILE), "w", encoding="utf-8") as f:
             f.write(find_template(src, chat_template))
     load_tokenizer(tok_path)  # fails clearly before any worker starts

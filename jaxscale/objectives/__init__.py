@@ -3,7 +3,7 @@
 | name | trains on | loss | reference |
 |---|---|---|---|
 | `lm` | token rows (text, chat with its loss mask) | the model's own task: next token | none |
-| `dpo` | preference pairs | DPO, `beta`, `label_smoothing` (robust DPO) | yes |
+| `dpo` | preference pairs | DPO, `beta`, `label_smoothing` (conservative DPO) | yes |
 | `ipo` | preference pairs | IPO, `beta` | yes |
 | `simpo` | preference pairs | SimPO, `beta`, `gamma`, length-normalised | none |
 
@@ -112,7 +112,7 @@ def _check_values(s: Settings) -> None:
     if not 0.0 <= s.label_smoothing < 0.5:
         raise ConfigError(paragraph(
             f"objective.label_smoothing={s.label_smoothing} must be in [0, 0.5): the assumed",
-            "probability that a pair's labels are flipped (robust DPO); 0 is plain DPO."))
+            "probability that a pair's labels are flipped (conservative DPO); 0 is plain DPO."))
     if s.label_smoothing and s.name == "ipo":
         raise ConfigError(paragraph(
             f"objective.label_smoothing={s.label_smoothing} has no meaning for ipo, whose loss",

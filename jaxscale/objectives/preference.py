@@ -1,14 +1,17 @@
-"""Preference objectives on chosen / rejected pairs: DPO (with robust label smoothing), IPO, SimPO.
+"""Preference objectives on chosen / rejected pairs: DPO (conservative with label smoothing), IPO
+and SimPO.
 
 A batch holds B pairs (`data.chat_sources.PairRows`): `chosen_tokens`, `chosen_loss_mask`,
 `rejected_tokens`, `rejected_loss_mask`, (B, T+1), each mask marking the response's tokens. The
 two sides of pair i are run as rows 2i and 2i+1 of one (2B, T+1) batch, so a pair stays on the
-device (and in the microbatch) that holds it and the model runs once. The model's task gives
+device that holds it and the model runs once (a pipeline's microbatches may split a pair: the
+loss is computed after the stages, on the whole batch). The model's task gives
 each row's summed log-probability of its marked tokens, s (`Task.sequence_logps`), and n, their
 count. With the policy's s_c, s_r and the frozen reference's r_c, r_r:
 
   dpo    h = beta * ((s_c - r_c) - (s_r - r_r));  loss = -(1 - eps) log sig(h) - eps log sig(-h)
-         (eps: `label_smoothing`, the robust / conservative DPO); rewards beta * (s - r).
+         (eps: `label_smoothing`, conservative DPO: eps of the labels assumed flipped);
+         rewards beta * (s - r).
   ipo    on mean log-probabilities m = s / n, as TRL computes it:
          h = (m_c - mr_c) - (m_r - mr_r);  loss = (h - 1 / (2 beta))^2;  rewards beta * (m - mr).
   simpo  reference-free, length-normalised:  h = beta * (m_c - m_r) - gamma;  loss as dpo's;
