@@ -31,6 +31,7 @@ from jaxscale.data.readers import DataError, JsonlReader
 from jaxscale.errors import paragraph
 
 KINDS = ("text", "chat", "preference")  # what a source's documents are
+# The arrays of a preference row (`PairRows`), what preference objectives train on.
 PAIR_KEYS = ("chosen_tokens", "chosen_loss_mask", "rejected_tokens", "rejected_loss_mask")
 
 

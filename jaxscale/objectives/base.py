@@ -51,7 +51,6 @@ class Objective(Protocol):
 
     name: str
     uses_reference: bool  # the loss runs a frozen reference model (`train/reference.py`)
-    pairs: bool  # trains on preference pairs (`data.chat_sources.PAIR_KEYS`), not token rows
     reported: tuple[str, ...]  # held-out metrics the loop logs as `eval_<name>`
 
     def loss(self, model: Any, reference: Any, batch: Batch, run_layers: LayerRunner | None
@@ -81,7 +80,6 @@ class LMObjective:
     task: Task
     name: str = "lm"
     uses_reference: bool = False
-    pairs: bool = False
     reported: tuple[str, ...] = ("loss", "accuracy", "perplexity")
 
     def loss(self, model: Any, reference: Any, batch: Batch, run_layers: LayerRunner | None

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxscale.data.chat_sources import PAIR_KEYS
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import Task
 from jaxscale.objectives.base import Batch, Settings
@@ -92,7 +93,6 @@ class PreferenceObjective:
     task: Task
     settings: Settings
     name: str = "dpo"
-    pairs: bool = True
     reported: tuple[str, ...] = ("loss", *METRICS)
 
     @property
@@ -162,5 +162,6 @@ class PreferenceObjective:
 
     def batch_spec(self, model_cfg: Mapping[str, Any], batch_size: int, seq_len: int,
                    segments: bool, masked: bool) -> dict[str, jax.ShapeDtypeStruct]:
+        """The rows of `data.chat_sources.PairRows`: each side's tokens and loss mask."""
         row = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
-        return {f"{side}_{k}": row for side in SIDES for k in ("tokens", "loss_mask")}
+        return dict.fromkeys(PAIR_KEYS, row)
