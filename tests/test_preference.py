@@ -306,3 +306,17 @@ def test_tpu_compile_counts_the_reference(data, tmp_path):
         for k, spec in param_specs(model_def, AxisRules.from_config(config), mesh).items())
     extra = reports["dpo"]["argument_bytes"] - reports["simpo"]["argument_bytes"]
     assert extra == pytest.approx(per_chip, rel=0.01)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("name", ["ipo", "simpo"])
+def test_ipo_and_simpo_train(data, name):
+    """The other objectives run the same step and move their loss (simpo with no reference)."""
+    from tests.helpers import train_steps
+
+    c = pref_config(data, name=name)
+    c.objective.beta = 2.0 if name == "simpo" else 0.1
+    losses, state, trainer = train_steps(c, 6)
+    assert (trainer.ctx.reference is None) == (name == "simpo")
+    assert bool(state.reference) == (name == "ipo")  # ipo holds a copy, simpo none
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
