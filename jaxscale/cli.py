@@ -16,6 +16,10 @@ meets the default config (or none) and fails with a misleading type error. `conf
 therefore moves every `--NAME=FILE` of a config-file flag ahead of the other arguments (in
 `sys.argv`, which ml_collections reads itself, when the flag is defined, and in the argv absl
 parses), so overrides apply to the named file whatever their position.
+
+The same overrides say which fields the user set: `resolved` hands them to
+`jaxscale.weights.resolve`, which takes a stand-in model from `config.init_from`'s weights and
+refuses a `--config.model.*` flag that contradicts them.
 """
 
 from __future__ import annotations
@@ -107,6 +111,20 @@ def resolve_config_files(argv: Sequence[str]) -> list[str]:
         elif name in names and i + 1 < len(out):
             out[i + 1] = configs.resolve(out[i + 1])
     return out
+
+
+def overridden(argv: Sequence[str] | None = None, name: str = "config") -> set[str]:
+    """The dotted fields the command line's `--NAME.a.b=v` flags set (`model.num_layers`);
+    `argv` defaults to `sys.argv`, which ml_collections applies the overrides from."""
+    return {path for path, _ in _overrides(sys.argv if argv is None else argv, name)}
+
+
+def resolved(config: Any, name: str = "config") -> Any:
+    """`config` with the model and tokenizer its `config.init_from` supplies, the command
+    line's `--NAME.model.*` / `--NAME.data.tokenizer` flags counting as set by the user
+    (`jaxscale.weights.resolve`); reads the shapes the weights record, never a weight."""
+    from jaxscale.weights.resolve import resolve  # lazy: the flags parse without jax
+    return resolve(config, overridden(None, name))
 
 
 def fail(message: str) -> NoReturn:

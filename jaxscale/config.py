@@ -37,6 +37,10 @@ def base_config() -> mlc.ConfigDict:
     c = mlc.ConfigDict()
     c.seed = 0
     c.init_from = ""
+    # True: `config.model` is a stand-in that `init_from` replaces with the model its weights
+    # record (fields of `jaxscale.weights.resolve.SAFE` may still be set by flags); False: the
+    # config names its model, and weights that contradict it are refused (`weights/resolve.py`).
+    c.model_from_weights = False
     c.mesh = mlc.ConfigDict(dict(data=-1, pipeline=1, fsdp=1, tensor=1,
                                  dcn_data=1, dcn_pipeline=1, dcn_fsdp=1, dcn_tensor=1,
                                  context=1, dcn_context=1,  # context: sequence shards
@@ -250,15 +254,17 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
              f"checkpoint.keep={c.checkpoint.keep} >= 1.")
     path = c.init_from
     _require(not path or "://" in path or os.path.exists(path),
-             f"config.init_from={path!r} does not exist. Point it at a `launch.convert` output,",
-             "a training workdir, a params export or a Lo-Fi store (remote stores as URLs).")
+             f"config.init_from={path!r} does not exist. Point it at a Hugging Face model",
+             "directory, a `launch.convert` output, a training workdir, a params export or a Lo-Fi",
+             "store (remote stores as URLs).")
 
 
 BYTE_VOCAB = 256  # the stdlib corpus is byte-level: token ids 0..255
 # Fields every model config carries besides its dataclass's: which model, which task.
-_MODEL_COMMON = dict(name="llama", task="lm")
+MODEL_COMMON = dict(name="llama", task="lm")
 # How a required field without a value (an ml_collections placeholder) is explained.
-_REQUIRED_HINTS = {"init_from": "a `launch.convert` output, a training workdir or a params export"}
+_REQUIRED_HINTS = {"init_from": "a Hugging Face model directory, a `launch.convert` output, a "
+                                 "training workdir or a params export"}
 
 
 def check_fields(c: mlc.ConfigDict) -> None:
@@ -271,7 +277,7 @@ def check_fields(c: mlc.ConfigDict) -> None:
     reference = base_config()
     from jaxscale.models import lookup  # lazy: importing the models pulls in jax
     config_cls, _ = lookup(c.model.get("name", "llama"))
-    reference.model = mlc.ConfigDict({**_MODEL_COMMON, **{
+    reference.model = mlc.ConfigDict({**MODEL_COMMON, **{
         k: _as_field(f.default) for k, f in config_cls.__dataclass_fields__.items()}})
     _check_group(c, reference, "config", model_path="config.model")
 

@@ -29,10 +29,12 @@ def cli(module: str, *args: str, ok: bool = True) -> subprocess.CompletedProcess
     return run
 
 
-def printed_flags(stdout: str) -> list[str]:
-    """The `--config.model.*` flags launch.convert prints for launch.train."""
+def printed_command(stdout: str) -> list[str]:
+    """The `jaxscale train` command launch.convert prints, as arguments after `train`."""
     line = next(x for x in stdout.splitlines() if x.startswith("Fine-tune with:"))
-    return [f for f in shlex.split(line) if f.startswith("--config.model.")]
+    words = shlex.split(line.removeprefix("Fine-tune with:"))
+    assert words[:2] == ["jaxscale", "train"], line
+    return words[2:]
 
 
 def make_llama(path: str):
@@ -59,12 +61,12 @@ def test_llama_convert_finetune_evaluate_generate_export(tmp_path):
 
     hf_dir, conv, run, export = (str(tmp_path / n) for n in ("hf", "conv", "run", "export"))
     original = make_llama(hf_dir)
-    out = cli("launch.convert", f"--from_hf={hf_dir}", f"--out={conv}").stdout
-    flags = printed_flags(out)
-    assert "--config.model.num_kv_heads=2" in flags and f"--config.init_from={conv}" in out
+    printed = printed_command(cli("launch.convert", f"--from_hf={hf_dir}", f"--out={conv}").stdout)
+    assert printed[:3] == ["--config=finetune_lm:lora", "--workdir=RUN", f"--config.init_from={conv}"]
+    assert not any(a.startswith("--config.model.") for a in printed)  # the model comes along
 
-    cli("launch.train", "--config=configs/tiny_lm.py:test", f"--workdir={run}",
-        "--cpu_devices=8", f"--config.init_from={conv}", *flags, "--config.train.steps=3",
+    cli("launch.train", "--config=finetune_lm:test", f"--workdir={run}",
+        "--cpu_devices=8", f"--config.init_from={conv}", "--config.train.steps=3",
         "--config.train.eval_every=0", "--config.checkpoint.every=3")
     metrics = json.loads(cli("launch.evaluate", f"--workdir={run}", "--cpu_devices=8",
                              "--max_batches=1").stdout.splitlines()[-1])
@@ -118,10 +120,10 @@ def test_vit_export_reimport_finetune_evaluate(tmp_path):
     ours = np.asarray(model_def.module(convert.workdir_params(pre))(images))
     assert np.max(np.abs(ours - ref)) < 1e-4
 
-    flags = printed_flags(cli("launch.convert", f"--from_hf={hf_dir}", f"--out={conv}").stdout)
-    assert "--config.model.name=vit" in flags
+    printed = printed_command(cli("launch.convert", f"--from_hf={hf_dir}", f"--out={conv}").stdout)
+    assert printed[-1] == "--config.model_from_weights=true"  # a ViT goes with the user's config
     cli("launch.train", "--config=configs/vit_digits.py:test", f"--workdir={run}",
-        "--cpu_devices=8", f"--config.init_from={conv}", *flags, "--config.train.steps=10",
+        "--cpu_devices=8", f"--config.init_from={conv}", printed[-1], "--config.train.steps=10",
         "--config.train.eval_every=0", "--config.checkpoint.every=10",
         "--config.optim.lr=3e-4")
     metrics = json.loads(cli("launch.evaluate", f"--workdir={run}",

@@ -299,7 +299,8 @@ def test_a_compiling_process_that_dies_fails_only_its_candidate(tmp_path, monkey
     monkeypatch.setattr(search_lib, "_pool", _pool_broken_before_next_submit)
     monkeypatch.setattr(frontier, "implied_over", lambda cand, over: False)  # all compiled in turn
     c, topology = llama.get_config("tiny"), parse_topology("v5p:2x2x1")
-    # 2 candidates, then 2 more: nothing fits (every stand-in result is over HBM).
+    # 2 candidates, then 2 more: nothing fits (every stand-in result is over HBM); the deaths
+    # use none of that budget.
     runs = [search_lib.search(c, topology, str(tmp_path), max_candidates=2, workers=w,
                               compile_fn=_compile_or_die) for w in (1, 3)]
     for results in runs:
@@ -307,7 +308,7 @@ def test_a_compiling_process_that_dies_fails_only_its_candidate(tmp_path, monkey
         assert died and all(f["model.remat"] in _DYING for f in died)
         assert all(r["error"].startswith("the compiling process died") for _, r in results
                    if "error" in r)
-        assert len(results) == 4 and len(died) == 2
+        assert len(results) - len(died) == 4 and len(died) >= 2
     assert [(cand.overrides, r) for cand, r in runs[0]] == [
         (cand.overrides, r) for cand, r in runs[1]]
 

@@ -215,8 +215,9 @@ def _closed_port():
 
 
 def _convert_init_from_export(out, run, tmp_path):
-    """HF dir -> launch.convert --out=`out` -> train with init_from=`out`, workdir `run` ->
-    launch.convert --from_workdir=`run` -> a local HF dir: the weights survive every hop."""
+    """HF dir -> launch.convert --out=`out` -> train with init_from=`out` (which supplies the
+    model), workdir `run` -> launch.convert --from_workdir=`run` -> a local HF dir: the weights
+    survive every hop."""
     from jaxscale.interop import convert, hf
     from jaxscale.train import loop
     from jaxscale.weights.tree import flatten
@@ -227,7 +228,7 @@ def _convert_init_from_export(out, run, tmp_path):
     assert json.loads(storage.epath(f"{out}/model_config.json").read_text()) == model_cfg
     _, expected = hf.load_llama(path)
     config = _config(2, 2)
-    config.model.update(model_cfg)
+    config.model_from_weights = True  # the model comes with the weights in the bucket
     config.init_from = out
     trainer = loop.Trainer.build(config, run)
     for k, v in flatten(expected).items():  # training starts from exactly the HF weights

@@ -55,6 +55,66 @@ def _hbm_oom(error: Exception, topology: Topology, config: mlc.ConfigDict,
         temp, available)
 
 
+class CompilerError(JaxscaleError):
+    """libtpu failed on the step itself (an internal error, not a config check or out of HBM).
+
+    `compiler_line` is the compiler's own message (its RET_CHECK / check line where it has one,
+    else its first line); `signature` is that line without paths and numbers, the same for
+    every candidate that trips the same compiler check (the planner groups failures by it)."""
+
+    def __init__(self, message: str, compiler_line: str, signature: str):
+        super().__init__(message)
+        self.compiler_line, self.signature = compiler_line, signature
+
+
+def compiler_line(error: BaseException) -> str:
+    """The line of a compiler error that names the failing check (RET_CHECK, Check failed),
+    else its first non-empty line, at most 300 characters."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    named = [line for line in lines if _CHECK.search(line)]
+    line = (named or lines or [type(error).__name__])[0]
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+_CHECK = re.compile(r"RET_CHECK|Check failed|CHECK failure")
+
+
+def error_signature(line: str) -> str:
+    """`line` with source paths cut to their file name and every number replaced by N: the
+    class of a compiler failure, shared by the candidates that fail the same check."""
+    line = re.sub(r"[\w./-]*/([\w.-]+\.(?:cc|h|cpp|py))", r"\1", line)
+    return re.sub(r"\b\d+\b", "N", line).strip()
+
+
+def settings_label(config: mlc.ConfigDict) -> str:
+    """The settings a compile depends on most, for a message: mesh axes above 1, rules preset,
+    remat, attention, loss chunks, precision, accumulation, batch and pipeline."""
+    mesh = " ".join(f"{k}={v}" for k, v in config.mesh.items()
+                    if isinstance(v, int) and not isinstance(v, bool) and v > 1)
+    m, pipe = config.model, config.get("pipeline", {})
+    parts = [f"mesh {mesh or 'of one device'}", f"rules_preset={config.rules_preset or 'custom'}",
+             f"remat={m.get('remat', 'none')}", f"attention={m.get('attention', 'einsum')}",
+             f"loss_chunks={m.get('loss_chunks', 0)}", f"precision={config.precision}",
+             f"grad_accum={config.train.grad_accum}",
+             f"batch {config.data.batch_size} x {config.data.seq_len}"]
+    if config.mesh.get("pipeline", 1) > 1:
+        parts.append(f"pipeline {pipe.get('schedule')} x {pipe.get('microbatches')}")
+    return ", ".join(parts)
+
+
+def _compiler_error(error: Exception, topology: Topology, config: mlc.ConfigDict
+                    ) -> CompilerError:
+    """libtpu's failure as one paragraph: the settings and the compiler's own line."""
+    line = compiler_line(error)
+    return CompilerError(paragraph(
+        f"libtpu failed to compile the train step for {topology.label()} with",
+        f"{settings_label(config)}: {line}. This is the compiler's own failure, not a",
+        "config check: other settings (e.g. another train.grad_accum, model.remat or mesh",
+        "split) may compile, and `jaxscale plan` searches them, skipping the untried",
+        "candidates that share the failing settings once two fail the same way. To report",
+        "it, rerun with --save_hlo=DIR and attach the HLO."), line, error_signature(line))
+
+
 @dataclass
 class StepReport:
     """What the TPU compiler says about one train step, per chip."""
@@ -151,12 +211,10 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
                    "xla_dump_hlo_pass_re": "spmd-partitioning"}
         try:
             compiled = lowered.compile(compiler_options=options)
-        except Exception as e:  # only libtpu's out-of-HBM refusal is rewritten
+        except Exception as e:  # libtpu's refusals and failures, as one paragraph each
             rows = rows_per_chip(config, mesh.shape["data"], mesh.shape["fsdp"])
-            oom = _hbm_oom(e, topology, config, rows)
-            if oom is None:
-                raise
-            raise oom from None
+            raise (_hbm_oom(e, topology, config, rows)
+                   or _compiler_error(e, topology, config)) from None
         text_path = _dumped(dump, "after_optimizations.txt")
         with open(text_path) as f:
             optimized = hlo.parse(f.read())

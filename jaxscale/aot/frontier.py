@@ -11,15 +11,26 @@ stop while the best has an untried neighbour (one or two
 choices away, e.g. lighter remat with more accumulation, or another data x fsdp split) that
 the guess says may beat it and fits: those are compiled too, up to as many again. Every listed
 candidate ends up counted by what became of it (`Frontier.space`), which the plan prints.
+
+It also learns from compiler failures (`same_error_rules`). A failure is not a result: it uses
+none of the candidate budget, so it never ends the search early. But once two candidates have
+failed with the same error signature (`compile.error_signature`: the compiler's line without
+paths and numbers), the untried candidates that share every setting those two share (their
+"siblings", e.g. every remat policy at grad_accum=2 on that mesh) are skipped as "same compiler
+error as <the first of them>", unless a candidate with those settings compiled: the compiler
+fails on a construct, and settings two failures have in common are the likeliest cause.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import ml_collections as mlc
 
+from jaxscale.aot.compile import error_signature
 from jaxscale.aot.plan import (
+    SAME_ERROR,
     SKIP_GUESSED,
     SKIP_INVALID,
     Candidate,
@@ -58,6 +69,47 @@ def _remat(cand: Candidate) -> str:
     return (cand.full or cand.overrides).get("model.remat", "")
 
 
+def signature(result: dict) -> str:
+    """A failed result's error signature ("" for none, e.g. a worker that died, which may be
+    this machine's doing rather than the compiler's): its own, else its error line's."""
+    if "error" not in result:
+        return ""
+    return result.get("signature", error_signature(result["error"]))
+
+
+def _shared(group: list[Candidate]) -> dict:
+    full = lambda c: c.full or c.overrides
+    return {k: v for k, v in full(group[0]).items() if all(full(c).get(k) == v for c in group)}
+
+
+def _has(cand: Candidate, settings: dict) -> bool:
+    full = cand.full or cand.overrides
+    return all(full.get(k) == v for k, v in settings.items())
+
+
+def same_error_rules(results: list[tuple[int, Candidate, dict]]
+                     ) -> list[tuple[dict, Candidate]]:
+    """(settings, the first failure with them) per rule learned from compiler failures: for
+    each error signature with two or more failures, the settings all of them share, and those
+    each pair of them shares, unless a compiled candidate (one that did not fail) has them too.
+    A candidate with every setting of a rule is a sibling of its failures (`Frontier.why_skip`).
+    """
+    failed: dict[str, list[Candidate]] = {}
+    for _, cand, result in sorted(results, key=lambda x: x[0]):
+        if sig := signature(result):
+            failed.setdefault(sig, []).append(cand)
+    compiled = [cand for _, cand, result in results if "error" not in result]
+    rules = []
+    for group in failed.values():
+        subsets = [group] + (list(map(list, itertools.combinations(group, 2)))
+                             if len(group) > 2 else [])
+        for subset in (s for s in subsets if len(s) >= 2):
+            settings = _shared(subset)
+            if settings and not any(_has(c, settings) for c in compiled):
+                rules.append((settings, subset[0]))
+    return rules
+
+
 def steps_apart(a: Candidate, b: Candidate) -> int:
     """How many `CHOICES` two candidates differ in (every field spelled out: `full`)."""
     fa, fb = a.full or a.overrides, b.full or b.overrides
@@ -79,6 +131,7 @@ class Frontier:
         self.over: list[Candidate] = []
         self.best: tuple[int, Candidate, dict] | None = None
         self.scale: dict[str, float] = {}  # remat -> compiled / guessed bytes, mean
+        self.rules: list[tuple[dict, Candidate]] = []  # `same_error_rules`
         self._main = 0  # the next index of the search order
 
     def learn(self, results: list[tuple[int, Candidate, dict]]) -> None:
@@ -100,6 +153,13 @@ class Frontier:
         self.scale = {r: sum(v) / len(v) for r, v in ratios.items()}
         ok = [k for k in self.kept if fits(k[2], self.margin)]
         self.best = min(ok, key=lambda k: (step_s(k[2]), k[0])) if ok else None
+        self.rules = same_error_rules(results)
+
+    @property
+    def counted(self) -> int:
+        """The kept results that use the candidate budget: all but failures (a failure never
+        ends the search early; its siblings are skipped instead, `same_error_rules`)."""
+        return sum("error" not in result for _, _, result in self.kept)
 
     def why_skip(self, cand: Candidate) -> str | None:
         """The reason `cand` cannot win, from the guess and the compiled results, or None."""
@@ -113,6 +173,9 @@ class Frontier:
             return SKIP_SCALED
         if self.best is not None and slower_than(cand, step_s(self.best[2])):
             return SKIP_SLOWER
+        for settings, first in self.rules:
+            if _has(cand, settings):
+                return SAME_ERROR + first.label()
         return None
 
     def _scaled_over(self, cand: Candidate) -> bool:
@@ -180,7 +243,8 @@ def space_line(space: Counter) -> str:
     """The search space in one line: how much was compiled, what was skipped and why (every
     listed candidate is counted once: compiled, skipped for a reason, or not reached)."""
     extra = [f"{space[k]} {k}" for k in (NEIGHBOURS, DROPPED) if space.get(k)]
-    skips = [f"{space[k]} {k}" for k in SKIPS if space.get(k)]
+    skips = [f"{space[k]} {k}" for k in SKIPS if space.get(k)] + [
+        f"{n} {k}" for k, n in space.items() if k.startswith(SAME_ERROR) and n]
     return (f"Search space: {space.get('listed', 0)} candidates; {space.get(COMPILED, 0)} "
             f"compiled" + (f" ({', '.join(extra)})" if extra else "") + "; skipped: "
             + (", ".join(skips) or "none") + f"; {space.get('not reached', 0)} not reached.")

@@ -269,6 +269,7 @@ def specified(config: mlc.ConfigDict, cand: Candidate) -> Candidate | None:
 
 SKIP_GUESSED = f"guessed over {FAR_OVER:g}x the HBM budget"
 SKIP_INVALID = "refused by the config validation"
+SAME_ERROR = "same compiler error as "  # + a failed candidate's label (`frontier.why_skip`)
 
 
 def candidates(config: mlc.ConfigDict, topology: Topology,
@@ -364,9 +365,12 @@ def rank(results: list[tuple[Candidate, dict]], margin: float
 
 
 def format_plan(results: list[tuple[Candidate, dict]], margin: float, top: int,
-                topology: Topology, config: mlc.ConfigDict) -> str:
-    """The ranked table, those over HBM and those that failed, and the winner's flags (or,
-    with nothing fitting, the closest candidate and what would make it fit)."""
+                topology: Topology, config: mlc.ConfigDict, space: Counter | None = None
+                ) -> str:
+    """The ranked table, those over HBM, those that failed (the settings and the compiler's
+    line) and the untried ones skipped for failing the same way (`space`, the search's
+    counts), and the winner's flags (or, with nothing fitting, the closest candidate and what
+    would make it fit)."""
     ok, over, failed = rank(results, margin)
     gib = lambda n: f"{n / 2**30:.1f}"
     lines = [f"{len(results)} candidates compiled for {topology.label()}: {len(ok)} fit with a "
@@ -382,6 +386,10 @@ def format_plan(results: list[tuple[Candidate, dict]], margin: float, top: int,
                      + (f" ({r['over_hbm']})" if "over_hbm" in r else ""))
     for cand, r in failed:
         lines.append(f"   failed to compile: {cand.label()}: {r['error']}")
+    for reason, n in (space or {}).items():
+        if reason.startswith(SAME_ERROR) and n:
+            lines.append(f"   skipped: {reason} ({n} untried candidate{'s' * (n > 1)} sharing "
+                         "the settings of two that failed so)")
     if ok:
         lines.append(f"winner: {ok[0][0].flags()}")
     elif over:

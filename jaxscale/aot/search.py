@@ -3,14 +3,17 @@
 `plan.py` says which candidates exist, in which order, and which cannot win; this module runs
 the TPU compiler on them, `workers` at once (a large compile keeps about 1.6 cores busy; a
 worker keeps a crashing compile away from the search, and libtpu's process lock is lifted for
-compile-only use), keyed on disk by a hash of config and topology so a rerun is instant. The
-result is the same for any number of workers: candidates come back in search order, and one
-that an earlier fitting candidate dominates is dropped even if it was compiling meanwhile.
+compile-only use), keyed on disk by a hash of config, topology and code (`cache_key`) so a
+rerun is instant. The result is the same for any number of workers: candidates come back in
+search order, and one that an earlier fitting candidate dominates is dropped even if it was
+compiling meanwhile.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
+import glob
 import hashlib
 import json
 import multiprocessing
@@ -18,10 +21,11 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
+from importlib import metadata
 
 import ml_collections as mlc
 
-from jaxscale.aot.compile import HbmOom
+from jaxscale.aot.compile import CompilerError, HbmOom, error_signature
 from jaxscale.aot.frontier import Frontier
 from jaxscale.aot.plan import Candidate, apply
 from jaxscale.aot.topology import Topology, compile_only_env
@@ -33,8 +37,32 @@ _DIED = "the compiling process died"
 
 
 def cache_key(config: mlc.ConfigDict, topology: Topology) -> str:
-    text = json.dumps([config.to_dict(), topology.label()], sort_keys=True, default=str)
+    """Config, topology and `code_version`: a result cached by other code or another compiler
+    is not this one's (issue 40: a plan replayed from a cache written before a change to the
+    step reported a winner that no longer compiled)."""
+    text = json.dumps([config.to_dict(), topology.label(), code_version()], sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@functools.cache
+def code_version() -> str:
+    """A digest of jaxscale's sources and the versions of jax, jaxlib and libtpu: what besides
+    the config decides a compile's result."""
+    import jaxscale
+
+    root = os.path.dirname(os.path.abspath(jaxscale.__file__))
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        digest.update(os.path.relpath(path, root).encode())
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    for package in ("jax", "jaxlib", "libtpu"):
+        try:
+            digest.update(f"{package}={metadata.version(package)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{package}=none".encode())
+    return digest.hexdigest()[:16]
 
 
 def compile_cached(config_json: str, topology: Topology, cache_dir: str) -> dict:
@@ -69,8 +97,11 @@ def _failure(e: Exception, topology: Topology) -> dict:
         return {"total_bytes": e.temp_bytes, "hbm_bytes": topology.chip.hbm_bytes,
                 "hbm_limit_bytes": e.available_bytes,  # the compiler's own, from its error
                 "over_hbm": "libtpu: CompileTimeHbmOom (temporaries alone)"}
+    if isinstance(e, CompilerError):  # the compiler's own line; the settings are the label
+        return {"error": e.compiler_line, "signature": e.signature}
     lines = [line for line in str(e).splitlines() if line.strip()]
-    return {"error": f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]}
+    error = f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+    return {"error": error, "signature": error_signature(error)}
 
 
 def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
@@ -78,7 +109,9 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
            margin: float = HBM_MARGIN, compile_fn: CompileFn = compile_cached,
            space: Counter | None = None) -> list[tuple[Candidate, dict]]:
     """Compiles candidates in search order, `workers` at once (0: one per two cores), until
-    `max_candidates` are kept or the time budget is spent, then, up to as many again, the next
+    `max_candidates` are kept (failures not counted: they make the frontier skip their
+    siblings instead, `frontier.same_error_rules`) or the time budget is spent, then, up to as
+    many again, the next
     ones while nothing fits, else the untried neighbours of the best that the guess says may
     beat it (`Frontier.next`);
     returns (candidate, result) in search order. A candidate that cannot win is skipped
@@ -104,9 +137,9 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
         while True:
             front.learn(results)
             while len(pending) < workers and time.monotonic() < deadline:
-                room = len(front.kept) + len(pending) < max_candidates
+                used = front.counted + len(pending)  # failures use none of the budget
                 where = unsent.pop() if unsent else front.next(
-                    room, extra=len(front.kept) + len(pending) < 2 * max_candidates)
+                    used < max_candidates, extra=used < 2 * max_candidates)
                 if where is None:
                     break
                 try:
@@ -166,7 +199,7 @@ def _died(result: dict) -> bool:
 
 def _died_result() -> dict:
     return {"error": f"{_DIED} (out of memory? a libtpu crash?); rerun `launch.compile` on "
-                     "this candidate alone to see why"}
+                     "this candidate alone to see why", "signature": ""}  # maybe the machine's
 
 
 def _result(job: cf.Future) -> dict:

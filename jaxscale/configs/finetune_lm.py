@@ -1,13 +1,24 @@
-"""Fine-tune a decoder from saved weights: `--config=configs/finetune_lm.py:SIZE[,lora][,TARGET]`.
+"""Fine-tune a decoder from saved weights: `--config=finetune_lm[:lora]` or
+`--config=finetune_lm:SIZE[,lora][,TARGET]`.
 
-    python -m launch.train --config=configs/finetune_lm.py:1b,lora,v5e-16 --workdir=RUN \\
-        --config.init_from=WEIGHTS
+    jaxscale train --config=finetune_lm:lora --workdir=RUN --config.init_from=HF_DIR \\
+        --config.data.sources='text=my/files/*.txt'
 
-SIZE and TARGET are those of `configs/llama.py` (model dims, mesh, rules, micro-batch); the
-model must match the weights, so for a converted Hugging Face model also pass the
-`--config.model.*` flags `launch.convert` prints. `config.init_from` is required (validation
-stops with a clear error until it is set): a `launch.convert` output, a previous run's workdir
-or checkpoint, a params export or a Lo-Fi store.
+`config.init_from` is required (validation stops with a clear error until it is set): a Hugging
+Face model directory (read directly, no convert step), a `launch.convert` output, a previous
+run's workdir or checkpoint, a params export or a Lo-Fi store, locally or in a bucket.
+
+Without a SIZE (`finetune_lm`, `finetune_lm:lora`) the model comes with its weights
+(`config.model_from_weights`, `jaxscale/weights/resolve.py`): its fields are the ones
+`init_from` records, and so is `data.tokenizer` unless it is set; the recipe is the `1b` size's
+(FSDP over every local device, full remat, `bf16-mixed`, 256 x 2048 tokens a step; lower
+`--config.data.batch_size` or raise `--config.train.grad_accum` to fit your devices, or name a
+SIZE,TARGET preset). A `--config.model.*` flag may set the fields that do not change what the
+weights compute (`resolve.SAFE`: `max_len`, `remat`, the attention kernel, loss chunks, the MoE
+capacity and kernels); one that contradicts the weights (vocabulary, layers, widths, rotary,
+norms, family) is refused naming each field with both values. With a SIZE, the config names its
+model (SIZE and TARGET are those of `configs/llama.py`: model dims, mesh, rules, micro-batch),
+and weights of another model are refused the same way.
 
 Against pre-training it changes what fine-tuning needs: the learning rate is a tenth of the
 pre-training one for full fine-tuning (the weights are already good; large steps would undo
@@ -23,9 +34,10 @@ shapes (`FAMILIES`, with the recipe of the closest Llama size), sized for each T
 memory estimate: docs/fine-tune-families.md ("The published sizes") has the shapes, parameter
 counts and what the TPU compiler makes of the estimate.
 
-`:test` (and `:test,lora`) is the small-run mode: the tiny model of `configs/llama.py:tiny` for 4
-CPU steps, with `init_from=''` (fresh random weights) so it runs without a checkpoint; point it at
-a `configs/llama.py:tiny` workdir to fine-tune real weights.
+`:test` (and `:test,lora`) is the small-run mode: 4 CPU steps of the recipe of
+`configs/llama.py:tiny`, with `init_from=''`, so it runs without a checkpoint on the tiny model
+as a stand-in (fresh random weights); pointed at weights (a tiny Hugging Face directory of any
+family, a `configs/llama.py:tiny` workdir), it takes their model.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ from jaxscale.errors import ConfigError, paragraph
 llama = sibling("llama")
 
 _FULL_LR_FACTOR = 0.1
+_RECIPE = "1b"  # the recipe of `finetune_lm[:lora]`, whose model comes from the weights
 _LORA = dict(rank=16, alpha=32.0, targets=("attn/w[qkvo]$", "mlp/w_(gate|up|down)$"))
 
 # Other families of the model table at their published shapes, with the recipe of the closest
@@ -94,24 +107,26 @@ def _with_lora(base: str) -> tuple[str, str]:
 
 
 _SIZES = tuple(s for s in llama.SIZES if s != "tiny") + tuple(FAMILIES)
-VARIANTS: tuple[str, ...] = ("test", "test,lora") + tuple(
+VARIANTS: tuple[str, ...] = ("test", "test,lora", "", "lora") + tuple(
     v for size in _SIZES
     for base in (size, *(f"{size},{t}" for t in llama.TARGETS if _fits(size, t)))
     for v in _with_lora(base))
 
 
 def parse_arg(arg: str | None) -> tuple[str, bool]:
-    """'1b,lora,v5e-16' -> ('1b,v5e-16', True): the SIZE[,TARGET] and whether to use LoRA."""
+    """'1b,lora,v5e-16' -> ('1b,v5e-16', True): the SIZE[,TARGET] ('' without a SIZE: the
+    model comes from the weights) and whether to use LoRA."""
     parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
     lora = "lora" in parts
     rest = [p for p in parts if p != "lora"]
-    ok = rest == ["test"] or (0 < len(rest) <= 2 and rest[0] in _SIZES
-                              and all(t in llama.TARGETS for t in rest[1:]))
+    ok = rest in ([], ["test"]) or (0 < len(rest) <= 2 and rest[0] in _SIZES
+                                    and all(t in llama.TARGETS for t in rest[1:]))
     if not ok:
         raise ConfigError(paragraph(
-            f"configs/finetune_lm.py: cannot read the argument {arg!r}. Use test[,lora] or",
-            f"SIZE[,lora][,TARGET] with SIZE in {', '.join(_SIZES)}",
-            f"and TARGET in {', '.join(llama.TARGETS)}, e.g. :1b,lora,v5e-16.",
+            f"configs/finetune_lm.py: cannot read the argument {arg!r}. Use nothing or lora (the",
+            "model comes with config.init_from's weights), test[,lora], or SIZE[,lora][,TARGET]",
+            f"with SIZE in {', '.join(_SIZES)} and TARGET in {', '.join(llama.TARGETS)}, e.g.",
+            ":1b,lora,v5e-16 (a TARGET sizes the micro-batch for a model it knows: name a SIZE).",
         ))
     if len(rest) == 2 and rest[0] in FAMILIES and not _fits(*rest):
         size, target = rest
@@ -136,9 +151,10 @@ def _base_config(base: str) -> mlc.ConfigDict:
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
     base, use_lora = parse_arg(arg)
     test = base == "test"
-    c = llama.get_config("tiny") if test else _base_config(base)
+    c = llama.get_config("tiny") if test else _base_config(base or _RECIPE)
     pretrain_lr = c.optim.lr
     c.init_from = "" if test else mlc.config_dict.placeholder(str)
+    c.model_from_weights = base in ("", "test")  # the model is a stand-in for init_from's
     c.data.part = "b"
     c.optim.update(lr=pretrain_lr * (1.0 if use_lora else _FULL_LR_FACTOR), warmup_steps=50,
                    weight_decay=0.0, min_lr_ratio=0.1)

@@ -2,8 +2,10 @@
 
 `python -m launch.train --config=configs/vit_digits.py --workdir=DIR --cpu_devices=8` reaches
 >95% test accuracy in a few CPU minutes (`python -m launch.evaluate --workdir=DIR` reports it).
-`:test` is a seconds-long variant for the tests. To fine-tune a converted Hugging Face ViT,
-set `--config.init_from=CONVERTED` and the `--config.model.*` flags `launch.convert` prints.
+`:test` is a seconds-long variant for the tests. To fine-tune a Hugging Face ViT (its
+directory or a `launch.convert` output), set `--config.init_from=DIR
+--config.model_from_weights=true`: the run takes the weights' image size, patch size, channels
+and labels.
 """
 
 import ml_collections as mlc

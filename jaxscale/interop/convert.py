@@ -2,10 +2,11 @@
 
 `hf_to_workdir` writes the converted parameters as a params export (`WORKDIR/params/`, the
 checksummed format `config.init_from` reads first) plus `WORKDIR/model_config.json`, the
-`config.model` fields the weights need. `workdir_to_hf` reads the newest weights of a workdir
-(a conversion output, or a training workdir's newest restorable checkpoint) through
-`weights.sources.open_weights`, folds LoRA adapters in, and writes the Hugging Face layout
-back. Model families are dispatched on HF `model_type` / jaxscale `model.name` through the model
+`config.model` fields the weights need, and the tokenizer files; `finetune_command` is the one
+line that fine-tunes it. `workdir_to_hf` reads the newest weights of a workdir (a conversion
+output, or a training workdir's newest restorable checkpoint) through
+`weights.sources.open_weights`, folds LoRA adapters in, and writes the Hugging Face layout back
+with the tokenizer files the weights came with. Model families are dispatched on HF `model_type` / jaxscale `model.name` through the model
 table, as `interop.hf.load` / `hf.save` do (`weights.sources.open_huggingface`, `hf.save`).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +22,7 @@ import numpy as np
 
 from jaxscale.errors import paragraph
 from jaxscale.interop import hf
-from jaxscale.models import hf_saver
+from jaxscale.models import entry_of, hf_saver
 from jaxscale.storage import locations, workdir_files
 from jaxscale.weights.sources import (
     MODEL_CONFIG,
@@ -28,6 +30,7 @@ from jaxscale.weights.sources import (
     merged_params,
     open_huggingface,
     open_weights,
+    recorded,
 )
 
 
@@ -55,12 +58,27 @@ def hf_to_workdir(hf_dir: str, workdir: str, dtype: Any = None) -> dict:
     export_params(workdir, params, {"source": os.path.abspath(hf_dir)})
     workdir_files.write_text(locations.join(workdir, MODEL_CONFIG),
                              json.dumps(source.model_cfg, indent=2))
-    from jaxscale.data.tokenizer import TOKENIZER_FILES
-    for name in TOKENIZER_FILES:  # the converted model carries its tokenizer
-        if os.path.isfile(os.path.join(hf_dir, name)):
-            with open(os.path.join(hf_dir, name), "rb") as f:
-                workdir_files.write_bytes(locations.join(workdir, name), f.read())
+    copy_tokenizer(hf_dir, workdir)  # the converted model carries its tokenizer
     return source.model_cfg
+
+
+def copy_tokenizer(spec: str | None, out_dir: str) -> list[str]:
+    """Copies the tokenizer files (`tokenizer.json` / `.model`, `tokenizer_config.json` with
+    its chat template, `special_tokens_map.json`) of a tokenizer location (a directory, or a
+    tokenizer file's directory; local or a bucket) into `out_dir`; returns the names copied."""
+    from jaxscale.data.tokenizer import TOKENIZER_FILES
+
+    if not spec or spec == "bytes":
+        return []
+    spec = str(spec).rstrip("/")
+    directory = spec.rsplit("/", 1)[0] if spec.endswith((".json", ".model")) else spec
+    copied = []
+    for name in TOKENIZER_FILES:
+        data = workdir_files.read_bytes(locations.join(directory, name))
+        if data is not None:
+            workdir_files.write_bytes(locations.join(out_dir, name), data)
+            copied.append(name)
+    return copied
 
 
 def local_only(path: str, flag: str) -> None:
@@ -109,22 +127,17 @@ def workdir_to_hf(workdir: str, out_dir: str, dtype: Any = None,
     check_output_dir(out_dir, "--to_hf")
     out = hf.save((model_cfg, workdir_params(workdir, lora_cfg)), out_dir, dtype=dtype,
                   max_shard_size=max_shard_size)
-    from jaxscale.data.tokenizer import copy_tokenizer_files, run_tokenizer_dir
-    run = workdir_files.read_json(locations.join(workdir, "config.json"))
-    tokenizer = None if locations.is_remote(workdir) else run_tokenizer_dir(run, workdir)
-    if tokenizer:  # the export carries the tokenizer (and chat template) the model was tuned with
-        copy_tokenizer_files(tokenizer, out)
+    copy_tokenizer(recorded(workdir).tokenizer, out)  # and its chat template: as it came in
     return out
 
 
-def override_flags(model_cfg: Mapping[str, Any]) -> list[str]:
-    """`--config.model.X=V` flags that make launch.train build the converted model."""
-    return [f"--config.model.{k}={v}" for k, v in _flat(model_cfg).items()]
-
-
-def _flat(fields: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested sections (`moe`) as dotted names: `moe.num_experts`, one flag each."""
-    out = {}
-    for k, v in fields.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, Mapping) else {prefix + k: v})
-    return out
+def finetune_command(out: str, model_cfg: Mapping[str, Any]) -> str:
+    """The one line that fine-tunes a conversion output: its model and tokenizer come with the
+    weights (`weights/resolve.py`), so a language model needs only its data; another task's
+    model (a ViT) goes with the user's config, which takes its model from the weights."""
+    where = shlex.quote(str(out))
+    if "lm" in entry_of(model_cfg).tasks:
+        return (f"jaxscale train --config=finetune_lm:lora --workdir=RUN --config.init_from={where}"
+                " --config.data.sources='text=YOUR/FILES/*.txt'")
+    return (f"jaxscale train --config=CONFIG --workdir=RUN --config.init_from={where}"
+            " --config.model_from_weights=true")

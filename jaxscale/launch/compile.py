@@ -4,7 +4,8 @@
         [--config.mesh.fsdp=64 ...] [--num_slices=2] [--save_hlo=DIR] [--out=report.json]
 
 Prints memory per chip against HBM, FLOPs, collectives and a roofline step-time estimate.
-Needs `pip install 'jaxscale[tpu]'` (libtpu).
+Needs `pip install 'jaxscale[tpu]'` (libtpu). `--config.init_from=WEIGHTS` supplies the model as
+it does to `train` (only the shapes it records are read).
 """
 
 import json
@@ -31,8 +32,8 @@ def main(argv):
     from jaxscale.aot.report import format_report, step_estimate
     from jaxscale.aot.topology import parse_topology
 
-    report = compile_step(_CONFIG.value, parse_topology(_TOPOLOGY.value, _SLICES.value),
-                          _HLO.value)
+    report = compile_step(cli.resolved(_CONFIG.value),
+                          parse_topology(_TOPOLOGY.value, _SLICES.value), _HLO.value)
     print(format_report(report))
     if _OUT.value:
         with open(_OUT.value, "w") as f:

@@ -5,13 +5,13 @@
                              [--max_shard_size=5GB]
 
 The first writes `WORKDIR/params/` (read by `--config.init_from=WORKDIR`) and
-`WORKDIR/model_config.json`, one parameter at a time, and prints the `--config.model.*` flags
-that fine-tune it. The second exports a training workdir's newest checkpoint (LoRA adapters
-folded in) or a conversion output; `--max_shard_size` splits it into
+`WORKDIR/model_config.json`, one parameter at a time, and prints the one-line command that
+fine-tunes it (the model and tokenizer come with the weights; `--config.init_from=HF_DIR` also
+reads the Hugging Face directory directly, without this step). The second exports a training
+workdir's newest checkpoint (LoRA adapters folded in) or a conversion output, with the
+tokenizer files the weights came with; `--max_shard_size` splits it into
 `model-0000i-of-0000n.safetensors` files plus `model.safetensors.index.json`.
 """
-
-import shlex
 
 from absl import app, flags
 
@@ -38,8 +38,7 @@ def main(argv):
     if _FROM_HF.value and _OUT.value:
         model_cfg = convert.hf_to_workdir(_FROM_HF.value, _OUT.value, _DTYPE.value)
         print(f"jaxscale: wrote {_OUT.value}/params and {_OUT.value}/{convert.MODEL_CONFIG}.")
-        print("Fine-tune with: jaxscale train --config=CONFIG --workdir=RUN "
-              f"--config.init_from={_OUT.value} " + shlex.join(convert.override_flags(model_cfg)))
+        print(f"Fine-tune with: {convert.finetune_command(_OUT.value, model_cfg)}")
     elif _FROM_WORKDIR.value and _TO_HF.value:
         out = convert.workdir_to_hf(_FROM_WORKDIR.value, _TO_HF.value, _DTYPE.value,
                                     _MAX_SHARD.value)

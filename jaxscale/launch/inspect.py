@@ -1,4 +1,7 @@
-"""Print where every parameter lives: `python -m launch.inspect --config=... [--cpu_devices=N]`."""
+"""Print where every parameter lives: `python -m launch.inspect --config=... [--cpu_devices=N]`.
+
+`--config.init_from=WEIGHTS` supplies the model as it does to `train` (`cli.resolved`): only the
+shapes the weights record are read."""
 
 from absl import app, flags
 
@@ -17,7 +20,7 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     distributed.setup()
     from jaxscale.aot.sharding_report import build_report, format_report
-    print(format_report(build_report(_CONFIG.value, _COMPILE.value)))
+    print(format_report(build_report(cli.resolved(_CONFIG.value), _COMPILE.value)))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 Ranks by a roofline step-time ESTIMATE (no overlap: compute plus every collective); prints
 the winner's --config.* overrides and how much of the search space it compiled and skipped.
 Past --max_candidates it compiles up to as many again: the next ones while nothing fits, else
-the best's untried neighbours that the guess says may beat it.
+the best's untried neighbours that the guess says may beat it. `--config.init_from=WEIGHTS`
+supplies the model as it does to `train` (only the shapes it records are read).
 """
 
 import os
@@ -47,10 +48,10 @@ def main(argv):
 
     topology = parse_topology(_TOPOLOGY.value, _SLICES.value)
     require_libtpu()
-    space = Counter()
-    results = search(_CONFIG.value, topology, _CACHE.value, _MAX.value, _BUDGET.value,
+    config, space = cli.resolved(_CONFIG.value), Counter()
+    results = search(config, topology, _CACHE.value, _MAX.value, _BUDGET.value,
                      _WORKERS.value, _MARGIN.value, space=space)
-    print(format_plan(results, _MARGIN.value, _TOP.value, topology, _CONFIG.value))
+    print(format_plan(results, _MARGIN.value, _TOP.value, topology, config, space))
     print(space_line(space))
 
 

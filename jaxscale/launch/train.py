@@ -35,7 +35,7 @@ def main(argv):
         from jaxscale.train.loop import train
         run = train_worker if _CONFIG.value.lofi.enabled else train
         try:
-            run(_CONFIG.value, _WORKDIR.value)
+            run(cli.resolved(_CONFIG.value), _WORKDIR.value)
         except Preempted as e:  # SIGTERM: saved at the same step on every host; exit 75
             exit_preempted(e)
 

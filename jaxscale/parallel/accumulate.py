@@ -9,6 +9,8 @@ replicated over `data`, so every microbatch's gradient is all-reduced inside the
 over `data`, so accumulation is local, and one sum over that dimension after the loop is the
 step's single all-reduce. Within a replica `fsdp` still reduce-scatters each microbatch's
 gradient, as ZeRO-3 does: an unreduced accumulator would cost a full copy of the gradients.
+(The vocabulary matrices' bf16 reduce-scatters reach the float32 carry through a barrier that
+keeps libtpu from trying to move them out of the loop, where it fails: `shard_sums.settle`.)
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from jaxscale.train.reference import set_reference
 from jaxscale.train.state import TrainState
 from jaxscale.train.step import StepContext, global_batch, jit_train_step
 from jaxscale.weights.init_from import init_params
+from jaxscale.weights.resolve import resolve
 from jaxscale.weights.tree import merge_trees
 
 
@@ -60,6 +61,7 @@ class Trainer:
     @classmethod
     def build(cls, config: mlc.ConfigDict, workdir: str,
               devices: Sequence[Any] | None = None) -> "Trainer":
+        resolve(config)  # a stand-in model becomes init_from's (the CLI passes its flags)
         config_lib.validate(config)
         locations.configure(config.get("storage"))  # S3 endpoint/region for every location
         if workdir:  # a bad scheme, dead endpoint, missing bucket or refused key: one paragraph

@@ -1,10 +1,11 @@
 """`config.init_from`: start a run from weights saved elsewhere (fine-tuning, Lo-Fi results).
 
 Any location `jaxscale.weights.sources.open_weights` reads is accepted (a params export, a
-training workdir, a Lo-Fi store's newest average, a Hugging Face directory). `init_params`, the
-one function the train loop calls, checks that the saved weights fit the run's model (the tree
-must match exactly: same leaves, shapes; a conversion output must be used with the model
-fields it was converted with) and places the leaves one at a time with
+training workdir, a Lo-Fi store's newest average, a Hugging Face directory); a run whose model
+is a stand-in takes its model from there first (`weights/resolve.py`). `init_params`, the one
+function the train loop calls, checks that the saved weights fit the run's model (the tree
+must match exactly: same leaves, shapes; weights that record their model fields must run with
+them, `resolve.SAFE` aside) and places the leaves one at a time with
 `jaxscale.weights.place`, casting them to the run's parameter dtype. This module also writes
 params exports (`export_params`) in the snapshot format (`weights/snapshot.py`).
 """
@@ -13,17 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.errors import paragraph
 from jaxscale.models.adapters import lora
 from jaxscale.weights.kv import Store
 from jaxscale.weights.place import place
+from jaxscale.weights.resolve import InitFromError, check_model, mismatches
 from jaxscale.weights.snapshot import PARAMS, write_snapshot
-from jaxscale.weights.sources import WeightsError, open_weights
+from jaxscale.weights.sources import WeightsError, open_weights, recorded
 from jaxscale.weights.tree import flatten, unflatten
-
-
-class InitFromError(JaxscaleError):
-    """`config.init_from` does not point at usable weights."""
 
 
 def init_params(path: str, state: Any, shardings: Any, model_cfg: Any = None) -> Any:
@@ -60,57 +58,33 @@ def export_params(directory: str, flat_params: dict[str, Any], meta: dict | None
     return directory
 
 
-def _saved_model_config(path: str) -> dict | None:
-    """The `config.model` fields a launch.convert output was converted with, if any. Read
-    through etils.epath, as orbax reads the weights beside it, so gs:// outputs are checked
-    too."""
-    import json
-
-    from jaxscale.storage import locations
-
-    if str(path).startswith("memory://"):
-        return None
-    meta = locations.epath(locations.join(str(path), "model_config.json"))
-    return json.loads(meta.read_text()) if meta.exists() else None
-
-
-def _differing_flags(saved: dict, model_cfg: Any, skip: tuple[str, ...] = ()) -> list[str]:
-    return [f"--config.model.{k}={v}" for k, v in saved.items()
-            if k not in skip and _plain(model_cfg.get(k)) != _plain(v)]
-
-
-def _plain(value: Any) -> Any:
-    """A sequence as a list: JSON keeps a tuple field (Gemma's `layer_types`) as a list."""
-    return list(value) if isinstance(value, (list, tuple)) else value
-
-
 def _model_hint(path: str, model_cfg: Any) -> str:
-    saved = _saved_model_config(path) if model_cfg is not None else None
-    flags = _differing_flags(saved, model_cfg) if saved else []
-    return (f"The weights were converted with different model fields; add {' '.join(flags)}."
-            if flags else "Use the same model config as the saved weights.")
+    saved = recorded(path).model if model_cfg is not None else None
+    if saved is None:
+        return ("The weights record no model fields (no model_config.json or config.json beside"
+                " them): give config.model the fields they were made with.")
+    wrong = mismatches(model_cfg, saved)
+    return (f"The weights were made with other model fields; add {' '.join(flags(wrong))}, or "
+            "take the model from the weights with --config.model_from_weights=true."
+            if wrong else "Use the same model config as the saved weights.")
 
 
-# Fields a run may change on purpose: a longer context only extends the rotary positions.
-ADJUSTABLE = ("max_len",)
+def flags(wrong: list[tuple[str, Any, Any]]) -> list[str]:
+    return [f"--config.model.{k}={b}" for k, _, b in wrong]
 
 
 def check_model_config(path: str, model_cfg: Any) -> None:
-    """A launch.convert output must run with the model fields it was converted with.
+    """Weights that record their model (a conversion, a training workdir, a Lo-Fi export, a
+    Hugging Face directory) must run with it: every field outside `resolve.SAFE` equal.
 
     Shapes alone do not catch a different rope_theta, norm_eps or a tied head of equal shape,
-    which would silently compute another model; this compares every converted field.
+    which would silently compute another model; this compares every recorded field.
     """
-    saved = _saved_model_config(path)
-    if saved is None or model_cfg is None:
+    if model_cfg is None:
         return
-    flags = _differing_flags(saved, model_cfg, ADJUSTABLE)
-    if flags:
-        raise InitFromError(paragraph(
-            f"config.init_from={path!r} was converted from a model whose fields differ from",
-            f"config.model, so the run would compute a different model. Add {' '.join(flags)}",
-            "(launch.convert printed them).",
-        ))
+    saved = recorded(path).model
+    if saved is not None:
+        check_model(model_cfg, saved, path)
 
 
 def check_matches(shapes: dict[str, tuple], expected: dict[str, Any], path: str,

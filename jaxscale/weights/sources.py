@@ -12,6 +12,13 @@ Recognised, in this order:
 Every format yields the same `Weights`: `{path: Leaf}` (shape and dtype up front, values read on
 demand, so nothing is loaded whole unless asked) plus the `config.model` fields the weights were
 made with when the location records them. No format executes code when read (no pickle).
+
+`recorded(location)` is what a location says about its weights without reading any of them:
+the model fields (`model_config.json` of a conversion, a run's or a Lo-Fi job's `config.json`,
+a Hugging Face `config.json` through its family's converter, which reads only safetensors
+headers), a run's LoRA section and the tokenizer that goes with the weights. `config.init_from`
+takes the run's model and tokenizer from it (`weights/resolve.py`); `inspect`, `compile` and
+`plan` read nothing else.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import numpy as np
 
 from jaxscale.errors import ConversionError, JaxscaleError, paragraph
 from jaxscale.models import hf_opener
-from jaxscale.storage import locations
+from jaxscale.storage import locations, workdir_files
 from jaxscale.weights import snapshot
 from jaxscale.weights.kv import Store
 from jaxscale.weights.leaf import Leaf
@@ -144,19 +151,66 @@ def _read_json(path: str) -> dict | None:
 
 
 def _with_configs(weights: Weights, location: str) -> Weights:
-    """Adds the model (and LoRA) config a location records: `model_config.json` (a conversion
-    output) or `config.json` (a training workdir, a Lo-Fi final export). Llama weights of the
-    pre-fusion layout are converted on load (`weights/legacy.py`)."""
+    """Adds what the location records (`recorded`: the model and LoRA config of a conversion,
+    a training workdir or a Lo-Fi export). Llama weights of the pre-fusion layout are
+    converted on load (`weights/legacy.py`)."""
     weights.leaves = fuse_legacy_leaves(weights.leaves)
-    converted = _read_json(locations.join(location, MODEL_CONFIG))
-    run = _read_json(locations.join(location, "config.json"))
-    if weights.kind == "checkpoint" and os.path.basename(location.rstrip("/")) == "checkpoints":
-        run = run or _read_json(os.path.join(os.path.dirname(location.rstrip("/")),
-                                             "config.json"))
-    weights.run_config = run
-    weights.model_cfg = converted or (run or {}).get("model")
-    weights.lora_cfg = None if converted else (run or {}).get("lora")
+    found = recorded(location)
+    weights.run_config, weights.model_cfg, weights.lora_cfg = found.run, found.model, found.lora
     return weights
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What a location records beside its weights, read from small files only."""
+
+    model: dict | None = None      # the config.model fields the weights were made with
+    lora: dict | None = None       # a training run's config.lora
+    run: dict | None = None        # a training run's (or Lo-Fi job's) whole config.json
+    tokenizer: str | None = None   # a data.tokenizer for the weights; None: bytes / unknown
+
+
+def recorded(location: str) -> Recorded:
+    """What `location` records about its weights, without reading a weight: a conversion's
+    `model_config.json` (and the tokenizer files it copied), a training workdir's or Lo-Fi
+    job's `config.json` (its model, LoRA section and `data.tokenizer`), or a Hugging Face
+    directory's `config.json` mapped by its family's converter (safetensors headers only) and
+    its tokenizer files. An empty `Recorded` where nothing is recorded (a bare params export,
+    an in-process memory:// store)."""
+    location = str(location)
+    if location.startswith("memory://"):
+        return Recorded()
+    base = location
+    if _is_checkpoint_dir(location):  # WORKDIR/checkpoints: the run's files sit one up
+        base = (location.rstrip("/").rsplit("/", 1)[0] if locations.is_remote(location)
+                else os.path.dirname(os.path.abspath(location.rstrip("/"))))
+    converted = workdir_files.read_json(locations.join(base, MODEL_CONFIG))
+    run = workdir_files.read_json(locations.join(base, "config.json"))
+    is_run = isinstance(run, dict) and isinstance(run.get("model"), dict)
+    if converted is not None:
+        return Recorded(converted, None, run if is_run else None, _tokenizer_files(base))
+    if is_run:
+        spec = (run.get("data") or {}).get("tokenizer", "")
+        return Recorded(run["model"], run.get("lora"), run,
+                        spec if spec not in ("", "bytes") else None)
+    if run is not None and locations.is_remote(base):
+        raise WeightsError(paragraph(
+            f"{base!r} holds a Hugging Face config.json, and Hugging Face directories are read",
+            "with local file APIs (safetensors maps its files). Copy it first (`gcloud storage",
+            "cp -r` / `aws s3 cp --recursive`), or convert it (`jaxscale convert --from_hf=DIR",
+            "--out=gs://...`: conversions may live in a bucket).",
+        ))
+    if run is not None and _is_huggingface(base):
+        return Recorded(dict(open_huggingface(base).model_cfg), tokenizer=_tokenizer_files(base))
+    return Recorded()
+
+
+def _tokenizer_files(directory: str) -> str | None:
+    """`directory` when it holds a tokenizer.json or tokenizer.model (an HF directory, or a
+    conversion that copied them), else None."""
+    names = ("tokenizer.json", "tokenizer.model")
+    return directory if any(_epath(locations.join(directory, n)).exists() for n in names) \
+        else None
 
 
 def _huggingface_weights(location: str) -> Weights:

@@ -68,8 +68,10 @@ def provider(qtype: str) -> WeightMatmuls:
 
 
 def is_projection_module(module: nnx.Module) -> bool:
-    """Whether `module` reads linear weights through `layers.project` (`LORA_WEIGHTS`)."""
-    return bool(getattr(type(module), "LORA_WEIGHTS", ()))
+    """Whether `module` reads linear weights through `layers.project` (`LORA_WEIGHTS`, unless
+    it says `PROJECTED = False`: a mixture of experts reads its adapted weights whole)."""
+    kind = type(module)
+    return bool(getattr(kind, "LORA_WEIGHTS", ())) and getattr(kind, "PROJECTED", True)
 
 
 def _child(parent: Any, key: Any) -> Any:

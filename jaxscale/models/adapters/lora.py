@@ -8,13 +8,16 @@ a tensor-parallel `heads` output dimension in B. B starts at zero, so a fresh ad
 model unchanged. Which dimensions of W are inputs: a weight whose last axis is `embed` projects
 back into the residual stream, so its last dimension is the output (`wo`, `w_down`); for every
 other weight the first (non-`layers`) dimension is the input (`wq`, `wk`, `wv`, `w_gate`, `w_up`).
+A mixture of experts' weights (`moe/layer.py`: `expert` after `layers`) get adapters per
+expert, which it reads whole with the deltas folded in (`nn.layers.weight`).
 The Llama stores q/k/v and gate/up fused (`wqkv`, `w_gate_up`, see `nn/fused.py`);
 adapters still target and name the parts (`attn/wq` -> `wq_lora_a`), so LoRA configs,
 checkpoints and ranks mean what they did, and `lora_matmul.weight` joins the parts' deltas into
 the fused weight. Any module listing a weight in its `LORA_WEIGHTS` (it reads it through
-`nn.layers.project`) can take adapters: the Llama's attention / `MLP` and the ViT's
-`SelfAttention` / `GeluMLP`. `add_adapters` also sets the module's `ADAPTED_PROJECTION` to
-`lora_matmul.project`, which `nn.layers.project` then runs: the layers never import adapters.
+`nn.layers.project`, or whole through `nn.layers.weight`) can take adapters: the Llama's
+attention / `MLP`, the MoE's experts and the ViT's `SelfAttention` / `GeluMLP`. `add_adapters`
+also sets the module's `ADAPTED_PROJECTION` to `lora_matmul.project` and its `ADAPTED_WEIGHT`
+to `lora_matmul.weight`, which `nn.layers` then runs: the layers never import adapters.
 
 `lora.dropout` drops the adapter's *input* (x.W + scale * (drop(x).A).B, per example, as in the
 LoRA paper) while training only: the train step enables it with
@@ -39,8 +42,8 @@ from flax import nnx, traverse_util
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.adapters import lora_matmul
-from jaxscale.models.nn.fused import fuse_parts, unfuse
-from jaxscale.models.nn.layers import ADAPTED_PROJECTION
+from jaxscale.models.nn.fused import LLAMA_FUSED, fuse_parts, unfuse
+from jaxscale.models.nn.layers import ADAPTED_PROJECTION, ADAPTED_WEIGHT
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 
@@ -86,8 +89,11 @@ def _check(lora_cfg: Any) -> None:
 
 
 def _split_axes(axes: tuple, shape: tuple) -> tuple[int, int]:
-    """(number of leading `layers` dims, number of input dims) of a weight."""
-    lead = 1 if axes and axes[0] == "layers" else 0
+    """(number of leading `layers` / `expert` dims, number of input dims) of a weight: an
+    expert's weight gets its own adapters (A: ..., expert, in, rank; B: ..., expert, rank, out)."""
+    lead = 0
+    while lead < len(axes) and axes[lead] in ("layers", "expert"):
+        lead += 1
     n_in = len(shape) - lead - 1 if axes[-1] == "embed" else 1
     return lead, n_in
 
@@ -128,6 +134,12 @@ def add_adapters(model: nnx.Module, lora_cfg: Any, rngs: nnx.Rngs) -> nnx.Module
             if name not in getattr(type(module), "LORA_WEIGHTS", ()) or len(shape) < 2:
                 unsupported.append(full)
                 continue
+            if lora_cfg.dropout and not getattr(type(module), "PROJECTED", True):
+                raise ConfigError(paragraph(
+                    f"lora.dropout={lora_cfg.dropout} with adapters on {full}: that weight is",
+                    "read whole with its adapters folded in (a mixture of experts' weights), so",
+                    "dropout cannot act on its input. Use --config.lora.dropout=0.0, or targets",
+                    "that leave it out."))
             lead, n_in = _split_axes(axes, shape)
             a_shape = shape[:lead + n_in] + (rank,)
             b_shape = shape[:lead] + (rank,) + shape[lead + n_in:]
@@ -141,6 +153,7 @@ def add_adapters(model: nnx.Module, lora_cfg: Any, rngs: nnx.Rngs) -> nnx.Module
             setattr(module, f"{name}_lora_scale", scale)
             setattr(module, f"{name}_lora_dropout", float(lora_cfg.dropout))
             setattr(module, ADAPTED_PROJECTION, lora_matmul.project)
+            setattr(module, ADAPTED_WEIGHT, lora_matmul.weight)
             matched.append(full)
     if unsupported or not matched:
         raise ConfigError(paragraph(
@@ -194,4 +207,8 @@ def merge(params: Mapping, lora_cfg: Any) -> dict:
             w = flat[base]
             delta = lora_matmul.lora_delta(flat[key], flat[base + "_lora_b"], scale, w.ndim)
             out[base] = (w + delta.astype(w.dtype)).astype(w.dtype)
-    return _unflatten(fuse_parts(out) if fused else out)
+    # Fuse back only what was split: a mixture of experts' own `mlp/w_gate` / `w_up` are no parts.
+    parts = {f"{path.rsplit('/', 1)[0]}/{p}" for path in fused
+             for p in LLAMA_FUSED["/".join(path.split("/")[-2:])].parts}
+    joined = fuse_parts({k: v for k, v in out.items() if k in parts})
+    return _unflatten({**{k: v for k, v in out.items() if k not in parts}, **joined})

@@ -42,7 +42,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.moe.dropless import dropless_experts, expert_parallel, swiglu
-from jaxscale.models.nn.layers import MLP, param
+from jaxscale.models.nn.layers import MLP, param, weight
 from jaxscale.precision import Policy
 from jaxscale.rules import constrain
 
@@ -181,7 +181,11 @@ def active_mlp(m: Mapping[str, Any]) -> tuple[int, int]:
 
 class MoE(nnx.Module):
     """Router + experts (+ shared experts); `__call__` returns the block's output and sows
-    the router's statistics (`ROUTER_STATS`)."""
+    the router's statistics (`ROUTER_STATS`). LoRA adapters on the experts are per expert
+    (`adapters/lora.py`), folded into the weights (`nn.layers.weight`): they take no dropout."""
+
+    LORA_WEIGHTS = ("w_gate", "w_up", "w_down")
+    PROJECTED = False  # read whole (`nn.layers.weight`), not through `nn.layers.project`
 
     def __init__(self, embed: int, mlp: int, moe: MoEConfig, policy: Policy, rngs: nnx.Rngs,
                  *, stack: int | None = None):
@@ -213,7 +217,7 @@ class MoE(nnx.Module):
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         # Routed per row: the (B, T) layout keeps the batch's sharding through top_k.
         weights_BTK, experts_BTK, stats = route(x_BTE, self.router[...], self.moe)
-        w = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        w = tuple(weight(self, n) for n in self.LORA_WEIGHTS)  # LoRA deltas folded in
         if self.moe.capacity_factor > 0:
             out_BTE, dropped = capacity_experts(x_BTE, weights_BTK, experts_BTK, w,
                                                 self.moe.capacity_factor, self.policy.compute)

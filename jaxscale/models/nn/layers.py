@@ -5,9 +5,10 @@ rules module resolves them to PartitionSpecs. Layers can be created *stacked* (`
 parameter gets a leading `layers` dimension so the decoder can `scan` over depth (compile time
 independent of depth) and the pipeline can split that axis into stages.
 
-Linear weights are read through `project`, the one einsum of a weight. A module whose weights
-took LoRA adapters carries the adapters' own projection (`ADAPTED_PROJECTION`, set on it by
-`adapters/lora.add_adapters`), which `project` hands the matmul to: this package never
+Linear weights are read through `project`, the one einsum of a weight (or whole through
+`weight`, where a grouped matmul takes them). A module whose weights took LoRA adapters carries
+the adapters' own projection and weight (`ADAPTED_PROJECTION`, `ADAPTED_WEIGHT`, set on it by
+`adapters/lora.add_adapters`), which `project` / `weight` hand the read to: this package never
 imports the adapters, the adapters reach down into it.
 Shape suffixes: B batch, T length, E embed, H heads, K kv heads, G heads per kv head,
 D head dim, F mlp hidden, V vocab, S source length. Attention (and its KV cache):
@@ -31,6 +32,9 @@ from jaxscale.rules import constrain
 # The attribute naming a module's adapted projection, (module, name, eq, x, dtype) -> y; absent
 # on a module without adapters.
 ADAPTED_PROJECTION = "adapted_projection"
+# The attribute naming a module's adapted weight, (module, name) -> W + its adapters' delta, for
+# weights read whole (a mixture of experts' stacked experts); absent without adapters.
+ADAPTED_WEIGHT = "adapted_weight"
 
 
 def param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None], *,
@@ -59,6 +63,14 @@ def project(module: nnx.Module, name: str, eq: str, x: jax.Array, dtype) -> jax.
     if adapted is not None:
         return adapted(module, name, eq, x, dtype)
     return jnp.einsum(eq, x, getattr(module, name)[...].astype(dtype))
+
+
+def weight(module: nnx.Module, name: str) -> jax.Array:
+    """`module.<name>` read whole (the experts' weights, which grouped matmuls take as they
+    are): through the module's `ADAPTED_WEIGHT` once it has adapters (the base weight plus the
+    adapters' delta, `adapters/lora_matmul.weight`)."""
+    adapted = getattr(module, ADAPTED_WEIGHT, None)
+    return adapted(module, name) if adapted is not None else getattr(module, name)[...]
 
 
 class RMSNorm(nnx.Module):

@@ -50,11 +50,26 @@ def sum_shards(g_SX: jax.Array, dtype: Any, copy: Axes, weight: Axes) -> jax.Arr
         g = g[0]
         for dim, axes in scatters:
             g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+        if scatters and dtype != out:  # see `settle`
+            g = settle(g)
         return jax.lax.psum(g, rest) if rest else g
 
     total = jax.shard_map(local, mesh=mesh, in_specs=in_spec, out_specs=out_spec,
                           check_vma=False)(g_SX)
     return constrain(total.astype(out), *weight)
+
+
+def settle(g: jax.Array) -> jax.Array:
+    """`g` unchanged, behind an optimization barrier: a reduce-scatter's result that a loop adds
+    to a carry of a wider dtype must not reach the add through a bare `convert`.
+
+    Gradient accumulation sums these gradients into a float32 carry. libtpu's (0.0.52)
+    `while-loop-all-reduce-code-motion` pass, which moves such reductions out of a loop, accepts
+    the `convert` when it checks a reduce-scatter and then fails on it when it rewrites the loop
+    (`RET_CHECK ... user->opcode() == HloOpcode::kAdd`, issue 40). Here that motion is not
+    wanted anyway: it would replace the fsdp-sharded accumulator by an unsharded one. The
+    values and the arithmetic are unchanged; the barrier only marks where the sum is final."""
+    return jax.lax.optimization_barrier(g)
 
 
 def _scatter_plan(shape: tuple[int, ...], copy: Axes, weight: Axes) -> tuple | None:
