@@ -15,9 +15,11 @@ each other either.
     device mesh, logical-axis rules).
  2. `data`, `models`: the input pipeline; model code, which knows only logical axis names and
     nothing of training, checkpoints or Lo-Fi.
- 3. `parallel`, `observe`: pipeline schedules and accumulation over a model's layers; metrics,
-    progress, loggers, throughput and profiling, which the loop writes to (so below train; what
-    builds a step to report on it belongs above train).
+ 3. `parallel`, `observe`, `objectives`: pipeline schedules and accumulation over a model's
+    layers; metrics, progress, loggers, throughput and profiling, which the loop writes to (so
+    below train; what builds a step to report on it belongs above train); the training
+    objectives (next token, preference pairs against a reference model), which use a model's
+    task and know nothing of where the reference's weights live (the train state does).
  4. `config`: the base config and `validate`, which asks the packages below for their names
     (presets, remat policies, attention kinds, loggers, data files). The loop, the planner and
     Lo-Fi read and validate configs, so config sits below them all.
@@ -75,7 +77,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "errors", "hardware", "presets", "compat"),
     ("storage", "runtime", "precision", "optim", "mesh", "rules"),
     ("data", "models"),
-    ("parallel", "observe"),
+    ("parallel", "observe", "objectives"),
     ("config",),
     ("weights",),
     ("train",),
