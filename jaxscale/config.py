@@ -81,7 +81,10 @@ def base_config() -> mlc.ConfigDict:
         moe=mlc.ConfigDict(dict(num_experts=0, router="softmax_topk", experts_per_token=2,
                                 norm_topk_prob=True, mlp=0, shared_experts=0, capacity_factor=0.0,
                                 router_aux_loss_coef=0.01, router_z_loss_coef=0.0, every=1,
-                                grouped_matmul="auto", dispatch="auto")),
+                                grouped_matmul="auto", dispatch="auto",
+                                # DeepSeek-V3's routing (router=sigmoid_group, routers.py)
+                                n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                                bias_update_rate=0.0, first_k_dense_replace=0)),
         # multi-head latent attention's widths (attention_kind=latent; models/attention/latent.py)
         mla=mlc.ConfigDict(dict(q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
                                 qk_nope_head_dim=128, v_head_dim=128))))

@@ -41,7 +41,7 @@ def _loop(block: MoE, x_BTE: jax.Array, keep=None) -> np.ndarray:
     """The block's output token by token and choice by choice; `keep[n, j]` False drops token
     n's j-th choice."""
     x_NE = np.asarray(x_BTE.reshape(-1, x_BTE.shape[-1]), np.float64)
-    weights, experts, _ = jax.device_get(jax.jit(route, static_argnums=2)(
+    weights, experts, _, _ = jax.device_get(jax.jit(route, static_argnums=2)(
         jnp.asarray(x_NE, jnp.float32), block.router[...], block.moe))
     gate, up, down = (np.asarray(w[...], np.float64) for w in (block.w_gate, block.w_up,
                                                                 block.w_down))
@@ -112,7 +112,7 @@ def test_router_losses_equal_hand_computed_values():
     logits = np.array([[1.0, 0.0, -1.0, 0.5], [0.0, 2.0, 0.0, 0.0], [0.3, 0.2, 0.1, 0.0]])
     cfg = MoEConfig(num_experts=4, experts_per_token=2)
     # x = identity rows, so the router's rows are the logits.
-    weights, experts, stats = route(jnp.eye(3), jnp.asarray(logits, jnp.float32), cfg)
+    weights, experts, stats, _ = route(jnp.eye(3), jnp.asarray(logits, jnp.float32), cfg)
     probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     top2 = [[0, 3], [1, 0], [0, 1]]  # by hand from the logits
     np.testing.assert_array_equal(np.asarray(experts), top2)

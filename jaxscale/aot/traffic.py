@@ -62,7 +62,7 @@ def moe_all_to_all_bytes(config: mlc.ConfigDict, mesh) -> float:
 
     The buffers' rows split as the rules split `batch` (the presets: data x fsdp x expert),
     C = moe.capacity(capacity_factor, seq_len x experts_per_token, num_experts) per row."""
-    from jaxscale.models.moe.config import MoEConfig  # lazy: jax
+    from jaxscale.models.moe.config import MoEConfig, sparse_layers  # lazy: jax
     from jaxscale.models.moe.layer import ROW_AXES, capacity
     from jaxscale.rules import AxisRules, as_tuple
 
@@ -78,7 +78,7 @@ def moe_all_to_all_bytes(config: mlc.ConfigDict, mesh) -> float:
     shards = math.prod(mesh.shape[a] for a in as_tuple(spec[0]))
     itemsize = _compute_bytes(config)
     per_layer = 4 + 2 * (config.model.get("remat", "none") != "none")
-    moe_layers = config.model.num_layers // moe.every  # MoE on every `every`-th layer
+    moe_layers = sparse_layers(moe, config.model.num_layers)
     return moe_layers * per_layer * math.prod(shape) * itemsize / shards
 
 
@@ -86,7 +86,7 @@ def moe_ragged_bytes(config: mlc.ConfigDict, mesh) -> float:
     """Ragged all-to-all bytes per chip per step of the dropless dispatch on `mesh` (0 when it
     does not run: `model.moe.dispatch=allgather`, or auto where the expert axes do not split the
     tokens). n: the step's tokens over the mesh axes that split `batch` and `length`."""
-    from jaxscale.models.moe.config import MoEConfig  # lazy: jax
+    from jaxscale.models.moe.config import MoEConfig, sparse_layers  # lazy: jax
     from jaxscale.rules import AxisRules, as_tuple
 
     moe = MoEConfig.from_config(config.model.get("moe"))
@@ -100,7 +100,8 @@ def moe_ragged_bytes(config: mlc.ConfigDict, mesh) -> float:
         return 0.0
     tokens = b * t / math.prod(mesh.shape[a] for a in token_axes)
     per_layer = 4 + 2 * (config.model.get("remat", "none") != "none")
-    return (config.model.num_layers * per_layer * tokens * moe.experts_per_token * e
+    return (sparse_layers(moe, config.model.num_layers) * per_layer * tokens
+            * moe.experts_per_token * e
             * _compute_bytes(config))
 
 

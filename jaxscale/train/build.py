@@ -17,6 +17,7 @@ from jaxscale.data.mixture import configured_kind
 from jaxscale.data.packing import carries_segments
 from jaxscale.models import ModelDef
 from jaxscale.models.adapters import lora
+from jaxscale.models.moe.routers import is_balance_bias
 from jaxscale.objectives import objective_of
 from jaxscale.optim import check_offload, make_optimizer
 from jaxscale.parallel.schedules import make_layer_runner
@@ -81,9 +82,18 @@ def build_step(config: mlc.ConfigDict, mesh: Mesh) -> StepSetup:
                                                    config.model.get("num_layers")),
                       loss_scale=scaler,
                       offload_state=offload, objective=objective_of(config),
-                      reference=reference_for(config))
-    return StepSetup(ctx, lora.trainable(config.lora), scaler.init if scaler else dict,
+                      reference=reference_for(config),
+                      bias_update_rate=config.model.get("moe", {}).get("bias_update_rate", 0.0))
+    return StepSetup(ctx, trained(config), scaler.init if scaler else dict,
                      initial_reference(config))
+
+
+def trained(config: mlc.ConfigDict) -> Callable[[str], bool]:
+    """Which parameter paths get gradients and optimizer state: LoRA's adapters (or all), never
+    a router's balancing bias, which the step moves itself (`moe.routers.balance_biases`) and
+    the state keeps with the frozen parameters, so checkpoints hold it."""
+    adapted = lora.trainable(config.lora)
+    return lambda path: adapted(path) and not is_balance_bias(path)
 
 
 def batch_spec(config: mlc.ConfigDict) -> BatchSpec:

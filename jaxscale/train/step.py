@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models import ModelDef
 from jaxscale.models.adapters.lora_matmul import adapter_dropout
+from jaxscale.models.moe.routers import LOAD_METRIC, balance_biases
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import step_metrics
 from jaxscale.objectives import Objective
@@ -125,6 +126,7 @@ class StepContext:
     offload_state: bool = False  # optimizer state in pinned host memory (`optim.offload_state`)
     objective: Objective | None = None  # `config.objective` (None: the model's own task)
     reference: Reference | None = None  # the objective's reference model (`train/reference.py`)
+    bias_update_rate: float = 0.0  # `model.moe.bias_update_rate` (`moe.routers.balance_biases`)
 
     def bound_reference(self, state: TrainState) -> BoundReference:
         """(definition, weights) of the reference model in `state`, or None."""
@@ -158,10 +160,16 @@ def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[Train
     extra = {**state.extra, "nonfinite_steps": state.extra["nonfinite_steps"] + bad,
              "first_nonfinite": jnp.where((state.extra["first_nonfinite"] < 0) & ~finite,
                                           step, state.extra["first_nonfinite"])}
-    new = state.replace(step=step, params=params, opt_state=opt_state, extra=extra)
+    frozen = state.frozen
+    loads = task_metrics.pop(LOAD_METRIC, None)  # the routers' balancing (DeepSeek-V3)
+    if loads is not None:
+        frozen = balance_biases(frozen, loads, ctx.bias_update_rate)
+    new = state.replace(step=step, params=params, frozen=frozen, opt_state=opt_state,
+                        extra=extra)
     if ctx.skip_nonfinite or scaler is not None:
         keep = lambda n, o: jnp.where(applied, n, o)
         new = new.replace(params=jax.tree.map(keep, params, state.params),
+                          frozen=jax.tree.map(keep, frozen, state.frozen),
                           opt_state=jax.tree.map(keep, opt_state, state.opt_state))
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": ctx.lr_schedule(state.step),
                "nonfinite_steps": extra["nonfinite_steps"], **task_metrics}

@@ -38,13 +38,19 @@ def init_params(path: str, state: Any, shardings: Any, model_cfg: Any = None) ->
         leaves = open_weights(path).leaves
     except WeightsError as e:
         raise InitFromError(f"config.init_from: {e}") from None
-    part = "frozen" if state.frozen else "params"
-    if state.frozen:
-        leaves = {k: v for k, v in leaves.items() if not lora.is_adapter(k)}
-    like = flatten(getattr(state, part))
+    # The saved weights fill both parts (frozen: a LoRA base, a router's balancing bias);
+    # adapters start fresh.
+    parts = {part: flatten(getattr(state, part)) for part in ("params", "frozen")}
+    leaves = {k: v for k, v in leaves.items() if not lora.is_adapter(k)}
+    like = {k: v for flat in parts.values() for k, v in flat.items() if not lora.is_adapter(k)}
     check_matches({k: v.shape for k, v in leaves.items()}, like, path, model_cfg)
-    placed = place(leaves, flatten(getattr(shardings, part)), like)
-    return state.replace(**{part: unflatten(placed)})
+    replaced = {}
+    for part, flat in parts.items():
+        sh = flatten(getattr(shardings, part))
+        placed = place(leaves, {k: sh[k] for k in flat if k in leaves}, flat)
+        if placed:
+            replaced[part] = unflatten({**flat, **placed})
+    return state.replace(**replaced)
 
 
 def export_params(directory: str, flat_params: dict[str, Any], meta: dict | None = None) -> str:

@@ -115,9 +115,25 @@ class LayerGroup(nnx.Module):
 
 def layer_stack(cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs) -> Block | LayerGroup:
     """The scanned stack: one `Block` per layer, or with MoE on every n-th layer
-    (`model.moe.every` > 1) one `LayerGroup` of n layers per scan step."""
+    (`model.moe.every` > 1) one `LayerGroup` of n layers per scan step; without the first
+    `moe.first_k_dense_replace` layers (`dense_stack`)."""
     n = cfg.moe.every if cfg.moe.num_experts else 1
+    layers = cfg.num_layers - dense_first(cfg)
     if n == 1:
-        return Block(cfg, policy, rngs, stack=cfg.num_layers)
-    return LayerGroup(cfg, policy, rngs, stack=cfg.num_layers // n)
+        return Block(cfg, policy, rngs, stack=layers)
+    return LayerGroup(cfg, policy, rngs, stack=layers // n)
+
+
+def dense_first(cfg: LlamaConfig) -> int:
+    """How many first layers keep the dense MLP before the MoE stack (DeepSeek's
+    first_k_dense_replace; 0 without experts)."""
+    return cfg.moe.first_k_dense_replace if cfg.moe.num_experts else 0
+
+
+def dense_stack(cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs) -> Block | None:
+    """The first `dense_first` layers, a dense `Block` stack scanned before `layer_stack`'s
+    (their parameters differ in shape from the MoE layers', so they cannot share its scan);
+    None when there are none."""
+    k = dense_first(cfg)
+    return Block(cfg, policy, rngs, stack=k, moe=False) if k else None
 

@@ -15,7 +15,7 @@ from jaxscale.models.attention.kernels import ATTENTION_IMPLS, SOFTCAP_IMPLS
 from jaxscale.models.attention.kinds import DEFAULT_ATTENTION, attention_of
 from jaxscale.models.attention.latent import MLAConfig
 from jaxscale.models.attention.sequence.context import check_config as check_context
-from jaxscale.models.moe.config import MoEConfig
+from jaxscale.models.moe.config import MoEConfig, sparse_layers
 from jaxscale.models.moe.config import num_params as moe_params
 from jaxscale.models.moe.layer import check_moe
 from jaxscale.models.nn.rope import Rope, check_rope
@@ -121,8 +121,8 @@ class LlamaConfig:
 
     @property
     def moe_layers(self) -> int:
-        """How many layers run the experts: every `moe.every`-th (none without experts)."""
-        return self.num_layers // self.moe.every if self.moe.num_experts else 0
+        """How many layers run the experts (`moe.config.sparse_layers`)."""
+        return sparse_layers(self.moe, self.num_layers)
 
     def num_params(self) -> int:
         """The model's parameters: its attention component's (`attention_of`), the MLP's or

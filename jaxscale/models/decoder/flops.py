@@ -31,7 +31,7 @@ from typing import Any
 from jaxscale.models.attention.component import AttentionKind
 from jaxscale.models.attention.kinds import attention_of
 from jaxscale.models.decoder.config import LlamaConfig
-from jaxscale.models.moe.config import MoEConfig, active_mlp, expert_width
+from jaxscale.models.moe.config import MoEConfig, active_mlp, expert_width, sparse_layers
 from jaxscale.models.moe.layer import capacity
 from jaxscale.models.nn.scan import NAMED_POLICIES
 
@@ -39,17 +39,19 @@ Count = Callable[..., float]  # (model_cfg, seq_len, config_cls=...) -> a count 
 
 
 def _by_layer_kind(count: Count) -> Count:
-    """`count` of a model with MoE on every n-th layer (`model.moe.every` = n > 1): that of its
-    num_layers / n MoE layers plus that of its dense layers, the part no layer has (the head)
+    """`count` of a model with MoE on every n-th layer (`model.moe.every` = n > 1) or after
+    dense first layers (`first_k_dense_replace`): that of its MoE layers plus that of its dense layers, the part no layer has (the head)
     once. Every count here is affine in num_layers, so the parts add up."""
     @functools.wraps(count)
     def mixed(m: Mapping[str, Any], seq_len: int, **kw: Any) -> float:
         moe = MoEConfig.from_config(m.get("moe"))
-        if not moe.num_experts or moe.every == 1:
+        if not moe.num_experts or (moe.every == 1 and not moe.first_k_dense_replace):
             return count(m, seq_len, **kw)
         layers, dense = m["num_layers"], {**dict(m), "moe": {}}
-        sparse = layers // moe.every
-        return (count({**dict(m), "num_layers": sparse}, seq_len, **kw)
+        sparse = sparse_layers(moe, layers)
+        experts = {**dict(m), "num_layers": sparse,
+                   "moe": {**dict(m["moe"]), "first_k_dense_replace": 0}}
+        return (count(experts, seq_len, **kw)
                 + count({**dense, "num_layers": layers - sparse}, seq_len, **kw)
                 - count({**dense, "num_layers": 0}, seq_len, **kw))
     return mixed

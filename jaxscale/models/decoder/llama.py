@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.models.attention.kinds import attention_of
-from jaxscale.models.decoder.block import layer_stack
+from jaxscale.models.decoder.block import dense_first, dense_stack, layer_stack
 from jaxscale.models.decoder.config import LlamaConfig
 from jaxscale.models.nn.layers import RMSNorm, param
 from jaxscale.models.nn.scan import check_remat, scan_layers
@@ -38,6 +38,8 @@ class Llama(nnx.Module):
         self.cfg, self.policy = cfg, policy
         self.embedding = param(rngs, (cfg.vocab_size, cfg.embed), ("vocab", "embed"),
                                fan_in=1, dtype=policy.param)
+        if dense_first(cfg):  # DeepSeek's dense first layers, their own scanned stack
+            self.dense_layers = dense_stack(cfg, policy, rngs)
         self.layers = layer_stack(cfg, policy, rngs)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, policy, offset=cfg.norm_offset)
         if not cfg.tie_embeddings:
@@ -103,9 +105,17 @@ class Llama(nnx.Module):
             positions_BT = jnp.broadcast_to(start + jnp.arange(tokens_BT.shape[1]),
                                             tokens_BT.shape)
         if cache is not None:
-            h_BTE, cache = scan_layers(self.layers, self.embed(tokens_BT), positions_BT,
-                                       cache=cache, cache_index=cache_index,
-                                       segments_BT=segments_BT)
+            h_BTE, k = self.embed(tokens_BT), dense_first(self.cfg)
+            kw = dict(cache_index=cache_index, segments_BT=segments_BT)
+            parts = [jax.tree.map(lambda a: a[:k], cache), jax.tree.map(lambda a: a[k:], cache)]
+            if k:
+                h_BTE, parts[0] = scan_layers(self.dense_layers, h_BTE, positions_BT,
+                                              cache=parts[0], **kw)
+            h_BTE, parts[1] = scan_layers(self.layers, h_BTE, positions_BT, cache=parts[1], **kw)
+            if k:
+                cache = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
+            else:
+                cache = parts[1]
             return self.head(h_BTE), cache.constrained()
         h_BTE = self.hidden(tokens_BT, positions_BT, run_layers, segments_BT)
         with head_scope(run_layers):
@@ -117,6 +127,9 @@ class Llama(nnx.Module):
         """The last layer's output (before the final norm and head): the layers scanned, or
         run by `run_layers` (a pipeline schedule)."""
         h_BTE = self.embed(tokens_BT)
+        if dense_first(self.cfg):  # refused with pipeline stages (moe/layer.check_moe)
+            h_BTE = scan_layers(self.dense_layers, h_BTE, positions_BT, self.cfg.remat,
+                                segments_BT=segments_BT)
         if run_layers is None:
             return scan_layers(self.layers, h_BTE, positions_BT, self.cfg.remat,
                                segments_BT=segments_BT)

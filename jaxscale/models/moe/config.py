@@ -13,6 +13,8 @@ from typing import Any
 
 GROUPED_MATMULS = ("auto", "ragged_dot", "megablox", "dense")
 DISPATCHES = ("auto", "allgather", "ragged_all_to_all")
+# The routers (routers.py) that keep a per-expert selection bias (`MoE.router_bias`).
+BIASED_ROUTERS = ("sigmoid_group",)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,15 @@ class MoEConfig:
     # axis, how tokens reach their experts; "auto" picks by platform and shapes.
     grouped_matmul: str = "auto"  # auto | ragged_dot | megablox | dense
     dispatch: str = "auto"        # auto | allgather | ragged_all_to_all
+    # DeepSeek-V3 (router "sigmoid_group", routers.py): the experts in n_group groups, a
+    # token's choice limited to its topk_group best groups; the combine weights times
+    # routed_scaling_factor; the selection bias moved by bias_update_rate per step (0: fixed).
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    bias_update_rate: float = 0.0
+    # The first k layers keep the dense MLP (DeepSeek's first_k_dense_replace), scanned apart.
+    first_k_dense_replace: int = 0
 
     @classmethod
     def from_config(cls, moe_cfg: Mapping[str, Any] | None) -> "MoEConfig":
@@ -47,11 +58,20 @@ def expert_width(moe: MoEConfig, mlp: int) -> int:
     return moe.mlp or mlp
 
 
+def sparse_layers(moe: MoEConfig, num_layers: int) -> int:
+    """How many of `num_layers` run the experts: every `every`-th of those past the first
+    `first_k_dense_replace` (none without experts)."""
+    if not moe.num_experts:
+        return 0
+    return (num_layers - moe.first_k_dense_replace) // moe.every
+
+
 def num_params(moe: MoEConfig, embed: int, mlp: int) -> int:
     """Parameters of one MoE block: router, experts and shared experts."""
     f = expert_width(moe, mlp)
+    bias = moe.num_experts if moe.router in BIASED_ROUTERS else 0
     return embed * moe.num_experts + moe.num_experts * 3 * embed * f \
-        + 3 * embed * f * moe.shared_experts
+        + 3 * embed * f * moe.shared_experts + bias
 
 
 def active_mlp(m: Mapping[str, Any]) -> tuple[int, int]:

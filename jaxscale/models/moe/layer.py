@@ -38,9 +38,15 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.moe.config import DISPATCHES, GROUPED_MATMULS, MoEConfig, expert_width
+from jaxscale.models.moe.config import (
+    BIASED_ROUTERS,
+    DISPATCHES,
+    GROUPED_MATMULS,
+    MoEConfig,
+    expert_width,
+)
 from jaxscale.models.moe.dropless import dropless_experts, expert_parallel, swiglu
-from jaxscale.models.moe.routers import ROUTERS, STATS, route
+from jaxscale.models.moe.routers import EXPERT_LOAD, ROUTERS, STATS, check_router, route
 from jaxscale.models.nn.layers import MLP, param, weight
 from jaxscale.precision import Policy
 from jaxscale.rules import constrain
@@ -97,13 +103,26 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             "TPU and GPU, and all-gathers the expert group's tokens on CPU, which has no ragged",
             "all-to-all.")
     layers = m.get("num_layers", moe.every)
-    require(isinstance(moe.every, int) and moe.every >= 1 and layers % moe.every == 0,
+    require(isinstance(moe.every, int) and moe.every >= 1
+            and (layers - moe.first_k_dense_replace) % moe.every == 0,
             f"model.moe.every={moe.every!r} must be a positive divisor of",
             f"model.num_layers={layers}: the layers are scanned in groups of every-1 dense",
             "layers and one MoE layer. Use 1 (experts on every layer), a divisor of num_layers,",
             "or change num_layers.")
+    check_router(moe, layers)
+    require(not (moe.first_k_dense_replace and m.get("layer_types")),
+            f"model.moe.first_k_dense_replace={moe.first_k_dense_replace} cannot follow a",
+            "model.layer_types pattern: the dense first layers are scanned apart from the MoE",
+            "stack, and the pattern is not split between them. Leave layer_types empty.")
     if mesh is None:
         return
+    stages = mesh.get("pipeline", 1) * mesh.get("dcn_pipeline", 1)
+    require(not moe.first_k_dense_replace or stages == 1,
+            f"model.moe.first_k_dense_replace={moe.first_k_dense_replace} with",
+            f"mesh.pipeline x mesh.dcn_pipeline={stages}: the dense first layers run before",
+            "the pipelined MoE stack, which the schedules do not stage yet. Use a mesh without",
+            "pipeline stages (fsdp, expert and tensor axes shard DeepSeek), or",
+            "first_k_dense_replace=0.")
     require(experts_axis <= 1 or n % experts_axis == 0,
             f"model.moe.num_experts={n} is not divisible by the {experts_axis} devices of the",
             "mesh's expert axis (mesh.expert x mesh.dcn_expert): each device holds an equal",
@@ -130,6 +149,9 @@ class MoE(nnx.Module):
         n, f = moe.num_experts, expert_width(moe, mlp)
         kw = dict(stack=stack, dtype=policy.param)
         self.router = param(rngs, (embed, n), ("embed", None), fan_in=embed, **kw)
+        if moe.router in BIASED_ROUTERS:  # float32, moved by the step, never by a gradient
+            self.router_bias = param(None, (n,), (None,), init="zeros", stack=stack,
+                                     dtype=jnp.float32)
         self.w_gate = param(rngs, (n, embed, f), ("expert", "embed", "mlp"), fan_in=embed, **kw)
         self.w_up = param(rngs, (n, embed, f), ("expert", "embed", "mlp"), fan_in=embed, **kw)
         self.w_down = param(rngs, (n, f, embed), ("expert", "mlp", "embed"), fan_in=f, **kw)
@@ -154,7 +176,10 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         # Routed per row: the (B, T) layout keeps the batch's sharding through top_k.
-        weights_BTK, experts_BTK, stats = route(x_BTE, self.router[...], self.moe)
+        bias = self.router_bias[...] if hasattr(self, "router_bias") else None
+        weights_BTK, experts_BTK, stats, load_X = route(x_BTE, self.router[...], self.moe, bias)
+        if self.moe.bias_update_rate:  # the train step's balancing reads it (routers.py)
+            setattr(self, EXPERT_LOAD, nnx.Intermediate(load_X))
         w = tuple(weight(self, n) for n in self.LORA_WEIGHTS)  # LoRA deltas folded in
         if self.moe.capacity_factor > 0:
             out_BTE, dropped = capacity_experts(x_BTE, weights_BTK, experts_BTK, w,

@@ -4,7 +4,15 @@ router's statistics and losses.
 Every router starts from the same float32 logits (x @ router) and returns each token's top-k
 expert ids and their combine weights, plus the per-expert probabilities the Switch load-balancing
 loss averages; what differs between families is the choice: softmax then top-k (Mixtral,
-Qwen3-MoE). A new router is one function and one line in `ROUTERS`.
+Qwen3-MoE), or DeepSeek-V3's sigmoid scores with group-limited top-k (`sigmoid_group`). A new
+router is one function and one line in `ROUTERS`.
+
+Auxiliary-loss-free balancing (DeepSeek-V3, `sigmoid_group`): a per-expert bias is added to the
+scores for the choice only (the combine weights are the unbiased scores). It is not trained: the
+MoE block keeps it as `router_bias`, which the train state holds with the frozen parameters
+(`is_balance_bias`: no gradient, no optimizer state, saved in checkpoints), and the train step
+moves it by `moe.bias_update_rate` against the sign of each expert's load error
+(`balance_biases`), from the per-expert loads the block sows (`EXPERT_LOAD`).
 
 The statistics (aux and z losses, load) are *sown* by the block as an `nnx.Intermediate`
 (`ROUTER_STATS`): `scan_layers` stacks them over the layers, and `router_loss` (called by the LM
@@ -21,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models.moe.config import MoEConfig
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models.moe.config import BIASED_ROUTERS, MoEConfig
 
 # The per-call router statistics, in the order of the sown vector (all float32 scalars):
 # aux: Switch load-balancing loss E * sum_e f_e * P_e (f_e: share of the token-expert
@@ -32,19 +41,26 @@ from jaxscale.models.moe.config import MoEConfig
 # load_max / load_min: the busiest / idlest expert's assignments relative to a balanced load.
 STATS = ("aux", "z", "dropped", "load_max", "load_min")
 ROUTER_STATS = "router_stats"  # the name of the sown Intermediate
+# The per-expert load (assignments relative to an even share, (X,) per layer) a biased router's
+# block sows, and the step metric that carries them {bias path: (layers, X)} to the train step.
+EXPERT_LOAD = "expert_load"
+LOAD_METRIC = "moe_expert_load"
+BIAS = "router_bias"  # the MoE block's selection bias (biased routers only)
 METRICS = {"aux": "moe_aux_loss", "z": "moe_z_loss", "dropped": "moe_dropped",
            "load_max": "moe_load_max", "load_min": "moe_load_min"}
 
 
 @dataclass(frozen=True)
 class Router:
-    """One way of routing. `choose(logits_NX, moe)` -> (combine weights (N, K) float32, expert ids
-    (N, K), per-expert probabilities (N, X) whose mean over tokens the aux loss uses)."""
+    """One way of routing. `choose(logits_NX, moe, bias_X)` -> (combine weights (N, K) float32,
+    expert ids (N, K), per-expert probabilities (N, X) whose mean over tokens the aux loss
+    uses); `bias_X` is the block's selection bias (None for a router without one)."""
 
-    choose: Callable[[jax.Array, MoEConfig], tuple[jax.Array, jax.Array, jax.Array]]
+    choose: Callable[[jax.Array, MoEConfig, jax.Array | None],
+                     tuple[jax.Array, jax.Array, jax.Array]]
 
 
-def softmax_topk(logits_NX: jax.Array, moe: MoEConfig
+def softmax_topk(logits_NX: jax.Array, moe: MoEConfig, bias_X: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Softmax over all experts, then the top k (Mixtral, Qwen3-MoE); the k weights renormalised
     to sum to one with `norm_topk_prob`."""
@@ -55,22 +71,89 @@ def softmax_topk(logits_NX: jax.Array, moe: MoEConfig
     return weights_NK, experts_NK, probs_NX
 
 
+def sigmoid_group(logits_NX: jax.Array, moe: MoEConfig, bias_X: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """DeepSeek-V3: sigmoid scores; the experts in `n_group` groups, each group scored by the
+    sum of its two best biased scores, a token choosing its top k among the experts of its
+    `topk_group` best groups (the others' never chosen); the
+    weights are the chosen experts' unbiased scores, renormalised with `norm_topk_prob`, times
+    `routed_scaling_factor`. Why groups: with the groups on different devices, a token's
+    experts live on at most topk_group of them, which bounds the all-to-all."""
+    scores_NX = jax.nn.sigmoid(logits_NX)
+    choice_NX = scores_NX
+    if bias_X is not None:
+        choice_NX = scores_NX + bias_X.astype(jnp.float32).reshape(
+            (1,) * (scores_NX.ndim - 1) + bias_X.shape)
+    if moe.n_group > 1:
+        *lead, x = choice_NX.shape
+        grouped_NGY = choice_NX.reshape(*lead, moe.n_group, x // moe.n_group)
+        group_NG = jnp.sum(jax.lax.top_k(grouped_NGY, 2)[0], axis=-1)
+        _, best_NJ = jax.lax.top_k(group_NG, moe.topk_group)
+        keep_NG = jnp.sum(jax.nn.one_hot(best_NJ, moe.n_group, dtype=jnp.bool_), axis=-2)
+        keep_NX = jnp.repeat(keep_NG, x // moe.n_group, axis=-1)
+        choice_NX = jnp.where(keep_NX, choice_NX, -jnp.inf)
+    _, experts_NK = jax.lax.top_k(choice_NX, moe.experts_per_token)
+    weights_NK = jnp.take_along_axis(scores_NX, experts_NK, axis=-1)
+    if moe.norm_topk_prob:
+        weights_NK = weights_NK / (jnp.sum(weights_NK, axis=-1, keepdims=True) + 1e-20)
+    probs_NX = scores_NX / jnp.sum(scores_NX, axis=-1, keepdims=True)
+    return weights_NK * moe.routed_scaling_factor, experts_NK, probs_NX
+
+
 ROUTERS: dict[str, Router] = {
     "softmax_topk": Router(softmax_topk),
+    "sigmoid_group": Router(sigmoid_group),  # DeepSeek-V3; keeps a bias (BIASED_ROUTERS)
 }
 
 
-def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig
-          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(top-k weights (N, k) float32, expert ids (N, k), stats vector (len(STATS),)) of the
-    configured router (`ROUTERS[moe.router]`); N may be several leading dimensions (e.g. B, T),
-    the statistics are over all of them.
+def check_router(moe: MoEConfig, num_layers: int) -> None:
+    """The group-limited routing, balancing and dense-first fields of `config.model.moe`
+    (ConfigError paragraphs); `check_moe` has checked the router's name."""
+    n, g, k = moe.num_experts, moe.n_group, moe.experts_per_token
+    size = n // g if g >= 1 and n % g == 0 else 0
+    if not (size and (g == 1 or size >= 2) and 1 <= moe.topk_group <= g
+            and k <= moe.topk_group * size):
+        raise ConfigError(paragraph(
+            f"model.moe.n_group={g} and topk_group={moe.topk_group} do not fit",
+            f"num_experts={n} and experts_per_token={k}: n_group must divide the experts into",
+            "groups of at least two (a group is scored by its two best experts), topk_group be",
+            "between 1 and n_group, and the chosen groups hold at least experts_per_token",
+            "experts (DeepSeek-V3: 256 experts, n_group 8, topk_group 4, 8 per token)."))
+    if g > 1 and moe.router not in BIASED_ROUTERS:
+        raise ConfigError(paragraph(
+            f"model.moe.n_group={g} limits the choice to groups only in the",
+            f"{', '.join(BIASED_ROUTERS)} router, not {moe.router!r}: set",
+            "model.moe.router=sigmoid_group (DeepSeek-V3's) or n_group=1."))
+    if moe.routed_scaling_factor <= 0 or moe.bias_update_rate < 0 or (
+            moe.bias_update_rate and moe.router not in BIASED_ROUTERS):
+        raise ConfigError(paragraph(
+            f"model.moe.routed_scaling_factor={moe.routed_scaling_factor} must be positive and",
+            f"model.moe.bias_update_rate={moe.bias_update_rate} non-negative, the latter only",
+            f"with a router that keeps a selection bias ({', '.join(BIASED_ROUTERS)}): the",
+            "bias moves by that much per step against each expert's load error (DeepSeek-V3:",
+            "0.001; 0 keeps it fixed, as when fine-tuning)."))
+    dense = moe.first_k_dense_replace
+    if not (isinstance(dense, int) and 0 <= dense < num_layers
+            and (num_layers - dense) % moe.every == 0):
+        raise ConfigError(paragraph(
+            f"model.moe.first_k_dense_replace={dense!r} must be a non-negative integer below",
+            f"model.num_layers={num_layers} that leaves a multiple of model.moe.every",
+            f"({moe.every}) layers for the scanned MoE stack: the first k layers keep the dense",
+            "MLP (DeepSeek-V3: 3)."))
+
+
+def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig,
+          bias_X: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(top-k weights (N, k) float32, expert ids (N, k), stats vector (len(STATS),), per-expert
+    load (X,): assignments relative to an even share) of the configured router
+    (`ROUTERS[moe.router]`, with the selection bias `bias_X` where it keeps one); N may be
+    several leading dimensions (e.g. B, T), the statistics are over all of them.
 
     The router runs in float32 whatever the compute dtype: its scores decide which matmuls
     run, and bf16 logits flip near-ties between experts."""
     n = moe.num_experts
     logits_NX = x_NE.astype(jnp.float32) @ router_EX.astype(jnp.float32)
-    weights_NK, experts_NK, probs_NX = ROUTERS[moe.router].choose(logits_NX, moe)
+    weights_NK, experts_NK, probs_NX = ROUTERS[moe.router].choose(logits_NX, moe, bias_X)
     leading = tuple(range(probs_NX.ndim - 1))
     counts_X = jnp.sum(jax.nn.one_hot(experts_NK, n, dtype=jnp.float32), axis=(*leading, -2))
     share_X = counts_X / experts_NK.size                 # f_e: share of the assignments
@@ -79,7 +162,7 @@ def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_NX, axis=-1)))
     load_X = share_X * n
     stats = jnp.stack([aux, z, jnp.zeros(()), jnp.max(load_X), jnp.min(load_X)])
-    return weights_NK, experts_NK, stats
+    return weights_NK, experts_NK, stats, load_X
 
 
 def _router_stats(sown: nnx.State) -> jax.Array | None:
@@ -114,4 +197,25 @@ def router_loss(model: nnx.Module, moe: MoEConfig) -> jax.Array | float:
     named = dict(zip(STATS, jnp.mean(stats_LS, axis=0)))
     for stat, metric in METRICS.items():
         setattr(model, metric, nnx.Intermediate(jax.lax.stop_gradient(named[stat])))
+    loads = {"/".join(map(str, path[:-1] + (BIAS,))): jax.lax.stop_gradient(v.get_value())
+             for path, v in nnx.to_flat_state(sown) if path[-1] == EXPERT_LOAD}
+    if loads:
+        setattr(model, LOAD_METRIC, nnx.Intermediate(loads))
     return router_objective(sown, moe)
+
+
+def is_balance_bias(path: str) -> bool:
+    """Is this parameter path a biased router's selection bias (kept out of the gradient)?"""
+    return path.rsplit("/", 1)[-1] == BIAS
+
+
+def balance_biases(frozen: dict, loads: dict[str, jax.Array], rate: float) -> dict:
+    """`frozen` with each selection bias moved by `rate` against the sign of its experts' load
+    error (DeepSeek-V3's auxiliary-loss-free balancing): up for an expert below an even share,
+    down above it. `loads`: {bias path: (layers, X) loads relative to an even share}, the
+    step's `LOAD_METRIC`. Outside the gradient: the optimizer never sees the bias."""
+    flat = nnx.traversals.flatten_mapping(frozen, sep="/")
+    for path, load in loads.items():
+        bias = flat[path]
+        flat[path] = (bias + rate * jnp.sign(1.0 - load).reshape(bias.shape)).astype(bias.dtype)
+    return nnx.traversals.unflatten_mapping(flat, sep="/")
