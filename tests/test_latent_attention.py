@@ -48,8 +48,7 @@ def test_parameters_cache_and_flops_are_the_hand_counts():
     assert shapes["layers/attn/wq_a"].shape == (L, E, 24)
     assert shapes["layers/attn/wq_b"].shape == (L, 24, H, 20)
     assert shapes["layers/attn/wkv_a"].shape == (L, E, 16 + 8)
-    assert shapes["layers/attn/wk_b"].shape == (L, 16, H, 12)
-    assert shapes["layers/attn/wv_b"].shape == (L, 16, H, 10)
+    assert shapes["layers/attn/wkv_b"].shape == (L, 16, H, 12 + 10)
     assert shapes["layers/attn/wo"].shape == (L, H, 10, E)
     attn = E * 24 + 24 * H * 20 + E * 24 + 16 * H * (12 + 10) + H * 10 * E
     assert model_def.num_params() == entry_of(m).config_cls.from_config(m).num_params()

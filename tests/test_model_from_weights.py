@@ -46,6 +46,11 @@ FAMILIES = {
         num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    # Latent attention; the router's selection bias is a frozen parameter init_from fills.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_group=2, topk_group=1, first_k_dense_replace=1)),
 }
 
 

@@ -126,6 +126,11 @@ MODELS: dict[str, ModelEntry] = {
         "qwen3_moe", "jaxscale.interop.hf_moe:open_qwen3_moe",
         "jaxscale.interop.hf_moe:save_moe")),
     # The Llama decoder with Gemma's switches and local/global pattern (decoder/gemma.py).
+    # DeepSeek-V3: latent attention and sigmoid group-limited routing (attention/latent.py,
+    # moe/routers.py), set by the converter and the presets.
+    "deepseek_v3": _decoder(LlamaConfig, HuggingFace(
+        "deepseek_v3", "jaxscale.interop.hf_deepseek:open_deepseek_v3",
+        "jaxscale.interop.hf_deepseek:save_deepseek")),
     "gemma3": _decoder(gemma.Gemma3Config, HuggingFace(
         "gemma3_text", "jaxscale.interop.hf_gemma:open_gemma3",
         "jaxscale.interop.hf_gemma:save_gemma")),

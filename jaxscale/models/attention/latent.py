@@ -9,11 +9,12 @@ direct projection, as DeepSeek-V2-Lite). A head's query and key are [nope | rope
 score and value head dims differ.
 
 Two ways of computing the same attention:
-- Expanded (training, evaluation, any call without a cache): k_nope = c.Wk_b and v = c.Wv_b per
-  head, then ordinary multi-head attention with `kernels.attend`. einsum and splash take a
-  value head dim unlike the key's; the fused `dot_product_attention` kernel and attention
-  across sequence shards need them equal, so there the values are zero-padded to the key's
-  width and the padding sliced off the output (exact: zero columns add nothing).
+- Expanded (training, evaluation, any call without a cache): [k_nope | v] = c.Wkv_b per head
+  (Wk_b and Wv_b: the two parts of that one weight, `wkv_b`), then ordinary multi-head
+  attention with `kernels.attend`. einsum and splash take a value head dim unlike the key's;
+  the fused `dot_product_attention` kernel and attention across sequence shards need them
+  equal, so there the values are zero-padded to the key's width and the padding sliced off
+  the output (exact: zero columns add nothing).
 - Absorbed (any call with a cache: prefill and decoding): the cache holds only c and the
   rotated rope key, `kv_lora_rank + qk_rope_head_dim` numbers per token and layer (not per
   head). Since q_nope.k_nope = (q_nope.Wk_b^T).c, the query is moved into latent space
@@ -144,7 +145,7 @@ class LatentAttention(nnx.Module):
     key are replicated over `tensor`, as one kv head)."""
 
     # Read through `project` (or whole through `weight` when absorbed): may carry LoRA adapters.
-    LORA_WEIGHTS = ("wq", "wq_a", "wq_b", "wkv_a", "wk_b", "wv_b", "wo")
+    LORA_WEIGHTS = ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo")
 
     def __init__(self, embed: int, heads: int, mla: MLAConfig, rope: Rope, policy: Policy,
                  impl: str, rngs: nnx.Rngs, *, stack: int | None = None,
@@ -163,10 +164,10 @@ class LatentAttention(nnx.Module):
         self.wkv_a = param(rngs, (embed, c + mla.qk_rope_head_dim), ("embed", None),
                            fan_in=embed, **kw)
         self.kv_norm = RMSNorm(c, LATENT_NORM_EPS, policy, stack=stack)
-        self.wk_b = param(rngs, (c, heads, mla.qk_nope_head_dim), ("kv_lora", "heads", "head_dim"),
-                          fan_in=c, **kw)
-        self.wv_b = param(rngs, (c, heads, mla.v_head_dim), ("kv_lora", "heads", "head_dim"),
-                          fan_in=c, **kw)
+        # The key's nope part and the value, per head [k_nope | v] (DeepSeek's kv_b_proj):
+        # one up-projection of the latent, one matmul.
+        self.wkv_b = param(rngs, (c, heads, mla.qk_nope_head_dim + mla.v_head_dim),
+                           ("kv_lora", "heads", "head_dim"), fan_in=c, **kw)
         self.wo = param(rngs, (heads, mla.v_head_dim, embed), ("heads", "head_dim", "embed"),
                         fan_in=heads * mla.v_head_dim, **kw)
         self.mla, self.rope, self.policy, self.impl = mla, rope, policy, impl
@@ -199,10 +200,10 @@ class LatentAttention(nnx.Module):
                   k_rope_BTR: jax.Array, mask: Mask) -> jax.Array:
         """Attention with per-head keys and values up-projected from the latent: (B, T, H, V)."""
         c = self.policy.compute
-        k_nope_BTHN, v_BTHV = (checkpoint_name(project(self, name, eq, latent_BTC, c),
-                                               "qkv_proj")
-                               for name, eq in (("wk_b", "btc,chn->bthn"),
-                                                ("wv_b", "btc,chv->bthv")))
+        kv_BTHX = checkpoint_name(project(self, "wkv_b", "btc,chx->bthx", latent_BTC, c),
+                                  "qkv_proj")
+        n = self.mla.qk_nope_head_dim
+        k_nope_BTHN, v_BTHV = kv_BTHX[..., :n], kv_BTHX[..., n:]
         heads = k_nope_BTHN.shape[2]
         k_rope_BTHR = jnp.broadcast_to(k_rope_BTR[:, :, None], (*k_rope_BTR.shape[:2], heads,
                                                                 k_rope_BTR.shape[-1]))
@@ -217,8 +218,9 @@ class LatentAttention(nnx.Module):
                   mask: Mask) -> jax.Array:
         """Attention over the cached latents with the up-projections absorbed into the query
         and output (multi-query, one shared head of C + R): (B, T, H, V)."""
-        c = self.policy.compute
-        q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, weight(self, "wk_b").astype(c))
+        c, n = self.policy.compute, self.mla.qk_nope_head_dim
+        wkv_CHX = weight(self, "wkv_b").astype(c)
+        q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, wkv_CHX[..., :n])
         q_BTHX = jnp.concatenate([q_lat_BTHC, q_rope_BTHR], -1)
         # The kernel divides by sqrt(C + R); the expanded form by sqrt(N + R).
         q_BTHX = q_BTHX * jnp.asarray(math.sqrt(q_BTHX.shape[-1] / self.mla.qk_head_dim), c)
@@ -227,7 +229,7 @@ class LatentAttention(nnx.Module):
         out_BTHC = _attend(constrain(q_BTHX, "batch", "length", "heads", None), k_BS1X,
                            latent_BSC[:, :, None], mask, self.impl,
                            softmax_dtype=self.policy.dtype_for("softmax"))
-        return jnp.einsum("bthc,chv->bthv", out_BTHC, weight(self, "wv_b").astype(c))
+        return jnp.einsum("bthc,chv->bthv", out_BTHC, wkv_CHX[..., n:])
 
     def __call__(self, x_BTE: jax.Array, positions_BT: jax.Array,
                  cache: LatentCache | None = None, cache_index: jax.Array | None = None,
