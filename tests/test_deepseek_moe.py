@@ -77,7 +77,7 @@ def test_dense_first_layers_and_the_bias_in_the_parameters_and_counts():
     L = c.model.num_layers
     assert shapes["dense_layers/mlp/w_down"].shape == (1, c.model.mlp, c.model.embed)
     assert shapes["layers/mlp/w_gate"].shape == (L - 1, 8, c.model.embed, 32)
-    assert shapes["layers/mlp/router_bias"].shape == (L - 1, 8)
+    assert shapes["layers/mlp/balance_bias"].shape == (L - 1, 8)
     assert model_def.num_params() == entry_of(c.model).config_cls.from_config(
         c.model).num_params()
     # FLOPs: the one dense first layer saves a MoE layer's router and 2 routed + 1 shared
@@ -125,9 +125,9 @@ def test_the_bias_moves_outside_the_gradient_and_resumes_exactly(tmp_path):
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")
     resumed = train(c, str(tmp_path / "resumed"))
-    path = "layers/mlp/router_bias"
+    path = "layers/mlp/balance_bias"
     assert path not in flatten(whole.params)
-    assert not any("router_bias" in str(p) for p, _ in
+    assert not any("balance_bias" in str(p) for p, _ in
                    jax.tree_util.tree_flatten_with_path(whole.opt_state)[0])
     bias = np.asarray(flatten(whole.frozen)[path])
     # Four steps of +-rate (0 where an expert's load was exactly even): multiples of rate.

@@ -26,5 +26,5 @@ def test_the_tiny_preset_trains_and_balances():
     c.train.steps = 4
     losses, state, _ = train_steps(c, 4)
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
-    bias = np.asarray(flatten(state.frozen)["layers/mlp/router_bias"])
+    bias = np.asarray(flatten(state.frozen)["layers/mlp/balance_bias"])
     assert bias.shape == (1, 8) and np.abs(bias).max() > 0  # moved by the steps, not trained

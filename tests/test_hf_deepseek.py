@@ -70,7 +70,7 @@ def test_logits_match_transformers(hf_models, name):
         "sigmoid_group"
     dense = VARIANTS[name]["first_k_dense_replace"]
     assert params["layers"]["mlp"]["w_gate"].shape == (3 - dense, 8, 32, 16)
-    assert np.abs(params["layers"]["mlp"]["router_bias"]).max() > 0
+    assert np.abs(params["layers"]["mlp"]["balance_bias"]).max() > 0
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 40)).astype(np.int32)
     ref = hf_logits(model, tokens)
     got = jax_logits(model_cfg, params, tokens)
@@ -78,7 +78,7 @@ def test_logits_match_transformers(hf_models, name):
     assert got.shape == ref.shape and err < 1e-4
     # The selection bias is read and matters: without it the logits miss the reference.
     unbiased = {**params, "layers": {**params["layers"], "mlp": {
-        **params["layers"]["mlp"], "router_bias": 0 * params["layers"]["mlp"]["router_bias"]}}}
+        **params["layers"]["mlp"], "balance_bias": 0 * params["layers"]["mlp"]["balance_bias"]}}}
     assert np.max(np.abs(jax_logits(model_cfg, unbiased, tokens) - ref)) > 100 * max(err, 1e-6)
 
 

@@ -6,7 +6,7 @@ attention and DeepSeek's mixture of experts.
 
 DeepSeek-V3 is the Llama decoder (`models/decoder/`) with `model.attention_kind=latent`
 (`models/attention/latent.py`, widths in `model.mla`) and `model.moe.router=sigmoid_group`: a
-sigmoid router with a selection bias (`e_score_correction_bias` <-> `router_bias`), group-limited
+sigmoid router with a selection bias (`e_score_correction_bias` <-> `balance_bias`), group-limited
 top-k, `routed_scaling_factor`, `n_shared_experts` shared experts and the first
 `first_k_dense_replace` layers dense (the decoder's `dense_layers` stack, HF layers 0..k-1; the
 MoE stack `layers` holds HF layers k..). Tensors are transposed, reshaped and stacked; the one
@@ -204,7 +204,7 @@ def _expert_leaves(moe: MoEConfig) -> dict[str, Leaf]:
     t = lambda w: w.T
     p = "{p}mlp."
     leaves = {"mlp/router": Leaf(p + "gate.weight", t, t),  # (X, E) <-> (E, X)
-              "mlp/router_bias": Leaf(p + "gate.e_score_correction_bias", lambda b: b,
+              "mlp/balance_bias": Leaf(p + "gate.e_score_correction_bias", lambda b: b,
                                       lambda b: b),
               "mlp/shared/w_gate_up": Leaf(
                   (p + "shared_experts.gate_proj.weight", p + "shared_experts.up_proj.weight"),

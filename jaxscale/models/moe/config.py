@@ -13,7 +13,7 @@ from typing import Any
 
 GROUPED_MATMULS = ("auto", "ragged_dot", "megablox", "dense")
 DISPATCHES = ("auto", "allgather", "ragged_all_to_all")
-# The routers (routers.py) that keep a per-expert selection bias (`MoE.router_bias`).
+# The routers (routers.py) that keep a per-expert selection bias (`MoE.balance_bias`).
 BIASED_ROUTERS = ("sigmoid_group",)
 
 

@@ -150,8 +150,8 @@ class MoE(nnx.Module):
         kw = dict(stack=stack, dtype=policy.param)
         self.router = param(rngs, (embed, n), ("embed", None), fan_in=embed, **kw)
         if moe.router in BIASED_ROUTERS:  # float32, moved by the step, never by a gradient
-            self.router_bias = param(None, (n,), (None,), init="zeros", stack=stack,
-                                     dtype=jnp.float32)
+            self.balance_bias = param(None, (n,), (None,), init="zeros", stack=stack,
+                                      dtype=jnp.float32)
         self.w_gate = param(rngs, (n, embed, f), ("expert", "embed", "mlp"), fan_in=embed, **kw)
         self.w_up = param(rngs, (n, embed, f), ("expert", "embed", "mlp"), fan_in=embed, **kw)
         self.w_down = param(rngs, (n, f, embed), ("expert", "mlp", "embed"), fan_in=f, **kw)
@@ -176,8 +176,9 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         # Routed per row: the (B, T) layout keeps the batch's sharding through top_k.
-        bias = self.router_bias[...] if hasattr(self, "router_bias") else None
-        weights_BTK, experts_BTK, stats, load_X = route(x_BTE, self.router[...], self.moe, bias)
+        balance = self.balance_bias[...] if hasattr(self, "balance_bias") else None
+        weights_BTK, experts_BTK, stats, load_X = route(x_BTE, self.router[...], self.moe,
+                                                        balance_X=balance)
         if self.moe.bias_update_rate:  # the train step's balancing reads it (routers.py)
             setattr(self, EXPERT_LOAD, nnx.Intermediate(load_X))
         w = tuple(weight(self, n) for n in self.LORA_WEIGHTS)  # LoRA deltas folded in

@@ -9,7 +9,7 @@ router is one function and one line in `ROUTERS`.
 
 Auxiliary-loss-free balancing (DeepSeek-V3, `sigmoid_group`): a per-expert bias is added to the
 scores for the choice only (the combine weights are the unbiased scores). It is not trained: the
-MoE block keeps it as `router_bias`, which the train state holds with the frozen parameters
+MoE block keeps it as `balance_bias`, which the train state holds with the frozen parameters
 (`is_balance_bias`: no gradient, no optimizer state, saved in checkpoints), and the train step
 moves it by `moe.bias_update_rate` against the sign of each expert's load error
 (`balance_biases`), from the per-expert loads the block sows (`EXPERT_LOAD`).
@@ -45,22 +45,22 @@ ROUTER_STATS = "router_stats"  # the name of the sown Intermediate
 # block sows, and the step metric that carries them {bias path: (layers, X)} to the train step.
 EXPERT_LOAD = "expert_load"
 LOAD_METRIC = "moe_expert_load"
-BIAS = "router_bias"  # the MoE block's selection bias (biased routers only)
+BIAS = "balance_bias"  # the MoE block's selection bias (biased routers only)
 METRICS = {"aux": "moe_aux_loss", "z": "moe_z_loss", "dropped": "moe_dropped",
            "load_max": "moe_load_max", "load_min": "moe_load_min"}
 
 
 @dataclass(frozen=True)
 class Router:
-    """One way of routing. `choose(logits_NX, moe, bias_X)` -> (combine weights (N, K) float32,
+    """One way of routing. `choose(logits_NX, moe, balance_X)` -> (combine weights (N, K) float32,
     expert ids (N, K), per-expert probabilities (N, X) whose mean over tokens the aux loss
-    uses); `bias_X` is the block's selection bias (None for a router without one)."""
+    uses); `balance_X` is the block's selection bias (None for a router without one)."""
 
     choose: Callable[[jax.Array, MoEConfig, jax.Array | None],
                      tuple[jax.Array, jax.Array, jax.Array]]
 
 
-def softmax_topk(logits_NX: jax.Array, moe: MoEConfig, bias_X: jax.Array | None = None
+def softmax_topk(logits_NX: jax.Array, moe: MoEConfig, balance_X: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Softmax over all experts, then the top k (Mixtral, Qwen3-MoE); the k weights renormalised
     to sum to one with `norm_topk_prob`."""
@@ -71,7 +71,7 @@ def softmax_topk(logits_NX: jax.Array, moe: MoEConfig, bias_X: jax.Array | None 
     return weights_NK, experts_NK, probs_NX
 
 
-def sigmoid_group(logits_NX: jax.Array, moe: MoEConfig, bias_X: jax.Array | None = None
+def sigmoid_group(logits_NX: jax.Array, moe: MoEConfig, balance_X: jax.Array | None = None
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """DeepSeek-V3: sigmoid scores; the experts in `n_group` groups, each group scored by the
     sum of its two best biased scores, a token choosing its top k among the experts of its
@@ -81,9 +81,9 @@ def sigmoid_group(logits_NX: jax.Array, moe: MoEConfig, bias_X: jax.Array | None
     experts live on at most topk_group of them, which bounds the all-to-all."""
     scores_NX = jax.nn.sigmoid(logits_NX)
     choice_NX = scores_NX
-    if bias_X is not None:
-        choice_NX = scores_NX + bias_X.astype(jnp.float32).reshape(
-            (1,) * (scores_NX.ndim - 1) + bias_X.shape)
+    if balance_X is not None:
+        choice_NX = scores_NX + balance_X.astype(jnp.float32).reshape(
+            (1,) * (scores_NX.ndim - 1) + balance_X.shape)
     if moe.n_group > 1:
         *lead, x = choice_NX.shape
         grouped_NGY = choice_NX.reshape(*lead, moe.n_group, x // moe.n_group)
@@ -143,17 +143,17 @@ def check_router(moe: MoEConfig, num_layers: int) -> None:
 
 
 def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig,
-          bias_X: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+          balance_X: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(top-k weights (N, k) float32, expert ids (N, k), stats vector (len(STATS),), per-expert
     load (X,): assignments relative to an even share) of the configured router
-    (`ROUTERS[moe.router]`, with the selection bias `bias_X` where it keeps one); N may be
+    (`ROUTERS[moe.router]`, with the selection bias `balance_X` where it keeps one); N may be
     several leading dimensions (e.g. B, T), the statistics are over all of them.
 
     The router runs in float32 whatever the compute dtype: its scores decide which matmuls
     run, and bf16 logits flip near-ties between experts."""
     n = moe.num_experts
     logits_NX = x_NE.astype(jnp.float32) @ router_EX.astype(jnp.float32)
-    weights_NK, experts_NK, probs_NX = ROUTERS[moe.router].choose(logits_NX, moe, bias_X)
+    weights_NK, experts_NK, probs_NX = ROUTERS[moe.router].choose(logits_NX, moe, balance_X)
     leading = tuple(range(probs_NX.ndim - 1))
     counts_X = jnp.sum(jax.nn.one_hot(experts_NK, n, dtype=jnp.float32), axis=(*leading, -2))
     share_X = counts_X / experts_NK.size                 # f_e: share of the assignments
