@@ -65,9 +65,12 @@ def base_config() -> mlc.ConfigDict:
         context_attention="allgather",  # across sequence shards (mesh.context > 1): ring, ring_vjp
         context_order="auto",  # training sequence over its shards: auto | zigzag | natural
         loss_chunks=0,  # LM head + loss in this many chunks (less memory); 0: automatic (lm_task)
-        # rotary scaling as HF `rope_scaling` (none | linear | llama3), see models/nn/rope.py
+        # rotary scaling as HF `rope_scaling` (none | linear | llama3 | yarn), see
+        # models/nn/rope.py; the beta / mscale / truncate / attention_factor fields are yarn's
         rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0,
-        rope_high_freq_factor=4.0, rope_original_max_len=8192,
+        rope_high_freq_factor=4.0, rope_original_max_len=8192, rope_beta_fast=32.0,
+        rope_beta_slow=1.0, rope_mscale=0.0, rope_mscale_all_dim=0.0, rope_truncate=True,
+        rope_attention_factor=0.0,
         sliding_window=0,  # > 0: attend to that many latest positions only (Mistral)
         # Gemma's local/global pattern: per layer "sliding_attention" (the window, rotary base
         # rope_local_theta when > 0) or "full_attention"; () every layer alike

@@ -35,6 +35,13 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attenti
 VARIANTS = {
     "v3": dict(q_lora_rank=24, n_group=4, topk_group=2, first_k_dense_replace=1),
     "lite": dict(q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=0),
+    # The published V3's YaRN (a tiny original context, so the 40-token test passes it): its
+    # frequencies, the rotation's attention factor (mscale / mscale_all_dim) and the softmax
+    # scale's mscale_all_dim term squared.
+    "yarn": dict(q_lora_rank=24, n_group=4, topk_group=2, first_k_dense_replace=1,
+                 rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0,
+                                      original_max_position_embeddings=16, beta_fast=32.0,
+                                      beta_slow=1.0, mscale=0.8, mscale_all_dim=1.0)),
 }
 
 
@@ -71,6 +78,7 @@ def test_logits_match_transformers(hf_models, name):
     dense = VARIANTS[name]["first_k_dense_replace"]
     assert params["layers"]["mlp"]["w_gate"].shape == (3 - dense, 8, 32, 16)
     assert np.abs(params["layers"]["mlp"]["balance_bias"]).max() > 0
+    assert model_cfg["rope_scaling"] == ("yarn" if name == "yarn" else "none")
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 40)).astype(np.int32)
     ref = hf_logits(model, tokens)
     got = jax_logits(model_cfg, params, tokens)
@@ -82,7 +90,7 @@ def test_logits_match_transformers(hf_models, name):
     assert np.max(np.abs(jax_logits(model_cfg, unbiased, tokens) - ref)) > 100 * max(err, 1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", ["lite", "v3"])
 def test_greedy_generation_equals_transformers(hf_models, name):
     """32 greedy tokens decoded from the latent cache equal `generate`."""
     model, path, _ = hf_models[name]
@@ -99,7 +107,7 @@ def test_import_export_import_is_exact(hf_models, tmp_path):
 
 
 @pytest.mark.parametrize("change, culprit", [
-    (dict(rope_scaling=dict(rope_type="yarn", factor=40.0)), "rope scaling of type 'yarn'"),
+    (dict(rope_scaling=dict(rope_type="longrope", factor=4.0)), "rope scaling of type 'longrope'"),
     (dict(attention_bias=True), "attention_bias=True"),
     (dict(rope_interleave=False), "rope_interleave=False"),
     (dict(kv_lora_rank=None), "lacks the field.*kv_lora_rank"),

@@ -18,12 +18,12 @@ SIZE (the decoder of `configs/llama.py` with `model.attention_kind=latent` and `
              width 2048 in 8 groups (4 kept), top-8 by sigmoid, routed_scaling_factor 2.5,
              1 shared expert, bias balancing at 1e-3; vocab 129280                 671,026.4M
 
-Both full sizes keep the pre-extension context (`max_len` 4096, plain rotary): the published
-checkpoints' YaRN extension to 163,840 tokens waits for the YaRN rotary (and the latent
-attention's mscale). No multi-token prediction module. There is no hardware target yet (the
-planner, `jaxscale plan --config=deepseek:v3`, is the way to size one); the recipes are the
-papers' (V3: 15,360 sequences of 4,096 tokens, lr 2.2e-4; V2-Lite: 4,608, lr 4.2e-4) over the
-byte-level stdlib corpus of `configs/llama.py`.
+Both full sizes carry the published checkpoints' YaRN extension from 4,096 to 163,840 tokens
+(factor 40; V3's mscale and mscale_all_dim 1, V2-Lite's 0.707), so a converted checkpoint
+computes its own frequencies; the recipes train at 4,096. No multi-token prediction module.
+There is no hardware target yet (the planner, `jaxscale plan --config=deepseek:v3`, is the way
+to size one); the recipes are the papers' (V3: 15,360 sequences of 4,096 tokens, lr 2.2e-4;
+V2-Lite: 4,608, lr 4.2e-4) over the byte-level stdlib corpus of `configs/llama.py`.
 """
 
 from __future__ import annotations
@@ -44,19 +44,20 @@ _TINY = dict(vocab_size=256, embed=64, num_layers=2, num_heads=4, num_kv_heads=4
                       shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                       bias_update_rate=1e-3, first_k_dense_replace=1, router_aux_loss_coef=0.0,
                       capacity_factor=0.0))
-# What both full sizes share: plain rotary over the pre-extension context, untied embeddings.
-_FULL = dict(max_len=4096, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False,
-             attention_kind="latent")
-_V2_LITE = dict(_FULL, vocab_size=102400, embed=2048, num_layers=27, num_heads=16,
-                num_kv_heads=16, head_dim=64, mlp=10944,
+# What both full sizes share: YaRN from 4,096 to 163,840 positions, untied embeddings.
+_FULL = dict(max_len=163840, rope_theta=10000.0, rope_scaling="yarn", rope_factor=40.0,
+             rope_original_max_len=4096, rope_beta_fast=32.0, rope_beta_slow=1.0,
+             norm_eps=1e-6, tie_embeddings=False, attention_kind="latent")
+_V2_LITE = dict(_FULL, rope_mscale=0.707, rope_mscale_all_dim=0.707, vocab_size=102400,
+                embed=2048, num_layers=27, num_heads=16, num_kv_heads=16, head_dim=64, mlp=10944,
                 mla=dict(q_lora_rank=0, kv_lora_rank=512, qk_rope_head_dim=64,
                          qk_nope_head_dim=128, v_head_dim=128),
                 moe=dict(num_experts=64, router="softmax_topk", experts_per_token=6,
                          norm_topk_prob=False, mlp=1408, shared_experts=2,
                          first_k_dense_replace=1, router_aux_loss_coef=0.001,
                          capacity_factor=0.0))
-_V3 = dict(_FULL, vocab_size=129280, embed=7168, num_layers=61, num_heads=128,
-           num_kv_heads=128, head_dim=64, mlp=18432,
+_V3 = dict(_FULL, rope_mscale=1.0, rope_mscale_all_dim=1.0, vocab_size=129280, embed=7168,
+           num_layers=61, num_heads=128, num_kv_heads=128, head_dim=64, mlp=18432,
            mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
                     qk_nope_head_dim=128, v_head_dim=128),
            moe=dict(num_experts=256, router="sigmoid_group", experts_per_token=8, mlp=2048,

@@ -11,14 +11,16 @@ top-k, `routed_scaling_factor`, `n_shared_experts` shared experts and the first
 `first_k_dense_replace` layers dense (the decoder's `dense_layers` stack, HF layers 0..k-1; the
 MoE stack `layers` holds HF layers k..). Tensors are transposed, reshaped and stacked; the one
 permutation: DeepSeek's rotary pairs are interleaved (`rope_interleave`, true in the published
-checkpoints; false is refused), jaxscale's rotary rotates halves, so the rope rows of `q_b_proj` (`q_proj`) and
-`kv_a_proj_with_mqa` are de-interleaved on import (evens, then odds: the same scores) and
-interleaved again on export, which always writes `rope_interleave` true. Round trips stay bit
-for bit.
+checkpoints; false is refused), jaxscale's rotary rotates halves, so the rope rows of
+`q_b_proj` (`q_proj`) and `kv_a_proj_with_mqa` are de-interleaved on import (evens, then odds:
+the same scores) and interleaved again on export, which always writes `rope_interleave`
+true. Round trips stay bit for bit.
 
-Refused in one paragraph naming the field: rotary scaling other than the Llama decoder's (the
-published V3's YaRN waits for the YaRN rotary), attention biases, and on export a model that is
-not this family's shape (no experts, `moe.every` != 1, another router, no shared expert). The
+The published checkpoints' YaRN rotary (`rope_scaling` yarn with `mscale` / `mscale_all_dim`)
+is read as the decoder's `rope_*` fields (`interop/hf_rope.py`); the latent attention takes its
+softmax factor from it (`Rope.score_scale`). Refused in one paragraph naming the field: other
+rotary scalings the decoder lacks, attention biases, and on export a model that is not this
+family's shape (no experts, `moe.every` != 1, another router, no shared expert). The
 multi-token-prediction layers of a checkpoint (`num_nextn_predict_layers`) are not read.
 """
 
@@ -62,7 +64,7 @@ def deepseek_config_from_hf(hf: Mapping[str, Any], where: str = "config.json",
             "DeepSeek's rotary pairs (rope_interleave true, the published checkpoints' and",
             "transformers' default) into jaxscale's rotate-half layout. Convert a checkpoint",
             "with rope_interleave true."))
-    fields = decoder_fields(hf, where, name)  # rotary checked: YaRN is refused there
+    fields = decoder_fields(hf, where, name)  # the rotary (YaRN included) read and checked
     heads = fields["num_heads"]
     mla = dict(q_lora_rank=int(hf.get("q_lora_rank") or 0), kv_lora_rank=int(hf["kv_lora_rank"]),
                qk_rope_head_dim=int(hf["qk_rope_head_dim"]),

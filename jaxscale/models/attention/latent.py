@@ -24,9 +24,10 @@ Two ways of computing the same attention:
   (and its masks) unchanged; the query is rescaled so the kernel's 1/sqrt(width) equals the
   expanded form's 1/sqrt(qk_nope + qk_rope).
 
-The softmax scale is 1/sqrt(qk_nope + qk_rope) times `softmax_scale` (YaRN's mscale^2 when the
-rotary is YaRN-scaled). Rotary runs on the rope parts in the "rotate half" layout: DeepSeek's
-interleaved pairs are permuted into it when weights are imported (`interop/hf_deepseek.py`).
+The softmax scale is 1/sqrt(qk_nope + qk_rope) times `softmax_scale` (DeepSeek's YaRN
+mscale_all_dim term squared when the rotary is YaRN-scaled: `Rope.score_scale`). Rotary runs
+on the rope parts in the "rotate half" layout: DeepSeek's interleaved pairs are permuted into it
+when weights are imported (`interop/hf_deepseek.py`).
 Shape suffixes: B batch, T query length, S key length (cache length), H heads, E embed,
 Q q_lora_rank, C kv_lora_rank (the latent), N qk_nope_head_dim, R qk_rope_head_dim,
 D qk head dim (N + R), V v_head_dim, L layers.
@@ -292,8 +293,10 @@ class Latent(AttentionKind):
                 "off, or use model.attention_kind=grouped_query."))
 
     def softmax_scale(self) -> float:
-        """The factor on 1/sqrt(qk_head_dim): 1 unless the rotary scaling asks for one."""
-        return 1.0
+        """The factor on 1/sqrt(qk_head_dim): under YaRN DeepSeek's mscale_all_dim term squared
+        (`Rope.score_scale`, transformers' `yarn_apply_mscale`), 1 otherwise. The rotation's
+        own attention factor on q and k (the rope parts) is `rotary`'s."""
+        return self.cfg.rope.score_scale
 
     def build(self, policy: Policy, rngs: nnx.Rngs, stack: int | None) -> LatentAttention:
         c = self.cfg

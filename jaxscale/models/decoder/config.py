@@ -32,12 +32,19 @@ class LlamaConfig:
     mlp: int = 512
     max_len: int = 2048
     rope_theta: float = 10000.0
-    # Rotary scaling (HF `rope_scaling`): none | linear | llama3; see jaxscale/models/nn/rope.py.
+    # Rotary scaling (HF `rope_scaling`): none | linear | llama3 | yarn; see
+    # jaxscale/models/nn/rope.py.
     rope_scaling: str = "none"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0       # llama3 only
     rope_high_freq_factor: float = 4.0      # llama3 only
-    rope_original_max_len: int = 8192       # llama3 only: the pre-extension context length
+    rope_original_max_len: int = 8192       # llama3, yarn: the pre-extension context length
+    rope_beta_fast: float = 32.0            # yarn only: the ramp's ends, in rotations
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0                # yarn only: DeepSeek's attention-scale terms (0: none)
+    rope_mscale_all_dim: float = 0.0
+    rope_truncate: bool = True              # yarn only: the ramp's ends rounded to whole dims
+    rope_attention_factor: float = 0.0      # yarn only: q/k scale; 0: derived from rope_factor
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     remat: str = "none"
@@ -117,7 +124,9 @@ class LlamaConfig:
         """The rotary settings every attention layer (and the KV-cache decoder) uses."""
         return Rope(self.rope_theta, self.rope_scaling, self.rope_factor,
                     self.rope_low_freq_factor, self.rope_high_freq_factor,
-                    self.rope_original_max_len)
+                    self.rope_original_max_len, self.rope_beta_fast, self.rope_beta_slow,
+                    self.rope_mscale, self.rope_mscale_all_dim, self.rope_truncate,
+                    self.rope_attention_factor)
 
     @property
     def moe_layers(self) -> int:
