@@ -167,6 +167,12 @@ def validate(c: mlc.ConfigDict) -> None:
     # The model's own fields, and against the mesh: sequence shards, experts, stages.
     check_model(c.model, d.seq_len, c.mesh, c.pipeline.get("repeats", 1))
     check_quantized(c.precision, c.model, c.lora)  # int8: what it cannot quantize is refused
+    rate = (c.model.get("moe") or {}).get("bias_update_rate", 0.0)
+    _require(not (rate and c.lora.rank and c.lora.save_adapters_only),
+             f"model.moe.bias_update_rate={rate} moves the routers' balancing bias, a frozen",
+             "parameter, while lora.save_adapters_only=True saves the adapters alone: a resumed",
+             "run would lose the bias's moves. Set model.moe.bias_update_rate=0 (the bias fixed,",
+             "as fine-tuning usually keeps it) or lora.save_adapters_only=False.")
     _require(t.steps > 0 and t.log_every > 0, "train.steps and train.log_every must be positive.")
     _require(t.grad_accum >= 1 and d.batch_size % t.grad_accum == 0,
              f"data.batch_size={d.batch_size} must be divisible by train.grad_accum="

@@ -149,3 +149,16 @@ def test_the_bias_moves_outside_the_gradient_and_resumes_exactly(tmp_path):
 def test_deepseek_routing_mistakes_are_one_paragraph(moe, culprit):
     with pytest.raises(ConfigError, match=culprit):
         validate(_config(**moe))
+
+
+@pytest.mark.parametrize("change, culprit", [
+    (dict(mesh=dict(data=1, pipeline=2)), "bias_update_rate=0.001 with mesh.pipeline"),
+    (dict(lora=dict(rank=4, save_adapters_only=True)), "lora.save_adapters_only=True saves"),
+])
+def test_where_the_bias_moves_would_be_lost_it_is_refused(change, culprit):
+    c = _config(bias_update_rate=1e-3, first_k_dense_replace=0)
+    for section, fields in change.items():
+        c[section].update(fields)
+    with pytest.raises(ConfigError, match=culprit) as err:
+        validate(c)
+    assert "\n" not in str(err.value)

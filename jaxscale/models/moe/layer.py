@@ -117,6 +117,11 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
     if mesh is None:
         return
     stages = mesh.get("pipeline", 1) * mesh.get("dcn_pipeline", 1)
+    require(not moe.bias_update_rate or stages == 1,
+            f"model.moe.bias_update_rate={moe.bias_update_rate} with mesh.pipeline x",
+            f"mesh.dcn_pipeline={stages}: the balancing bias moves by the loads the layers",
+            "report to the step, which the pipeline schedules do not carry out of their stages",
+            "yet. Use a mesh without pipeline stages, or bias_update_rate=0 (the bias fixed).")
     require(not moe.first_k_dense_replace or stages == 1,
             f"model.moe.first_k_dense_replace={moe.first_k_dense_replace} with",
             f"mesh.pipeline x mesh.dcn_pipeline={stages}: the dense first layers run before",
