@@ -87,7 +87,8 @@ def base_config() -> mlc.ConfigDict:
                                 grouped_matmul="auto", dispatch="auto",
                                 # DeepSeek-V3's routing (router=sigmoid_group, routers.py)
                                 n_group=1, topk_group=1, routed_scaling_factor=1.0,
-                                bias_update_rate=0.0, first_k_dense_replace=0)),
+                                bias_update_rate=0.0, first_k_dense_replace=0,
+                                aux_per_sequence=False)),
         # multi-head latent attention's widths (attention_kind=latent; models/attention/latent.py)
         mla=mlc.ConfigDict(dict(q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
                                 qk_nope_head_dim=128, v_head_dim=128))))

@@ -62,6 +62,29 @@ def test_sigmoid_group_router_is_deepseeks_routing():
     assert max(len(set(e // 2)) for e in np.asarray(experts)) <= moe.topk_group
 
 
+def test_the_sequence_wise_balance_statistic_asks_each_sequence_to_balance():
+    """Two sequences each sending every token to its own two experts: balanced over the batch
+    (Switch's statistic near its floor of 1), not within either sequence (about 2)."""
+    moe = MoEConfig(num_experts=4, experts_per_token=2, router="sigmoid_group",
+                    aux_per_sequence=True)
+    x = np.full((2, 3, 4), -2.0, np.float32)
+    x[0, :, :2], x[1, :, 2:] = 2.0, 2.0
+    x += np.random.default_rng(0).normal(scale=0.1, size=x.shape).astype(np.float32)
+    _, experts, stats, _ = route(jnp.asarray(x), jnp.eye(4), moe)
+    assert set(np.asarray(experts)[0].ravel()) == {0, 1} and set(
+        np.asarray(experts)[1].ravel()) == {2, 3}
+    scores = 1 / (1 + np.exp(-x))
+    probs = scores / scores.sum(-1, keepdims=True)
+    share = np.array([[0.5, 0.5, 0, 0], [0, 0, 0.5, 0.5]])
+    want = 4 * np.mean(np.sum(share * probs.mean(1), -1))
+    np.testing.assert_allclose(float(stats[0]), want, rtol=1e-6)
+    batch = route(jnp.asarray(x), jnp.eye(4), MoEConfig(**{**moe.__dict__,
+                                                           "aux_per_sequence": False}))[2]
+    np.testing.assert_allclose(float(batch[0]), 4 * np.sum(share.mean(0) * probs.mean((0, 1))),
+                               rtol=1e-6)
+    assert float(stats[0]) > 1.5 > 1.05 > float(batch[0])
+
+
 def _config(**moe):
     c = get_config("test")
     c.model.moe.update({**DEEPSEEK, **moe})

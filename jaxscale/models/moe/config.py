@@ -46,6 +46,9 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     # The first k layers keep the dense MLP (DeepSeek's first_k_dense_replace), scanned apart.
     first_k_dense_replace: int = 0
+    # The aux statistic per sequence, then averaged (DeepSeek-V3's sequence-wise balance loss,
+    # with a small router_aux_loss_coef such as 1e-4); False: over the whole batch (Switch).
+    aux_per_sequence: bool = False
 
     @classmethod
     def from_config(cls, moe_cfg: Mapping[str, Any] | None) -> "MoEConfig":

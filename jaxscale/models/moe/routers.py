@@ -159,10 +159,24 @@ def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig,
     share_X = counts_X / experts_NK.size                 # f_e: share of the assignments
     prob_X = jnp.mean(probs_NX, axis=leading)            # P_e: carries the gradient
     aux = n * jnp.sum(share_X * prob_X)
+    if moe.aux_per_sequence and probs_NX.ndim > 2:
+        aux = _sequence_aux(experts_NK, probs_NX, n)
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_NX, axis=-1)))
     load_X = share_X * n
     stats = jnp.stack([aux, z, jnp.zeros(()), jnp.max(load_X), jnp.min(load_X)])
     return weights_NK, experts_NK, stats, load_X
+
+
+def _sequence_aux(experts_BTK: jax.Array, probs_BTX: jax.Array, n: int) -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance statistic: the Switch statistic of each sequence
+    (row; f and P over its own tokens), averaged over the rows. Why: a batch can be balanced
+    while each sequence sends all its tokens to a few experts; this asks each to balance."""
+    rows = probs_BTX.shape[0]
+    counts_BX = jnp.sum(jax.nn.one_hot(experts_BTK.reshape(rows, -1), n, dtype=jnp.float32),
+                        axis=1)
+    share_BX = counts_BX / (experts_BTK.size // rows)
+    prob_BX = jnp.mean(probs_BTX.reshape(rows, -1, n), axis=1)
+    return n * jnp.mean(jnp.sum(share_BX * prob_BX, axis=-1))
 
 
 def _router_stats(sown: nnx.State) -> jax.Array | None:
