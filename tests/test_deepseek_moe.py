@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
+from helpers import run_steps
 from jaxscale import generate as gen
 from jaxscale.config import validate
 from jaxscale.errors import ConfigError
@@ -18,7 +19,7 @@ from jaxscale.models import ModelDef, entry_of
 from jaxscale.models.moe.config import MoEConfig
 from jaxscale.models.moe.routers import route
 from jaxscale.precision import get_policy
-from jaxscale.train.loop import train
+from jaxscale.train.loop import Trainer, train
 from jaxscale.train.state import flatten
 
 DEEPSEEK = dict(num_experts=8, experts_per_token=2, router="sigmoid_group", n_group=4,
@@ -160,6 +161,31 @@ def test_the_bias_moves_outside_the_gradient_and_resumes_exactly(tmp_path):
     for p, v in flatten(whole.params).items():
         np.testing.assert_allclose(np.asarray(flatten(resumed.params)[p]), np.asarray(v),
                                    rtol=1e-5, atol=1e-6)
+
+
+def _run(config, devices, steps: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """(losses, the last balancing bias) of `steps` train steps on `devices`."""
+    trainer = Trainer.build(config, workdir=None, devices=devices)
+    losses, state, _ = run_steps(trainer, steps)
+    return losses, np.asarray(flatten(state.frozen)["layers/mlp/balance_bias"])
+
+
+@pytest.mark.parametrize("mesh", [
+    dict(data=2, fsdp=2, expert=2),  # the experts split, dropless: each token to its experts
+    pytest.param(dict(fsdp=4, tensor=2), marks=pytest.mark.exhaustive)])
+def test_deepseek_trains_sharded_as_on_one_device(mesh):
+    """Latent attention, dense first layer, sigmoid group routing with a shared expert and bias
+    balancing: the losses and the moved biases of a sharded run equal one device's."""
+    c = _config(bias_update_rate=1e-3)
+    c.model.update(attention_kind="latent")
+    c.model.mla.update(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                       qk_nope_head_dim=8, v_head_dim=8)
+    one_losses, one_bias = _run(c, jax.devices()[:1])
+    assert one_losses[-1] < one_losses[0] and np.abs(one_bias).max() > 0
+    c.mesh.update({**dict(data=1, fsdp=1, tensor=1, expert=1), **mesh})
+    losses, bias = _run(c, jax.devices())
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
+    np.testing.assert_array_equal(bias, one_bias)
 
 
 @pytest.mark.parametrize("moe,culprit", [
