@@ -109,6 +109,20 @@ def test_trains_and_matches_one_device_on_fsdp_x_tensor():
     assert_equal_runs(sharded, one)
 
 
+@pytest.mark.exhaustive  # the fsdp x tensor run above is the default proof
+@pytest.mark.parametrize("mesh, variant", [
+    (dict(context=2, fsdp=2, tensor=2), "allgather"),
+    (dict(context=4, data=2), "ring")])
+def test_sequence_shards_train_as_one_device(mesh, variant):
+    """Across sequence shards the values are zero-padded to the key's width (`_attend`)."""
+    configs = [make_config(m) for m in (dict(data=1), mesh)]
+    for c in configs:
+        c.model.update(attention_kind="latent", context_attention=variant)
+        c.model.mla.update(MLA)
+    one = run_steps(configs[0], jax.devices()[:1])
+    assert_equal_runs(run_steps(configs[1], jax.devices()), one)
+
+
 @pytest.mark.parametrize("field,value", [("qk_norm", True), ("sliding_window", 16)])
 def test_switches_latent_attention_lacks_are_refused(field, value):
     c = _config(**{field: value})
