@@ -185,6 +185,7 @@ def _corrupt_copies(tmp_path) -> dict[str, str]:
     ("launch.generate", ["--from_hf=TRUNC", "--prompt_ids=1"], "TRUNC/model.safetensors is"),
     ("launch.generate", ["--from_hf=HUGE", "--prompt_ids=1"], "HUGE/model.safetensors is"),
     ("launch.convert", ["--from_workdir=CONV", "--to_hf=FILE"], "--to_hf=FILE names an"),
+    ("launch.convert", ["--from_workdir=CONV", "--to_peft=OUT"], "CONV is not a LoRA run"),
     ("launch.convert", ["--from_hf=HF", "--out=FILE"], "--out=FILE names an existing file"),
     ("launch.train", ["--config=configs/tiny_lm.py:test", "--workdir=FILE"],
      "--workdir=FILE names an existing file"),
