@@ -1,4 +1,4 @@
-"""Autoregressive generation with the model's cache: greedy or temperature sampling.
+"""Autoregressive generation with the model's cache, behind `jaxscale generate`.
 
 The cache belongs to the model: `model.init_cache(batch, max_len)` makes an empty cache stacked
 over the layers, in the layout of the model's attention component (`models/attention/kinds.py`;
@@ -8,8 +8,10 @@ training) over it, returning the logits and the updated cache. Nothing here open
 It carries logical names, so the same rules that shard the parameters shard it (`batch` over
 data/fsdp, `kv` over tensor). Prompts of different lengths share a batch left-padded, with their
 lengths: padding gets segment id 0 and each row's positions start at its first real token, so
-every row decodes as its prompt would alone. One jitted call runs the prefill and a `lax.scan`
-over the new tokens.
+every row decodes as its prompt would alone. `make_generate` is one jitted call running the
+prefill and a `lax.scan` over the new tokens (greedy or temperature); `generate_from_config`,
+the command's path, runs the rollout sampler (`jaxscale/sampling.py`: top-k / top-p, n samples,
+stop ids, log-probs), kept per config so repeated calls do not compile again.
 """
 
 from __future__ import annotations
@@ -212,17 +214,46 @@ def load_model(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
 
 
 def generate_from_config(config: Any, params: Mapping, prompt_BT: np.ndarray, steps: int,
-                         temperature: float = 0.0, seed: int = 0) -> np.ndarray:
-    """Places `params` on the config's mesh by its rules and generates `steps` tokens."""
-    from jaxscale.mesh import make_mesh
-    from jaxscale.precision import get_policy
-    from jaxscale.weights.place import named_shardings, param_specs, place
+                         temperature: float = 0.0, seed: int = 0, sampling: Any = None
+                         ) -> np.ndarray:
+    """Places `params` on the config's mesh by its rules and generates `steps` tokens after
+    each row of `prompt_BT` (prompt included in the result). `sampling`: a
+    `sampling.Sampling` (top-k / top-p / n / stop ids; rows after a stop hold its pad_id),
+    else greedy or `temperature` sampling. The sampler is kept per config and settings, so a
+    second call with the same shapes reuses its compiled program."""
+    from jaxscale.sampling import Sampling
+    from jaxscale.weights.place import place
     from jaxscale.weights.tree import flatten, unflatten
 
-    check_request(np.shape(prompt_BT)[1], steps, temperature, config.model.get("max_len", 0))
-    mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
-    model_def = ModelDef.build(config.model, get_policy(config.precision))
-    shardings = named_shardings(mesh, param_specs(model_def, rules, mesh))
-    placed = unflatten(place(flatten(params), shardings, model_def.shapes()["embedding"].dtype))
-    fn = make_generate(model_def, steps, temperature, rules, mesh)
-    return np.asarray(fn(placed, jnp.asarray(prompt_BT, jnp.int32), jax.random.key(seed)))
+    sampling = sampling or Sampling(temperature=float(temperature))
+    check_request(np.shape(prompt_BT)[1], steps, sampling.temperature,
+                  config.model.get("max_len", 0))
+    sampler, shardings, dtype = _sampler(config, sampling)
+    placed = unflatten(place(flatten(params), shardings, dtype))
+    out = sampler(placed, np.asarray(prompt_BT, np.int32), jax.random.key(seed), steps)
+    prompt = np.repeat(np.asarray(prompt_BT, np.int32), sampling.n, axis=0)
+    return np.concatenate([prompt, np.asarray(out.tokens)], axis=1)
+
+
+_SAMPLERS: dict[str, tuple[Any, Any, Any]] = {}
+
+
+def _sampler(config: Any, sampling: Any) -> tuple[Any, Any, Any]:
+    """(Sampler, parameter shardings, parameter dtype) for a config and sampling settings,
+    built once per process: `jaxscale generate` and a training loop's rollouts call again."""
+    import json
+
+    from jaxscale.mesh import make_mesh
+    from jaxscale.precision import get_policy
+    from jaxscale.sampling import Sampler
+    from jaxscale.weights.place import named_shardings, param_specs
+
+    plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    key = json.dumps([plain, repr(sampling)], sort_keys=True, default=str)
+    if key not in _SAMPLERS:
+        mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
+        model_def = ModelDef.build(config.model, get_policy(config.precision))
+        shardings = named_shardings(mesh, param_specs(model_def, rules, mesh))
+        sampler = Sampler(model_def, sampling, rules, mesh, config.model.get("max_len", 0))
+        _SAMPLERS[key] = (sampler, shardings, model_def.shapes()["embedding"].dtype)
+    return _SAMPLERS[key]
