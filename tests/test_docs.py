@@ -112,7 +112,7 @@ def _env() -> dict[str, str]:
 
 
 PAGES_WITH_BLOCKS = [p for p in PAGES if runnable_blocks(p)]
-TORCH = re.compile(r"^\s*(?:import|from) (?:torch|transformers)\b", re.M)
+TORCH = re.compile(r"^\s*(?:import|from) (?:torch|transformers|peft)\b", re.M)
 
 
 # `slow`: about three minutes of subprocesses on an idle 2-core machine, several times that under
