@@ -7,6 +7,7 @@ numbers per token and layer; its parameter and FLOP counts are the hand-computed
 
 import jax
 import jax.numpy as jnp
+import ml_collections as mlc
 import numpy as np
 import pytest
 
@@ -16,8 +17,10 @@ from jaxscale.aot.memory import Dims
 from jaxscale.config import validate
 from jaxscale.errors import ConfigError
 from jaxscale.models import ModelDef, entry_of
+from jaxscale.models.adapters import lora
 from jaxscale.models.attention.latent import LatentCache
 from jaxscale.precision import get_policy
+from jaxscale.weights.tree import flatten, unflatten
 from test_generate import uncached_greedy
 from test_parallel_equivalence import assert_equal_runs, make_config, run_steps
 
@@ -134,3 +137,37 @@ def test_odd_rope_width_is_refused():
     c = _config(dict(MLA, qk_rope_head_dim=7))
     with pytest.raises(ConfigError, match="qk_rope_head_dim \\(even"):
         validate(c)
+
+
+def test_lora_adapts_every_latent_projection_and_merges_exactly():
+    """Adapters on all six projections (`LORA_WEIGHTS`): the adapted model decodes from its
+    cache (the absorbed up-projection reads the adapted weight) as its full forward, and
+    equals the model with the adapters merged."""
+    c = _config()
+    lora_cfg = mlc.ConfigDict(dict(rank=2, alpha=4.0, targets=("attn/w",), dropout=0.0))
+    model_def = lora.with_adapters(ModelDef.build(c.model, get_policy("32-true")), lora_cfg)
+    params = flatten(model_def.init_params(jax.random.key(0)))
+    adapted = {p.removesuffix("_lora_a") for p in params if p.endswith("_lora_a")}
+    assert adapted == {f"layers/attn/{w}" for w in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo")}
+    rng = np.random.default_rng(0)
+    params = unflatten({k: rng.normal(scale=0.1, size=v.shape).astype(np.float32)
+                        if k.endswith("_lora_b") else v for k, v in params.items()})
+    tokens = np.random.default_rng(1).integers(0, 256, (2, 6)).astype(np.int32)
+    full = jax.jit(lambda p, t: model_def.module(p)(t))(params, tokens)
+
+    def cached(p, toks):
+        model = model_def.module(p)
+        logits, cache = gen.forward_cached(model, toks[:, :4], jnp.int32(0),
+                                           model.init_cache(2, 6))
+        out = [logits]
+        for i in range(4, 6):
+            logits, cache = gen.forward_cached(model, toks[:, i:i + 1], jnp.int32(i), cache)
+            out.append(logits)
+        return jnp.concatenate(out, axis=1)
+
+    np.testing.assert_allclose(np.asarray(jax.jit(cached)(params, tokens)), np.asarray(full),
+                               atol=1e-5, rtol=1e-5)
+    plain = ModelDef.build(c.model, get_policy("32-true"))
+    merged = lora.merge(params, lora_cfg)
+    np.testing.assert_allclose(np.asarray(plain.module(merged)(tokens)), np.asarray(full),
+                               atol=1e-4)
