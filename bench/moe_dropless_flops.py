@@ -1,7 +1,7 @@
 """The dropless MoE's compiled FLOPs at the routed count: `launch.compile` counts grouped matmuls
 (ragged-dot, megablox) at their static row counts, every row of the gathered or worst-case
 received buffer, while only the routed rows are multiplied. This reads a saved compile (its
-`--out` JSON and `--save_hlo` dump), takes the grouped part out (`aot/hlo.grouped_flops`) and puts
+`--out` JSON and `--save_hlo` dump), takes the grouped part out (`aot/hlo_flops.grouped_flops`) and puts
 the routed count back: 2 x rows x embed x width a matmul, rows = the chip's n tokens x k
 (balanced: the mean over chips, exact in total), 3 matmuls forward, 6 backward, 3 more under
 remat. For `configs/mixtral.py:8x7b,v5p-128` with `model.moe.capacity_factor=0`:
@@ -36,7 +36,7 @@ def routed_flops(config, chips: int) -> float:
 def main(argv: list[str]) -> None:
     from jax.sharding import AbstractMesh
 
-    from jaxscale.aot import hlo, traffic
+    from jaxscale.aot import hlo, hlo_flops, traffic
     from jaxscale.aot.roofline import estimate
     from jaxscale.configs import mixtral
     from jaxscale.hardware import TPUS
@@ -48,8 +48,8 @@ def main(argv: list[str]) -> None:
     mesh = AbstractMesh(tuple(config.mesh[a] for a in MESH_AXES), MESH_AXES)
     part = hlo.parse(open(_largest(f"{dump}/*after_tpu-spmd-partitioning*.txt")).read())
     opt = hlo.parse(open(_largest(f"{dump}/*after_optimizations.txt")).read())
-    static = hlo.flops(part) + report["kernel_flops"]
-    grouped = hlo.grouped_flops(part)
+    static = hlo_flops.flops(part) + report["kernel_flops"]
+    grouped = hlo_flops.grouped_flops(part)
     routed = routed_flops(config, report["num_chips"])
     flops = static - grouped + routed
     collectives = [c.__dict__ for c in hlo.collectives(opt)]

@@ -87,7 +87,7 @@ def base_config() -> mlc.ConfigDict:
     c.data = mlc.ConfigDict(dict(
         corpus="stdlib",           # stdlib | digits | files (implied by a non-empty `sources`)
         max_bytes=4_000_000, seq_len=128, batch_size=32, eval_batches=4, part="all",
-        sources="",                # 'FORMAT=GLOB[@WEIGHT];...', formats text|jsonl|parquet|array_record|tokens
+        sources="",                # 'FORMAT=GLOB[@WEIGHT];...', formats text|jsonl|parquet|chat|preference|array_record|tokens
         eval_sources="",           # held-out sources; empty: a stable-hash eval_fraction of documents
         eval_fraction=0.05,
         tokenizer="bytes",         # bytes | path to tokenizer.json (or a dir holding one) | .model
@@ -96,7 +96,16 @@ def base_config() -> mlc.ConfigDict:
         packing="concat",          # concat | pack (first-fit, segment ids) | none (one doc per row)
         skip_bad_records=False,    # skip and count bad jsonl / parquet records instead of failing
         index_cache="",            # directory keeping each process's text/jsonl/parquet length index
+        chat_template="",          # chat / preference: a Jinja template file; '': the tokenizer's own
+        train_on="assistant",      # chat: the loss counts assistant tokens | all tokens
     ))
+    # The training objective (jaxscale/objectives/): lm (the model's own task; chat data trains
+    # on its loss mask), or a preference objective on preference pairs: dpo (beta,
+    # label_smoothing), ipo (beta), simpo (beta, gamma; no reference). sft_weight adds the
+    # chosen response's NLL. reference: "init" (the weights training starts from; with LoRA the
+    # base with the adapters off) or a jaxscale checkpoint / Hugging Face directory.
+    c.objective = mlc.ConfigDict(dict(name="lm", beta=0.1, label_smoothing=0.0, gamma=0.5,
+                                      sft_weight=0.0, reference="init"))
     c.optim = mlc.ConfigDict(dict(name="adamw", lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                                   weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
                                   clip_norm=1.0, momentum=0.9, nesterov=False,
@@ -168,6 +177,15 @@ def validate(c: mlc.ConfigDict) -> None:
              f"data.part={d.part!r}: use 'all', or 'a'/'b' for the two disjoint halves.")
     _validate_choices(c)
     _validate_mesh_use(c)
+    _validate_objective(c)
+
+
+def _validate_objective(c: mlc.ConfigDict) -> None:
+    """The objective against its own fields, the model, the data's kind and the schedule."""
+    from jaxscale.data.mixture import configured_kind  # lazy: keeps `import config` light
+    from jaxscale.objectives import check_objective
+
+    check_objective(c, configured_kind(c.data) if c.data.get("sources") else "text")
 
 
 def _rule_axes(rules: Any) -> set[str]:

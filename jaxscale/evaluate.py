@@ -1,4 +1,5 @@
-"""Held-out evaluation of a workdir's newest weights: loss, perplexity and accuracy.
+"""Held-out evaluation of a workdir's newest weights: loss, perplexity and accuracy, or a
+preference objective's rewards and reward accuracy.
 
 Rebuilds the run from `WORKDIR/config.json` (mesh, rules, precision, model, data), loads the
 newest checkpoint's parameters (LoRA adapters folded in) onto the mesh by the rules, and
@@ -6,8 +7,9 @@ evaluates the held-out split of its dataset (`jaxscale.data.registry.heldout_bat
 for image datasets, padded and masked; the run's own held-out batches for text), or every row
 of other text files (`eval_sources`, tokenized with the run's tokenizer, the last batch padded
 with masked rows). The metrics are the training loop's `eval_*` (`jaxscale.train.heldout`):
-summed per example/token by the model's task and divided once at the end, so they do not
-depend on the batch split or the mesh.
+summed per example/token (per pair) by the run's objective and divided once at the end, so they
+do not depend on the batch split or the mesh. A `dpo` / `ipo` run is scored against its
+reference model, rebuilt as the run built it (`train.reference.host_reference`).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from jaxscale.data.registry import heldout_batches
 from jaxscale.errors import JaxscaleError
 from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef
+from jaxscale.objectives import objective_of
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.storage import workdir_files
 from jaxscale.train.heldout import HeldOut
+from jaxscale.train.reference import host_reference
 from jaxscale.train.step import global_batch
 from jaxscale.weights.place import named_shardings, param_specs, place
 from jaxscale.weights.tree import flatten, unflatten
@@ -48,11 +52,16 @@ def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 
     model_def = ModelDef.build(config.model, policy)
     shardings = named_shardings(mesh, param_specs(model_def, rules, mesh))
     placed = unflatten(place(flatten(params), shardings, policy.param))
+    reference = host_reference(config)
+    if reference is not None:
+        reference = unflatten(place(reference, shardings, policy.param))
     evals = heldout_batches(config, jax.process_index(), jax.process_count(), eval_sources)
     if max_batches:
         evals = evals[:max_batches]
     batches = (global_batch(local, rules, mesh, config.data.batch_size) for local in evals)
-    return HeldOut(model_def, rules, mesh).metrics(placed, batches)
+    held = HeldOut(model_def, rules, mesh, objective_of(config),
+                   None if reference is None else model_def)
+    return held.metrics(placed, batches, reference)
 
 
 def evaluate_workdir(workdir: str, max_batches: int = 0, eval_sources: str = ""

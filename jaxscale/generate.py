@@ -143,6 +143,27 @@ def parse_prompt(text: str, ids: list[str], vocab_size: int, tokenizer: Any = No
     return tokens
 
 
+def chat_prompt(text: str, config: Any, *dirs: str) -> list[int]:
+    """The ids of `text` as one user turn rendered with the model's chat template and its
+    generation prompt (`jaxscale generate --chat`): the template of the first of `dirs` that
+    carries a tokenizer, else of the training config's `data.tokenizer` (and
+    `data.chat_template`)."""
+    from jaxscale.data.chat import encoder
+    from jaxscale.data.tokenizer import run_tokenizer_dir
+
+    config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    directory = run_tokenizer_dir(config_dict, *dirs)
+    if directory is None:
+        raise GenerateError(paragraph(
+            "--chat renders the prompt with the model's chat template, and this model carries",
+            "no tokenizer (its directory has no tokenizer.json and its config names no",
+            "data.tokenizer). Generate from a model trained or converted with a chat",
+            "tokenizer, or give the rendered ids with --prompt_ids."))
+    own = any(d and os.path.realpath(d) == os.path.realpath(directory) for d in dirs)
+    template = "" if own else config_dict.get("data", {}).get("chat_template", "")
+    return encoder(directory, template).prompt_ids([{"role": "user", "content": text}]).tolist()
+
+
 def check_request(prompt_len: int, steps: int, temperature: float, max_len: int) -> None:
     """Rejects a non-positive step count, a negative temperature or an over-long context."""
     if steps < 1:

@@ -1,6 +1,6 @@
-"""Ahead-of-time compilation for TPU topologies (`launch.compile`): the HLO accounting, the
+"""Ahead-of-time compilation for TPU topologies (`launch.compile`): the compile reports, the
 roofline estimate, and the config error for an unused mesh axis. The planner's tests are in
-test_plan.py, the presets' in test_presets.py.
+test_plan.py, the presets' in test_presets.py, the HLO reader's in test_hlo.py.
 
 The compile tests run the entry point in subprocesses (libtpu is loaded there, never in the
 test process) on small v5p / v5e slices; they are skipped without libtpu.
@@ -14,8 +14,6 @@ import pytest
 from aot_common import TINY, libtpu_test, run_module
 from configs import llama
 from jaxscale import config as config_lib
-from jaxscale.aot import hlo
-from jaxscale.aot.groups import replica_groups
 from jaxscale.aot.roofline import collective_seconds, estimate
 from jaxscale.aot.topology import TopologyError, parse_topology
 from jaxscale.errors import ConfigError
@@ -37,167 +35,6 @@ def test_unknown_topology_lists_the_known_ones():
         parse_topology("v5p:9x9x9")
     assert parse_topology("v5e:4x8").num_chips == 32
     assert parse_topology("v5p:2x2x1", num_slices=2).num_chips == 8
-
-
-def test_replica_groups_in_every_hlo_format():
-    assert replica_groups("replica_groups={{0,1},{2,3}}, x", 4) == [[0, 1], [2, 3]]
-    assert replica_groups("replica_groups=[2,4]<=[8], x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert replica_groups("replica_groups=[4,2]<=[2,4]T(1,0), x", 8) == [[0, 4], [1, 5], [2, 6],
-                                                                       [3, 7]]
-    assert replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, x", 4) == [
-        [0, 1], [2, 3]]
-    assert replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}, x", 4) == [
-        [0, 2], [1, 3]]
-
-
-def test_loop_trip_count_from_the_condition_and_dot_flops():
-    text = """HloModule m, num_partitions=2
-
-%cond (p: (s32[], f32[8,4])) -> pred[] {
-  %p = (s32[], f32[8,4]) parameter(0)
-  %c = s32[] constant(5)
-  %i = s32[] get-tuple-element(%p), index=0
-  ROOT %lt = pred[] compare(%i, %c), direction=LT
-}
-
-%body (q: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
-  %q = (s32[], f32[8,4]) parameter(0)
-  %x = f32[8,4] get-tuple-element(%q), index=1
-  %w = f32[4,4] constant({...})
-  %d = f32[8,4] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  %ag = f32[8,8] all-gather(%d), replica_groups={{0,1}}, dimensions={1}
-  ROOT %t = (s32[], f32[8,4]) tuple(%i, %d)
-}
-
-ENTRY %main (a: f32[8,4]) -> f32[8,4] {
-  %a = f32[8,4] parameter(0)
-  %w = (s32[], f32[8,4]) while(%a), condition=%cond, body=%body
-  ROOT %r = f32[8,4] get-tuple-element(%w), index=1
-}
-"""
-    module = hlo.parse(text)
-    assert hlo.flops(module) == 5 * 2 * 8 * 4 * 4
-    [ag] = hlo.collectives(module)
-    assert (ag.kind, ag.bytes, ag.executions, ag.group, ag.in_loop) == ("all-gather", 256, 5, 2,
-                                                                        True)
-
-
-WINDOWED = """HloModule w, num_partitions=8
-
-%wcond (p: (f32[8,4], f32[8,4], u32[])) -> pred[] {
-  %p = (f32[8,4], f32[8,4], u32[]) parameter(0)
-  %i = u32[] get-tuple-element(%p), index=2
-  %n = u32[] constant(4)
-  ROOT %lt = pred[] compare(%i, %n), direction=LT
-}
-
-%wbody (q: (f32[8,4], f32[8,4], u32[])) -> (f32[8,4], f32[8,4], u32[]) {
-  %q = (f32[8,4], f32[8,4], u32[]) parameter(0)
-  %x = f32[8,4] get-tuple-element(%q), index=0
-  %acc = f32[8,4] get-tuple-element(%q), index=1
-  %i = u32[] get-tuple-element(%q), index=2
-  %w = f32[4,4] constant({...})
-  %d0 = f32[8,4] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  %d1 = f32[8,4] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  %cp = f32[8,4] collective-permute(%x), source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}
-  %one = u32[] constant(1)
-  %i1 = u32[] add(%i, %one)
-  %i2 = u32[] add(%i1, %one)
-  %s = f32[8,4] add(%d0, %d1)
-  ROOT %t = (f32[8,4], f32[8,4], u32[]) tuple(%cp, %s, %i2)
-}
-
-ENTRY %main (a: f32[8,4]) -> f32[8,4] {
-  %a = f32[8,4] parameter(0)
-  %w = (f32[8,4], f32[8,4], u32[]) while(%a), condition=%wcond, body=%wbody
-  ROOT %r = f32[8,4] get-tuple-element(%w), index=1
-}
-"""
-
-
-def test_windowed_einsum_loop_counts_its_own_counter():
-    # libtpu's bidirectional windowed-einsum loops keep the counter last, run `i < N/2` in
-    # steps of 2 (two iterations unrolled into one body): reading element 0 of the tuple as
-    # the counter, or a step of 1, counted each such loop twice (the 1.9x of the 1B/7B steps).
-    module = hlo.parse(WINDOWED)
-    assert hlo.flops(module) == 2 * 2 * (2 * 8 * 4 * 4)  # 2 iterations x 2 dots
-    [cp] = hlo.collectives(module)
-    assert (cp.kind, cp.executions, cp.bytes) == ("collective-permute", 2, 8 * 4 * 4)
-    # After optimization libtpu copies the counter and adds 2 at once.
-    optimized = WINDOWED.replace("%i1 = u32[] add(%i, %one)", "%i1 = u32[] copy(%i)").replace(
-        "%one = u32[] constant(1)", "%one = u32[] constant(2)")
-    assert hlo.flops(hlo.parse(optimized)) == hlo.flops(module)
-
-
-def test_pallas_kernel_calls_are_counted_with_their_loop_trips():
-    # A Pallas kernel is a `tpu_custom_call` with no dot inside: `flops` cannot see it, so its
-    # executions are counted for the report to add (and label) the kernel's FLOPs.
-    text = """HloModule k, num_partitions=1
-
-%cond (p: (s32[], f32[8,4])) -> pred[] {
-  %p = (s32[], f32[8,4]) parameter(0)
-  %c = s32[] constant(3)
-  %i = s32[] get-tuple-element(%p), index=0
-  ROOT %lt = pred[] compare(%i, %c), direction=LT
-}
-
-%body (q: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
-  %q = (s32[], f32[8,4]) parameter(0)
-  %i = s32[] get-tuple-element(%q), index=0
-  %x = f32[8,4] get-tuple-element(%q), index=1
-  %k = f32[8,4] custom-call(%x), custom_call_target="tpu_custom_call", backend_config={}
-  ROOT %t = (s32[], f32[8,4]) tuple(%i, %k)
-}
-
-ENTRY %main (a: f32[8,4]) -> f32[8,4] {
-  %a = f32[8,4] parameter(0)
-  %w = (s32[], f32[8,4]) while(%a), condition=%cond, body=%body
-  %o = f32[8,4] custom-call(%a), custom_call_target="Sharding"
-  ROOT %r = f32[8,4] get-tuple-element(%w), index=1
-}
-"""
-    module = hlo.parse(text)
-    assert hlo.kernel_calls(module) == 3 and hlo.flops(module) == 0
-
-
-def test_a_collective_repeated_in_async_collective_fusions_counts_once():
-    # libtpu starts a weight gather in one fusion and finishes it in the fusion that computes
-    # with it: the same all-gather (same channel_id) appears in both computations.
-    text = """HloModule f, num_partitions=4
-
-%start (p0: bf16[2,8]) -> bf16[8,8] {
-  %p0 = bf16[2,8] parameter(0)
-  ROOT %ag1 = bf16[8,8] all-gather(%p0), channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}
-}
-
-%cont (p1: bf16[2,8]) -> bf16[8,8] {
-  %p1 = bf16[2,8] parameter(0)
-  ROOT %ag2 = bf16[8,8] all-gather(%p1), channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}
-}
-
-ENTRY %main (a: bf16[2,8]) -> bf16[8,8] {
-  %a = bf16[2,8] parameter(0)
-  %s = bf16[8,8] fusion(%a), kind=kCustom, calls=%start
-  ROOT %c = bf16[8,8] fusion(%a), kind=kOutput, calls=%cont
-}
-"""
-    [ag] = hlo.collectives(text)
-    assert (ag.kind, ag.bytes, ag.executions, ag.channel) == ("all-gather", 128, 1, 7)
-    other = text.replace("channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}\n}\n\nENTRY",
-                         "channel_id=8, replica_groups={{0,1,2,3}}, dimensions={0}\n}\n\nENTRY")
-    assert len(hlo.collectives(other)) == 2  # two channels: two collectives
-    # One channel twice in one computation (a permute split in halves) is two transfers.
-    halves = text.replace("ROOT %ag2 = bf16[8,8] all-gather(%p1), channel_id=7",
-                          "%h = bf16[8,8] all-gather(%p1), channel_id=7, replica_groups={{0,1,2,3}}"
-                          ", dimensions={0}\n  ROOT %ag2 = bf16[8,8] all-gather(%p1), channel_id=7")
-    assert sum(c.total_bytes for c in hlo.collectives(halves)) == 2 * 128
-    # Outside fusions one channel is not a repeat: a shard_map ppermute keeps channel_id 1 in
-    # the forward and the backward loops of a ring (models/attention/sequence/context.py), two transfers.
-    calls = text.replace("fusion(%a), kind=kCustom, calls=", "call(%a), to_apply=").replace(
-        "fusion(%a), kind=kOutput, calls=", "call(%a), to_apply=").replace(
-        "ROOT %c = bf16[8,8]", "%c = bf16[8,8]").replace(
-        "to_apply=%cont\n}", "to_apply=%cont\n  ROOT %t = (bf16[8,8], bf16[8,8]) tuple(%s, %c)\n}")
-    assert sum(c.total_bytes for c in hlo.collectives(calls)) == 2 * 128
 
 
 def test_the_planner_guess_is_the_memory_model_and_names_no_model():
@@ -358,27 +195,6 @@ def test_compile_mesh_mismatch_is_one_paragraph(tmp_path):
                 tmp_path)
     assert proc.returncode == 2
     assert "v5p:2x2x1 (4 chips)" in proc.stderr and "Traceback" not in proc.stderr
-
-
-RAGGED = """HloModule r, num_partitions=1
-
-ENTRY %main (x: bf16[12,8], w: bf16[3,8,4], g: bf16[12,4], s: s32[3]) -> (bf16[12,4], bf16[3,8,4]) {
-  %x = bf16[12,8] parameter(0)
-  %w = bf16[3,8,4] parameter(1)
-  %g = bf16[12,4] parameter(2)
-  %s = s32[3] parameter(3)
-  %f = bf16[12,4] ragged-dot(%x, %w, %s), lhs_contracting_dims={1}, rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims={0}
-  %dw = bf16[3,8,4] ragged-dot(%x, %g, %s), lhs_contracting_dims={0}, rhs_contracting_dims={0}, lhs_ragged_dims={0}
-  ROOT %t = (bf16[12,4], bf16[3,8,4]) tuple(%f, %dw)
-}
-"""
-
-
-def test_ragged_dot_flops_count_each_row_against_its_own_group():
-    # The dropless MoE's grouped matmuls: the forward (rows split into groups, each row meets
-    # one group's (8, 4) weights) and the weight gradient (one (8, 4) output per group, each
-    # contracting only its group's rows): 2 x 12 x 8 x 4 each, never x the 3 groups.
-    assert hlo.flops(hlo.parse(RAGGED)) == 2 * (2 * 12 * 8 * 4)
 
 
 def test_moe_flops_per_token_count_the_active_experts():

@@ -7,16 +7,19 @@ The layers, lowest first. A package (or top-level module) imports only packages 
 packages of the same layer are peers and import none of each other, so no two packages import
 each other either.
 
- 0. `errors`, `hardware`, `presets`, `__init__`: error types and tables of facts (peak FLOP/s,
-    the rules presets, the version). They import nothing of jaxscale.
+ 0. `errors`, `hardware`, `presets`, `compat`, `__init__`: error types and tables of facts (peak
+    FLOP/s, the rules presets, the version, what differs between the supported jax / flax / orbax
+    versions). They import nothing of jaxscale.
  1. `storage`, `runtime`, `precision`, `optim`, `mesh`, `rules`: one concern each (bytes at a
     location, process start-up and pre-emption, precision policies, optimizers by name, the
     device mesh, logical-axis rules).
  2. `data`, `models`: the input pipeline; model code, which knows only logical axis names and
     nothing of training, checkpoints or Lo-Fi.
- 3. `parallel`, `observe`: pipeline schedules and accumulation over a model's layers; metrics,
-    progress, loggers, throughput and profiling, which the loop writes to (so below train; what
-    builds a step to report on it belongs above train).
+ 3. `parallel`, `observe`, `objectives`: pipeline schedules and accumulation over a model's
+    layers; metrics, progress, loggers, throughput and profiling, which the loop writes to (so
+    below train; what builds a step to report on it belongs above train); the training
+    objectives (next token, preference pairs against a reference model), which use a model's
+    task and know nothing of where the reference's weights live (the train state does).
  4. `config`: the base config and `validate`, which asks the packages below for their names
     (presets, remat policies, attention kinds, loggers, data files). The loop, the planner and
     Lo-Fi read and validate configs, so config sits below them all.
@@ -71,10 +74,10 @@ from collections.abc import Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("__init__", "errors", "hardware", "presets"),
+    ("__init__", "errors", "hardware", "presets", "compat"),
     ("storage", "runtime", "precision", "optim", "mesh", "rules"),
     ("data", "models"),
-    ("parallel", "observe"),
+    ("parallel", "observe", "objectives"),
     ("config",),
     ("weights",),
     ("train",),

@@ -331,12 +331,12 @@ def test_the_hlo_reader_counts_ragged_all_to_alls_and_pallas_cost_estimates():
     """`aot/hlo.py` on the dropless dispatch's ops (as libtpu writes them): a ragged-all-to-all
     is an all-to-all of the rows sent (its 8-row operand, not its 32-row receive buffer), and a
     Pallas kernel's cost estimate (megablox's) counts in the FLOPs and the grouped FLOPs."""
-    from jaxscale.aot import hlo
+    from jaxscale.aot import hlo, hlo_flops
 
     module = hlo.parse(_RAGGED_HLO)
     (a2a,) = hlo.collectives(module)
     assert (a2a.kind, a2a.bytes, a2a.group) == ("all-to-all", 8 * 16 * 2, 4)
-    assert hlo.flops(module) == hlo.grouped_flops(module) == 524288
+    assert hlo_flops.flops(module) == hlo_flops.grouped_flops(module) == 524288
 
 
 def test_the_ragged_dispatch_traffic_is_every_assignment_out_and_back():

@@ -11,7 +11,7 @@ from configs import tiny_lm
 from jaxscale.data.packing import SegmentRows
 from jaxscale.models import ModelDef
 from jaxscale.models.attention.kernels import ATTENTION_IMPLS
-from jaxscale.models.decoder.lm_task import lm_loss, packed_losses
+from jaxscale.models.decoder.lm_task import lm_loss, masked_losses
 from jaxscale.precision import get_policy
 
 
@@ -58,7 +58,7 @@ def test_loss_counts_only_real_tokens(packed):
     model_def = ModelDef.build(c.model, get_policy("32-true"))
     params = model_def.init_params(jax.random.key(1))
     model = model_def.module(params)
-    losses, mask = packed_losses(model, batch)
+    losses, mask = masked_losses(model, batch)
     seg = batch["segment_ids"]
     expected = ((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)).sum()
     assert mask.sum() == expected and expected < seg.size  # padding and boundaries excluded

@@ -65,6 +65,23 @@ def test_two_failures_make_a_rule_of_the_settings_they_share_unless_one_compiled
     assert all(s != {"model.remat": "full", "train.grad_accum": 2} for s, _ in rules)
 
 
+def test_what_a_group_of_failures_shares_is_a_wider_rule():
+    # No two of the three share only grad_accum=2 (and the mesh's fsdp=4), all three do: that
+    # group's rule is the most general, and comes first.
+    a = _cand(**{"model.loss_chunks": 1})
+    b = _cand(**{"model.loss_chunks": 8, "mesh.data": 2})
+    c = _cand(**{"model.loss_chunks": 1, "mesh.data": 2, "model.remat": "full"})
+    rules = same_error_rules([(i, x, _failed(x)) for i, x in enumerate((a, b, c))])
+    assert rules[0] == ({"mesh.fsdp": 4, "train.grad_accum": 2}, a)
+    assert ({"mesh.data": 2, "mesh.fsdp": 4, "train.grad_accum": 2}, b) in rules  # b and c
+    # A success with those settings leaves only the rules it does not have.
+    ok = _cand(**{"model.loss_chunks": 8, "model.remat": "none"})
+    rules = same_error_rules([(i, x, _failed(x)) for i, x in enumerate((a, b, c))]
+                             + [(3, ok, OK)])
+    assert all(not all(ok.full.get(k) == v for k, v in s.items()) for s, _ in rules)
+    assert ({"mesh.data": 2, "mesh.fsdp": 4, "train.grad_accum": 2}, b) in rules
+
+
 def _simulate(front: Frontier, max_candidates: int, compile_fn) -> list:
     """`search`'s loop without processes (failures use none of the budget, as there)."""
     results = []

@@ -4,6 +4,7 @@ dynamic loss scaling skips exactly the overflowed update and recovers."""
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -31,7 +32,7 @@ def _dot_dtypes(jaxpr) -> list:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             out.append(eqn.outvars[0].aval.dtype)
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             out.extend(_dot_dtypes(sub))
     return out
 

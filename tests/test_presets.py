@@ -14,6 +14,7 @@ from aot_common import libtpu_test, run
 from configs import finetune_lm, llama
 from jaxscale.aot.plan import fits
 from jaxscale.aot.topology import parse_topology
+from jaxscale.compat import memory_drifted
 from jaxscale.errors import ConfigError
 
 TPU_TARGETS = {name: t for name, t in llama.TARGETS.items() if not t.gpu}
@@ -89,7 +90,7 @@ def test_preset_fits_its_target(variant, presets_compiled):
     assert "error" not in report, report
     gib = report["total_bytes"] / 2**30
     assert fits(report), f"{gib:.2f} GiB"
-    assert gib == pytest.approx(llama.COMPILED[llama.parse_arg(variant)].gib, abs=0.02), (
+    assert not memory_drifted(gib, llama.COMPILED[llama.parse_arg(variant)].gib), (
         f"{variant}: the compiler now needs {gib:.2f} GiB per chip; rerun bench/presets.py")
     assert proc.returncode == 0 and "presets fit as recorded" in proc.stdout, proc.stdout
 

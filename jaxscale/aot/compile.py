@@ -22,7 +22,7 @@ import ml_collections as mlc
 
 from jaxscale import config as config_lib
 from jaxscale.aot import flops as flops_lib
-from jaxscale.aot import hlo, traffic
+from jaxscale.aot import hlo, hlo_flops, traffic
 from jaxscale.aot.choices import fit_advice, require_language_model, rows_per_chip
 from jaxscale.aot.topology import Topology, TopologyError, topology_devices, usable_hbm_bytes
 from jaxscale.errors import JaxscaleError, MeshError, paragraph
@@ -221,7 +221,7 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         with open(_dumped(dump, "after_tpu-spmd-partitioning*.txt")) as f:
             partitioned = hlo.parse(f.read())
     elapsed = time.perf_counter() - start
-    calls = hlo.kernel_calls(partitioned)
+    calls = hlo_flops.kernel_calls(partitioned)
     in_kernels = flops_lib.kernel_flops(config, topology.num_chips) if calls else 0.0
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
@@ -238,13 +238,13 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         host_temp_bytes=mem.host_temp_size_in_bytes,
         host_argument_bytes=mem.host_argument_size_in_bytes,
         host_output_bytes=mem.host_output_size_in_bytes,
-        flops=hlo.flops(partitioned) + in_kernels,
+        flops=hlo_flops.flops(partitioned) + in_kernels,
         flops_cost_analysis=float(cost.get("flops", 0.0)),
         model_flops=flops_lib.model_flops(config, topology.num_chips),
         expected_flops=flops_lib.expected_flops(config, topology.num_chips),
         padding_flops=flops_lib.padding_flops(config, topology.num_chips),
         expected_collectives=_expected_collectives(config, mesh),
-        kernel_calls=calls, kernel_flops=in_kernels, int8_flops=hlo.int8_flops(partitioned),
+        kernel_calls=calls, kernel_flops=in_kernels, int8_flops=hlo_flops.int8_flops(partitioned),
         collectives=[asdict(c) for c in hlo.collectives(optimized, slices)],
         compile_s=elapsed, tokens_per_step=config.data.batch_size * config.data.seq_len,
         hlo_path=text_path if hlo_dir else None,

@@ -16,9 +16,11 @@ It also learns from compiler failures (`same_error_rules`). A failure is not a r
 none of the candidate budget, so it never ends the search early. But once two candidates have
 failed with the same error signature (`compile.error_signature`: the compiler's line without
 paths and numbers), the untried candidates that share every setting those two share (their
-"siblings", e.g. every remat policy at grad_accum=2 on that mesh) are skipped as "same compiler
-error as <the first of them>", unless a candidate with those settings compiled: the compiler
-fails on a construct, and settings two failures have in common are the likeliest cause.
+"siblings", e.g. every remat policy at grad_accum=2 on that mesh; with more failures, what a
+group of them shares, e.g. grad_accum=2 on any mesh) are skipped as "same compiler error as
+<the first failure with those settings>", unless a candidate with those settings compiled: the
+compiler fails on a construct, and what failures have in common and no success has is the
+likeliest cause.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ CHOICES = (("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.pipeline", "mesh.expe
            ("rules_preset",), ("model.remat",), ("model.attention",), ("model.loss_chunks",),
            ("train.grad_accum",), ("pipeline.schedule", "pipeline.microbatches"))
 MAX_STEPS = 2  # choices a neighbour may differ in: lighter remat with more accumulation is 2
+MAX_RULES = 256  # same-error rules per signature: their intersections stop growing there
 
 SKIP_DOMINATED = "dominated by a fitting one (costs more, saves nothing)"
 SKIP_OVER = "needs no less HBM than one over HBM"
@@ -89,25 +92,33 @@ def _has(cand: Candidate, settings: dict) -> bool:
 
 def same_error_rules(results: list[tuple[int, Candidate, dict]]
                      ) -> list[tuple[dict, Candidate]]:
-    """(settings, the first failure with them) per rule learned from compiler failures: for
-    each error signature with two or more failures, the settings all of them share, and those
-    each pair of them shares, unless a compiled candidate (one that did not fail) has them too.
-    A candidate with every setting of a rule is a sibling of its failures (`Frontier.why_skip`).
-    """
+    """(settings, the first failure with them), most general first: the rules learned from
+    compiler failures. Per error signature, the settings each two of its failures share, and
+    the settings shared by any larger group of them (the intersections of those), each kept
+    only while no compiled candidate (one that did not fail) has all of them. A candidate with
+    every setting of a rule is a sibling of its failures (`Frontier.why_skip`): the failures
+    name a construct the compiler cannot take, and it is in what they have in common that no
+    success has. A rule can be wider than the cause (a cause such as "any grad_accum above 1"
+    is no one setting); the plan lists what it skipped, for compiling by hand."""
     failed: dict[str, list[Candidate]] = {}
     for _, cand, result in sorted(results, key=lambda x: x[0]):
         if sig := signature(result):
             failed.setdefault(sig, []).append(cand)
     compiled = [cand for _, cand, result in results if "error" not in result]
+    holds = lambda s: bool(s) and not any(_has(c, dict(s)) for c in compiled)
     rules = []
     for group in failed.values():
-        subsets = [group] + (list(map(list, itertools.combinations(group, 2)))
-                             if len(group) > 2 else [])
-        for subset in (s for s in subsets if len(s) >= 2):
-            settings = _shared(subset)
-            if settings and not any(_has(c, settings) for c in compiled):
-                rules.append((settings, subset[0]))
-    return rules
+        found = {frozenset(_shared([a, b]).items()) for a, b in itertools.combinations(group, 2)}
+        found = {s for s in found if holds(s)}
+        grown = True
+        while grown and len(found) < MAX_RULES:
+            grown = False
+            for a, b in itertools.combinations(list(found), 2):
+                if (both := a & b) not in found and holds(both):
+                    found.add(both)
+                    grown = True
+        rules += [(dict(s), next(c for c in group if _has(c, dict(s)))) for s in found]
+    return sorted(rules, key=lambda rule: (len(rule[0]), rule[1].label()))
 
 
 def steps_apart(a: Candidate, b: Candidate) -> int:

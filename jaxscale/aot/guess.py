@@ -51,6 +51,7 @@ def remat_bytes(config: mlc.ConfigDict, dims: Dims | None, mesh: dict[str, int],
     none and full."""
     import numpy as np
 
+    from jaxscale.objectives import holds_reference
     from jaxscale.precision import get_policy
 
     if dims is None or mesh.get("pipeline", 1) > 1:
@@ -58,6 +59,8 @@ def remat_bytes(config: mlc.ConfigDict, dims: Dims | None, mesh: dict[str, int],
     policy, seq = get_policy(config.precision), config.data.seq_len
     state = state_bytes_per_param(np.dtype(policy.param).itemsize,
                                   np.dtype(policy.compute).itemsize, accumulate=accum > 1)
+    if holds_reference(config):  # dpo / ipo: a frozen copy of the weights, sharded as they are
+        state += np.dtype(policy.param).itemsize
     tokens = config.data.batch_size / (mesh["data"] * mesh["fsdp"] * mesh.get("expert", 1)
                                        * accum) * seq
     scale = CALIBRATION if remat in KEEPS_ALL else REMAT_CALIBRATION

@@ -1,4 +1,5 @@
-"""HLO accounting, the one home for it: collectives (kind, bytes, group, trip counts) and FLOPs.
+"""HLO accounting: the module's text parsed (computations, loop trip counts, what is live) and
+its collectives (kind, bytes, group, executions); its FLOPs are counted in `aot/hlo_flops.py`.
 
 Reads the text of an XLA HLO module (CPU: `compiled.as_text()`; TPU: libtpu's dump, see
 `jaxscale.aot.compile`). Every count is per device and per step: an instruction inside while
@@ -14,7 +15,7 @@ Across slices libtpu compiles one slice's program and hands the collectives that
 its Megascale runtime as host-transfer sends: those count as DCN collectives, and what only
 feeds a send stays live. Bytes: the gathered result for all-gather, the input for
 reduce-scatter, the payload otherwise; for a collective-permute the payload times the fraction
-of devices sending. A `ragged-all-to-all` (the dropless MoE's dispatch, `models/moe_dispatch.py`)
+of devices sending. A `ragged-all-to-all` (the dropless MoE's dispatch, `models/moe/dispatch.py`)
 counts as an all-to-all of the smaller of its operand and output buffers: one is the static
 worst-case receive buffer, the other the rows actually sent (each device's assignments).
 """
@@ -33,22 +34,23 @@ from jaxscale.aot.groups import replica_groups
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
                 "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 _COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \((.*)\) -> .*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
-_OP = re.compile(r"%([\w.\-]+)")
-_CALLS = re.compile(r"(?:body|calls|to_apply|condition|true_computation|false_computation)"
+# An operand: `%name`, or `%name#k`, element k of a tuple (jax >= 0.11's XLA), which `parse`
+# turns into the `get-tuple-element` instruction older versions wrote (see `_tuple_elements`).
+OP = re.compile(r"%([\w.\-]+(?:#\d+)?)")
+_ELEMENT = re.compile(r"%([\w.\-]+)#(\d+)")
+_COMMENT = re.compile(r"/\*.*?\*/")
+CALLS = re.compile(r"(?:body|calls|to_apply|condition|true_computation|false_computation)"
                     r"=%([\w.\-]+)|branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
 _CONST = re.compile(r"constant\((-?\d+)\)")
-_CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-_RAGGED = re.compile(r"lhs_ragged_dims=\{(\d+)\}")
 _CHANNEL = re.compile(r"channel_id=(\d+)")
 _FUSED_COLLECTIVE = "all-reduce-scatter"  # libtpu's reduce-scatter, as a fusion
 _RAGGED_A2A = "ragged-all-to-all"
-_KERNEL_FLOPS = re.compile(r'"cost_estimate":\s*\{[^}]*"flops":\s*(\d+)')
 # Multi-slice: libtpu compiles one slice's program and hands the collectives that cross slices
 # to the Megascale runtime as host-transfer `send`s, their kind and groups in attributes.
 _MEGASCALE_KIND = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
@@ -97,11 +99,11 @@ class Collective:
 
 def shape_bytes(shape_text: str) -> int:
     return sum(math.prod(int(d) for d in filter(None, dims.split(","))) * _DTYPE_BYTES[dt]
-               for dt, dims in _ARRAY.findall(shape_text))
+               for dt, dims in ARRAY.findall(shape_text))
 
 
-def _dims(shape_text: str) -> list[int]:
-    m = _ARRAY.search(shape_text)
+def dims(shape_text: str) -> list[int]:
+    m = ARRAY.search(shape_text)
     return [int(d) for d in filter(None, m.group(2).split(","))] if m else []
 
 
@@ -120,11 +122,50 @@ def parse(hlo: str) -> Module:
         m = _INSTR.match(line)
         if m and current is not None:
             comps[current].append(Instr(*m.groups(), is_root=line.lstrip().startswith("ROOT")))
+    comps = {name: _tuple_elements(instrs) for name, instrs in comps.items()}
     partitions = int((_PARTITIONS.search(hlo) or [0, 1])[1])
     module = Module(comps, params, entry, partitions)
     module.live = {name: _live(instrs) for name, instrs in comps.items()}
     module.mult = _multiplicities(module)
     return module
+
+
+def _tuple_elements(instrs: list[Instr]) -> list[Instr]:
+    """The computation with each tuple element its operands name as `%t#k` (jax >= 0.11's XLA
+    writes no `get-tuple-element` instruction) made into the instruction older versions wrote,
+    `t#k = SHAPE get-tuple-element(%t), index=k`, so that loop counters, operand shapes and
+    liveness read alike in both syntaxes. Without it a windowed-einsum loop's counter (`%p#4 <
+    N`, advanced by 2) was not found: its trip count came out N instead of N/2, counting the FSDP
+    gather loops twice."""
+    shapes = {i.name: i.shape for i in instrs}
+    added: dict[str, Instr] = {}
+    for ins in instrs:
+        for name, k in _ELEMENT.findall(ins.rest):
+            key = f"{name}#{k}"
+            if key not in added:
+                elements = split_tuple(shapes.get(name, ""))
+                shape = elements[int(k)] if int(k) < len(elements) else ""
+                added[key] = Instr(key, shape, "get-tuple-element", f"%{name}), index={k}")
+    return list(added.values()) + instrs
+
+
+def split_tuple(shape_text: str) -> list[str]:
+    """The element shapes of a tuple shape `(f32[8]{0}, (s32[], u32[]), /*index=2*/bf16[4])`,
+    split at its top level (layouts and nested tuples kept whole); [] for a non-tuple."""
+    text = _COMMENT.sub("", shape_text).strip()
+    if not text.startswith("(") or not text.endswith(")"):
+        return []
+    elements, depth, start = [], 0, 1
+    for pos, ch in enumerate(text[1:-1], 1):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            elements.append(text[start:pos].strip())
+            start = pos + 1
+    elements.append(text[start:-1].strip())
+    return [e for e in elements if e]
 
 
 def _live(instrs: list[Instr]) -> list[Instr]:
@@ -138,14 +179,14 @@ def _live(instrs: list[Instr]) -> list[Instr]:
     stack = [root] + [i for i in instrs if i.opcode in _SIDE_EFFECTS]
     seen = {i.name for i in stack}
     while stack:
-        for op in _OP.findall(stack.pop().rest.split("), ")[0]):
+        for op in OP.findall(stack.pop().rest.split("), ")[0]):
             if op in by_name and op not in seen:
                 seen.add(op)
                 stack.append(by_name[op])
     return [i for i in instrs if i.name in seen]
 
 
-def _trip_count(module: Module, instr: Instr) -> int:
+def trip_count(module: Module, instr: Instr) -> int:
     """Iterations of a while loop: annotated, or read from the loop itself (libtpu does not
     annotate): the condition compares one element k of the loop tuple with a constant N
     (`i < N`), and the body updates element k as `i + a + b ...` (windowed-einsum loops keep
@@ -170,7 +211,7 @@ def _constants(instrs: list[Instr]) -> dict[str, int]:
 
 
 def _operands(instr: Instr) -> list[str]:
-    return _OP.findall(instr.rest.split(")")[0])
+    return OP.findall(instr.rest.split(")")[0])
 
 
 def _tuple_index(instr: Instr | None) -> int | None:
@@ -230,9 +271,9 @@ def _multiplicities(module: Module) -> dict[str, tuple[int, bool]]:
     for comp in order:  # breadth-first over the call graph (HLO call graphs are acyclic)
         count, looped = mult[comp]
         for instr in module.live.get(comp, []):
-            trip = _trip_count(module, instr) if instr.opcode == "while" else 1
-            for single, many in _CALLS.findall(instr.rest):
-                for callee in [single] if single else _OP.findall(many):
+            trip = trip_count(module, instr) if instr.opcode == "while" else 1
+            for single, many in CALLS.findall(instr.rest):
+                for callee in [single] if single else OP.findall(many):
                     is_body = instr.opcode == "while" and f"body=%{callee}" in instr.rest
                     factor = trip if is_body else 1
                     old = mult[callee]
@@ -264,13 +305,13 @@ def collectives(module: Module | str, slice_of: list[int] | None = None) -> list
                 continue
             size = shape_bytes(ins.shape)
             if ragged:  # operand 0 is the data sent, the result the receive buffer
-                sent = _OP.findall(ins.rest.split(")")[0])[:1]
+                sent = OP.findall(ins.rest.split(")")[0])[:1]
                 size = min([size] + [shape_bytes(shapes[o]) for o in sent if o in shapes])
             if comp.startswith(_FUSED_COLLECTIVE):  # the all-reduce of a reduce-scatter fusion
                 kind = "reduce-scatter"
             if kind == "reduce-scatter" or (kind == "all-gather" and ins.opcode.endswith(
                     "-start")):
-                operands = _OP.findall(ins.rest.split(")")[0])
+                operands = OP.findall(ins.rest.split(")")[0])
                 in_size = sum(shape_bytes(shapes.get(o, "")) for o in operands)
                 size = in_size if kind == "reduce-scatter" and in_size else size
                 if kind == "all-gather":  # the async form's shape is (operand, result)
@@ -296,7 +337,7 @@ def collectives(module: Module | str, slice_of: list[int] | None = None) -> list
 def _fusion_bodies(module: Module) -> set[str]:
     """The computations a `fusion` instruction calls (where libtpu repeats a collective)."""
     return {callee for instrs in module.comps.values() for ins in instrs
-            if ins.opcode == "fusion" for callee, _ in _CALLS.findall(ins.rest) if callee}
+            if ins.opcode == "fusion" for callee, _ in CALLS.findall(ins.rest) if callee}
 
 
 def _megascale(ins: Instr, count: int, looped: bool, num_slices: int) -> Collective:
@@ -311,7 +352,7 @@ def _megascale(ins: Instr, count: int, looped: bool, num_slices: int) -> Collect
     if kind is None:
         _warn_once(f"unknown Megascale transfer type {transfer}: counted as an all-to-all")
         kind = "all-to-all"
-    payload = _ARRAY.search(ins.shape)
+    payload = ARRAY.search(ins.shape)
     size = shape_bytes(payload.group(0)) if payload else 0
     compact, listed = _MEGASCALE_SLICES.search(ins.rest), _MEGASCALE_GROUP.search(ins.rest)
     if compact:
@@ -366,116 +407,3 @@ def summarize(found: list[Collective]) -> dict[str, tuple[int, int]]:
         n, b = out[c.kind]
         out[c.kind] = (n + c.executions, b + c.total_bytes)
     return out
-
-
-def dot_flops(module: Module) -> dict[str, float]:
-    """Matmul FLOPs per device per step by operand type ('bf16', 'f32', 's8' where both
-    operands are int8, ...): 2 x output elements x contracted size for every `dot` (read the HLO
-    after SPMD partitioning, before dots become TPU convolutions), loop bodies multiplied by
-    their trip counts. The type is the lhs's, or 'mixed' when the two operands differ.
-    A `ragged-dot` (MoE grouped matmuls, `jax.lax.ragged_dot`) counts the same where its groups
-    split the rows (each row meets one group's weights); where they split the contracted
-    dimension (the weight gradient: one output per group, each contracting only its group's
-    rows) the count is divided by the groups, the output's first dimension."""
-    total: dict[str, float] = defaultdict(float)
-    for comp, instrs in module.live.items():
-        count = module.mult.get(comp, (0, False))[0]
-        shapes = {i.name: i.shape for i in instrs}
-        for ins in instrs:
-            if ins.opcode not in ("dot", "ragged-dot") or not count:
-                continue
-            lhs, rhs = (shapes.get(o, "") or _param_shape(module, comp, o)
-                        for o in _OP.findall(ins.rest.split(")")[0])[:2])
-            contracted = [int(d) for d in filter(None, _CONTRACT.search(ins.rest).group(1)
-                                                 .split(","))]
-            k = math.prod(_dims(lhs)[d] for d in contracted)
-            out = _dims(ins.shape)
-            ragged = _RAGGED.search(ins.rest) if ins.opcode == "ragged-dot" else None
-            groups = out[0] if ragged and int(ragged.group(1)) in contracted else 1
-            types = {m.group(1) for m in (_ARRAY.search(lhs), _ARRAY.search(rhs)) if m}
-            total[types.pop() if len(types) == 1 else "mixed"] += (
-                2.0 * math.prod(out) * k * count / groups)
-    kernels = kernel_cost_flops(module)
-    if kernels:
-        total["pallas"] += kernels
-    return dict(total)
-
-
-def kernel_cost_flops(module: Module) -> float:
-    """FLOPs per device per step of Pallas TPU kernels that carry a cost estimate in their
-    backend config (megablox's grouped matmuls: 2 x rows x k x n of its static row count, an
-    upper bound like a ragged-dot's, `grouped_flops`), loop bodies x trip counts; 0 for kernels
-    without one (splash attention, counted analytically by `aot.flops.kernel_flops`)."""
-    total = 0.0
-    counts = _summed_counts(module)
-    for comp, instrs in module.live.items():
-        count = counts.get(comp, 0)
-        for ins in instrs:
-            m = _KERNEL_FLOPS.search(ins.rest) if ins.opcode == "custom-call" else None
-            if m and count and 'custom_call_target="tpu_custom_call"' in ins.rest:
-                total += float(m.group(1)) * count
-    return total
-
-
-def _summed_counts(module: Module) -> dict[str, int]:
-    """Executions per step of each computation, summed over its call sites: a jitted function
-    called from several places (megablox's `gmm`, once per grouped matmul of a layer) is one
-    computation that `Module.mult` (the most executions of any one site) counts once."""
-    callers: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    for comp, instrs in module.live.items():
-        for instr in instrs:
-            trip = _trip_count(module, instr) if instr.opcode == "while" else 1
-            for single, many in _CALLS.findall(instr.rest):
-                for callee in [single] if single else _OP.findall(many):
-                    body = instr.opcode == "while" and f"body=%{callee}" in instr.rest
-                    callers[callee].append((comp, trip if body else 1))
-
-    @functools.cache
-    def count(comp: str) -> int:
-        if comp == module.entry:
-            return 1
-        return sum(count(caller) * factor for caller, factor in callers.get(comp, []))
-
-    return {comp: count(comp) for comp in module.live}
-
-
-def grouped_flops(module: Module) -> float:
-    """The part of `flops` in grouped matmuls (`ragged-dot`s and cost-estimated Pallas kernels,
-    the dropless MoE's), counted at their static row counts: every row of the (gathered or
-    worst-case received) buffer, while only the routed rows are multiplied. Subtract it and add
-    the routed count to compare with the model (bench/RESULTS.md, dropless MoE)."""
-    ragged = dot_flops(_only(module, "ragged-dot"))
-    return sum(ragged.values()) + kernel_cost_flops(module)
-
-
-def _only(module: Module, opcode: str) -> Module:
-    live = {c: [i for i in instrs if i.opcode == opcode] for c, instrs in module.live.items()}
-    return Module(module.comps, module.params, module.entry, module.partitions, module.mult,
-                  live)
-
-
-def flops(module: Module) -> float:
-    """Matmul FLOPs per device per step, all operand types (`dot_flops`), with Pallas kernels'
-    own cost estimates (`kernel_cost_flops`)."""
-    return sum(dot_flops(module).values())
-
-
-def int8_flops(module: Module) -> float:
-    """The part of `flops` in int8 x int8 matmuls (quantized training, `precision=int8`)."""
-    return dot_flops(module).get("s8", 0.0)
-
-
-def kernel_calls(module: Module) -> int:
-    """Executions per device per step of Pallas TPU kernels (`tpu_custom_call` custom calls,
-    e.g. splash attention), loop bodies x trip counts. `flops` holds only the FLOPs of kernels
-    that carry a cost estimate (megablox, `kernel_cost_flops`); for the others (splash) whoever
-    reports FLOPs must add them (`aot.flops.kernel_flops`)."""
-    pallas = 'custom_call_target="tpu_custom_call"'
-    return sum(module.mult.get(comp, (0, False))[0]
-               for comp, instrs in module.live.items() for ins in instrs
-               if ins.opcode == "custom-call" and pallas in ins.rest)
-
-
-def _param_shape(module: Module, comp: str, name: str) -> str:
-    m = re.search(rf"{re.escape(name)}: ([^,)]*\])", module.params.get(comp, ""))
-    return m.group(1) if m else ""

@@ -22,9 +22,11 @@ from typing import Any
 import grain
 import numpy as np
 
+from jaxscale.data.chat import find_template
+from jaxscale.data.chat_sources import kind_of
 from jaxscale.data.doc_index import default_exchange
 from jaxscale.data.packing import PACKINGS, make_rows
-from jaxscale.data.sources import SourceSpec, expand, open_source, parse_sources
+from jaxscale.data.sources import SourceSpec, expand, open_source, parse_sources, prepared_kind
 from jaxscale.data.tokenizer import BYTES, check_vocab, file_hash, load_tokenizer
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.storage import locations
@@ -118,6 +120,35 @@ def _sources(specs: list[SourceSpec], config: Any, tokenizer: Any, field_name: s
                         **where) for s in specs]
 
 
+def make_all_rows(sources: list, d: Any, pad_id: int, also: list = ()) -> list:
+    """The rows of each of `sources` with the run's packing and `seq_len`; rows carry
+    `loss_mask` when these sources or `also` (the other split) hold chat, so that training and
+    held-out batches have the same arrays. Preference pairs have rows of their own, so they
+    are never mixed with other kinds of data."""
+    kinds = {kind_of(s) for s in [*sources, *also]}
+    if "preference" in kinds and len(kinds) > 1:
+        raise ConfigError(paragraph(
+            "data.sources / data.eval_sources mix preference pairs with",
+            f"{' and '.join(sorted(kinds - {'preference'}))} data: a preference row holds a",
+            "chosen and a rejected response, other rows one sequence, so they cannot share a",
+            "batch. Train on the pairs alone (a preference objective), or on the others alone."))
+    return [make_rows(s, d.get("packing", "concat"), d.seq_len, pad_id, "chat" in kinds,
+                      d.get("train_on", "assistant")) for s in sources]
+
+
+def configured_kind(d: Any) -> str:
+    """What `config.data`'s sources hold, read from the config (and the `metadata.json` of
+    prepared shards), no document read: `preference` where any source holds pairs, else
+    `chat` where any holds conversations, else `text` (the stdlib demo included)."""
+    kinds = set()
+    for spec in parse_sources(d.get("sources", "")) if d.get("sources") else []:
+        if spec.format in ("chat", "preference"):
+            kinds.add(spec.format)
+        elif spec.format == "array_record":
+            kinds.add(prepared_kind(expand(spec)))
+    return next((k for k in ("preference", "chat") if k in kinds), "text")
+
+
 def _eval_batches(rows: list, global_batch: int, count: int, process_index: int,
                   process_count: int, required: bool = True) -> list[dict[str, np.ndarray]]:
     """The first `count` global batches of the held-out rows, in order (sources one after
@@ -153,8 +184,8 @@ def source_eval_batches(config: Any, sources: str, process_index: int, process_c
         raise ConfigError(f"{field_name} is empty; give e.g. 'text=/data/val/*.txt'.")
     hosts = dict(process_index=process_index, process_count=process_count,
                  exchange=default_exchange(process_count))
-    rows = [make_rows(s, d.get("packing", "concat"), d.seq_len, tokenizer.pad_id)
-            for s in _sources(specs, config, tokenizer, field_name, hosts)]
+    rows = make_all_rows(_sources(specs, config, tokenizer, field_name, hosts), d,
+                         tokenizer.pad_id)
     order = [(k, i) for k, r in enumerate(rows) for i in range(r.num_rows)]
     if not order:
         raise ConfigError(paragraph(
@@ -201,12 +232,11 @@ def files_data(config: Any, process_index: int, process_count: int,
         masks = [heldout_mask(s, d.get("eval_fraction", 0.05)) for s in train]
         heldout = [s.subset(m) for s, m in zip(train, masks) if m.any()]
         train = [s.subset(~m) for s, m in zip(train, masks)]
-    packing = d.get("packing", "concat")
-    rows = tuple(make_rows(s, packing, d.seq_len, tokenizer.pad_id) for s in train)
+    rows = tuple(make_all_rows(train, d, tokenizer.pad_id, heldout))
     skipped = report_skipped(d, train + heldout, process_index)
     batches = MixtureBatches(rows, tuple(s.weight for s in specs), d.batch_size, process_index,
                              process_count, seed=config.seed, skipped_records=skipped)
-    eval_rows = [make_rows(s, packing, d.seq_len, tokenizer.pad_id) for s in heldout]
+    eval_rows = make_all_rows(heldout, d, tokenizer.pad_id, train)
     evals = _eval_batches(eval_rows, d.batch_size, d.eval_batches, process_index, process_count,
                           require_heldout)
     return batches, evals
@@ -242,6 +272,10 @@ def validate_files(config: Any) -> None:
         make_rows(None, d.packing, d.seq_len, 0)  # raises the one-paragraph error
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1).")
+    if d.get("train_on", "assistant") not in ("assistant", "all"):
+        raise ConfigError(paragraph(
+            f"data.train_on={d.train_on!r}: use 'assistant' (chat data: the loss counts the",
+            "tokens the assistant produces) or 'all' (every token of the conversation)."))
     tokenizer = load_tokenizer(d.tokenizer)
     check_vocab(tokenizer, config.model.vocab_size, d.tokenizer)
     locations.configure(config.get("storage"))  # bucket globs: the run's endpoint and region
@@ -249,5 +283,7 @@ def validate_files(config: Any) -> None:
         for spec in parse_sources(d[name], f"data.{name}"):
             expand(spec, f"data.{name}")  # a glob matching nothing fails here
             check_prepared(spec, d.tokenizer, f"data.{name}")
+            if spec.format in ("chat", "preference"):  # no template: one paragraph, now
+                find_template(d.tokenizer, d.get("chat_template", ""))
     if not parse_sources(d.sources):
         raise ConfigError("data.corpus='files' needs data.sources, e.g. 'jsonl=/data/*.jsonl'.")

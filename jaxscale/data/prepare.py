@@ -1,5 +1,10 @@
 """The prepare step: text files -> tokenized ArrayRecord shards + `metadata.json` (+ a tokenizer).
 
+Chat conversations and preference pairs (`--format=chat|preference`, jsonl) are rendered with
+the tokenizer's chat template (or `--chat_template=FILE`) into the documents their on-the-fly
+sources read (`jaxscale.data.chat_sources`: ids with the trained tokens marked, a pair's two
+sides); `metadata.json` names the format, so training reads the shards as what they hold.
+
 `prepare(...)` optionally trains a byte-level BPE tokenizer on the sources with the `tokenizers`
 library (`train_tokenizer=VOCAB`, saved as `OUT/tokenizer.json`), then tokenizes the documents
 in chunks across `workers` processes (a progress bar counts documents) and writes them in source
@@ -24,19 +29,24 @@ from typing import Any
 import numpy as np
 import tqdm
 
+from jaxscale.data.chat import TEMPLATE_FILE, find_template
+from jaxscale.data.chat import encoder as chat_encoder
+from jaxscale.data.chat_sources import ChatReader, PreferenceReader
 from jaxscale.data.readers import JsonlReader, ParquetReader, TextReader, bad_record
 from jaxscale.data.sources import FORMATS, SourceSpec, expand
 from jaxscale.data.tokenizer import encode_document, file_hash, load_tokenizer
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.storage import data_files
 
-TEXT_FORMATS = ("text", "jsonl", "parquet")
+TEXT_FORMATS = ("text", "jsonl", "parquet", "chat", "preference")
+CHAT_FORMATS = ("chat", "preference")
 SPECIAL_TOKENS = ("<|endoftext|>", "<pad>")  # EOS and pad of a trained tokenizer
 CHUNK = 256  # documents per task handed to a worker
 
 
 def open_readers(globs: list[str], fmt: str, text_field: str, tokenizer: Any = None,
-                 skip_bad: bool = False) -> list[Any]:
+                 skip_bad: bool = False, chat: tuple[str, str] = ("", "")) -> list[Any]:
+    """The readers of `globs`; `chat`: (tokenizer path, template file) for chat formats."""
     if fmt not in TEXT_FORMATS:
         raise ConfigError(paragraph(
             f"--format={fmt!r}: the prepare step reads {', '.join(TEXT_FORMATS)} (the other",
@@ -46,7 +56,11 @@ def open_readers(globs: list[str], fmt: str, text_field: str, tokenizer: Any = N
     out = []
     for g in globs:
         files = expand(SourceSpec(fmt, g), "--sources")
-        if fmt == "text":
+        if fmt in CHAT_FORMATS:
+            encoder = chat_encoder(*chat) if tokenizer is not None else None
+            out.append(ChatReader(files, tokenizer, skip_bad, encoder) if fmt == "chat" else
+                       PreferenceReader(files, tokenizer, skip_bad, encoder, 0))
+        elif fmt == "text":
             out.append(TextReader(files, tokenizer, skip_bad))
         elif fmt == "jsonl":
             out.append(JsonlReader(files, tokenizer, skip_bad, text_field))
@@ -81,9 +95,10 @@ _WORKER: dict = {}
 
 
 def _init_worker(globs: list[str], fmt: str, text_field: str, tokenizer_path: str,
-                 skip_bad: bool) -> None:
+                 skip_bad: bool, chat_template: str = "") -> None:
     tokenizer = load_tokenizer(tokenizer_path)
-    _WORKER["readers"] = open_readers(globs, fmt, text_field, tokenizer, skip_bad)
+    _WORKER["readers"] = open_readers(globs, fmt, text_field, tokenizer, skip_bad,
+                                      (tokenizer_path, chat_template))
 
 
 def _tokenize(task: tuple[int, int, int]) -> tuple[list[bytes], int]:
@@ -93,6 +108,11 @@ def _tokenize(task: tuple[int, int, int]) -> tuple[list[bytes], int]:
     before = getattr(reader, "skipped", 0)
     records = []
     for i in range(lo, hi):
+        if getattr(reader, "kind", "text") in CHAT_FORMATS:  # rendered and marked whole
+            doc = reader.doc(i)
+            if len(doc):  # empty: a bad record, skipped and counted by the reader
+                records.append(doc.astype(np.uint32).tobytes())
+            continue
         text = reader.text_of(i)
         ids = encode_document(reader.tokenizer, text) if text is not None else None
         if ids is None or len(ids) - (reader.tokenizer.eos_id is not None) < 1:
@@ -124,6 +144,19 @@ def check_args(out: str, tokenizer: str, num_shards: int, workers: int, train_vo
     if train_vocab < 0 or not (tokenizer or train_vocab) or (tokenizer and train_vocab):
         raise ConfigError("Give exactly one of --tokenizer=PATH and --train_tokenizer=VOCAB "
                           "(a positive vocabulary size).")
+
+
+def check_chat_args(fmt: str, tokenizer: str, train_vocab: int, chat_template: str) -> None:
+    """Chat formats need the tokenizer their template was written for (its special tokens)."""
+    if fmt not in CHAT_FORMATS:
+        return
+    if train_vocab:
+        raise ConfigError(paragraph(
+            f"--format={fmt} renders records with a chat template, whose special tokens belong",
+            "to the tokenizer it was written for; a tokenizer trained here would lack them.",
+            "Give --tokenizer=DIR (a chat model's tokenizer directory) instead of",
+            "--train_tokenizer."))
+    find_template(tokenizer, chat_template)  # no template: one paragraph, before any work
 
 
 def claim_out(out: str, names: list[str]) -> None:
@@ -175,9 +208,10 @@ def _previous_names(out: str) -> list[str]:
 
 def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shards: int = 1,
             workers: int = 1, train_vocab: int = 0, text_field: str = "text",
-            skip_bad: bool = False) -> dict:
+            skip_bad: bool = False, chat_template: str = "") -> dict:
     """Writes the prepared dataset into `out` and returns its metadata."""
     check_args(out, tokenizer, num_shards, workers, train_vocab)
+    check_chat_args(fmt, tokenizer, train_vocab, chat_template)
     readers = open_readers(globs, fmt, text_field, None, skip_bad)
     src = ""
     if not train_vocab and tokenizer != "bytes":
@@ -185,15 +219,28 @@ def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shard
         src = resolve_path(tokenizer)
     tok_path = (os.path.join(out, "tokenizer.json") if train_vocab else
                 os.path.join(out, os.path.basename(src)) if src else "bytes")
+    # Chat records are rendered with the source tokenizer's template (or the named file); `out`
+    # then carries that template and the special tokens it reads, so `data.tokenizer=OUT`
+    # renders prompts (`generate --chat`) as the data was rendered.
+    chat = fmt in CHAT_FORMATS
+    render_with = src if chat else tok_path
+    copied = [n for n in ("tokenizer_config.json", "special_tokens_map.json")
+              if chat and os.path.isfile(os.path.join(os.path.dirname(src), n))]
     names = [f"data-{k:05d}-of-{num_shards:05d}.array_record" for k in range(num_shards)]
-    claim_out(out, names + [n + ".lengths.npy" for n in names]
+    claim_out(out, names + [n + ".lengths.npy" for n in names] + copied
+              + ([TEMPLATE_FILE] if chat else [])
               + ([os.path.basename(tok_path)] if tok_path != "bytes" else []))
     if train_vocab:
         train_tokenizer(readers, train_vocab, tok_path)
     elif src:
         shutil.copyfile(src, tok_path)  # the prepared data carries its tokenizer
+    for name in copied:
+        shutil.copyfile(os.path.join(os.path.dirname(src), name), os.path.join(out, name))
+    if chat:
+        with open(os.path.join(out, TEMPLATE_FILE), "w", encoding="utf-8") as f:
+            f.write(find_template(src, chat_template))
     load_tokenizer(tok_path)  # fails clearly before any worker starts
-    init = (globs, fmt, text_field, tok_path, skip_bad)
+    init = (globs, fmt, text_field, render_with, skip_bad, chat_template)
     lengths, skipped = _write_shards(readers, out, names, init, workers)
     seen = sum(map(len, lengths))
     meta = {"format_version": 1, "documents": seen, "tokens": int(sum(map(sum, lengths))),

@@ -145,13 +145,22 @@ class JsonlReader(Tokenized):
     def where_loc(self, loc: tuple[int, int, int]) -> str:
         return f"{self.files[loc[0]]} line {_line_number(self.files[loc[0]], loc[2])}"
 
-    def read_text(self, loc: tuple[int, int, int]) -> str | None:
+    def read_record(self, loc: tuple[int, int, int]) -> dict | None:
+        """The JSON object on the line at `loc` (None: a bad record, skipped)."""
         raw = data_files.read_line(self.files[loc[0]], loc[2])
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return bad_record(self, loc, f"is not valid JSON ({e.__class__.__name__}: {e})")
-        if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
+        if not isinstance(record, dict):
+            return bad_record(self, loc, f"is not a JSON object ({raw[:60]!r})")
+        return record
+
+    def read_text(self, loc: tuple[int, int, int]) -> str | None:
+        record = self.read_record(loc)
+        if record is None:
+            return None
+        if not isinstance(record.get(self.text_field), str):
             return bad_record(self, loc, f"has no string field {self.text_field!r} (set "
                               "--config.data.text_field to the field holding the text)")
         return record[self.text_field]

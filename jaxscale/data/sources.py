@@ -2,7 +2,9 @@
 array_record, tokens.
 
 `config.data.sources` is a `;`-separated list of `FORMAT=GLOB` entries with an optional
-`@WEIGHT` (e.g. `jsonl=/data/web/*.jsonl@3;text=/data/books/*.txt@1`). Each entry becomes a
+`@WEIGHT` (e.g. `jsonl=/data/web/*.jsonl@3;text=/data/books/*.txt@1`); `chat` and
+`preference` read jsonl conversations and preference pairs through the tokenizer's chat
+template (`jaxscale.data.chat_sources`). Each entry becomes a
 `DocSource`: a random-access list of documents (token arrays ending with EOS) plus their token
 lengths. Documents are addressed by index, so a process reads only the files, lines, row groups
 or records of the documents in its own rows. Lengths are free for `tokens` (file sizes) and for
@@ -23,13 +25,16 @@ from typing import Any
 
 import numpy as np
 
+from jaxscale.data import chat_sources
+from jaxscale.data.chat import encoder as chat_encoder
+from jaxscale.data.chat import template_hash
 from jaxscale.data.doc_index import Exchange, IndexCache, build_index
 from jaxscale.data.readers import DataError, JsonlReader, ParquetReader, TextReader, Tokenized
 from jaxscale.data.tokenizer import BYTES, file_hash
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.storage import data_files
 
-FORMATS = ("text", "jsonl", "parquet", "array_record", "tokens")
+FORMATS = ("text", "jsonl", "parquet", "chat", "preference", "array_record", "tokens")
 TOKEN_BLOCK = 1 << 16  # a `tokens` file is addressed in blocks of this many tokens
 
 
@@ -166,6 +171,7 @@ class ArrayRecordReader:
             )) from None
         self.files, self.vocab_size = files, vocab_size
         self.keys = None  # prepared data splits held-out by record index (see file_data)
+        self.kind = prepared_kind(files)  # text, or chat / preference records (mask bits)
 
     def doc(self, i: int) -> np.ndarray:
         try:
@@ -176,7 +182,9 @@ class ArrayRecordReader:
                 f"({type(e).__name__}: {str(e)[:200]}); a shard is truncated or corrupt. Re-run",
                 "launch.prepare_data into a fresh directory.",
             )) from None
-        return check_ids(ids, self.vocab_size, lambda: self._where(i), 0, _LARGER_TOKENIZER)
+        check_ids(chat_sources.token_ids(ids, self.kind), self.vocab_size, lambda: self._where(i),
+                  0, _LARGER_TOKENIZER)
+        return ids
 
     def _where(self, i: int) -> str:
         """`FILE record J` of the run's record `i` (counts read again: on the error path only)."""
@@ -196,6 +204,24 @@ class ArrayRecordReader:
                 return np.asarray([len(self.doc(i)) for i in range(self.num_docs)], np.int64)
             parts.append(np.load(side, allow_pickle=False))
         return np.concatenate(parts).astype(np.int64)
+
+
+def prepared_kind(files: list[str]) -> str:
+    """What the records of prepared shards are (`metadata.json`'s format beside them): chat
+    conversations or preference pairs, else text."""
+    import json
+    kinds = set()
+    for d in sorted({os.path.dirname(f) for f in files}):
+        meta = os.path.join(d, "metadata.json")
+        if os.path.exists(meta):
+            with open(meta) as f:
+                kinds.add(json.load(f).get("format", "text"))
+    kinds = {k if k in chat_sources.KINDS else "text" for k in kinds} or {"text"}
+    if len(kinds) > 1:
+        raise ConfigError(paragraph(
+            f"The ArrayRecord shards {files[0]}... were prepared from different formats",
+            f"({', '.join(sorted(kinds))}): give each format its own data.sources entry."))
+    return kinds.pop()
 
 
 class TokenFileReader:
@@ -247,9 +273,13 @@ def index_cache(spec: SourceSpec, data_config: Any) -> IndexCache | None:
     directory = data_config.get("index_cache", "")
     if not directory:
         return None
-    salt = "|".join([spec.format, file_hash(data_config.get("tokenizer", BYTES)),
-                     data_config.get("text_field", "text"),
+    tokenizer = data_config.get("tokenizer", BYTES)
+    salt = "|".join([spec.format, file_hash(tokenizer), data_config.get("text_field", "text"),
                      str(bool(data_config.get("skip_bad_records", False)))])
+    if spec.format in ("chat", "preference"):  # the template makes the ids; pairs: seq_len
+        salt += "|" + template_hash(tokenizer, data_config.get("chat_template", ""))
+        salt += (f"|{data_config.get('seq_len', 0)}" if spec.format == "preference"
+                 else f"|{data_config.get('train_on', 'assistant')}")
     return IndexCache(directory, salt)
 
 
@@ -271,6 +301,12 @@ def open_source(spec: SourceSpec, data_config: Any, tokenizer: Any,
         reader = JsonlReader(files, tokenizer, skip, field)
     elif spec.format == "parquet":
         reader = ParquetReader(files, tokenizer, skip, field)
+    elif spec.format == "chat":
+        reader = chat_sources.ChatReader(files, tokenizer, skip, _chat_encoder(data_config),
+                                         data_config.get("train_on", "assistant"))
+    elif spec.format == "preference":
+        reader = chat_sources.PreferenceReader(files, tokenizer, skip, _chat_encoder(data_config),
+                                               data_config.get("seq_len", 0))
     elif spec.format == "array_record":
         reader = ArrayRecordReader(files, vocab_size)
     else:
@@ -291,6 +327,11 @@ def open_source(spec: SourceSpec, data_config: Any, tokenizer: Any,
         return DocSource(reader)
     check_not_empty(spec, reader, files, field_name)
     return DocSource(reader, np.arange(shard_index, reader.num_docs, shard_count))
+
+
+def _chat_encoder(data_config: Any) -> Any:
+    """The chat encoder of `data.tokenizer` and `data.chat_template`."""
+    return chat_encoder(data_config.get("tokenizer", BYTES), data_config.get("chat_template", ""))
 
 
 def check_not_empty(spec: SourceSpec, reader: Any, files: list[str], field_name: str) -> None:

@@ -229,7 +229,22 @@ def model_tokenizer(config: Any, *dirs: str) -> Any | None:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                   "special_tokens_map.json")
+                   "special_tokens_map.json", "chat_template.jinja")
+
+
+def run_tokenizer_dir(run_config: Any, *dirs: str) -> str | None:
+    """The local directory holding a model's tokenizer files: the first of `dirs` that has a
+    tokenizer (a `launch.convert` output, a HF directory), else the directory of its training
+    config's `data.tokenizer`; None for a byte-level model."""
+    for d in dirs:
+        if d and os.path.isdir(d) and any(os.path.isfile(os.path.join(d, n))
+                                          for n in ("tokenizer.json", "tokenizer.model")):
+            return d
+    spec = (run_config or {}).get("data", {}).get("tokenizer", BYTES)
+    if spec in ("", BYTES) or not data_files.is_local(spec):
+        return None
+    path = resolve_path(spec)
+    return os.path.dirname(path)
 
 
 def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:

@@ -136,8 +136,5 @@ def finetune_command(out: str, model_cfg: Mapping[str, Any]) -> str:
     weights (`weights/resolve.py`), so a language model needs only its data; another task's
     model (a ViT) goes with the user's config, which takes its model from the weights."""
     where = shlex.quote(str(out))
-    if "lm" in entry_of(model_cfg).tasks:
-        return (f"jaxscale train --config=finetune_lm:lora --workdir=RUN --config.init_from={where}"
-                " --config.data.sources='text=YOUR/FILES/*.txt'")
-    return (f"jaxscale train --config=CONFIG --workdir=RUN --config.init_from={where}"
-            " --config.model_from_weights=true")
+    config, flags = entry_of(model_cfg).task(None).finetune
+    return f"jaxscale train --config={config} --workdir=RUN --config.init_from={where} {flags}"

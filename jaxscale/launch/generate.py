@@ -2,10 +2,12 @@
 
     python -m launch.generate --workdir=DIR --prompt="def main(" --steps=64 [--temperature=0.8]
     python -m launch.generate --from_hf=HF_DIR --prompt_ids=1,15043 --max_new_tokens=16
+    python -m launch.generate --workdir=DIR --chat --prompt="hello" --steps=32
 
 `--prompt` text is encoded and the output decoded with the model's tokenizer (a tokenizer file
 in its directory, or its training config's `data.tokenizer`; bytes for a byte-level model);
-`--prompt_ids` takes token ids and prints ids. Temperature 0 is greedy; sampling is reproducible with `--seed`. The parameters
+`--prompt_ids` takes token ids and prints ids; `--chat` renders `--prompt` as one user turn with
+the model's chat template and its generation prompt. Temperature 0 is greedy; sampling is reproducible with `--seed`. The parameters
 and the KV cache are sharded by the run's rules over `--cpu_devices` (or the accelerators).
 """
 
@@ -23,6 +25,8 @@ _STEPS = flags.DEFINE_integer("steps", 64, "Tokens to generate.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Alias of --steps (HF's name).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; >0: sampling temperature.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_CHAT = flags.DEFINE_bool("chat", False, "Render --prompt as one user turn with the model's chat "
+                          "template (and its generation prompt).")
 distributed.define_flags()
 
 
@@ -34,7 +38,13 @@ def main(argv):
     import numpy as np
 
     from jaxscale.data.tokenizer import model_tokenizer
-    from jaxscale.generate import check_request, generate_from_config, load_model, parse_prompt
+    from jaxscale.generate import (
+        chat_prompt,
+        check_request,
+        generate_from_config,
+        load_model,
+        parse_prompt,
+    )
 
     steps = _STEPS.value if _MAX_NEW.value is None else _MAX_NEW.value
     check_request(1, steps, _TEMPERATURE.value, max_len=0)  # before loading any weights
@@ -42,7 +52,10 @@ def main(argv):
         parse_prompt(_PROMPT.value, _PROMPT_IDS.value, 0)  # the two-spellings error
     config, params = load_model(_WORKDIR.value, _FROM_HF.value)
     tokenizer = model_tokenizer(config, _WORKDIR.value, _FROM_HF.value)
-    ids = parse_prompt(_PROMPT.value, _PROMPT_IDS.value, config.model.vocab_size, tokenizer)
+    if _CHAT.value and _PROMPT.value:
+        ids = chat_prompt(_PROMPT.value, config, _WORKDIR.value, _FROM_HF.value)
+    else:
+        ids = parse_prompt(_PROMPT.value, _PROMPT_IDS.value, config.model.vocab_size, tokenizer)
     out = generate_from_config(config, params, np.asarray([ids]), steps,
                                _TEMPERATURE.value, _SEED.value)[0]
     if _PROMPT_IDS.value:

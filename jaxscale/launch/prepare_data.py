@@ -4,8 +4,11 @@
         --out=/tmp/prepared [--num_shards=4] [--workers=2]
     python -m launch.prepare_data --sources=a/*.txt,b/*.txt --format=text \
         --tokenizer=/models/llama3 --out=/tmp/prepared
+    python -m launch.prepare_data --sources=chats/*.jsonl --format=chat --tokenizer=/models/qwen3 \
+        --out=/tmp/prepared_chat
 
-Writes DIR/data-*.array_record, DIR/metadata.json and DIR/tokenizer.json; train with
+Writes DIR/data-*.array_record, DIR/metadata.json and DIR/tokenizer.json (chat and preference:
+with the chat template); train with
 `--config.data.sources=array_record=DIR/*.array_record --config.data.tokenizer=DIR`.
 """
 
@@ -17,7 +20,9 @@ from jaxscale import cli
 from jaxscale.errors import exit_on_user_error
 
 _SOURCES = flags.DEFINE_list("sources", None, "Comma-separated file globs.", required=True)
-_FORMAT = flags.DEFINE_enum("format", "jsonl", ["text", "jsonl", "parquet"], "Source format.")
+_FORMAT = flags.DEFINE_enum("format", "jsonl", ["text", "jsonl", "parquet", "chat", "preference"],
+                            "Source format (chat / preference: jsonl rendered with the "
+                            "tokenizer's chat template).")
 _TOKENIZER = flags.DEFINE_string("tokenizer", "", "tokenizer.json, a dir holding one, .model or "
                                  "'bytes'.")
 _TRAIN = flags.DEFINE_integer("train_tokenizer", 0, "Train a byte-level BPE of this vocabulary "
@@ -29,6 +34,8 @@ _SHARDS = flags.DEFINE_integer("num_shards", 1, "ArrayRecord shards to write (at
 _WORKERS = flags.DEFINE_integer("workers", 1, "Tokenizing processes (at least 1).")
 _FIELD = flags.DEFINE_string("text_field", "text", "Text field of jsonl records / parquet rows.")
 _SKIP = flags.DEFINE_bool("skip_bad_records", False, "Skip and count bad records.")
+_TEMPLATE = flags.DEFINE_string("chat_template", "", "chat / preference: a Jinja chat template "
+                                "file instead of the tokenizer directory's own.")
 
 
 @exit_on_user_error
@@ -37,7 +44,7 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     from jaxscale.data.prepare import prepare
     meta = prepare(_SOURCES.value, _FORMAT.value, _OUT.value, _TOKENIZER.value, _SHARDS.value,
-                   _WORKERS.value, _TRAIN.value, _FIELD.value, _SKIP.value)
+                   _WORKERS.value, _TRAIN.value, _FIELD.value, _SKIP.value, _TEMPLATE.value)
     print(json.dumps({k: meta[k] for k in ("documents", "tokens", "skipped_records",
                                           "tokenizer")}))
 

@@ -46,6 +46,16 @@ class Task:
     prepare: Callable[[Batch], Batch] = same_batch
     perplexity: bool = False     # evaluation also reports exp(mean loss)
     token_batches: bool = False  # trains on {'tokens': (B, T+1)} int32 batches (what AOT builds)
+    # How `jaxscale train` fine-tunes this task's model from converted weights: the --config
+    # value, and the flags after --config.init_from (the default: the user's config, which
+    # takes its model from the weights).
+    finetune: tuple[str, str] = ("CONFIG", "--config.model_from_weights=true")
+    # sequence_logps(model, {'tokens': (B, T+1), 'loss_mask': (B, T+1)}, run_layers) ->
+    # (summed log-probabilities of each row's masked targets (B,), their count (B,)): what
+    # objectives that compare whole responses build on (`jaxscale/objectives/`), with the
+    # task's own extra loss terms (the MoE router's) as a third, scalar value. None: the
+    # model scores no sequences (an image classifier).
+    sequence_logps: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] | None = None
 
 
 def masked_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None

@@ -11,8 +11,10 @@ from typing import Any, TextIO
 class ProgressBar:
     """A tqdm bar on a terminal; without a TTY (CI logs) a plain line every `print_every` steps.
 
-    Shows step/total, loss, tokens/s, an MoE model's expert load (busiest/idlest expert
-    relative to a balanced load, `load=1.40/0.60`) and the latest eval loss once one is known.
+    Shows step/total, loss, tokens/s, a preference objective's reward accuracy (`acc`, the
+    share of pairs whose chosen response the model rewards above the rejected one), an MoE
+    model's expert load (busiest/idlest expert relative to a balanced load, `load=1.40/0.60`)
+    and the latest eval loss (and eval reward accuracy) once one is known.
     """
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True,
@@ -24,6 +26,7 @@ class ProgressBar:
         self._printed = initial
         self._print_every = print_every or max(1, total // 20)
         self._eval_loss: float | None = None
+        self._eval_accuracy: float | None = None
         self._start = time.perf_counter()
         if enabled and self._stream.isatty():
             from tqdm import tqdm
@@ -34,6 +37,8 @@ class ProgressBar:
         shown = {}
         if metrics.get("loss") is not None:
             shown["loss"] = f"{float(metrics['loss']):.4f}"
+        if metrics.get("reward_accuracy") is not None:
+            shown["acc"] = f"{float(metrics['reward_accuracy']):.2f}"
         if metrics.get("tokens_per_s") is not None:
             shown["tok/s"] = f"{float(metrics['tokens_per_s']):,.0f}"
         if metrics.get("moe_load_max") is not None:  # MoE: busiest / idlest expert vs balanced
@@ -43,6 +48,10 @@ class ProgressBar:
             self._eval_loss = float(metrics["eval_loss"])
         if self._eval_loss is not None:
             shown["eval"] = f"{self._eval_loss:.4f}"
+        if metrics.get("eval_reward_accuracy") is not None:
+            self._eval_accuracy = float(metrics["eval_reward_accuracy"])
+        if self._eval_accuracy is not None:
+            shown["eval_acc"] = f"{self._eval_accuracy:.2f}"
         return shown
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:

@@ -13,14 +13,17 @@ import jax
 import ml_collections as mlc
 from jax.sharding import Mesh
 
+from jaxscale.data.mixture import configured_kind
 from jaxscale.data.packing import carries_segments
-from jaxscale.models import ModelDef, task_of
+from jaxscale.models import ModelDef
 from jaxscale.models.adapters import lora
+from jaxscale.objectives import objective_of
 from jaxscale.optim import check_offload, make_optimizer
 from jaxscale.parallel.schedules import make_layer_runner
 from jaxscale.precision import DynamicLossScale, get_policy
 from jaxscale.rules import AxisRules
-from jaxscale.train.state import TrainState, abstract_state, init_state
+from jaxscale.train.reference import initial_reference, reference_for
+from jaxscale.train.state import InitReference, TrainState, abstract_state, init_state
 from jaxscale.train.step import StepContext, jit_train_step
 
 BatchSpec = dict[str, jax.ShapeDtypeStruct]
@@ -33,18 +36,21 @@ class StepSetup:
     ctx: StepContext
     trainable: Callable[[str], bool]
     init_extra: Callable[[], dict]
+    init_reference: InitReference  # the reference weights the state holds (their shapes)
 
     def abstract_state(self) -> tuple[TrainState, TrainState]:
-        """(ShapeDtypeStructs carrying shardings, shardings): the state without allocating."""
+        """(ShapeDtypeStructs carrying shardings, shardings): the state without allocating;
+        a preference objective's reference weights included, so compiling counts them."""
         c = self.ctx
         return abstract_state(c.model_def, c.optimizer, c.rules, c.mesh, self.trainable,
-                              self.init_extra, c.offload_state)
+                              self.init_extra, c.offload_state, self.init_reference)
 
     def init_state(self, seed: int) -> tuple[TrainState, TrainState]:
-        """(state, shardings): the sharded initial state (before init_from or a checkpoint)."""
+        """(state, shardings): the sharded initial state (before init_from or a checkpoint;
+        `train.reference.set_reference` then fills the reference)."""
         c = self.ctx
         return init_state(c.model_def, c.optimizer, c.rules, c.mesh, seed, self.trainable,
-                          self.init_extra, c.offload_state)
+                          self.init_extra, c.offload_state, self.init_reference)
 
     def jit(self, shardings: TrainState, batch: BatchSpec) -> Callable:
         """The jitted train step as the loop forms it: explicit shardings, donated state."""
@@ -59,7 +65,8 @@ class StepSetup:
 
 
 def build_step(config: mlc.ConfigDict, mesh: Mesh) -> StepSetup:
-    """Model definition, optimizer, precision, rules and pipeline runner for `config`."""
+    """Model definition, objective (and its reference model), optimizer, precision, rules and
+    pipeline runner for `config`."""
     rules = AxisRules.from_config(config)
     policy = get_policy(config.precision)
     model_def = lora.with_adapters(ModelDef.build(config.model, policy), config.lora)
@@ -73,14 +80,17 @@ def build_step(config: mlc.ConfigDict, mesh: Mesh) -> StepSetup:
                       run_layers=make_layer_runner(config.pipeline, mesh, config.model.remat,
                                                    config.model.get("num_layers")),
                       loss_scale=scaler,
-                      offload_state=offload)
-    return StepSetup(ctx, lora.trainable(config.lora), scaler.init if scaler else dict)
+                      offload_state=offload, objective=objective_of(config),
+                      reference=reference_for(config))
+    return StepSetup(ctx, lora.trainable(config.lora), scaler.init if scaler else dict,
+                     initial_reference(config))
 
 
 def batch_spec(config: mlc.ConfigDict) -> BatchSpec:
     """The global batch the training loop feeds its step, from the config alone (no data read):
-    the model's task says its arrays (`tokens` for a language model, `images` and `labels` for
-    a classifier) given the data's layout (rows that carry segment ids or not)."""
+    the objective says its arrays (the model's task's: `tokens` for a language model, `images`
+    and `labels` for a classifier; a preference objective's pairs) given the data's layout
+    (rows that carry segment ids, a chat loss mask)."""
     d = config.data
-    return task_of(config.model).batch_spec(config.model, d.batch_size, d.seq_len,
-                                            carries_segments(d))
+    return objective_of(config).batch_spec(config.model, d.batch_size, d.seq_len,
+                                           carries_segments(d), configured_kind(d) == "chat")

@@ -36,6 +36,7 @@ from jaxscale.storage import locations
 from jaxscale.train.build import batch_spec, build_step
 from jaxscale.train.heldout import HeldOut
 from jaxscale.train.hooks import CheckpointHook, Hook, StepInfo, check_finite, in_order
+from jaxscale.train.reference import set_reference
 from jaxscale.train.state import TrainState
 from jaxscale.train.step import StepContext, global_batch, jit_train_step
 from jaxscale.weights.init_from import init_params
@@ -73,6 +74,7 @@ class Trainer:
         state, shardings = setup.init_state(config.seed)
         if config.init_from:
             state = init_params(config.init_from, state, shardings, config.model)
+        state = set_reference(config, state, shardings)  # before any checkpoint is restored
         lofi = config.lofi
         shard = (lofi.worker_id, lofi.num_workers) if lofi.enabled else (0, 1)
         batches, evals = build_data(config, jax.process_index(), jax.process_count(), *shard)
@@ -81,7 +83,8 @@ class Trainer:
         template = evals[0] if evals else batch_spec(config)
         shapes = {k: (config.data.batch_size,) + v.shape[1:] for k, v in template.items()}
         train_fn = jit_train_step(ctx, shardings, shapes)
-        heldout = HeldOut(ctx.model_def, ctx.rules, ctx.mesh)
+        heldout = HeldOut(ctx.model_def, ctx.rules, ctx.mesh, ctx.objective,
+                          None if ctx.reference is None else ctx.reference.model_def)
         return cls(config, workdir, ctx, state, shardings, train_fn, heldout, batches, evals)
 
     @property
@@ -94,9 +97,12 @@ class Trainer:
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """The held-out metrics of `state` on the run's held-out batches: those of `jaxscale
-        evaluate` (`HeldOut`), logged as `eval_loss`, `eval_accuracy` (and `eval_perplexity`)."""
+        evaluate` (`HeldOut`), logged as `eval_loss`, `eval_accuracy` (and `eval_perplexity`),
+        or a preference objective's `eval_reward_accuracy`, ..."""
         params = merge_trees(state.params, state.frozen) if state.frozen else state.params
-        return self.heldout.metrics(params, map(self.to_global, self.eval_data))
+        reference = self.ctx.bound_reference(state)
+        return self.heldout.metrics(params, map(self.to_global, self.eval_data),
+                                    None if reference is None else reference[1])
 
     def flops_per_token(self) -> float | None:
         return model_flops_per_token(self.config.model, self.config.data.seq_len)
@@ -178,8 +184,7 @@ class Trainer:
             host["skipped_records"] = skipped
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             held = self.evaluate(state)
-            host.update({f"eval_{k}": held[k] for k in ("loss", "accuracy", "perplexity")
-                         if k in held})
+            host.update({f"eval_{k}": held[k] for k in self.heldout.reported if k in held})
         info = replace(info, metrics=host)
         for hook in hooks:
             if hasattr(hook, "on_metrics"):

@@ -40,6 +40,9 @@ class TrainState:
     opt_state: Tree
     rng: jax.Array
     extra: dict                # policy state such as the dynamic loss scale
+    # A preference objective's frozen reference model (`train/reference.py`), sharded as the
+    # parameters are; never checkpointed (a resumed run builds it again). {}: none held.
+    reference: Tree = flax.struct.field(default_factory=dict)
 
 
 def derived_spec(param_shape: tuple, spec: PartitionSpec, leaf_shape: tuple,
@@ -94,23 +97,34 @@ def base_extra() -> dict:
             "first_nonfinite": jnp.full((), -1, jnp.int32)}
 
 
+# (trainable, frozen) -> the state's `reference` (`train/reference.initial_reference`)
+InitReference = Callable[[Any, Any], Any]
+
+
+def no_reference(trainable: Any, frozen: Any) -> dict:
+    return {}
+
+
 def _initializer(model_def: ModelDef, optimizer: optax.GradientTransformation,
-                 is_trainable: Callable[[str], bool], init_extra: Callable[[], dict]):
+                 is_trainable: Callable[[str], bool], init_extra: Callable[[], dict],
+                 init_reference: InitReference = no_reference):
     def init(rng: jax.Array) -> TrainState:
         params_rng, state_rng = jax.random.split(rng)
         trainable, frozen = split_trainable(model_def.init_params(params_rng), is_trainable)
         return TrainState(jnp.zeros((), jnp.int32), trainable, frozen,
-                          optimizer.init(trainable), state_rng, {**base_extra(), **init_extra()})
+                          optimizer.init(trainable), state_rng, {**base_extra(), **init_extra()},
+                          init_reference(trainable, frozen))
     return init
 
 
 def abstract_state(model_def: ModelDef, optimizer: optax.GradientTransformation,
                    rules: AxisRules, mesh: Mesh, is_trainable: Callable[[str], bool] = all_trainable,
-                   init_extra: Callable[[], dict] = dict, offload_opt: bool = False
+                   init_extra: Callable[[], dict] = dict, offload_opt: bool = False,
+                   init_reference: InitReference = no_reference
                    ) -> tuple[TrainState, TrainState]:
     """(ShapeDtypeStructs carrying their shardings, shardings) without allocating anything;
     `offload_opt`: the optimizer state in pinned host memory (`optim.on_host`)."""
-    init = _initializer(model_def, optimizer, is_trainable, init_extra)
+    init = _initializer(model_def, optimizer, is_trainable, init_extra, init_reference)
     shapes = jax.eval_shape(init, jax.random.key(0))
     shardings = state_shardings(shapes, model_def, rules, mesh, offload_opt)
     with_sharding = jax.tree.map(
@@ -120,12 +134,13 @@ def abstract_state(model_def: ModelDef, optimizer: optax.GradientTransformation,
 
 def init_state(model_def: ModelDef, optimizer: optax.GradientTransformation, rules: AxisRules,
                mesh: Mesh, seed: int, is_trainable: Callable[[str], bool] = all_trainable,
-               init_extra: Callable[[], dict] = dict, offload_opt: bool = False
+               init_extra: Callable[[], dict] = dict, offload_opt: bool = False,
+               init_reference: InitReference = no_reference
                ) -> tuple[TrainState, TrainState]:
     """Creates the TrainState already sharded; returns (state, its shardings)."""
-    init = _initializer(model_def, optimizer, is_trainable, init_extra)
+    init = _initializer(model_def, optimizer, is_trainable, init_extra, init_reference)
     _, shardings = abstract_state(model_def, optimizer, rules, mesh, is_trainable, init_extra,
-                                  offload_opt)
+                                  offload_opt, init_reference)
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed)), shardings
 
 
@@ -141,4 +156,5 @@ def state_shardings(abstract: TrainState, model_def: ModelDef, rules: AxisRules,
         step=replicated, params=by_path(abstract.params), frozen=by_path(abstract.frozen),
         opt_state=(on_host if offload_opt else lambda t: t)(
             _opt_state_shardings(abstract.opt_state, flat_sh, shapes, mesh)),
-        rng=replicated, extra=jax.tree.map(lambda _: replicated, abstract.extra))
+        rng=replicated, extra=jax.tree.map(lambda _: replicated, abstract.extra),
+        reference=by_path(abstract.reference))

@@ -1,8 +1,10 @@
 """The pure train step: `train_step(state, batch) -> (state, metrics)`.
 
 Built once per run by `jit_train_step`, which closes over the static pieces (model definition,
-optimizer, schedule, policy, rules and mesh) and returns a jitted function with explicit in/out
-shardings and a donated state. Gradient accumulation scans over microbatches inside the step.
+objective, reference model, optimizer, schedule, policy, rules and mesh) and returns a jitted
+function with explicit in/out shardings and a donated state. Gradient accumulation scans over
+microbatches inside the step; the objective prepares the whole batch first (batch-wide counts),
+so that every split normalises as the unsplit batch does.
 Periodic work is not here: held-out metrics are `train/heldout.py`'s, checkpoints and Lo-Fi
 pushes hang off the loop as hooks.
 """
@@ -25,10 +27,12 @@ from jaxscale.models import ModelDef
 from jaxscale.models.adapters.lora_matmul import adapter_dropout
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import step_metrics
+from jaxscale.objectives import Objective
 from jaxscale.optim import on_device
 from jaxscale.parallel.accumulate import accumulate_per_replica
 from jaxscale.precision import DynamicLossScale, Policy
 from jaxscale.rules import AxisRules, as_tuple, logical_to_mesh_axes, use_rules
+from jaxscale.train.reference import Reference
 from jaxscale.train.state import TrainState, merge_trees
 
 # A batch is a dict of arrays sharing the leading `batch` dimension, e.g. {'tokens': (B, T+1)}
@@ -37,37 +41,51 @@ Batch = dict[str, jax.Array]
 RunLayers = LayerRunner | None
 
 
+# The reference model a step scores against: (its definition, its weights), or None.
+BoundReference = tuple[ModelDef, Any] | None
+
+
 def loss_and_metrics(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
-                     run_layers: RunLayers = None, loss_scale: jax.Array | None = None
+                     run_layers: RunLayers = None, loss_scale: jax.Array | None = None,
+                     objective: Objective | None = None, reference: BoundReference = None
                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The loss of the model's task (`model_def.task`) of the model bound to params + frozen,
-    and the extra metrics the loss recorded (`task.step_metrics`: the MoE router's; {} for most
-    models)."""
+    """The loss of the run's objective (None: the model's own task, `model_def.task`) of the
+    model bound to params + frozen, scored against `reference` where the objective uses one,
+    and the metrics it reports with those the loss recorded (`task.step_metrics`: the MoE
+    router's; {} for most models)."""
     model = model_def.module(merge_trees(params, frozen) if frozen else params)
     if loss_scale is not None and run_layers is not None:
         run_layers = run_layers.scaled(loss_scale)  # 1F1B starts its backward from the scale
-    loss = model_def.task.loss(model, batch, run_layers)
+    if objective is None:
+        loss, metrics = model_def.task.loss(model, batch, run_layers), {}
+    else:
+        ref = None if reference is None else reference[0].module(reference[1])
+        loss, metrics = objective.loss(model, ref, batch, run_layers)
     loss = loss if loss_scale is None else loss * loss_scale  # float16: see DynamicLossScale
-    return loss, step_metrics(model)
+    return loss, {**metrics, **step_metrics(model)}
 
 
 def accumulate_grads(params: Any, frozen: Any, batch: Batch, model_def: ModelDef,
                      grad_accum: int, run_layers: RunLayers = None,
-                     loss_scale: jax.Array | None = None) -> tuple[jax.Array, Any]:
+                     loss_scale: jax.Array | None = None, objective: Objective | None = None,
+                     reference: BoundReference = None) -> tuple[jax.Array, Any]:
     """Mean loss and gradients over `grad_accum` microbatches (equal to the large batch)."""
     loss, grads, _ = accumulate(params, frozen, batch, model_def, grad_accum, run_layers,
-                                loss_scale)
+                                loss_scale, objective, reference)
     return loss, grads
 
 
 def accumulate(params: Any, frozen: Any, batch: Batch, model_def: ModelDef, grad_accum: int,
-               run_layers: RunLayers = None, loss_scale: jax.Array | None = None
+               run_layers: RunLayers = None, loss_scale: jax.Array | None = None,
+               objective: Objective | None = None, reference: BoundReference = None
                ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     """Mean loss, gradients and extra metrics (`loss_and_metrics`) over `grad_accum`
-    microbatches; the metrics are the microbatches' mean."""
+    microbatches; the metrics are the microbatches' mean (each holds as many rows)."""
     value_and_grad = jax.value_and_grad(loss_and_metrics, has_aux=True)
-    grad_fn = lambda *a: value_and_grad(*a, loss_scale=loss_scale)
-    batch = dict(model_def.task.prepare(batch))  # e.g. packed rows: split parts share a count
+    grad_fn = lambda *a: value_and_grad(*a, loss_scale=loss_scale, objective=objective,
+                                        reference=reference)
+    prepare = model_def.task.prepare if objective is None else objective.prepare
+    batch = dict(prepare(batch))  # e.g. masked rows: the split parts share a batch-wide count
     if grad_accum > 1 or run_layers is not None:  # microbatch loops: reduce over data once
         once = accumulate_per_replica(
             lambda mb: grad_fn(params, frozen, mb, model_def, run_layers), params, batch,
@@ -105,6 +123,14 @@ class StepContext:
     run_layers: RunLayers = None
     loss_scale: DynamicLossScale | None = None  # set when the policy asks for loss scaling
     offload_state: bool = False  # optimizer state in pinned host memory (`optim.offload_state`)
+    objective: Objective | None = None  # `config.objective` (None: the model's own task)
+    reference: Reference | None = None  # the objective's reference model (`train/reference.py`)
+
+    def bound_reference(self, state: TrainState) -> BoundReference:
+        """(definition, weights) of the reference model in `state`, or None."""
+        if self.reference is None:
+            return None
+        return self.reference.model_def, self.reference.params(state.frozen, state.reference)
 
 
 def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
@@ -114,7 +140,8 @@ def train_step(ctx: StepContext, state: TrainState, batch: Batch) -> tuple[Train
     with use_rules(ctx.rules, ctx.mesh), adapter_dropout(dropout_key):
         loss, grads, task_metrics = accumulate(
             state.params, state.frozen, batch, ctx.model_def, ctx.grad_accum, ctx.run_layers,
-            None if scaler is None else state.extra["loss_scale"])
+            None if scaler is None else state.extra["loss_scale"], ctx.objective,
+            ctx.bound_reference(state))
     if scaler is not None:
         loss, grads = scaler.unscale(state.extra, (loss, grads))
     grad_norm = optax.global_norm(grads)

@@ -1,7 +1,10 @@
 """The language-model task of the decoder families (`LM`): the next-token loss `lm_loss` (the
 LM head and loss together, chunk by chunk under `model.loss_chunks` (automatic by default), and
-fused into a pipeline's last stage), the packed batch's preparation and target counts, and the
-held-out sums. Every entry of the model table built on the decoder (`llama.py`) uses it.
+fused into a pipeline's last stage), over every target or the targets that packed rows and loss
+masks count (chat: the assistant's tokens), the masked batch's preparation and target counts,
+the held-out sums, and each row's summed log-probability of its masked targets
+(`sequence_logps`, what preference objectives compare). Every entry of the model table built on
+the decoder (`llama.py`) uses it.
 """
 
 from __future__ import annotations
@@ -155,8 +158,10 @@ def lm_loss(model: Llama, batch: Mapping[str, jax.Array],
             run_layers: LayerRunner | None = None) -> jax.Array:
     """Next-token loss of a decoder LM on `batch['tokens']` (B, T+1): inputs [:, :-1],
     targets [:, 1:]. A runner that fuses the loss (1F1B) runs head and loss in its schedule.
-    Packed rows (`segment_ids`, `positions`) count only targets inside the same document.
-    MoE layers add their router losses (`moe.router_loss`, which records the moe_* metrics)."""
+    Packed rows (`segment_ids`, `positions`) count only targets inside the same document, and
+    rows with a `loss_mask` (B, T+1) only the targets it marks (chat: the assistant's tokens):
+    the loss is the mean over the counted targets. MoE layers add their router losses
+    (`moe.router_loss`, which records the moe_* metrics)."""
     return _next_token_loss(model, batch, run_layers) + router_loss(model, model.cfg.moe)
 
 
@@ -167,15 +172,21 @@ def _training_order(model: Llama, length: int) -> Any:
     return context.training_order(length, model.cfg.context_order, model.cfg.context_attention)
 
 
+def is_masked(batch: Mapping[str, jax.Array]) -> bool:
+    """Whether some of the batch's targets carry no loss: packed rows (padding, document
+    boundaries) or a `loss_mask`."""
+    return "segment_ids" in batch or "loss_mask" in batch
+
+
 def _next_token_loss(model: Llama, batch: Mapping[str, jax.Array],
                      run_layers: LayerRunner | None = None) -> jax.Array:
     tokens_BT1 = constrain(batch["tokens"], "batch", "length")
     order = _training_order(model, tokens_BT1.shape[1] - 1)
     with context.sequence_order(order):
-        if "segment_ids" in batch:
+        if is_masked(batch):
             if run_layers is not None and run_layers.fuses_loss:
-                return _fused_packed_loss(model, batch, run_layers, order)
-            losses_BT, mask_BT = packed_losses(model, batch, run_layers, order)
+                return _fused_masked_loss(model, batch, run_layers, order)
+            losses_BT, mask_BT = masked_losses(model, batch, run_layers, order)
             return (losses_BT * mask_BT).sum() / _target_count(batch, mask_BT)
         inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
         positions_BT = jnp.broadcast_to(jnp.arange(inputs_BT.shape[1]), inputs_BT.shape)
@@ -191,77 +202,89 @@ def _next_token_loss(model: Llama, batch: Mapping[str, jax.Array],
             return mean_head_loss(model, h_BTE, targets_BT)
 
 
-def _permuted(x_BT: jax.Array, order: Any) -> jax.Array:
+def _permuted(x_BT: jax.Array | None, order: Any) -> jax.Array | None:
     """`x_BT`'s positions in `order`, still sharded by the rules."""
-    return constrain(x_BT[:, order], "batch", "length")
+    return None if x_BT is None else constrain(x_BT[:, order], "batch", "length")
 
 
-class _PackedRows(NamedTuple):
+class _Rows(NamedTuple):
     inputs_BT: jax.Array
     targets_BT: jax.Array
     positions_BT: jax.Array
-    segments_BT: jax.Array
-    same_BT: jax.Array  # True where the target lies in the input's document (carries loss)
+    segments_BT: jax.Array | None  # document ids of packed rows; None: one sequence a row
+    counted_BT: jax.Array  # True where the target carries loss (its document's, and masked)
 
 
-def _packed_rows(batch: Mapping[str, jax.Array], order: Any = None) -> _PackedRows:
-    """The packed rows' fields, each position laid in `order` when one is given."""
+def _rows(batch: Mapping[str, jax.Array], order: Any = None) -> _Rows:
+    """The rows' fields, each position laid in `order` when one is given. Packed rows count
+    a target inside its input's document only; a `loss_mask` (aligned with `tokens`) counts
+    the targets it marks."""
     tokens_BT1 = constrain(batch["tokens"], "batch", "length")
-    segments_BT1 = constrain(batch["segment_ids"], "batch", "length")
-    positions_BT = constrain(batch["positions"], "batch", "length")[:, :-1]
-    same_BT = (segments_BT1[:, 1:] == segments_BT1[:, :-1]) & (segments_BT1[:, 1:] > 0)
-    rows = _PackedRows(tokens_BT1[:, :-1], tokens_BT1[:, 1:], positions_BT,
-                       segments_BT1[:, :-1], same_BT)
-    return rows if order is None else _PackedRows(*(_permuted(x, order) for x in rows))
+    B, T = tokens_BT1.shape[0], tokens_BT1.shape[1] - 1
+    if "segment_ids" in batch:
+        segments_BT1 = constrain(batch["segment_ids"], "batch", "length")
+        positions_BT = constrain(batch["positions"], "batch", "length")[:, :-1]
+        counted_BT = (segments_BT1[:, 1:] == segments_BT1[:, :-1]) & (segments_BT1[:, 1:] > 0)
+        segments_BT = segments_BT1[:, :-1]
+    else:
+        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        counted_BT, segments_BT = jnp.ones((B, T), bool), None
+    if "loss_mask" in batch:
+        counted_BT = counted_BT & (constrain(batch["loss_mask"], "batch", "length")[:, 1:] > 0)
+    rows = _Rows(tokens_BT1[:, :-1], tokens_BT1[:, 1:], positions_BT, segments_BT, counted_BT)
+    return rows if order is None else _Rows(*(_permuted(x, order) for x in rows))
 
 
 def with_target_counts(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """`batch` plus `targets_per_row` (B,): the whole batch's real targets / B on every row.
+    """`batch` plus `targets_per_row` (B,): the whole batch's counted targets / B on every row.
 
-    The packed loss is a mean over the batch's real targets. A step that splits the batch
-    (gradient accumulation, data replicas, pipeline microbatches) averages the parts' losses,
-    and parts hold different numbers of real targets; dividing each part by its rows' share of
-    the batch-wide count (not by its own count) keeps the average exactly the batch's mean."""
-    same_BT = _packed_rows(batch).same_BT
-    B = same_BT.shape[0]
-    count = jax.lax.stop_gradient(jnp.sum(same_BT).astype(jnp.float32))
+    The masked loss (packed rows, loss masks) is a mean over the batch's counted targets. A
+    step that splits the batch (gradient accumulation, data replicas, pipeline microbatches)
+    averages the parts' losses, and parts hold different numbers of counted targets; dividing
+    each part by its rows' share of the batch-wide count (not by its own count) keeps the
+    average exactly the batch's mean."""
+    counted_BT = _rows(batch).counted_BT
+    B = counted_BT.shape[0]
+    count = jax.lax.stop_gradient(jnp.sum(counted_BT).astype(jnp.float32))
     return dict(batch, targets_per_row=jnp.full((B,), count / B, jnp.float32))
 
 
-def _target_count(batch: Mapping[str, jax.Array], same_BT: jax.Array) -> jax.Array:
+def _target_count(batch: Mapping[str, jax.Array], counted_BT: jax.Array) -> jax.Array:
     """What these rows' summed loss is divided by (see `with_target_counts`), at least 1."""
     count = (jnp.sum(batch["targets_per_row"]) if "targets_per_row" in batch
-             else jnp.sum(same_BT).astype(jnp.float32))
+             else jnp.sum(counted_BT).astype(jnp.float32))
     return jnp.maximum(count, 1.0)
 
 
-def packed_losses(model: Llama, batch: Mapping[str, jax.Array],
+def masked_losses(model: Llama, batch: Mapping[str, jax.Array],
                   run_layers: LayerRunner | None = None, order: Any = None
                   ) -> tuple[jax.Array, jax.Array]:
-    """Per-token losses (B, T) of packed rows and their float mask: 1 where the target lies in
-    the same document as the input (padding and document boundaries carry no loss); both
-    with positions in `order` when given (the caller declares it, `context.sequence_order`)."""
-    rows = _packed_rows(batch, order)
+    """Per-token losses (B, T) and their float mask: 1 where the target counts (inside its
+    document, marked by the `loss_mask`), 0 on padding, document boundaries and unmarked
+    targets; both with positions in `order` when given (the caller declares it,
+    `context.sequence_order`)."""
+    rows = _rows(batch, order)
     h_BTE = model.hidden(rows.inputs_BT, rows.positions_BT, run_layers, rows.segments_BT)
     with head_scope(run_layers):
         losses_BT = head_losses(model, h_BTE, rows.targets_BT)
-    return losses_BT, rows.same_BT.astype(jnp.float32)
+    return losses_BT, rows.counted_BT.astype(jnp.float32)
 
 
-def _fused_packed_loss(model: Llama, batch: Mapping[str, jax.Array],
+def _fused_masked_loss(model: Llama, batch: Mapping[str, jax.Array],
                        run_layers: LayerRunner, order: Any = None) -> jax.Array:
-    """The packed rows' loss through a runner that fuses the loss (1F1B). Such a runner
-    averages per-microbatch losses, but microbatches hold different numbers of real targets:
-    each microbatch returns its masked loss *sum* over its fixed size b*T (targets outside the
-    document marked -1), so the schedule yields sum / (B*T), rescaled here to sum / count."""
-    rows = _packed_rows(batch, order)
+    """The masked rows' loss through a runner that fuses the loss (1F1B). Such a runner
+    averages per-microbatch losses, but microbatches hold different numbers of counted
+    targets: each microbatch returns its masked loss *sum* over its fixed size b*T (targets
+    that do not count marked -1), so the schedule yields sum / (B*T), rescaled here to
+    sum / count."""
+    rows = _rows(batch, order)
 
     def masked_sum(micro: Llama, h_bTE: jax.Array, targets_bT: jax.Array) -> jax.Array:
         losses_bT = head_losses(micro, h_bTE, jnp.maximum(targets_bT, 0))
         return jnp.sum(jnp.where(targets_bT >= 0, losses_bT, 0.0)) / targets_bT.size
 
-    targets_BT = jnp.where(rows.same_BT, rows.targets_BT, -1)
-    scale = rows.same_BT.size / _target_count(batch, rows.same_BT)
+    targets_BT = jnp.where(rows.counted_BT, rows.targets_BT, -1)
+    scale = rows.counted_BT.size / _target_count(batch, rows.counted_BT)
     per_position = run_layers.fused_loss(model, rows.inputs_BT, targets_BT, masked_sum,
                                          rows.positions_BT, rows.segments_BT,
                                          sown_loss=_router_objective(model),
@@ -276,20 +299,40 @@ def _router_objective(model: Llama) -> Callable[[Any], Any]:
 
 
 def prepare_batch(batch: Mapping[str, jax.Array]) -> Mapping[str, jax.Array]:
-    """Packed rows get their batch-wide target count before a step splits them
-    (`with_target_counts`); unpacked rows need nothing."""
-    return with_target_counts(batch) if "segment_ids" in batch else batch
+    """Masked rows get their batch-wide target count before a step splits them
+    (`with_target_counts`); other rows need nothing."""
+    return with_target_counts(batch) if is_masked(batch) else batch
 
 
 def eval_sums(model: Llama, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Summed next-token loss, correct predictions and count of one batch: packed rows count
-    each document's own targets only (padding and boundaries excluded), others the `mask`."""
-    if "segment_ids" in batch:
-        rows = _packed_rows(batch)
+    """Summed next-token loss, correct predictions and count of one batch: the targets the
+    training loss counts (`_rows`: each document's own, those a `loss_mask` marks), in rows
+    the per-row `mask` keeps (the padding rows of a last held-out batch have mask 0)."""
+    if is_masked(batch):
+        rows = _rows(batch)
         logits_BTV = model(rows.inputs_BT, rows.positions_BT, segments_BT=rows.segments_BT)
-        return masked_sums(logits_BTV, rows.targets_BT, rows.same_BT.astype(jnp.float32))
+        counted_BT = rows.counted_BT.astype(jnp.float32)
+        if "mask" in batch:
+            counted_BT = counted_BT * batch["mask"].astype(jnp.float32)[:, None]
+        return masked_sums(logits_BTV, rows.targets_BT, counted_BT)
     tokens_BT1 = constrain(batch["tokens"], "batch", "length")
     return masked_sums(model(tokens_BT1[:, :-1]), tokens_BT1[:, 1:], batch.get("mask"))
+
+
+def sequence_logps(model: Llama, batch: Mapping[str, jax.Array],
+                   run_layers: LayerRunner | None = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(summed log-probabilities of each row's targets that `batch['loss_mask']` marks (B,),
+    their count (B,), the router's loss term): a whole response's log-probability under the
+    model, from the same head and chunked loss as training (`masked_losses`). Rows are one
+    sequence each, right-padded (causal attention: the padding changes nothing before it)."""
+    tokens_BT1 = constrain(batch["tokens"], "batch", "length")
+    order = _training_order(model, tokens_BT1.shape[1] - 1)
+    rows = {"tokens": tokens_BT1, "loss_mask": batch["loss_mask"]}
+    with context.sequence_order(order):
+        losses_BT, mask_BT = masked_losses(model, rows, run_layers, order)
+    return (-(losses_BT * mask_BT).sum(axis=1), mask_BT.sum(axis=1),
+            router_loss(model, model.cfg.moe))
 
 
 def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int,
@@ -301,4 +344,5 @@ def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int,
 
 
 LM = Task(lm_loss, eval_sums, batch_spec, unit="tokens", prepare=prepare_batch,
-          perplexity=True, token_batches=True)
+          perplexity=True, token_batches=True, sequence_logps=sequence_logps,
+          finetune=("finetune_lm:lora", "--config.data.sources='text=YOUR/FILES/*.txt'"))

@@ -1,0 +1,129 @@
+"""Training objectives by name (`config.objective.name`): the table and the checks of a config.
+
+| name | trains on | loss | reference |
+|---|---|---|---|
+| `lm` | token rows (text, chat with its loss mask) | the model's own task: next token | none |
+| `dpo` | preference pairs | DPO, `beta`, `label_smoothing` (conservative DPO) | yes |
+| `ipo` | preference pairs | IPO, `beta` | yes |
+| `simpo` | preference pairs | SimPO, `beta`, `gamma`, length-normalised | none |
+
+Each names its batch layout, loss and held-out sums (`base.Objective`); `sft_weight` adds the
+chosen response's NLL to the preference objectives. Objectives sit above the models (they use a
+model's task and, for `dpo` / `ipo`, a second, frozen model) and below the training side, which
+holds the reference's weights (`jaxscale/train/reference.py`). An explicit table: a new
+objective is a module here and one line in `OBJECTIVES`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models import task_of
+from jaxscale.models.task import Task
+from jaxscale.objectives.base import LMObjective, Objective, Settings
+from jaxscale.objectives.preference import PreferenceObjective
+
+__all__ = ["OBJECTIVES", "Objective", "Settings", "check_objective", "holds_reference",
+           "make_objective", "objective_of"]
+
+# name -> (task, settings) -> the objective
+OBJECTIVES: dict[str, Callable[[Task, Settings], Objective]] = {
+    "lm": lambda task, s: LMObjective(task),
+    "dpo": lambda task, s: PreferenceObjective(task, s, "dpo"),
+    "ipo": lambda task, s: PreferenceObjective(task, s, "ipo"),
+    "simpo": lambda task, s: PreferenceObjective(task, s, "simpo"),
+}
+PREFERENCE = ("dpo", "ipo", "simpo")
+
+
+def make_objective(objective_cfg: Mapping[str, Any] | None, task: Task) -> Objective:
+    """The objective a `config.objective` section names, on the model's `task`."""
+    s = Settings.from_config(objective_cfg)
+    _check_name(s.name)
+    return OBJECTIVES[s.name](task, s)
+
+
+def objective_of(config: Any) -> Objective:
+    """The objective of a whole config (its model's task)."""
+    return make_objective(config.get("objective"), task_of(config.model))
+
+
+def holds_reference(config: Any) -> bool:
+    """Whether a run of `config` holds reference weights of its own (a copy of the model's, or
+    weights from a path): `dpo` / `ipo`, except `reference="init"` under LoRA, whose reference is
+    the frozen base with the adapters off (no extra weights)."""
+    s = Settings.from_config(config.get("objective"))
+    if s.name not in OBJECTIVES or not OBJECTIVES[s.name](task_of(config.model),
+                                                          s).uses_reference:
+        return False
+    lora = config.get("lora") or {}
+    return not (s.reference == "init" and lora.get("rank", 0))
+
+
+def _check_name(name: str) -> None:
+    if name not in OBJECTIVES:
+        raise ConfigError(paragraph(
+            f"objective.name={name!r} is not an objective. Use one of {', '.join(OBJECTIVES)}:",
+            "'lm' (the model's own loss; chat data trains on its assistant tokens), 'dpo',",
+            "'ipo' or 'simpo' (preference pairs)."))
+
+
+def check_objective(config: Any, data_kind: str) -> None:
+    """`config.objective` against itself, the model's task, the data (`data_kind`: text, chat
+    or preference, `data.mixture.configured_kind`) and the pipeline schedule; one paragraph
+    for the first mismatch."""
+    s = Settings.from_config(config.get("objective"))
+    _check_name(s.name)
+    _check_values(s)
+    preference = s.name in PREFERENCE
+    if preference and data_kind != "preference":
+        raise ConfigError(paragraph(
+            f"objective.name={s.name!r} trains on preference pairs, but data.sources holds",
+            f"{data_kind} data. Give pairs (--config.data.sources='preference=FILE.jsonl', or",
+            "prepared pairs), or use --config.objective.name=lm for text and chat."))
+    if data_kind == "preference" and not preference:
+        raise ConfigError(paragraph(
+            "data.sources holds preference pairs, which objective.name='lm' cannot train on",
+            "(a pair is two responses to compare, not one sequence). Choose a preference",
+            f"objective: --config.objective.name={'|'.join(PREFERENCE)}."))
+    if preference and task_of(config.model).sequence_logps is None:
+        raise ConfigError(paragraph(
+            f"objective.name={s.name!r} compares the log-probabilities of whole responses,",
+            f"which model.name={config.model.get('name', 'llama')!r} does not give (its task",
+            "scores no sequences). Use a decoder language model."))
+    stages = config.mesh.get("pipeline", 1) * config.mesh.get("dcn_pipeline", 1)
+    if preference and stages > 1 and config.pipeline.get("schedule", "gpipe") == "1f1b":
+        raise ConfigError(paragraph(
+            f"objective.name={s.name!r} scores chosen and rejected responses together (and",
+            "against a reference model), but pipeline.schedule='1f1b' runs a next-token loss",
+            "inside its schedule, microbatch by microbatch. Use --config.pipeline.schedule=gpipe",
+            "(or circular) with pipeline stages for preference objectives."))
+
+
+def _check_values(s: Settings) -> None:
+    if not (math.isfinite(s.beta) and s.beta > 0):
+        raise ConfigError(paragraph(
+            f"objective.beta={s.beta} must be positive: it scales the log-probability ratios",
+            "(dpo, ipo) or the mean log-probabilities (simpo); 0.1 is usual for dpo, 2.0 for",
+            "simpo."))
+    if not 0.0 <= s.label_smoothing < 0.5:
+        raise ConfigError(paragraph(
+            f"objective.label_smoothing={s.label_smoothing} must be in [0, 0.5): the assumed",
+            "probability that a pair's labels are flipped (conservative DPO); 0 is plain DPO."))
+    if s.label_smoothing and s.name == "ipo":
+        raise ConfigError(paragraph(
+            f"objective.label_smoothing={s.label_smoothing} has no meaning for ipo, whose loss",
+            "is a squared error, not a likelihood. Set it to 0, or use dpo or simpo."))
+    if not (math.isfinite(s.gamma) and math.isfinite(s.sft_weight) and s.sft_weight >= 0):
+        raise ConfigError(paragraph(
+            f"objective.gamma={s.gamma} must be finite and objective.sft_weight={s.sft_weight}",
+            "finite and >= 0 (0: no NLL term on the chosen responses)."))
+    if s.name in ("dpo", "ipo") and not s.reference:
+        raise ConfigError(paragraph(
+            f"objective.name={s.name!r} needs a reference model: objective.reference='init'",
+            "(the weights training starts from) or the path of a jaxscale checkpoint or a",
+            "Hugging Face directory."))
+
