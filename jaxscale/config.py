@@ -80,8 +80,9 @@ def base_config() -> mlc.ConfigDict:
         attn_softcap=0.0, final_softcap=0.0,  # > 0: cap * tanh(x / cap) (Gemma 2); einsum or splash
         # mixture of experts in place of the dense MLP when num_experts > 0 (models/moe/layer.py):
         # capacity_factor 0 = dropless; every = MoE on every n-th layer, dense MLPs between
-        moe=mlc.ConfigDict(dict(num_experts=0, experts_per_token=2, norm_topk_prob=True, mlp=0,
-                                shared_experts=0, capacity_factor=0.0,
+        # router: models/moe/routers.py's ROUTERS
+        moe=mlc.ConfigDict(dict(num_experts=0, router="softmax_topk", experts_per_token=2,
+                                norm_topk_prob=True, mlp=0, shared_experts=0, capacity_factor=0.0,
                                 router_aux_loss_coef=0.01, router_z_loss_coef=0.0, every=1,
                                 grouped_matmul="auto", dispatch="auto"))))
     c.data = mlc.ConfigDict(dict(

@@ -14,8 +14,9 @@ from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.attention.kernels import ATTENTION_IMPLS, SOFTCAP_IMPLS
 from jaxscale.models.attention.kinds import DEFAULT_ATTENTION, attention_of
 from jaxscale.models.attention.sequence.context import check_config as check_context
-from jaxscale.models.moe.layer import MoEConfig, check_moe
-from jaxscale.models.moe.layer import num_params as moe_params
+from jaxscale.models.moe.config import MoEConfig
+from jaxscale.models.moe.config import num_params as moe_params
+from jaxscale.models.moe.layer import check_moe
 from jaxscale.models.nn.rope import Rope, check_rope
 
 
