@@ -86,7 +86,10 @@ def base_config() -> mlc.ConfigDict:
         moe=mlc.ConfigDict(dict(num_experts=0, router="softmax_topk", experts_per_token=2,
                                 norm_topk_prob=True, mlp=0, shared_experts=0, capacity_factor=0.0,
                                 router_aux_loss_coef=0.01, router_z_loss_coef=0.0, every=1,
-                                grouped_matmul="auto", dispatch="auto"))))
+                                grouped_matmul="auto", dispatch="auto",
+                                # GPT-OSS: router / expert biases, clamped SwiGLU (limit > 0)
+                                router_bias=False, expert_bias=False, swiglu_limit=0.0,
+                                swiglu_alpha=1.702))))
     c.data = mlc.ConfigDict(dict(
         corpus="stdlib",           # stdlib | digits | files (implied by a non-empty `sources`)
         max_bytes=4_000_000, seq_len=128, batch_size=32, eval_batches=4, part="all",

@@ -213,7 +213,7 @@ class Attention(nnx.Module):
                                    "attn_out")
         out_BTE = project(self, "wo", "bthd,hde->bte", out_BTHD, c)
         if self.out_bias:
-            out_BTE = out_BTE + self.bo[...].astype(out_BTE.dtype)
+            out_BTE = out_BTE + self.bo[...].astype(out_BTE.dtype)[None, None]
         out_BTE = constrain(out_BTE, "batch", "length", "embed")
         out_BTE = checkpoint_name(out_BTE, "out_proj")
         return out_BTE if cache is None else (out_BTE, cache)

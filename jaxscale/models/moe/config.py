@@ -35,6 +35,12 @@ class MoEConfig:
     # axis, how tokens reach their experts; "auto" picks by platform and shapes.
     grouped_matmul: str = "auto"  # auto | ragged_dot | megablox | dense
     dispatch: str = "auto"        # auto | allgather | ragged_all_to_all
+    # GPT-OSS's experts: a bias on the router's logits and on each expert's three projections,
+    # and the clamped SwiGLU (gmm.SwiGLU) when swiglu_limit > 0 (0: the plain SwiGLU).
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
 
     @classmethod
     def from_config(cls, moe_cfg: Mapping[str, Any] | None) -> "MoEConfig":
@@ -48,9 +54,10 @@ def expert_width(moe: MoEConfig, mlp: int) -> int:
 
 
 def num_params(moe: MoEConfig, embed: int, mlp: int) -> int:
-    """Parameters of one MoE block: router, experts and shared experts."""
+    """Parameters of one MoE block: router, experts and shared experts, biases included."""
     f = expert_width(moe, mlp)
-    return embed * moe.num_experts + moe.num_experts * 3 * embed * f \
+    biases = moe.router_bias + moe.expert_bias * (2 * f + embed)
+    return embed * moe.num_experts + moe.num_experts * (3 * embed * f + biases) \
         + 3 * embed * f * moe.shared_experts
 
 

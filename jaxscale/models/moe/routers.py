@@ -4,7 +4,8 @@ router's statistics and losses.
 Every router starts from the same float32 logits (x @ router) and returns each token's top-k
 expert ids and their combine weights, plus the per-expert probabilities the Switch load-balancing
 loss averages; what differs between families is the choice: softmax then top-k (Mixtral,
-Qwen3-MoE). A new router is one function and one line in `ROUTERS`.
+Qwen3-MoE), or top k of the logits then a softmax over those k (GPT-OSS). A new router is one
+function and one line in `ROUTERS`.
 
 The statistics (aux and z losses, load) are *sown* by the block as an `nnx.Intermediate`
 (`ROUTER_STATS`): `scan_layers` stacks them over the layers, and `router_loss` (called by the LM
@@ -55,13 +56,23 @@ def softmax_topk(logits_NX: jax.Array, moe: MoEConfig
     return weights_NK, experts_NK, probs_NX
 
 
+def topk_softmax(logits_NX: jax.Array, moe: MoEConfig
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The top k logits, then a softmax over those k alone (GPT-OSS): the same weights as
+    softmax_topk renormalised, computed as transformers does. The aux loss averages the
+    softmax over all experts, as transformers' load-balancing loss does."""
+    top_NK, experts_NK = jax.lax.top_k(logits_NX, moe.experts_per_token)
+    return jax.nn.softmax(top_NK, axis=-1), experts_NK, jax.nn.softmax(logits_NX, axis=-1)
+
+
 ROUTERS: dict[str, Router] = {
     "softmax_topk": Router(softmax_topk),
+    "topk_softmax": Router(topk_softmax),
 }
 
 
-def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig
-          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig,
+          bias_X: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(top-k weights (N, k) float32, expert ids (N, k), stats vector (len(STATS),)) of the
     configured router (`ROUTERS[moe.router]`); N may be several leading dimensions (e.g. B, T),
     the statistics are over all of them.
@@ -70,6 +81,9 @@ def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig
     run, and bf16 logits flip near-ties between experts."""
     n = moe.num_experts
     logits_NX = x_NE.astype(jnp.float32) @ router_EX.astype(jnp.float32)
+    if bias_X is not None:  # GPT-OSS's router bias (`moe.router_bias`)
+        logits_NX = logits_NX + bias_X.astype(jnp.float32).reshape(
+            (1,) * (logits_NX.ndim - 1) + (-1,))
     weights_NK, experts_NK, probs_NX = ROUTERS[moe.router].choose(logits_NX, moe)
     leading = tuple(range(probs_NX.ndim - 1))
     counts_X = jnp.sum(jax.nn.one_hot(experts_NK, n, dtype=jnp.float32), axis=(*leading, -2))
