@@ -100,3 +100,54 @@ def test_exports_refuse_what_the_family_lacks(gpt_oss, tmp_path):
     bad = {**model_cfg, "moe": {**model_cfg["moe"], "router": "softmax_topk"}}
     with pytest.raises(hf.ConversionError, match="model.moe.router does not fit"):
         hf_gpt_oss.save_gpt_oss((bad, params), str(tmp_path / "out"))
+
+
+def test_mxfp4_experts_dequantise_as_transformers_does(tmp_path):
+    """A tiny checkpoint in the published layout: each layer's experts as MXFP4 `*_blocks` /
+    `*_scales` (random codes and exponents). The import equals transformers' own
+    dequantisation (`convert_moe_packed_tensors`) bit for bit, and its logits equal the
+    transformers model holding those dequantised experts."""
+    import json
+    import os
+
+    from safetensors.numpy import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config = transformers.GptOssConfig(**{**CONFIG, "intermediate_size": 32})
+    model = make_tiny(transformers.GptOssForCausalLM, config, str(tmp_path / "plain"),
+                      noisy=("norm", "bias", "sinks", "router"))
+    rng = np.random.default_rng(3)
+    tensors = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    for i in range(config.num_hidden_layers):
+        for proj, rows, cols in (("gate_up_proj", 64, 32), ("down_proj", 32, 32)):
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            blocks = rng.integers(0, 256, (4, rows, cols // 32, 16), dtype=np.uint8)
+            scales = rng.integers(122, 129, (4, rows, cols // 32), dtype=np.uint8)
+            del tensors[name]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            ref = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                             dtype=torch.float32)
+            with torch.no_grad():  # transformers' model with its own dequantisation
+                getattr(model.model.layers[i].mlp.experts, proj).copy_(ref)
+    path = str(tmp_path / "mxfp4")
+    os.makedirs(path)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+              os.path.join(path, "model.safetensors"))
+    with open(os.path.join(tmp_path / "plain", "config.json")) as f:
+        hf_config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**hf_config, "quantization_config": {"quant_method": "mxfp4"}}, f)
+
+    model_cfg, params = load(path)
+    experts = model.model.layers[1].mlp.experts
+    gate_up = experts.gate_up_proj.detach().numpy()
+    mlp = {k: np.asarray(v)[1] for k, v in params["layers"]["mlp"].items()}
+    np.testing.assert_array_equal(mlp["w_gate"], gate_up[..., ::2])
+    np.testing.assert_array_equal(mlp["w_up"], gate_up[..., 1::2])
+    np.testing.assert_array_equal(mlp["w_down"], experts.down_proj.detach().numpy())
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24)).astype(np.int32)
+    err = np.max(np.abs(jax_logits(model_cfg, params, tokens) - hf_logits(model, tokens)))
+    assert err < 1e-4, err
+    with pytest.raises(hf.ConversionError, match="quant_method='bitsandbytes' is not read"):
+        hf_gpt_oss.gpt_oss_config_from_hf(
+            {**hf_config, "quantization_config": {"quant_method": "bitsandbytes"}})

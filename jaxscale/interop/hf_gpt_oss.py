@@ -24,6 +24,7 @@ paragraph: a sliding-window layer without a window, a pattern that names other l
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,11 +36,13 @@ from jaxscale.interop.hf import (
     ConversionError,
     Leaf,
     Pretrained,
-    decoder_opener,
+    Source,
+    open_decoder,
     save_tensors,
     unpack,
 )
 from jaxscale.interop.hf_config import decoder_fields, require_keys
+from jaxscale.interop.hf_mxfp4 import mxfp4_reader
 from jaxscale.interop.hf_qwen import qwen_leaves
 from jaxscale.interop.hf_rope import rope_scaling_to_hf
 from jaxscale.models.moe.config import MoEConfig, expert_width
@@ -65,6 +68,12 @@ def gpt_oss_config_from_hf(hf: Mapping[str, Any], where: str = "config.json",
             f"{where}: sliding_window={window!r} is not a positive integer, but layer_types has",
             "sliding_attention layers: they would have no window. Convert a checkpoint whose",
             "sliding_window is the local layers' window (128 in the published ones)."))
+    quant = (hf.get("quantization_config") or {}).get("quant_method")
+    if quant not in (None, "mxfp4"):
+        raise ConversionError(paragraph(
+            f"{where}: quantization_config.quant_method={quant!r} is not read; jaxscale",
+            "dequantises the MXFP4 expert weights of the published GPT-OSS checkpoints",
+            "(hf_mxfp4.py) and reads unquantised ones. Convert an MXFP4 or a bf16 checkpoint."))
     bias = bool(hf.get("attention_bias", True))
     k = int(hf["num_experts_per_tok"])
     coef = float(hf.get("router_aux_loss_coef") or 0.0) * k if hf.get(
@@ -183,4 +192,8 @@ def _odd(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w[..., 1::2])
 
 
-open_gpt_oss = decoder_opener("gpt_oss", gpt_oss_config_from_hf, gpt_oss_leaves)
+def open_gpt_oss(hf_dir: str) -> Source:
+    """The config and lazy reader of a HF gpt_oss directory (validated); MXFP4 expert
+    tensors (`*_blocks` / `*_scales`, the published checkpoints) read dequantised."""
+    source = open_decoder(hf_dir, "gpt_oss", gpt_oss_config_from_hf, gpt_oss_leaves)
+    return dataclasses.replace(source, reader=mxfp4_reader(source.reader))
