@@ -151,3 +151,20 @@ def test_mxfp4_experts_dequantise_as_transformers_does(tmp_path):
     with pytest.raises(hf.ConversionError, match="quant_method='bitsandbytes' is not read"):
         hf_gpt_oss.gpt_oss_config_from_hf(
             {**hf_config, "quantization_config": {"quant_method": "bitsandbytes"}})
+
+
+@pytest.mark.parametrize("size, layers, experts", [("20b", 24, 32), ("120b", 36, 128)])
+def test_presets_have_the_published_models_parameters(size, layers, experts):
+    """configs/gpt_oss.py's 20b / 120b count what transformers builds for those configs (on
+    the meta device: no memory), and their config.json maps to the same `config.model`."""
+    from jaxscale.configs import sibling
+    presets, llama = sibling("gpt_oss"), sibling("llama")
+    hf_cfg = transformers.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts)
+    with torch.device("meta"):
+        count = sum(p.numel() for p in transformers.GptOssForCausalLM(hf_cfg).parameters())
+    assert llama.num_params(size, presets.SIZES) == count
+    converted = hf_gpt_oss.gpt_oss_config_from_hf(hf_cfg.to_dict())
+    preset = presets.SIZES[size].model
+    assert {k: converted[k] for k in preset if k != "moe"} == {
+        k: v for k, v in preset.items() if k != "moe"}
+    assert {k: converted["moe"][k] for k in preset["moe"]} == preset["moe"]
