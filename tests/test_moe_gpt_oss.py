@@ -98,3 +98,33 @@ def test_clamped_swiglu_and_the_parameter_count():
     block = _ours(_hf_mlp())
     counted = sum(v.size for v in jax.tree.leaves(nnx.state(block, nnx.Param)))
     assert num_params(moe, E, F) == counted == sum(p.numel() for p in _hf_mlp().parameters())
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_one_device():
+    """configs/gpt_oss.py:tiny (sinks, biases, alternating window, YaRN, biased experts with
+    the clamped SwiGLU) trained on one device: losses and each step's gradients."""
+    from tests.test_parallel_equivalence import run_steps
+    return run_steps(_gpt_oss_config({}), jax.devices()[:1])
+
+
+def _gpt_oss_config(mesh):
+    from jaxscale.configs import sibling
+    from tests.test_parallel_equivalence import STEPS
+    c = sibling("gpt_oss").get_config("tiny")
+    c.train.steps = STEPS
+    c.mesh.update({**dict(data=1, fsdp=1, tensor=1), **mesh})
+    c.rules_preset = "fsdp_tp" if mesh.get("tensor", 1) > 1 else c.rules_preset
+    return c
+
+
+@pytest.mark.parametrize("mesh", [
+    dict(expert=2, data=2, fsdp=2),
+    pytest.param(dict(fsdp=2, tensor=2, data=2), marks=pytest.mark.exhaustive)])
+def test_gpt_oss_trains_sharded_as_on_one_device(gpt_oss_one_device, mesh):
+    """The experts over `expert` (their biases with them) or their hidden width over `tensor`,
+    the heads and their sinks over `tensor`: losses and gradients equal one device's."""
+    from tests.test_parallel_equivalence import assert_equal_runs, run_steps
+    got = run_steps(_gpt_oss_config(mesh), jax.devices())
+    assert_equal_runs(got, gpt_oss_one_device)
+    assert {"layers/attn/sinks", "layers/mlp/b_down"} <= set(gpt_oss_one_device[1][0])
