@@ -104,8 +104,8 @@ def llama_config_to_hf(model_cfg: Mapping[str, Any], dtype: str = "float32") -> 
     if switched:
         raise ConversionError(paragraph(
             f"model.{switched[0]}=True has no place in a Hugging Face Llama (its tensors would be",
-            "dropped): export the model as the family that has it, model.name=qwen2 (qkv_bias)",
-            "or qwen3 (qk_norm)."))
+            "dropped): export the model as the family that has it, model.name=qwen2 (qkv_bias),",
+            "qwen3 (qk_norm) or gpt_oss (out_bias, attn_sinks)."))
     experts = dict(m.get("moe") or {}).get("num_experts", 0)
     if experts:
         raise ConversionError(paragraph(
