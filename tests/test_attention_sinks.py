@@ -1,9 +1,9 @@
 """Attention sinks (GPT-OSS's `model.attn_sinks`): a learned logit per head joins each query's
 softmax as a key without a value. The einsum kernel equals a numpy reference with the sink
 column (and plain attention when the sink is very negative), splash (interpret mode) equals
-einsum, attention across sequence shards (`allgather`, `ring`) equals one device in the output
-and in the gradients of q, k, v and the sinks, and what cannot run them is refused in one
-paragraph."""
+einsum, attention across sequence shards (einsum `allgather` and `ring`; the splash blocks)
+equals one device in the output and in the gradients of q, k, v and the sinks, and what cannot
+run them is refused in one paragraph."""
 
 import jax
 import jax.numpy as jnp
@@ -75,16 +75,16 @@ def test_splash_sinks_equal_einsum_with_gradients():
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=f"d loss / d {name}")
 
 
-def _sharded_loss(mesh, variant):
+def _sharded_loss(mesh, variant, impl="einsum", t=T, segments=SEGMENTS):
     def loss(q, k, v, sinks):
-        mask = Mask.sequence(T, jnp.asarray(SEGMENTS), window=5)
+        mask = Mask.sequence(t, jnp.asarray(segments), window=5)
         if mesh is None:
             return jnp.sum(jnp.sin(attend(q, k, v, mask, sinks_H=sinks)))
         with use_rules(RULES, mesh):
             q = constrain(q, "batch", "length", "heads", "head_dim")
             k = constrain(k, "batch", "length", "kv", "head_dim")
             v = constrain(v, "batch", "length", "kv", "head_dim")
-            out = attend(q, k, v, mask, context_impl=variant, sinks_H=sinks)
+            out = attend(q, k, v, mask, impl=impl, context_impl=variant, sinks_H=sinks)
         return jnp.sum(jnp.sin(out))
     return loss
 
@@ -107,6 +107,26 @@ def test_sinks_across_sequence_shards_equal_one_device(variant, mesh):
     assert np.abs(np.asarray(ref_grads[3])).min() > 0  # every head's sink is trained
 
 
+@pytest.mark.filterwarnings("ignore:model.attention=splash")
+@pytest.mark.parametrize("variant", [
+    "ring_vjp", pytest.param("allgather", marks=pytest.mark.exhaustive)])
+def test_splash_blocks_take_the_sinks_across_shards(variant):
+    """The splash blocks (interpret mode) over 2 sequence shards of 256 tokens start their
+    log-sum-exp merge from the sinks; the custom backward adds d sink."""
+    t = 256
+    segments = np.array([[1] * 100 + [2] * 140 + [0] * 16, [1] * t], np.int32)
+    grad = lambda m, impl: jax.jit(jax.value_and_grad(
+        _sharded_loss(m, variant, impl, t, segments), argnums=(0, 1, 2, 3)))
+    traced = grad(make_mesh({"context": 2}, jax.devices()[:2]), "splash").trace(
+        *_inputs(t, seed=4))
+    assert "pallas_call" in str(traced.jaxpr)  # the splash kernels run, not the einsum blocks
+    loss, grads = traced.lower().compile()(*_inputs(t, seed=4))
+    ref_loss, ref_grads = grad(None, "einsum")(*_inputs(t, seed=4))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for name, g, r in zip(("q", "k", "v", "sinks"), grads, ref_grads):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=2e-5, err_msg=f"d loss / d {name}")
+
+
 def _model(**fields):
     return dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, embed=32, mlp=64,
                 max_len=64, vocab_size=64, attn_sinks=True, **fields)
@@ -116,9 +136,7 @@ def _model(**fields):
     (dict(attention="dot_product_attention"), None,
      "model.attention='dot_product_attention' has no attention sinks"),
     (dict(context_attention="ring_vjp"), {"context": 4},
-     "model.context_attention='ring_vjp': the ring_vjp backward pass"),
-    (dict(attention="splash"), {"context": 2},
-     "not with model.attention='splash'"),
+     "model.context_attention='ring_vjp': the ring_vjp einsum backward pass"),
 ])
 def test_what_cannot_run_sinks_is_refused_in_one_paragraph(fields, mesh, culprit):
     m = _model(**fields)

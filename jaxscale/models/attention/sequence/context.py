@@ -137,10 +137,9 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mas
     by the `variant` in `CONTEXT_ATTENTION`; out (B, T, H, D) sharded like the queries. The
     slots are the declared `sequence_order`'s when one is active (the sequence lies permuted),
     else the mask's. Attention sinks (`sinks_H`, split like the query heads) start each
-    shard's online softmax (`blockwise.start`): `allgather` and `ring` take them; `ring_vjp`
-    and the splash blocks refuse them (`check_sinks`)."""
-    if sinks_H is not None:
-        check_sinks(variant, shards.impl)
+    shard's online softmax (`blockwise.start`, `context_splash`'s merge): the einsum blocks of
+    `allgather` and `ring`, and the splash blocks, take them; `ring_vjp`'s einsum backward
+    refuses them (`check_sinks`)."""
     spec = lambda logical, x: shards.rules.activation_spec(logical, x.shape, shards.mesh,
                                                            "<context>")
     batch, length, heads, _ = spec(Q_AXES, q_BTHD)
@@ -161,10 +160,13 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mas
     plan = _splash_plan(shards, variant, mask, q_BTHD.shape[1], softcap)
     if plan is not None:
         run = lambda window: placed(lambda a: context_splash.attention(
-            a["q"], a["k"], a["v"], a["slots"], a.get("segments"), plan=plan(window)))
+            a["q"], a["k"], a["v"], a["slots"], a.get("segments"), plan=plan(window),
+            sinks_H=a.get("sinks")))
         if isinstance(mask.window, jax.Array):  # a local/global pattern: the layer's flag picks
             return jax.lax.cond(mask.window > 0, run(mask.local_window), run(0), arrays)
         return run(mask.window)(arrays)
+    if sinks_H is not None:
+        check_sinks(variant, "einsum")
     body = CONTEXT_ATTENTION[variant]
     run = lambda a: body(a["q"], a["k"], a["v"], a["slots"], a.get("segments"),
                          axes=shards.axes, n=shards.count, causal=mask.causal,
@@ -174,17 +176,17 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mas
 
 
 def check_sinks(variant: str, impl: str) -> None:
-    """Attention sinks across sequence shards run by the einsum blocks of `allgather` and
-    `ring`, which start from the sink; the others are refused in one paragraph."""
-    if variant in ("allgather", "ring") and impl == "einsum":
+    """Attention sinks across sequence shards run by the splash blocks (every variant) and by
+    the einsum blocks of `allgather` and `ring`, which start from the sink; the einsum
+    `ring_vjp`, whose custom backward has no sink term, is refused in one paragraph."""
+    if impl == "splash" or variant in ("allgather", "ring"):
         return
     raise ConfigError(paragraph(
         "Attention sinks (model.attn_sinks, GPT-OSS) across sequence shards run with",
-        "model.attention=einsum and model.context_attention=allgather or ring, not with",
-        f"model.attention={impl!r} and model.context_attention={variant!r}: the ring_vjp",
-        "backward pass and the splash blocks' log-sum-exp merge have no sink term yet. Use",
-        "model.attention=einsum with context_attention=allgather or ring, or set",
-        "mesh.context=1 (splash takes sinks on whole sequences)."))
+        "model.context_attention=allgather or ring (or model.attention=splash on TPUs, every",
+        f"variant), not with model.attention={impl!r} and model.context_attention={variant!r}:",
+        "the ring_vjp einsum backward pass has no sink term. Use context_attention=allgather",
+        "or ring, or set mesh.context=1."))
 
 
 def _splash_plan(shards: Shards, variant: str, mask: Mask, length: int, softcap: float
