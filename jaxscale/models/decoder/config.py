@@ -14,7 +14,6 @@ from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.attention.kernels import ATTENTION_IMPLS, SINK_IMPLS, SOFTCAP_IMPLS
 from jaxscale.models.attention.kinds import DEFAULT_ATTENTION, attention_of
 from jaxscale.models.attention.sequence.context import check_config as check_context
-from jaxscale.models.attention.sequence.context import check_sinks
 from jaxscale.models.moe.config import MoEConfig
 from jaxscale.models.moe.config import num_params as moe_params
 from jaxscale.models.moe.layer import check_moe
@@ -174,8 +173,6 @@ def check_mesh(m: Mapping[str, Any], mesh_cfg: Mapping[str, Any], seq_len: int,
     """The decoder's checks against `config.mesh` (and `pipeline.repeats`): attention across
     sequence shards (`mesh.context`), the experts over `mesh.expert` and the pipeline stages."""
     check_context(mesh_cfg, m, seq_len)
-    if m.get("attn_sinks") and mesh_cfg.get("context", 1) * mesh_cfg.get("dcn_context", 1) > 1:
-        check_sinks(m.get("context_attention", "allgather"), m.get("attention", "einsum"))
     check_moe(m, mesh_cfg, repeats)
 
 

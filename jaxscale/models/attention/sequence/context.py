@@ -137,9 +137,7 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mas
     by the `variant` in `CONTEXT_ATTENTION`; out (B, T, H, D) sharded like the queries. The
     slots are the declared `sequence_order`'s when one is active (the sequence lies permuted),
     else the mask's. Attention sinks (`sinks_H`, split like the query heads) start each
-    shard's online softmax (`blockwise.start`, `context_splash`'s merge): the einsum blocks of
-    `allgather` and `ring`, and the splash blocks, take them; `ring_vjp`'s einsum backward
-    refuses them (`check_sinks`)."""
+    shard's online softmax (`blockwise.start`, `context_splash`'s merge) in every variant."""
     spec = lambda logical, x: shards.rules.activation_spec(logical, x.shape, shards.mesh,
                                                            "<context>")
     batch, length, heads, _ = spec(Q_AXES, q_BTHD)
@@ -165,8 +163,6 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mas
         if isinstance(mask.window, jax.Array):  # a local/global pattern: the layer's flag picks
             return jax.lax.cond(mask.window > 0, run(mask.local_window), run(0), arrays)
         return run(mask.window)(arrays)
-    if sinks_H is not None:
-        check_sinks(variant, "einsum")
     body = CONTEXT_ATTENTION[variant]
     run = lambda a: body(a["q"], a["k"], a["v"], a["slots"], a.get("segments"),
                          axes=shards.axes, n=shards.count, causal=mask.causal,
@@ -174,19 +170,6 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mas
                          **({"sinks_H": a["sinks"]} if "sinks" in a else {}))
     return placed(run)(arrays)
 
-
-def check_sinks(variant: str, impl: str) -> None:
-    """Attention sinks across sequence shards run by the splash blocks (every variant) and by
-    the einsum blocks of `allgather` and `ring`, which start from the sink; the einsum
-    `ring_vjp`, whose custom backward has no sink term, is refused in one paragraph."""
-    if impl == "splash" or variant in ("allgather", "ring"):
-        return
-    raise ConfigError(paragraph(
-        "Attention sinks (model.attn_sinks, GPT-OSS) across sequence shards run with",
-        "model.context_attention=allgather or ring (or model.attention=splash on TPUs, every",
-        f"variant), not with model.attention={impl!r} and model.context_attention={variant!r}:",
-        "the ring_vjp einsum backward pass has no sink term. Use context_attention=allgather",
-        "or ring, or set mesh.context=1."))
 
 
 def _splash_plan(shards: Shards, variant: str, mask: Mask, length: int, softcap: float
