@@ -24,32 +24,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
-from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.errors import paragraph
 from jaxscale.models import ModelDef, entry_of
 from jaxscale.rules import AxisRules, use_rules
-
-
-class GenerateError(JaxscaleError):
-    """A generation request the model cannot serve (bad prompt, length or temperature)."""
-
-
-def forward_cached(model: nnx.Module, tokens_BT: jax.Array, start: jax.Array,
-                   cache: Any, **rows: jax.Array) -> tuple[jax.Array, Any]:
-    """Logits of `tokens_BT` placed at cache slots start.. (by default also their positions;
-    `rows` may give `positions_BT` and `segments_BT`) given the cache; the updated cache."""
-    return model(tokens_BT, cache=cache, cache_index=start, **rows)
-
-
-def left_padded_rows(lengths_B: jax.Array, width: int) -> dict[str, jax.Array]:
-    """Positions and segment ids of prompts of `lengths_B` tokens left-padded to `width`:
-    segment 0 on padding, 1 on the prompt, positions counted from each prompt's first token."""
-    pad_B1 = (width - lengths_B)[:, None]
-    slots_BT = jnp.arange(width, dtype=jnp.int32)[None]
-    return dict(positions_BT=jnp.maximum(slots_BT - pad_B1, 0),
-                segments_BT=(slots_BT >= pad_B1).astype(jnp.int32))
+from jaxscale.sampling import (  # the sampler's building blocks, also used here
+    GenerateError,
+    forward_cached,
+    left_padded_rows,
+)
 
 
 def sample(logits_BV: jax.Array, rng: jax.Array, temperature: float) -> jax.Array:

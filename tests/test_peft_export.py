@@ -18,10 +18,10 @@ peft = pytest.importorskip("peft", reason="peft is not installed (the `parity` e
 
 from jaxscale.errors import ConversionError
 from jaxscale.interop import convert, hf
+from jaxscale.interop import peft as jpeft
 from jaxscale.models import ModelDef
 from jaxscale.models.adapters import lora
 from jaxscale.precision import get_policy
-from jaxscale.weights import peft as jpeft
 from jaxscale.weights.sources import open_huggingface
 from jaxscale.weights.tree import flatten, unflatten
 

@@ -133,11 +133,11 @@ def workdir_to_hf(workdir: str, out_dir: str, dtype: Any = None,
 
 def workdir_to_peft(workdir: str, out_dir: str, dtype: Any = None, base_model: str | None = None,
                     overwrite: bool = False) -> tuple[str, str | None]:
-    """Writes a LoRA run's newest adapters as a PEFT adapter directory (`weights/peft.py`):
+    """Writes a LoRA run's newest adapters as a PEFT adapter directory (`interop/peft.py`):
     (the directory, the `base_model_name_or_path` recorded: `base_model`, else the run's
     Hugging Face `init_from`, or the directory a conversion it started from was made of)."""
+    from jaxscale.interop import peft
     from jaxscale.models.adapters import lora
-    from jaxscale.weights import peft
 
     model_cfg, lora_cfg = read_model_config(workdir)
     if not lora_cfg or not lora_cfg.get("rank"):

@@ -14,7 +14,7 @@ workdir's newest checkpoint (LoRA adapters folded in) or a conversion output, wi
 tokenizer files the weights came with; `--max_shard_size` splits it into
 `model-0000i-of-0000n.safetensors` files plus `model.safetensors.index.json`. The third writes
 a LoRA run's adapters, unmerged, as a PEFT adapter for the Hugging Face base model
-(`jaxscale/weights/peft.py`), with the tokenizer files; a non-empty output directory is refused
+(`jaxscale/interop/peft.py`), with the tokenizer files; a non-empty output directory is refused
 unless `--overwrite`.
 """
 
