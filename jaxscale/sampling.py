@@ -59,7 +59,6 @@ def left_padded_rows(lengths_B: jax.Array, width: int) -> dict[str, jax.Array]:
                 segments_BT=(slots_BT >= pad_B1).astype(jnp.int32))
 
 
-
 @dataclass(frozen=True)
 class Sampling:
     """How tokens are chosen. temperature 0 is greedy (top-k / top-p then do nothing); top_k 0
