@@ -29,11 +29,7 @@ from jax.sharding import Mesh
 from jaxscale.errors import paragraph
 from jaxscale.models import ModelDef, entry_of
 from jaxscale.rules import AxisRules, use_rules
-from jaxscale.sampling import (  # the sampler's building blocks, also used here
-    GenerateError,
-    forward_cached,
-    left_padded_rows,
-)
+from jaxscale.sampling import GenerateError, Sampler, Sampling, forward_cached, left_padded_rows
 
 
 def sample(logits_BV: jax.Array, rng: jax.Array, temperature: float) -> jax.Array:
@@ -197,62 +193,64 @@ def load_model(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
     return config, params
 
 
-def placed_model(config: Any, params: Mapping) -> tuple[ModelDef, Mapping, AxisRules, Mesh]:
-    """(model definition, `params` placed on the config's mesh by its rules, the rules, the
-    mesh): what every use of trained weights outside training runs on."""
+def model_on_mesh(config: Any) -> tuple[ModelDef, AxisRules, Mesh, Any, Any]:
+    """(model definition, rules, mesh, parameter shardings, parameter dtype) of a run config:
+    where every use of trained weights outside training puts them."""
     from jaxscale.mesh import make_mesh
     from jaxscale.precision import get_policy
-    from jaxscale.weights.place import named_shardings, param_specs, place
-    from jaxscale.weights.tree import flatten, unflatten
+    from jaxscale.weights.place import named_shardings, param_specs
 
     mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
     model_def = ModelDef.build(config.model, get_policy(config.precision))
     shardings = named_shardings(mesh, param_specs(model_def, rules, mesh))
-    placed = unflatten(place(flatten(params), shardings, model_def.shapes()["embedding"].dtype))
-    return model_def, placed, rules, mesh
+    return model_def, rules, mesh, shardings, model_def.shapes()["embedding"].dtype
+
+
+def place_params(params: Mapping, shardings: Any, dtype: Any) -> Mapping:
+    """`params` (a nested tree, its leaves lazy or not) put where `shardings` say, in `dtype`."""
+    from jaxscale.weights.place import place
+    from jaxscale.weights.tree import flatten, unflatten
+
+    return unflatten(place(flatten(params), shardings, dtype))
+
+
+def placed_model(config: Any, params: Mapping) -> tuple[ModelDef, Mapping, AxisRules, Mesh]:
+    """(model definition, `params` placed on the config's mesh by its rules, the rules, the
+    mesh)."""
+    model_def, rules, mesh, shardings, dtype = model_on_mesh(config)
+    return model_def, place_params(params, shardings, dtype), rules, mesh
 
 
 def generate_from_config(config: Any, params: Mapping, prompt_BT: np.ndarray, steps: int,
-                         temperature: float = 0.0, seed: int = 0, sampling: Any = None
-                         ) -> np.ndarray:
+                         temperature: float = 0.0, seed: int = 0,
+                         sampling: Sampling | None = None) -> np.ndarray:
     """Places `params` on the config's mesh by its rules and generates `steps` tokens after
     each row of `prompt_BT` (prompt included in the result). `sampling`: a
     `sampling.Sampling` (top-k / top-p / n / stop ids; rows after a stop hold its pad_id),
     else greedy or `temperature` sampling. The sampler is kept per config and settings, so a
     second call with the same shapes reuses its compiled program."""
-    from jaxscale.sampling import Sampling
-    from jaxscale.weights.place import place
-    from jaxscale.weights.tree import flatten, unflatten
-
     sampling = sampling or Sampling(temperature=float(temperature))
     check_request(np.shape(prompt_BT)[1], steps, sampling.temperature,
                   config.model.get("max_len", 0))
     sampler, shardings, dtype = _sampler(config, sampling)
-    placed = unflatten(place(flatten(params), shardings, dtype))
+    placed = place_params(params, shardings, dtype)
     out = sampler(placed, np.asarray(prompt_BT, np.int32), jax.random.key(seed), steps)
     prompt = np.repeat(np.asarray(prompt_BT, np.int32), sampling.n, axis=0)
     return np.concatenate([prompt, np.asarray(out.tokens)], axis=1)
 
 
-_SAMPLERS: dict[str, tuple[Any, Any, Any]] = {}
+_SAMPLERS: dict[str, tuple[Sampler, Any, Any]] = {}
 
 
-def _sampler(config: Any, sampling: Any) -> tuple[Any, Any, Any]:
+def _sampler(config: Any, sampling: Sampling) -> tuple[Sampler, Any, Any]:
     """(Sampler, parameter shardings, parameter dtype) for a config and sampling settings,
     built once per process: `jaxscale generate` and a training loop's rollouts call again."""
     import json
 
-    from jaxscale.mesh import make_mesh
-    from jaxscale.precision import get_policy
-    from jaxscale.sampling import Sampler
-    from jaxscale.weights.place import named_shardings, param_specs
-
     plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     key = json.dumps([plain, repr(sampling)], sort_keys=True, default=str)
     if key not in _SAMPLERS:
-        mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
-        model_def = ModelDef.build(config.model, get_policy(config.precision))
-        shardings = named_shardings(mesh, param_specs(model_def, rules, mesh))
+        model_def, rules, mesh, shardings, dtype = model_on_mesh(config)
         sampler = Sampler(model_def, sampling, rules, mesh, config.model.get("max_len", 0))
-        _SAMPLERS[key] = (sampler, shardings, model_def.shapes()["embedding"].dtype)
+        _SAMPLERS[key] = (sampler, shardings, dtype)
     return _SAMPLERS[key]

@@ -211,6 +211,17 @@ def test_named_python_names_exist():
                          "the docs):\n" + "\n".join(missing))
 
 
+def test_architecture_names_every_module():
+    """docs/architecture.md is the map: every module of `jaxscale/` appears in it, by its file
+    name or its path under jaxscale/ (packages' `__init__.py` aside)."""
+    text = open(os.path.join(ROOT, "docs", "architecture.md")).read()
+    missing = [os.path.relpath(p, ROOT) for p in sorted(glob.glob(
+        os.path.join(ROOT, "jaxscale", "**", "*.py"), recursive=True))
+        if not p.endswith("__init__.py") and os.path.basename(p) not in text
+        and os.path.relpath(p, os.path.join(ROOT, "jaxscale")) not in text]
+    assert not missing, f"docs/architecture.md does not name {missing}: add each to its row."
+
+
 def test_readme_stays_short():
     lines = len(_lines(PAGES[0]))
     assert lines < README_MAX_LINES, (
