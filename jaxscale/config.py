@@ -85,6 +85,9 @@ def base_config() -> mlc.ConfigDict:
                                 norm_topk_prob=True, mlp=0, shared_experts=0, capacity_factor=0.0,
                                 router_aux_loss_coef=0.01, router_z_loss_coef=0.0, every=1,
                                 grouped_matmul="auto", dispatch="auto",
+                                # GPT-OSS: router / expert biases, clamped SwiGLU (limit > 0)
+                                router_bias=False, expert_bias=False, swiglu_limit=0.0,
+                                swiglu_alpha=1.702,
                                 # DeepSeek-V3's routing (router=sigmoid_group, routers.py)
                                 n_group=1, topk_group=1, routed_scaling_factor=1.0,
                                 bias_update_rate=0.0, first_k_dense_replace=0,

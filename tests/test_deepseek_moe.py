@@ -50,7 +50,7 @@ def test_sigmoid_group_router_is_deepseeks_routing():
     logits = rng.normal(size=(16, 8)).astype(np.float32)
     bias = rng.normal(scale=0.5, size=8).astype(np.float32)
     weights, experts, stats, load = route(jnp.eye(16), jnp.asarray(logits), moe,
-                                          jnp.asarray(bias))
+                                          balance_X=jnp.asarray(bias))
     want_w, want_e = _reference_route(logits, bias, moe)
     np.testing.assert_array_equal(np.sort(np.asarray(experts), -1), np.sort(want_e, -1))
     order = lambda e, w: np.take_along_axis(w, np.argsort(e, -1), -1)

@@ -126,7 +126,8 @@ def test_sequence_shards_train_as_one_device(mesh, variant):
     assert_equal_runs(run_steps(configs[1], jax.devices()), one)
 
 
-@pytest.mark.parametrize("field,value", [("qk_norm", True), ("sliding_window", 16)])
+@pytest.mark.parametrize("field,value", [("qk_norm", True), ("sliding_window", 16),
+                                         ("attn_sinks", True)])
 def test_switches_latent_attention_lacks_are_refused(field, value):
     c = _config(**{field: value})
     with pytest.raises(ConfigError, match=f"model.{field}=.* has no place in latent"):

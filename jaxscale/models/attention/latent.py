@@ -263,7 +263,8 @@ class LatentAttention(nnx.Module):
 
 # The decoder switches latent attention has no place for: (field, value that is off).
 _REFUSED = (("sliding_window", 0), ("layer_types", ()), ("qkv_bias", False),
-            ("qk_norm", False), ("attn_softcap", 0.0), ("query_pre_attn_scalar", 0.0))
+            ("qk_norm", False), ("attn_softcap", 0.0), ("query_pre_attn_scalar", 0.0),
+            ("out_bias", False), ("attn_sinks", False))
 
 
 class Latent(AttentionKind):
@@ -288,9 +289,9 @@ class Latent(AttentionKind):
         if switched:
             raise ConfigError(paragraph(
                 f"model.{switched[0][0]}={switched[0][1]!r} has no place in latent attention",
-                "(model.attention_kind=latent, DeepSeek's): it has no window, q/k/v biases, q/k",
-                "norms beyond its latent norms, score soft-cap or query scalar. Turn the switch",
-                "off, or use model.attention_kind=grouped_query."))
+                "(model.attention_kind=latent, DeepSeek's): it has no window, q/k/v or output",
+                "biases, q/k norms beyond its latent norms, score soft-cap, query scalar or",
+                "attention sinks. Turn the switch off, or use model.attention_kind=grouped_query."))
 
     def softmax_scale(self) -> float:
         """The factor on 1/sqrt(qk_head_dim): under YaRN DeepSeek's mscale_all_dim term squared

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.attention.kernels import ATTENTION_IMPLS, SOFTCAP_IMPLS
+from jaxscale.models.attention.kernels import ATTENTION_IMPLS, SINK_IMPLS, SOFTCAP_IMPLS
 from jaxscale.models.attention.kinds import DEFAULT_ATTENTION, attention_of
 from jaxscale.models.attention.latent import MLAConfig
 from jaxscale.models.attention.sequence.context import check_config as check_context
@@ -74,6 +74,9 @@ class LlamaConfig:
     # Decoder switches (Qwen2/2.5 and Qwen3 are this model with them on; `qwen.py`):
     qkv_bias: bool = False   # a bias on the q/k/v projections
     qk_norm: bool = False    # per-head RMSNorm of q and k before rotary
+    # GPT-OSS's switches (`gpt_oss.py`):
+    out_bias: bool = False   # a bias on the attention's output projection
+    attn_sinks: bool = False  # a learned logit per head in each softmax denominator
     # Gemma's switches (`gemma.py`):
     norm_offset: bool = False      # RMSNorms scale by 1 + weight (weights start at zero)
     post_norms: bool = False       # RMSNorms after attention and after the MLP too (4 a block)
@@ -206,6 +209,12 @@ def check_layer_pattern(m: Mapping[str, Any]) -> None:
             f"model.layer_types={list(kinds)!r} must name one of {', '.join(known)} for each",
             f"of the model.num_layers={m['num_layers']} layers (or be empty: every layer alike)."))
     attention = m.get("attention", "einsum")
+    if m.get("attn_sinks") and attention not in SINK_IMPLS:
+        raise ConfigError(paragraph(
+            f"model.attention={attention!r} has no attention sinks (model.attn_sinks, GPT-OSS's",
+            "learned per-head logit in each softmax denominator): jax.nn.dot_product_attention",
+            "takes no extra softmax term, and leaving it out computes another model. Use",
+            "model.attention=einsum (or splash on TPUs)."))
     if m.get("attn_softcap") and attention not in SOFTCAP_IMPLS:
         raise ConfigError(paragraph(
             f"model.attention={attention!r} does not soft-cap the attention scores",

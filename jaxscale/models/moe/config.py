@@ -37,6 +37,12 @@ class MoEConfig:
     # axis, how tokens reach their experts; "auto" picks by platform and shapes.
     grouped_matmul: str = "auto"  # auto | ragged_dot | megablox | dense
     dispatch: str = "auto"        # auto | allgather | ragged_all_to_all
+    # GPT-OSS's experts: a bias on the router's logits and on each expert's three projections,
+    # and the clamped SwiGLU (gmm.SwiGLU) when swiglu_limit > 0 (0: the plain SwiGLU).
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
     # DeepSeek-V3 (router "sigmoid_group", routers.py): the experts in n_group groups, a
     # token's choice limited to its topk_group best groups; the combine weights times
     # routed_scaling_factor; the selection bias moved by bias_update_rate per step (0: fixed).
@@ -70,11 +76,12 @@ def sparse_layers(moe: MoEConfig, num_layers: int) -> int:
 
 
 def num_params(moe: MoEConfig, embed: int, mlp: int) -> int:
-    """Parameters of one MoE block: router, experts and shared experts."""
+    """Parameters of one MoE block: router, experts and shared experts, biases included."""
     f = expert_width(moe, mlp)
-    bias = moe.num_experts if moe.router in BIASED_ROUTERS else 0
-    return embed * moe.num_experts + moe.num_experts * 3 * embed * f \
-        + 3 * embed * f * moe.shared_experts + bias
+    biases = moe.router_bias + moe.expert_bias * (2 * f + embed)
+    balance = moe.router in BIASED_ROUTERS  # a balancing bias per expert (DeepSeek-V3)
+    return embed * moe.num_experts + moe.num_experts * (3 * embed * f + biases + balance) \
+        + 3 * embed * f * moe.shared_experts
 
 
 def active_mlp(m: Mapping[str, Any]) -> tuple[int, int]:

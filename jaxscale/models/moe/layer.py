@@ -45,7 +45,8 @@ from jaxscale.models.moe.config import (
     MoEConfig,
     expert_width,
 )
-from jaxscale.models.moe.dropless import dropless_experts, expert_parallel, swiglu
+from jaxscale.models.moe.dropless import dropless_experts, expert_parallel
+from jaxscale.models.moe.gmm import PLAIN, SwiGLU
 from jaxscale.models.moe.routers import EXPERT_LOAD, ROUTERS, STATS, check_router, route
 from jaxscale.models.nn.layers import MLP, param, weight
 from jaxscale.precision import Policy
@@ -88,6 +89,11 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
     require(moe.mlp >= 0 and moe.shared_experts >= 0,
             f"model.moe.mlp={moe.mlp} and model.moe.shared_experts={moe.shared_experts} must be",
             ">= 0 (mlp 0: the expert width is model.mlp; shared_experts 0: none).")
+    require(moe.swiglu_limit >= 0 and moe.swiglu_alpha > 0,
+            f"model.moe.swiglu_limit={moe.swiglu_limit} must be >= 0 and",
+            f"model.moe.swiglu_alpha={moe.swiglu_alpha} > 0: a positive limit clamps the",
+            "experts' gate and up activations (GPT-OSS: 7.0, alpha 1.702); 0 keeps the plain",
+            "SwiGLU.")
     require(moe.router_aux_loss_coef >= 0 and moe.router_z_loss_coef >= 0,
             f"model.moe.router_aux_loss_coef={moe.router_aux_loss_coef} and",
             f"model.moe.router_z_loss_coef={moe.router_z_loss_coef} must be >= 0 (0: the loss is",
@@ -163,33 +169,58 @@ class MoE(nnx.Module):
         if moe.shared_experts:
             self.shared = MLP(embed, f * moe.shared_experts, policy, rngs, stack=stack)
         self.moe, self.policy = moe, policy
+        self.act = SwiGLU(moe.swiglu_limit, moe.swiglu_alpha)
+        zeros = dict(init="zeros", **kw)
+        if moe.router_bias:  # GPT-OSS: on the router's logits
+            self.router_bias = param(None, (n,), (None,), **zeros)
+        if moe.expert_bias:  # GPT-OSS: on each expert's gate, up and down projections
+            self.b_gate = param(None, (n, f), ("expert", "mlp"), **zeros)
+            self.b_up = param(None, (n, f), ("expert", "mlp"), **zeros)
+            self.b_down = param(None, (n, embed), ("expert", "embed"), **zeros)
+
+    def _biases(self) -> tuple[jax.Array, ...] | None:
+        """(gate, up, down) expert biases, or None without them."""
+        if not self.moe.expert_bias:
+            return None
+        return tuple(getattr(self, n)[...] for n in ("b_gate", "b_up", "b_down"))
 
     def _dropless(self, x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.Array,
                   w: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
         """Expert-parallel when the rules split the experts over devices, else on the tokens
-        as GSPMD shards them (`dropless.py`)."""
+        as GSPMD shards them (`dropless.py`). The down projection's bias is added here, once
+        per assignment weighted by the router (the expert-parallel sums would add it once per
+        hidden shard)."""
         dtype = self.policy.compute
         grouped = self.moe.grouped_matmul
+        biases = self._biases()
+        gate_up = None if biases is None else biases[:2]
         out_BTE = expert_parallel(x_BTE, weights_BTK, experts_BTK, w, dtype, grouped,
-                                  self.moe.dispatch)
-        if out_BTE is not None:
+                                  self.moe.dispatch, self.act, gate_up)
+        if out_BTE is None:
+            B, T, E = x_BTE.shape
+            out_BTE = dropless_experts(
+                x_BTE.reshape(B * T, E), weights_BTK.reshape(B * T, -1),
+                experts_BTK.reshape(B * T, -1), w, dtype, grouped, self.act, gate_up
+            ).reshape(B, T, E)
+        if biases is None:
             return out_BTE
-        B, T, E = x_BTE.shape
-        return dropless_experts(x_BTE.reshape(B * T, E), weights_BTK.reshape(B * T, -1),
-                                experts_BTK.reshape(B * T, -1), w, dtype, grouped
-                                ).reshape(B, T, E)
+        combine_BTX = jnp.einsum("btk,btkx->btx", weights_BTK.astype(dtype), jax.nn.one_hot(
+            experts_BTK, self.moe.num_experts, dtype=dtype))
+        return out_BTE + jnp.einsum("btx,xe->bte", combine_BTX, biases[2].astype(dtype))
 
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         # Routed per row: the (B, T) layout keeps the batch's sharding through top_k.
+        bias = self.router_bias[...] if self.moe.router_bias else None  # GPT-OSS: on logits
         balance = self.balance_bias[...] if hasattr(self, "balance_bias") else None
-        weights_BTK, experts_BTK, stats, load_X = route(x_BTE, self.router[...], self.moe,
+        weights_BTK, experts_BTK, stats, load_X = route(x_BTE, self.router[...], self.moe, bias,
                                                         balance_X=balance)
         if self.moe.bias_update_rate:  # the train step's balancing reads it (routers.py)
             setattr(self, EXPERT_LOAD, nnx.Intermediate(load_X))
         w = tuple(weight(self, n) for n in self.LORA_WEIGHTS)  # LoRA deltas folded in
         if self.moe.capacity_factor > 0:
             out_BTE, dropped = capacity_experts(x_BTE, weights_BTK, experts_BTK, w,
-                                                self.moe.capacity_factor, self.policy.compute)
+                                                self.moe.capacity_factor, self.policy.compute,
+                                                self.act, self._biases())
             stats = stats.at[STATS.index("dropped")].set(dropped)
         else:
             out_BTE = self._dropless(x_BTE, weights_BTK, experts_BTK, w)
@@ -223,9 +254,12 @@ def _slots(experts_TK: jax.Array, X: int, C: int) -> tuple[jax.Array, jax.Array]
 
 def capacity_experts(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.Array,
                      w: tuple[jax.Array, jax.Array, jax.Array], capacity_factor: float,
-                     dtype: Any) -> tuple[jax.Array, jax.Array]:
+                     dtype: Any, act: SwiGLU = PLAIN, biases: tuple | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
     """(output (B, T, E), share of the assignments dropped): fixed per-expert buffers per row
-    of the batch (B, X, C, E), C = capacity(capacity_factor, T x k, X), as MaxText.
+    of the batch (B, X, C, E), C = capacity(capacity_factor, T x k, X), as MaxText. `act`:
+    the experts' activation; `biases`: their (gate, up, down) biases (GPT-OSS), per slot, so a
+    dropped assignment gets none.
 
     Per row, so that the drops do not depend on the mesh: each device fills the buffers of its
     own rows, and the all-to-all hands every expert its slots from all rows."""
@@ -238,10 +272,15 @@ def capacity_experts(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.
                     .at[e_M, s_M].set(x_TE[tokens_M], mode="drop"))
     buf_BXCE = constrain(fill(x_BTE.astype(dtype), experts_BM, slot_BM), *ROW_AXES)
     buf_BXCE = constrain(buf_BXCE, *BUFFER_AXES)  # all-to-all: rows' slots to their experts
-    h_BXCF = swiglu(*(checkpoint_name(jnp.einsum("bxce,xef->bxcf", buf_BXCE, w_XEF),
-                                      "mlp_gate_up")  # as the dense MLP's, for remat policies
-                      for w_XEF in (w_gate_XEF, w_up_XEF)))
-    out_BXCE = constrain(jnp.einsum("bxcf,xfe->bxce", h_BXCF, w_down_XFE), *BUFFER_AXES)
+    b_gate, b_up, b_down = ((None,) * 3 if biases is None
+                            else (b.astype(dtype)[None, :, None] for b in biases))
+    gate_up = [jnp.einsum("bxce,xef->bxcf", buf_BXCE, w_XEF) for w_XEF in (w_gate_XEF, w_up_XEF)]
+    if biases is not None:
+        gate_up = [h + b for h, b in zip(gate_up, (b_gate, b_up))]
+    # named as the dense MLP's, for remat policies
+    h_BXCF = act(*(checkpoint_name(h, "mlp_gate_up") for h in gate_up))
+    out_BXCE = jnp.einsum("bxcf,xfe->bxce", h_BXCF, w_down_XFE)
+    out_BXCE = constrain(out_BXCE if biases is None else out_BXCE + b_down, *BUFFER_AXES)
     out_BXCE = constrain(out_BXCE, *ROW_AXES)  # all-to-all back to the rows' devices
     kept_BM = slot_BM < C
     weight_BM = (jnp.swapaxes(weights_BTK, 1, 2).reshape(B, -1) * kept_BM).astype(dtype)

@@ -4,15 +4,17 @@ router's statistics and losses.
 Every router starts from the same float32 logits (x @ router) and returns each token's top-k
 expert ids and their combine weights, plus the per-expert probabilities the Switch load-balancing
 loss averages; what differs between families is the choice: softmax then top-k (Mixtral,
-Qwen3-MoE), or DeepSeek-V3's sigmoid scores with group-limited top-k (`sigmoid_group`). A new
-router is one function and one line in `ROUTERS`.
+Qwen3-MoE), top k of the logits then a softmax over those k (GPT-OSS), or DeepSeek-V3's sigmoid
+scores with group-limited top-k (`sigmoid_group`). A new router is one function and one line in
+`ROUTERS`.
 
 Auxiliary-loss-free balancing (DeepSeek-V3, `sigmoid_group`): a per-expert bias is added to the
 scores for the choice only (the combine weights are the unbiased scores). It is not trained: the
 MoE block keeps it as `balance_bias`, which the train state holds with the frozen parameters
 (`is_balance_bias`: no gradient, no optimizer state, saved in checkpoints), and the train step
 moves it by `moe.bias_update_rate` against the sign of each expert's load error
-(`balance_biases`), from the per-expert loads the block sows (`EXPERT_LOAD`).
+(`balance_biases`), from the per-expert loads the block sows (`EXPERT_LOAD`). (GPT-OSS's
+`router_bias` is another thing: a trained bias on the logits, `route`'s `bias_X`.)
 
 The statistics (aux and z losses, load) are *sown* by the block as an `nnx.Intermediate`
 (`ROUTER_STATS`): `scan_layers` stacks them over the layers, and `router_loss` (called by the LM
@@ -71,6 +73,15 @@ def softmax_topk(logits_NX: jax.Array, moe: MoEConfig, balance_X: jax.Array | No
     return weights_NK, experts_NK, probs_NX
 
 
+def topk_softmax(logits_NX: jax.Array, moe: MoEConfig, balance_X: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The top k logits, then a softmax over those k alone (GPT-OSS): the same weights as
+    softmax_topk renormalised, computed as transformers does. The aux loss averages the
+    softmax over all experts, as transformers' load-balancing loss does."""
+    top_NK, experts_NK = jax.lax.top_k(logits_NX, moe.experts_per_token)
+    return jax.nn.softmax(top_NK, axis=-1), experts_NK, jax.nn.softmax(logits_NX, axis=-1)
+
+
 def sigmoid_group(logits_NX: jax.Array, moe: MoEConfig, balance_X: jax.Array | None = None
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """DeepSeek-V3: sigmoid scores; the experts in `n_group` groups, each group scored by the
@@ -102,6 +113,7 @@ def sigmoid_group(logits_NX: jax.Array, moe: MoEConfig, balance_X: jax.Array | N
 
 ROUTERS: dict[str, Router] = {
     "softmax_topk": Router(softmax_topk),
+    "topk_softmax": Router(topk_softmax),  # GPT-OSS
     "sigmoid_group": Router(sigmoid_group),  # DeepSeek-V3; keeps a bias (BIASED_ROUTERS)
 }
 
@@ -143,16 +155,21 @@ def check_router(moe: MoEConfig, num_layers: int) -> None:
 
 
 def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig,
-          balance_X: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+          bias_X: jax.Array | None = None, balance_X: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(top-k weights (N, k) float32, expert ids (N, k), stats vector (len(STATS),), per-expert
     load (X,): assignments relative to an even share) of the configured router
-    (`ROUTERS[moe.router]`, with the selection bias `balance_X` where it keeps one); N may be
-    several leading dimensions (e.g. B, T), the statistics are over all of them.
+    (`ROUTERS[moe.router]`, with GPT-OSS's logit bias `bias_X` and the balancing bias
+    `balance_X` where the router keeps one); N may be several leading dimensions (e.g. B, T),
+    the statistics are over all of them.
 
     The router runs in float32 whatever the compute dtype: its scores decide which matmuls
     run, and bf16 logits flip near-ties between experts."""
     n = moe.num_experts
     logits_NX = x_NE.astype(jnp.float32) @ router_EX.astype(jnp.float32)
+    if bias_X is not None:  # GPT-OSS's router bias (`moe.router_bias`)
+        logits_NX = logits_NX + bias_X.astype(jnp.float32).reshape(
+            (1,) * (logits_NX.ndim - 1) + (-1,))
     weights_NK, experts_NK, probs_NX = ROUTERS[moe.router].choose(logits_NX, moe, balance_X)
     leading = tuple(range(probs_NX.ndim - 1))
     counts_X = jnp.sum(jax.nn.one_hot(experts_NK, n, dtype=jnp.float32), axis=(*leading, -2))
