@@ -4,7 +4,8 @@
     python -m launch.convert --from_workdir=WORKDIR --to_hf=OUT [--dtype=bf16]
                              [--max_shard_size=5GB]
 
-The first writes `WORKDIR/params/` (read by `--config.init_from=WORKDIR`) and
+A non-empty output directory is refused unless `--overwrite` is given. The first writes
+`WORKDIR/params/` (read by `--config.init_from=WORKDIR`) and
 `WORKDIR/model_config.json`, one parameter at a time, and prints the one-line command that
 fine-tunes it (the model and tokenizer come with the weights; `--config.init_from=HF_DIR` also
 reads the Hugging Face directory directly, without this step). The second exports a training
@@ -26,6 +27,8 @@ _DTYPE = flags.DEFINE_string("dtype", None, "Stored dtype (bf16, fp16, fp32); de
                              "float32 on import, as trained on export.")
 _MAX_SHARD = flags.DEFINE_string("max_shard_size", None, "Export: split files past this size "
                                  "(e.g. 5GB); default: one model.safetensors.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the files of a non-empty --out / "
+                               "--to_hf directory (refused without it).")
 
 
 @exit_on_user_error
@@ -34,14 +37,16 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # orbax's INFO lines would bury the result
+    cli.host_only()  # conversion needs no accelerator: no libtpu start-up lines
     from jaxscale.interop import convert
     if _FROM_HF.value and _OUT.value:
-        model_cfg = convert.hf_to_workdir(_FROM_HF.value, _OUT.value, _DTYPE.value)
+        model_cfg = convert.hf_to_workdir(_FROM_HF.value, _OUT.value, _DTYPE.value,
+                                          _OVERWRITE.value)
         print(f"jaxscale: wrote {_OUT.value}/params and {_OUT.value}/{convert.MODEL_CONFIG}.")
         print(f"Fine-tune with: {convert.finetune_command(_OUT.value, model_cfg)}")
     elif _FROM_WORKDIR.value and _TO_HF.value:
         out = convert.workdir_to_hf(_FROM_WORKDIR.value, _TO_HF.value, _DTYPE.value,
-                                    _MAX_SHARD.value)
+                                    _MAX_SHARD.value, _OVERWRITE.value)
         print(f"jaxscale: wrote {out} (config.json and safetensors).")
     else:
         raise app.UsageError("Give --from_hf and --out, or --from_workdir and --to_hf.")

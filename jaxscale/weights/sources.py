@@ -238,10 +238,52 @@ def read_hf_config(hf_dir: str) -> dict:
                               "directory written by `save_pretrained`.")
     try:
         with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConversionError(f"{path} is not valid JSON ({e}); re-save the model with "
                               "`save_pretrained`.") from None
+    check_hf_config(hf, path)
+    return hf
+
+
+# Hugging Face config.json fields that are counts or sizes (a positive integer each, where
+# present): checked before any converter does arithmetic with them.
+HF_COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+             "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "decoder_sparse_step", "image_size", "patch_size", "num_channels", "num_labels",
+             "sliding_window_pattern")
+HF_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "rope_theta", "router_aux_loss_coef")
+
+
+def check_hf_config(hf: Any, path: str) -> None:
+    """A config.json is an object whose count fields are positive integers and whose float
+    fields are numbers: one paragraph naming the file and the field otherwise, not a
+    converter's AttributeError / int() traceback."""
+    if not isinstance(hf, dict):
+        raise ConversionError(paragraph(
+            f"{path} holds a JSON {type(hf).__name__}, not an object of model fields (a",
+            "Hugging Face config.json is one JSON object: {\"model_type\": ..., ...}). Re-save",
+            "the model with `save_pretrained`, or fetch its config.json again."))
+    for key in HF_COUNTS:
+        value = hf.get(key)
+        if value is None:
+            continue
+        if isinstance(value, float) and value.is_integer():
+            value = hf[key] = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConversionError(paragraph(
+                f"{path}: {key}={value!r} is not a positive integer; the conversion sizes the",
+                f"model by it. Set {key} in config.json to the model's value (for",
+                "num_hidden_layers: the number of model.layers.<i> in the safetensors files).",
+                "Nothing was written."))
+    for key in HF_NUMBERS:
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or value != value):
+            raise ConversionError(paragraph(
+                f"{path}: {key}={value!r} is not a number. Set {key} in config.json to the",
+                "model's value (re-save the model with `save_pretrained`). Nothing was written."))
 
 
 
