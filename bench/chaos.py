@@ -40,6 +40,8 @@ from bench.chaos_harness import (
     table,
 )
 from bench.chaos_hf import scenario_hostile_hf
+from bench.chaos_plan import scenario_plan
+from bench.chaos_resume import scenario_resume
 
 STEPS, EVERY = 24, 4
 TRAIN = [*JAXSCALE, "train", "--config=tiny_lm:test", f"--config.train.steps={STEPS}",
@@ -261,7 +263,7 @@ def full_disk(tmp: str) -> str:
 
 
 # ------------------------------------------------------------ main
-SCENARIOS = ("kill9", "outage", "sigterm", "disk", "inputs", "hf")
+SCENARIOS = ("kill9", "outage", "sigterm", "disk", "inputs", "hf", "resume", "plan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                                 if args.subcommands else None)
         if "hf" in chosen:
             scenario_hostile_hf(results, tmp)
+        if "resume" in chosen:
+            scenario_resume(results, tmp)
+        if "plan" in chosen:
+            scenario_plan(results, tmp)
     finally:
         for server in servers_started:
             server.stop()

@@ -168,7 +168,7 @@ def refused_by_cli(path: str, words: list[str], out: str, generate: bool = False
 def overwrite_refused(tmp: str) -> str:
     """`convert --out` / `--to_hf` into a non-empty directory: exit 2, one paragraph, the
     files untouched; with --overwrite, replaced."""
-    from bench.chaos_harness import COMMAND_TIMEOUT_S, JAXSCALE, one_paragraph, run
+    from bench.chaos_harness import COMMAND_TIMEOUT_S, ENV, JAXSCALE, one_paragraph, run
 
     hf_dir = tiny_hf(os.path.join(tmp, "overwrite-hf"))
     out, export = os.path.join(tmp, "overwrite-out"), os.path.join(tmp, "overwrite-export")
@@ -191,8 +191,9 @@ def overwrite_refused(tmp: str) -> str:
     status, text = run([*JAXSCALE, "convert", f"--from_hf={hf_dir}", f"--out={out}",
                         "--overwrite"], timeout=COMMAND_TIMEOUT_S)
     assert status == 0 and "INVALID_ARGUMENT" not in text, f"exit {status}: {text[-400:]}"
+    host = {k: v for k, v in ENV.items() if k != "JAX_PLATFORMS"}  # libtpu must stay quiet
     status, text = run([*JAXSCALE, "convert", f"--from_workdir={out}", f"--to_hf={export}",
-                        "--overwrite"], timeout=COMMAND_TIMEOUT_S)
+                        "--overwrite"], env=host, timeout=COMMAND_TIMEOUT_S)
     assert status == 0 and "INVALID_ARGUMENT" not in text, f"exit {status}: {text[-400:]}"
     return "; ".join(s[:100] for s in said)
 
