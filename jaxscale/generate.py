@@ -211,18 +211,25 @@ def load_model(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
     return config, params
 
 
-def generate_from_config(config: Any, params: Mapping, prompt_BT: np.ndarray, steps: int,
-                         temperature: float = 0.0, seed: int = 0) -> np.ndarray:
-    """Places `params` on the config's mesh by its rules and generates `steps` tokens."""
+def placed_model(config: Any, params: Mapping) -> tuple[ModelDef, Mapping, AxisRules, Mesh]:
+    """(model definition, `params` placed on the config's mesh by its rules, the rules, the
+    mesh): what every use of trained weights outside training runs on."""
     from jaxscale.mesh import make_mesh
     from jaxscale.precision import get_policy
     from jaxscale.weights.place import named_shardings, param_specs, place
     from jaxscale.weights.tree import flatten, unflatten
 
-    check_request(np.shape(prompt_BT)[1], steps, temperature, config.model.get("max_len", 0))
     mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
     model_def = ModelDef.build(config.model, get_policy(config.precision))
     shardings = named_shardings(mesh, param_specs(model_def, rules, mesh))
     placed = unflatten(place(flatten(params), shardings, model_def.shapes()["embedding"].dtype))
+    return model_def, placed, rules, mesh
+
+
+def generate_from_config(config: Any, params: Mapping, prompt_BT: np.ndarray, steps: int,
+                         temperature: float = 0.0, seed: int = 0) -> np.ndarray:
+    """Places `params` on the config's mesh by its rules and generates `steps` tokens."""
+    check_request(np.shape(prompt_BT)[1], steps, temperature, config.model.get("max_len", 0))
+    model_def, placed, rules, mesh = placed_model(config, params)
     fn = make_generate(model_def, steps, temperature, rules, mesh)
     return np.asarray(fn(placed, jnp.asarray(prompt_BT, jnp.int32), jax.random.key(seed)))

@@ -34,7 +34,8 @@ each other either.
     evaluation; Hugging Face import and export, which place weights where `weights/place.py`
     says, no train state needed; Lo-Fi workers and averagers; ahead-of-time compilation and
     the planner). The loop knows none of them: it is handed its hooks.
- 8. `generate`: sampling, from a workdir or a Hugging Face directory (through interop).
+ 8. `generate`: sampling, from a workdir or a Hugging Face directory (through interop); then
+    `lm_harness`, the model lm-evaluation-harness runs (scoring and generation on those weights).
  9. `configs`: the bundled config files, a `get_config` each. Like a user's config file they may
     use any part of the library (the GPU presets size their micro-batch with `aot.memory`);
     only the command line loads them.
@@ -83,6 +84,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("train",),
     ("evaluate", "interop", "lofi", "aot"),
     ("generate",),
+    ("lm_harness",),
     ("configs",),
     ("cli",),
     ("launch",),
