@@ -210,6 +210,43 @@ def scenario_hostile_hf(results, tmp: str) -> None:
             check(results, "hostile HF directory", f"generate --from_hf: {what}", invariant,
                   lambda p=path, w=words, i=i: refused_by_cli(p, w, f"{tmp}/hostile-gen-{i}",
                                                               generate=True))
+    for family in FAMILIES:
+        check(results, "hostile HF directory", f"every {family} config.json field set to each "
+              f"of {len(BAD_VALUES)} bad values", "read, or one paragraph: no other exception",
+              lambda f=family: fuzz_config(tmp, f))
     check(results, "convert overwrites", "--out / --to_hf into a directory with a user's file",
           "exit 2, one paragraph naming --overwrite, the files untouched; --overwrite replaces",
           lambda: overwrite_refused(tmp))
+
+
+BAD_VALUES = ("x", [], {}, None, -1, 0, 1e30, True, 2.5, float("nan"))
+
+
+def fuzz_config(tmp: str, family: str) -> str:
+    """Every field of a tiny `family` config.json set, in turn, to each of `BAD_VALUES`:
+    `hf.load` either reads it or refuses it in one paragraph (a JaxscaleError), never another
+    exception."""
+    import shutil
+
+    from jaxscale.errors import JaxscaleError
+    from jaxscale.interop import hf
+
+    clean = tiny_hf(os.path.join(tmp, f"fuzz-clean-{family}"), family)
+    with open(os.path.join(clean, "config.json")) as f:
+        keys = sorted(json.load(f))
+    crashes, refused = [], 0
+    path = os.path.join(tmp, f"fuzz-{family}")
+    for key in keys:
+        for value in BAD_VALUES:
+            shutil.rmtree(path, ignore_errors=True)
+            shutil.copytree(clean, path)
+            edit_config(path, lambda cfg, k=key, v=value: {**cfg, k: v})
+            try:
+                hf.load(path)
+            except JaxscaleError as e:
+                refused += 1
+                assert "\n" not in str(e), str(e)
+            except Exception as e:  # the finding: any other exception is a traceback
+                crashes.append(f"{key}={value!r}: {type(e).__name__}: {str(e)[:80]}")
+    assert not crashes, f"{len(crashes)} tracebacks: {crashes[:4]}"
+    return f"{len(keys) * len(BAD_VALUES)} edits, {refused} refused in one paragraph"

@@ -134,7 +134,11 @@ def bad_plan_inputs(tmp: str) -> list[tuple[str, list[str], list[str]]]:
             ("plan --cache_dir below a file", ["plan", topo, f"--cache_dir={a_file}/cache"],
              ["--cache_dir", "Not a directory"]),
             ("compile --out=FILE/x", ["compile", topo, f"--out={a_file}/x"],
-             ["--out", "regular file"])]
+             ["--out", "regular file"]),
+            ("compile --save_hlo=FILE/x", ["compile", topo, f"--save_hlo={a_file}/x"],
+             ["--save_hlo", "Not a directory"]),
+            ("plan --time_budget_s=nan", ["plan", topo, "--time_budget_s=nan",
+                                          f"--cache_dir={tmp}/plan-cache"], ["--time_budget_s"])]
 
 
 def scenario_plan(results, tmp: str) -> None:

@@ -49,6 +49,9 @@ def test_convert_refuses_a_non_empty_target_unless_overwrite(hostile, tmp_path):
     assert (export / "model.safetensors").exists()
     with pytest.raises(JaxscaleError, match="regular file"):
         convert.workdir_to_hf(str(out), str(export / "config.json" / "x"))
+    with pytest.raises(JaxscaleError, match="is the --from_workdir itself"):
+        convert.workdir_to_hf(str(out), str(out), overwrite=True)
+    assert (out / "model_config.json").exists() and not (out / "config.json").exists()
 
 
 def test_convert_cli_refuses_overwrite_without_libtpu_lines(tmp_path):
@@ -196,3 +199,8 @@ def test_sigterm_stops_the_plans_workers_and_leaves_whole_entries(tmp_path):
     assert len(seen) == 2, seen
     assert not multiprocessing.active_children()
     assert os.listdir(cache) == []  # the workers' partial entries are removed
+
+
+@pytest.mark.parametrize("family", sorted(chaos_hf.FAMILIES))
+def test_every_config_field_with_a_bad_value_is_read_or_one_paragraph(family, tmp_path):
+    chaos_hf.fuzz_config(str(tmp_path), family)

@@ -197,7 +197,7 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
     of every listed candidate, by reason. A worker that dies breaks the pool and fails every
     compile in it: those run again, each alone, so that only the one that dies fails; a
     candidate the broken pool refused goes to the next pool."""
-    if workers < 0 or max_candidates < 1 or time_budget_s <= 0:
+    if workers < 0 or max_candidates < 1 or not 0 < time_budget_s < float("inf"):
         raise ConfigError(paragraph(
             f"--workers={workers}, --max_candidates={max_candidates} and",
             f"--time_budget_s={time_budget_s}: give workers >= 0 (0: one per two cores), at least",

@@ -163,6 +163,11 @@ def workdir_to_hf(workdir: str, out_dir: str, dtype: Any = None,
     """Writes a workdir's newest weights in the HF layout (sharded past `max_shard_size`); a
     non-empty `out_dir` is refused unless `overwrite`."""
     local_only(out_dir, "--to_hf")
+    if not locations.is_remote(workdir) and os.path.realpath(out_dir) == os.path.realpath(
+            workdir):
+        raise hf.ConversionError(paragraph(
+            f"--to_hf={out_dir} is the --from_workdir itself: its config.json would be replaced",
+            "by the Hugging Face one. Give another directory for the export."))
     check_output_dir(out_dir, "--to_hf", overwrite)
     model_cfg, lora_cfg = read_model_config(workdir)
     hf_saver(model_cfg)  # a family without an exporter, or an unsupported dtype, fails

@@ -200,8 +200,17 @@ class Source:
         silently): one paragraph naming the file, the tensor and the fix, from the safetensors
         headers, before a tensor is read. `finite`: also read every tensor once and refuse
         NaN / inf (`convert` does, so that nothing is written from a corrupt checkpoint)."""
-        expected = self.expected_tensors()
         where = os.path.join(self.reader.directory, "config.json")
+        try:
+            expected = self.expected_tensors()
+        except ConversionError:
+            raise
+        except (ValueError, TypeError, MemoryError, OverflowError) as e:  # absurd sizes
+            raise ConversionError(paragraph(
+                f"{where}: the model these sizes describe cannot be built ({type(e).__name__}:",
+                f"{str(e)[:150]}); a size field (hidden_size, num_hidden_layers, vocab_size, ...)",
+                "is not the model's. Compare config.json with the model's original, or re-save",
+                "the model with `save_pretrained`. Nothing was written.")) from None
         self._check_extra(expected, where)
         for name, (shape, path) in expected.items():
             if name not in self.reader:

@@ -35,6 +35,14 @@ def main(argv):
 
     if _OUT.value:  # before minutes of compiling, not after
         check_out(_OUT.value)
+    if _HLO.value:
+        try:
+            os.makedirs(_HLO.value, exist_ok=True)
+        except OSError as e:
+            raise JaxscaleError(paragraph(
+                f"--save_hlo={_HLO.value} cannot be created ({e.strerror or e}): a path below a",
+                "regular file, a read-only filesystem, or no permission. Give a writable",
+                "directory for the HLO dump.")) from None
     report = compile_step(cli.resolved(_CONFIG.value),
                           parse_topology(_TOPOLOGY.value, _SLICES.value), _HLO.value)
     print(format_report(report))

@@ -224,7 +224,17 @@ def _huggingface_weights(location: str) -> Weights:
 def open_huggingface(hf_dir: str) -> Any:
     """The validated `interop.hf.Source` of a HF directory, read by the converter that the
     model table names for its config's `model_type` (`models.hf_opener`)."""
-    return hf_opener(read_hf_config(hf_dir), hf_dir)(hf_dir)
+    hf = read_hf_config(hf_dir)
+    try:
+        return hf_opener(hf, hf_dir)(hf_dir)
+    except JaxscaleError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
+        raise ConversionError(paragraph(  # a field of a type or size its converter cannot read
+            f"{os.path.join(hf_dir, 'config.json')} has a field its converter cannot read",
+            f"({type(e).__name__}: {str(e)[:200]}). Compare the file with the model's original",
+            "config.json (a hand edit or a truncated download?), or re-save the model with",
+            "`save_pretrained`. Nothing was written.")) from None
 
 
 def read_hf_config(hf_dir: str) -> dict:
@@ -265,15 +275,29 @@ def check_hf_config(hf: Any, path: str) -> None:
             f"{path} holds a JSON {type(hf).__name__}, not an object of model fields (a",
             "Hugging Face config.json is one JSON object: {\"model_type\": ..., ...}). Re-save",
             "the model with `save_pretrained`, or fetch its config.json again."))
+    model_type = hf.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ConversionError(paragraph(
+            f"{path}: model_type={model_type!r} is not a string (e.g. \"llama\"). Set it to the",
+            "model's architecture, or re-save the model with `save_pretrained`."))
+    for key in ("rope_scaling", "rope_parameters"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise ConversionError(paragraph(
+                f"{path}: {key}={hf[key]!r} is neither an object nor null. Set it to the model's",
+                "rotary scaling ({\"rope_type\": ..., ...}) or null, or re-save the model with",
+                "`save_pretrained`."))
+    for key in (*HF_COUNTS, *HF_NUMBERS):
+        if key in hf and hf[key] is None:  # null: absent, the converter's default applies
+            del hf[key]
     for key in HF_COUNTS:
         value = hf.get(key)
         if value is None:
             continue
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
             value = hf[key] = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31:
             raise ConversionError(paragraph(
-                f"{path}: {key}={value!r} is not a positive integer; the conversion sizes the",
+                f"{path}: {key}={value!r} is not a positive integer below 2**31; the conversion sizes the",
                 f"model by it. Set {key} in config.json to the model's value (for",
                 "num_hidden_layers: the number of model.layers.<i> in the safetensors files).",
                 "Nothing was written."))
