@@ -264,6 +264,8 @@ HF_COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "decoder_sparse_step", "image_size", "patch_size", "num_channels", "num_labels",
              "sliding_window_pattern")
 HF_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "rope_theta", "router_aux_loss_coef")
+HF_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob",
+            "output_router_logits", "qkv_bias")
 
 
 def check_hf_config(hf: Any, path: str) -> None:
@@ -301,6 +303,12 @@ def check_hf_config(hf: Any, path: str) -> None:
                 f"model by it. Set {key} in config.json to the model's value (for",
                 "num_hidden_layers: the number of model.layers.<i> in the safetensors files).",
                 "Nothing was written."))
+    for key in HF_BOOLS:
+        if hf.get(key) is not None and not isinstance(hf[key], bool):
+            raise ConversionError(paragraph(
+                f"{path}: {key}={hf[key]!r} is not true or false; the conversion decides the",
+                f"model's tensors by it. Set {key} in config.json to the model's value. Nothing",
+                "was written."))
     for key in HF_NUMBERS:
         value = hf.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
