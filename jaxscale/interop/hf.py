@@ -167,7 +167,6 @@ class Source:
                     f"{int(np.argmin(finite.reshape(-1)))}); a model converted from it would",
                     "compute NaN (generation would print token 0s). The file is corrupt or was",
                     "saved after training diverged: fetch it again, or re-save finite weights.",
-                    "Nothing was written.",
                 ))
         return arr
 
