@@ -9,8 +9,9 @@ config (the weights placed once, as `generate` places them):
 - `loglikelihood_rolling`: a whole document's log-likelihood over the harness's rolling windows;
 - `generate_until`: greedy or sampled continuations, cut at the request's stop strings.
 
-Rows are batched by length into a few padded buckets (powers of two), so a task compiles a
-handful of programs rather than one per request. The harness finds the model by name through
+Rows are batched by length into a few padded buckets (powers of two, `sampling.bucket`), so a
+task compiles a handful of programs rather than one per request; generation runs the rollout
+sampler (`jaxscale/sampling.py`), which stops each row at EOS. The harness finds the model by name through
 the `lm_eval.models` entry point in pyproject.toml where its version reads entry points;
 `jaxscale lm-eval` (any `lm_eval` flags) registers it on the versions that do not.
 """
@@ -29,15 +30,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from jaxscale.data.tokenizer import ByteTokenizer, model_tokenizer
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.generate import load_model, make_generate, placed_model
+from jaxscale.generate import load_model, placed_model
 from jaxscale.rules import use_rules
-
-MIN_BUCKET = 16  # the shortest padded row length: short requests share one program
-
-
-def bucket(length: int, limit: int) -> int:
-    """The padded width of a row of `length` tokens: the next power of two, at most `limit`."""
-    return min(max(MIN_BUCKET, 1 << max(length - 1, 0).bit_length()), limit)
+from jaxscale.sampling import Sampler, Sampling, bucket
 
 
 def cut_at_stops(text: str, stops: Sequence[str]) -> str:
@@ -166,8 +161,6 @@ class JaxscaleLM(TemplateLM):
                 prompts = [self.tok_encode(requests[i].args[0])[-max(self.max_length - steps, 1):]
                            or [self.prefix_token_id] for i in chunk]
                 for i, new in zip(chunk, self._generate(prompts, steps, temperature)):
-                    if self.eot_token_id in new:
-                        new = new[:new.index(self.eot_token_id)]
                     out[i] = cut_at_stops(self.tok_decode(new), settings[i][2])
                     self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
         return out
@@ -182,20 +175,19 @@ class JaxscaleLM(TemplateLM):
 
     def _generate(self, prompts: list[list[int]], steps: int, temperature: float
                   ) -> list[list[int]]:
-        """The `steps` new tokens of each prompt, decoded together left-padded to one width."""
-        width = bucket(max(map(len, prompts)), max(self.max_length - steps, 1))
-        tokens = np.zeros((self.batch, width), np.int32)
-        lengths = np.ones((self.batch,), np.int32)  # unused rows: one padding token each
-        for r, ids in enumerate(prompts):
-            tokens[r, width - len(ids):] = ids
-            lengths[r] = len(ids)
+        """The new tokens of each prompt (up to `steps`, its EOS dropped), decoded together by
+        the rollout sampler, the rows filled up to `batch` so they split over the mesh."""
+        rows = prompts + [[self.prefix_token_id]] * (self.batch - len(prompts))
         self.rng, key = jax.random.split(self.rng)
-        out = np.asarray(self._generator(steps, temperature)(self.params, tokens, key, lengths))
-        return [[int(t) for t in out[r, width:]] for r in range(len(prompts))]
+        out = self._sampler(temperature)(self.params, rows, key, steps)
+        tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
+        return [[int(t) for t in tokens[r][mask[r]] if t != self.eot_token_id]
+                for r in range(len(prompts))]
 
-    @functools.cache  # noqa: B019 (one compiled program per setting, for the model's lifetime)
-    def _generator(self, steps: int, temperature: float) -> Callable[..., jax.Array]:
-        return make_generate(self.model_def, steps, temperature, self.rules, self.mesh)
+    @functools.cache  # noqa: B019 (one sampler per temperature, for the model's lifetime)
+    def _sampler(self, temperature: float) -> Sampler:
+        sampling = Sampling(temperature=temperature, stop_ids=(self.eot_token_id,))
+        return Sampler(self.model_def, sampling, self.rules, self.mesh, self.max_length)
 
 
 def register() -> None:

@@ -23,7 +23,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from chat_common import tokenizer_dir
-from jaxscale.lm_harness import JaxscaleLM, bucket, cut_at_stops
+from jaxscale.lm_harness import JaxscaleLM, cut_at_stops
 
 DOCS = [("the quick brown", ["fox", "dog", "world"], 0),
         ("how are", ["you", "the", "no"], 0),
@@ -163,7 +163,3 @@ def test_bad_model_args_are_one_paragraph(hf_dir):
     with pytest.raises(ConfigError, match="unknown argument"):
         JaxscaleLM(from_hf=hf_dir, pretrained="x")
 
-
-def test_buckets_are_powers_of_two_within_the_limit():
-    assert [bucket(n, 64) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, 64]
-    assert np.all(np.diff([bucket(n, 1024) for n in range(1, 1024)]) >= 0)
