@@ -2,7 +2,8 @@
 
 Real processes, real faults: `jaxscale train` killed with SIGKILL at seeded random points (local
 disk and `s3://` on a SeaweedFS server of tests/servers.py), that server killed and restarted
-mid-run, SIGTERM at every phase, a full tmpfs, and a table of bad inputs for every subcommand.
+mid-run, SIGTERM at every phase, a full tmpfs, a table of bad inputs for every subcommand, and
+hostile Hugging Face directories and convert targets (bench/chaos_hf.py).
 Each check states its invariant and is bounded in time; the script prints one table (scenario,
 what was injected, invariant, result, time) and exits 1 if any invariant failed. Slow (many
 minutes on 2 cores), so not part of `make test`; tests/test_chaos.py keeps it from rotting.
@@ -38,6 +39,9 @@ from bench.chaos_harness import (
     run,
     table,
 )
+from bench.chaos_hf import scenario_hostile_hf
+from bench.chaos_plan import scenario_plan
+from bench.chaos_resume import scenario_resume
 
 STEPS, EVERY = 24, 4
 TRAIN = [*JAXSCALE, "train", "--config=tiny_lm:test", f"--config.train.steps={STEPS}",
@@ -259,7 +263,7 @@ def full_disk(tmp: str) -> str:
 
 
 # ------------------------------------------------------------ main
-SCENARIOS = ("kill9", "outage", "sigterm", "disk", "inputs")
+SCENARIOS = ("kill9", "outage", "sigterm", "disk", "inputs", "hf", "resume", "plan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         if "inputs" in chosen:
             scenario_bad_inputs(results, tmp, set(args.subcommands.split(","))
                                 if args.subcommands else None)
+        if "hf" in chosen:
+            scenario_hostile_hf(results, tmp)
+        if "resume" in chosen:
+            scenario_resume(results, tmp)
+        if "plan" in chosen:
+            scenario_plan(results, tmp)
     finally:
         for server in servers_started:
             server.stop()

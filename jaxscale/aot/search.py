@@ -12,12 +12,14 @@ compiling meanwhile.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import functools
 import glob
 import hashlib
 import json
 import multiprocessing
 import os
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -74,8 +76,9 @@ def compile_cached(config_json: str, topology: Topology, cache_dir: str) -> dict
     config = mlc.ConfigDict(json.loads(config_json))
     path = os.path.join(cache_dir, cache_key(config, topology) + ".json")
     if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+        cached = read_cached(path)
+        if cached is not None:
+            return cached
     try:
         report = compile_step(config, topology)
         result = {**report.to_json(), "estimate": vars(step_estimate(report))}
@@ -84,10 +87,84 @@ def compile_cached(config_json: str, topology: Topology, cache_dir: str) -> dict
         if "error" in result:  # not cached: it may be this machine's (memory, a killed worker)
             return result
     os.makedirs(cache_dir, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"  # this worker's own: a stopped plan removes its workers'
+    with open(tmp, "w") as f:
         json.dump(result, f)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
     return result
+
+
+def read_cached(path: str) -> dict | None:
+    """A cache entry, or None (with a one-line note, so that it is compiled again) when it is
+    truncated, not JSON or not a result's shape (a disk filled mid-write, a hand edit)."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+        ok = isinstance(result, dict) and (
+            isinstance(result.get("error"), str) or (
+                isinstance(result.get("total_bytes"), (int, float))
+                and isinstance(result.get("hbm_bytes"), (int, float))
+                and ("over_hbm" in result or (
+                    isinstance(result.get("estimate"), dict)
+                    and isinstance(result["estimate"].get("no_overlap_s"), (int, float))
+                    and isinstance(result["estimate"].get("full_overlap_s"), (int, float))))))
+        why = "not a compile result" if not ok else ""
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        why = f"{type(e).__name__}: {e}"[:120]
+    if not why:
+        return result
+    print(f"jaxscale: note: plan cache entry {path} is unreadable ({why}); compiling that "
+          "candidate again.", file=sys.stderr, flush=True)
+    return None
+
+
+def check_cache_dir(cache_dir: str) -> None:
+    """The plan cache must be a directory this process can write: one paragraph naming the
+    path otherwise (below a regular file, a read-only filesystem), before any compile."""
+    probe = os.path.join(cache_dir, f".probe-{os.getpid()}")
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(paragraph(
+            f"--cache_dir={cache_dir} cannot be written ({e.strerror or e}:",
+            f"{e.filename or cache_dir}): a path below a regular file, a read-only filesystem, or no",
+            "permission. The plan caches every compile there; give a writable directory",
+            "(default ~/.cache/jaxscale/plan).")) from None
+
+
+def check_margin(margin: float) -> None:
+    if not 0.0 <= margin < 1.0:
+        raise ConfigError(paragraph(
+            f"--hbm_margin={margin}: the fraction of the usable HBM kept free must be in [0, 1)",
+            f"(the default {HBM_MARGIN} keeps {HBM_MARGIN:.0%} free; 0 plans to the last byte)."))
+
+
+class PlanStopped(Exception):
+    """SIGTERM (or SIGINT) reached `plan`: its compiling workers were stopped; exit 75."""
+
+
+def stop_workers(pool: cf.ProcessPoolExecutor, cache_dir: str) -> int:
+    """Terminates the pool's compiling processes (a compile can run for minutes) and removes
+    the temporary files they were writing, so the cache holds whole entries only; returns how
+    many were stopped."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        for tmp in glob.glob(os.path.join(glob.escape(cache_dir), f"*.{proc.pid}.tmp")):
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+    return len(procs)
 
 
 def _failure(e: Exception, topology: Topology) -> dict:
@@ -120,11 +197,12 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
     of every listed candidate, by reason. A worker that dies breaks the pool and fails every
     compile in it: those run again, each alone, so that only the one that dies fails; a
     candidate the broken pool refused goes to the next pool."""
-    if workers < 0 or max_candidates < 1 or time_budget_s <= 0:
+    if workers < 0 or max_candidates < 1 or not 0 < time_budget_s < float("inf"):
         raise ConfigError(paragraph(
             f"--workers={workers}, --max_candidates={max_candidates} and",
             f"--time_budget_s={time_budget_s}: give workers >= 0 (0: one per two cores), at least",
             "one candidate and a positive time budget."))
+    check_margin(margin)
     workers = workers or max(1, _cores() // 2)
     front = Frontier(config, topology, margin, space)
     deadline = time.monotonic() + time_budget_s
@@ -164,6 +242,9 @@ def search(config: mlc.ConfigDict, topology: Topology, cache_dir: str,
                     else [(suspects[0], _died_result())])
                 pending, pool = {}, _pool(workers)
             results += [(*where, r) for where, r in finished]
+    except BaseException:  # SIGTERM / Ctrl-C: no compile outlives the plan
+        stop_workers(pool, cache_dir)
+        raise
     finally:
         pool.shutdown(cancel_futures=True)
 

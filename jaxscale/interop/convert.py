@@ -34,27 +34,68 @@ from jaxscale.weights.sources import (
 )
 
 
-def check_output_dir(path: str, flag: str) -> None:
-    """An output directory may exist (files are replaced), but must not be a regular file."""
+def check_output_dir(path: str, flag: str, overwrite: bool = False) -> None:
+    """An output directory must be new or empty (its files would be replaced without a word),
+    unless `overwrite` (`--overwrite`, as `prepare-data` has it); never a regular file, nor
+    below one."""
     if locations.is_remote(path):  # gs:// / s3:// prefixes: no files in the way of a prefix
+        if not overwrite and any(workdir_files.read_bytes(locations.join(path, name))
+                                 is not None for name in (MODEL_CONFIG, "config.json")):
+            raise hf.ConversionError(paragraph(
+                f"{flag}={path} already holds a model (config.json or {MODEL_CONFIG}); it is",
+                "not replaced unless you pass --overwrite. Give a new prefix, or add",
+                "--overwrite to replace it. Nothing was written."))
         return
     if os.path.exists(path) and not os.path.isdir(path):
         raise hf.ConversionError(paragraph(
             f"{flag}={path} names an existing file, not a directory. Give a new or existing",
             "directory path for the output (the file is left untouched).",
         ))
+    check_not_empty(path, flag, overwrite)
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    target = path if os.path.isdir(path) else parent
+    if not os.path.isdir(parent) or not os.access(target, os.W_OK | os.X_OK):
+        why = ("a regular file" if not os.path.isdir(parent) else
+               "not writable (a read-only filesystem, or no permission)")
+        raise hf.ConversionError(paragraph(
+            f"{flag}={path} cannot be written: {target} is {why}. Give a writable directory",
+            "path. Nothing was written."))
 
 
-def hf_to_workdir(hf_dir: str, workdir: str, dtype: Any = None) -> dict:
-    """Converts a HF checkpoint directory leaf by leaf; returns the model config written."""
+def check_not_empty(path: str, flag: str, overwrite: bool = False) -> None:
+    """Refuses a local output directory that holds files, unless `overwrite` (`--overwrite`):
+    converting into it would replace a model's files without a word."""
+    entries = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    if entries and not overwrite:
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3
+                                          else "")
+        raise hf.ConversionError(paragraph(
+            f"{flag}={path} is not empty (it holds {shown}); converting into it would replace",
+            "those files. Give a new or empty directory, or add --overwrite to replace them.",
+            "Nothing was written."))
+
+
+def hf_to_workdir(hf_dir: str, workdir: str, dtype: Any = None, overwrite: bool = False
+                  ) -> dict:
+    """Converts a HF checkpoint directory leaf by leaf; returns the model config written. A
+    non-empty `workdir` is refused unless `overwrite`."""
     from jaxscale.weights.init_from import export_params
 
     local_only(hf_dir, "--from_hf")
-    check_output_dir(workdir, "--out")
+    check_output_dir(workdir, "--out", overwrite)
     source = open_huggingface(hf_dir)
+    source.check_tensors(finite=True)  # every name, shape and value, before anything is written
     params = source.lazy_leaves(hf.parse_dtype(dtype) or np.dtype(np.float32))
     if not locations.is_remote(workdir):
-        os.makedirs(workdir, exist_ok=True)
+        try:
+            os.makedirs(workdir, exist_ok=True)
+        except OSError as e:
+            raise hf.ConversionError(paragraph(
+                f"--out={workdir} cannot be created ({e.strerror or e}): a read-only",
+                "filesystem, a path below a regular file, or no permission. Give a writable",
+                "directory path.")) from None
     export_params(workdir, params, {"source": os.path.abspath(hf_dir)})
     workdir_files.write_text(locations.join(workdir, MODEL_CONFIG),
                              json.dumps(source.model_cfg, indent=2))
@@ -118,13 +159,19 @@ def workdir_params(workdir: str, lora_cfg: Mapping | None = None) -> dict:
 
 
 def workdir_to_hf(workdir: str, out_dir: str, dtype: Any = None,
-                  max_shard_size: int | str | None = None) -> str:
-    """Writes a workdir's newest weights in the HF layout (sharded past `max_shard_size`)."""
+                  max_shard_size: int | str | None = None, overwrite: bool = False) -> str:
+    """Writes a workdir's newest weights in the HF layout (sharded past `max_shard_size`); a
+    non-empty `out_dir` is refused unless `overwrite`."""
+    local_only(out_dir, "--to_hf")
+    if not locations.is_remote(workdir) and os.path.realpath(out_dir) == os.path.realpath(
+            workdir):
+        raise hf.ConversionError(paragraph(
+            f"--to_hf={out_dir} is the --from_workdir itself: its config.json would be replaced",
+            "by the Hugging Face one. Give another directory for the export."))
+    check_output_dir(out_dir, "--to_hf", overwrite)
     model_cfg, lora_cfg = read_model_config(workdir)
     hf_saver(model_cfg)  # a family without an exporter, or an unsupported dtype, fails
     hf.parse_dtype(dtype)  # before any weights are read
-    local_only(out_dir, "--to_hf")
-    check_output_dir(out_dir, "--to_hf")
     out = hf.save((model_cfg, workdir_params(workdir, lora_cfg)), out_dir, dtype=dtype,
                   max_shard_size=max_shard_size)
     copy_tokenizer(recorded(workdir).tokenizer, out)  # and its chat template: as it came in

@@ -81,6 +81,13 @@ def moe_config_from_hf(hf: Mapping[str, Any], where: str = "config.json",
     else:
         fields = qwen_config_from_hf({**dense, "model_type": "qwen3"}, "qwen3", where)
     k = int(hf["num_experts_per_tok"])
+    if k > int(experts):
+        field = "num_local_experts" if hf.get("num_local_experts") else "num_experts"
+        raise ConversionError(paragraph(
+            f"{where}: num_experts_per_tok={k} is larger than {field}={experts}: a token cannot",
+            "be routed to more experts than the layer has. Set num_experts_per_tok to at most",
+            f"{experts} (the model's own value, usually 2 or 8), or fix {field}. Nothing was",
+            "written."))
     coef = float(hf.get("router_aux_loss_coef") or 0.0) * k if hf.get(
         "output_router_logits") else 0.0
     width = int(hf[family["width"]])

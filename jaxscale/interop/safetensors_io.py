@@ -118,6 +118,7 @@ class SafetensorsReader:
     (`get` reads one tensor, `get_slice(key)[...]` only part of one)."""
 
     def __init__(self, directory: str):
+        self.directory = directory
         self._handles: dict[str, Any] = {}
         self._file_of: dict[str, str] = {}
         for name in _files(directory):
@@ -131,6 +132,10 @@ class SafetensorsReader:
 
     def keys(self) -> list[str]:
         return list(self._file_of)
+
+    def file_of(self, key: str) -> str:
+        """The file holding tensor `key`."""
+        return self._file_of.get(key, self.directory)
 
     def dtype(self, key: str) -> str:
         """The safetensors dtype name of tensor `key` ('F32', 'BF16', ...)."""

@@ -13,11 +13,12 @@ it does to `train` (only the shapes it records are read).
 """
 
 import json
+import os
 
 from absl import app, flags
 
 from jaxscale import cli
-from jaxscale.errors import exit_on_user_error
+from jaxscale.errors import JaxscaleError, exit_on_user_error, paragraph
 
 _CONFIG = cli.define_config_file("config", "configs/llama.py:tiny", "Experiment config.")
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:4x4x8.", required=True)
@@ -41,6 +42,16 @@ def main(argv):
     from jaxscale.aot.report import format_report, step_estimate
     from jaxscale.aot.topology import parse_topology
 
+    if _OUT.value:  # before minutes of compiling, not after
+        check_out(_OUT.value)
+    if _HLO.value:
+        try:
+            os.makedirs(_HLO.value, exist_ok=True)
+        except OSError as e:
+            raise JaxscaleError(paragraph(
+                f"--save_hlo={_HLO.value} cannot be created ({e.strerror or e}): a path below a",
+                "regular file, a read-only filesystem, or no permission. Give a writable",
+                "directory for the HLO dump.")) from None
     config = cli.resolved(_CONFIG.value)
     topology = parse_topology(_TOPOLOGY.value, _SLICES.value)
     if _DECODE_ONLY.value and _DECODE_BATCH.value < 1:
@@ -57,8 +68,30 @@ def main(argv):
         print(format_decode(decode))
         out["decode"] = decode.to_json()
     if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump(out, f, indent=1)
+        try:
+            with open(_OUT.value, "w") as f:
+                json.dump(out, f, indent=1)
+        except OSError as e:
+            raise JaxscaleError(_cannot_write(_OUT.value, e)) from None
+
+
+def _cannot_write(path: str, e: OSError) -> str:
+    return paragraph(
+        f"--out={path} cannot be written ({e.strerror or e}: {e.filename or path}): a path below",
+        "a regular file, a missing or read-only directory, or no permission. Give a writable",
+        "file path for the JSON report.")
+
+
+def check_out(path: str) -> None:
+    """`--out` names a file this process can create, checked before the compile."""
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise JaxscaleError(f"--out={path} is a directory; give a file path for the JSON report.")
+    if not os.path.isdir(parent):
+        what = "a regular file" if os.path.exists(parent) else "missing"
+        raise JaxscaleError(_cannot_write(path, OSError(0, f"{parent} is {what}", parent)))
+    if not os.access(parent, os.W_OK):
+        raise JaxscaleError(_cannot_write(path, OSError(0, "not writable", parent)))
 
 
 if __name__ == "__main__":

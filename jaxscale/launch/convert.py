@@ -6,7 +6,8 @@
     python -m launch.convert --from_workdir=LORA_RUN --to_peft=OUT [--base_model=HF_DIR]
                              [--overwrite] [--dtype=bf16]
 
-The first writes `WORKDIR/params/` (read by `--config.init_from=WORKDIR`) and
+A non-empty output directory is refused unless `--overwrite` is given. The first writes
+`WORKDIR/params/` (read by `--config.init_from=WORKDIR`) and
 `WORKDIR/model_config.json`, one parameter at a time, and prints the one-line command that
 fine-tunes it (the model and tokenizer come with the weights; `--config.init_from=HF_DIR` also
 reads the Hugging Face directory directly, without this step). The second exports a training
@@ -34,10 +35,10 @@ _TO_PEFT = flags.DEFINE_string("to_peft", None, "Output directory for the LoRA a
 _BASE_MODEL = flags.DEFINE_string("base_model", None, "--to_peft: the adapter's "
                                   "base_model_name_or_path (default: the run's Hugging Face "
                                   "init_from, or what its conversion was made from).")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "--to_peft: write into a non-empty "
-                               "directory, replacing the adapter files.")
 _MAX_SHARD = flags.DEFINE_string("max_shard_size", None, "Export: split files past this size "
                                  "(e.g. 5GB); default: one model.safetensors.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out, --to_hf or "
+                               "--to_peft directory, replacing its files (refused without it).")
 
 
 @exit_on_user_error
@@ -46,14 +47,16 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # orbax's INFO lines would bury the result
+    cli.host_only()  # conversion needs no accelerator: no libtpu start-up lines
     from jaxscale.interop import convert
     if _FROM_HF.value and _OUT.value:
-        model_cfg = convert.hf_to_workdir(_FROM_HF.value, _OUT.value, _DTYPE.value)
+        model_cfg = convert.hf_to_workdir(_FROM_HF.value, _OUT.value, _DTYPE.value,
+                                          _OVERWRITE.value)
         print(f"jaxscale: wrote {_OUT.value}/params and {_OUT.value}/{convert.MODEL_CONFIG}.")
         print(f"Fine-tune with: {convert.finetune_command(_OUT.value, model_cfg)}")
     elif _FROM_WORKDIR.value and _TO_HF.value:
         out = convert.workdir_to_hf(_FROM_WORKDIR.value, _TO_HF.value, _DTYPE.value,
-                                    _MAX_SHARD.value)
+                                    _MAX_SHARD.value, _OVERWRITE.value)
         print(f"jaxscale: wrote {out} (config.json and safetensors).")
     elif _FROM_WORKDIR.value and _TO_PEFT.value:
         out, base = convert.workdir_to_peft(_FROM_WORKDIR.value, _TO_PEFT.value, _DTYPE.value,

@@ -7,6 +7,19 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+# A console warning once the MoE capacity buffers drop more than this share of the token ->
+# expert assignments (`moe_dropped`): the run trains, but most tokens skip their experts.
+DROPPED_WARN = 0.10
+
+
+def dropped_warning(step: int, dropped: float) -> str:
+    """The one-line warning of a step whose MoE buffers dropped `dropped` of the assignments."""
+    return (f"jaxscale: warning: step {step} dropped {dropped:.0%} of the MoE token -> expert "
+            f"assignments (moe_dropped > {DROPPED_WARN:.0%}): model.moe.capacity_factor is too "
+            "small for this routing, so those tokens skip their experts. Raise it (1.25-2 is "
+            "common) or set 0 for dropless experts. (Shown once; moe_dropped is in "
+            "metrics.jsonl.)")
+
 
 class ProgressBar:
     """A tqdm bar on a terminal; without a TTY (CI logs) a plain line every `print_every` steps.
@@ -28,6 +41,7 @@ class ProgressBar:
         self._eval_loss: float | None = None
         self._eval_accuracy: float | None = None
         self._start = time.perf_counter()
+        self._warned_dropped = False
         if enabled and self._stream.isatty():
             from tqdm import tqdm
             self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
@@ -59,6 +73,14 @@ class ProgressBar:
         if not self.enabled:
             return
         shown = self._fields(metrics)
+        dropped = metrics.get("moe_dropped")
+        if dropped is not None and float(dropped) > DROPPED_WARN and not self._warned_dropped:
+            self._warned_dropped = True
+            message = dropped_warning(step, float(dropped))
+            if self._bar is not None:
+                self._bar.write(message, file=self._stream)
+            else:
+                print(message, file=self._stream, flush=True)
         if self._bar is not None:
             self._bar.update(step - self._last)
             self._bar.set_postfix(shown)

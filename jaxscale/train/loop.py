@@ -37,6 +37,7 @@ from jaxscale.train.build import batch_spec, build_step
 from jaxscale.train.heldout import HeldOut
 from jaxscale.train.hooks import CheckpointHook, Hook, StepInfo, check_finite, in_order
 from jaxscale.train.reference import set_reference
+from jaxscale.train.resume_config import check_resumed_model
 from jaxscale.train.state import TrainState
 from jaxscale.train.step import StepContext, global_batch, jit_train_step
 from jaxscale.weights.init_from import init_params
@@ -66,6 +67,8 @@ class Trainer:
         locations.configure(config.get("storage"))  # S3 endpoint/region for every location
         if workdir:  # a bad scheme, dead endpoint, missing bucket or refused key: one paragraph
             locations.check(workdir)
+        if workdir:  # a resume trains the model its checkpoints hold (or refuses)
+            check_resumed_model(config, workdir)
         if workdir and jax.process_index() == 0:
             config_lib.save_config(config, workdir)
         mesh = make_mesh(config.mesh, devices)

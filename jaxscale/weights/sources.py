@@ -224,7 +224,17 @@ def _huggingface_weights(location: str) -> Weights:
 def open_huggingface(hf_dir: str) -> Any:
     """The validated `interop.hf.Source` of a HF directory, read by the converter that the
     model table names for its config's `model_type` (`models.hf_opener`)."""
-    return hf_opener(read_hf_config(hf_dir), hf_dir)(hf_dir)
+    hf = read_hf_config(hf_dir)
+    try:
+        return hf_opener(hf, hf_dir)(hf_dir)
+    except JaxscaleError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
+        raise ConversionError(paragraph(  # a field of a type or size its converter cannot read
+            f"{os.path.join(hf_dir, 'config.json')} has a field its converter cannot read",
+            f"({type(e).__name__}: {str(e)[:200]}). Compare the file with the model's original",
+            "config.json (a hand edit or a truncated download?), or re-save the model with",
+            "`save_pretrained`. Nothing was written.")) from None
 
 
 def read_hf_config(hf_dir: str) -> dict:
@@ -238,10 +248,74 @@ def read_hf_config(hf_dir: str) -> dict:
                               "directory written by `save_pretrained`.")
     try:
         with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConversionError(f"{path} is not valid JSON ({e}); re-save the model with "
                               "`save_pretrained`.") from None
+    check_hf_config(hf, path)
+    return hf
+
+
+# Hugging Face config.json fields that are counts or sizes (a positive integer each, where
+# present): checked before any converter does arithmetic with them.
+HF_COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+             "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "decoder_sparse_step", "image_size", "patch_size", "num_channels", "num_labels",
+             "sliding_window_pattern")
+HF_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "rope_theta", "router_aux_loss_coef")
+HF_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob",
+            "output_router_logits", "qkv_bias")
+
+
+def check_hf_config(hf: Any, path: str) -> None:
+    """A config.json is an object whose count fields are positive integers and whose float
+    fields are numbers: one paragraph naming the file and the field otherwise, not a
+    converter's AttributeError / int() traceback."""
+    if not isinstance(hf, dict):
+        raise ConversionError(paragraph(
+            f"{path} holds a JSON {type(hf).__name__}, not an object of model fields (a",
+            "Hugging Face config.json is one JSON object: {\"model_type\": ..., ...}). Re-save",
+            "the model with `save_pretrained`, or fetch its config.json again."))
+    model_type = hf.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ConversionError(paragraph(
+            f"{path}: model_type={model_type!r} is not a string (e.g. \"llama\"). Set it to the",
+            "model's architecture, or re-save the model with `save_pretrained`."))
+    for key in ("rope_scaling", "rope_parameters"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise ConversionError(paragraph(
+                f"{path}: {key}={hf[key]!r} is neither an object nor null. Set it to the model's",
+                "rotary scaling ({\"rope_type\": ..., ...}) or null, or re-save the model with",
+                "`save_pretrained`."))
+    for key in (*HF_COUNTS, *HF_NUMBERS):
+        if key in hf and hf[key] is None:  # null: absent, the converter's default applies
+            del hf[key]
+    for key in HF_COUNTS:
+        value = hf.get(key)
+        if value is None:
+            continue
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+            value = hf[key] = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31:
+            raise ConversionError(paragraph(
+                f"{path}: {key}={value!r} is not a positive integer below 2**31; the conversion sizes the",
+                f"model by it. Set {key} in config.json to the model's value (for",
+                "num_hidden_layers: the number of model.layers.<i> in the safetensors files).",
+                "Nothing was written."))
+    for key in HF_BOOLS:
+        if hf.get(key) is not None and not isinstance(hf[key], bool):
+            raise ConversionError(paragraph(
+                f"{path}: {key}={hf[key]!r} is not true or false; the conversion decides the",
+                f"model's tensors by it. Set {key} in config.json to the model's value. Nothing",
+                "was written."))
+    for key in HF_NUMBERS:
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or value != value):
+            raise ConversionError(paragraph(
+                f"{path}: {key}={value!r} is not a number. Set {key} in config.json to the",
+                "model's value (re-save the model with `save_pretrained`). Nothing was written."))
 
 
 

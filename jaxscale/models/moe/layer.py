@@ -82,10 +82,11 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             f"model.moe.experts_per_token={k} must be between 1 and model.moe.num_experts={n}:",
             "each token is routed to that many distinct experts. Lower experts_per_token or add",
             "experts.")
-    require(moe.capacity_factor >= 0,
+    require(math.isfinite(moe.capacity_factor) and moe.capacity_factor >= 0,
             f"model.moe.capacity_factor={moe.capacity_factor} must be >= 0: 0 routes every token",
             "(dropless grouped matmul), a positive factor sizes each expert's buffer at that",
-            "multiple of an even share of the tokens (1.25 is common).")
+            "multiple of an even share of the tokens (1.25 is common); it must be a finite",
+            "number (for no drops at all, use 0).")
     require(moe.mlp >= 0 and moe.shared_experts >= 0,
             f"model.moe.mlp={moe.mlp} and model.moe.shared_experts={moe.shared_experts} must be",
             ">= 0 (mlp 0: the expert width is model.mlp; shared_experts 0: none).")
@@ -94,10 +95,10 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             f"model.moe.swiglu_alpha={moe.swiglu_alpha} > 0: a positive limit clamps the",
             "experts' gate and up activations (GPT-OSS: 7.0, alpha 1.702); 0 keeps the plain",
             "SwiGLU.")
-    require(moe.router_aux_loss_coef >= 0 and moe.router_z_loss_coef >= 0,
+    require(0 <= moe.router_aux_loss_coef < math.inf and 0 <= moe.router_z_loss_coef < math.inf,
             f"model.moe.router_aux_loss_coef={moe.router_aux_loss_coef} and",
             f"model.moe.router_z_loss_coef={moe.router_z_loss_coef} must be >= 0 (0: the loss is",
-            "reported but not trained on).")
+            "reported but not trained on; finite numbers).")
     require(moe.grouped_matmul in GROUPED_MATMULS,
             f"model.moe.grouped_matmul={moe.grouped_matmul!r} is not one of",
             f"{', '.join(GROUPED_MATMULS)}: auto picks the Pallas megablox kernel on TPU where",
