@@ -3,6 +3,8 @@ and greedy generation equal transformers' `DeepseekV3ForCausalLM`, import -> exp
 is bit for bit (through `interop.hf.load` / `hf.save`'s dispatch), and what the decoder cannot
 reproduce is refused."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from jaxscale.interop import hf, hf_deepseek
 from jaxscale.weights.sources import open_huggingface
+from jaxscale.weights.tree import flatten
 from tests.hf_common import (
     assert_greedy_equals_transformers,
     assert_import_export_import_exact,
@@ -126,3 +129,23 @@ def test_exports_refuse_what_the_family_lacks(hf_models, tmp_path):
         with pytest.raises(hf.ConversionError, match=culprit):
             hf.save((dict(model_cfg, moe=dict(model_cfg["moe"], **change)), params),
                     str(tmp_path / "out"))
+
+
+def test_multi_token_prediction_layers_are_left_unread(hf_models, tmp_path):
+    """The published checkpoints hold `num_nextn_predict_layers` MTP layers after the last:
+    left unread with that count in config.json, refused as extra layers without it."""
+    from safetensors.numpy import load_file, save_file
+
+    _, path, (model_cfg, params) = hf_models["v3"]
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    mtp = {n.replace("layers.2.", "layers.3."): v for n, v in tensors.items() if "layers.2." in n}
+    with_mtp = edited_copy(path, str(tmp_path / "mtp"), dict(num_nextn_predict_layers=1))
+    save_file({**tensors, **mtp}, os.path.join(with_mtp, "model.safetensors"),
+              metadata={"format": "pt"})
+    again = hf.load(with_mtp)
+    assert again.config == model_cfg
+    for k, v in flatten(params).items():
+        np.testing.assert_array_equal(flatten(again.params)[k], v)
+    without = edited_copy(with_mtp, str(tmp_path / "no_mtp"), dict(num_nextn_predict_layers=0))
+    with pytest.raises(hf.ConversionError, match="holds tensor model.layers.3"):
+        hf.load(without)

@@ -143,6 +143,9 @@ class Source:
     model_cfg: dict
     reader: SafetensorsReader
     leaves: dict[str, Leaf]
+    # Layers past num_layers that the family's checkpoints hold and the model does not read
+    # (DeepSeek-V3's multi-token-prediction layers): not "dropped" by `_check_extra`.
+    unread_layers: int = 0
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """jaxscale shape of every leaf, from the model definition (no tensor is read)."""
@@ -254,7 +257,8 @@ class Source:
                 continue
             layer = re.search(r"\.layers?\.(\d+)\.", name)
             expert = re.search(r"\.experts\.(\d+)\.", name)
-            if layer and layers is not None and int(layer.group(1)) >= layers:
+            if (layer and layers is not None
+                    and int(layer.group(1)) >= layers + self.unread_layers):
                 held = 1 + max(int(m.group(1)) for n in self.reader.keys()
                                if (m := re.search(r"\.layers?\.(\d+)\.", n)))
                 field, said = "num_hidden_layers", f"num_hidden_layers={layers}"

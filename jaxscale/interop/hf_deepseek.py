@@ -21,11 +21,13 @@ is read as the decoder's `rope_*` fields (`interop/hf_rope.py`); the latent atte
 softmax factor from it (`Rope.score_scale`). Refused in one paragraph naming the field: other
 rotary scalings the decoder lacks, attention biases, and on export a model that is not this
 family's shape (no experts, `moe.every` != 1, another router, no shared expert). The
-multi-token-prediction layers of a checkpoint (`num_nextn_predict_layers`) are not read.
+multi-token-prediction layers of a checkpoint (`num_nextn_predict_layers`, after the last) are
+left unread (`Source.unread_layers`), not refused as layers past num_hidden_layers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,12 +35,13 @@ from typing import Any
 import numpy as np
 
 from jaxscale.errors import paragraph
-from jaxscale.interop.hf import ConversionError, Leaf, decoder_opener, decoder_saver
+from jaxscale.interop.hf import ConversionError, Leaf, Source, decoder_opener, decoder_saver
 from jaxscale.interop.hf_config import decoder_fields, require_keys
 from jaxscale.interop.hf_rope import rope_scaling_to_hf
 from jaxscale.models.attention.latent import MLAConfig
 from jaxscale.models.moe.config import MoEConfig, expert_width
 from jaxscale.models.nn.fused import GATE_UP
+from jaxscale.weights.sources import read_hf_config
 
 REQUIRED = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
             "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
@@ -220,6 +223,15 @@ def _expert_leaves(moe: MoEConfig) -> dict[str, Leaf]:
     return leaves
 
 
-open_deepseek_v3 = decoder_opener("deepseek_v3", deepseek_config_from_hf, deepseek_leaves)
+_open = decoder_opener("deepseek_v3", deepseek_config_from_hf, deepseek_leaves)
+
+
+def open_deepseek_v3(hf_dir: str) -> Source:
+    """The config and lazy reader of a HF deepseek_v3 directory (validated); its
+    `num_nextn_predict_layers` multi-token-prediction layers (after the last, in the published
+    checkpoints) are left unread, not refused as layers past num_hidden_layers."""
+    source = _open(hf_dir)
+    mtp = read_hf_config(hf_dir).get("num_nextn_predict_layers") or 0
+    return dataclasses.replace(source, unread_layers=int(mtp) if isinstance(mtp, int) else 0)
 save_deepseek = decoder_saver("save_deepseek", deepseek_config_to_hf, deepseek_leaves,
                               ("deepseek_v3",))
