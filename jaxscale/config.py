@@ -114,7 +114,9 @@ def base_config() -> mlc.ConfigDict:
         # host_tracing: host tracer level 0-3; all_processes: every process, not only process 0.
         profile=dict(start_step=3, num_steps=0, host_tracing=2, all_processes=False)))
     c.pipeline = mlc.ConfigDict(dict(microbatches=1, repeats=1, schedule="gpipe"))
-    c.checkpoint = mlc.ConfigDict(dict(every=0, keep=3))
+    # every: steps between saves (0: none); every_minutes: minutes of training between saves
+    # (0: none; either interval triggers a save, and the timer restarts at every save).
+    c.checkpoint = mlc.ConfigDict(dict(every=0, keep=3, every_minutes=0.0))
     # Object stores (jaxscale/storage/locations.py): empty = AWS_ENDPOINT_URL_S3 / AWS_REGION / AWS.
     # Credentials never go here: they come from the standard AWS / Google credential chains.
     c.storage = mlc.ConfigDict(dict(s3_endpoint="", s3_region="", timeout_s=30.0,
@@ -252,6 +254,10 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
     _require(c.checkpoint.every >= 0 and c.checkpoint.keep >= 1,
              f"checkpoint.every={c.checkpoint.every} must be >= 0 (0: no checkpoints) and",
              f"checkpoint.keep={c.checkpoint.keep} >= 1.")
+    minutes = c.checkpoint.get("every_minutes", 0.0)
+    _require(math.isfinite(minutes) and minutes >= 0,
+             f"checkpoint.every_minutes={minutes} must be a finite number >= 0 (0: no",
+             "time-based saves); e.g. 30 saves after every 30 minutes of training.")
     path = c.init_from
     _require(not path or "://" in path or os.path.exists(path),
              f"config.init_from={path!r} does not exist. Point it at a Hugging Face model",

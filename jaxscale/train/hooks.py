@@ -15,11 +15,13 @@ whether it saved the state).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
+import numpy as np
 
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.train.state import TrainState
@@ -79,28 +81,48 @@ def check_finite(state: TrainState, skip_nonfinite: bool) -> None:
 
 
 class CheckpointHook:
-    """Saves every `checkpointer.every` steps, at the end and at a pre-emption, after checking
-    finiteness (good checkpoints are never overwritten with NaNs). `adapters_only` (LoRA with
-    `lora.save_adapters_only`): the frozen base is saved as its fingerprint only."""
+    """Saves every `checkpointer.every` steps and after every `every_minutes` minutes of
+    training, at the end and at a pre-emption, after checking finiteness (good checkpoints are
+    never overwritten with NaNs). `adapters_only` (LoRA with `lora.save_adapters_only`): the
+    frozen base is saved as its fingerprint only.
+
+    Time-based saves: the timer starts at the first step (compiling and restoring are not
+    training) and restarts at every save. `clock` (seconds; `time.monotonic`) is injectable so
+    that tests decide the elapsed time. Every host must save at the same step, and hosts' clocks
+    differ, so with several processes process 0's decision is broadcast to all at every step
+    (one scalar); a single process decides alone."""
 
     order = ORDER["checkpoint"]
 
     def __init__(self, checkpointer: Checkpointer, skip_nonfinite: bool = False,
-                 adapters_only: bool = False):
+                 adapters_only: bool = False, every_minutes: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.checkpointer = checkpointer
         self.skip_nonfinite = skip_nonfinite
         self.adapters_only = adapters_only
+        self.every_minutes = every_minutes
+        self.clock = clock
+        self._last: float | None = None  # the clock at the last save (or the first step)
 
     def _save(self, info: StepInfo) -> None:
         check_finite(info.state, self.skip_nonfinite)
         self.checkpointer.save(info.step, info.state, info.data_state, self.adapters_only)
 
     def after_step(self, info: StepInfo) -> None:
-        if self.checkpointer.every and info.step % self.checkpointer.every == 0:
+        every = self.checkpointer.every
+        due = bool(every and info.step % every == 0)
+        if self.every_minutes:
+            now = self.clock()
+            if self._last is None:
+                self._last = now
+            due = _agreed(due or now - self._last >= 60.0 * self.every_minutes)
+            if due:
+                self._last = now
+        if due:
             self._save(info)
 
     def at_end(self, info: StepInfo) -> None:
-        self._finish(info, save=bool(self.checkpointer.every))
+        self._finish(info, save=bool(self.checkpointer.every or self.every_minutes))
 
     def at_preemption(self, info: StepInfo) -> bool:
         """Saves at `info.step` (every host calls this at the same step) unless the periodic
@@ -115,3 +137,12 @@ class CheckpointHook:
             check_finite(info.state, self.skip_nonfinite)
         self.checkpointer.finish(info.step, info.state, info.data_state, self.adapters_only,
                                  save)
+
+
+def _agreed(decision: bool) -> bool:
+    """Process 0's `decision`, on every process (a time-based save must happen at the same step
+    on all hosts); the local decision when there is one process."""
+    if jax.process_count() == 1:
+        return decision
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(decision)))

@@ -216,7 +216,8 @@ def _after_step(hooks: Sequence[Any], info: StepInfo) -> TrainState:
 
 def _attach_checkpoints(trainer: Trainer) -> None:
     """Resumes from the newest complete checkpoint in the workdir and saves periodically
-    (every `checkpoint.every` steps; 0: only when pre-empted)."""
+    (every `checkpoint.every` steps and `checkpoint.every_minutes` minutes; 0: only when
+    pre-empted or at the end)."""
     from jaxscale.train.checkpoint import Checkpointer
 
     c, lora = trainer.config.checkpoint, trainer.config.get("lora")
@@ -228,7 +229,7 @@ def _attach_checkpoints(trainer: Trainer) -> None:
             print(f"jaxscale: resumed from {checkpointer.directory}/{step}")
     adapters_only = bool(lora and lora.rank and lora.get("save_adapters_only", False))
     trainer.hooks.append(CheckpointHook(checkpointer, trainer.config.train.skip_nonfinite,
-                                        adapters_only))
+                                        adapters_only, c.get("every_minutes", 0.0)))
 
 
 def prepare(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> Trainer:
