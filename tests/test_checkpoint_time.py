@@ -36,7 +36,7 @@ def _config(steps: int, every: int = 0, minutes: float = 0.0):
 def _run_with_clock(config, workdir: str) -> None:
     trainer = prepare(config, workdir)
     [hook] = [h for h in trainer.hooks if isinstance(h, CheckpointHook)]
-    hook.clock = Minutes()
+    hook.interval.clock = Minutes()
     trainer.run()
 
 

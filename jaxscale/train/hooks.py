@@ -27,12 +27,13 @@ from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.train.state import TrainState
 
 if TYPE_CHECKING:  # not at run time: orbax is imported only by runs that checkpoint
+    from jaxscale.observe.events import EventLog
     from jaxscale.train.checkpoint import Checkpointer
 
 # When each kind of hook runs (ascending). Checkpoints last: they save what the run continues
 # with (after a Lo-Fi sync), or a run resumed from a sync step's checkpoint would miss that
 # step's average. A hook without an `order` attribute runs at ORDER["default"].
-ORDER = {"logger": 0, "default": 100, "lofi": 200, "checkpoint": 300}
+ORDER = {"logger": 0, "default": 100, "lofi": 200, "checkpoint": 300, "goodput": 400}
 
 
 @dataclass(frozen=True)
@@ -80,37 +81,21 @@ def check_finite(state: TrainState, skip_nonfinite: bool) -> None:
         ))
 
 
-class CheckpointHook:
-    """Saves every `checkpointer.every` steps and after every `every_minutes` minutes of
-    training, at the end and at a pre-emption, after checking finiteness (good checkpoints are
-    never overwritten with NaNs). `adapters_only` (LoRA with `lora.save_adapters_only`): the
-    frozen base is saved as its fingerprint only.
+class Interval:
+    """When a tier saves: every `every` steps (0: never) or after `every_minutes` minutes of
+    training (0: never), whichever comes first; the timer starts at the first step (compiling
+    and restoring are not training) and restarts at every save. `clock` (seconds;
+    `time.monotonic`) is injectable so that tests decide the elapsed time. Every host must save
+    at the same step, and hosts' clocks differ, so with several processes process 0's decision
+    is broadcast to all at every step (one scalar); a single process decides alone."""
 
-    Time-based saves: the timer starts at the first step (compiling and restoring are not
-    training) and restarts at every save. `clock` (seconds; `time.monotonic`) is injectable so
-    that tests decide the elapsed time. Every host must save at the same step, and hosts' clocks
-    differ, so with several processes process 0's decision is broadcast to all at every step
-    (one scalar); a single process decides alone."""
-
-    order = ORDER["checkpoint"]
-
-    def __init__(self, checkpointer: Checkpointer, skip_nonfinite: bool = False,
-                 adapters_only: bool = False, every_minutes: float = 0.0,
+    def __init__(self, every: int, every_minutes: float = 0.0,
                  clock: Callable[[], float] = time.monotonic):
-        self.checkpointer = checkpointer
-        self.skip_nonfinite = skip_nonfinite
-        self.adapters_only = adapters_only
-        self.every_minutes = every_minutes
-        self.clock = clock
+        self.every, self.every_minutes, self.clock = every, every_minutes, clock
         self._last: float | None = None  # the clock at the last save (or the first step)
 
-    def _save(self, info: StepInfo) -> None:
-        check_finite(info.state, self.skip_nonfinite)
-        self.checkpointer.save(info.step, info.state, info.data_state, self.adapters_only)
-
-    def after_step(self, info: StepInfo) -> None:
-        every = self.checkpointer.every
-        due = bool(every and info.step % every == 0)
+    def due(self, step: int) -> bool:
+        due = bool(self.every and step % self.every == 0)
         if self.every_minutes:
             now = self.clock()
             if self._last is None:
@@ -118,11 +103,47 @@ class CheckpointHook:
             due = _agreed(due or now - self._last >= 60.0 * self.every_minutes)
             if due:
                 self._last = now
-        if due:
+        return due
+
+
+class CheckpointHook:
+    """Saves every `checkpointer.every` steps and after every `every_minutes` minutes of
+    training, at the end and at a pre-emption, after checking finiteness (good checkpoints are
+    never overwritten with NaNs). `adapters_only` (LoRA with `lora.save_adapters_only`): the
+    frozen base is saved as its fingerprint only.
+
+    When: `Interval` (`interval.clock` is the timer's clock)."""
+
+    order = ORDER["checkpoint"]
+
+    def __init__(self, checkpointer: Checkpointer, skip_nonfinite: bool = False,
+                 adapters_only: bool = False, every_minutes: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic, events: EventLog | None = None):
+        self.checkpointer = checkpointer
+        self.skip_nonfinite = skip_nonfinite
+        self.adapters_only = adapters_only
+        self.interval = Interval(checkpointer.every if checkpointer else 0, every_minutes,
+                                 clock)
+        self.events = events  # the run's event log (`jaxscale goodput`): each save, timed
+
+    def _save(self, info: StepInfo) -> None:
+        check_finite(info.state, self.skip_nonfinite)
+        began = time.monotonic()
+        self.checkpointer.save(info.step, info.state, info.data_state, self.adapters_only)
+        self._record(info.step, began)
+
+    def _record(self, step: int, began: float) -> None:
+        """The save in the event log: the seconds the loop was held (an async save's commit
+        continues in the background and is waited for by the next save)."""
+        if self.events is not None:
+            self.events.timed("save", time.monotonic() - began, step=step, tier="persistent")
+
+    def after_step(self, info: StepInfo) -> None:
+        if self.interval.due(info.step):
             self._save(info)
 
     def at_end(self, info: StepInfo) -> None:
-        self._finish(info, save=bool(self.checkpointer.every or self.every_minutes))
+        self._finish(info, save=bool(self.interval.every or self.interval.every_minutes))
 
     def at_preemption(self, info: StepInfo) -> bool:
         """Saves at `info.step` (every host calls this at the same step) unless the periodic
@@ -133,10 +154,14 @@ class CheckpointHook:
     def _finish(self, info: StepInfo, save: bool) -> None:
         """Saves `info.step` if asked (and not saved yet), waits until the last save is
         committed (redoing one an outage failed, from `info.state`), and closes."""
-        if save and self.checkpointer.latest_step() != info.step:
+        fresh = save and self.checkpointer.latest_step() != info.step
+        if fresh:
             check_finite(info.state, self.skip_nonfinite)
+        began = time.monotonic()
         self.checkpointer.finish(info.step, info.state, info.data_state, self.adapters_only,
                                  save)
+        if fresh:
+            self._record(info.step, began)
 
 
 def _agreed(decision: bool) -> bool:
