@@ -133,3 +133,19 @@ def test_local_tier_settings_are_checked_in_one_paragraph(fields, named):
     with pytest.raises(ConfigError, match=named) as e:
         config_lib.validate(c)
     assert "\n" not in str(e.value)
+
+
+def test_another_mesh_restores_the_persistent_step_not_zeros_from_the_local_tier(
+        tmp_path, whole, capfd):
+    """Each local step records which shards its process holds; a run on another mesh (which
+    would read unwritten chunks as zeros) takes the persistent tier instead."""
+    local, workdir = str(tmp_path / "local"), str(tmp_path / "run")
+    _crash_at(_config(local), workdir, 6)
+    c = _config(local)
+    c.mesh.update(data=1, fsdp=4, tensor=2)
+    capfd.readouterr()
+    train(c, workdir)
+    out = capfd.readouterr().out
+    assert f"resumed from {workdir}/checkpoints/4 (persistent tier; the local tier could " \
+           "not restore step 6" in out
+    assert _losses(workdir) == pytest.approx(whole, rel=1e-5)

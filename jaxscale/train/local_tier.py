@@ -25,6 +25,8 @@ fallback.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
@@ -46,6 +48,24 @@ class _PerProcessNotes(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "logging disabled for `primary_host=None`" not in record.getMessage()
+
+
+class LayoutChanged(Exception):
+    """The local step holds other shards than this process needs (see `layout_key`)."""
+
+
+def layout_key(leaves: list[Any]) -> str:
+    """Which pieces of which arrays this process holds: per array, the set of index ranges of
+    its addressable shards, and the process count, hashed. A local tier holds only what its
+    process wrote, and tensorstore reads a chunk nobody wrote as the fill value (zeros), not
+    an error, so a restore onto another mesh or process count would silently load zeros where
+    another host's shards were; comparing this key refuses it instead."""
+    parts: list[Any] = [jax.process_count()]
+    for x in leaves:
+        index = x.sharding.addressable_devices_indices_map(x.shape)
+        parts.append(sorted({json.dumps([list(sl.indices(n)[:2]) for sl, n in zip(i, x.shape)])
+                             for i in index.values()}))
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
 def local_directory(template: str) -> str:
@@ -109,8 +129,9 @@ class LocalTier:
         commit continues in the background."""
         from jaxscale.train.checkpoint import _to_saveable
         tree = _to_saveable(state)
+        meta = {"position": data_state or {}, "layout": layout_key(jax.tree.leaves(tree))}
         self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave(data_state or {})))
+            state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave(meta)))
 
     def restore(self, step: int, state: TrainState,
                 shardings: TrainState) -> tuple[TrainState, dict | None]:
@@ -118,6 +139,9 @@ class LocalTier:
         files do not hold what it needs (the caller agrees with the others on falling back)."""
         from jaxscale.train.checkpoint import _target
         target = _target(state, shardings, adapters_only=False)
+        meta = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
+        if (meta["data"] or {}).get("layout") != layout_key(jax.tree.leaves(target)):
+            raise LayoutChanged(step)
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
         got = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
@@ -126,7 +150,7 @@ class LocalTier:
         new = state.replace(step=s["step"], params=s["params"], frozen=s["frozen"],
                             opt_state=s["opt_state"], rng=jax.random.wrap_key_data(s["rng"]),
                             extra=s["extra"])
-        return new, dict(got["data"] or {}) or None
+        return new, dict((got["data"] or {}).get("position") or {}) or None
 
     def drop_after(self, step: int) -> None:
         """Deletes this process's local steps newer than `step`, the step the run resumed from
@@ -162,8 +186,9 @@ def restore_newest(tier: LocalTier, persistent_step: int | None, state: TrainSta
     except Exception:  # any failure here means: use the persistent tier
         restored = None
     if not all_agree(restored is not None):
-        return None, (f"could not restore step {step} on every process (another mesh or "
-                      "device count needs shards that other hosts hold)")
+        return None, (f"could not restore step {step} on every process (damaged, or saved "
+                      "with another mesh or process count: each host holds only its own "
+                      "shards)")
     return (step, *restored), ""
 
 
