@@ -141,3 +141,20 @@ def test_a_crashed_preempted_and_resumed_run_reports_what_happened(tmp_path):
     assert (g.first_step, g.last_step, g.finished) == (0, 9, True)
     assert 0 < g.productive_s < g.wall_s and g.compile_s > 0 and g.restore_s > 0
     assert g.productive_s + g.compile_s + g.save_s + g.restore_s <= g.wall_s
+
+
+@pytest.mark.xdist_group("seaweedfs")
+def test_the_event_log_on_a_bucket_workdir_gives_the_same_report(seaweedfs):
+    """On s3:// (no append) each event rewrites the object whole through the storage layer;
+    a second writer (the next run) continues it; the command reads it from the bucket."""
+    server, bucket = seaweedfs
+    workdir = f"s3://{bucket}/runs/goodput"
+    _write(workdir, CRAFTED[:6])   # the first run
+    _write(workdir, CRAFTED[6:])   # the runs after it, as new processes
+    g = analyse(*read_events(workdir))
+    assert g.productive_s == 22 and g.wall_s == 82 and len(g.interruptions) == 2
+    run = subprocess.run([sys.executable, "-m", "launch.goodput", workdir, "--json"], cwd=ROOT,
+                         env={**ENV, **server.env()}, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["interruptions"][0]["lost_steps"] == 2

@@ -149,3 +149,32 @@ def test_another_mesh_restores_the_persistent_step_not_zeros_from_the_local_tier
     assert f"resumed from {workdir}/checkpoints/4 (persistent tier; the local tier could " \
            "not restore step 6" in out
     assert _losses(workdir) == pytest.approx(whole, rel=1e-5)
+
+
+def test_local_every_minutes_saves_on_the_injected_clock(tmp_path):
+    from tests.test_checkpoint_time import Minutes
+
+    local = str(tmp_path / "local")
+    c = _config(local)
+    c.checkpoint.update(every=0, local_every=0, local_every_minutes=2.5, local_keep=5)
+    trainer = prepare(c, str(tmp_path / "run"))
+    [hook] = [h for h in trainer.hooks if isinstance(h, LocalTierHook)]
+    hook.interval.clock = Minutes()  # step s at minute s-1: 2.5 minutes pass at 4 and 7
+    trainer.run()
+    assert _local_steps(local) == ["4", "7"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("seaweedfs")
+def test_s3_workdir_with_the_local_tier_on_disk_resumes_from_the_local_step(
+        seaweedfs, tmp_path, whole, capfd):
+    from jaxscale.storage import locations
+
+    _, bucket = seaweedfs
+    locations.configure()
+    local, workdir = str(tmp_path / "local"), f"s3://{bucket}/runs/tier"
+    _crash_at(_config(local), workdir, 6)
+    capfd.readouterr()
+    train(_config(local), workdir)
+    assert f"resumed from step 6 of the local tier {local}" in capfd.readouterr().out
+    assert _losses(workdir) == whole
