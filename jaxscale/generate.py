@@ -1,4 +1,4 @@
-"""Autoregressive generation with the model's cache: greedy or temperature sampling.
+"""Autoregressive generation with the model's cache, behind `jaxscale generate`.
 
 The cache belongs to the model: `model.init_cache(batch, max_len)` makes an empty cache stacked
 over the layers, in the layout of the model's attention component (`models/attention/kinds.py`;
@@ -8,8 +8,10 @@ training) over it, returning the logits and the updated cache. Nothing here open
 It carries logical names, so the same rules that shard the parameters shard it (`batch` over
 data/fsdp, `kv` over tensor). Prompts of different lengths share a batch left-padded, with their
 lengths: padding gets segment id 0 and each row's positions start at its first real token, so
-every row decodes as its prompt would alone. One jitted call runs the prefill and a `lax.scan`
-over the new tokens.
+every row decodes as its prompt would alone. `make_generate` is one jitted call running the
+prefill and a `lax.scan` over the new tokens (greedy or temperature); `generate_from_config`,
+the command's path, runs the rollout sampler (`jaxscale/sampling.py`: top-k / top-p, n samples,
+stop ids, log-probs), kept per config so repeated calls do not compile again.
 """
 
 from __future__ import annotations
@@ -22,32 +24,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
-from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.errors import paragraph
 from jaxscale.models import ModelDef, entry_of
 from jaxscale.rules import AxisRules, use_rules
-
-
-class GenerateError(JaxscaleError):
-    """A generation request the model cannot serve (bad prompt, length or temperature)."""
-
-
-def forward_cached(model: nnx.Module, tokens_BT: jax.Array, start: jax.Array,
-                   cache: Any, **rows: jax.Array) -> tuple[jax.Array, Any]:
-    """Logits of `tokens_BT` placed at cache slots start.. (by default also their positions;
-    `rows` may give `positions_BT` and `segments_BT`) given the cache; the updated cache."""
-    return model(tokens_BT, cache=cache, cache_index=start, **rows)
-
-
-def left_padded_rows(lengths_B: jax.Array, width: int) -> dict[str, jax.Array]:
-    """Positions and segment ids of prompts of `lengths_B` tokens left-padded to `width`:
-    segment 0 on padding, 1 on the prompt, positions counted from each prompt's first token."""
-    pad_B1 = (width - lengths_B)[:, None]
-    slots_BT = jnp.arange(width, dtype=jnp.int32)[None]
-    return dict(positions_BT=jnp.maximum(slots_BT - pad_B1, 0),
-                segments_BT=(slots_BT >= pad_B1).astype(jnp.int32))
+from jaxscale.sampling import GenerateError, Sampler, Sampling, forward_cached, left_padded_rows
 
 
 def sample(logits_BV: jax.Array, rng: jax.Array, temperature: float) -> jax.Array:
@@ -211,18 +193,64 @@ def load_model(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
     return config, params
 
 
-def generate_from_config(config: Any, params: Mapping, prompt_BT: np.ndarray, steps: int,
-                         temperature: float = 0.0, seed: int = 0) -> np.ndarray:
-    """Places `params` on the config's mesh by its rules and generates `steps` tokens."""
+def model_on_mesh(config: Any) -> tuple[ModelDef, AxisRules, Mesh, Any, Any]:
+    """(model definition, rules, mesh, parameter shardings, parameter dtype) of a run config:
+    where every use of trained weights outside training puts them."""
     from jaxscale.mesh import make_mesh
     from jaxscale.precision import get_policy
-    from jaxscale.weights.place import named_shardings, param_specs, place
-    from jaxscale.weights.tree import flatten, unflatten
+    from jaxscale.weights.place import named_shardings, param_specs
 
-    check_request(np.shape(prompt_BT)[1], steps, temperature, config.model.get("max_len", 0))
     mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
     model_def = ModelDef.build(config.model, get_policy(config.precision))
     shardings = named_shardings(mesh, param_specs(model_def, rules, mesh))
-    placed = unflatten(place(flatten(params), shardings, model_def.shapes()["embedding"].dtype))
-    fn = make_generate(model_def, steps, temperature, rules, mesh)
-    return np.asarray(fn(placed, jnp.asarray(prompt_BT, jnp.int32), jax.random.key(seed)))
+    return model_def, rules, mesh, shardings, model_def.shapes()["embedding"].dtype
+
+
+def place_params(params: Mapping, shardings: Any, dtype: Any) -> Mapping:
+    """`params` (a nested tree, its leaves lazy or not) put where `shardings` say, in `dtype`."""
+    from jaxscale.weights.place import place
+    from jaxscale.weights.tree import flatten, unflatten
+
+    return unflatten(place(flatten(params), shardings, dtype))
+
+
+def placed_model(config: Any, params: Mapping) -> tuple[ModelDef, Mapping, AxisRules, Mesh]:
+    """(model definition, `params` placed on the config's mesh by its rules, the rules, the
+    mesh)."""
+    model_def, rules, mesh, shardings, dtype = model_on_mesh(config)
+    return model_def, place_params(params, shardings, dtype), rules, mesh
+
+
+def generate_from_config(config: Any, params: Mapping, prompt_BT: np.ndarray, steps: int,
+                         temperature: float = 0.0, seed: int = 0,
+                         sampling: Sampling | None = None) -> np.ndarray:
+    """Places `params` on the config's mesh by its rules and generates `steps` tokens after
+    each row of `prompt_BT` (prompt included in the result). `sampling`: a
+    `sampling.Sampling` (top-k / top-p / n / stop ids; rows after a stop hold its pad_id),
+    else greedy or `temperature` sampling. The sampler is kept per config and settings, so a
+    second call with the same shapes reuses its compiled program."""
+    sampling = sampling or Sampling(temperature=float(temperature))
+    check_request(np.shape(prompt_BT)[1], steps, sampling.temperature,
+                  config.model.get("max_len", 0))
+    sampler, shardings, dtype = _sampler(config, sampling)
+    placed = place_params(params, shardings, dtype)
+    out = sampler(placed, np.asarray(prompt_BT, np.int32), jax.random.key(seed), steps)
+    prompt = np.repeat(np.asarray(prompt_BT, np.int32), sampling.n, axis=0)
+    return np.concatenate([prompt, np.asarray(out.tokens)], axis=1)
+
+
+_SAMPLERS: dict[str, tuple[Sampler, Any, Any]] = {}
+
+
+def _sampler(config: Any, sampling: Sampling) -> tuple[Sampler, Any, Any]:
+    """(Sampler, parameter shardings, parameter dtype) for a config and sampling settings,
+    built once per process: `jaxscale generate` and a training loop's rollouts call again."""
+    import json
+
+    plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    key = json.dumps([plain, repr(sampling)], sort_keys=True, default=str)
+    if key not in _SAMPLERS:
+        model_def, rules, mesh, shardings, dtype = model_on_mesh(config)
+        sampler = Sampler(model_def, sampling, rules, mesh, config.model.get("max_len", 0))
+        _SAMPLERS[key] = (sampler, shardings, dtype)
+    return _SAMPLERS[key]

@@ -44,6 +44,9 @@ class Chip:
     # Dense int8 x int8 ops/s (the `int8` precision policy's matmuls, `aot.roofline`); None: no
     # public figure. A datasheet rate: an ESTIMATE of what quantized training reaches.
     peak_int8_ops: float | None = None
+    # HBM bandwidth, bytes/s, from the datasheet: what bounds decoding, which reads every weight
+    # and the KV cache for each new token (`aot/decode.py`); None: no single figure.
+    hbm_bytes_s: float | None = None
 
     @property
     def name(self) -> str:
@@ -101,7 +104,8 @@ CHIPS: dict[str, Chip] = {
                host_bytes_s=TPU_HOST_BYTES_S, generation="v4", torus_dims=3, max_chips=4096,
                chip_config="megacore",
                # int8: the v4 page's "275 teraflops (bf16 or int8)": no faster than bf16
-               peak_int8_ops=275e12),
+               peak_int8_ops=275e12,
+               hbm_bytes_s=1200e9),  # the v4 page: HBM2 bandwidth 1,200 GBps
     # Per host 2 x 100 Gbps NICs for 8 chips.
     "v5e": Chip(("TPU v5 lite", "TPU v5e"), 197e12, 16 * GB,
                 "https://cloud.google.com/tpu/docs/v5e (197 TFLOP/s bf16 per chip, 16 GB HBM); "
@@ -111,7 +115,8 @@ CHIPS: dict[str, Chip] = {
                 dcn_bytes_s=2 * 100e9 / 8 / 8,
                 host_bytes_s=TPU_HOST_BYTES_S, generation="v5e", torus_dims=2, max_chips=256,
                 # int8: "Peak compute per chip (Int8) 393 TOPs", cloud.google.com/tpu/docs/v5e
-                peak_int8_ops=393e12),
+                peak_int8_ops=393e12,
+                hbm_bytes_s=819e9),  # the v5e page: HBM2 bandwidth 819 GBps
     "v5p": Chip(("TPU v5p", "TPU v5"), 459e12, 95 * GiB,
                 "https://cloud.google.com/tpu/docs/v5p (459 TFLOP/s bf16 per chip); 95 GiB HBM, "
                 "ICI 1,200 GB/s both ways per chip, 3D torus, DCN 50 Gbps per chip: "
@@ -122,7 +127,8 @@ CHIPS: dict[str, Chip] = {
                 chip_config="megacore",
                 # int8: 918 TOPs (twice bf16), the v5p launch post, cloud.google.com/blog/
                 # products/ai-machine-learning/introducing-cloud-tpu-v5p-and-ai-hypercomputer
-                peak_int8_ops=918e12),
+                peak_int8_ops=918e12,
+                hbm_bytes_s=2765e9),  # the v5p page: HBM2e bandwidth 2,765 GBps
     # Per host 4 x 200 Gbps NICs for 8 chips.
     "v6e": Chip(("TPU v6 lite", "TPU v6e"), 918e12, 32 * GB,
                 "https://cloud.google.com/tpu/docs/v6e (Trillium, 918 TFLOP/s bf16 per chip, "
@@ -131,7 +137,8 @@ CHIPS: dict[str, Chip] = {
                 dcn_bytes_s=4 * 200e9 / 8 / 8,
                 host_bytes_s=TPU_HOST_BYTES_S, generation="v6e", torus_dims=2, max_chips=256,
                 # int8: "Peak compute per chip (Int8) 1836 TOPs", cloud.google.com/tpu/docs/v6e
-                peak_int8_ops=1836e12),
+                peak_int8_ops=1836e12,
+                hbm_bytes_s=1640e9),  # the v6e page: HBM bandwidth 1,640 GBps
     "a100": Chip(("A100",), 312e12, None,
                  "NVIDIA A100 datasheet, BF16 Tensor Core dense (SXM and PCIe alike): 312 TFLOPS; "
                  "40 or 80 GB HBM by model; NVLink 600 GB/s, PCIe Gen4 64 GB/s (SXM)",
@@ -141,17 +148,20 @@ CHIPS: dict[str, Chip] = {
                  "NVIDIA H100 datasheet, SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity / 2; "
                  "80 GB HBM3; NVLink 900 GB/s, PCIe Gen5 128 GB/s. " + _NVIDIA,
                  ici_bidir_bytes_s=900e9, host_bytes_s=128e9,
-                 peak_int8_ops=1979e12),  # datasheet INT8 3,958 TOPS with sparsity / 2
+                 peak_int8_ops=1979e12,  # datasheet INT8 3,958 TOPS with sparsity / 2
+                 hbm_bytes_s=3.35e12),  # datasheet, SXM: 3.35 TB/s
     "h100-pcie": Chip(("H100 PCIe",), 756e12, 80 * GiB,
                       "NVIDIA H100 datasheet, PCIe: BF16 Tensor Core 1,513 TFLOPS with sparsity "
                       "/ 2; 80 GB HBM2e; NVLink bridge 600 GB/s, PCIe Gen5 128 GB/s. " + _NVIDIA,
                       ici_bidir_bytes_s=600e9, host_bytes_s=128e9,
-                      peak_int8_ops=1513e12),  # datasheet INT8 3,026 TOPS with sparsity / 2
+                      peak_int8_ops=1513e12,  # datasheet INT8 3,026 TOPS with sparsity / 2
+                      hbm_bytes_s=2.0e12),  # datasheet, PCIe: 2 TB/s
     "h200": Chip(("H200",), 989e12, 141 * GiB,
                  "NVIDIA H200 datasheet, SXM: the H100 SXM's compute (989 TFLOPS dense bf16), "
                  "141 GB HBM3e; NVLink 900 GB/s, PCIe Gen5 128 GB/s. " + _NVIDIA,
                  ici_bidir_bytes_s=900e9, host_bytes_s=128e9,
-                 peak_int8_ops=1979e12),  # the H100 SXM's INT8 (3,958 TOPS sparse / 2)
+                 peak_int8_ops=1979e12,  # the H100 SXM's INT8 (3,958 TOPS sparse / 2)
+                 hbm_bytes_s=4.8e12),  # datasheet: 4.8 TB/s
 }
 
 # TPU chips by libtpu generation name ('v5p'), for topologies such as 'v5p:2x2x1'.

@@ -112,7 +112,7 @@ def _env() -> dict[str, str]:
 
 
 PAGES_WITH_BLOCKS = [p for p in PAGES if runnable_blocks(p)]
-TORCH = re.compile(r"^\s*(?:import|from) (?:torch|transformers)\b", re.M)
+TORCH = re.compile(r"^\s*(?:import|from) (?:torch|transformers|peft)\b", re.M)
 
 
 # `slow`: about three minutes of subprocesses on an idle 2-core machine, several times that under
@@ -209,6 +209,17 @@ def test_named_python_names_exist():
     missing = [f"{where}: {name}" for name, where in sorted(names.items()) if not _resolves(name)]
     assert not missing, ("Python names in the docs that do not exist (moved or renamed? update "
                          "the docs):\n" + "\n".join(missing))
+
+
+def test_architecture_names_every_module():
+    """docs/architecture.md is the map: every module of `jaxscale/` appears in it, by its file
+    name or its path under jaxscale/ (packages' `__init__.py` aside)."""
+    text = open(os.path.join(ROOT, "docs", "architecture.md")).read()
+    missing = [os.path.relpath(p, ROOT) for p in sorted(glob.glob(
+        os.path.join(ROOT, "jaxscale", "**", "*.py"), recursive=True))
+        if not p.endswith("__init__.py") and os.path.basename(p) not in text
+        and os.path.relpath(p, os.path.join(ROOT, "jaxscale")) not in text]
+    assert not missing, f"docs/architecture.md does not name {missing}: add each to its row."
 
 
 def test_readme_stays_short():

@@ -140,6 +140,8 @@ def test_vit_export_reimport_finetune_evaluate(tmp_path):
     ("launch.generate", ["--from_hf=HF", "--prompt_ids=1", "--max_new_tokens=0"],
      "at least one"),
     ("launch.generate", ["--from_hf=HF", "--prompt_ids=1", "--steps=200"], "max_len=128"),
+    ("launch.generate", ["--from_hf=HF", "--prompt_ids=1", "--top_p=1.5", "--num_samples=0"],
+     r"top_p=1.5 .*n=0"),
     ("launch.convert", ["--from_hf=HF", "--out=OUT", "--dtype=int3"], "'int3' is not supported"),
     ("launch.convert", ["--from_hf=HF/missing", "--out=OUT"], "not a directory"),
 ])
@@ -154,6 +156,20 @@ def test_cli_errors_are_one_paragraph(tmp_path, module, args, culprit):
     assert message.startswith("jaxscale: error: ")
     import re
     assert re.search(culprit, message), message
+
+
+def test_generate_samples_and_stops(tmp_path):
+    """`--stop_ids` ends each of `--num_samples` lines at the stop token (kept, nothing after)."""
+    hf_dir = str(tmp_path / "hf")
+    make_llama(hf_dir)
+    last = lambda run: run.stdout.strip().splitlines()
+    greedy = last(cli("launch.generate", f"--from_hf={hf_dir}", "--prompt_ids=5,6,7",
+                      "--steps=6"))[-1].split(",")
+    stop = greedy[5]  # the third new token
+    lines = last(cli("launch.generate", f"--from_hf={hf_dir}", "--prompt_ids=5,6,7",
+                     "--steps=6", "--num_samples=2", f"--stop_ids={stop}"))[-2:]
+    first = greedy.index(stop, 3)
+    assert lines == [",".join(greedy[:first + 1])] * 2
 
 
 def _corrupt_copies(tmp_path) -> dict[str, str]:
@@ -185,6 +201,7 @@ def _corrupt_copies(tmp_path) -> dict[str, str]:
     ("launch.generate", ["--from_hf=TRUNC", "--prompt_ids=1"], "TRUNC/model.safetensors is"),
     ("launch.generate", ["--from_hf=HUGE", "--prompt_ids=1"], "HUGE/model.safetensors is"),
     ("launch.convert", ["--from_workdir=CONV", "--to_hf=FILE"], "--to_hf=FILE names an"),
+    ("launch.convert", ["--from_workdir=CONV", "--to_peft=OUT"], "CONV is not a LoRA run"),
     ("launch.convert", ["--from_hf=HF", "--out=FILE"], "--out=FILE names an existing file"),
     ("launch.train", ["--config=configs/tiny_lm.py:test", "--workdir=FILE"],
      "--workdir=FILE names an existing file"),

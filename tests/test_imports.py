@@ -34,7 +34,10 @@ each other either.
     evaluation; Hugging Face import and export, which place weights where `weights/place.py`
     says, no train state needed; Lo-Fi workers and averagers; ahead-of-time compilation and
     the planner). The loop knows none of them: it is handed its hooks.
- 8. `generate`: sampling, from a workdir or a Hugging Face directory (through interop).
+ 8. `sampling`, then `generate`, then `lm_harness`: the rollout sampler (ragged prompts, n
+    samples, top-k / top-p, stops, log-probs; the KV cache sharded by the rules); generation
+    from a workdir or a Hugging Face directory (through interop); the model lm-evaluation-harness
+    runs (scoring and generation on those weights).
  9. `configs`: the bundled config files, a `get_config` each. Like a user's config file they may
     use any part of the library (the GPU presets size their micro-batch with `aot.memory`);
     only the command line loads them.
@@ -82,7 +85,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("weights",),
     ("train",),
     ("evaluate", "interop", "lofi", "aot"),
+    ("sampling",),
     ("generate",),
+    ("lm_harness",),
     ("configs",),
     ("cli",),
     ("launch",),

@@ -102,7 +102,7 @@ def settings_label(config: mlc.ConfigDict) -> str:
     return ", ".join(parts)
 
 
-def _compiler_error(error: Exception, topology: Topology, config: mlc.ConfigDict
+def as_compiler_error(error: Exception, topology: Topology, config: mlc.ConfigDict
                     ) -> CompilerError:
     """libtpu's failure as one paragraph: the settings and the compiler's own line."""
     line = compiler_line(error)
@@ -172,7 +172,7 @@ class StepReport:
         return {**asdict(self), "total_bytes": self.total_bytes, "fits": self.fits}
 
 
-def _mesh_for(config: mlc.ConfigDict, topology: Topology, devices: list) -> Any:
+def topology_mesh(config: mlc.ConfigDict, topology: Topology, devices: list) -> Any:
     from jaxscale.mesh import make_mesh, resolve_mesh_shape
 
     try:
@@ -202,7 +202,7 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
     config_lib.validate(config)
     require_language_model(config)
     devices = topology_devices(topology)
-    mesh = _mesh_for(config, topology, devices)
+    mesh = topology_mesh(config, topology, devices)
     start = time.perf_counter()
     lowered = build_step(config, mesh).lower(batch_spec(config))
     with tempfile.TemporaryDirectory() as tmp:
@@ -214,11 +214,11 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         except Exception as e:  # libtpu's refusals and failures, as one paragraph each
             rows = rows_per_chip(config, mesh.shape["data"], mesh.shape["fsdp"])
             raise (_hbm_oom(e, topology, config, rows)
-                   or _compiler_error(e, topology, config)) from None
-        text_path = _dumped(dump, "after_optimizations.txt")
+                   or as_compiler_error(e, topology, config)) from None
+        text_path = dumped_hlo(dump, "after_optimizations.txt")
         with open(text_path) as f:
             optimized = hlo.parse(f.read())
-        with open(_dumped(dump, "after_tpu-spmd-partitioning*.txt")) as f:
+        with open(dumped_hlo(dump, "after_tpu-spmd-partitioning*.txt")) as f:
             partitioned = hlo.parse(f.read())
     elapsed = time.perf_counter() - start
     calls = hlo_flops.kernel_calls(partitioned)
@@ -258,7 +258,7 @@ def _expected_collectives(config: mlc.ConfigDict, mesh: Any) -> dict[str, float]
     return {"all-to-all": a2a} if a2a else {}
 
 
-def _dumped(dump_dir: str, suffix: str) -> str:
+def dumped_hlo(dump_dir: str, suffix: str) -> str:
     found = sorted(glob.glob(os.path.join(dump_dir, "*" + suffix)),
                    key=os.path.getsize)
     if not found:

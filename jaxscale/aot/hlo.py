@@ -15,7 +15,7 @@ Across slices libtpu compiles one slice's program and hands the collectives that
 its Megascale runtime as host-transfer sends: those count as DCN collectives, and what only
 feeds a send stays live. Bytes: the gathered result for all-gather, the input for
 reduce-scatter, the payload otherwise; for a collective-permute the payload times the fraction
-of devices sending. A `ragged-all-to-all` (the dropless MoE's dispatch, `models/moe_dispatch.py`)
+of devices sending. A `ragged-all-to-all` (the dropless MoE's dispatch, `models/moe/dispatch.py`)
 counts as an all-to-all of the smaller of its operand and output buffers: one is the static
 worst-case receive buffer, the other the rows actually sent (each device's assignments).
 """

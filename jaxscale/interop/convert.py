@@ -131,6 +131,57 @@ def workdir_to_hf(workdir: str, out_dir: str, dtype: Any = None,
     return out
 
 
+def workdir_to_peft(workdir: str, out_dir: str, dtype: Any = None, base_model: str | None = None,
+                    overwrite: bool = False) -> tuple[str, str | None]:
+    """Writes a LoRA run's newest adapters as a PEFT adapter directory (`interop/peft.py`):
+    (the directory, the `base_model_name_or_path` recorded: `base_model`, else the run's
+    Hugging Face `init_from`, or the directory a conversion it started from was made of)."""
+    from jaxscale.interop import peft
+    from jaxscale.models.adapters import lora
+
+    model_cfg, lora_cfg = read_model_config(workdir)
+    if not lora_cfg or not lora_cfg.get("rank"):
+        raise hf.ConversionError(paragraph(
+            f"--from_workdir={workdir} is not a LoRA run (it records no lora.rank: a conversion",
+            "output or a full fine-tune), so it has no adapters to write as PEFT. Export the",
+            "whole model with --to_hf instead."))
+    hf_saver(model_cfg)  # a family without an exporter fails before any weights are read
+    hf.parse_dtype(dtype)
+    local_only(out_dir, "--to_peft")
+    peft.check_empty(out_dir, overwrite)
+    weights = open_weights(workdir)
+    adapters = {k: np.asarray(v) for k, v in weights.leaves.items() if lora.is_adapter(k)}
+    shapes = {k: tuple(v.shape) for k, v in weights.leaves.items()}
+    base = base_model or peft_base(recorded(workdir).run or {})
+    peft.write_adapter(model_cfg, lora_cfg, adapters, shapes, out_dir, base,
+                       hf.parse_dtype(dtype))
+    copy_tokenizer(recorded(workdir).tokenizer, out_dir)
+    return out_dir, base
+
+
+def peft_base(run: Mapping[str, Any]) -> str | None:
+    """The Hugging Face model a LoRA run's adapters sit on: its `init_from` when that is a
+    Hugging Face directory, or the directory a `launch.convert` output was converted from
+    (recorded in its params export); None when the base is not a Hugging Face model."""
+    from jaxscale.weights import snapshot
+    from jaxscale.weights.kv import Store
+    from jaxscale.weights.manifest import StoreError
+
+    init_from = run.get("init_from") or ""
+    if not init_from:
+        return None
+    if workdir_files.read_json(locations.join(init_from, MODEL_CONFIG)) is not None:
+        try:
+            source = snapshot.load_snapshot(Store(init_from), snapshot.PARAMS).manifest.get(
+                "source")
+        except StoreError:  # an unreadable export records no source
+            source = None
+        return source if source and os.path.isdir(source) else None
+    config = workdir_files.read_json(locations.join(init_from, "config.json"))
+    is_run = isinstance(config, dict) and isinstance(config.get("model"), dict)
+    return os.path.abspath(init_from) if config is not None and not is_run else None
+
+
 def finetune_command(out: str, model_cfg: Mapping[str, Any]) -> str:
     """The one line that fine-tunes a conversion output: its model and tokenizer come with the
     weights (`weights/resolve.py`), so a language model needs only its data; another task's

@@ -341,6 +341,7 @@ def decoder_saver(fn: str, config_to_hf: Callable[[Mapping[str, Any]], dict],
         return save_decoder(model, out_dir, config_to_hf, leaves_of, dtype, max_shard_size,
                             fn, names)
     saver.__name__ = saver.__qualname__ = fn
+    saver.leaves_of = leaves_of  # the leaf table, for writers of other layouts (interop/peft.py)
     saver.__doc__ = (f"Writes the Hugging Face `config.json` + safetensors of a "
                      f"{'/'.join(names) or fn.removeprefix('save_')} model (`hf.save_decoder`).")
     return saver

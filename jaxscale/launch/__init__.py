@@ -9,6 +9,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train from a config file (--config, --workdir)"),
     "evaluate": ("evaluate", "held-out loss / perplexity / accuracy of a workdir's weights"),
     "generate": ("generate", "sample text from a workdir or a Hugging Face model"),
+    "lm-eval": ("harness", "lm-evaluation-harness tasks on a workdir's model (lm_eval's flags)"),
     "convert": ("convert", "Hugging Face <-> jaxscale weights"),
     "inspect": ("inspect", "where every parameter lives on the mesh, and the step's memory"),
     "plot": ("plot", "loss curves of one or more runs"),

@@ -3,6 +3,8 @@
     python -m launch.convert --from_hf=HF_DIR --out=WORKDIR [--dtype=bf16]
     python -m launch.convert --from_workdir=WORKDIR --to_hf=OUT [--dtype=bf16]
                              [--max_shard_size=5GB]
+    python -m launch.convert --from_workdir=LORA_RUN --to_peft=OUT [--base_model=HF_DIR]
+                             [--overwrite] [--dtype=bf16]
 
 The first writes `WORKDIR/params/` (read by `--config.init_from=WORKDIR`) and
 `WORKDIR/model_config.json`, one parameter at a time, and prints the one-line command that
@@ -10,7 +12,10 @@ fine-tunes it (the model and tokenizer come with the weights; `--config.init_fro
 reads the Hugging Face directory directly, without this step). The second exports a training
 workdir's newest checkpoint (LoRA adapters folded in) or a conversion output, with the
 tokenizer files the weights came with; `--max_shard_size` splits it into
-`model-0000i-of-0000n.safetensors` files plus `model.safetensors.index.json`.
+`model-0000i-of-0000n.safetensors` files plus `model.safetensors.index.json`. The third writes
+a LoRA run's adapters, unmerged, as a PEFT adapter for the Hugging Face base model
+(`jaxscale/interop/peft.py`), with the tokenizer files; a non-empty output directory is refused
+unless `--overwrite`.
 """
 
 from absl import app, flags
@@ -24,6 +29,13 @@ _FROM_WORKDIR = flags.DEFINE_string("from_workdir", None, "jaxscale workdir to e
 _TO_HF = flags.DEFINE_string("to_hf", None, "Output directory for the Hugging Face layout.")
 _DTYPE = flags.DEFINE_string("dtype", None, "Stored dtype (bf16, fp16, fp32); default: "
                              "float32 on import, as trained on export.")
+_TO_PEFT = flags.DEFINE_string("to_peft", None, "Output directory for the LoRA adapters as a "
+                               "PEFT adapter (adapter_config.json + adapter_model.safetensors).")
+_BASE_MODEL = flags.DEFINE_string("base_model", None, "--to_peft: the adapter's "
+                                  "base_model_name_or_path (default: the run's Hugging Face "
+                                  "init_from, or what its conversion was made from).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "--to_peft: write into a non-empty "
+                               "directory, replacing the adapter files.")
 _MAX_SHARD = flags.DEFINE_string("max_shard_size", None, "Export: split files past this size "
                                  "(e.g. 5GB); default: one model.safetensors.")
 
@@ -43,8 +55,17 @@ def main(argv):
         out = convert.workdir_to_hf(_FROM_WORKDIR.value, _TO_HF.value, _DTYPE.value,
                                     _MAX_SHARD.value)
         print(f"jaxscale: wrote {out} (config.json and safetensors).")
+    elif _FROM_WORKDIR.value and _TO_PEFT.value:
+        out, base = convert.workdir_to_peft(_FROM_WORKDIR.value, _TO_PEFT.value, _DTYPE.value,
+                                            _BASE_MODEL.value, _OVERWRITE.value)
+        print(f"jaxscale: wrote {out} (adapter_config.json and adapter_model.safetensors).")
+        if base is None:
+            print("jaxscale: the run's base is no Hugging Face model, so the adapter names none:"
+                  " export the base with --to_hf and pass it as --base_model=DIR (or give"
+                  " PeftModel.from_pretrained that base yourself).")
     else:
-        raise app.UsageError("Give --from_hf and --out, or --from_workdir and --to_hf.")
+        raise app.UsageError("Give --from_hf and --out, or --from_workdir and --to_hf or "
+                             "--to_peft.")
 
 
 if __name__ == "__main__":

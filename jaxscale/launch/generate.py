@@ -7,8 +7,11 @@
 `--prompt` text is encoded and the output decoded with the model's tokenizer (a tokenizer file
 in its directory, or its training config's `data.tokenizer`; bytes for a byte-level model);
 `--prompt_ids` takes token ids and prints ids; `--chat` renders `--prompt` as one user turn with
-the model's chat template and its generation prompt. Temperature 0 is greedy; sampling is reproducible with `--seed`. The parameters
-and the KV cache are sharded by the run's rules over `--cpu_devices` (or the accelerators).
+the model's chat template and its generation prompt. Temperature 0 is greedy; sampling
+(`--top_k`, `--top_p`, `--num_samples` lines) is reproducible with `--seed`; `--stop_ids` ends
+a sample at EOS / end of turn. It runs the rollout sampler (`jaxscale/sampling.py`). The
+parameters and the KV cache are sharded by the run's rules over `--cpu_devices` (or the
+accelerators).
 """
 
 from absl import app, flags
@@ -25,6 +28,12 @@ _STEPS = flags.DEFINE_integer("steps", 64, "Tokens to generate.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Alias of --steps (HF's name).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; >0: sampling temperature.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k likeliest tokens (0: off).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Sample among the likeliest tokens holding this "
+                            "probability mass (1.0: off).")
+_N = flags.DEFINE_integer("num_samples", 1, "Samples of the prompt, one line each.")
+_STOP_IDS = flags.DEFINE_list("stop_ids", [], "Token ids that end a sample (EOS, end of turn); "
+                              "the stop token is printed, nothing after it.")
 _CHAT = flags.DEFINE_bool("chat", False, "Render --prompt as one user turn with the model's chat "
                           "template (and its generation prompt).")
 distributed.define_flags()
@@ -39,15 +48,24 @@ def main(argv):
 
     from jaxscale.data.tokenizer import model_tokenizer
     from jaxscale.generate import (
+        GenerateError,
         chat_prompt,
         check_request,
         generate_from_config,
         load_model,
         parse_prompt,
     )
+    from jaxscale.sampling import Sampling
 
     steps = _STEPS.value if _MAX_NEW.value is None else _MAX_NEW.value
     check_request(1, steps, _TEMPERATURE.value, max_len=0)  # before loading any weights
+    try:
+        stop_ids = tuple(int(str(i).strip()) for i in _STOP_IDS.value)
+    except ValueError:
+        raise GenerateError(f"--stop_ids={','.join(_STOP_IDS.value)!r} is not a comma-separated"
+                            " list of token ids; give e.g. --stop_ids=2,151645.") from None
+    sampling = Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _N.value, stop_ids)
+    sampling.check()
     if _PROMPT.value and _PROMPT_IDS.value:
         parse_prompt(_PROMPT.value, _PROMPT_IDS.value, 0)  # the two-spellings error
     config, params = load_model(_WORKDIR.value, _FROM_HF.value)
@@ -56,8 +74,16 @@ def main(argv):
         ids = chat_prompt(_PROMPT.value, config, _WORKDIR.value, _FROM_HF.value)
     else:
         ids = parse_prompt(_PROMPT.value, _PROMPT_IDS.value, config.model.vocab_size, tokenizer)
-    out = generate_from_config(config, params, np.asarray([ids]), steps,
-                               _TEMPERATURE.value, _SEED.value)[0]
+    rows = generate_from_config(config, params, np.asarray([ids]), steps, seed=_SEED.value,
+                                sampling=sampling)
+    for out in rows:
+        new = [int(t) for t in out[len(ids):]]
+        stops = [i for i, t in enumerate(new) if t in stop_ids]
+        print_ids(ids + (new[:stops[0] + 1] if stops else new), tokenizer, config)
+
+
+def print_ids(out: list, tokenizer, config) -> None:
+    """The prompt and its continuation: ids for --prompt_ids, else decoded text."""
     if _PROMPT_IDS.value:
         print(",".join(str(int(t)) for t in out))
     elif tokenizer is not None:
@@ -66,7 +92,6 @@ def main(argv):
         print(bytes(int(t) for t in out).decode("utf-8", errors="replace"))
     else:
         print(",".join(str(int(t)) for t in out))
-
 
 if __name__ == "__main__":
     app.run(main, flags_parser=cli.parse_flags)

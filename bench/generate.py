@@ -1,0 +1,111 @@
+"""Decode tokens/s on CPU: jaxscale's rollout sampler against transformers' `generate`, on the
+same converted model (issue 42 item 1).
+
+    python bench/generate.py [--batch=32] [--prompt=16] [--new=128] [--repeats=2]
+
+The model is the one the issue measured: a random Qwen3-style model (hidden 256, 4 layers,
+vocabulary 2,048) made with transformers, converted to jaxscale, float32, one CPU device. Both
+decode `--new` greedy tokens for `--batch` prompts of `--prompt` tokens (no stop: every row runs
+to the end); the tokens must be identical. Timings are the best of `--repeats` calls after a
+warm-up call (jaxscale's compile is not counted, and is printed apart), measured in one process
+one after the other so that other load on the machine hits both alike. Also printed: the
+`jaxscale generate` path (`generate.generate_from_config`, which now keeps its sampler, so a
+second call does not compile again) and a top-p sampling run (its speed only).
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+import torch
+import transformers
+
+from jaxscale import generate as gen
+from jaxscale.interop import hf
+from jaxscale.models import ModelDef
+from jaxscale.precision import get_policy
+from jaxscale.sampling import Sampler, Sampling
+from jaxscale.weights.sources import open_huggingface
+
+
+def best_of(fn, repeats: int) -> tuple[float, object]:
+    """(fastest wall seconds, last result) of `repeats` calls."""
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    config = transformers.Qwen3Config(
+        vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    prompt = np.random.default_rng(0).integers(1, 2048, (a.batch, a.prompt)).astype(np.int32)
+    tokens = a.batch * a.new
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        model_cfg, params = hf.load_pretrained(open_huggingface(d))
+        run_config, lazy = gen.load_model(hf_dir=d)
+        lazy = jax.tree.map(np.asarray, lazy)
+
+    def theirs():
+        with torch.no_grad():
+            return model.generate(torch.from_numpy(prompt).long(), max_new_tokens=a.new,
+                                  min_new_tokens=a.new, do_sample=False,
+                                  attention_mask=torch.ones_like(torch.from_numpy(prompt)))
+    theirs()  # warm-up
+    t_hf, ref = best_of(theirs, a.repeats)
+    ref = ref.numpy()[:, a.prompt:]
+
+    model_def = ModelDef.build(model_cfg, get_policy("32-true"))
+    params = jax.device_put(params)
+    sampler = Sampler(model_def, max_len=model_cfg["max_len"])
+    start = time.perf_counter()
+    jax.block_until_ready(sampler(params, prompt, jax.random.key(0), a.new).tokens)
+    compile_s = time.perf_counter() - start
+    t_ours, out = best_of(lambda: jax.block_until_ready(
+        sampler(params, prompt, jax.random.key(0), a.new).tokens), a.repeats)
+    same = np.array_equal(np.asarray(out), ref)
+
+    gen.generate_from_config(run_config, lazy, prompt, a.new)  # builds its sampler once
+    t_cli, cli_out = best_of(lambda: gen.generate_from_config(run_config, lazy, prompt, a.new),
+                             a.repeats)
+    top_p = Sampler(model_def, Sampling(temperature=1.0, top_p=0.9, top_k=50))
+    top_p(params, prompt, jax.random.key(1), a.new)
+    t_top_p, _ = best_of(lambda: jax.block_until_ready(
+        top_p(params, prompt, jax.random.key(1), a.new).tokens), a.repeats)
+
+    print(f"batch {a.batch} x prompt {a.prompt} + {a.new} new tokens, float32, "
+          f"{jax.device_count()} CPU device(s), torch threads {torch.get_num_threads()}")
+    print(f"transformers generate (greedy)         {tokens / t_hf:9,.0f} tok/s")
+    print(f"jaxscale Sampler (greedy)              {tokens / t_ours:9,.0f} tok/s  "
+          f"ratio {t_hf / t_ours:.2f}x  (first call incl. compile {compile_s:.1f} s)")
+    print(f"jaxscale generate_from_config (greedy) {tokens / t_cli:9,.0f} tok/s  "
+          f"ratio {t_hf / t_cli:.2f}x  (params placed each call)")
+    print(f"jaxscale Sampler (top-k 50, top-p 0.9) {tokens / t_top_p:9,.0f} tok/s")
+    print(f"greedy tokens identical to transformers: {same}, "
+          f"generate_from_config too: {np.array_equal(cli_out[:, a.prompt:], ref)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""`jaxscale lm-eval [lm_eval flags]`: EleutherAI's lm-evaluation-harness with the `jaxscale`
+model registered, e.g.
+
+    jaxscale lm-eval --model jaxscale --model_args workdir=runs/tiny_lm --tasks hellaswag
+
+Every flag is the harness's own (`lm_eval --help`). `lm_eval --model jaxscale` alone finds the
+model through jaxscale's `lm_eval.models` entry point on harness versions that read entry points;
+this command works on every version (it registers the model, then runs the harness's CLI).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    try:
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError:
+        sys.exit("jaxscale lm-eval: the lm-evaluation-harness is not installed; install it with "
+                 "`pip install 'jaxscale[eval]'` (or `pip install lm_eval`) and run this again.")
+    from jaxscale.lm_harness import register
+
+    register()
+    sys.argv[0] = "jaxscale lm-eval"
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

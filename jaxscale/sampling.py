@@ -1,0 +1,242 @@
+"""The rollout sampler: batched, ragged prompts, n samples each, temperature / top-k / top-p,
+stop ids per row, per-token log-probabilities, one compiled program per shape.
+
+    sampler = Sampler(model_def, Sampling(temperature=1.0, top_p=0.9, n=4, stop_ids=(eos,)))
+    out = sampler(params, [[1, 5, 9], [2, 3]], jax.random.key(0), max_new_tokens=64)
+    out.tokens, out.mask, out.lengths, out.logprobs, out.stopped   # rows: prompt r // n
+
+Why a sampler object, not a function per call: RL alternates sampling with training, calling
+the sampler thousands of times with prompts of varying lengths. `jaxscale generate` used to
+build a fresh jitted function per call (a compile each time); here prompts are left-padded to a
+power-of-two bucket and the compiled program is kept per (rows, bucket, max new tokens), so a
+new call with known shapes runs straight away (`Sampler.compiles()` counts them). The parameters
+are used where they are (no copy), and the KV cache, made by the model in its own layout, is
+sharded by the rules of the mesh it is given, as in training.
+
+Decoding runs in a `lax.while_loop` that ends when every row has emitted one of `stop_ids`
+(EOS, end-of-turn) or `max_new_tokens` are out: a row's stop token is kept and counted in its
+length, the tokens after it are `pad_id` with `mask` false and log-prob 0. `logprobs` are the
+model's own log-softmax at temperature 1 of the chosen token, unfiltered: the quantity a policy
+gradient's ratio and KL compare with the training forward (which knows no temperature or top-p).
+Sampling applies temperature, then top-k, then top-p, as transformers' warpers do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.rules import AxisRules, use_rules
+
+MIN_BUCKET = 16  # the shortest prompt bucket: tiny prompts share one program
+
+
+class GenerateError(JaxscaleError):
+    """A generation request the model cannot serve (bad prompt, length or temperature)."""
+
+
+def forward_cached(model: nnx.Module, tokens_BT: jax.Array, start: jax.Array,
+                   cache: Any, **rows: jax.Array) -> tuple[jax.Array, Any]:
+    """Logits of `tokens_BT` placed at cache slots start.. (by default also their positions;
+    `rows` may give `positions_BT` and `segments_BT`) given the cache; the updated cache."""
+    return model(tokens_BT, cache=cache, cache_index=start, **rows)
+
+
+def left_padded_rows(lengths_B: jax.Array, width: int) -> dict[str, jax.Array]:
+    """Positions and segment ids of prompts of `lengths_B` tokens left-padded to `width`:
+    segment 0 on padding, 1 on the prompt, positions counted from each prompt's first token."""
+    pad_B1 = (width - lengths_B)[:, None]
+    slots_BT = jnp.arange(width, dtype=jnp.int32)[None]
+    return dict(positions_BT=jnp.maximum(slots_BT - pad_B1, 0),
+                segments_BT=(slots_BT >= pad_B1).astype(jnp.int32))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen. temperature 0 is greedy (top-k / top-p then do nothing); top_k 0
+    and top_p 1.0 switch those filters off; n samples per prompt; stop_ids end a row."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    n: int = 1
+    stop_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+
+    def check(self) -> None:
+        """One paragraph per setting out of range (before anything compiles)."""
+        problems = []
+        if not (np.isfinite(self.temperature) and self.temperature >= 0):
+            problems.append(f"temperature={self.temperature} (0 is greedy, >0 samples)")
+        if self.top_k < 0:
+            problems.append(f"top_k={self.top_k} (0 is off, k >= 1 keeps the k likeliest)")
+        if not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p={self.top_p} (in (0, 1]; 1.0 is off)")
+        if self.n < 1:
+            problems.append(f"n={self.n} (samples per prompt, at least 1)")
+        if problems:
+            raise GenerateError(paragraph(
+                f"Sampling settings out of range: {'; '.join(problems)}. Fix them; e.g.",
+                "temperature=1.0, top_k=50, top_p=0.9, n=4."))
+
+
+class Rollout(NamedTuple):
+    """Sampled continuations, one row per (prompt, sample): row r continues prompt r // n."""
+
+    tokens: jax.Array    # (R, N) int32: new tokens, pad_id after a row's stop
+    mask: jax.Array      # (R, N) bool: true on the tokens a row generated (its stop included)
+    lengths: jax.Array   # (R,) int32: generated tokens per row (= mask.sum(1))
+    logprobs: jax.Array  # (R, N) float32: the model's log-prob of each token, 0 off the mask
+    stopped: jax.Array   # (R,) bool: the row ended on a stop id (else it ran out of tokens)
+
+
+def filter_logits(logits_BV: jax.Array, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0) -> jax.Array:
+    """`logits / temperature` with the tokens outside top-k, then outside top-p, at -inf (top-p
+    keeps the smallest set of likeliest tokens whose probability reaches top_p; ties at either
+    threshold are kept). Settings are static: a filter that is off costs nothing."""
+    x = logits_BV.astype(jnp.float32) / temperature
+    if top_k:
+        kth = jax.lax.top_k(x, top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if top_p < 1.0:
+        sorted_BV = jnp.sort(x, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_BV, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the likelier tokens
+        kept = jnp.where(before < top_p, sorted_BV, jnp.inf)
+        threshold = jnp.min(kept, axis=-1, keepdims=True)
+        x = jnp.where(x < threshold, -jnp.inf, x)
+    return x
+
+
+def choose(logits_BV: jax.Array, key: jax.Array, s: Sampling) -> tuple[jax.Array, jax.Array]:
+    """(token, the model's log-prob of it) per row: argmax at temperature 0, else a sample of
+    the filtered distribution."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    if s.temperature == 0.0:
+        token_B = jnp.argmax(logits_BV, axis=-1)
+    else:
+        token_B = jax.random.categorical(key, filter_logits(logits_BV, s.temperature, s.top_k,
+                                                            s.top_p), axis=-1)
+    token_B = token_B.astype(jnp.int32)
+    logp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV, axis=-1), token_B[:, None],
+                                 axis=-1)[:, 0]
+    return token_B, logp_B
+
+
+def bucket(length: int, cap: int = 0) -> int:
+    """The padded prompt width for prompts up to `length` tokens: the next power of two (at
+    least MIN_BUCKET), so varied prompt lengths share a few programs; at most `cap` (if set)."""
+    width = max(MIN_BUCKET, 1 << max(int(length) - 1, 0).bit_length())
+    return max(int(length), min(width, cap)) if cap else width
+
+
+def left_pad(prompts: Sequence[Sequence[int]] | np.ndarray, width: int, pad_id: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """(B, width) int32 prompts left-padded with `pad_id`, and their lengths."""
+    rows = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+    batch = np.full((len(rows), width), pad_id, np.int32)
+    for r, p in enumerate(rows):
+        if len(p):
+            batch[r, width - len(p):] = p
+    return batch, np.asarray([len(p) for p in rows], np.int32)
+
+
+class Sampler:
+    """Samples continuations of token-id prompts with `model_def` (see the module docstring).
+
+    `rules` / `mesh`: the training mesh's, so the KV cache is sharded like training's
+    activations; params may already be placed there (they are used in place). `max_len`: the
+    model's context, which prompt plus new tokens may not exceed (0: unchecked)."""
+
+    def __init__(self, model_def: Any, sampling: Sampling = Sampling(),
+                 rules: AxisRules | None = None, mesh: Mesh | None = None, max_len: int = 0):
+        sampling.check()
+        self.model_def, self.sampling, self.rules, self.mesh = model_def, sampling, rules, mesh
+        self.max_len = int(max_len)
+        self.shapes: set[tuple[int, int, int]] = set()  # (rows, bucket, new tokens) run
+        self._jitted = jax.jit(self._rollout, static_argnames=("steps",))
+
+    def _rollout(self, params: Mapping, prompt_BT: jax.Array, lengths_B: jax.Array,
+                 rng: jax.Array, steps: int) -> tuple[jax.Array, ...]:
+        if self.rules is None or self.mesh is None:
+            return self._decode(params, prompt_BT, lengths_B, rng, steps)
+        with use_rules(self.rules, self.mesh):
+            return self._decode(params, prompt_BT, lengths_B, rng, steps)
+
+    def _decode(self, params: Mapping, prompt_BT: jax.Array, lengths_B: jax.Array,
+                rng: jax.Array, steps: int) -> tuple[jax.Array, ...]:
+        s = self.sampling
+        model = self.model_def.module(params)
+        b, t = prompt_BT.shape
+        cache = model.init_cache(b, t + steps)
+        logits, cache = forward_cached(model, prompt_BT, jnp.int32(0), cache,
+                                       **left_padded_rows(lengths_B, t))
+        stop = jnp.asarray(s.stop_ids or (-1,), jnp.int32)
+        token, logp = choose(logits[:, -1], jax.random.fold_in(rng, 0), s)
+        tokens = jnp.zeros((b, steps), jnp.int32).at[:, 0].set(token)
+        logps = jnp.zeros((b, steps), jnp.float32).at[:, 0].set(logp)
+        done = jnp.isin(token, stop)
+        count = jnp.ones((b,), jnp.int32)
+
+        def cond(carry):
+            i, _, _, done, *_ = carry
+            return (i < steps) & ~jnp.all(done)
+
+        def body(carry):
+            i, token, cache, done, count, tokens, logps = carry
+            rows = dict(positions_BT=(lengths_B + i - 1)[:, None],
+                        segments_BT=jnp.ones((b, 1), jnp.int32))
+            logits, cache = forward_cached(model, token[:, None], t + i - 1, cache, **rows)
+            nxt, lp = choose(logits[:, -1], jax.random.fold_in(rng, i), s)
+            nxt = jnp.where(done, jnp.int32(s.pad_id), nxt)
+            lp = jnp.where(done, 0.0, lp)
+            tokens = jax.lax.dynamic_update_slice(tokens, nxt[:, None], (0, i))
+            logps = jax.lax.dynamic_update_slice(logps, lp[:, None], (0, i))
+            count = count + (~done).astype(jnp.int32)
+            return i + 1, nxt, cache, done | jnp.isin(nxt, stop), count, tokens, logps
+
+        carry = (jnp.int32(1), token, cache, done, count, tokens, logps)
+        _, _, _, done, count, tokens, logps = jax.lax.while_loop(cond, body, carry)
+        mask = jnp.arange(steps)[None] < count[:, None]
+        tokens = jnp.where(mask, tokens, jnp.int32(s.pad_id))
+        return tokens, mask, count, jnp.where(mask, logps, 0.0), done
+
+    def compiles(self) -> int:
+        """How many programs jit holds (one per (rows, bucket, new tokens) seen)."""
+        return self._jitted._cache_size()
+
+    def __call__(self, params: Mapping, prompts: Sequence[Sequence[int]] | np.ndarray,
+                 rng: jax.Array, max_new_tokens: int) -> Rollout:
+        """`n` continuations of each prompt (token-id lists of any lengths, or a (B, T) array
+        of whole prompts); rows are grouped by prompt (row r continues prompt r // n)."""
+        longest = max((len(p) for p in prompts), default=0)
+        if not len(prompts) or longest == 0 or min(len(p) for p in prompts) == 0:
+            raise GenerateError("Every prompt needs at least one token (a BOS, or the chat "
+                                "template's generation prompt).")
+        if max_new_tokens < 1:
+            raise GenerateError(f"max_new_tokens={max_new_tokens}: generate at least one "
+                                "token, e.g. max_new_tokens=32.")
+        if self.max_len and longest + max_new_tokens > self.max_len:
+            raise GenerateError(paragraph(
+                f"The longest prompt ({longest} tokens) plus {max_new_tokens} new tokens exceeds",
+                f"model.max_len={self.max_len}. Generate at most",
+                f"{max(self.max_len - longest, 0)} tokens or shorten the prompt."))
+        cap = self.max_len - max_new_tokens if self.max_len else 0
+        width = bucket(longest, cap)
+        batch, lengths = left_pad(prompts, width, self.sampling.pad_id)
+        n = self.sampling.n
+        batch, lengths = np.repeat(batch, n, axis=0), np.repeat(lengths, n)
+        if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+            rng = jax.random.wrap_key_data(rng)  # a raw uint32 key (jax.random.PRNGKey)
+        self.shapes.add((len(batch), width, int(max_new_tokens)))
+        return Rollout(*self._jitted(params, jnp.asarray(batch), jnp.asarray(lengths), rng,
+                                     steps=int(max_new_tokens)))
