@@ -95,6 +95,9 @@ def base_config() -> mlc.ConfigDict:
         index_cache="",            # directory keeping each process's text/jsonl/parquet length index
         chat_template="",          # chat / preference: a Jinja template file; '': the tokenizer's own
         train_on="assistant",      # chat: the loss counts assistant tokens | all tokens
+        # A resume onto another process count with a source whose position is per process
+        # (`Dataset.elastic=False`) is refused; True restarts that source's position instead.
+        restart_position_on_resize=False,
     ))
     # The training objective (jaxscale/objectives/): lm (the model's own task; chat data trains
     # on its loss mask), or a preference objective on preference pairs: dpo (beta,

@@ -99,9 +99,41 @@ def test_two_processes_then_one_resume_at_the_saved_position_with_one_runs_losse
     _run([*MULTIHOST, f"--workdir={two}", local])
     shutil.rmtree(two / "checkpoints" / "8")  # as if killed after the persistent save of 4
     saved = two / "checkpoints" / "4" / "data" / "metadata"  # orbax JsonSave's file
-    assert json.load(open(saved)) == {"next_index": 4}  # 4 global batches, whatever the hosts
+    # 4 global batches, whatever the hosts; and how many processes saved it.
+    assert json.load(open(saved)) == {"next_index": 4, "jaxscale_processes": 2}
     one = _run([*TRAIN, "--cpu_devices=8", f"--workdir={two}", local])
     # Process 0's local tier holds steps 7 and 8, but only its own shards of them.
     assert (f"resumed from {two / 'checkpoints'}/4 (persistent tier; the local tier could not "
             "restore step 8 on every process") in one.stdout
     assert _losses(two) == pytest.approx(_losses(tmp_path / "whole"), rel=1e-5)
+
+
+def test_a_source_that_cannot_reshard_its_position_is_refused_unless_accepted(
+        tmp_path, monkeypatch):
+    """A checkpoint written by 2 processes (its data file says so) resumed by 1: the elastic
+    stdlib source keeps its position; a source registered as per-process (`elastic=False`) is
+    refused in one paragraph, or restarts its position when the user accepts that."""
+    from configs.tiny_lm import get_config
+    from jaxscale.data import registry
+    from jaxscale.errors import ConfigError
+    from jaxscale.train.loop import prepare, train
+
+    c = get_config("test")
+    c.train.update(steps=2, log_every=1, eval_every=0)
+    c.checkpoint.every = 2
+    train(c, str(tmp_path))
+    data = tmp_path / "checkpoints" / "2" / "data" / "metadata"
+    data.write_text(json.dumps({"next_index": 2, "jaxscale_processes": 2}))
+    c.train.steps = 4
+    assert prepare(c, str(tmp_path)).data_state == {"next_index": 2}
+
+    monkeypatch.setitem(registry.DATASETS, "perhost",
+                        registry.Dataset(registry.stdlib_data, elastic=False))
+    c.data.corpus = "perhost"
+    with pytest.raises(ConfigError) as refused:
+        prepare(c, str(tmp_path))
+    assert "written by 2 processes and this run has 1" in str(refused.value)
+    assert "restart_position_on_resize=True" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    c.data.restart_position_on_resize = True
+    assert prepare(c, str(tmp_path)).data_state is None

@@ -23,7 +23,7 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxscale import config as config_lib
-from jaxscale.data.registry import build_data
+from jaxscale.data.registry import build_data, check_resize
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.hardware import peak_flops_source
 from jaxscale.mesh import make_mesh, mesh_summary
@@ -261,6 +261,9 @@ def _resume(trainer: Trainer, checkpointer: Any, tier: Any) -> None:
     elif persistent is not None:
         trainer.state, trainer.data_state = checkpointer.restore(trainer.state, trainer.shardings)
         step = int(jax.device_get(trainer.state.step))
+        saved = checkpointer.saved_processes
+        if saved and not check_resize(trainer.config, saved, jax.process_count()):
+            trainer.data_state = None  # accepted: the source restarts from its beginning
         where, name = f"{checkpointer.directory}/{step} (persistent tier", "persistent"
         where += f"; the local tier {why})" if tier is not None else ")"
     else:
