@@ -12,7 +12,7 @@ manager, and it saves one state tree, without the data iterator's position. So e
 runs its own orbax `CheckpointManager`, configured as the emergency manager's local one is
 (no primary host: the process writes every shard it holds and its own metadata, with barriers
 among itself only), and the processes agree at start on the newest step complete on every one
-of them (`agreed_step`: an all-gather of each process's step list). Orbax writes a step into a
+of them (`agreed_steps`: an all-gather of each process's step list). Orbax writes a step into a
 temporary directory and renames it when complete, so a step cut short by a kill is never
 listed, hence never chosen; `local_keep` old steps are kept, older ones deleted by orbax.
 
@@ -115,14 +115,15 @@ class LocalTier:
         """The complete steps in this process's tier (orbax lists no half-written one)."""
         return sorted(self.manager.all_steps())
 
-    def agreed_step(self) -> int | None:
-        """The newest step complete on every process's local tier (None: none is)."""
+    def agreed_steps(self) -> list[int]:
+        """The steps complete on every process's local tier, newest first (the same list on
+        every process: each takes part in the same restores, in the same order)."""
         mine = np.full(MAX_AGREED, -1, np.int64)
         newest = self.steps()[-MAX_AGREED:]
         mine[:len(newest)] = newest
         rows = _all_gather(mine)
         common = set.intersection(*({int(s) for s in row if s >= 0} for row in rows))
-        return max(common, default=None)
+        return sorted(common, reverse=True)
 
     def save(self, step: int, state: TrainState, data_state: dict | None) -> None:
         """Starts saving `step` (the whole state, with this process's data position); its
@@ -172,24 +173,30 @@ class LocalTier:
 def restore_newest(tier: LocalTier, persistent_step: int | None, state: TrainState,
                    shardings: TrainState) -> tuple[tuple[int, TrainState, dict | None] | None,
                                                    str]:
-    """((step, state, data state), "") from the local tier when its newest step complete on
-    every process is at least as new as the persistent tier's and restores on every process;
-    else (None, why not), and the persistent tier is restored."""
-    step = tier.agreed_step()
-    if step is None:
+    """((step, state, data state), "") from the newest local step that is complete on every
+    process, at least as new as the persistent tier's, and restores on every process (a damaged
+    newest step gives way to the one before it); else (None, why not), and the persistent tier
+    is restored."""
+    steps = tier.agreed_steps()
+    if not steps:
         n = jax.process_count()
         return None, ("has no step complete on every process" if n > 1 else "has no step")
-    if persistent_step is not None and step < persistent_step:
-        return None, f"has only the older step {step}"
-    try:
-        restored: Any = tier.restore(step, state, shardings)
-    except Exception:  # any failure here means: use the persistent tier
-        restored = None
-    if not all_agree(restored is not None):
-        return None, (f"could not restore step {step} on every process (damaged, or saved "
-                      "with another mesh or process count: each host holds only its own "
-                      "shards)")
-    return (step, *restored), ""
+    failed = []
+    for step in steps:
+        if persistent_step is not None and step < persistent_step:
+            break
+        try:
+            restored: Any = tier.restore(step, state, shardings)
+        except Exception:  # any failure here means: try an older step, then the persistent tier
+            restored = None
+        if all_agree(restored is not None):
+            return (step, *restored), ""
+        failed.append(str(step))
+    if not failed:
+        return None, f"has only the older step {steps[0]}"
+    return None, (f"could not restore step {', '.join(failed)} on every process (damaged, or "
+                  "saved with another mesh or process count: each host holds only its own "
+                  "shards)")
 
 
 class LocalTierHook:
