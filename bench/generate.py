@@ -8,13 +8,16 @@ vocabulary 2,048) made with transformers, converted to jaxscale, float32, one CP
 decode `--new` greedy tokens for `--batch` prompts of `--prompt` tokens (no stop: every row runs
 to the end); the tokens must be identical. Timings are the best of `--repeats` calls after a
 warm-up call (jaxscale's compile is not counted, and is printed apart), measured in one process
-one after the other so that other load on the machine hits both alike. Also printed: the
+one after the other so that other load on the machine hits both alike; transformers runs with
+torch's default threads and with one (faster on a loaded machine), and the faster counts; the
+Sampler also runs with single-threaded XLA:CPU (a subprocess: the flag is read at start-up). Also printed: the
 `jaxscale generate` path (`generate.generate_from_config`, which now keeps its sampler, so a
 second call does not compile again) and a top-p sampling run (its speed only).
 """
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,9 +54,10 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--jax_only", action="store_true", help="print only the Sampler's greedy "
+                   "tok/s (the single-threaded XLA:CPU run below is this, in a subprocess)")
     a = p.parse_args()
     torch.manual_seed(0)
-    torch.set_num_threads(os.cpu_count() or 1)
     config = transformers.Qwen3Config(
         vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
@@ -73,10 +77,6 @@ def main() -> None:
             return model.generate(torch.from_numpy(prompt).long(), max_new_tokens=a.new,
                                   min_new_tokens=a.new, do_sample=False,
                                   attention_mask=torch.ones_like(torch.from_numpy(prompt)))
-    theirs()  # warm-up
-    t_hf, ref = best_of(theirs, a.repeats)
-    ref = ref.numpy()[:, a.prompt:]
-
     model_def = ModelDef.build(model_cfg, get_policy("32-true"))
     params = jax.device_put(params)
     sampler = Sampler(model_def, max_len=model_cfg["max_len"])
@@ -85,6 +85,21 @@ def main() -> None:
     compile_s = time.perf_counter() - start
     t_ours, out = best_of(lambda: jax.block_until_ready(
         sampler(params, prompt, jax.random.key(0), a.new).tokens), a.repeats)
+    if a.jax_only:
+        print(tokens / t_ours)
+        return
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
+    one = subprocess.run([sys.executable, __file__, "--jax_only", f"--batch={a.batch}",
+                          f"--prompt={a.prompt}", f"--new={a.new}", f"--repeats={a.repeats}"],
+                         env=env, capture_output=True, text=True, check=True)
+    one_thread = float(one.stdout.split()[-1])
+    timings = {}
+    for threads in sorted({torch.get_num_threads(), 1}, reverse=True):  # the default, and 1
+        torch.set_num_threads(threads)  # (1 is faster when other jobs load the cores)
+        theirs()  # warm-up
+        timings[threads], ref = best_of(theirs, a.repeats)
+    t_hf = min(timings.values())
+    ref = ref.numpy()[:, a.prompt:]
     same = np.array_equal(np.asarray(out), ref)
 
     gen.generate_from_config(run_config, lazy, prompt, a.new)  # builds its sampler once
@@ -96,10 +111,15 @@ def main() -> None:
         top_p(params, prompt, jax.random.key(1), a.new).tokens), a.repeats)
 
     print(f"batch {a.batch} x prompt {a.prompt} + {a.new} new tokens, float32, "
-          f"{jax.device_count()} CPU device(s), torch threads {torch.get_num_threads()}")
-    print(f"transformers generate (greedy)         {tokens / t_hf:9,.0f} tok/s")
+          f"{jax.device_count()} CPU device(s)")
+    for threads, t in timings.items():
+        print(f"transformers generate (greedy), {threads} thread(s) {tokens / t:9,.0f} tok/s")
+    print("ratios below are against the faster transformers run")
     print(f"jaxscale Sampler (greedy)              {tokens / t_ours:9,.0f} tok/s  "
           f"ratio {t_hf / t_ours:.2f}x  (first call incl. compile {compile_s:.1f} s)")
+    print(f"jaxscale Sampler, 1-thread XLA:CPU     {one_thread:9,.0f} tok/s  "
+          f"ratio {one_thread * t_hf / tokens:.2f}x  (a subprocess, "
+          "XLA_FLAGS=--xla_cpu_multi_thread_eigen=false)")
     print(f"jaxscale generate_from_config (greedy) {tokens / t_cli:9,.0f} tok/s  "
           f"ratio {t_hf / t_cli:.2f}x  (params placed each call)")
     print(f"jaxscale Sampler (top-k 50, top-p 0.9) {tokens / t_top_p:9,.0f} tok/s")

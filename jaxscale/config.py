@@ -65,9 +65,12 @@ def base_config() -> mlc.ConfigDict:
         context_attention="allgather",  # across sequence shards (mesh.context > 1): ring, ring_vjp
         context_order="auto",  # training sequence over its shards: auto | zigzag | natural
         loss_chunks=0,  # LM head + loss in this many chunks (less memory); 0: automatic (lm_task)
-        # rotary scaling as HF `rope_scaling` (none | linear | llama3), see models/nn/rope.py
+        # rotary scaling as HF `rope_scaling` (none | linear | llama3 | yarn), see
+        # models/nn/rope.py; the beta / mscale / truncate / attention_factor fields are yarn's
         rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0,
-        rope_high_freq_factor=4.0, rope_original_max_len=8192,
+        rope_high_freq_factor=4.0, rope_original_max_len=8192, rope_beta_fast=32.0,
+        rope_beta_slow=1.0, rope_mscale=0.0, rope_mscale_all_dim=0.0, rope_truncate=True,
+        rope_attention_factor=0.0,
         sliding_window=0,  # > 0: attend to that many latest positions only (Mistral)
         # Gemma's local/global pattern: per layer "sliding_attention" (the window, rotary base
         # rope_local_theta when > 0) or "full_attention"; () every layer alike
@@ -77,10 +80,14 @@ def base_config() -> mlc.ConfigDict:
         attn_softcap=0.0, final_softcap=0.0,  # > 0: cap * tanh(x / cap) (Gemma 2); einsum or splash
         # mixture of experts in place of the dense MLP when num_experts > 0 (models/moe/layer.py):
         # capacity_factor 0 = dropless; every = MoE on every n-th layer, dense MLPs between
-        moe=mlc.ConfigDict(dict(num_experts=0, experts_per_token=2, norm_topk_prob=True, mlp=0,
-                                shared_experts=0, capacity_factor=0.0,
+        # router: models/moe/routers.py's ROUTERS
+        moe=mlc.ConfigDict(dict(num_experts=0, router="softmax_topk", experts_per_token=2,
+                                norm_topk_prob=True, mlp=0, shared_experts=0, capacity_factor=0.0,
                                 router_aux_loss_coef=0.01, router_z_loss_coef=0.0, every=1,
-                                grouped_matmul="auto", dispatch="auto"))))
+                                grouped_matmul="auto", dispatch="auto",
+                                # GPT-OSS: router / expert biases, clamped SwiGLU (limit > 0)
+                                router_bias=False, expert_bias=False, swiglu_limit=0.0,
+                                swiglu_alpha=1.702))))
     c.data = mlc.ConfigDict(dict(
         corpus="stdlib",           # stdlib | digits | files (implied by a non-empty `sources`)
         max_bytes=4_000_000, seq_len=128, batch_size=32, eval_batches=4, part="all",

@@ -104,11 +104,13 @@ def filter_logits(logits_BV: jax.Array, temperature: float, top_k: int = 0,
     keeps the smallest set of likeliest tokens whose probability reaches top_p; ties at either
     threshold are kept). Settings are static: a filter that is off costs nothing."""
     x = logits_BV.astype(jnp.float32) / temperature
+    sorted_BV = None
     if top_k:
-        kth = jax.lax.top_k(x, top_k)[0][..., -1:]
-        x = jnp.where(x < kth, -jnp.inf, x)
+        sorted_BV = jax.lax.top_k(x, top_k)[0]  # descending: top-p then sorts only these
+        x = jnp.where(x < sorted_BV[..., -1:], -jnp.inf, x)
     if top_p < 1.0:
-        sorted_BV = jnp.sort(x, axis=-1)[..., ::-1]
+        if sorted_BV is None:
+            sorted_BV = jnp.sort(x, axis=-1)[..., ::-1]
         probs = jax.nn.softmax(sorted_BV, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the likelier tokens
         kept = jnp.where(before < top_p, sorted_BV, jnp.inf)

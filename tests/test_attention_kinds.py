@@ -49,7 +49,8 @@ def test_an_unknown_kind_is_refused_with_the_table():
 
 @pytest.mark.parametrize("rel", ["models/decoder/flops.py", "models/decoder/block.py",
                                  "models/decoder/llama.py", "aot/memory.py", "aot/traffic.py",
-                                 "aot/flops.py", "aot/guess.py", "generate.py"])
+                                 "aot/flops.py", "aot/guess.py", "generate.py",
+                                 "sampling.py"])
 def test_grouped_query_arithmetic_lives_in_its_component(rel):
     """What asks the attention never spells grouped-query out (kv heads): its component does."""
     text = (Path(kinds.__file__).parents[2] / rel).read_text()

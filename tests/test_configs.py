@@ -94,8 +94,8 @@ def test_variant_validates_and_shards_abstractly(filename, variant, tmp_path):
 
 
 @pytest.mark.parametrize("fields, culprit", [
-    (dict(rope_scaling="yarn"), "model.rope_scaling='yarn' is not a supported rotary scaling; "
-                                "use one of none, linear, llama3"),
+    (dict(rope_scaling="longrope"), "model.rope_scaling='longrope' is not a supported rotary "
+                                    "scaling; use one of none, linear, llama3, yarn"),
     (dict(rope_scaling="dynamic"), "'dynamic'"),
     (dict(rope_scaling="linear", rope_factor=0.0), "model.rope_factor=0.0 must be positive"),
     (dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=4.0,

@@ -33,8 +33,13 @@ CONFIGS = {
                                  "original_max_position_embeddings": 32}),
     "linear": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                    rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    # YaRN untruncated (as GPT-OSS): the ramp runs from 0.10 to 1.61 dimensions, so with
+    # head_dim 8 one frequency is kept, one blended and two interpolated; q, k scaled by 1.139.
+    "yarn": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                 rope_scaling={"rope_type": "yarn", "factor": 4.0, "truncate": False,
+                               "original_max_position_embeddings": 256}),
 }
-SCALED = ("linear", "llama3")
+SCALED = ("linear", "llama3", "yarn")
 
 
 def make_hf(tmp_path, name="gqa_untied", **overrides):
@@ -88,10 +93,10 @@ def test_rope_frequencies_match_transformers(tmp_path, name):
     ref = model.model.rotary_emb.inv_freq.numpy()
     np.testing.assert_allclose(got, ref, rtol=1e-6)
     plain = np.asarray(Rope(rope.theta).inv_frequencies(model_cfg["head_dim"]))
-    if name == "llama3":  # kept, blended and stretched bands are all present
-        ratio = plain / got
-        assert np.isclose(ratio, 1.0).any() and np.isclose(ratio, 8.0).any()
-        assert ((ratio > 1.01) & (ratio < 7.99)).any()
+    if name in ("llama3", "yarn"):  # kept, blended and stretched bands are all present
+        ratio, factor = plain / got, model_cfg["rope_factor"]
+        assert np.isclose(ratio, 1.0).any() and np.isclose(ratio, factor).any()
+        assert ((ratio > 1.01) & (ratio < factor - 0.01)).any()
     else:
         np.testing.assert_allclose(plain / got, 4.0, rtol=1e-6)
 
@@ -141,8 +146,10 @@ def test_sharded_index_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("change, culprit", [
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}),
+     "type 'longrope' .* supports rope_type 'default', 'linear', 'llama3', 'yarn'"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
-     "type 'yarn' .* supports rope_type 'default', 'linear' and 'llama3'"),
+     "scaling 'yarn' lacks original_max_position_embeddings"),
     (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "type 'dynamic'"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),

@@ -118,8 +118,8 @@ def test_load_and_save_dispatch_on_the_architecture(hf_models, tmp_path):
     ("qwen3", dict(num_experts=8), "num_experts=8 .*mixture-of-experts"),
     ("qwen3", dict(model_type="qwen3_next"), "model_type='qwen3_next'; jaxscale converts"),
     ("qwen2", dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    ("qwen2", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
-     "type 'yarn'"),
+    ("qwen2", dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}),
+     "type 'longrope'"),
 ])
 def test_unsupported_configs_are_refused(hf_models, tmp_path, name, change, culprit):
     path = edited_copy(hf_models[name][1], str(tmp_path / "edited"), change)

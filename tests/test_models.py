@@ -28,12 +28,13 @@ from jaxscale.parallel.schedules import make_layer_runner
 
 def test_tables_name_every_model_and_task():
     assert set(models.MODELS) == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                 "mixtral", "qwen3_moe", "vit"}
+                                 "mixtral", "qwen3_moe", "gpt_oss", "vit"}
     assert {n: list(e.tasks) for n, e in models.MODELS.items()} == {
         "llama": ["lm"], "mistral": ["lm"], "qwen2": ["lm"], "qwen3": ["lm"], "gemma3": ["lm"],
-        "gemma2": ["lm"], "mixtral": ["lm"], "qwen3_moe": ["lm"], "vit": ["classify"]}
-    with pytest.raises(ConfigError, match="model.name='gpt9'.*'gemma2', 'gemma3', 'llama', 'mistral', "
-                                          "'mixtral', 'qwen2', 'qwen3', 'qwen3_moe', 'vit'"):
+        "gemma2": ["lm"], "mixtral": ["lm"], "qwen3_moe": ["lm"], "gpt_oss": ["lm"],
+        "vit": ["classify"]}
+    with pytest.raises(ConfigError, match="model.name='gpt9'.*'gemma2', 'gemma3', 'gpt_oss', 'llama', "
+                                          "'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe', 'vit'"):
         models.lookup("gpt9")
     with pytest.raises(ConfigError, match="model.task='rank' for model.name='llama'.*'lm'"):
         models.task_of({"name": "llama", "task": "rank"})

@@ -17,7 +17,9 @@ from jaxscale.errors import ConfigError
 from jaxscale.models.decoder import lm_task
 from jaxscale.models.decoder.config import LlamaConfig
 from jaxscale.models.decoder.llama import Llama
-from jaxscale.models.moe.layer import METRICS, STATS, MoE, MoEConfig, capacity, check_moe, route
+from jaxscale.models.moe.config import MoEConfig
+from jaxscale.models.moe.layer import MoE, capacity, check_moe
+from jaxscale.models.moe.routers import METRICS, STATS, route
 from jaxscale.models.task import step_metrics
 from jaxscale.precision import get_policy
 from jaxscale.train.loop import Trainer

@@ -18,7 +18,7 @@ from jaxscale.models.adapters import lora
 from jaxscale.models.decoder import flops
 from jaxscale.models.decoder.config import LlamaConfig
 from jaxscale.models.decoder.llama import Llama
-from jaxscale.models.moe.layer import METRICS
+from jaxscale.models.moe.routers import METRICS
 from tests.test_moe import POLICY, _tiny_moe_config, _train
 
 

@@ -16,7 +16,8 @@ from jaxscale.config import validate
 from jaxscale.errors import ConfigError
 from jaxscale.models.decoder.config import LlamaConfig
 from jaxscale.models.decoder.llama import Llama
-from jaxscale.models.moe.layer import STATS, check_moe
+from jaxscale.models.moe.layer import check_moe
+from jaxscale.models.moe.routers import STATS
 from jaxscale.train.loop import Trainer
 from test_moe import _block, _loop, _tiny_moe_config, _train
 

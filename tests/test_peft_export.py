@@ -167,3 +167,6 @@ def test_lora_run_to_peft_and_to_hf_match_our_logits(tmp_path):
     convert.hf_to_workdir(hf_dir, conv)
     with pytest.raises(ConversionError, match="is not a LoRA run"):
         convert.workdir_to_peft(conv, str(tmp_path / "none"))
+    # the base an adapter names: a conversion's source directory, none for a jaxscale run
+    assert convert.peft_base({"init_from": conv}) == os.path.abspath(hf_dir)
+    assert convert.peft_base({"init_from": run}) is None and convert.peft_base({}) is None

@@ -62,7 +62,8 @@ def moe_all_to_all_bytes(config: mlc.ConfigDict, mesh) -> float:
 
     The buffers' rows split as the rules split `batch` (the presets: data x fsdp x expert),
     C = moe.capacity(capacity_factor, seq_len x experts_per_token, num_experts) per row."""
-    from jaxscale.models.moe.layer import ROW_AXES, MoEConfig, capacity  # lazy: jax
+    from jaxscale.models.moe.config import MoEConfig  # lazy: jax
+    from jaxscale.models.moe.layer import ROW_AXES, capacity
     from jaxscale.rules import AxisRules, as_tuple
 
     moe = MoEConfig.from_config(config.model.get("moe"))
@@ -85,7 +86,7 @@ def moe_ragged_bytes(config: mlc.ConfigDict, mesh) -> float:
     """Ragged all-to-all bytes per chip per step of the dropless dispatch on `mesh` (0 when it
     does not run: `model.moe.dispatch=allgather`, or auto where the expert axes do not split the
     tokens). n: the step's tokens over the mesh axes that split `batch` and `length`."""
-    from jaxscale.models.moe.layer import MoEConfig  # lazy: jax
+    from jaxscale.models.moe.config import MoEConfig  # lazy: jax
     from jaxscale.rules import AxisRules, as_tuple
 
     moe = MoEConfig.from_config(config.model.get("moe"))

@@ -100,12 +100,12 @@ def llama_config_to_hf(model_cfg: Mapping[str, Any], dtype: str = "float32") -> 
             "full context, so the exported model would compute different logits. Export it as",
             "a Mistral (model.name=mistral writes MistralForCausalLM with its sliding_window).",
         ))
-    switched = [k for k in ("qkv_bias", "qk_norm") if m.get(k)]
+    switched = [k for k in ("qkv_bias", "qk_norm", "out_bias", "attn_sinks") if m.get(k)]
     if switched:
         raise ConversionError(paragraph(
             f"model.{switched[0]}=True has no place in a Hugging Face Llama (its tensors would be",
-            "dropped): export the model as the family that has it, model.name=qwen2 (qkv_bias)",
-            "or qwen3 (qk_norm)."))
+            "dropped): export the model as the family that has it, model.name=qwen2 (qkv_bias),",
+            "qwen3 (qk_norm) or gpt_oss (out_bias, attn_sinks)."))
     experts = dict(m.get("moe") or {}).get("num_experts", 0)
     if experts:
         raise ConversionError(paragraph(

@@ -40,7 +40,7 @@ from jaxscale.interop.hf import ConversionError, Leaf, decoder_opener, decoder_s
 from jaxscale.interop.hf_config import require_keys
 from jaxscale.interop.hf_mistral import mistral_config_from_hf, mistral_config_to_hf
 from jaxscale.interop.hf_qwen import qwen_config_from_hf, qwen_config_to_hf, qwen_leaves
-from jaxscale.models.moe.layer import MoEConfig, expert_width
+from jaxscale.models.moe.config import MoEConfig, expert_width
 
 # By model.name: the HF model_type and class, the block's and its experts' tensor names
 # (gate, up, down), and the HF field holding the expert width.

@@ -1,6 +1,6 @@
 """LoRA adapters as a Hugging Face PEFT adapter: `adapter_config.json` + `adapter_model.safetensors`.
 
-    write_adapter(model_cfg, lora_cfg, adapters, out_dir, base_model=..., dtype=None)
+    write_adapter(model_cfg, lora_cfg, adapters, leaf_shapes, out_dir, base_model=..., dtype=None)
 
 Why: `--to_hf` folds the adapters into the weights, which is a full model per fine-tune; a PEFT
 adapter is megabytes that `peft.PeftModel.from_pretrained(base, DIR)` puts on the Hugging Face

@@ -30,7 +30,7 @@ from jaxscale.errors import ConfigError, ConversionError, paragraph
 from jaxscale.models import vit
 from jaxscale.models.attention.component import AttentionKind
 from jaxscale.models.attention.kinds import attention_of
-from jaxscale.models.decoder import flops, gemma, lm_task, qwen
+from jaxscale.models.decoder import flops, gemma, gpt_oss, lm_task, qwen
 from jaxscale.models.decoder.config import LlamaConfig, check_config, check_mesh
 from jaxscale.models.decoder.llama import Llama
 from jaxscale.models.nn.scan import check_remat
@@ -125,6 +125,11 @@ MODELS: dict[str, ModelEntry] = {
     "qwen3_moe": _decoder(qwen.Qwen3Config, HuggingFace(
         "qwen3_moe", "jaxscale.interop.hf_moe:open_qwen3_moe",
         "jaxscale.interop.hf_moe:save_moe")),
+    # The decoder with attention sinks, biases, a local/global pattern and biased experts
+    # with the clamped SwiGLU on every layer (decoder/gpt_oss.py).
+    "gpt_oss": _decoder(gpt_oss.GptOssConfig, HuggingFace(
+        "gpt_oss", "jaxscale.interop.hf_gpt_oss:open_gpt_oss",
+        "jaxscale.interop.hf_gpt_oss:save_gpt_oss")),
     # The Llama decoder with Gemma's switches and local/global pattern (decoder/gemma.py).
     "gemma3": _decoder(gemma.Gemma3Config, HuggingFace(
         "gemma3_text", "jaxscale.interop.hf_gemma:open_gemma3",

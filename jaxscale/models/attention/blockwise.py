@@ -40,10 +40,20 @@ class Acc(NamedTuple):
     out_BTKGD: jax.Array
 
 
-def start(q_BTKGD: jax.Array, dtype: Any) -> Acc:
+def start(q_BTKGD: jax.Array, dtype: Any, sinks_H: jax.Array | None = None) -> Acc:
+    """The state before any key: empty, or with attention sinks (`sinks_H`, GPT-OSS) the sink
+    already attended as a key whose value is zero: max = sink, sum = exp(sink - max) = 1
+    (written so that the gradient reaches the sink), output 0. Every later block merges as
+    usual, so each path that starts here (the context shards' blocks) gets the sinks exactly."""
     b, t, k, g, d = q_BTKGD.shape
-    return Acc(jnp.full((b, k, g, t), jnp.finfo(dtype).min, dtype),
-               jnp.zeros((b, k, g, t), dtype), jnp.zeros((b, t, k, g, d), dtype))
+    out = jnp.zeros((b, t, k, g, d), dtype)
+    if sinks_H is None:
+        return Acc(jnp.full((b, k, g, t), jnp.finfo(dtype).min, dtype),
+                   jnp.zeros((b, k, g, t), dtype), out)
+    sink_KG1 = rearrange(sinks_H.astype(dtype), "(k g) -> k g 1", k=k)
+    max_KG1 = jax.lax.stop_gradient(sink_KG1)
+    return Acc(jnp.broadcast_to(max_KG1, (b, k, g, t)),
+               jnp.broadcast_to(jnp.exp(sink_KG1 - max_KG1), (b, k, g, t)), out)
 
 
 def scores(q_BTKGD: jax.Array, k_BSKD: jax.Array, dtype: Any, softcap: float = 0.0

@@ -3,7 +3,10 @@ decoding, and its KV cache.
 
 `Attention` projects q/k/v through one fused weight (`nn/fused.py`), applies the
 decoder's switches (q/k/v bias, q/k norm, Gemma's query scale, soft-cap, local/global rotary and
-window) and computes attention with `kernels.attend`.
+window; GPT-OSS's per-head attention sinks and output bias) and computes attention with
+`kernels.attend`. Sinks are a switch here rather than a kind of their own: they change neither
+the parameters' layout nor the cache, only one term of the softmax, which every kernel that
+takes them (`kernels.SINK_IMPLS`) adds itself.
 
 Decoding keeps a `KVCache` (keys, values and segment ids of every slot so far, written at a
 given index): `Attention(x, positions, cache, cache_index)` writes the new keys/values at
@@ -100,7 +103,7 @@ class Attention(nnx.Module):
                  context_impl: str = "allgather", qkv_bias: bool = False,
                  qk_norm: bool = False, norm_eps: float = 1e-6, norm_offset: bool = False,
                  query_pre_attn_scalar: float = 0.0, local_rope: Rope | None = None,
-                 softcap: float = 0.0):
+                 softcap: float = 0.0, sinks: bool = False, out_bias: bool = False):
         if heads % kv_heads:
             raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}.")
         check_impl(impl)
@@ -123,6 +126,13 @@ class Attention(nnx.Module):
         self.softcap = softcap  # Gemma 2: scores soft-capped at this (0: not)
         self._init_options(kv_heads, heads // kv_heads, head_dim, qkv_bias, qk_norm, norm_eps,
                            stack, norm_offset)
+        # GPT-OSS: a learned logit per query head in every softmax denominator (`sinks`, (H,)),
+        # and a bias on the output projection (`bo`, (E,)); both start at zero.
+        self.has_sinks, self.out_bias = sinks, out_bias
+        if sinks:
+            self.sinks = param(None, (heads,), ("heads",), init="zeros", **kw)
+        if out_bias:
+            self.bo = param(None, (embed,), ("embed",), init="zeros", **kw)
 
     def _init_options(self, kv_heads: int, group: int, head_dim: int, qkv_bias: bool,
                       qk_norm: bool, norm_eps: float, stack: int | None,
@@ -197,11 +207,14 @@ class Attention(nnx.Module):
                                window=window)
         out_BTHD = attend(q_BTHD, k_BSKD, v_BSKD, mask, impl=self.impl,
                           softmax_dtype=self.policy.dtype_for("softmax"),
-                          context_impl=self.context_impl, softcap=self.softcap)
+                          context_impl=self.context_impl, softcap=self.softcap,
+                          sinks_H=self.sinks[...].astype(jnp.float32) if self.has_sinks else None)
         out_BTHD = checkpoint_name(constrain(out_BTHD, "batch", "length", "heads", "head_dim"),
                                    "attn_out")
-        out_BTE = constrain(project(self, "wo", "bthd,hde->bte", out_BTHD, c),
-                            "batch", "length", "embed")
+        out_BTE = project(self, "wo", "bthd,hde->bte", out_BTHD, c)
+        if self.out_bias:
+            out_BTE = out_BTE + self.bo[...].astype(out_BTE.dtype)[None, None]
+        out_BTE = constrain(out_BTE, "batch", "length", "embed")
         out_BTE = checkpoint_name(out_BTE, "out_proj")
         return out_BTE if cache is None else (out_BTE, cache)
 
@@ -215,7 +228,7 @@ def switches(cfg: Any) -> dict[str, Any]:
     return dict(window=window, context_impl=cfg.context_attention,
                 qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
                 norm_offset=cfg.norm_offset, query_pre_attn_scalar=cfg.query_pre_attn_scalar,
-                softcap=cfg.attn_softcap, **mixed)
+                softcap=cfg.attn_softcap, sinks=cfg.attn_sinks, out_bias=cfg.out_bias, **mixed)
 
 
 def block_rope(cfg: Any) -> Rope:
@@ -250,7 +263,8 @@ class GroupedQuery(AttentionKind):
         c = self.cfg
         qkv = c.head_dim * (c.num_heads + 2 * c.num_kv_heads)  # per embed row; the bias's size
         return (c.embed * qkv + c.num_heads * c.head_dim * c.embed
-                + c.qkv_bias * qkv + c.qk_norm * 2 * c.head_dim)
+                + c.qkv_bias * qkv + c.qk_norm * 2 * c.head_dim
+                + c.attn_sinks * c.num_heads + c.out_bias * c.embed)
 
     def named_matmuls(self) -> dict[str, int]:
         c = self.cfg

@@ -29,9 +29,12 @@ from jaxscale.models.attention.sequence import context
 
 
 def einsum_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                     mask: Mask | None, softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
+                     mask: Mask | None, softmax_dtype: Any, softcap: float = 0.0,
+                     sinks_H: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention written out: the reference every other kernel must match.
-    `softcap` > 0 (Gemma 2): the scaled scores become softcap * tanh(scores / softcap)."""
+    `softcap` > 0 (Gemma 2): the scaled scores become softcap * tanh(scores / softcap).
+    `sinks_H` (GPT-OSS): one learned logit per head joins each query's softmax as a key
+    without a value, so a head can put weight on nothing."""
     kv = k_BSKD.shape[2]
     q_BTKGD = rearrange(q_BTHD, "b t (k g) d -> b t k g d", k=kv)
     scores_BKGTS = blockwise.scores(q_BTKGD, k_BSKD, softmax_dtype, softcap)
@@ -39,7 +42,14 @@ def einsum_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
     if visible_BTS is not None:
         scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS,
                                  jnp.finfo(scores_BKGTS.dtype).min)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKD.dtype)
+    if sinks_H is not None:
+        sink_BKGT1 = jnp.broadcast_to(
+            rearrange(sinks_H.astype(scores_BKGTS.dtype), "(k g) -> 1 k g 1 1", k=kv),
+            (*scores_BKGTS.shape[:-1], 1))
+        with_sink = jax.nn.softmax(jnp.concatenate([scores_BKGTS, sink_BKGT1], -1), axis=-1)
+        probs_BKGTS = with_sink[..., :-1].astype(v_BSKD.dtype)
+    else:
+        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKD.dtype)
     out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKD)
     return rearrange(out_BTKGD, "b t k g d -> b t (k g) d")
 
@@ -57,12 +67,13 @@ def fused_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
 
 
 def splash_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                     mask: Mask | None, softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
+                     mask: Mask | None, softmax_dtype: Any, softcap: float = 0.0,
+                     sinks_H: jax.Array | None = None) -> jax.Array:
     """The Pallas TPU splash kernel (`splash.py`): scores never reach HBM. Decoding
     against a cache, and lengths off its 128 grid, run `einsum_attention` instead. `softcap`:
-    the kernel's own logit soft-capping (Gemma 2)."""
+    the kernel's own logit soft-capping (Gemma 2); `sinks_H`: its own attention sinks."""
     return splash.attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype,
-                            fallback=einsum_attention, softcap=softcap)
+                            fallback=einsum_attention, softcap=softcap, sinks_H=sinks_H)
 
 
 # Attention kernels by `model.attention`: (q, k, v, mask, softmax dtype) -> out (B, T, H, D).
@@ -73,24 +84,31 @@ ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
 }
 # The kernels that soft-cap the scores (a `softcap` argument > 0, Gemma 2's `attn_softcap`);
 # `model.attention=dot_product_attention` with a soft-cap is refused by the config check.
+# The same kernels take attention sinks (`sinks_H`, GPT-OSS's `model.attn_sinks`).
 SOFTCAP_IMPLS: dict[str, Callable[..., jax.Array]] = {
     "einsum": einsum_attention,
     "splash": splash_attention,
 }
+SINK_IMPLS = SOFTCAP_IMPLS
 
 
 def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mask | None, *,
            impl: str = "einsum", softmax_dtype: Any = jnp.float32,
-           context_impl: str = "allgather", softcap: float = 0.0) -> jax.Array:
+           context_impl: str = "allgather", softcap: float = 0.0,
+           sinks_H: jax.Array | None = None) -> jax.Array:
     """softmax(q.k / sqrt(D), masked) . v with the kernel `impl`; K kv heads serve H/K heads.
     A whole sequence that the active rules split over sequence shards runs by `context_impl`
-    (`sequence/context.py`), soft-capped too. Soft-capped scores (`softcap` > 0, Gemma 2)
-    otherwise run a kernel of `SOFTCAP_IMPLS` (the config check refuses the others)."""
+    (`sequence/context.py`), soft-capped and with sinks too. Soft-capped scores (`softcap` > 0,
+    Gemma 2) or attention sinks (`sinks_H` (H,), GPT-OSS) otherwise run a kernel of
+    `SOFTCAP_IMPLS` / `SINK_IMPLS` (the config check refuses the others)."""
     shards = (context.sequence_shards(q_BTHD.shape[1], impl)
               if mask is not None and mask.aligned else None)
     if shards is not None:
         return context.attention(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype,
-                                 variant=context_impl, shards=shards, softcap=softcap)
+                                 variant=context_impl, shards=shards, softcap=softcap,
+                                 sinks_H=sinks_H)
+    if sinks_H is not None:
+        return SINK_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap, sinks_H)
     if softcap:
         return SOFTCAP_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
     return ATTENTION_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype)

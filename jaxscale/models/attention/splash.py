@@ -26,6 +26,9 @@ What runs where:
 - Soft-capped scores (`softcap` > 0, Gemma 2's `attn_softcap`): the kernel's own
   `attn_logits_soft_cap`, cap * tanh(scores / cap) on the scaled scores as `einsum` does,
   forward and backward (the fallback gets the same cap).
+- Attention sinks (`sinks_H`, GPT-OSS's `model.attn_sinks`): the kernel's own `sinks`, one
+  logit per query head in every row's softmax denominator, with its gradient (the fallback
+  gets the same sinks).
 - Not on TPU: the kernel in Pallas interpret mode: exact but slow (tests), warned once.
 
 Grouped-query attention runs natively: the kernel's MHA form takes K kv heads for H query heads
@@ -56,7 +59,7 @@ from jaxscale.models.attention.mask import Mask
 from jaxscale.rules import AxisRules, active_rules
 
 Kernel = Callable[..., jax.Array]  # (q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap) -> out
-Run = Callable[..., jax.Array]     # (q_BTHD, k_BSKD, v_BSKD, segments_BT | None) -> out_BTHD
+Run = Callable[..., jax.Array]     # (q_BTHD, k_BSKD, v_BSKD, segments_BT, sinks_H) -> out_BTHD
 
 LANES = 128                    # the kernel's kv block must be a multiple of this
 BLOCKS = (512, 256, 128)       # tile sizes tried, largest first (MaxText's default is 512)
@@ -78,7 +81,8 @@ def block_size(length: int) -> int | None:
 
 
 def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mask | None,
-              softmax_dtype: Any, *, fallback: Kernel, softcap: float = 0.0) -> jax.Array:
+              softmax_dtype: Any, *, fallback: Kernel, softcap: float = 0.0,
+              sinks_H: jax.Array | None = None) -> jax.Array:
     """Attention by the splash kernel where it applies, `fallback` (einsum) elsewhere; scores
     soft-capped at `softcap` when > 0 (both ways).
 
@@ -89,7 +93,7 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mas
         mask = Mask(jnp.zeros((1, t), jnp.int32), jnp.zeros((1, s), jnp.int32),
                     causal=False, aligned=t == s)
     if not mask.aligned:
-        return fallback(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
+        return fallback(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap, sinks_H)
     block = block_size(t)
     if block is None:
         _warn_once(f"length{t}", paragraph(
@@ -97,7 +101,7 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mas
             "splash kernel's lane width), so attention falls back to einsum and materialises",
             f"the scores. Use a data.seq_len that is a multiple of {LANES} to get the kernel.",
         ))
-        return fallback(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
+        return fallback(q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap, sinks_H)
     active = active_rules()
     platform = (active[1].devices.flat[0].platform if active is not None
                 else jax.default_backend())
@@ -108,7 +112,7 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mas
             "so here it runs in Pallas interpret mode, exact but slow (meant for tests). Use",
             "model.attention=einsum, or dot_product_attention on GPU, outside TPUs.",
         ))
-    args = (q_BTHD, k_BSKD, v_BSKD, mask.q_segments_BT)
+    args = (q_BTHD, k_BSKD, v_BSKD, mask.q_segments_BT, sinks_H)
     call = lambda window: lambda *a: _placed(
         _kernel_call(block, mask.causal, interpret, window, softcap), active, *a)
     if isinstance(mask.window, jax.Array):  # a local/global pattern: this layer's flag picks
@@ -117,11 +121,12 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mas
 
 
 def _placed(run: Run, active: tuple[AxisRules, jax.sharding.Mesh] | None, q_BTHD: jax.Array,
-            k_BSKD: jax.Array, v_BSKD: jax.Array, segments_BT: jax.Array | None) -> jax.Array:
+            k_BSKD: jax.Array, v_BSKD: jax.Array, segments_BT: jax.Array | None,
+            sinks_H: jax.Array | None) -> jax.Array:
     """`run` on one device, or sharded over the active mesh (`_sharded`)."""
     if active is None:
-        return run(q_BTHD, k_BSKD, v_BSKD, segments_BT)
-    return _sharded(run, active[0], active[1], q_BTHD, k_BSKD, v_BSKD, segments_BT)
+        return run(q_BTHD, k_BSKD, v_BSKD, segments_BT, sinks_H)
+    return _sharded(run, active[0], active[1], q_BTHD, k_BSKD, v_BSKD, segments_BT, sinks_H)
 
 
 def kernel_mask(shape: tuple[int, int], causal: bool, window: int = 0) -> mask_lib.Mask:
@@ -135,10 +140,11 @@ def kernel_mask(shape: tuple[int, int], causal: bool, window: int = 0) -> mask_l
 
 def _kernel_call(block: int, causal: bool, interpret: bool, window: int = 0,
                  softcap: float = 0.0) -> Run:
-    """(q_BTHD, k_BSKD, v_BSKD, segments_BT | None) -> out_BTHD on one device's shard; the
-    kernel soft-caps the (already scaled) scores at `softcap` when > 0."""
+    """(q_BTHD, k_BSKD, v_BSKD, segments_BT | None, sinks_H | None) -> out_BTHD on one
+    device's shard; the kernel soft-caps the (already scaled) scores at `softcap` when > 0 and
+    adds the sinks (compared with the scaled scores) to each softmax denominator."""
 
-    def run(q_BTHD, k_BSKD, v_BSKD, segments_BT):
+    def run(q_BTHD, k_BSKD, v_BSKD, segments_BT, sinks_H):
         (_, t, h, d), s = q_BTHD.shape, k_BSKD.shape[1]
         one = kernel_mask((t, s), causal, window)
         blocks = kernel_lib.BlockSizes(
@@ -151,10 +157,13 @@ def _kernel_call(block: int, causal: bool, interpret: bool, window: int = 0,
         # The kernel takes one example, heads first, and queries already scaled.
         q_BHTD = (q_BTHD * (1.0 / math.sqrt(d))).astype(q_BTHD.dtype).swapaxes(1, 2)
         k_BKSD, v_BKSD = k_BSKD.swapaxes(1, 2), v_BSKD.swapaxes(1, 2)
+        sinks = None if sinks_H is None else sinks_H.astype(jnp.float32)
         if segments_BT is None:
-            out_BHTD = jax.vmap(kernel)(q_BHTD, k_BKSD, v_BKSD)
+            one_row = lambda q, k, v: kernel(q, k, v, None, sinks)
+            out_BHTD = jax.vmap(one_row)(q_BHTD, k_BKSD, v_BKSD)
         else:
-            one_row = lambda q, k, v, seg: kernel(q, k, v, kernel_lib.SegmentIds(seg, seg))
+            one_row = lambda q, k, v, seg: kernel(q, k, v, kernel_lib.SegmentIds(seg, seg),
+                                                  sinks)
             out_BHTD = jax.vmap(one_row)(q_BHTD, k_BKSD, v_BKSD, segments_BT)
         return out_BHTD.swapaxes(1, 2)
 
@@ -162,7 +171,8 @@ def _kernel_call(block: int, causal: bool, interpret: bool, window: int = 0,
 
 
 def _sharded(run: Run, rules: AxisRules, mesh: jax.sharding.Mesh, q_BTHD: jax.Array,
-             k_BSKD: jax.Array, v_BSKD: jax.Array, segments_BT: jax.Array | None) -> jax.Array:
+             k_BSKD: jax.Array, v_BSKD: jax.Array, segments_BT: jax.Array | None,
+             sinks_H: jax.Array | None = None) -> jax.Array:
     """`run` in a shard_map over the active mesh, specs from the rules: every shard holds whole
     sequences (length and head_dim are never split here) of its own query and kv heads."""
     spec = lambda logical, x: rules.activation_spec(logical, x.shape, mesh, "<splash>")
@@ -173,12 +183,10 @@ def _sharded(run: Run, rules: AxisRules, mesh: jax.sharding.Mesh, q_BTHD: jax.Ar
     if batch != kv_batch:
         batch = None
     q_spec, kv_spec, seg_spec = P(batch, None, heads, None), P(batch, None, kv, None), P(batch)
-    if segments_BT is None:
-        body = lambda q, k, v: run(q, k, v, None)
-        in_specs, args = (q_spec, kv_spec, kv_spec), (q_BTHD, k_BSKD, v_BSKD)
-    else:
-        body = run
-        in_specs, args = (q_spec, kv_spec, kv_spec, seg_spec), (q_BTHD, k_BSKD, v_BSKD,
-                                                                 segments_BT)
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=q_spec,
-                         check_vma=False)(*args)
+    # Absent inputs (no segments, no sinks) stay out of the shard_map: None has no spec.
+    given = {name: (x, spec) for name, x, spec in (
+        ("q", q_BTHD, q_spec), ("k", k_BSKD, kv_spec), ("v", v_BSKD, kv_spec),
+        ("segments", segments_BT, seg_spec), ("sinks", sinks_H, P(heads))) if x is not None}
+    body = lambda a: run(a["q"], a["k"], a["v"], a.get("segments"), a.get("sinks"))
+    return jax.shard_map(body, mesh=mesh, in_specs=({n: sp for n, (_, sp) in given.items()},),
+                         out_specs=q_spec, check_vma=False)({n: x for n, (x, _) in given.items()})

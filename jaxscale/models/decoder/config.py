@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.attention.kernels import ATTENTION_IMPLS, SOFTCAP_IMPLS
+from jaxscale.models.attention.kernels import ATTENTION_IMPLS, SINK_IMPLS, SOFTCAP_IMPLS
 from jaxscale.models.attention.kinds import DEFAULT_ATTENTION, attention_of
 from jaxscale.models.attention.sequence.context import check_config as check_context
-from jaxscale.models.moe.layer import MoEConfig, check_moe
-from jaxscale.models.moe.layer import num_params as moe_params
+from jaxscale.models.moe.config import MoEConfig
+from jaxscale.models.moe.config import num_params as moe_params
+from jaxscale.models.moe.layer import check_moe
 from jaxscale.models.nn.rope import Rope, check_rope
 
 
@@ -30,12 +31,19 @@ class LlamaConfig:
     mlp: int = 512
     max_len: int = 2048
     rope_theta: float = 10000.0
-    # Rotary scaling (HF `rope_scaling`): none | linear | llama3; see jaxscale/models/nn/rope.py.
+    # Rotary scaling (HF `rope_scaling`): none | linear | llama3 | yarn; see
+    # jaxscale/models/nn/rope.py.
     rope_scaling: str = "none"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0       # llama3 only
     rope_high_freq_factor: float = 4.0      # llama3 only
-    rope_original_max_len: int = 8192       # llama3 only: the pre-extension context length
+    rope_original_max_len: int = 8192       # llama3, yarn: the pre-extension context length
+    rope_beta_fast: float = 32.0            # yarn only: the ramp's ends, in rotations
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0                # yarn only: DeepSeek's attention-scale terms (0: none)
+    rope_mscale_all_dim: float = 0.0
+    rope_truncate: bool = True              # yarn only: the ramp's ends rounded to whole dims
+    rope_attention_factor: float = 0.0      # yarn only: q/k scale; 0: derived from rope_factor
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     remat: str = "none"
@@ -65,6 +73,9 @@ class LlamaConfig:
     # Decoder switches (Qwen2/2.5 and Qwen3 are this model with them on; `qwen.py`):
     qkv_bias: bool = False   # a bias on the q/k/v projections
     qk_norm: bool = False    # per-head RMSNorm of q and k before rotary
+    # GPT-OSS's switches (`gpt_oss.py`):
+    out_bias: bool = False   # a bias on the attention's output projection
+    attn_sinks: bool = False  # a learned logit per head in each softmax denominator
     # Gemma's switches (`gemma.py`):
     norm_offset: bool = False      # RMSNorms scale by 1 + weight (weights start at zero)
     post_norms: bool = False       # RMSNorms after attention and after the MLP too (4 a block)
@@ -111,7 +122,9 @@ class LlamaConfig:
         """The rotary settings every attention layer (and the KV-cache decoder) uses."""
         return Rope(self.rope_theta, self.rope_scaling, self.rope_factor,
                     self.rope_low_freq_factor, self.rope_high_freq_factor,
-                    self.rope_original_max_len)
+                    self.rope_original_max_len, self.rope_beta_fast, self.rope_beta_slow,
+                    self.rope_mscale, self.rope_mscale_all_dim, self.rope_truncate,
+                    self.rope_attention_factor)
 
     @property
     def moe_layers(self) -> int:
@@ -191,6 +204,12 @@ def check_layer_pattern(m: Mapping[str, Any]) -> None:
             f"model.layer_types={list(kinds)!r} must name one of {', '.join(known)} for each",
             f"of the model.num_layers={m['num_layers']} layers (or be empty: every layer alike)."))
     attention = m.get("attention", "einsum")
+    if m.get("attn_sinks") and attention not in SINK_IMPLS:
+        raise ConfigError(paragraph(
+            f"model.attention={attention!r} has no attention sinks (model.attn_sinks, GPT-OSS's",
+            "learned per-head logit in each softmax denominator): jax.nn.dot_product_attention",
+            "takes no extra softmax term, and leaving it out computes another model. Use",
+            "model.attention=einsum (or splash on TPUs)."))
     if m.get("attn_softcap") and attention not in SOFTCAP_IMPLS:
         raise ConfigError(paragraph(
             f"model.attention={attention!r} does not soft-cap the attention scores",

@@ -31,7 +31,8 @@ from typing import Any
 from jaxscale.models.attention.component import AttentionKind
 from jaxscale.models.attention.kinds import attention_of
 from jaxscale.models.decoder.config import LlamaConfig
-from jaxscale.models.moe.layer import MoEConfig, active_mlp, capacity, expert_width
+from jaxscale.models.moe.config import MoEConfig, active_mlp, expert_width
+from jaxscale.models.moe.layer import capacity
 from jaxscale.models.nn.scan import NAMED_POLICIES
 
 Count = Callable[..., float]  # (model_cfg, seq_len, config_cls=...) -> a count per token

@@ -21,7 +21,7 @@ import optax
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.attention.sequence import context
 from jaxscale.models.decoder.llama import Llama, head_scope
-from jaxscale.models.moe.layer import router_loss, router_objective
+from jaxscale.models.moe.routers import router_loss, router_objective
 from jaxscale.models.nn.shard_sums import shard_copies
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import Task, masked_sums

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.moe.gmm import Weights, expert_mlp, resolve_kernel
+from jaxscale.models.moe.gmm import PLAIN, Biases, SwiGLU, Weights, expert_mlp, resolve_kernel
 
 
 class Plan(NamedTuple):
@@ -109,8 +109,8 @@ def _local_order(local_DL: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
 
 
 def ragged_dispatch(x_nE: jax.Array, weights_nK: jax.Array, experts_nK: jax.Array, w: Weights,
-                    dtype: Any, axes: tuple[str, ...], devices: int, grouped: str = "auto"
-                    ) -> jax.Array:
+                    dtype: Any, axes: tuple[str, ...], devices: int, grouped: str = "auto",
+                    act: SwiGLU = PLAIN, bias: Biases = None) -> jax.Array:
     """The experts' combined output (n, E) for this device's tokens, inside a shard_map whose
     `axes` (`devices` in all) split the experts (`w`: this device's L experts) and the
     tokens."""
@@ -126,7 +126,7 @@ def ragged_dispatch(x_nE: jax.Array, weights_nK: jax.Array, experts_nK: jax.Arra
     rows = buffer_rows(n, k, devices, L)
     got_RE = ragged_all_to_all(x_ME, jnp.zeros((rows, E), dtype), *p.send, axis_name=axes)
     perm_R, sizes_L = _local_order(p.local_DL, rows)
-    out_RE = expert_mlp(got_RE[perm_R], sizes_L, w, kernel)
+    out_RE = expert_mlp(got_RE[perm_R], sizes_L, w, kernel, act, bias)
     out_RE = jnp.zeros_like(out_RE).at[perm_R].set(out_RE)
     back_ME = ragged_all_to_all(out_RE, jnp.zeros_like(x_ME), *p.back, axis_name=axes)
     out_NKE = jnp.zeros_like(back_ME).at[order_M].set(back_ME).reshape(n, k, E)

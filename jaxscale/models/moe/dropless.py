@@ -38,18 +38,27 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.models.moe.dispatch import ragged_dispatch, resolve_dispatch
-from jaxscale.models.moe.gmm import Weights, expert_mlp, resolve_kernel, swiglu
+from jaxscale.models.moe.gmm import (
+    PLAIN,
+    Biases,
+    SwiGLU,
+    Weights,
+    expert_mlp,
+    resolve_kernel,
+    swiglu,
+)
 from jaxscale.rules import active_rules, as_tuple
 
 __all__ = ["dropless_experts", "expert_parallel", "swiglu"]
 
 
 def dropless_experts(x_NE: jax.Array, weights_NK: jax.Array, experts_NK: jax.Array,
-                     w: Weights, dtype: Any, grouped: str = "auto") -> jax.Array:
-    """Every assignment computed: sorted by expert, grouped matmuls (`expert_mlp`), unsorted
-    and summed per token with its router weight. An expert id equal to the number of experts
-    (X) marks an assignment that is not computed here (its output is zero). `grouped`:
-    `model.moe.grouped_matmul` (`resolve_kernel`)."""
+                     w: Weights, dtype: Any, grouped: str = "auto", act: SwiGLU = PLAIN,
+                     bias: Biases = None) -> jax.Array:
+    """Every assignment computed: sorted by expert, grouped matmuls (`expert_mlp`, with `act`
+    and the gate / up `bias`), unsorted and summed per token with its router weight. An expert
+    id equal to the number of experts (X) marks an assignment that is not computed here (its
+    output is zero). `grouped`: `model.moe.grouped_matmul` (`resolve_kernel`)."""
     w = tuple(a.astype(dtype) for a in w)
     N, k = experts_NK.shape
     X, E, F = w[0].shape
@@ -58,14 +67,14 @@ def dropless_experts(x_NE: jax.Array, weights_NK: jax.Array, experts_NK: jax.Arr
     order_M = jnp.argsort(flat_M, stable=True)
     x_ME = x_NE.astype(dtype)[order_M // k]
     sizes_X = jnp.bincount(flat_M, length=X + 1)[:X].astype(jnp.int32)
-    out_ME = expert_mlp(x_ME, sizes_X, w, kernel)
+    out_ME = expert_mlp(x_ME, sizes_X, w, kernel, act, bias)
     out_NKE = jnp.zeros_like(out_ME).at[order_M].set(out_ME).reshape(N, k, -1)
     return jnp.einsum("nke,nk->ne", out_NKE, weights_NK.astype(dtype))
 
 
 def expert_parallel(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.Array,
-                    w: Weights, dtype: Any, grouped: str = "auto", dispatch: str = "auto"
-                    ) -> jax.Array | None:
+                    w: Weights, dtype: Any, grouped: str = "auto", dispatch: str = "auto",
+                    act: SwiGLU = PLAIN, bias: Biases = None) -> jax.Array | None:
     """The dropless output (B, T, E) with the experts split over devices as the active rules
     say, or None when they are not split (no rules active, or the expert dimension's mesh axes
     all of size 1): then `dropless_experts` runs under GSPMD as is. `grouped`, `dispatch`:
@@ -88,18 +97,20 @@ def expert_parallel(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.A
     replicated = tuple(a for a in expert_axes if a not in token_axes) + as_tuple(mlp)
     x_spec, k_spec = P(batch, length, None), P(batch, length, None)
     w_specs = (P(expert, None, mlp), P(expert, None, mlp), P(expert, mlp, None))
+    bias = () if bias is None else tuple(bias)  # gate / up biases split as their weights' outputs
+    b_specs = (P(expert, mlp),) * len(bias)
     ragged = resolve_dispatch(dispatch, mesh.devices.flat[0].platform, group,
                               expert_axes) == "ragged_all_to_all"
     devices = math.prod(mesh.shape[a] for a in expert_axes)
 
-    def body(x_bte, weights_btk, experts_btk, w_gate, w_up, w_down):
+    def body(x_bte, weights_btk, experts_btk, w_gate, w_up, w_down, *b_local):
         b, t, E = x_bte.shape
         x_nE, weights_nK = x_bte.reshape(b * t, E), weights_btk.reshape(b * t, -1)
         experts_nK = experts_btk.reshape(b * t, -1)
-        w = (w_gate, w_up, w_down)
+        w, bias = (w_gate, w_up, w_down), (b_local or None)
         if ragged:  # each assignment to its expert's device and back; hidden shards summed
             out_nE = ragged_dispatch(x_nE, weights_nK, experts_nK, w, dtype, group, devices,
-                                     grouped)
+                                     grouped, act, bias)
             out_nE = jax.lax.psum(out_nE, as_tuple(mlp)) if mlp else out_nE
             return out_nE.reshape(b, t, E)
         if group:  # every token of the expert group, with its router choices
@@ -109,13 +120,13 @@ def expert_parallel(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.A
         local_nK = experts_nK - jax.lax.axis_index(expert_axes) * x_local
         mine_nK = (local_nK >= 0) & (local_nK < x_local)
         out_nE = dropless_experts(x_nE, weights_nK, jnp.where(mine_nK, local_nK, x_local),
-                                  w, dtype, grouped)
+                                  w, dtype, grouped, act, bias)
         if replicated:  # other experts' (or hidden shards') contributions to the same tokens
             out_nE = jax.lax.psum(out_nE, replicated)
         if group:  # each token's contributions summed back on its own device
             out_nE = jax.lax.psum_scatter(out_nE, group, tiled=True)
         return out_nE.reshape(b, t, E)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, k_spec, k_spec, *w_specs),
+    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, k_spec, k_spec, *w_specs, *b_specs),
                          out_specs=x_spec, check_vma=False)(
-        x_BTE.astype(dtype), weights_BTK, experts_BTK, *w)
+        x_BTE.astype(dtype), weights_BTK, experts_BTK, *w, *bias)

@@ -14,6 +14,7 @@ Shape suffixes: M rows (assignments), X experts, E embed, F expert hidden width.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -25,10 +26,41 @@ from jaxscale.errors import ConfigError, paragraph
 from jaxscale.rules import active_rules
 
 Weights = tuple[jax.Array, jax.Array, jax.Array]  # gate (X, E, F), up (X, E, F), down (X, F, E)
+Biases = tuple[jax.Array, jax.Array] | None  # gate (X, F), up (X, F) (GPT-OSS); None: none
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class SwiGLU:
+    """The experts' gated activation. `limit` 0: the plain SwiGLU, silu(gate) * up. `limit` > 0
+    (GPT-OSS's `swiglu_limit`): gate clamped from above and up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1): the clamp keeps a few huge activations from
+    dominating in low precision, and up + 1 lets an expert pass its gate through when up is 0.
+    Static (hashable): it is part of what is traced, not a traced value."""
+
+    limit: float = 0.0
+    alpha: float = 1.702
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        if not self.limit:
+            return swiglu(gate, up)
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return gate * jax.nn.sigmoid(self.alpha * gate) * (up + 1)
+
+
+PLAIN = SwiGLU()  # the default activation: silu(gate) * up
+
+
+def row_bias(bias_XF: jax.Array, sizes_X: jax.Array, rows: int) -> jax.Array:
+    """Each of `rows` rows sorted by expert (`sizes_X` each) gets its expert's bias; rows past
+    the last group get zero (they stay zero through the activation)."""
+    group_M = jnp.searchsorted(jnp.cumsum(sizes_X), jnp.arange(rows), side="right")
+    padded = jnp.concatenate([bias_XF, jnp.zeros_like(bias_XF[:1])])
+    return padded[group_M]
 
 
 def _flatten(x_bME: jax.Array, w_bXEF: jax.Array, sizes_bX: jax.Array
@@ -184,12 +216,18 @@ def grouped_matmul(x_ME: jax.Array, w_XEF: jax.Array, sizes_X: jax.Array, kernel
     return jnp.einsum("mx,mxf->mf", onehot_MX, jnp.einsum("me,xef->mxf", x_ME, w_XEF))
 
 
-def expert_mlp(x_ME: jax.Array, sizes_X: jax.Array, w: Weights, kernel: str) -> jax.Array:
+def expert_mlp(x_ME: jax.Array, sizes_X: jax.Array, w: Weights, kernel: str,
+               act: SwiGLU = PLAIN, bias: Biases = None) -> jax.Array:
     """The experts' SwiGLU on rows sorted by expert (`sizes_X` rows each, rows past the last
-    group zero): three grouped matmuls. The gate and up outputs are named as the dense MLP's
-    (`nn/scan.py` ACTIVATION_NAMES): the same remat policies keep them."""
+    group zero): three grouped matmuls, the gate and up biases (GPT-OSS) added per row's expert
+    (`row_bias`); the down projection's bias is the caller's (`MoE`: it must be added once
+    even where the hidden dimension is split). The gate and up outputs are named as the dense
+    MLP's (`nn/scan.py` ACTIVATION_NAMES): the same remat policies keep them."""
     w_gate_XEF, w_up_XEF, w_down_XFE = w
     matmul = lambda a, b: grouped_matmul(a, b, sizes_X, kernel)
-    h_MF = swiglu(*(checkpoint_name(matmul(x_ME, w_XEF), "mlp_gate_up")
-                    for w_XEF in (w_gate_XEF, w_up_XEF)))
+    gate_MF, up_MF = (matmul(x_ME, w_XEF) for w_XEF in (w_gate_XEF, w_up_XEF))
+    if bias is not None:
+        gate_MF, up_MF = (h + row_bias(b.astype(h.dtype), sizes_X, h.shape[0])
+                          for h, b in zip((gate_MF, up_MF), bias))
+    h_MF = act(checkpoint_name(gate_MF, "mlp_gate_up"), checkpoint_name(up_MF, "mlp_gate_up"))
     return matmul(h_MF, w_down_XFE)

@@ -1,8 +1,8 @@
 """A mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE, DeepSeek-style shared experts).
 
-`MoE` replaces the decoder's dense SwiGLU (`layers.MLP`) when `model.moe.num_experts > 0`. A
-softmax router picks `experts_per_token` experts per token (their weights renormalised to sum to
-one with `norm_topk_prob`, as Mixtral's top-2 and Qwen3-MoE do); each expert is a SwiGLU whose
+`MoE` replaces the decoder's dense SwiGLU (`layers.MLP`) when `model.moe.num_experts > 0`. The
+configured router (`routers.py`, `model.moe.router`) picks `experts_per_token` experts per token
+and their combine weights; each expert is a SwiGLU whose
 stacked weights carry the logical axes (`expert`, `embed`, `mlp`), so the rules decide where
 they live. `shared_experts` adds an always-on dense SwiGLU of `shared_experts` x the expert width
 (Qwen2-MoE / DeepSeek), equal to that many shared experts summed.
@@ -20,10 +20,8 @@ Two compute paths, chosen by `capacity_factor`:
   order); assignments past a full buffer are dropped (their weight contributes nothing) and
   counted. Static shapes, at the price of drops.
 
-The router's auxiliary losses (Switch-style load balancing, ST-MoE z-loss) and per-call load
-statistics are *sown* as an `nnx.Intermediate` (`ROUTER_STATS`): `scan_layers` stacks them over
-the layers, and `router_loss` (called by the LM task) turns them into the loss term and the
-step's `moe_*` metrics.
+The router's auxiliary losses and per-call load statistics are sown by the block
+(`routers.ROUTER_STATS`) and become the loss term and `moe_*` metrics in `routers.router_loss`.
 Shape suffixes: N tokens (B x T), K choices per token, X experts, M assignments (N x K),
 C slots per expert, E embed, F expert hidden width.
 """
@@ -32,7 +30,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from typing import Any
 
 import jax
@@ -41,52 +38,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.moe.dropless import dropless_experts, expert_parallel, swiglu
+from jaxscale.models.moe.config import DISPATCHES, GROUPED_MATMULS, MoEConfig, expert_width
+from jaxscale.models.moe.dropless import dropless_experts, expert_parallel
+from jaxscale.models.moe.gmm import PLAIN, SwiGLU
+from jaxscale.models.moe.routers import ROUTERS, STATS, route
 from jaxscale.models.nn.layers import MLP, param, weight
 from jaxscale.precision import Policy
 from jaxscale.rules import constrain
-
-# The per-call router statistics, in the order of the sown vector (all float32 scalars):
-# aux: Switch load-balancing loss E * sum_e f_e * P_e (f_e: share of the token-expert
-#   assignments routed to e, P_e: mean router probability of e); 1.0 when perfectly balanced.
-#   (Hugging Face Mixtral's `load_balancing_loss_func` is experts_per_token times this.)
-# z: mean over tokens of logsumexp(router logits)^2 (ST-MoE), keeps the logits small.
-# dropped: share of the assignments dropped by full expert buffers (0 when dropless).
-# load_max / load_min: the busiest / idlest expert's assignments relative to a balanced load.
-STATS = ("aux", "z", "dropped", "load_max", "load_min")
-ROUTER_STATS = "router_stats"  # the name of the sown Intermediate
-METRICS = {"aux": "moe_aux_loss", "z": "moe_z_loss", "dropped": "moe_dropped",
-           "load_max": "moe_load_max", "load_min": "moe_load_min"}
-
-
-GROUPED_MATMULS = ("auto", "ragged_dot", "megablox", "dense")
-DISPATCHES = ("auto", "allgather", "ragged_all_to_all")
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """`config.model.moe`: num_experts 0 keeps the dense MLP."""
-
-    num_experts: int = 0
-    experts_per_token: int = 2
-    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1 (Mixtral, Qwen3)
-    mlp: int = 0                 # each expert's hidden width; 0: model.mlp
-    shared_experts: int = 0      # always-on dense SwiGLU of shared_experts x the expert width
-    capacity_factor: float = 0.0  # 0: dropless (grouped matmul); > 0: fixed expert buffers
-    router_aux_loss_coef: float = 0.01
-    router_z_loss_coef: float = 0.0
-    # MoE on every n-th layer, the dense MLP on the others: layer i has the experts when
-    # (i + 1) % every == 0 (HF Qwen-MoE's decoder_sparse_step); num_layers must divide by it.
-    every: int = 1
-    # Dropless only (`dropless.py`): the grouped matmul's kernel and, with an expert
-    # axis, how tokens reach their experts; "auto" picks by platform and shapes.
-    grouped_matmul: str = "auto"  # auto | ragged_dot | megablox | dense
-    dispatch: str = "auto"        # auto | allgather | ragged_all_to_all
-
-    @classmethod
-    def from_config(cls, moe_cfg: Mapping[str, Any] | None) -> "MoEConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in dict(moe_cfg or {}).items() if k in names})
 
 
 def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
@@ -110,6 +68,10 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             "experts (model.moe.num_experts).")
     if n == 0:
         return
+    require(moe.router in ROUTERS,
+            f"model.moe.router={moe.router!r} is not one of {', '.join(ROUTERS)}: the router",
+            "decides how tokens pick experts (models/moe/routers.py). Pick one of those, or add",
+            "a line to ROUTERS for a new one.")
     require(1 <= k <= n,
             f"model.moe.experts_per_token={k} must be between 1 and model.moe.num_experts={n}:",
             "each token is routed to that many distinct experts. Lower experts_per_token or add",
@@ -121,6 +83,11 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
     require(moe.mlp >= 0 and moe.shared_experts >= 0,
             f"model.moe.mlp={moe.mlp} and model.moe.shared_experts={moe.shared_experts} must be",
             ">= 0 (mlp 0: the expert width is model.mlp; shared_experts 0: none).")
+    require(moe.swiglu_limit >= 0 and moe.swiglu_alpha > 0,
+            f"model.moe.swiglu_limit={moe.swiglu_limit} must be >= 0 and",
+            f"model.moe.swiglu_alpha={moe.swiglu_alpha} > 0: a positive limit clamps the",
+            "experts' gate and up activations (GPT-OSS: 7.0, alpha 1.702); 0 keeps the plain",
+            "SwiGLU.")
     require(moe.router_aux_loss_coef >= 0 and moe.router_z_loss_coef >= 0,
             f"model.moe.router_aux_loss_coef={moe.router_aux_loss_coef} and",
             f"model.moe.router_z_loss_coef={moe.router_z_loss_coef} must be >= 0 (0: the loss is",
@@ -156,29 +123,6 @@ def check_moe(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None,
             "num_layers, the pipeline size, the repeats or model.moe.every.")
 
 
-def expert_width(moe: MoEConfig, mlp: int) -> int:
-    """Each expert's SwiGLU hidden width (`model.moe.mlp`, or the dense `model.mlp`)."""
-    return moe.mlp or mlp
-
-
-def num_params(moe: MoEConfig, embed: int, mlp: int) -> int:
-    """Parameters of one MoE block: router, experts and shared experts."""
-    f = expert_width(moe, mlp)
-    return embed * moe.num_experts + moe.num_experts * 3 * embed * f \
-        + 3 * embed * f * moe.shared_experts
-
-
-def active_mlp(m: Mapping[str, Any]) -> tuple[int, int]:
-    """(the SwiGLU width a token passes through, router matmul parameters) of a `config.model`
-    section's feed-forward block: its experts_per_token + shared_experts experts for MoE
-    (what FLOPs per token count), or the dense `mlp` and no router."""
-    moe = MoEConfig.from_config(m.get("moe"))
-    if not moe.num_experts:
-        return m["mlp"], 0
-    width = expert_width(moe, m["mlp"])
-    return width * (moe.experts_per_token + moe.shared_experts), m["embed"] * moe.num_experts
-
-
 class MoE(nnx.Module):
     """Router + experts (+ shared experts); `__call__` returns the block's output and sows
     the router's statistics (`ROUTER_STATS`). LoRA adapters on the experts are per expert
@@ -198,29 +142,54 @@ class MoE(nnx.Module):
         if moe.shared_experts:
             self.shared = MLP(embed, f * moe.shared_experts, policy, rngs, stack=stack)
         self.moe, self.policy = moe, policy
+        self.act = SwiGLU(moe.swiglu_limit, moe.swiglu_alpha)
+        zeros = dict(init="zeros", **kw)
+        if moe.router_bias:  # GPT-OSS: on the router's logits
+            self.router_bias = param(None, (n,), (None,), **zeros)
+        if moe.expert_bias:  # GPT-OSS: on each expert's gate, up and down projections
+            self.b_gate = param(None, (n, f), ("expert", "mlp"), **zeros)
+            self.b_up = param(None, (n, f), ("expert", "mlp"), **zeros)
+            self.b_down = param(None, (n, embed), ("expert", "embed"), **zeros)
+
+    def _biases(self) -> tuple[jax.Array, ...] | None:
+        """(gate, up, down) expert biases, or None without them."""
+        if not self.moe.expert_bias:
+            return None
+        return tuple(getattr(self, n)[...] for n in ("b_gate", "b_up", "b_down"))
 
     def _dropless(self, x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.Array,
                   w: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
         """Expert-parallel when the rules split the experts over devices, else on the tokens
-        as GSPMD shards them (`dropless.py`)."""
+        as GSPMD shards them (`dropless.py`). The down projection's bias is added here, once
+        per assignment weighted by the router (the expert-parallel sums would add it once per
+        hidden shard)."""
         dtype = self.policy.compute
         grouped = self.moe.grouped_matmul
+        biases = self._biases()
+        gate_up = None if biases is None else biases[:2]
         out_BTE = expert_parallel(x_BTE, weights_BTK, experts_BTK, w, dtype, grouped,
-                                  self.moe.dispatch)
-        if out_BTE is not None:
+                                  self.moe.dispatch, self.act, gate_up)
+        if out_BTE is None:
+            B, T, E = x_BTE.shape
+            out_BTE = dropless_experts(
+                x_BTE.reshape(B * T, E), weights_BTK.reshape(B * T, -1),
+                experts_BTK.reshape(B * T, -1), w, dtype, grouped, self.act, gate_up
+            ).reshape(B, T, E)
+        if biases is None:
             return out_BTE
-        B, T, E = x_BTE.shape
-        return dropless_experts(x_BTE.reshape(B * T, E), weights_BTK.reshape(B * T, -1),
-                                experts_BTK.reshape(B * T, -1), w, dtype, grouped
-                                ).reshape(B, T, E)
+        combine_BTX = jnp.einsum("btk,btkx->btx", weights_BTK.astype(dtype), jax.nn.one_hot(
+            experts_BTK, self.moe.num_experts, dtype=dtype))
+        return out_BTE + jnp.einsum("btx,xe->bte", combine_BTX, biases[2].astype(dtype))
 
     def __call__(self, x_BTE: jax.Array) -> jax.Array:
         # Routed per row: the (B, T) layout keeps the batch's sharding through top_k.
-        weights_BTK, experts_BTK, stats = route(x_BTE, self.router[...], self.moe)
+        bias = self.router_bias[...] if self.moe.router_bias else None
+        weights_BTK, experts_BTK, stats = route(x_BTE, self.router[...], self.moe, bias)
         w = tuple(weight(self, n) for n in self.LORA_WEIGHTS)  # LoRA deltas folded in
         if self.moe.capacity_factor > 0:
             out_BTE, dropped = capacity_experts(x_BTE, weights_BTK, experts_BTK, w,
-                                                self.moe.capacity_factor, self.policy.compute)
+                                                self.moe.capacity_factor, self.policy.compute,
+                                                self.act, self._biases())
             stats = stats.at[STATS.index("dropped")].set(dropped)
         else:
             out_BTE = self._dropless(x_BTE, weights_BTK, experts_BTK, w)
@@ -228,30 +197,6 @@ class MoE(nnx.Module):
         if self.moe.shared_experts:
             out_BTE = out_BTE + self.shared(x_BTE)
         return constrain(out_BTE, "batch", "length", "embed")
-
-
-def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig
-          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(top-k weights (N, k) float32, expert ids (N, k), stats vector (len(STATS),)); N may be
-    several leading dimensions (e.g. B, T), the statistics are over all of them.
-
-    The router runs in float32 whatever the compute dtype: its softmax decides which matmuls
-    run, and bf16 logits flip near-ties between experts."""
-    n, k = moe.num_experts, moe.experts_per_token
-    logits_NX = x_NE.astype(jnp.float32) @ router_EX.astype(jnp.float32)
-    probs_NX = jax.nn.softmax(logits_NX, axis=-1)
-    weights_NK, experts_NK = jax.lax.top_k(probs_NX, k)
-    if moe.norm_topk_prob:
-        weights_NK = weights_NK / jnp.sum(weights_NK, axis=-1, keepdims=True)
-    leading = tuple(range(probs_NX.ndim - 1))
-    counts_X = jnp.sum(jax.nn.one_hot(experts_NK, n, dtype=jnp.float32), axis=(*leading, -2))
-    share_X = counts_X / experts_NK.size                 # f_e: share of the assignments
-    prob_X = jnp.mean(probs_NX, axis=leading)            # P_e: carries the gradient
-    aux = n * jnp.sum(share_X * prob_X)
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_NX, axis=-1)))
-    load_X = share_X * n
-    stats = jnp.stack([aux, z, jnp.zeros(()), jnp.max(load_X), jnp.min(load_X)])
-    return weights_NK, experts_NK, stats
 
 
 # Logical axes of the capacity path's (rows, experts, slots, embed) buffers while the experts
@@ -278,9 +223,12 @@ def _slots(experts_TK: jax.Array, X: int, C: int) -> tuple[jax.Array, jax.Array]
 
 def capacity_experts(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.Array,
                      w: tuple[jax.Array, jax.Array, jax.Array], capacity_factor: float,
-                     dtype: Any) -> tuple[jax.Array, jax.Array]:
+                     dtype: Any, act: SwiGLU = PLAIN, biases: tuple | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
     """(output (B, T, E), share of the assignments dropped): fixed per-expert buffers per row
-    of the batch (B, X, C, E), C = capacity(capacity_factor, T x k, X), as MaxText.
+    of the batch (B, X, C, E), C = capacity(capacity_factor, T x k, X), as MaxText. `act`:
+    the experts' activation; `biases`: their (gate, up, down) biases (GPT-OSS), per slot, so a
+    dropped assignment gets none.
 
     Per row, so that the drops do not depend on the mesh: each device fills the buffers of its
     own rows, and the all-to-all hands every expert its slots from all rows."""
@@ -293,10 +241,15 @@ def capacity_experts(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.
                     .at[e_M, s_M].set(x_TE[tokens_M], mode="drop"))
     buf_BXCE = constrain(fill(x_BTE.astype(dtype), experts_BM, slot_BM), *ROW_AXES)
     buf_BXCE = constrain(buf_BXCE, *BUFFER_AXES)  # all-to-all: rows' slots to their experts
-    h_BXCF = swiglu(*(checkpoint_name(jnp.einsum("bxce,xef->bxcf", buf_BXCE, w_XEF),
-                                      "mlp_gate_up")  # as the dense MLP's, for remat policies
-                      for w_XEF in (w_gate_XEF, w_up_XEF)))
-    out_BXCE = constrain(jnp.einsum("bxcf,xfe->bxce", h_BXCF, w_down_XFE), *BUFFER_AXES)
+    b_gate, b_up, b_down = ((None,) * 3 if biases is None
+                            else (b.astype(dtype)[None, :, None] for b in biases))
+    gate_up = [jnp.einsum("bxce,xef->bxcf", buf_BXCE, w_XEF) for w_XEF in (w_gate_XEF, w_up_XEF)]
+    if biases is not None:
+        gate_up = [h + b for h, b in zip(gate_up, (b_gate, b_up))]
+    # named as the dense MLP's, for remat policies
+    h_BXCF = act(*(checkpoint_name(h, "mlp_gate_up") for h in gate_up))
+    out_BXCE = jnp.einsum("bxcf,xfe->bxce", h_BXCF, w_down_XFE)
+    out_BXCE = constrain(out_BXCE if biases is None else out_BXCE + b_down, *BUFFER_AXES)
     out_BXCE = constrain(out_BXCE, *ROW_AXES)  # all-to-all back to the rows' devices
     kept_BM = slot_BM < C
     weight_BM = (jnp.swapaxes(weights_BTK, 1, 2).reshape(B, -1) * kept_BM).astype(dtype)
@@ -304,38 +257,3 @@ def capacity_experts(x_BTE: jax.Array, weights_BTK: jax.Array, experts_BTK: jax.
         tokens_M].add(o_XCE.at[e_M, s_M].get(mode="fill", fill_value=0) * w_M[:, None]))
     out_BTE = combine(out_BXCE, experts_BM, slot_BM, weight_BM)
     return out_BTE, jnp.mean((~kept_BM).astype(jnp.float32))
-
-
-def _router_stats(sown: nnx.State) -> jax.Array | None:
-    """The router statistics in `sown` (what a forward pass's layers sowed), (MoE layers,
-    len(STATS)); None without MoE layers."""
-    stats = [v.get_value() for path, v in nnx.to_flat_state(sown) if path[-1] == ROUTER_STATS]
-    if not stats:
-        return None
-    return jnp.concatenate([s.reshape(-1, len(STATS)) for s in stats])
-
-
-def router_objective(sown: nnx.State, moe: MoEConfig) -> jax.Array | float:
-    """The router's loss term, aux_coef x aux + z_coef x z averaged over the MoE layers, of
-    the statistics in `sown`; 0.0 without MoE layers. Linear in them: a schedule that runs the
-    backward itself (1F1B) differentiates it from its constant gradient."""
-    stats_LS = _router_stats(sown)
-    if stats_LS is None:
-        return 0.0
-    named = dict(zip(STATS, jnp.mean(stats_LS, axis=0)))
-    return moe.router_aux_loss_coef * named["aux"] + moe.router_z_loss_coef * named["z"]
-
-
-def router_loss(model: nnx.Module, moe: MoEConfig) -> jax.Array | float:
-    """The router's loss term of a forward pass (`router_objective`). Pops the sown
-    statistics and records the step's metrics (`METRICS`) on `model` as Intermediates named by
-    the metric (`task.step_metrics` pops them).
-    0.0 for a model without MoE layers."""
-    sown = nnx.pop(model, nnx.Intermediate)
-    stats_LS = _router_stats(sown)
-    if stats_LS is None:
-        return 0.0
-    named = dict(zip(STATS, jnp.mean(stats_LS, axis=0)))
-    for stat, metric in METRICS.items():
-        setattr(model, metric, nnx.Intermediate(jax.lax.stop_gradient(named[stat])))
-    return router_objective(sown, moe)

@@ -132,11 +132,12 @@ def sequence_shards(length: int, impl: str) -> Shards | None:
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mask,
               softmax_dtype: Any, *, variant: str, shards: Shards,
-              softcap: float = 0.0) -> jax.Array:
+              softcap: float = 0.0, sinks_H: jax.Array | None = None) -> jax.Array:
     """Whole-sequence attention (`mask.aligned`) with the sequence split over `shards.axes`,
     by the `variant` in `CONTEXT_ATTENTION`; out (B, T, H, D) sharded like the queries. The
     slots are the declared `sequence_order`'s when one is active (the sequence lies permuted),
-    else the mask's."""
+    else the mask's. Attention sinks (`sinks_H`, split like the query heads) start each
+    shard's online softmax (`blockwise.start`, `context_splash`'s merge) in every variant."""
     spec = lambda logical, x: shards.rules.activation_spec(logical, x.shape, shards.mesh,
                                                            "<context>")
     batch, length, heads, _ = spec(Q_AXES, q_BTHD)
@@ -150,20 +151,25 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask: Mas
     specs = {"q": q_spec, "k": kv_spec, "v": kv_spec, "slots": P(None, length)}
     if mask.q_segments_BT is not None:  # packed documents: their ids travel with the keys
         arrays["segments"], specs["segments"] = mask.q_segments_BT, P(batch, length)
+    if sinks_H is not None:
+        arrays["sinks"], specs["sinks"] = sinks_H, P(heads)
     placed = lambda run: jax.shard_map(run, mesh=shards.mesh, in_specs=(specs,),
                                        out_specs=q_spec, check_vma=False)
     plan = _splash_plan(shards, variant, mask, q_BTHD.shape[1], softcap)
     if plan is not None:
         run = lambda window: placed(lambda a: context_splash.attention(
-            a["q"], a["k"], a["v"], a["slots"], a.get("segments"), plan=plan(window)))
+            a["q"], a["k"], a["v"], a["slots"], a.get("segments"), plan=plan(window),
+            sinks_H=a.get("sinks")))
         if isinstance(mask.window, jax.Array):  # a local/global pattern: the layer's flag picks
             return jax.lax.cond(mask.window > 0, run(mask.local_window), run(0), arrays)
         return run(mask.window)(arrays)
     body = CONTEXT_ATTENTION[variant]
     run = lambda a: body(a["q"], a["k"], a["v"], a["slots"], a.get("segments"),
                          axes=shards.axes, n=shards.count, causal=mask.causal,
-                         window=mask.window, softmax_dtype=softmax_dtype, softcap=softcap)
+                         window=mask.window, softmax_dtype=softmax_dtype, softcap=softcap,
+                         **({"sinks_H": a["sinks"]} if "sinks" in a else {}))
     return placed(run)(arrays)
+
 
 
 def _splash_plan(shards: Shards, variant: str, mask: Mask, length: int, softcap: float
@@ -215,7 +221,8 @@ def _local(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T: ja
 def allgather_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                         slots_1T: jax.Array, segments_BT: jax.Array | None, *,
                         axes: tuple[str, ...], n: int, causal: bool, window: int,
-                        softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
+                        softmax_dtype: Any, softcap: float = 0.0,
+                        sinks_H: jax.Array | None = None) -> jax.Array:
     """One shard's attention: the whole sequence's keys gathered once, then attended block by
     block (the `n` shards' blocks, in a scan, each step as the ring's: hidden halves skipped,
     recomputed in the backward pass), so no (T/n, T) score matrix is ever whole."""
@@ -228,15 +235,15 @@ def allgather_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
     def step(acc: blockwise.Acc, held: dict) -> tuple[blockwise.Acc, None]:
         return attend(acc, held)[0], None
 
-    acc, _ = jax.lax.scan(step, blockwise.start(q_BTKGD, softmax_dtype),
+    acc, _ = jax.lax.scan(step, blockwise.start(q_BTKGD, softmax_dtype, sinks_H),
                           {name: x for name, x in blocks.items() if x is not None})
     return blockwise.finish(acc, v_BSKD)
 
 
 def ring_work(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T: jax.Array,
               segments_BT: jax.Array | None, *, axes: tuple[str, ...], n: int, causal: bool,
-              window: Any, softmax_dtype: Any, softcap: float = 0.0
-              ) -> tuple[jax.Array, jax.Array]:
+              window: Any, softmax_dtype: Any, softcap: float = 0.0,
+              sinks_H: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """One shard's ring attention and the score entries it computed (hidden halves skipped):
     `n` steps, each attending to the key block in hand while it moves on to the next shard
     (the last step sends nothing)."""
@@ -250,7 +257,7 @@ def ring_work(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T:
         acc, done = attend(acc, held)
         return (acc, {name: send(x) for name, x in held.items()}, work + done), None
 
-    start = (blockwise.start(q_BTKGD, softmax_dtype), block, jnp.int32(0))
+    start = (blockwise.start(q_BTKGD, softmax_dtype, sinks_H), block, jnp.int32(0))
     (acc, held, work), _ = jax.lax.scan(step, start, length=n - 1)
     acc, done = attend(acc, held)
     return blockwise.finish(acc, v_BSKD), work + done

@@ -30,6 +30,10 @@ the global gradient (P = exp(S - lse), dS = P (dP - rowsum(dO O))). `ring` and `
 rotate the blocks again in the backward pass, their dK/dV travelling home with them;
 `allgather` gathers K/V again and reduce-scatters dK/dV (the transpose of its gather).
 
+Attention sinks (GPT-OSS, `sinks` (H,)) are the merge's starting point: output 0 and
+log-sum-exp the sink, as if the sink were a key with a zero value; the backward pass is then
+unchanged given the merged (O, lse), and d sink = -sum over rows of exp(sink - lse) rowsum(dO O).
+
 Per-pair outputs (and dQ, dK, dV shares) come back in the inputs' dtype (the kernel's), and are
 merged (summed) in float32.
 Not on TPU the kernels run in Pallas interpret mode (tests). A layout off the kernel's
@@ -254,11 +258,14 @@ def _own(k: jax.Array, v: jax.Array, slots: jax.Array, seg: jax.Array | None) ->
 
 
 def _forward(plan: Plan, q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array,
-             seg: jax.Array | None) -> Acc:
-    """The merged output and log-sum-exp of the shard's queries over every key block."""
+             seg: jax.Array | None, sinks: jax.Array | None = None) -> Acc:
+    """The merged output and log-sum-exp of the shard's queries over every key block (and
+    the attention sinks, where given: the merge starts from them)."""
     kernels = plan.kernels(q.shape[1])
     b, h, t, _ = q.shape
-    acc = (jnp.zeros((b, h, t, v.shape[-1]), jnp.float32), jnp.full((b, h, t), NEG))
+    start = (jnp.full((b, h, t), NEG) if sinks is None else
+             jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], (b, h, t)))
+    acc = (jnp.zeros((b, h, t, v.shape[-1]), jnp.float32), start)
     attend = lambda acc, held: _attend(plan, kernels, q, slots, seg, acc, held)
     held = _own(k, v, slots, seg)
     if plan.gather:
@@ -296,7 +303,8 @@ def _attend_grads(plan: Plan, kernels: list, res: tuple, d_out: jax.Array, grads
 
 
 def _backward(plan: Plan, res: tuple, d_out: jax.Array) -> tuple:
-    q, k, v, slots, seg, _, _ = res
+    q, k, v, slots, seg, out, lse, sinks = res
+    res = res[:-1]
     kernels = plan.kernels(q.shape[1])
     grads = lambda dq, held, dk, dv: _attend_grads(plan, kernels, res, d_out, (dq, dk, dv),
                                                    held)
@@ -321,32 +329,38 @@ def _backward(plan: Plan, res: tuple, d_out: jax.Array) -> tuple:
         (dq, held), _ = jax.lax.scan(step, (zero(q), dict(held, dk=zero(k), dv=zero(v))),
                                      length=plan.n)
         dk, dv = held["dk"], held["dv"]
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    d_sinks = None
+    if sinks is not None:  # the sink's share of each row's softmax, times -rowsum(dO O)
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+        rows = jnp.einsum("bhtd,bhtd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
+        d_sinks = (-jnp.sum(p_sink * rows, axis=(0, 2))).astype(sinks.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_sinks
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _blocks(plan: Plan, q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array,
-            seg: jax.Array | None) -> jax.Array:
-    return _forward(plan, q, k, v, slots, seg)[0].astype(q.dtype)
+            seg: jax.Array | None, sinks: jax.Array | None) -> jax.Array:
+    return _forward(plan, q, k, v, slots, seg, sinks)[0].astype(q.dtype)
 
 
 def _blocks_fwd(plan: Plan, q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array,
-                seg: jax.Array | None) -> tuple[jax.Array, tuple]:
-    out, lse = _forward(plan, q, k, v, slots, seg)
+                seg: jax.Array | None, sinks: jax.Array | None) -> tuple[jax.Array, tuple]:
+    out, lse = _forward(plan, q, k, v, slots, seg, sinks)
     out = out.astype(q.dtype)
-    return out, (q, k, v, slots, seg, out, lse)
+    return out, (q, k, v, slots, seg, out, lse, sinks)
 
 
 _blocks.defvjp(_blocks_fwd, _backward)
 
 
 def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T: jax.Array,
-              segments_BT: jax.Array | None, *, plan: Plan) -> jax.Array:
+              segments_BT: jax.Array | None, *, plan: Plan,
+              sinks_H: jax.Array | None = None) -> jax.Array:
     """One shard's attention to every key block by splash kernels (see the module docstring);
     `slots_1T` the global slots of the shard's tokens (whole chunks of `plan.layout`);
-    out (B, T, H, D) like the queries."""
+    `sinks_H` the shard's heads' attention sinks; out (B, T, H, D) like the queries."""
     scale = 1.0 / np.sqrt(q_BTHD.shape[-1])  # the kernel takes queries already scaled
     q_BHTD = (q_BTHD * scale).astype(q_BTHD.dtype).swapaxes(1, 2)
     out_BHTD = _blocks(plan, q_BHTD, k_BSKD.swapaxes(1, 2), v_BSKD.swapaxes(1, 2), slots_1T,
-                       segments_BT)
+                       segments_BT, sinks_H)
     return out_BHTD.swapaxes(1, 2)

@@ -8,7 +8,8 @@ backward pass rotates the K/V blocks around the ring again, each shard adding it
 gradient contributions to the block's dK/dV, which travel with the block and arrive home after
 n hops, while dQ stays local (the flash-attention backward: P = exp(S - lse),
 dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = dS K, dK = dS^T Q, with the soft-cap's
-1 - tanh^2 on dS). Blocks are attended in tiles with hidden tiles skipped, as the forward pass
+1 - tanh^2 on dS; attention sinks start the forward's online softmax, `blockwise.start`, and
+get d sink = -sum over rows of exp(sink - lse) rowsum(dO O)). Blocks are attended in tiles with hidden tiles skipped, as the forward pass
 does (`attention/blockwise.py`).
 Shape suffixes as in `attention/blockwise.py`.
 """
@@ -89,12 +90,12 @@ def _block_grads(q: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
     return blockwise.untiled(dq, 1), dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
 def _ring(q_BTKGD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, slots_1T: jax.Array,
-          segments_BT: jax.Array | None, axes: tuple, n: int, causal: bool, window: int,
-          softmax_dtype: Any, softcap: float) -> jax.Array:
-    return _forward(q_BTKGD, k_BSKD, v_BSKD, slots_1T, segments_BT, axes, n, causal, window,
-                    softmax_dtype, softcap)[0]
+          segments_BT: jax.Array | None, sinks_H: jax.Array | None, axes: tuple, n: int,
+          causal: bool, window: int, softmax_dtype: Any, softcap: float) -> jax.Array:
+    return _forward(q_BTKGD, k_BSKD, v_BSKD, slots_1T, segments_BT, sinks_H, axes, n, causal,
+                    window, softmax_dtype, softcap)[0]
 
 
 def _send(axes: tuple, n: int) -> Any:
@@ -102,7 +103,8 @@ def _send(axes: tuple, n: int) -> Any:
     return lambda x: None if x is None else jax.lax.ppermute(x, axes, ring)
 
 
-def _forward(q, k, v, slots, segments, axes, n, causal, window, softmax_dtype, softcap):
+def _forward(q, k, v, slots, segments, sinks, axes, n, causal, window, softmax_dtype,
+             softcap):
     """The ring's forward pass (as `context.ring_work`), and the log-sum-exp (B, K, G, T)."""
     send = _send(axes, n)
     attend = blockwise.step_fn(q, slots, segments, causal, window, softcap)
@@ -113,22 +115,24 @@ def _forward(q, k, v, slots, segments, axes, n, causal, window, softmax_dtype, s
         acc = attend(acc, held)[0]
         return (acc, {name: send(x) for name, x in held.items()}), None
 
-    (acc, held), _ = jax.lax.scan(step, (blockwise.start(q, softmax_dtype), block), length=n - 1)
+    start = blockwise.start(q, softmax_dtype, sinks)
+    (acc, held), _ = jax.lax.scan(step, (start, block), length=n - 1)
     acc = attend(acc, held)[0]
     out = acc.out_BTKGD / rearrange(acc.sum_BKGT, "b k g t -> b t k g 1")
     lse = acc.max_BKGT + jnp.log(acc.sum_BKGT)
     return out.astype(q.dtype), lse
 
 
-def _ring_fwd(q, k, v, slots, segments, axes, n, causal, window, softmax_dtype, softcap):
-    out, lse = _forward(q, k, v, slots, segments, axes, n, causal, window, softmax_dtype,
-                        softcap)
-    return out, (q, k, v, slots, segments, out, lse)
+def _ring_fwd(q, k, v, slots, segments, sinks, axes, n, causal, window, softmax_dtype,
+              softcap):
+    out, lse = _forward(q, k, v, slots, segments, sinks, axes, n, causal, window,
+                        softmax_dtype, softcap)
+    return out, (q, k, v, slots, segments, sinks, out, lse)
 
 
 def _ring_bwd(axes, n, causal, window, softmax_dtype, softcap, res, d_out):
     """dQ locally; dK, dV ride with their blocks around the ring and are home after n hops."""
-    q, k, v, slots, segments, out, lse = res
+    q, k, v, slots, segments, sinks, out, lse = res
     delta = jnp.einsum("btkgd,btkgd->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     send = _send(axes, n)
     zero = jnp.zeros(k.shape, jnp.float32)
@@ -142,8 +146,14 @@ def _ring_bwd(axes, n, causal, window, softmax_dtype, softcap, res, d_out):
 
     block = {"k": k, "v": v, "slots": slots, "segments": segments, "dk": zero, "dv": zero}
     (dq, held), _ = jax.lax.scan(step, (jnp.zeros(q.shape, jnp.float32), block), length=n)
+    d_sinks = None
+    if sinks is not None:  # the sink's share of each row's softmax, times -rowsum(dO O)
+        p_sink = jnp.exp(rearrange(sinks.astype(jnp.float32), "(k g) -> 1 k g 1",
+                                   k=k.shape[2]) - lse)
+        d_sinks = rearrange(-jnp.sum(p_sink * delta, axis=(0, 3)), "k g -> (k g)"
+                            ).astype(sinks.dtype)
     return (dq.astype(q.dtype), held["dk"].astype(k.dtype), held["dv"].astype(v.dtype),
-            None, None)
+            None, None, d_sinks)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -152,7 +162,8 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def ring_vjp_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                        slots_1T: jax.Array, segments_BT: jax.Array | None, *,
                        axes: tuple[str, ...], n: int, causal: bool, window: Any,
-                       softmax_dtype: Any, softcap: float = 0.0) -> jax.Array:
+                       softmax_dtype: Any, softcap: float = 0.0,
+                       sinks_H: jax.Array | None = None) -> jax.Array:
     """One shard's ring attention whose backward pass is a ring (see the module docstring).
     A traced window (a per-layer local/global pattern) is not supported: use `ring`."""
     if isinstance(window, jax.Array):
@@ -161,6 +172,6 @@ def ring_vjp_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
             "this model's window changes per layer (a local/global pattern). Use",
             "model.context_attention=ring or allgather."))
     q_BTKGD = rearrange(q_BTHD, "b t (k g) d -> b t k g d", k=k_BSKD.shape[2])
-    out = _ring(q_BTKGD, k_BSKD, v_BSKD, slots_1T, segments_BT, tuple(axes), n, causal,
-                int(window), softmax_dtype, float(softcap))
+    out = _ring(q_BTKGD, k_BSKD, v_BSKD, slots_1T, segments_BT, sinks_H, tuple(axes), n,
+                causal, int(window), softmax_dtype, float(softcap))
     return rearrange(out, "b t k g d -> b t (k g) d").astype(v_BSKD.dtype)
