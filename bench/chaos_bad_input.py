@@ -30,6 +30,8 @@ def bad_input_files(tmp: str) -> dict[str, str]:
         f.write("{not json")
     with open(os.path.join(files["workdir"], "metrics.jsonl"), "w") as f:
         f.write("garbage\n{\n")
+    with open(os.path.join(files["workdir"], "events.jsonl"), "w") as f:
+        f.write('garbage\n{"event": "start", "time": "noon"}\n{"event": 1, "time": 0}\n')
     with open(files["docs"], "w") as f:
         f.write("the quick brown fox\n" * 50)
     return files
@@ -83,6 +85,9 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
         ("profile-summary", "missing workdir", [f['missing']]),
         ("profile-summary", "corrupt trace file", [f['junk']]),
         ("profile-summary", "bad flag value", [f['workdir'], "--top=x"]),
+        ("goodput", "missing workdir", [f['missing']]),
+        ("goodput", "events.jsonl of garbage and ill-typed events", [f['workdir']]),
+        ("goodput", "bad flag value", [f['workdir'], "--json=x"]),
     ]
 
 

@@ -109,6 +109,9 @@ def base_config() -> mlc.ConfigDict:
         index_cache="",            # directory keeping each process's text/jsonl/parquet length index
         chat_template="",          # chat / preference: a Jinja template file; '': the tokenizer's own
         train_on="assistant",      # chat: the loss counts assistant tokens | all tokens
+        # A resume onto another process count with a source whose position is per process
+        # (`Dataset.elastic=False`) is refused; True restarts that source's position instead.
+        restart_position_on_resize=False,
     ))
     # The training objective (jaxscale/objectives/): lm (the model's own task; chat data trains
     # on its loss mask), or a preference objective on preference pairs: dpo (beta,
@@ -128,7 +131,12 @@ def base_config() -> mlc.ConfigDict:
         # host_tracing: host tracer level 0-3; all_processes: every process, not only process 0.
         profile=dict(start_step=3, num_steps=0, host_tracing=2, all_processes=False)))
     c.pipeline = mlc.ConfigDict(dict(microbatches=1, repeats=1, schedule="gpipe"))
-    c.checkpoint = mlc.ConfigDict(dict(every=0, keep=3))
+    # every: steps between saves (0: none); every_minutes: minutes of training between saves
+    # (0: none; either interval triggers a save, and the timer restarts at every save).
+    # local_dir: a fast per-host tier ("{process}": the process index) saved every local_every
+    # steps / local_every_minutes, keeping local_keep (jaxscale/train/local_tier.py).
+    c.checkpoint = mlc.ConfigDict(dict(every=0, keep=3, every_minutes=0.0, local_dir="",
+                                       local_every=0, local_every_minutes=0.0, local_keep=2))
     # Object stores (jaxscale/storage/locations.py): empty = AWS_ENDPOINT_URL_S3 / AWS_REGION / AWS.
     # Credentials never go here: they come from the standard AWS / Google credential chains.
     c.storage = mlc.ConfigDict(dict(s3_endpoint="", s3_region="", timeout_s=30.0,
@@ -272,11 +280,35 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
     _require(c.checkpoint.every >= 0 and c.checkpoint.keep >= 1,
              f"checkpoint.every={c.checkpoint.every} must be >= 0 (0: no checkpoints) and",
              f"checkpoint.keep={c.checkpoint.keep} >= 1.")
+    _validate_checkpoint(c.checkpoint)
     path = c.init_from
     _require(not path or "://" in path or os.path.exists(path),
              f"config.init_from={path!r} does not exist. Point it at a Hugging Face model",
              "directory, a `launch.convert` output, a training workdir, a params export or a Lo-Fi",
              "store (remote stores as URLs).")
+
+
+def _validate_checkpoint(k: mlc.ConfigDict) -> None:
+    """The time intervals and the local tier (`checkpoint.local_*`)."""
+    for name in ("every_minutes", "local_every_minutes"):
+        minutes = k.get(name, 0.0)
+        _require(math.isfinite(minutes) and minutes >= 0,
+                 f"checkpoint.{name}={minutes} must be a finite number >= 0 (0: no time-based",
+                 "saves); e.g. 30 saves after every 30 minutes of training.")
+    local, every, minutes = k.get("local_dir", ""), k.get("local_every", 0), k.get(
+        "local_every_minutes", 0.0)
+    _require(every >= 0 and k.get("local_keep", 2) >= 1,
+             f"checkpoint.local_every={every} must be >= 0 and checkpoint.local_keep="
+             f"{k.get('local_keep', 2)} >= 1.")
+    _require(bool(local) == bool(every or minutes),
+             f"checkpoint.local_dir={local!r} with local_every={every} and local_every_minutes=",
+             f"{minutes}: the local tier needs both a directory and an interval. Set",
+             "checkpoint.local_dir to a fast per-host path (it may contain {process}) and",
+             "checkpoint.local_every (steps) or local_every_minutes, or none of them.")
+    _require("://" not in local,
+             f"checkpoint.local_dir={local!r} is a URL: the local tier is a path on each host's",
+             "own disk (local SSD or RAM disk); persistent checkpoints go to the workdir, which",
+             "may be a bucket (checkpoint.every).")
 
 
 BYTE_VOCAB = 256  # the stdlib corpus is byte-level: token ids 0..255

@@ -50,13 +50,15 @@ def test_every_subcommand_has_bad_inputs(tmp_path):
     cases = chaos_bad_input.bad_inputs(chaos_bad_input.bad_input_files(str(tmp_path)))
     covered = {subcommand for subcommand, _, _ in cases}
     assert covered == {"train", "evaluate", "generate", "convert", "inspect", "compile", "plan",
-                       "prepare-data", "lofi-local", "lofi-average", "plot", "profile-summary"}
+                       "prepare-data", "lofi-local", "lofi-average", "plot", "profile-summary",
+                       "goodput"}
     assert all(sum(s == c for s, _, _ in cases) >= 3 for c in covered)
 
 
 @pytest.mark.parametrize("subcommand", ["train", "evaluate", "generate", "convert", "inspect",
                                         "compile", "plan", "prepare-data", "lofi-local",
-                                        "lofi-average", "plot", "profile-summary"])
+                                        "lofi-average", "plot", "profile-summary",
+                                        "goodput"])
 def test_the_bad_input_table_runs(subcommand, tmp_path, capsys):
     results: list = []
     chaos_bad_input.scenario_bad_inputs(results, str(tmp_path), {subcommand})

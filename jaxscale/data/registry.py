@@ -84,6 +84,11 @@ class Dataset:
 
     build: Callable[..., tuple[Any, list]]
     heldout: Callable[..., list] | None = None
+    # The iterator's state is a position in *global* batches (each process takes its rows of
+    # every global batch), the same on every process, so a checkpoint resumes onto any process
+    # count with no example repeated or skipped (tests/test_elastic_data.py). A source whose
+    # position is per process sets False: `check_resize` then refuses such a resume.
+    elastic: bool = True
 
 
 # `config.data.corpus` -> its Dataset. An explicit table: every dataset is listed here.
@@ -102,6 +107,24 @@ def dataset_for(config: Any) -> Dataset:
             f"Unknown data.corpus={name!r}; available: {', '.join(sorted(DATASETS))}.",
         ))
     return DATASETS[name]
+
+
+def check_resize(config: Any, saved: int, now: int) -> bool:
+    """Whether the saved data position applies to this run, which resumes a checkpoint that
+    `saved` processes wrote on `now` processes: yes for an elastic source; for another, a
+    refusal in one paragraph, or False (restart the position) when the user accepted that with
+    `data.restart_position_on_resize`."""
+    if saved == now or dataset_for(config).elastic:
+        return True
+    name = "files" if config.data.get("sources") else config.data.corpus
+    if config.data.get("restart_position_on_resize", False):
+        return False
+    raise ConfigError(paragraph(
+        f"The checkpoint was written by {saved} processes and this run has {now}, but data",
+        f"source {name!r} keeps a position per process that cannot be re-sharded onto another",
+        "process count: resuming would repeat or skip training examples. Resume with",
+        f"{saved} processes, or set --config.data.restart_position_on_resize=True to accept",
+        "restarting the data from its beginning (the weights and step are kept)."))
 
 
 def build_data(config: Any, process_index: int, process_count: int,

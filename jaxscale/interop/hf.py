@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -43,6 +42,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxscale.errors import paragraph
+from jaxscale.interop.hf_checks import check_finite, check_tensors, expected_tensors
 from jaxscale.interop.hf_config import llama_config_from_hf, llama_config_to_hf
 from jaxscale.interop.safetensors_io import (
     ConversionError,
@@ -159,18 +159,7 @@ class Source:
         """HF tensor `name`, refused in one paragraph when it holds NaN or inf (a model
         converted from it would compute NaN: generation would print token 0s)."""
         arr = self.reader.get(name)
-        if arr.dtype.kind == "f" or arr.dtype.name in ("bfloat16", "float8_e4m3fn",
-                                                        "float8_e5m2"):
-            finite = np.isfinite(arr.astype(np.float32, copy=False))
-            if not finite.all():
-                nan = int(np.isnan(arr.astype(np.float32, copy=False)).sum())
-                raise ConversionError(paragraph(
-                    f"{self.reader.file_of(name)}: tensor {name} holds {nan} NaN and",
-                    f"{int((~finite).sum()) - nan} infinite value(s) (the first at flat index",
-                    f"{int(np.argmin(finite.reshape(-1)))}); a model converted from it would",
-                    "compute NaN (generation would print token 0s). The file is corrupt or was",
-                    "saved after training diverged: fetch it again, or re-save finite weights.",
-                ))
+        check_finite(self.reader, name, arr)
         return arr
 
     def read(self, path: str, shape: tuple[int, ...], dtype: Any,
@@ -184,97 +173,14 @@ class Source:
         return np.stack([np.asarray(leaf.from_hf(self.get, i)[index[1:]], dtype=dtype)
                          for i in layers])
 
-    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """{HF tensor name: (the shape config.json implies, jaxscale leaf)} of every tensor the
-        leaves read, from the model definition (nothing is read)."""
-        out = {}
-        for path, shape in self.shapes().items():
-            leaf = self.leaves[path]
-            layer = shape[1:] if leaf.stacked else shape
-            empty = np.empty(layer, dtype=np.uint8)  # untouched pages: no allocation
-            hf = leaf.hf_arrays(empty)
-            # An import-only leaf (GPT-OSS's gate / up halves of one HF tensor) does not map
-            # back to its tensor's shape: its names are checked for presence only (None).
-            exact = tuple(leaf.to_jax(*hf).shape) == tuple(layer)
-            hf_shapes = [tuple(a.shape) if exact else None for a in hf]
-            for i in (range(shape[0]) if leaf.stacked else [None]):
-                for n, s in zip(leaf.layer_names(i), hf_shapes):
-                    if out.get(n, (None,))[0] is None:
-                        out[n] = (s, path)
-        return out
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...] | None, str]]:
+        """{HF tensor name: (the shape config.json implies, jaxscale leaf)} (`hf_checks.py`)."""
+        return expected_tensors(self)
 
     def check_tensors(self, finite: bool = False) -> None:
-        """Every tensor the conversion reads is present with the shape config.json implies,
-        and no layer or expert beyond config.json's counts is present (it would be dropped
-        silently): one paragraph naming the file, the tensor and the fix, from the safetensors
-        headers, before a tensor is read. `finite`: also read every tensor once and refuse
-        NaN / inf (`convert` does, so that nothing is written from a corrupt checkpoint)."""
-        where = os.path.join(self.reader.directory, "config.json")
-        try:
-            expected = self.expected_tensors()
-        except ConversionError:
-            raise
-        except (ValueError, TypeError, MemoryError, OverflowError) as e:  # absurd sizes
-            raise ConversionError(paragraph(
-                f"{where}: the model these sizes describe cannot be built ({type(e).__name__}:",
-                f"{str(e)[:150]}); a size field (hidden_size, num_hidden_layers, vocab_size, ...)",
-                "is not the model's. Compare config.json with the model's original, or re-save",
-                "the model with `save_pretrained`. Nothing was written.")) from None
-        self._check_extra(expected, where)
-        for name, (shape, path) in expected.items():
-            if name not in self.reader:
-                raise ConversionError(paragraph(
-                    f"Tensor {name} (jaxscale leaf {path}) is missing from the safetensors files",
-                    f"of {self.reader.directory}, though {where} implies it (the checkpoint has",
-                    f"{len(self.reader.keys())} tensors, e.g. {sorted(self.reader.keys())[:2]}).",
-                    "The checkpoint does not match its config.json, or it is not a checkpoint of",
-                    "this model family: fetch the matching config.json or the missing files.",
-                    "Nothing was written."))
-            try:  # a dequantised MXFP4 name has no header of its own (`hf_mxfp4.py`)
-                got = tuple(self.reader.get_slice(name).get_shape())
-            except ConversionError:
-                continue
-            if shape is not None and got != shape:
-                raise ConversionError(paragraph(
-                    f"{self.reader.file_of(name)}: tensor {name} has shape {got}, but {where}",
-                    f"implies {shape} (jaxscale leaf {path}). The tensor and the config disagree:",
-                    "the file is corrupt or from another model size; fetch the matching",
-                    "safetensors files (or the matching config.json). Nothing was written."))
-        if finite:
-            for name in expected:
-                self.get(name)
-
-    def _check_extra(self, expected: Mapping[str, Any], where: str) -> None:
-        """Tensors of a layer (or an expert) past config.json's count would be dropped."""
-        def skeleton(name: str) -> str:
-            return re.sub(r"\.\d+\.", ".#.", name)
-
-        shapes = {skeleton(n) for n in expected}
-        layers = self.model_cfg.get("num_layers")
-        experts = dict(self.model_cfg.get("moe") or {}).get("num_experts") or 0
-        for name in sorted(self.reader.keys()):
-            if name in expected or skeleton(name) not in shapes:
-                continue
-            layer = re.search(r"\.layers?\.(\d+)\.", name)
-            expert = re.search(r"\.experts\.(\d+)\.", name)
-            if (layer and layers is not None
-                    and int(layer.group(1)) >= layers + self.unread_layers):
-                held = 1 + max(int(m.group(1)) for n in self.reader.keys()
-                               if (m := re.search(r"\.layers?\.(\d+)\.", n)))
-                field, said = "num_hidden_layers", f"num_hidden_layers={layers}"
-                count = f"{held} layers"
-            elif expert and experts and int(expert.group(1)) >= experts:
-                held = 1 + max(int(m.group(1)) for n in self.reader.keys()
-                               if (m := re.search(r"\.experts\.(\d+)\.", n)))
-                field = "num_local_experts (num_experts for Qwen3-MoE)"
-                said, count = f"the expert count is {experts}", f"{held} experts per layer"
-            else:
-                continue
-            raise ConversionError(paragraph(
-                f"{where}: {said}, but {self.reader.file_of(name)} holds tensor {name}",
-                f"({count}); converting would silently drop them. Set {field} in config.json",
-                "to what the checkpoint holds, or pair the safetensors with their",
-                "own config.json. Nothing was written."))
+        """Names, shapes and counts against config.json before a tensor is read; `finite`:
+        every tensor read once and NaN / inf refused (`hf_checks.py`)."""
+        check_tensors(self, finite)
 
     def lazy_leaves(self, dtype: Any) -> dict[str, LazyLeaf]:
         """{path: Leaf} in `dtype` after checking every tensor's name and shape against

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lofi-average": ("lofi_average", "the Lo-Fi averager (rounds, --watch, --final export)"),
     "compile": ("compile", "compile the train step for a TPU topology: memory, FLOPs, collectives"),
     "plan": ("plan", "rank candidate meshes / presets / remat for a TPU topology by compiling them"),
+    "goodput": ("goodput", "productive step time over wall time across a run's restarts"),
     "profile-summary": ("profile_summary", "top ops and collective share of a run's profiler trace"),
     "local-multihost": ("local_multihost", "N local processes joined by jax.distributed"),
     "tpu-pod": ("tpu_pod", "run a command on every worker of a TPU VM slice"),

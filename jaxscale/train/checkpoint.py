@@ -73,6 +73,9 @@ def _target(state: TrainState, shardings: TrainState, adapters_only: bool) -> di
     return out
 
 
+PROCESSES = "jaxscale_processes"  # beside the data position: how many processes saved it
+
+
 class Checkpointer:
     """Saves every `every` steps (keeping `keep`) and restores the newest complete step."""
 
@@ -99,6 +102,7 @@ class Checkpointer:
         self._dirty = False  # an outage may have left a half-written step to remove
         self._lost = False   # a save's commit failed: the state at hand must be saved again
         self._bytes = 0      # the last save's state, in bytes (what a full disk needed)
+        self.saved_processes: int | None = None  # of the step restored
         # The echoes of what is reported in one paragraph (an outage, a full disk): orbax's
         # logged tracebacks of its background commit, and the writes it abandons at the first
         # failure (closed event loops), which can print before the failure reaches us.
@@ -225,7 +229,9 @@ class Checkpointer:
                             frozen=state.frozen if adapters_only else s["frozen"],
                             opt_state=s["opt_state"], rng=jax.random.wrap_key_data(s["rng"]),
                             extra=s["extra"])
-        return new, dict(restored["data"] or {}) or None
+        data = dict(restored["data"] or {})
+        self.saved_processes = data.pop(PROCESSES, None)  # None: saved before it was recorded
+        return new, data or None
 
     def _check_layout(self, step: int) -> None:
         """A pre-fusion Llama checkpoint (separate wq/wk/wv, w_gate/w_up) gets one clear error
@@ -279,6 +285,9 @@ def _nbytes(state: TrainState) -> int:
 
 
 def _save_args(state: TrainState, data_state: dict | None, adapters_only: bool) -> Any:
+    """The state, and the data position with the process count that wrote it (a resume onto
+    another count checks that the data source can re-shard it: `registry.check_resize`)."""
     saveable = _to_saveable(state, adapters_only and bool(state.frozen))
+    data = {**(data_state or {}), PROCESSES: jax.process_count()}
     return ocp.args.Composite(state=ocp.args.StandardSave(saveable),
-                              data=ocp.args.JsonSave(data_state or {}))
+                              data=ocp.args.JsonSave(data))

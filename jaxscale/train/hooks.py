@@ -15,22 +15,25 @@ whether it saved the state).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
+import numpy as np
 
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.train.state import TrainState
 
 if TYPE_CHECKING:  # not at run time: orbax is imported only by runs that checkpoint
+    from jaxscale.observe.events import EventLog
     from jaxscale.train.checkpoint import Checkpointer
 
 # When each kind of hook runs (ascending). Checkpoints last: they save what the run continues
 # with (after a Lo-Fi sync), or a run resumed from a sync step's checkpoint would miss that
 # step's average. A hook without an `order` attribute runs at ORDER["default"].
-ORDER = {"logger": 0, "default": 100, "lofi": 200, "checkpoint": 300}
+ORDER = {"logger": 0, "default": 100, "lofi": 200, "checkpoint": 300, "goodput": 400}
 
 
 @dataclass(frozen=True)
@@ -78,29 +81,69 @@ def check_finite(state: TrainState, skip_nonfinite: bool) -> None:
         ))
 
 
+class Interval:
+    """When a tier saves: every `every` steps (0: never) or after `every_minutes` minutes of
+    training (0: never), whichever comes first; the timer starts at the first step (compiling
+    and restoring are not training) and restarts at every save. `clock` (seconds;
+    `time.monotonic`) is injectable so that tests decide the elapsed time. Every host must save
+    at the same step, and hosts' clocks differ, so with several processes process 0's decision
+    is broadcast to all at every step (one scalar); a single process decides alone."""
+
+    def __init__(self, every: int, every_minutes: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.every, self.every_minutes, self.clock = every, every_minutes, clock
+        self._last: float | None = None  # the clock at the last save (or the first step)
+
+    def due(self, step: int) -> bool:
+        due = bool(self.every and step % self.every == 0)
+        if self.every_minutes:
+            now = self.clock()
+            if self._last is None:
+                self._last = now
+            due = _agreed(due or now - self._last >= 60.0 * self.every_minutes)
+            if due:
+                self._last = now
+        return due
+
+
 class CheckpointHook:
-    """Saves every `checkpointer.every` steps, at the end and at a pre-emption, after checking
-    finiteness (good checkpoints are never overwritten with NaNs). `adapters_only` (LoRA with
-    `lora.save_adapters_only`): the frozen base is saved as its fingerprint only."""
+    """Saves every `checkpointer.every` steps and after every `every_minutes` minutes of
+    training, at the end and at a pre-emption, after checking finiteness (good checkpoints are
+    never overwritten with NaNs). `adapters_only` (LoRA with `lora.save_adapters_only`): the
+    frozen base is saved as its fingerprint only.
+
+    When: `Interval` (`interval.clock` is the timer's clock)."""
 
     order = ORDER["checkpoint"]
 
     def __init__(self, checkpointer: Checkpointer, skip_nonfinite: bool = False,
-                 adapters_only: bool = False):
+                 adapters_only: bool = False, every_minutes: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic, events: EventLog | None = None):
         self.checkpointer = checkpointer
         self.skip_nonfinite = skip_nonfinite
         self.adapters_only = adapters_only
+        self.interval = Interval(checkpointer.every if checkpointer else 0, every_minutes,
+                                 clock)
+        self.events = events  # the run's event log (`jaxscale goodput`): each save, timed
 
     def _save(self, info: StepInfo) -> None:
         check_finite(info.state, self.skip_nonfinite)
+        began = time.monotonic()
         self.checkpointer.save(info.step, info.state, info.data_state, self.adapters_only)
+        self._record(info.step, began)
+
+    def _record(self, step: int, began: float) -> None:
+        """The save in the event log: the seconds the loop was held (an async save's commit
+        continues in the background and is waited for by the next save)."""
+        if self.events is not None:
+            self.events.timed("save", time.monotonic() - began, step=step, tier="persistent")
 
     def after_step(self, info: StepInfo) -> None:
-        if self.checkpointer.every and info.step % self.checkpointer.every == 0:
+        if self.interval.due(info.step):
             self._save(info)
 
     def at_end(self, info: StepInfo) -> None:
-        self._finish(info, save=bool(self.checkpointer.every))
+        self._finish(info, save=bool(self.interval.every or self.interval.every_minutes))
 
     def at_preemption(self, info: StepInfo) -> bool:
         """Saves at `info.step` (every host calls this at the same step) unless the periodic
@@ -111,7 +154,20 @@ class CheckpointHook:
     def _finish(self, info: StepInfo, save: bool) -> None:
         """Saves `info.step` if asked (and not saved yet), waits until the last save is
         committed (redoing one an outage failed, from `info.state`), and closes."""
-        if save and self.checkpointer.latest_step() != info.step:
+        fresh = save and self.checkpointer.latest_step() != info.step
+        if fresh:
             check_finite(info.state, self.skip_nonfinite)
+        began = time.monotonic()
         self.checkpointer.finish(info.step, info.state, info.data_state, self.adapters_only,
                                  save)
+        if fresh:
+            self._record(info.step, began)
+
+
+def _agreed(decision: bool) -> bool:
+    """Process 0's `decision`, on every process (a time-based save must happen at the same step
+    on all hosts); the local decision when there is one process."""
+    if jax.process_count() == 1:
+        return decision
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(decision)))

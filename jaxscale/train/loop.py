@@ -13,6 +13,7 @@ then raise `Preempted`) hang off the same loop. Only process 0 logs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -22,10 +23,11 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxscale import config as config_lib
-from jaxscale.data.registry import build_data
+from jaxscale.data.registry import build_data, check_resize
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.hardware import peak_flops_source
 from jaxscale.mesh import make_mesh, mesh_summary
+from jaxscale.observe.events import EventLog, GoodputHook
 from jaxscale.observe.loggers import make_loggers
 from jaxscale.observe.metrics import model_flops_per_token
 from jaxscale.observe.profiling import Profiler
@@ -58,6 +60,8 @@ class Trainer:
     eval_data: list[dict[str, np.ndarray]]
     hooks: list[Hook] = field(default_factory=list)
     data_state: dict | None = None
+    # WORKDIR/events.jsonl (`jaxscale goodput`); `prepare` enables it for a workdir.
+    events: EventLog = field(default_factory=lambda: EventLog(None))
 
     @classmethod
     def build(cls, config: mlc.ConfigDict, workdir: str,
@@ -116,7 +120,8 @@ class Trainer:
         cfg, state = self.config.train, self.state
         start = int(jax.device_get(state.step))
         it = self.batches.iterator(self.data_state)
-        hooks = in_order([*make_loggers(self, start), *self.hooks])
+        hooks = in_order([*make_loggers(self, start), *self.hooks,
+                          GoodputHook(self.events, cfg.log_every, cfg.steps)])
         bar = ProgressBar(cfg.steps, initial=start, enabled=self.is_primary)
         meter = Throughput(self.config.data.batch_size * self.config.data.seq_len,
                            self.flops_per_token(), jax.device_count(),
@@ -126,6 +131,8 @@ class Trainer:
         batch = self.to_global(next(it)) if start < cfg.steps else None
         if batch is not None:
             meter.compiled(self._compile(state, batch))
+            self.events.record("compile", seconds=round(meter.compile_s, 6))
+        self.events.loop_started()
         try:
             with PreemptionWatch() as preemption:
                 for step in range(start + 1, cfg.steps + 1):
@@ -137,6 +144,8 @@ class Trainer:
                         if step == start + 1:  # timed to completion, apart from the rest
                             jax.block_until_ready(metrics)
                             meter.first_step_done(step, timer.elapsed())
+                            self.events.record("first_step", step=step,
+                                               seconds=round(timer.elapsed(), 6))
                     batch = None
                     info = StepInfo(step, state, data_state=self.data_state)
                     if step % cfg.log_every == 0 or step == cfg.steps:
@@ -218,27 +227,70 @@ def _after_step(hooks: Sequence[Any], info: StepInfo) -> TrainState:
 
 
 def _attach_checkpoints(trainer: Trainer) -> None:
-    """Resumes from the newest complete checkpoint in the workdir and saves periodically
-    (every `checkpoint.every` steps; 0: only when pre-empted)."""
+    """Resumes from the newest checkpoint, local tier first (`_resume`), and saves
+    periodically: every `checkpoint.every` steps / `every_minutes` to the workdir (0: only when
+    pre-empted or at the end), and to the local tier if `checkpoint.local_dir` is set."""
     from jaxscale.train.checkpoint import Checkpointer
+    from jaxscale.train.hooks import Interval
 
     c, lora = trainer.config.checkpoint, trainer.config.get("lora")
     checkpointer = Checkpointer(trainer.workdir, c.every, c.keep)
-    if checkpointer.latest_step() is not None:
-        trainer.state, trainer.data_state = checkpointer.restore(trainer.state, trainer.shardings)
-        if trainer.is_primary:  # the newest step that restored (a broken newer one is skipped)
-            step = int(jax.device_get(trainer.state.step))
-            print(f"jaxscale: resumed from {checkpointer.directory}/{step}")
+    tier = None
+    if c.get("local_dir"):
+        from jaxscale.train.local_tier import LocalTier, LocalTierHook
+        tier = LocalTier(c.local_dir, c.local_every, c.local_keep)
+        trainer.hooks.append(LocalTierHook(
+            tier, Interval(c.local_every, c.get("local_every_minutes", 0.0)),
+            trainer.config.train.skip_nonfinite, trainer.events))
+    _resume(trainer, checkpointer, tier)
     adapters_only = bool(lora and lora.rank and lora.get("save_adapters_only", False))
-    trainer.hooks.append(CheckpointHook(checkpointer, trainer.config.train.skip_nonfinite,
-                                        adapters_only))
+    trainer.hooks.insert(0, CheckpointHook(checkpointer, trainer.config.train.skip_nonfinite,
+                                           adapters_only, c.get("every_minutes", 0.0),
+                                           events=trainer.events))
+
+
+def _resume(trainer: Trainer, checkpointer: Any, tier: Any) -> None:
+    """Restores the newest step complete on every process's local tier if it is at least as
+    new as the persistent one, else the newest persistent step (a broken newer one is
+    skipped); one line names the step and the tier."""
+    persistent = checkpointer.latest_step()
+    began, why, restored = time.monotonic(), "", None
+    if tier is not None:
+        from jaxscale.train.local_tier import restore_newest
+        restored, why = restore_newest(tier, persistent, trainer.state, trainer.shardings)
+    if restored is not None:
+        step, trainer.state, trainer.data_state = restored
+        where, name = f"step {step} of the local tier {tier.directory}", "local"
+    elif persistent is not None:
+        trainer.state, trainer.data_state = checkpointer.restore(trainer.state, trainer.shardings)
+        step = int(jax.device_get(trainer.state.step))
+        saved = checkpointer.saved_processes
+        if saved and not check_resize(trainer.config, saved, jax.process_count()):
+            trainer.data_state = None  # accepted: the source restarts from its beginning
+        where, name = f"{checkpointer.directory}/{step} (persistent tier", "persistent"
+        where += f"; the local tier {why})" if tier is not None else ")"
+    else:
+        if tier is not None:
+            tier.drop_after(0)
+        return
+    if tier is not None:
+        tier.drop_after(step)
+    trainer.events.record("restore", step=step, tier=name,
+                          seconds=round(time.monotonic() - began, 6))
+    if trainer.is_primary:
+        print(f"jaxscale: resumed from {where}", flush=True)
 
 
 def prepare(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> Trainer:
     """The run `train` runs, built and not yet started: resumed from the newest complete
     checkpoint in `workdir`, with its hooks. A Lo-Fi worker (`jaxscale.lofi.worker.
     train_worker`) adds its own hook to it before running it."""
+    began = time.time()
     trainer = Trainer.build(config, workdir)
+    # The event log of `jaxscale goodput`: this process's start, from before the build.
+    trainer.events = EventLog(workdir, enabled=trainer.is_primary)
+    trainer.events.record("start", at=began, processes=jax.process_count(),
+                          devices=jax.device_count())
     if workdir:  # with checkpoint.every=0 still: a pre-empted run saves, and resumes from that
         _attach_checkpoints(trainer)
     trainer.hooks.extend(hooks)

@@ -1,0 +1,165 @@
+"""The workdir's event log, `WORKDIR/events.jsonl`: what `jaxscale goodput` reads.
+
+Why a log of its own: metrics.jsonl is truncated on resume (so that a resumed run's file equals
+an uninterrupted run's), which erases exactly what goodput is about: the steps a run took and
+then lost. `events.jsonl` is append-only across every restart of the run. Process 0 writes one
+JSON object per line: `{"event": NAME, "time": <unix seconds>, ...}` with
+
+- `start` (the process began building the run; `processes`, `devices`),
+- `restore` (`step`, `seconds`, `tier`: where the checkpoint came from),
+- `compile` (`seconds`), `first_step` (`step`, `seconds`),
+- `progress` (`step`, `seconds`: time in the loop since the previous `progress` or the start of
+  the loop, less the saves in it; written on logged steps),
+- `save` (`step`, `seconds` the loop was held by it, `tier`),
+- `preempted` (`step`), `exit` (`step`).
+
+A process killed with SIGKILL writes no `exit`: the next `start` shows the interruption, and
+its last `progress` says how far it got. Written through the storage layer like metrics.jsonl:
+appended and flushed locally (a kill leaves whole lines, or one cut-short last line that the
+reader skips); on gs:// / s3:// (no append) the whole object is rewritten at each event.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from jaxscale.storage import locations, workdir_files
+
+FILE = "events.jsonl"
+
+
+class EventLog:
+    """Appends events to WORKDIR/events.jsonl; disabled (no workdir, process > 0) it only
+    keeps the clocks the hooks read. `clock`: unix seconds (events of separate processes are
+    compared, so not a monotonic clock); injectable for tests."""
+
+    def __init__(self, workdir: str | None, enabled: bool = True,
+                 clock: Callable[[], float] = time.time):
+        self.enabled = bool(enabled and workdir)
+        self.clock = clock
+        self.path = locations.join(workdir, FILE) if workdir else None
+        self._remote = bool(workdir) and locations.is_remote(workdir)
+        self._file: TextIO | None = None
+        self._text = ""
+        self._opened = False
+        self.overhead_s = 0.0  # seconds of saves since the last `progress` (not step time)
+        self._mark: float | None = None
+
+    def _open(self) -> None:
+        if self._remote:
+            self._text = workdir_files.read_text(self.path) or ""
+            if self._text and not self._text.endswith("\n"):
+                self._text += "\n"
+            return
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        cut = os.path.exists(self.path) and _ends_without_newline(self.path)
+        self._file = open(self.path, "a")
+        if cut:  # a write cut short by a kill: start on a line of our own
+            self._file.write("\n")
+
+    def record(self, event: str, at: float | None = None, **fields: Any) -> None:
+        """Appends `event` at `at` (default: now) with `fields`."""
+        if not self.enabled:
+            return
+        if not self._opened:
+            self._open()
+            self._opened = True
+        line = json.dumps({"event": event, "time": self.clock() if at is None else at,
+                           **fields}) + "\n"
+        if self._remote:
+            self._text += line
+            workdir_files.write_text(self.path, self._text)
+        else:
+            self._file.write(line)
+            self._file.flush()
+
+    def loop_started(self) -> None:
+        """The step loop begins (after restoring and compiling): step time counts from here."""
+        self._mark, self.overhead_s = self.clock(), 0.0
+
+    def progress(self, step: int) -> None:
+        """Records the loop time since the last mark, less the saves in it, as step time."""
+        now = self.clock()
+        if self._mark is None:
+            self._mark = now
+        self.record("progress", at=now, step=step,
+                    seconds=round(max(0.0, now - self._mark - self.overhead_s), 6))
+        self._mark, self.overhead_s = now, 0.0
+
+    def timed(self, event: str, seconds: float, **fields: Any) -> None:
+        """Records a save (or another pause of the loop) that step time must leave out."""
+        self.overhead_s += seconds
+        self.record(event, seconds=round(seconds, 6), **fields)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            self._opened = False
+
+
+def _ends_without_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+def read_events(workdir: str) -> tuple[list[dict], int]:
+    """(the events of WORKDIR/events.jsonl, how many lines did not parse: writes cut short by
+    a kill); a workdir without the file has none."""
+    text = workdir_files.read_text(locations.join(workdir, FILE)) or ""
+    events, bad = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if _well_formed(record):
+            events.append(record)
+        else:
+            bad += 1
+    return events, bad
+
+
+def _well_formed(record: Any) -> bool:
+    """An event the report can use: a name, a time, and numbers where numbers belong (a hand
+    edit or a foreign file is skipped like a cut-short line, not a traceback)."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    return (isinstance(record, dict) and isinstance(record.get("event"), str)
+            and number(record.get("time"))
+            and all(number(record[k]) for k in ("step", "seconds") if k in record))
+
+
+class GoodputHook:
+    """Writes the loop's events: `progress` on logged steps, `preempted`, `exit`. Runs after
+    the checkpoint hook so that a step's save is counted as saving, not as step time."""
+
+    order = 400  # jaxscale.train.hooks.ORDER["goodput"]: after the checkpoint hook
+
+    def __init__(self, events: EventLog, log_every: int, last_step: int):
+        self.events, self.log_every, self.last_step = events, log_every, last_step
+
+    def after_step(self, info: Any) -> None:
+        if info.step % self.log_every == 0 or info.step == self.last_step:
+            self.events.progress(info.step)
+
+    def at_end(self, info: Any) -> None:
+        self.events.record("exit", step=info.step)
+        self.events.close()
+
+    def at_preemption(self, info: Any) -> bool:
+        self.events.progress(info.step)
+        self.events.record("preempted", step=info.step)
+        self.events.close()
+        return False

@@ -1,0 +1,229 @@
+"""The local checkpoint tier: frequent saves to a fast per-host disk, beside the persistent ones.
+
+Why: a save to a bucket every few steps costs throughput, and saving rarely costs hours of
+steps when a pre-emptible host vanishes. `checkpoint.local_dir` (a local SSD or RAM disk; may
+contain `{process}`, replaced by the process index, so that processes sharing a machine keep
+apart) receives a save every `checkpoint.local_every` steps (or `local_every_minutes`); the
+workdir keeps the persistent saves of `checkpoint.every`.
+
+Why not orbax's emergency `CheckpointManager`: with one slice (every CPU run, one TPU slice, one
+GPU cluster without DCN slices) it discards the local directory and keeps only the persistent
+manager, and it saves one state tree, without the data iterator's position. So each process
+runs its own orbax `CheckpointManager`, configured as the emergency manager's local one is
+(no primary host: the process writes every shard it holds and its own metadata, with barriers
+among itself only), and the processes agree at start on the newest step complete on every one
+of them (`agreed_steps`: an all-gather of each process's step list). Orbax writes a step into a
+temporary directory and renames it when complete, so a step cut short by a kill is never
+listed, hence never chosen; `local_keep` old steps are kept, older ones deleted by orbax.
+
+A host whose tier is empty (replaced) makes the common step absent, and the run restores the
+persistent tier; so does a local restore that fails on any process (another mesh: the shards a
+process holds are not the ones it needs), agreed by all processes so that they restore the same
+step. Fetching a replaced host's shards from its peers is not done: the persistent tier is the
+fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import type_handlers
+
+from jaxscale.train.state import TrainState
+
+MAX_AGREED = 64  # the newest steps each process offers to the agreement (a fixed-size gather)
+
+
+class _PerProcessNotes(logging.Filter):
+    """Orbax warns at every array of every local save that it cannot log global sizes without a
+    primary host: true of every local save by design, so dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "logging disabled for `primary_host=None`" not in record.getMessage()
+
+
+class LayoutChanged(Exception):
+    """The local step holds other shards than this process needs (see `layout_key`)."""
+
+
+def layout_key(leaves: list[Any]) -> str:
+    """Which pieces of which arrays this process holds: per array, the set of index ranges of
+    its addressable shards, and the process count, hashed. A local tier holds only what its
+    process wrote, and tensorstore reads a chunk nobody wrote as the fill value (zeros), not
+    an error, so a restore onto another mesh or process count would silently load zeros where
+    another host's shards were; comparing this key refuses it instead."""
+    parts: list[Any] = [jax.process_count()]
+    for x in leaves:
+        index = x.sharding.addressable_devices_indices_map(x.shape)
+        parts.append(sorted({json.dumps([list(sl.indices(n)[:2]) for sl, n in zip(i, x.shape)])
+                             for i in index.values()}))
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def local_directory(template: str) -> str:
+    """This process's local tier: `template` with `{process}` replaced, made absolute."""
+    return os.path.abspath(template.replace("{process}", str(jax.process_index())))
+
+
+def _all_gather(values: np.ndarray) -> np.ndarray:
+    """Every process's `values`, stacked (one process: its own, as one row)."""
+    if jax.process_count() == 1:
+        return values[None]
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(values))
+
+
+def all_agree(ok: bool) -> bool:
+    """Whether `ok` holds on every process (each process passes its own)."""
+    return bool(_all_gather(np.array([int(ok)], np.int32)).min())
+
+
+class LocalTier:
+    """This process's orbax manager of the local tier (see the module docstring)."""
+
+    def __init__(self, template: str, every: int, keep: int):
+        self.every = every
+        logging.getLogger("absl").addFilter(_PerProcessNotes())
+        self.directory = local_directory(template)
+        pid = jax.process_index()
+        multiprocessing = ocp.options.MultiprocessingOptions(
+            primary_host=None, active_processes={pid}, barrier_sync_key_prefix=f"local-{pid}")
+        registry = type_handlers.create_type_handler_registry(
+            (jax.Array, type_handlers.ArrayHandler(primary_host=None, replica_id=None,
+                                                   use_replica_parallel=False)))
+        state = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True,
+                                            multiprocessing_options=multiprocessing,
+                                            type_handler_registry=registry)
+        data = ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=False, enable_async_checkpointing=True,
+            multiprocessing_options=multiprocessing, save_root_metadata=False,
+            enable_per_process_directory_creation=True, enable_background_delete=False)
+        os.makedirs(self.directory, exist_ok=True)  # orbax's create=True refuses a subset
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_handlers={"state": state, "data": data})
+
+    def steps(self) -> list[int]:
+        """The complete steps in this process's tier (orbax lists no half-written one)."""
+        return sorted(self.manager.all_steps())
+
+    def agreed_steps(self) -> list[int]:
+        """The steps complete on every process's local tier, newest first (the same list on
+        every process: each takes part in the same restores, in the same order)."""
+        mine = np.full(MAX_AGREED, -1, np.int64)
+        newest = self.steps()[-MAX_AGREED:]
+        mine[:len(newest)] = newest
+        rows = _all_gather(mine)
+        common = set.intersection(*({int(s) for s in row if s >= 0} for row in rows))
+        return sorted(common, reverse=True)
+
+    def save(self, step: int, state: TrainState, data_state: dict | None) -> None:
+        """Starts saving `step` (the whole state, with this process's data position); its
+        commit continues in the background."""
+        from jaxscale.train.checkpoint import _to_saveable
+        tree = _to_saveable(state)
+        meta = {"position": data_state or {}, "layout": layout_key(jax.tree.leaves(tree))}
+        self.manager.save(step, force=True, args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave(meta)))
+
+    def restore(self, step: int, state: TrainState,
+                shardings: TrainState) -> tuple[TrainState, dict | None]:
+        """`step` from this process's tier onto the run's shardings; raises if this process's
+        files do not hold what it needs (the caller agrees with the others on falling back)."""
+        from jaxscale.train.checkpoint import _target
+        target = _target(state, shardings, adapters_only=False)
+        meta = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
+        if (meta["data"] or {}).get("layout") != layout_key(jax.tree.leaves(target)):
+            raise LayoutChanged(step)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        got = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
+            data=ocp.args.JsonRestore()))
+        s = got["state"]
+        new = state.replace(step=s["step"], params=s["params"], frozen=s["frozen"],
+                            opt_state=s["opt_state"], rng=jax.random.wrap_key_data(s["rng"]),
+                            extra=s["extra"])
+        return new, dict((got["data"] or {}).get("position") or {}) or None
+
+    def drop_after(self, step: int) -> None:
+        """Deletes this process's local steps newer than `step`, the step the run resumed from
+        (0: a fresh start): they are of another trajectory (a run before a persistent
+        fallback, or an older run in the same directory) and this run will save those step
+        numbers again."""
+        stale = [s for s in self.steps() if s > step]
+        for s in stale:
+            self.manager.delete(s)
+        if stale:
+            self.manager.reload()
+
+    def finish(self) -> None:
+        """Waits until the last local save is committed, then closes."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def restore_newest(tier: LocalTier, persistent_step: int | None, state: TrainState,
+                   shardings: TrainState) -> tuple[tuple[int, TrainState, dict | None] | None,
+                                                   str]:
+    """((step, state, data state), "") from the newest local step that is complete on every
+    process, at least as new as the persistent tier's, and restores on every process (a damaged
+    newest step gives way to the one before it); else (None, why not), and the persistent tier
+    is restored."""
+    steps = tier.agreed_steps()
+    if not steps:
+        n = jax.process_count()
+        return None, ("has no step complete on every process" if n > 1 else "has no step")
+    failed = []
+    for step in steps:
+        if persistent_step is not None and step < persistent_step:
+            break
+        try:
+            restored: Any = tier.restore(step, state, shardings)
+        except Exception:  # any failure here means: try an older step, then the persistent tier
+            restored = None
+        if all_agree(restored is not None):
+            return (step, *restored), ""
+        failed.append(str(step))
+    if not failed:
+        return None, f"has only the older step {steps[0]}"
+    return None, (f"could not restore step {', '.join(failed)} on every process (damaged, or "
+                  "saved with another mesh or process count: each host holds only its own "
+                  "shards)")
+
+
+class LocalTierHook:
+    """Saves to the local tier on its `Interval` (after finiteness is checked, like the
+    persistent saves: a NaN state never replaces a good step), and waits for the last local
+    commit at the end or a pre-emption (where the persistent tier saves the stopping step)."""
+
+    def __init__(self, tier: LocalTier, interval: Any, skip_nonfinite: bool,
+                 events: Any = None):
+        from jaxscale.train.hooks import ORDER
+        self.order = ORDER["checkpoint"]
+        self.tier, self.interval = tier, interval
+        self.skip_nonfinite, self.events = skip_nonfinite, events
+
+    def after_step(self, info: Any) -> None:
+        if self.interval.due(info.step):
+            from jaxscale.train.hooks import check_finite
+            check_finite(info.state, self.skip_nonfinite)
+            began = time.monotonic()
+            self.tier.save(info.step, info.state, info.data_state)
+            if self.events is not None:
+                self.events.timed("save", time.monotonic() - began, step=info.step,
+                                  tier="local")
+
+    def at_end(self, info: Any) -> None:
+        self.tier.finish()
+
+    def at_preemption(self, info: Any) -> bool:
+        self.tier.finish()
+        return False

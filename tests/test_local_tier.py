@@ -1,0 +1,179 @@
+"""The local checkpoint tier (issue 44 item 1): frequent saves to a per-process directory beside
+the persistent workdir saves; a restart restores the newest step complete on the local tier,
+else the persistent one, and says which; a truncated or broken local step is never used; old
+local steps are deleted; the resumed run's losses equal an uninterrupted run's."""
+
+import os
+import shutil
+
+import pytest
+
+from configs.tiny_lm import get_config
+from jaxscale import config as config_lib
+from jaxscale.errors import ConfigError
+from jaxscale.observe.metrics import read_metrics
+from jaxscale.train.checkpoint import Checkpointer
+from jaxscale.train.local_tier import LocalTierHook
+from jaxscale.train.loop import prepare, train
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAfter:
+    """Raises after `step`'s saves (the highest order): the process dying mid-run."""
+
+    order = 500
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def after_step(self, info):
+        if info.step == self.step:
+            raise Crash()
+
+    def at_end(self, info):
+        pass
+
+
+def _config(local: str, steps: int = 8):
+    c = get_config("test")
+    c.train.update(steps=steps, log_every=1, eval_every=0)
+    c.checkpoint.update(every=4, local_dir=local, local_every=1, local_keep=2)
+    return c
+
+
+def _crash_at(config, workdir: str, step: int) -> None:
+    """Trains until `step` and stops there as a killed process would, after letting the
+    background commits in flight finish (a kill after them)."""
+    trainer = prepare(config, workdir, hooks=[CrashAfter(step)])
+    with pytest.raises(Crash):
+        trainer.run()
+    for hook in trainer.hooks:
+        if isinstance(hook, LocalTierHook):
+            hook.tier.finish()
+        elif hasattr(hook, "checkpointer"):
+            hook.checkpointer.close()
+
+
+def _losses(workdir: str) -> list[float]:
+    return [r["loss"] for r in read_metrics(workdir)]
+
+
+def _local_steps(local: str) -> list[str]:
+    return sorted(n for n in os.listdir(local) if n.isdigit())
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """An uninterrupted run's losses (no local tier: it must not change the trajectory)."""
+    workdir = str(tmp_path_factory.mktemp("whole"))
+    c = _config("")
+    c.checkpoint.update(local_every=0)
+    train(c, workdir)
+    return _losses(workdir)
+
+
+def test_resumes_from_the_newest_local_step_and_matches_an_uninterrupted_run(
+        tmp_path, whole, capfd):
+    local = str(tmp_path / "local-{process}")
+    workdir = str(tmp_path / "run")
+    _crash_at(_config(local), workdir, 6)
+    assert _local_steps(str(tmp_path / "local-0")) == ["5", "6"]  # local_keep=2: older deleted
+    assert Checkpointer(workdir, 4, 3).latest_step() == 4
+    capfd.readouterr()
+    train(_config(local), workdir)
+    out = capfd.readouterr().out
+    assert f"resumed from step 6 of the local tier {tmp_path / 'local-0'}" in out
+    assert _losses(workdir) == whole
+
+
+def test_an_empty_local_tier_falls_back_to_the_persistent_step(tmp_path, whole, capfd):
+    local, workdir = str(tmp_path / "local"), str(tmp_path / "run")
+    _crash_at(_config(local), workdir, 6)
+    shutil.rmtree(local)  # a replaced host: its local disk is empty
+    capfd.readouterr()
+    train(_config(local), workdir)
+    out = capfd.readouterr().out
+    assert f"resumed from {workdir}/checkpoints/4 (persistent tier; the local tier has no " \
+           "step)" in out
+    assert _losses(workdir) == whole
+
+
+def test_truncated_and_broken_local_steps_are_never_chosen(tmp_path, whole, capfd):
+    """A truncated step is never listed; a damaged newest step gives way to the one before."""
+    local, workdir = str(tmp_path / "local"), str(tmp_path / "run")
+    _crash_at(_config(local), workdir, 6)
+    # A save cut short by a kill: orbax's temporary directory, never listed as a step.
+    os.makedirs(os.path.join(local, "7.orbax-checkpoint-tmp-1234", "state"))
+    # And step 6 damaged after its commit: its array data gone.
+    for root, _, files in os.walk(os.path.join(local, "6", "state")):
+        for name in files:
+            if "ocdbt" in root or name.startswith("d"):
+                os.remove(os.path.join(root, name))
+    capfd.readouterr()
+    train(_config(local), workdir)
+    out = capfd.readouterr().out
+    assert f"resumed from step 5 of the local tier {local}" in out
+    assert _losses(workdir) == whole
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(local_dir="/tmp/x", local_every=0), "needs both a directory and an interval"),
+    (dict(local_every=5), "needs both a directory and an interval"),
+    (dict(local_dir="s3://bucket/x", local_every=5), "is a URL"),
+    (dict(local_dir="/tmp/x", local_every=5, local_keep=0), "local_keep=0 >= 1"),
+    (dict(local_dir="/tmp/x", local_every_minutes=float("inf")), "local_every_minutes=inf"),
+])
+def test_local_tier_settings_are_checked_in_one_paragraph(fields, named):
+    c = get_config("test")
+    c.checkpoint.update(**fields)
+    with pytest.raises(ConfigError, match=named) as e:
+        config_lib.validate(c)
+    assert "\n" not in str(e.value)
+
+
+def test_another_mesh_restores_the_persistent_step_not_zeros_from_the_local_tier(
+        tmp_path, whole, capfd):
+    """Each local step records which shards its process holds; a run on another mesh (which
+    would read unwritten chunks as zeros) takes the persistent tier instead."""
+    local, workdir = str(tmp_path / "local"), str(tmp_path / "run")
+    _crash_at(_config(local), workdir, 6)
+    c = _config(local)
+    c.mesh.update(data=1, fsdp=4, tensor=2)
+    capfd.readouterr()
+    train(c, workdir)
+    out = capfd.readouterr().out
+    assert f"resumed from {workdir}/checkpoints/4 (persistent tier; the local tier could " \
+           "not restore step 6, 5 on every process" in out
+    assert _losses(workdir) == pytest.approx(whole, rel=1e-5)
+
+
+def test_local_every_minutes_saves_on_the_injected_clock(tmp_path):
+    from tests.test_checkpoint_time import Minutes
+
+    local = str(tmp_path / "local")
+    c = _config(local)
+    c.checkpoint.update(every=0, local_every=0, local_every_minutes=2.5, local_keep=5)
+    trainer = prepare(c, str(tmp_path / "run"))
+    [hook] = [h for h in trainer.hooks if isinstance(h, LocalTierHook)]
+    hook.interval.clock = Minutes()  # step s at minute s-1: 2.5 minutes pass at 4 and 7
+    trainer.run()
+    assert _local_steps(local) == ["4", "7"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("seaweedfs")
+def test_s3_workdir_with_the_local_tier_on_disk_resumes_from_the_local_step(
+        seaweedfs, tmp_path, whole, capfd):
+    from jaxscale.storage import locations
+
+    _, bucket = seaweedfs
+    locations.configure()
+    local, workdir = str(tmp_path / "local"), f"s3://{bucket}/runs/tier"
+    _crash_at(_config(local), workdir, 6)
+    capfd.readouterr()
+    train(_config(local), workdir)
+    assert f"resumed from step 6 of the local tier {local}" in capfd.readouterr().out
+    assert _losses(workdir) == whole
