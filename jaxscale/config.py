@@ -10,8 +10,6 @@ rules preset), and values and cross-field consistency, all before anything compi
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import json
 import math
 import os
@@ -19,6 +17,7 @@ from typing import Any
 
 import ml_collections as mlc
 
+from jaxscale.config_fields import as_field, check_group
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.presets import PRESETS
 from jaxscale.storage import locations as storage
@@ -330,63 +329,8 @@ def check_fields(c: mlc.ConfigDict) -> None:
     from jaxscale.models import lookup  # lazy: importing the models pulls in jax
     config_cls, _ = lookup(c.model.get("name", "llama"))
     reference.model = mlc.ConfigDict({**MODEL_COMMON, **{
-        k: _as_field(f.default) for k, f in config_cls.__dataclass_fields__.items()}})
-    _check_group(c, reference, "config", model_path="config.model")
-
-
-def _as_field(default: Any) -> Any:
-    """A model dataclass field's default as a config value: a nested dataclass (`model.moe`)
-    becomes a group of fields."""
-    if dataclasses.is_dataclass(default):
-        return mlc.ConfigDict(dataclasses.asdict(default))
-    return default
-
-
-def _check_group(node: mlc.ConfigDict, ref: mlc.ConfigDict, path: str, model_path: str) -> None:
-    unknown = sorted(set(node.keys()) - set(ref.keys()))
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], list(ref.keys()), n=1)
-        raise ConfigError(paragraph(
-            f"{path} has no field '{unknown[0]}'" + (f" (did you mean '{close[0]}'?)." if close
-                                                     else "."),
-            f"Its fields: {', '.join(sorted(ref.keys()))}.",
-            "Config files start from jaxscale.config.base_config() and may only change fields.",
-        ))
-    missing = sorted(set(ref.keys()) - set(node.keys()))
-    if missing and not path.startswith(model_path):  # model fields default to the dataclass's
-        raise ConfigError(paragraph(
-            f"{path} lacks the field(s) {', '.join(missing)}. Start config files from",
-            "jaxscale.config.base_config() so that every field has a value.",
-        ))
-    for key in node.keys():
-        value, expected, where = node[key], ref[key], f"{path}.{key}"
-        if isinstance(expected, mlc.ConfigDict):
-            if not isinstance(value, mlc.ConfigDict):  # the message reprs the value: only then
-                raise ConfigError(paragraph(
-                    f"{where} must be a group of fields (a ConfigDict), not {value!r}."))
-            _check_group(value, expected, where, model_path)
-        elif value is None and expected is not None:
-            hint = _REQUIRED_HINTS.get(key, "a value")
-            raise ConfigError(paragraph(
-                f"{where} is required by this config but not set: pass",
-                f"--{where}=VALUE ({hint}).",
-            ))
-        elif expected is not None and not _same_kind(value, expected):
-            raise ConfigError(paragraph(
-                f"{where}={value!r} has type {type(value).__name__}, but the field holds",
-                f"{type(expected).__name__} values (default {expected!r}).",
-            ))
-
-
-def _same_kind(value: Any, expected: Any) -> bool:
-    """Type compatibility as ml_collections allows it: int for float, list for tuple."""
-    if isinstance(expected, bool) or isinstance(value, bool):
-        return isinstance(value, bool) and isinstance(expected, bool)
-    if isinstance(expected, float):
-        return isinstance(value, (int, float))
-    if isinstance(expected, (tuple, list)):
-        return isinstance(value, (tuple, list))
-    return isinstance(value, type(expected))
+        k: as_field(f.default) for k, f in config_cls.__dataclass_fields__.items()}})
+    check_group(c, reference, "config", "config.model", _REQUIRED_HINTS)
 
 
 def _validate_train_extras(t: mlc.ConfigDict) -> None:

@@ -20,7 +20,8 @@ each other either.
     below train; what builds a step to report on it belongs above train); the training
     objectives (next token, preference pairs against a reference model), which use a model's
     task and know nothing of where the reference's weights live (the train state does).
- 4. `config`: the base config and `validate`, which asks the packages below for their names
+ 4. `config_fields` (a config's field names and value kinds against a reference), then
+    `config`: the base config and `validate`, which asks the packages below for their names
     (presets, remat policies, attention kinds, loggers, data files). The loop, the planner and
     Lo-Fi read and validate configs, so config sits below them all.
  5. `weights`: parameter trees, placement (each leaf's spec from the rules, and putting it there),
@@ -81,6 +82,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("storage", "runtime", "precision", "optim", "mesh", "rules"),
     ("data", "models"),
     ("parallel", "observe", "objectives"),
+    ("config_fields",),
     ("config",),
     ("weights",),
     ("train",),
