@@ -126,9 +126,10 @@ def test_float16_loss_scaling_skips_overflow_and_recovers():
     c.optim.warmup_steps = 0  # so every applied update moves the parameters
     trainer = Trainer.build(c, workdir=None)
     model_def = trainer.ctx.model_def  # its task, with the loss swapped for the bomb's
-    bombed = dataclasses.replace(model_def, task=dataclasses.replace(model_def.task,
-                                                                     loss=_bomb_loss))
-    ctx = dataclasses.replace(trainer.ctx, model_def=bombed)
+    task = dataclasses.replace(model_def.task, loss=_bomb_loss)
+    bombed = dataclasses.replace(model_def, task=task)
+    ctx = dataclasses.replace(trainer.ctx, model_def=bombed,  # the objective runs the task's loss
+                              objective=dataclasses.replace(trainer.ctx.objective, task=task))
     train = jax.jit(lambda s, b: step_lib.train_step(ctx, s, b))
     it = trainer.batches.iterator()
     state, scale0 = trainer.state, float(trainer.state.extra["loss_scale"])
