@@ -10,11 +10,11 @@ run, and decoding through its cache gives the full forward pass's greedy tokens.
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs import tiny_lm
+from helpers import assert_cached_decoding_is_the_full_forward
 from jaxscale import generate as gen
 from jaxscale.aot.memory import Dims
 from jaxscale.aot.traffic import attention_traffic
@@ -100,16 +100,4 @@ def test_the_kind_decodes_through_its_cache_as_the_full_forward(shared_kv):
     # The cached logits are the full forward's, one token at a time after a prefill.
     tokens = np.random.default_rng(1).integers(0, 256, (2, 7)).astype(np.int32)
 
-    def cached(p, toks):
-        model = model_def.module(p)
-        logits, cache = gen.forward_cached(model, toks[:, :3], jnp.int32(0),
-                                           model.init_cache(2, 7))
-        out = [logits]
-        for i in range(3, 7):
-            logits, cache = gen.forward_cached(model, toks[:, i:i + 1], jnp.int32(i), cache)
-            out.append(logits)
-        return jnp.concatenate(out, axis=1)
-
-    full = jax.jit(lambda p, t: model_def.module(p)(t))(params, tokens)
-    np.testing.assert_allclose(np.asarray(jax.jit(cached)(params, tokens)), np.asarray(full),
-                               atol=1e-5, rtol=1e-5)
+    assert_cached_decoding_is_the_full_forward(model_def, params, tokens)

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from configs.tiny_lm import get_config
-from helpers import run_steps
-from jaxscale import generate as gen
+from helpers import assert_cached_decoding_is_the_full_forward, run_steps
 from jaxscale.config import validate
 from jaxscale.errors import ConfigError
 from jaxscale.models import ModelDef, entry_of
@@ -122,19 +121,7 @@ def test_decoding_through_dense_and_moe_stacks_is_the_full_forward():
     params = model_def.init_params(jax.random.key(0))
     tokens = np.random.default_rng(1).integers(0, 256, (2, 6)).astype(np.int32)
 
-    def cached(p, toks):
-        model = model_def.module(p)
-        logits, cache = gen.forward_cached(model, toks[:, :3], jnp.int32(0),
-                                           model.init_cache(2, 6))
-        out = [logits]
-        for i in range(3, 6):
-            logits, cache = gen.forward_cached(model, toks[:, i:i + 1], jnp.int32(i), cache)
-            out.append(logits)
-        return jnp.concatenate(out, axis=1)
-
-    full = jax.jit(lambda p, t: model_def.module(p)(t))(params, tokens)
-    np.testing.assert_allclose(np.asarray(jax.jit(cached)(params, tokens)), np.asarray(full),
-                               atol=1e-5, rtol=1e-5)
+    assert_cached_decoding_is_the_full_forward(model_def, params, tokens)
 
 
 def test_the_bias_moves_outside_the_gradient_and_resumes_exactly(tmp_path):

@@ -6,12 +6,12 @@ numbers per token and layer; its parameter and FLOP counts are the hand-computed
 """
 
 import jax
-import jax.numpy as jnp
 import ml_collections as mlc
 import numpy as np
 import pytest
 
 from configs import tiny_lm
+from helpers import assert_cached_decoding_is_the_full_forward
 from jaxscale import generate as gen
 from jaxscale.aot.memory import Dims
 from jaxscale.config import validate
@@ -71,19 +71,7 @@ def test_decoding_from_the_latent_cache_is_the_full_forward(mla):
     model_def, params = _model(_config(mla))
     tokens = np.random.default_rng(1).integers(0, 256, (2, 7)).astype(np.int32)
 
-    def cached(p, toks):
-        model = model_def.module(p)
-        logits, cache = gen.forward_cached(model, toks[:, :3], jnp.int32(0),
-                                           model.init_cache(2, 7))
-        out = [logits]
-        for i in range(3, 7):
-            logits, cache = gen.forward_cached(model, toks[:, i:i + 1], jnp.int32(i), cache)
-            out.append(logits)
-        return jnp.concatenate(out, axis=1)
-
-    full = jax.jit(lambda p, t: model_def.module(p)(t))(params, tokens)
-    np.testing.assert_allclose(np.asarray(jax.jit(cached)(params, tokens)), np.asarray(full),
-                               atol=1e-5, rtol=1e-5)
+    assert_cached_decoding_is_the_full_forward(model_def, params, tokens)
     prompt = tokens[:, :4]
     out = gen.make_generate(model_def, steps=5)(params, prompt, jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(out), uncached_greedy(model_def, params, prompt, 5))
@@ -156,18 +144,7 @@ def test_lora_adapts_every_latent_projection_and_merges_exactly():
     tokens = np.random.default_rng(1).integers(0, 256, (2, 6)).astype(np.int32)
     full = jax.jit(lambda p, t: model_def.module(p)(t))(params, tokens)
 
-    def cached(p, toks):
-        model = model_def.module(p)
-        logits, cache = gen.forward_cached(model, toks[:, :4], jnp.int32(0),
-                                           model.init_cache(2, 6))
-        out = [logits]
-        for i in range(4, 6):
-            logits, cache = gen.forward_cached(model, toks[:, i:i + 1], jnp.int32(i), cache)
-            out.append(logits)
-        return jnp.concatenate(out, axis=1)
-
-    np.testing.assert_allclose(np.asarray(jax.jit(cached)(params, tokens)), np.asarray(full),
-                               atol=1e-5, rtol=1e-5)
+    assert_cached_decoding_is_the_full_forward(model_def, params, tokens, prefill=4)
     plain = ModelDef.build(c.model, get_policy("32-true"))
     merged = lora.merge(params, lora_cfg)
     np.testing.assert_allclose(np.asarray(plain.module(merged)(tokens)), np.asarray(full),
