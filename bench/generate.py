@@ -30,11 +30,11 @@ import numpy as np
 import torch
 import transformers
 
-from jaxscale import generate as gen
+from jaxscale.inference import generate as gen
+from jaxscale.inference.sampling import Sampler, Sampling
 from jaxscale.interop import hf
 from jaxscale.models import ModelDef
 from jaxscale.precision import get_policy
-from jaxscale.sampling import Sampler, Sampling
 from jaxscale.weights.sources import open_huggingface
 
 

@@ -19,13 +19,13 @@ import ml_collections as mlc
 
 from jaxscale.config_fields import as_field, check_group
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.presets import PRESETS
+from jaxscale.rules import PRESETS
 from jaxscale.storage import locations as storage
 from jaxscale.storage import workdir_files
 
 LOFI_SYNC_MODES = ("end", "periodic", "diloco")  # config.lofi.sync
 
-# The default rules are the `fsdp_tp` preset (jaxscale/presets.py): a batch sharded over
+# The default rules are the `fsdp_tp` preset (jaxscale/rules.py): a batch sharded over
 # data+fsdp, FSDP on the embed dimension of weights (falling back to mlp/vocab), tensor
 # parallelism over heads, kv and mlp, and the stacked layer dimension over pipeline stages (free
 # when mesh.pipeline is 1). Every mesh shape works with them.
@@ -45,7 +45,7 @@ def base_config() -> mlc.ConfigDict:
                                  context=1, dcn_context=1,  # context: sequence shards
                                  expert=1, dcn_expert=1))  # expert: MoE experts (models/moe/)
     c.rules = [tuple(r) for r in DEFAULT_RULES]
-    c.rules_preset = ""  # a name in jaxscale.presets.PRESETS replaces `rules` (dp, fsdp, pp, ...)
+    c.rules_preset = ""  # a name in jaxscale.rules.PRESETS replaces `rules` (dp, fsdp, pp, ...)
     c.rules_strict = False
     c.rules_indivisible = "error"
     c.precision = "32-true"
@@ -251,7 +251,7 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
     get_policy(c.precision)  # raises a ConfigError listing the valid policies
     _require(c.rules_preset in ("", *PRESETS),
              f"rules_preset={c.rules_preset!r}: use one of {', '.join(PRESETS)} (see",
-             "jaxscale/presets.py), or '' to use config.rules.")
+             "jaxscale/rules.py), or '' to use config.rules.")
     _require(c.optim.name in OPTIMIZERS,
              f"optim.name={c.optim.name!r}: use one of {', '.join(OPTIMIZERS)}.")
     chunks = m.get("loss_chunks", 0) or 1  # the automatic choice always divides

@@ -34,7 +34,7 @@ def assert_cached_decoding_is_the_full_forward(model_def: Any, params: Any,
                                                 tokens: np.ndarray, prefill: int = 3) -> None:
     """The logits of a prefill of `prefill` tokens and then one token at a time through the
     model's own cache equal the full forward's over `tokens` (B, T)."""
-    from jaxscale.sampling import forward_cached
+    from jaxscale.inference.sampling import forward_cached
 
     b, t = tokens.shape
 

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxscale import generate as gen
+from jaxscale.inference import generate as gen
 from jaxscale.interop import convert, hf
 from jaxscale.models import ModelDef
 from jaxscale.precision import get_policy

@@ -15,11 +15,11 @@ import pytest
 
 from configs import tiny_lm
 from helpers import assert_cached_decoding_is_the_full_forward
-from jaxscale import generate as gen
 from jaxscale.aot.memory import Dims
 from jaxscale.aot.traffic import attention_traffic
 from jaxscale.config import validate
 from jaxscale.errors import ConfigError
+from jaxscale.inference import generate as gen
 from jaxscale.models import ModelDef, entry_of
 from jaxscale.models.attention import kinds
 from jaxscale.precision import get_policy
@@ -49,8 +49,8 @@ def test_an_unknown_kind_is_refused_with_the_table():
 
 @pytest.mark.parametrize("rel", ["models/decoder/flops.py", "models/decoder/block.py",
                                  "models/decoder/llama.py", "aot/memory.py", "aot/traffic.py",
-                                 "aot/flops.py", "aot/guess.py", "generate.py",
-                                 "sampling.py"])
+                                 "aot/flops.py", "aot/guess.py", "inference/generate.py",
+                                 "inference/sampling.py"])
 def test_grouped_query_arithmetic_lives_in_its_component(rel):
     """What asks the attention never spells grouped-query out (kv heads): its component does."""
     text = (Path(kinds.__file__).parents[2] / rel).read_text()

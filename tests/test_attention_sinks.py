@@ -15,8 +15,7 @@ from jaxscale.mesh import make_mesh
 from jaxscale.models.attention.kernels import attend
 from jaxscale.models.attention.mask import Mask
 from jaxscale.models.decoder.config import check_config, check_mesh
-from jaxscale.presets import PRESETS
-from jaxscale.rules import AxisRules, constrain, normalize_rules, use_rules
+from jaxscale.rules import PRESETS, AxisRules, constrain, normalize_rules, use_rules
 
 B, T, H, K, D = 2, 16, 4, 2, 8
 SEGMENTS = np.array([[1] * 5 + [2] * 9 + [0] * 2, [1] * T], np.int32)

@@ -25,8 +25,8 @@ from jaxscale import config as config_lib
 from jaxscale.data.mixture import files_data
 from jaxscale.data.registry import heldout_batches
 from jaxscale.errors import ConfigError
-from jaxscale.evaluate import evaluate_params
-from jaxscale.generate import generate_from_config, make_generate
+from jaxscale.inference.evaluate import evaluate_params
+from jaxscale.inference.generate import generate_from_config, make_generate
 from jaxscale.mesh import make_mesh, mesh_summary
 from jaxscale.models import ModelDef
 from jaxscale.models.attention.kernels import attend
@@ -34,8 +34,7 @@ from jaxscale.models.attention.mask import Mask
 from jaxscale.models.attention.sequence import context
 from jaxscale.models.decoder.lm_task import lm_loss
 from jaxscale.precision import get_policy
-from jaxscale.presets import PRESETS
-from jaxscale.rules import AxisRules, constrain, normalize_rules, use_rules
+from jaxscale.rules import PRESETS, AxisRules, constrain, normalize_rules, use_rules
 from jaxscale.train.loop import Trainer
 from tests.test_parallel_equivalence import STEPS, assert_equal_runs, make_config, run_steps
 

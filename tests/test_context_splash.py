@@ -18,8 +18,7 @@ from jaxscale.mesh import make_mesh
 from jaxscale.models.attention.kernels import attend
 from jaxscale.models.attention.mask import Mask
 from jaxscale.models.attention.sequence import context, context_splash
-from jaxscale.presets import PRESETS
-from jaxscale.rules import AxisRules, constrain, normalize_rules, use_rules
+from jaxscale.rules import PRESETS, AxisRules, constrain, normalize_rules, use_rules
 
 pytestmark = pytest.mark.filterwarnings("ignore:model.attention=splash")
 

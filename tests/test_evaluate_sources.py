@@ -13,7 +13,7 @@ import pytest
 
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
-from jaxscale.evaluate import evaluate_params
+from jaxscale.inference.evaluate import evaluate_params
 from jaxscale.models import ModelDef
 from jaxscale.precision import get_policy
 

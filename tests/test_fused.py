@@ -114,8 +114,7 @@ def test_gpipe_head_runs_split_over_stages():
     head once for its share, not every stage for every row), and the logits equal the scan's."""
     from jaxscale.mesh import make_mesh
     from jaxscale.parallel.schedules import make_layer_runner
-    from jaxscale.presets import PRESETS
-    from jaxscale.rules import AxisRules, use_rules
+    from jaxscale.rules import PRESETS, AxisRules, use_rules
 
     mesh = make_mesh({"pipeline": 2, "data": 4})
     model_def = ModelDef.build(MODEL, get_policy("32-true"))

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import tiny_lm
-from jaxscale import generate as gen
+from jaxscale.inference import generate as gen
 from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef
 from jaxscale.models.attention.grouped_query import CACHE_AXES

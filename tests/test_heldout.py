@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import tiny_lm
-from jaxscale.evaluate import evaluate_workdir
+from jaxscale.inference.evaluate import evaluate_workdir
 from jaxscale.observe.metrics import read_metrics
 from jaxscale.rules import use_rules
 from jaxscale.train.loop import prepare

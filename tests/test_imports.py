@@ -7,12 +7,12 @@ The layers, lowest first. A package (or top-level module) imports only packages 
 packages of the same layer are peers and import none of each other, so no two packages import
 each other either.
 
- 0. `errors`, `hardware`, `presets`, `compat`, `__init__`: error types and tables of facts (peak
-    FLOP/s, the rules presets, the version, what differs between the supported jax / flax / orbax
+ 0. `errors`, `hardware`, `compat`, `__init__`: error types and tables of facts (peak
+    FLOP/s, the version, what differs between the supported jax / flax / orbax
     versions). They import nothing of jaxscale.
  1. `storage`, `runtime`, `precision`, `optim`, `mesh`, `rules`: one concern each (bytes at a
     location, process start-up and pre-emption, precision policies, optimizers by name, the
-    device mesh, logical-axis rules).
+    device mesh, logical-axis rules and their presets).
  2. `data`, `models`: the input pipeline; model code, which knows only logical axis names and
     nothing of training, checkpoints or Lo-Fi.
  3. `parallel`, `observe`, `objectives`: pipeline schedules and accumulation over a model's
@@ -31,14 +31,14 @@ each other either.
     from saved weights (`weights/init_from.py`), and nothing in weights needs a train state.
  6. `train`: the train state and its checkpoints (save, restore, resume), the one step builder,
     the step and the loop.
- 7. `evaluate`, `interop`, `lofi`, `aot`: what runs, converts or plans trained weights (held-out
-    evaluation; Hugging Face import and export, which place weights where `weights/place.py`
+ 7. `interop`, `lofi`, `aot`: what converts, averages or plans trained weights (Hugging Face
+    import and export, which place weights where `weights/place.py`
     says, no train state needed; Lo-Fi workers and averagers; ahead-of-time compilation and
     the planner). The loop knows none of them: it is handed its hooks.
- 8. `sampling`, then `generate`, then `lm_harness`: the rollout sampler (ragged prompts, n
-    samples, top-k / top-p, stops, log-probs; the KV cache sharded by the rules); generation
-    from a workdir or a Hugging Face directory (through interop); the model lm-evaluation-harness
-    runs (scoring and generation on those weights).
+ 8. `inference`: what runs trained weights forward: held-out evaluation (`evaluate`), the rollout
+    sampler (`sampling`: ragged prompts, n samples, top-k / top-p, stops, log-probs; the KV cache
+    sharded by the rules), generation from a workdir or a Hugging Face directory (`generate`,
+    through interop), the model lm-evaluation-harness runs (`lm_harness`).
  9. `configs`: the bundled config files, a `get_config` each. Like a user's config file they may
     use any part of the library (the GPU presets size their micro-batch with `aot.memory`);
     only the command line loads them.
@@ -78,7 +78,7 @@ from collections.abc import Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("__init__", "errors", "hardware", "presets", "compat"),
+    ("__init__", "errors", "hardware", "compat"),
     ("storage", "runtime", "precision", "optim", "mesh", "rules"),
     ("data", "models"),
     ("parallel", "observe", "objectives"),
@@ -86,10 +86,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),
     ("weights",),
     ("train",),
-    ("evaluate", "interop", "lofi", "aot"),
-    ("sampling",),
-    ("generate",),
-    ("lm_harness",),
+    ("interop", "lofi", "aot"),
+    ("inference",),
     ("configs",),
     ("cli",),
     ("launch",),

@@ -12,10 +12,10 @@ import pytest
 
 from configs import tiny_lm
 from helpers import assert_cached_decoding_is_the_full_forward
-from jaxscale import generate as gen
 from jaxscale.aot.memory import Dims
 from jaxscale.config import validate
 from jaxscale.errors import ConfigError
+from jaxscale.inference import generate as gen
 from jaxscale.models import ModelDef, entry_of
 from jaxscale.models.adapters import lora
 from jaxscale.models.attention.latent import LatentCache

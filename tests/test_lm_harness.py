@@ -23,7 +23,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from chat_common import tokenizer_dir
-from jaxscale.lm_harness import JaxscaleLM, cut_at_stops
+from jaxscale.inference.lm_harness import JaxscaleLM, cut_at_stops
 
 DOCS = [("the quick brown", ["fox", "dog", "world"], 0),
         ("how are", ["you", "the", "no"], 0),

@@ -15,7 +15,7 @@ import pytest
 
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
-from jaxscale.evaluate import evaluate_params, evaluate_workdir, read_config
+from jaxscale.inference.evaluate import evaluate_params, evaluate_workdir, read_config
 from jaxscale.interop.convert import workdir_to_hf
 from jaxscale.lofi import store as S
 from jaxscale.lofi.accounting import accounting_lines, export_final

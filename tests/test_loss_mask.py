@@ -151,7 +151,7 @@ def test_split_steps_normalise_as_one_device(reference_runs, packed, mesh, prese
 
 
 def test_heldout_loss_and_evaluate_count_the_assistant_tokens(tmp_path):
-    from jaxscale.evaluate import evaluate_workdir
+    from jaxscale.inference.evaluate import evaluate_workdir
     from jaxscale.observe.metrics import read_metrics
     from jaxscale.train.loop import prepare
 

@@ -67,9 +67,9 @@ def test_task_batch_spec_is_what_the_data_yields(name):
 
 
 # The generic code: what asks the model table instead of naming a model or a task.
-GENERIC = ("train/step.py", "train/build.py", "evaluate.py", "observe/metrics.py",
+GENERIC = ("train/step.py", "train/build.py", "inference/evaluate.py", "observe/metrics.py",
            "interop/convert.py", "weights/sources.py", "aot/flops.py",
-           "aot/choices.py", "aot/memory.py", "aot/traffic.py", "aot/guess.py", "generate.py")
+           "aot/choices.py", "aot/memory.py", "aot/traffic.py", "aot/guess.py", "inference/generate.py")
 
 
 @pytest.mark.parametrize("rel", GENERIC)

@@ -272,7 +272,7 @@ def test_a_tiny_moe_decoder_trains_sharded_as_on_one_device(capacity_factor, sha
 
 
 def test_greedy_decoding_with_the_cache_equals_the_full_forward():
-    from jaxscale.generate import make_generate
+    from jaxscale.inference.generate import make_generate
     from jaxscale.models import ModelDef
 
     model_def = ModelDef.build(_tiny_moe_config().model, POLICY)

@@ -20,8 +20,7 @@ from jaxscale.models.moe.config import MoEConfig, num_params
 from jaxscale.models.moe.gmm import SwiGLU
 from jaxscale.models.moe.layer import MoE
 from jaxscale.precision import get_policy
-from jaxscale.presets import PRESETS
-from jaxscale.rules import AxisRules, normalize_rules, use_rules
+from jaxscale.rules import PRESETS, AxisRules, normalize_rules, use_rules
 
 E, F, X, K = 16, 8, 4, 2
 GPT_OSS_MOE = dict(num_experts=X, experts_per_token=K, router="topk_softmax", router_bias=True,

@@ -95,8 +95,7 @@ def test_expert_parallel_dropless_equals_a_loop_over_experts(mesh):
     over the expert group, local experts, outputs reduce-scattered back, the hidden width split
     over tensor and summed; equal to the per-token loop."""
     from jaxscale.mesh import make_mesh
-    from jaxscale.presets import PRESETS
-    from jaxscale.rules import AxisRules, normalize_rules, use_rules
+    from jaxscale.rules import PRESETS, AxisRules, normalize_rules, use_rules
 
     device_mesh = make_mesh(mesh, jax.devices())
     rules = AxisRules(normalize_rules(PRESETS["fsdp_tp"]))
@@ -165,8 +164,7 @@ def test_pipeline_stages_carry_the_router_statistics_out(microbatches, repeats):
     from jaxscale.mesh import make_mesh
     from jaxscale.models.nn.scan import scan_layers
     from jaxscale.parallel.gpipe import pipeline_layers
-    from jaxscale.presets import PRESETS
-    from jaxscale.rules import AxisRules, normalize_rules, use_rules
+    from jaxscale.rules import PRESETS, AxisRules, normalize_rules, use_rules
 
     c = _tiny_moe_config()
     c.model.num_layers = 4
@@ -281,8 +279,7 @@ def test_the_ragged_all_to_all_dispatch_equals_the_loop_and_the_allgather(mesh, 
     buffer), the hidden width split over tensor."""
     from jaxscale.mesh import make_mesh
     from jaxscale.models.moe import dispatch as dispatch_lib
-    from jaxscale.presets import PRESETS
-    from jaxscale.rules import AxisRules, normalize_rules, use_rules
+    from jaxscale.rules import PRESETS, AxisRules, normalize_rules, use_rules
 
     device_mesh = make_mesh(mesh, jax.devices())
     rules = AxisRules(normalize_rules(PRESETS["fsdp_tp"]))

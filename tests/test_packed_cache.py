@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale import generate as gen
+from jaxscale.inference import generate as gen
 from jaxscale.models.attention.kernels import ATTENTION_IMPLS
 from tests.test_generate import tiny
 

@@ -14,8 +14,7 @@ from jaxscale.models import ModelDef
 from jaxscale.models.nn.scan import scan_layers
 from jaxscale.parallel.schedules import SCHEDULES, get_schedule, make_layer_runner
 from jaxscale.precision import get_policy
-from jaxscale.presets import PRESETS
-from jaxscale.rules import AxisRules, use_rules
+from jaxscale.rules import PRESETS, AxisRules, use_rules
 
 B, T, E = 16, 8, 64
 

@@ -140,7 +140,7 @@ def test_dpo_equals_the_formula_on_transformers_logps(data, tmp_path):
 
 
 def test_dpo_learns_a_rule_reports_it_and_resumes_exactly(data, tmp_path, capsys):
-    from jaxscale.evaluate import evaluate_workdir
+    from jaxscale.inference.evaluate import evaluate_workdir
     from jaxscale.observe.metrics import read_metrics
     from jaxscale.train.loop import prepare
 

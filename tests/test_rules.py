@@ -114,7 +114,7 @@ def test_constrain_is_identity_without_rules():
 
 def test_default_rules_are_the_fsdp_tp_preset(mesh):
     from jaxscale.config import DEFAULT_RULES, base_config
-    from jaxscale.presets import PRESETS
+    from jaxscale.rules import PRESETS
 
     assert DEFAULT_RULES is PRESETS["fsdp_tp"]  # one table, not a copy
     c = base_config()

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale import generate as gen
-from jaxscale.sampling import Sampler, Sampling, bucket, filter_logits
+from jaxscale.inference import generate as gen
+from jaxscale.inference.sampling import Sampler, Sampling, bucket, filter_logits
 from tests.test_generate import tiny, uncached_greedy
 
 LENGTHS = (3, 7, 5)

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale import generate as gen
 from jaxscale.errors import ConfigError
+from jaxscale.inference import generate as gen
 from jaxscale.interop import convert, hf, hf_mistral
 from jaxscale.models import ModelDef, check_model, hf_opener
 from jaxscale.models.attention.kernels import attend

@@ -9,8 +9,8 @@ pytest.importorskip("sklearn")
 
 from configs import vit_digits
 from jaxscale import config as config_lib
-from jaxscale import evaluate
 from jaxscale.data import images as vision_data
+from jaxscale.inference import evaluate
 from jaxscale.observe.metrics import read_metrics
 from jaxscale.train import loop
 

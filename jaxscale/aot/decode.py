@@ -4,7 +4,7 @@ Decoding is bound by memory, not by FLOPs: each new token reads every weight and
 cache once, for a handful of FLOPs per byte. So the floor of a decode step is the bytes of
 weights plus cache that each chip holds, over its HBM bandwidth (`hardware.Chip.hbm_bytes_s`),
 and what a mesh adds on top of it is what this reports: `compile_decode` compiles the step the
-rollout sampler runs for each new token (`sampling.py`: the model over one token per row with
+rollout sampler runs for each new token (`inference/sampling.py`: the model over one token per row with
 its cache, on the training mesh and rules, the cache sharded as training shards activations),
 and estimates its time from the compiler's own accounting as a roofline: the program's
 arguments (weights and cache) read once at the HBM bandwidth or its FLOPs at the peak rate,

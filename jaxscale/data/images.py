@@ -108,7 +108,7 @@ def test_batches(images: np.ndarray, labels: np.ndarray, global_batch: int,
 
 def digits_test_batches(config: Any, process_index: int, process_count: int
                         ) -> list[dict[str, np.ndarray]]:
-    """All 359 test images in padded, masked batches (for `jaxscale.evaluate`)."""
+    """All 359 test images in padded, masked batches (for `jaxscale.inference.evaluate`)."""
     _, (test_x, test_y) = load_digits()
     return test_batches(test_x, test_y, config.data.batch_size, process_index, process_count,
                         pad=True)

@@ -28,7 +28,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     distributed.setup()
-    from jaxscale.evaluate import evaluate_workdir  # after the devices are configured
+    from jaxscale.inference.evaluate import evaluate_workdir  # after the devices are configured
     print(json.dumps(evaluate_workdir(_WORKDIR.value, _MAX_BATCHES.value, _SOURCES.value)))
 
 

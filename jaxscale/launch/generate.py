@@ -9,7 +9,7 @@ in its directory, or its training config's `data.tokenizer`; bytes for a byte-le
 `--prompt_ids` takes token ids and prints ids; `--chat` renders `--prompt` as one user turn with
 the model's chat template and its generation prompt. Temperature 0 is greedy; sampling
 (`--top_k`, `--top_p`, `--num_samples` lines) is reproducible with `--seed`; `--stop_ids` ends
-a sample at EOS / end of turn. It runs the rollout sampler (`jaxscale/sampling.py`). The
+a sample at EOS / end of turn. It runs the rollout sampler (`jaxscale/inference/sampling.py`). The
 parameters and the KV cache are sharded by the run's rules over `--cpu_devices` (or the
 accelerators).
 """
@@ -47,7 +47,7 @@ def main(argv):
     import numpy as np
 
     from jaxscale.data.tokenizer import model_tokenizer
-    from jaxscale.generate import (
+    from jaxscale.inference.generate import (
         GenerateError,
         chat_prompt,
         check_request,
@@ -55,7 +55,7 @@ def main(argv):
         load_model,
         parse_prompt,
     )
-    from jaxscale.sampling import Sampling
+    from jaxscale.inference.sampling import Sampling
 
     steps = _STEPS.value if _MAX_NEW.value is None else _MAX_NEW.value
     check_request(1, steps, _TEMPERATURE.value, max_len=0)  # before loading any weights

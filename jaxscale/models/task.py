@@ -1,7 +1,7 @@
 """What training and evaluation ask of a task (`config.model.task`), and the eval sums they share.
 
 A model family lists its tasks in its table entry (`jaxscale.models.MODELS`); the generic step
-and `jaxscale.evaluate` call the chosen `Task`'s functions and never branch on its name. The
+and `jaxscale.inference.evaluate` call the chosen `Task`'s functions and never branch on its name. The
 functions live beside their model (the LM's in `decoder/lm_task.py`, classification's in
 `models/vit.py`); this module only says their shape.
 """

@@ -1,7 +1,7 @@
 """Attention across sequence shards (context parallelism), chosen by `model.context_attention`.
 
 Why: with `mesh.context` > 1 the rules put the `length` of activations on the `context` axis
-(`presets.py`), so embeddings, norms, MLPs and projections each hold 1/context of every
+(`rules.py`'s presets), so embeddings, norms, MLPs and projections each hold 1/context of every
 sequence and need no change. Attention alone needs every key for its queries; left to XLA, the
 sharded einsum would gather queries, keys, values and scores alike. Here each shard keeps its
 queries and sees the keys in one of two ways (`CONTEXT_ATTENTION`):

@@ -11,7 +11,7 @@ config (the weights placed once, as `generate` places them):
 
 Rows are batched by length into a few padded buckets (powers of two, `sampling.bucket`), so a
 task compiles a handful of programs rather than one per request; generation runs the rollout
-sampler (`jaxscale/sampling.py`), which stops each row at EOS. The harness finds the model by name through
+sampler (`jaxscale/inference/sampling.py`), which stops each row at EOS. The harness finds the model by name through
 the `lm_eval.models` entry point in pyproject.toml where its version reads entry points;
 `jaxscale lm-eval` (any `lm_eval` flags) registers it on the versions that do not.
 """
@@ -30,9 +30,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from jaxscale.data.tokenizer import ByteTokenizer, model_tokenizer
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.generate import load_model, placed_model
+from jaxscale.inference.generate import load_model, placed_model
+from jaxscale.inference.sampling import Sampler, Sampling, bucket
 from jaxscale.rules import use_rules
-from jaxscale.sampling import Sampler, Sampling, bucket
 
 
 def cut_at_stops(text: str, stops: Sequence[str]) -> str:

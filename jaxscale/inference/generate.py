@@ -10,7 +10,7 @@ data/fsdp, `kv` over tensor). Prompts of different lengths share a batch left-pa
 lengths: padding gets segment id 0 and each row's positions start at its first real token, so
 every row decodes as its prompt would alone. `make_generate` is one jitted call running the
 prefill and a `lax.scan` over the new tokens (greedy or temperature); `generate_from_config`,
-the command's path, runs the rollout sampler (`jaxscale/sampling.py`: top-k / top-p, n samples,
+the command's path, runs the rollout sampler (`jaxscale/inference/sampling.py`: top-k / top-p, n samples,
 stop ids, log-probs), kept per config so repeated calls do not compile again.
 """
 
@@ -27,9 +27,15 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxscale.errors import paragraph
+from jaxscale.inference.sampling import (
+    GenerateError,
+    Sampler,
+    Sampling,
+    forward_cached,
+    left_padded_rows,
+)
 from jaxscale.models import ModelDef, entry_of
 from jaxscale.rules import AxisRules, use_rules
-from jaxscale.sampling import GenerateError, Sampler, Sampling, forward_cached, left_padded_rows
 
 
 def sample(logits_BV: jax.Array, rng: jax.Array, temperature: float) -> jax.Array:
@@ -184,7 +190,7 @@ def load_model(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
         model_cfg, lora_cfg = convert.read_model_config(workdir)
         params = convert.workdir_params(workdir, lora_cfg)
         if os.path.exists(os.path.join(workdir, "config.json")):
-            from jaxscale.evaluate import read_config
+            from jaxscale.inference.evaluate import read_config
             config = read_config(workdir)
         config.model.update(model_cfg)
     if not hasattr(entry_of(config.model).module_cls, "init_cache"):  # no KV cache to decode
