@@ -22,10 +22,9 @@ reader skips); on gs:// / s3:// (no append) the whole object is rewritten at eac
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any
 
 from jaxscale.storage import locations, workdir_files
 
@@ -42,40 +41,16 @@ class EventLog:
         self.enabled = bool(enabled and workdir)
         self.clock = clock
         self.path = locations.join(workdir, FILE) if workdir else None
-        self._remote = bool(workdir) and locations.is_remote(workdir)
-        self._file: TextIO | None = None
-        self._text = ""
-        self._opened = False
+        self._log = workdir_files.LineLog(self.path) if self.enabled else None
         self.overhead_s = 0.0  # seconds of saves since the last `progress` (not step time)
         self._mark: float | None = None
-
-    def _open(self) -> None:
-        if self._remote:
-            self._text = workdir_files.read_text(self.path) or ""
-            if self._text and not self._text.endswith("\n"):
-                self._text += "\n"
-            return
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        cut = os.path.exists(self.path) and _ends_without_newline(self.path)
-        self._file = open(self.path, "a")
-        if cut:  # a write cut short by a kill: start on a line of our own
-            self._file.write("\n")
 
     def record(self, event: str, at: float | None = None, **fields: Any) -> None:
         """Appends `event` at `at` (default: now) with `fields`."""
         if not self.enabled:
             return
-        if not self._opened:
-            self._open()
-            self._opened = True
-        line = json.dumps({"event": event, "time": self.clock() if at is None else at,
-                           **fields}) + "\n"
-        if self._remote:
-            self._text += line
-            workdir_files.write_text(self.path, self._text)
-        else:
-            self._file.write(line)
-            self._file.flush()
+        self._log.append(json.dumps({"event": event, "time": self.clock() if at is None else at,
+                                     **fields}) + "\n")
 
     def loop_started(self) -> None:
         """The step loop begins (after restoring and compiling): step time counts from here."""
@@ -96,19 +71,8 @@ class EventLog:
         self.record(event, seconds=round(seconds, 6), **fields)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-            self._opened = False
-
-
-def _ends_without_newline(path: str) -> bool:
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        if f.tell() == 0:
-            return False
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) != b"\n"
+        if self._log is not None:
+            self._log.close()
 
 
 def read_events(workdir: str) -> tuple[list[dict], int]:

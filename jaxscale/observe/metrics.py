@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping
-from typing import Any, TextIO
+from typing import Any
 
 from jaxscale.hardware import peak_flops
 from jaxscale.storage import locations, workdir_files
@@ -70,18 +69,11 @@ class MetricsWriter:
         self.enabled = bool(enabled and workdir)
         self.workdir = workdir
         self.path = locations.join(workdir, "metrics.jsonl") if workdir else None
-        self._remote = bool(workdir) and locations.is_remote(workdir)
         self._tensorboard = tensorboard
         self._tb: Any = None
         self._mirror: Any = None
         self._purge_step: int | None = None
-        self._file: TextIO | None = None
-        self._text = ""  # remote: the file's content, rewritten whole on every write
-        if self.enabled and self._remote:
-            self._text = workdir_files.read_text(self.path) or ""
-        elif self.enabled:
-            os.makedirs(workdir, exist_ok=True)
-            self._file = open(self.path, "a")
+        self._log = workdir_files.LineLog(self.path) if self.enabled else None
 
     def _tb_writer(self) -> Any:
         """Created lazily so a resume can first tell TensorBoard which steps to purge."""
@@ -91,21 +83,13 @@ class MetricsWriter:
             self._tb = SummaryWriter(self._mirror.local, purge_step=self._purge_step)
         return self._tb
 
-    def _append(self, line: str) -> None:
-        if self._remote:
-            self._text += line
-            workdir_files.write_text(self.path, self._text)
-        else:
-            self._file.write(line)
-            self._file.flush()
-
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Logs `metrics` at `step` (numpy/jax scalars accepted)."""
         if not self.enabled:
             return
         values = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
         record = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
-        self._append(json.dumps(record) + "\n")
+        self._log.append(json.dumps(record) + "\n")
         tb = self._tb_writer()
         if tb is not None:
             for k, v in values.items():  # TensorBoard takes NaN/inf, so log the raw value
@@ -122,20 +106,11 @@ class MetricsWriter:
             return
         self._purge_step = int(step) + 1
         kept = [r for r in read_metrics_file(self.path) if r["step"] <= step]
-        text = "".join(json.dumps(r) + "\n" for r in kept)
-        if self._remote:
-            self._text = text
-            workdir_files.write_text(self.path, text)  # one PUT: the old or the new object
-            return
-        self._file.close()
-        workdir_files.write_text(self.path, text)  # atomic: a kill leaves old or new file
-        self._file = open(self.path, "a")
+        self._log.replace("".join(json.dumps(r) + "\n" for r in kept))
 
     def close(self) -> None:
-        if self.enabled and (self._file is not None or self._remote):
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+        if self.enabled:
+            self._log.close()
             if self._tb is not None:
                 self._tb.close()
                 self._tb = None

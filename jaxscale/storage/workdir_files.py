@@ -1,5 +1,5 @@
-"""The small files of a workdir (config.json, metrics.jsonl, TensorBoard events) on a local
-path, gs:// or s3://.
+"""The small files of a workdir (config.json, metrics.jsonl, events.jsonl, TensorBoard events) on
+a local path, gs:// or s3://.
 
 Why a module: object stores have no append and no rename, but a single PUT replaces an object
 atomically, so on a bucket each file is rewritten whole (a reader sees the old or the new
@@ -18,7 +18,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Any
+from typing import Any, TextIO
 
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.storage import locations
@@ -103,6 +103,60 @@ def write_text(location: str, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, location)
+
+
+class LineLog:
+    """A text file of whole lines that only grows (metrics.jsonl, events.jsonl), appended line by
+    line. Locally each line is flushed at once, so a kill leaves whole lines or one cut-short last
+    line, after which the next writer starts a line of its own; on gs:// / s3:// (no append) the
+    whole object is rewritten at each line (one PUT: a reader sees every line up to the last).
+    Opened lazily, on the first line."""
+
+    def __init__(self, location: str):
+        self.location = location
+        self._remote = locations.is_remote(location)
+        self._file: TextIO | None = None
+        self._text: str | None = None  # remote: the object's content
+
+    def append(self, line: str) -> None:
+        """Adds `line` (ending in a newline) to the file."""
+        if self._remote:
+            if self._text is None:
+                self._text = read_text(self.location) or ""
+                if self._text and not self._text.endswith("\n"):
+                    self._text += "\n"
+            self._text += line
+            write_text(self.location, self._text)
+            return
+        if self._file is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.location)), exist_ok=True)
+            cut = os.path.exists(self.location) and _ends_without_newline(self.location)
+            self._file = open(self.location, "a")
+            if cut:
+                self._file.write("\n")
+        self._file.write(line)
+        self._file.flush()
+
+    def replace(self, text: str) -> None:
+        """Replaces the whole file with `text` atomically (the old or the new file, never a mix)."""
+        self.close()
+        write_text(self.location, text)
+        if self._remote:
+            self._text = text
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _ends_without_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 class TensorBoardMirror:
