@@ -39,7 +39,7 @@ def toy_config(directory: str, steps: int):
             f.write(json.dumps({"prompt": f"Q{i}: a number? A:", "id": i}) + "\n")
     c = base_config()
     c.model.update(embed=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp=128)
-    c.mesh.data = 1
+    c.mesh.data = -1  # every device data-parallel (one on a plain CPU run)
     c.data.update(sources=f"prompts={directory}/prompts.jsonl", seq_len=32, batch_size=64)
     c.objective.update(name="grpo", rewards="toy_reward:digits", num_generations=8,
                        max_new_tokens=8, beta=0.0, loss_norm="token")
