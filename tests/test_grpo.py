@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -29,16 +31,31 @@ from jaxscale.rl.rollout import RolloutSource, prepare_grpo
 from jaxscale.train.loop import Trainer
 
 
-@pytest.fixture
-def toy(tmp_path, monkeypatch):
-    """A toy grpo config (2 steps), with its prompts and reward module in `tmp_path`."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    c = toy_config(str(tmp_path), steps=2)
+def _toy(directory: str):
+    """A toy grpo config (2 steps), with its prompts and reward module in `directory`."""
+    c = toy_config(directory, steps=2)
     c.data.batch_size = 16  # 4 prompts x 4 completions
     c.objective.update(num_generations=4, beta=0.05, updates_per_rollout=2,
                        loss_norm="sequence", epsilon=0.1, epsilon_high=0.15)
     c.optim.lr = 3e-2
     return c
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return _toy(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """`_two_updates` of the toy config on one device, shared by the tests that compare."""
+    directory = str(tmp_path_factory.mktemp("grpo"))
+    sys.path.insert(0, directory)
+    try:
+        return _two_updates(_toy(directory))
+    finally:
+        sys.path.remove(directory)
 
 
 def _copy(tree):
@@ -47,13 +64,14 @@ def _copy(tree):
 
 def _two_updates(config) -> tuple[dict, list[dict], dict, Trainer]:
     """(the rollout batch, both steps' metrics, the params before the second, the trainer) of
-    `config` on one device."""
+    `config` on one device; checks the batch's rows against the sampler's own output."""
     config.mesh.data = 1
     trainer = Trainer.build(config, workdir=None, devices=jax.devices()[:1])
     source = RolloutSource(trainer)
     it, state = source.iterator(), trainer.state
     source.follow(state)
     batch = next(it)
+    _check_rows(source, state.params, batch)
     state, first = trainer.train_fn(state, trainer.to_global(batch))
     params = _copy(state.params)
     assert next(it) is batch  # updates_per_rollout=2: the same rollout again
@@ -61,8 +79,27 @@ def _two_updates(config) -> tuple[dict, list[dict], dict, Trainer]:
     return batch, [_copy(first), _copy(second)], params, trainer
 
 
-def test_step_loss_equals_policy_loss_on_independent_logps(toy):
-    batch, (first, second), params, trainer = _two_updates(toy)
+def _check_rows(source: RolloutSource, params, batch: dict) -> None:
+    """Each row is its prompt then the sampler's completion, marked; the rollout's old
+    log-probabilities (a training forward) are the sampler's own log-probabilities."""
+    G, new = source.s.num_generations, source.s.max_new_tokens
+    prompts = source.prompts.take(0, len(batch["tokens"]) // G)
+    out = source.sampler(params, [p.ids for p in prompts], jax.random.fold_in(source.key, 0),
+                         new)
+    tokens, lengths, logprobs = (np.asarray(x) for x in (out.tokens, out.lengths,
+                                                          out.logprobs))
+    for r, row in enumerate(batch["tokens"]):
+        ids, n = prompts[r // G].ids, lengths[r]
+        assert row[:len(ids)].tolist() == list(ids)
+        assert row[len(ids):len(ids) + n].tolist() == tokens[r, :n].tolist()
+        assert batch["loss_mask"][r].tolist() == [len(ids) <= t < len(ids) + n
+                                                  for t in range(len(row))]
+        np.testing.assert_allclose(batch["old_logp"][r, len(ids) - 1:len(ids) - 1 + n],
+                                   logprobs[r, :n], atol=2e-5)
+
+
+def test_step_loss_equals_policy_loss_on_independent_logps(one_device):
+    batch, (first, second), params, trainer = one_device
     mask = batch["loss_mask"][:, 1:] > 0
     assert mask.any(axis=1).all() and np.ptp(batch["advantages"]) > 0
     s = trainer.ctx.objective.settings
@@ -89,8 +126,8 @@ def test_step_loss_equals_policy_loss_on_independent_logps(toy):
     assert float(first["clip_fraction"]) == 0.0 and abs(float(first["kl"])) < 1e-6
 
 
-def test_update_on_fsdp_and_tensor_equals_one_device(toy):
-    batch, (_, one), _, _ = _two_updates(toy)
+def test_update_on_fsdp_and_tensor_equals_one_device(toy, one_device):
+    batch, (_, one), _, _ = one_device
     toy.mesh.update(data=2, fsdp=2, tensor=2)
     toy.rules_preset = "fsdp_tp"
     toy.train.grad_accum = 2
@@ -111,13 +148,22 @@ def test_resume_between_two_updates_of_a_rollout_is_exact(toy, tmp_path):
     toy.train.steps = 3  # rollout 0 for steps 1-2, rollout 1 for step 3
     toy.checkpoint.every = 1
     prepare_grpo(toy, str(tmp_path / "whole")).run()
-    stopped = toy.copy_and_resolve_references()
-    stopped.train.steps = 1  # its checkpoint at step 1 holds rollout 0's batch
-    prepare_grpo(stopped, str(tmp_path / "parts")).run()
-    prepare_grpo(toy, str(tmp_path / "parts")).run()
-    whole, parts = _losses(str(tmp_path / "whole")), _losses(str(tmp_path / "parts"))
-    assert sorted(whole) == sorted(parts) == [1, 2, 3]
-    assert [parts[k] for k in (1, 2, 3)] == [whole[k] for k in (1, 2, 3)]
+    # Stopped after step 1: its checkpoint holds rollout 0's batch for step 2.
+    parts = tmp_path / "parts"
+    (parts / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / "1", parts / "checkpoints" / "1")
+    prepare_grpo(toy, str(parts)).run()
+    whole, resumed = _losses(str(tmp_path / "whole")), _losses(str(parts))
+    assert sorted(whole) == [1, 2, 3] and sorted(resumed) == [2, 3]
+    assert [resumed[k] for k in (2, 3)] == [whole[k] for k in (2, 3)]
+    with open(tmp_path / "whole" / "metrics.jsonl") as f:
+        logged = [m for m in map(json.loads, f) if "loss" in m]
+    reported = ("reward_mean", "reward_std", "reward/digits", "zero_std_fraction", "kl",
+                "clip_fraction", "completion_length", "completion_length_max",
+                "truncated_fraction", "rollout_tokens_per_s", "rollout_s", "update_s")
+    assert all(name in logged[i] for i in (0, 2) for name in reported), logged  # rollouts
+    assert logged[0]["completion_length_max"] <= toy.objective.max_new_tokens
+    assert "reward_mean" not in logged[1] and "update_s" in logged[1]  # step 1's rollout again
 
 
 @pytest.mark.slow
