@@ -252,3 +252,62 @@ def test_1f1b_is_refused(toy):
     toy.pipeline.update(schedule="1f1b", microbatches=2)
     with pytest.raises(ConfigError, match="pipeline.schedule='1f1b' runs a"):
         config_lib.validate(toy)
+
+
+# --- prompts: plain text, chat messages through the template, bad records ---------------
+def test_chat_prompts_render_as_transformers_and_stop_at_the_end_of_turn(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from chat_common import tokenizer_dir
+    from jaxscale.config import base_config
+    from jaxscale.data.prompts import PromptSet
+    from jaxscale.rl.rollout import stop_ids
+
+    directory = tokenizer_dir(str(tmp_path), "qwen2")
+    messages = [{"role": "user", "content": "what is two plus two"}]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": messages, "answer": "four"}) + "\n"
+                                      + json.dumps({"prompt": "hello world"}) + "\n")
+    c = base_config()
+    c.data.update(sources=f"prompts={tmp_path}/p.jsonl", tokenizer=directory)
+    chat, plain = PromptSet(c, 64).prompts
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    assert list(chat.ids) == theirs.apply_chat_template(messages, add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False)
+    assert chat.chat and chat.record["answer"] == "four" and not plain.chat
+    ours = PromptSet(c, 64).tokenizer  # plain text: after the tokenizer's BOS
+    assert list(plain.ids) == [ours.bos_id] + theirs("hello world",
+                                                     add_special_tokens=False)["input_ids"]
+    assert theirs.convert_tokens_to_ids("<|im_end|>") in stop_ids(ours)
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"question": "2+2"}', "line 1 has no \"prompt\""),
+    ('{"prompt": ""}', "line 1 has no \"prompt\""),
+    ('{"prompt": "' + "x" * 40 + '"}', "the prompt is 40 tokens, but a row holds at most 20"),
+    ("not json", "line 1 is not JSON"),
+])
+def test_bad_prompt_records_are_one_paragraph(tmp_path, line, message):
+    from jaxscale.config import base_config
+    from jaxscale.data.prompts import PromptSet
+    from jaxscale.data.readers import DataError
+
+    (tmp_path / "p.jsonl").write_text(line + "\n")
+    c = base_config()
+    c.data.sources = f"prompts={tmp_path}/p.jsonl"
+    with pytest.raises(DataError, match=message):
+        PromptSet(c, 20)
+
+
+def test_prompt_order_is_a_seeded_shuffle_per_pass(tmp_path):
+    from jaxscale.config import base_config
+    from jaxscale.data.prompts import PromptSet
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n"
+                                              for i in range(6)))
+    c = base_config()
+    c.data.sources = f"prompts={tmp_path}/p.jsonl"
+    prompts = PromptSet(c, 20)
+    names = lambda rollout: [p.prompt for p in prompts.take(rollout, 3)]
+    assert sorted(names(0) + names(1)) == [f"q{i}" for i in range(6)]  # one pass: each once
+    assert sorted(names(2) + names(3)) == [f"q{i}" for i in range(6)]  # the next pass
+    assert names(2) + names(3) != names(0) + names(1)  # reshuffled
+    assert [p.prompt for p in PromptSet(c, 20).take(3, 3)] == names(3)  # fixed by the seed
