@@ -248,7 +248,13 @@ def files_data(config: Any, process_index: int, process_count: int,
 
 def files_heldout(config: Any, process_index: int, process_count: int) -> list:
     """The held-out batches of `config.data.sources` for `launch.evaluate`: required, whatever
-    the run's `train.eval_every`."""
+    the run's `train.eval_every`. An RL run's prompts have none."""
+    if configured_kind(config.data) == "prompts":
+        raise ConfigError(paragraph(
+            "This run trained on prompts=GLOB (an RL objective), which have no held-out rows to",
+            "score: its rewards are in metrics.jsonl. Evaluate the model on a benchmark with",
+            "`jaxscale lm-eval --model jaxscale --model_args workdir=DIR` (docs/rl.md), or give",
+            "held-out text with --eval_sources."))
     return files_data(config, process_index, process_count, require_heldout=True)[1]
 
 

@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections as mlc
 import numpy as np
 
@@ -194,7 +195,7 @@ class RolloutSource:
         rows_of = lambda field: [getattr(prompts[r // G], field) for r in range(len(tokens))]
         total, per_function = score(self.rewards, rows_of("prompt"), completions,
                                     rows_of("record"))
-        advantages, std_P = group_advantages(jax.numpy.asarray(total, np.float32), G,
+        advantages, std_P = group_advantages(jnp.asarray(total, jnp.float32), G,
                                              self.s.scale_rewards)
         batch["advantages"] = np.asarray(advantages, np.float32)
         self._window.append({
