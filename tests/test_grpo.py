@@ -126,13 +126,19 @@ def test_step_loss_equals_policy_loss_on_independent_logps(one_device):
     assert float(first["clip_fraction"]) == 0.0 and abs(float(first["kl"])) < 1e-6
 
 
-def test_update_on_fsdp_and_tensor_equals_one_device(toy, one_device):
+@pytest.mark.parametrize("layout", [
+    dict(mesh=dict(data=2, fsdp=2, tensor=2), grad_accum=2),
+    pytest.param(dict(mesh=dict(data=2, pipeline=2, fsdp=2), microbatches=2),
+                 marks=pytest.mark.exhaustive),
+], ids=["fsdp_tensor_accum", "gpipe"])
+def test_update_on_fsdp_and_tensor_equals_one_device(toy, one_device, layout):
     batch, (_, one), _, _ = one_device
-    toy.mesh.update(data=2, fsdp=2, tensor=2)
-    toy.rules_preset = "fsdp_tp"
-    toy.train.grad_accum = 2
+    toy.mesh.update(layout["mesh"])
+    toy.rules_preset = "fsdp_tp" if "tensor" in layout["mesh"] else "fsdp"
+    toy.train.grad_accum = layout.get("grad_accum", 1)
+    toy.pipeline.microbatches = layout.get("microbatches", 1)
     sharded = Trainer.build(toy, workdir=None)
-    assert sharded.ctx.mesh.shape["fsdp"] == 2 and sharded.ctx.mesh.shape["tensor"] == 2
+    assert all(sharded.ctx.mesh.shape[k] == v for k, v in layout["mesh"].items())
     state, first = sharded.train_fn(sharded.state, sharded.to_global(batch))
     state, two = sharded.train_fn(state, sharded.to_global(batch))
     for name in ("loss", "kl", "clip_fraction", "grad_norm"):
