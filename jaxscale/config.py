@@ -117,8 +117,16 @@ def base_config() -> mlc.ConfigDict:
     # label_smoothing), ipo (beta), simpo (beta, gamma; no reference). sft_weight adds the
     # chosen response's NLL. reference: "init" (the weights training starts from; with LoRA the
     # base with the adapters off) or a jaxscale checkpoint / Hugging Face directory.
-    c.objective = mlc.ConfigDict(dict(name="lm", beta=0.1, label_smoothing=0.0, gamma=0.5,
-                                      sft_weight=0.0, reference="init"))
+    # grpo (prompts=GLOB data; docs/rl.md): rewards "module:function[@weight],...",
+    # num_generations per prompt, max_new_tokens, the sampling (temperature, top_p, top_k),
+    # beta (KL to the reference, k3; 0: none held), epsilon / epsilon_high (clip, DAPO's
+    # clip-higher), updates_per_rollout, loss_norm (token | sequence | constant),
+    # scale_rewards (group | batch | none), ratio_level (token | sequence: GSPO).
+    c.objective = mlc.ConfigDict(dict(
+        name="lm", beta=0.1, label_smoothing=0.0, gamma=0.5, sft_weight=0.0, reference="init",
+        rewards="", num_generations=4, max_new_tokens=32, temperature=1.0, top_p=1.0, top_k=0,
+        epsilon=0.2, epsilon_high=0.2, updates_per_rollout=1, loss_norm="sequence",
+        scale_rewards="group", ratio_level="token"))
     c.optim = mlc.ConfigDict(dict(name="adamw", lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                                   weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
                                   clip_norm=1.0, momentum=0.9, nesterov=False,

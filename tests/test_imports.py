@@ -39,11 +39,14 @@ each other either.
     sampler (`sampling`: ragged prompts, n samples, top-k / top-p, stops, log-probs; the KV cache
     sharded by the rules), generation from a workdir or a Hugging Face directory (`generate`,
     through interop), the model lm-evaluation-harness runs (`lm_harness`).
- 9. `configs`: the bundled config files, a `get_config` each. Like a user's config file they may
+ 9. `rl`: reinforcement learning: reward functions, and GRPO's rollouts, which sample with the
+    rollout sampler on the training mesh and take the data pipeline's place in the training
+    loop (the objective's loss stays below train, in `objectives/grpo.py`).
+10. `configs`: the bundled config files, a `get_config` each. Like a user's config file they may
     use any part of the library (the GPU presets size their micro-batch with `aot.memory`);
     only the command line loads them.
-10. `cli`: flag parsing and config loading.
-11. `launch`, then 12. `__main__`: the thin entry points.
+11. `cli`: flag parsing and config loading.
+12. `launch`, then 13. `__main__`: the thin entry points.
 
 Inside `models/` the sub-packages keep an order of their own (`MODEL_LAYERS`), checked the same
 way, lowest first:
@@ -88,6 +91,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("train",),
     ("interop", "lofi", "aot"),
     ("inference",),
+    ("rl",),
     ("configs",),
     ("cli",),
     ("launch",),

@@ -138,15 +138,16 @@ def make_all_rows(sources: list, d: Any, pad_id: int, also: list = ()) -> list:
 
 def configured_kind(d: Any) -> str:
     """What `config.data`'s sources hold, read from the config (and the `metadata.json` of
-    prepared shards), no document read: `preference` where any source holds pairs, else
+    prepared shards), no document read: `prompts` where any source holds an RL run's prompts,
+    else `preference` where any source holds pairs, else
     `chat` where any holds conversations, else `text` (the stdlib demo included)."""
     kinds = set()
     for spec in parse_sources(d.get("sources", "")) if d.get("sources") else []:
-        if spec.format in ("chat", "preference"):
+        if spec.format in ("chat", "preference", "prompts"):
             kinds.add(spec.format)
         elif spec.format == "array_record":
             kinds.add(prepared_kind(expand(spec)))
-    return next((k for k in ("preference", "chat") if k in kinds), "text")
+    return next((k for k in ("prompts", "preference", "chat") if k in kinds), "text")
 
 
 def _eval_batches(rows: list, global_batch: int, count: int, process_index: int,
@@ -216,6 +217,9 @@ def files_data(config: Any, process_index: int, process_count: int,
     if require_heldout is None:
         require_heldout = bool(config.get("train", {}).get("eval_every", 1))
     d = config.data
+    if configured_kind(d) == "prompts":  # an RL run samples its rows (jaxscale/rl/)
+        from jaxscale.data.prompts import PromptBatches
+        return PromptBatches(config), []
     tokenizer = load_tokenizer(d.get("tokenizer", BYTES))
     check_vocab(tokenizer, config.model.vocab_size, d.get("tokenizer", BYTES))
     specs = parse_sources(d.sources)
@@ -244,7 +248,13 @@ def files_data(config: Any, process_index: int, process_count: int,
 
 def files_heldout(config: Any, process_index: int, process_count: int) -> list:
     """The held-out batches of `config.data.sources` for `launch.evaluate`: required, whatever
-    the run's `train.eval_every`."""
+    the run's `train.eval_every`. An RL run's prompts have none."""
+    if configured_kind(config.data) == "prompts":
+        raise ConfigError(paragraph(
+            "This run trained on prompts=GLOB (an RL objective), which have no held-out rows to",
+            "score: its rewards are in metrics.jsonl. Evaluate the model on a benchmark with",
+            "`jaxscale lm-eval --model jaxscale --model_args workdir=DIR` (docs/rl.md), or give",
+            "held-out text with --eval_sources."))
     return files_data(config, process_index, process_count, require_heldout=True)[1]
 
 

@@ -4,7 +4,8 @@ array_record, tokens.
 `config.data.sources` is a `;`-separated list of `FORMAT=GLOB` entries with an optional
 `@WEIGHT` (e.g. `jsonl=/data/web/*.jsonl@3;text=/data/books/*.txt@1`); `chat` and
 `preference` read jsonl conversations and preference pairs through the tokenizer's chat
-template (`jaxscale.data.chat_sources`). Each entry becomes a
+template (`jaxscale.data.chat_sources`); `prompts` are the prompts of an RL run, which samples
+its own rows (`jaxscale.data.prompts`). Each entry becomes a
 `DocSource`: a random-access list of documents (token arrays ending with EOS) plus their token
 lengths. Documents are addressed by index, so a process reads only the files, lines, row groups
 or records of the documents in its own rows. Lengths are free for `tokens` (file sizes) and for
@@ -34,7 +35,8 @@ from jaxscale.data.tokenizer import BYTES, file_hash
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.storage import data_files
 
-FORMATS = ("text", "jsonl", "parquet", "chat", "preference", "array_record", "tokens")
+FORMATS = ("text", "jsonl", "parquet", "chat", "preference", "prompts", "array_record",
+           "tokens")
 TOKEN_BLOCK = 1 << 16  # a `tokens` file is addressed in blocks of this many tokens
 
 

@@ -32,8 +32,10 @@ def main(argv):
         locations.epath(_WORKDIR.value)  # an unsupported scheme fails before devices start
         distributed.setup()
         from jaxscale.lofi.worker import train_worker  # after the devices are configured
+        from jaxscale.rl.rollout import train_grpo
         from jaxscale.train.loop import train
-        run = train_worker if _CONFIG.value.lofi.enabled else train
+        run = (train_worker if _CONFIG.value.lofi.enabled else
+               train_grpo if _CONFIG.value.objective.name == "grpo" else train)
         try:
             run(cli.resolved(_CONFIG.value), _WORKDIR.value)
         except Preempted as e:  # SIGTERM: saved at the same step on every host; exit 75

@@ -56,6 +56,11 @@ class Task:
     # task's own extra loss terms (the MoE router's) as a third, scalar value. None: the
     # model scores no sequences (an image classifier).
     sequence_logps: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] | None = None
+    # token_logps(model, {'tokens': (B, T+1), 'loss_mask': (B, T+1)}, run_layers) -> (the
+    # log-probability of every target (B, T), the float mask of the targets `loss_mask` marks
+    # (B, T), the extra loss term), positions in their natural order: what a policy gradient
+    # (GRPO) compares token by token with the sampler's. None: no tokens to score.
+    token_logps: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] | None = None
 
 
 def masked_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None

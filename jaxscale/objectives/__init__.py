@@ -6,12 +6,14 @@
 | `dpo` | preference pairs | DPO, `beta`, `label_smoothing` (conservative DPO) | yes |
 | `ipo` | preference pairs | IPO, `beta` | yes |
 | `simpo` | preference pairs | SimPO, `beta`, `gamma`, length-normalised | none |
+| `grpo` | rollouts of `prompts=GLOB` | GRPO / DAPO / Dr. GRPO / GSPO policy gradient | if `beta` > 0 |
 
 Each names its batch layout, loss and held-out sums (`base.Objective`); `sft_weight` adds the
 chosen response's NLL to the preference objectives. Objectives sit above the models (they use a
 model's task and, for `dpo` / `ipo`, a second, frozen model) and below the training side, which
 holds the reference's weights (`jaxscale/train/reference.py`). An explicit table: a new
-objective is a module here and one line in `OBJECTIVES`.
+objective is a module here and one line in `OBJECTIVES`. `grpo` trains on batches a rollout
+samples (`jaxscale/rl/`, above the training side), never on the data pipeline's rows.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models import task_of
 from jaxscale.models.task import Task
 from jaxscale.objectives.base import LMObjective, Objective, Settings
+from jaxscale.objectives.grpo import GRPOObjective, check_grpo
 from jaxscale.objectives.preference import PreferenceObjective
 
 __all__ = ["OBJECTIVES", "Objective", "Settings", "check_objective", "holds_reference",
@@ -35,6 +38,7 @@ OBJECTIVES: dict[str, Callable[[Task, Settings], Objective]] = {
     "dpo": lambda task, s: PreferenceObjective(task, s, "dpo"),
     "ipo": lambda task, s: PreferenceObjective(task, s, "ipo"),
     "simpo": lambda task, s: PreferenceObjective(task, s, "simpo"),
+    "grpo": lambda task, s: GRPOObjective(task, s),
 }
 PREFERENCE = ("dpo", "ipo", "simpo")
 
@@ -68,7 +72,7 @@ def _check_name(name: str) -> None:
         raise ConfigError(paragraph(
             f"objective.name={name!r} is not an objective. Use one of {', '.join(OBJECTIVES)}:",
             "'lm' (the model's own loss; chat data trains on its assistant tokens), 'dpo',",
-            "'ipo' or 'simpo' (preference pairs)."))
+            "'ipo' or 'simpo' (preference pairs), 'grpo' (RL on prompts=GLOB with rewards)."))
 
 
 def check_objective(config: Any, data_kind: str) -> None:
@@ -77,6 +81,13 @@ def check_objective(config: Any, data_kind: str) -> None:
     for the first mismatch."""
     s = Settings.from_config(config.get("objective"))
     _check_name(s.name)
+    if s.name == "grpo":
+        return _check_grpo(config, s, data_kind)
+    if data_kind == "prompts":
+        raise ConfigError(paragraph(
+            f"data.sources holds prompts=GLOB, which objective.name={s.name!r} cannot train on",
+            "(prompts have no answers to learn; an RL run samples them and scores them with",
+            "reward functions). Use --config.objective.name=grpo with objective.rewards."))
     _check_values(s)
     preference = s.name in PREFERENCE
     if preference and data_kind != "preference":
@@ -101,6 +112,28 @@ def check_objective(config: Any, data_kind: str) -> None:
             "against a reference model), but pipeline.schedule='1f1b' runs a next-token loss",
             "inside its schedule, microbatch by microbatch. Use --config.pipeline.schedule=gpipe",
             "(or circular) with pipeline stages for preference objectives."))
+
+
+def _check_grpo(config: Any, s: Settings, data_kind: str) -> None:
+    """`grpo`: prompts data, a decoder that scores tokens, its settings, no 1F1B."""
+    if data_kind != "prompts":
+        raise ConfigError(paragraph(
+            "objective.name='grpo' samples completions of prompts, but data.sources holds",
+            f"{data_kind} data. Give prompts (--config.data.sources='prompts=FILE.jsonl', one",
+            "{\"prompt\": ...} per line), or use objective.name=lm for text and chat."))
+    if task_of(config.model).token_logps is None:
+        raise ConfigError(paragraph(
+            "objective.name='grpo' compares token log-probabilities, which",
+            f"model.name={config.model.get('name', 'llama')!r} does not give. Use a decoder",
+            "language model."))
+    check_grpo(s, config.data.batch_size, config.data.seq_len)
+    stages = config.mesh.get("pipeline", 1) * config.mesh.get("dcn_pipeline", 1)
+    if stages > 1 and config.pipeline.get("schedule", "gpipe") == "1f1b":
+        raise ConfigError(paragraph(
+            "objective.name='grpo' weighs each completion token by its advantage and compares",
+            "it with the old and reference policies, but pipeline.schedule='1f1b' runs a",
+            "next-token loss inside its schedule, microbatch by microbatch. Use",
+            "--config.pipeline.schedule=gpipe (or circular) with pipeline stages for grpo."))
 
 
 def _check_values(s: Settings) -> None:

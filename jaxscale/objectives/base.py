@@ -37,6 +37,19 @@ class Settings:
     gamma: float = 0.5
     sft_weight: float = 0.0
     reference: str = "init"
+    # GRPO and its variants (`objectives/grpo.py`, rollouts in `jaxscale/rl/`)
+    rewards: str = ""
+    num_generations: int = 4
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    epsilon: float = 0.2
+    epsilon_high: float = 0.2
+    updates_per_rollout: int = 1
+    loss_norm: str = "sequence"
+    scale_rewards: str = "group"
+    ratio_level: str = "token"
 
     @classmethod
     def from_config(cls, objective_cfg: Mapping[str, Any] | None) -> "Settings":

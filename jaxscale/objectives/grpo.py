@@ -25,14 +25,29 @@ The weights are computed on the whole rollout batch before a step splits it (`ro
 so accumulation, data replicas and pipeline microbatches sum to exactly the whole batch's loss.
 On the first update of a rollout (r = 1, inside the clip) with beta = 0, the gradient is
 REINFORCE's with the group-mean baseline: -sum_i w_i A_i sum_t grad logp_t.
+
+`GRPOObjective` is this loss as the objective `grpo` (`config.objective`), on the rollout
+batches `jaxscale/rl/rollout.py` samples: `tokens` (B, T+1) (each row its prompt, then its
+completion, right-padded), `loss_mask` (B, T+1) on the completion's tokens, `old_logp` and, with
+beta > 0, `ref_logp` (B, T), aligned with the targets `tokens[:, 1:]`, and `advantages` (B,).
+The objective knows nothing of sampling: the rollout side scores the old and reference
+log-probabilities and the rewards; the objective only weighs the rows and takes the loss.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.models.runner import LayerRunner
+from jaxscale.models.task import Task
+from jaxscale.objectives.base import Batch, Settings
 
 LossNorm = Literal["token", "sequence", "constant"]
 ScaleRewards = Literal["group", "batch", "none"]
@@ -103,3 +118,120 @@ def policy_loss(logp_BT: jax.Array, old_logp_BT: jax.Array, ref_logp_BT: jax.Arr
         term_BT = term_BT + beta * kl_BT
         metrics["kl"] = (kl_BT * w_BT).sum()
     return (term_BT * w_BT).sum(), metrics
+
+
+ROW_WEIGHT = "row_weight"  # (B,): each row's weight times the whole batch's rows (`prepare`)
+
+
+def reward_specs(text: str) -> list[tuple[str, str, float]]:
+    """(module, function, weight) of each entry of `objective.rewards`
+    (`module:function[@weight],...`), checked for form only (importing is the rollout's)."""
+    out = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        target, _, weight = entry.partition("@")
+        module, sep, function = target.strip().rpartition(":")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            w = float("nan")
+        if not sep or not module or not function.isidentifier() or not math.isfinite(w):
+            raise ConfigError(paragraph(
+                f"objective.rewards entry {entry!r} is not module:function[@weight]: name a",
+                "function of an importable module (a file beside the run, or on PYTHONPATH),",
+                "with an optional finite weight, e.g. 'my_rewards:correct@1.0,my_rewards:short@0.1'."))
+        out.append((module, function, w))
+    return out
+
+
+def check_grpo(s: Settings, batch_size: int, seq_len: int) -> None:
+    """The settings of `grpo` against themselves and the batch (`data.batch_size` rows of
+    `data.seq_len` + 1 tokens): one paragraph for the first problem."""
+    problems = []
+    if not reward_specs(s.rewards):
+        problems.append("objective.rewards is empty: name at least one reward function "
+                        "(module:function[@weight],...)")
+    if s.num_generations < 2:
+        problems.append(f"objective.num_generations={s.num_generations}: a group needs at least "
+                        "2 completions to compare (8 is usual)")
+    elif batch_size % s.num_generations:
+        problems.append(f"data.batch_size={batch_size} is not a multiple of "
+                        f"objective.num_generations={s.num_generations} (the batch is prompts x "
+                        "completions)")
+    if not 1 <= s.max_new_tokens < seq_len:
+        problems.append(f"objective.max_new_tokens={s.max_new_tokens} must be in [1, "
+                        f"data.seq_len={seq_len}) (a row holds the prompt and the completion)")
+    if not (math.isfinite(s.temperature) and s.temperature > 0):
+        problems.append(f"objective.temperature={s.temperature} must be > 0 (greedy completions "
+                        "of a prompt are all alike and teach nothing)")
+    if not 0 < s.top_p <= 1 or s.top_k < 0:
+        problems.append(f"objective.top_p={s.top_p} must be in (0, 1] and objective.top_k="
+                        f"{s.top_k} >= 0 (1.0 and 0 switch them off)")
+    if not (math.isfinite(s.beta) and s.beta >= 0):
+        problems.append(f"objective.beta={s.beta} must be >= 0 (the KL weight; 0 turns it off)")
+    if not (0 <= s.epsilon < 1 and 0 <= s.epsilon_high < 10):
+        problems.append(f"objective.epsilon={s.epsilon} must be in [0, 1) and "
+                        f"objective.epsilon_high={s.epsilon_high} >= 0 (0.2 and 0.28: DAPO)")
+    if s.updates_per_rollout < 1:
+        problems.append(f"objective.updates_per_rollout={s.updates_per_rollout} must be >= 1")
+    for name, value, allowed in (("loss_norm", s.loss_norm, LOSS_NORMS),
+                                 ("scale_rewards", s.scale_rewards, SCALE_REWARDS),
+                                 ("ratio_level", s.ratio_level, RATIO_LEVELS)):
+        if value not in allowed:
+            problems.append(f"objective.{name}={value!r} is not one of {', '.join(allowed)}")
+    if problems:
+        raise ConfigError(paragraph(
+            f"objective.name='grpo': {'; '.join(problems)}. Fix the settings (docs/rl.md lists",
+            "each)."))
+
+
+@dataclass(frozen=True)
+class GRPOObjective:
+    """`grpo` (GRPO, and DAPO / Dr. GRPO / GSPO by its settings) on the model's `task`."""
+
+    task: Task
+    settings: Settings
+    name: str = "grpo"
+    reported: tuple[str, ...] = ()  # no held-out sums: a rollout's rewards are its metrics
+
+    @property
+    def uses_reference(self) -> bool:
+        """The run holds a reference only for the KL term (its log-probabilities are scored
+        with the rollout, so the step itself never runs it)."""
+        return self.settings.beta > 0
+
+    def loss(self, model: Any, reference: Any, batch: Batch, run_layers: LayerRunner | None
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`policy_loss` of these rows, with the whole batch's row weights: the parts a step
+        splits the batch into are averaged, so each part's sum is scaled by its share."""
+        s = self.settings
+        logp_BT, mask_BT, extra = self.task.token_logps(
+            model, {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}, run_layers)
+        weights_B = batch[ROW_WEIGHT] / batch["tokens"].shape[0]
+        loss, metrics = policy_loss(
+            logp_BT, batch["old_logp"], batch.get("ref_logp"), batch["advantages"], mask_BT,
+            weights_B, epsilon=s.epsilon, epsilon_high=s.epsilon_high, beta=s.beta,
+            ratio_level=s.ratio_level)
+        return loss + extra, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
+
+    def prepare(self, batch: Batch) -> Batch:
+        """`row_weight` (B,): `row_weights` of the whole batch times its rows."""
+        mask_BT = batch["loss_mask"][:, 1:] > 0
+        weights_B = row_weights(mask_BT, self.settings.loss_norm, self.settings.max_new_tokens)
+        return dict(batch, **{ROW_WEIGHT: weights_B * mask_BT.shape[0]})
+
+    def eval_sums(self, model: Any, reference: Any, batch: Batch) -> dict[str, jax.Array]:
+        return {}
+
+    def finish(self, totals: Mapping[str, float]) -> dict[str, float]:
+        return {}
+
+    def batch_spec(self, model_cfg: Mapping[str, Any], batch_size: int, seq_len: int,
+                   segments: bool, masked: bool) -> dict[str, jax.ShapeDtypeStruct]:
+        """The rollout batch (see the module docstring)."""
+        row = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
+        per_target = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)
+        spec = {"tokens": row, "loss_mask": row, "old_logp": per_target,
+                "advantages": jax.ShapeDtypeStruct((batch_size,), jnp.float32)}
+        return spec | ({"ref_logp": per_target} if self.settings.beta > 0 else {})

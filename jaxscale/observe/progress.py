@@ -25,7 +25,8 @@ class ProgressBar:
     """A tqdm bar on a terminal; without a TTY (CI logs) a plain line every `print_every` steps.
 
     Shows step/total, loss, tokens/s, a preference objective's reward accuracy (`acc`, the
-    share of pairs whose chosen response the model rewards above the rejected one), an MoE
+    share of pairs whose chosen response the model rewards above the rejected one), an RL
+    run's mean reward and KL (`reward`, `kl`), an MoE
     model's expert load (busiest/idlest expert relative to a balanced load, `load=1.40/0.60`)
     and the latest eval loss (and eval reward accuracy) once one is known.
     """
@@ -53,6 +54,10 @@ class ProgressBar:
             shown["loss"] = f"{float(metrics['loss']):.4f}"
         if metrics.get("reward_accuracy") is not None:
             shown["acc"] = f"{float(metrics['reward_accuracy']):.2f}"
+        if metrics.get("reward_mean") is not None:  # an RL run's rollouts (and its KL)
+            shown["reward"] = f"{float(metrics['reward_mean']):.3f}"
+        if metrics.get("kl") is not None:
+            shown["kl"] = f"{float(metrics['kl']):.4f}"
         if metrics.get("tokens_per_s") is not None:
             shown["tok/s"] = f"{float(metrics['tokens_per_s']):,.0f}"
         if metrics.get("moe_load_max") is not None:  # MoE: busiest / idlest expert vs balanced

@@ -128,6 +128,9 @@ class Trainer:
                            jax.devices()[0].device_kind)
         profiler = Profiler(cfg.profile, self.workdir, jax.process_index())
         self._banner(start, meter)
+        follow = getattr(self.batches, "follow", None)  # rollouts sample with the weights now
+        if follow is not None:
+            follow(state)
         batch = self.to_global(next(it)) if start < cfg.steps else None
         if batch is not None:
             meter.compiled(self._compile(state, batch))
@@ -153,6 +156,8 @@ class Trainer:
                     if profiler.after_step(step, metrics):  # writing the trace is not a step
                         meter.restart(step)
                     state = _after_step(hooks, info)
+                    if follow is not None:
+                        follow(state)
                     if preemption.reached(step):
                         self._stop_for_preemption(hooks, replace(info, state=state), bar)
         finally:
@@ -194,6 +199,8 @@ class Trainer:
         host.update(meter.window(step))
         if skipped := getattr(self.batches, "skipped_records", 0):  # data.skip_bad_records
             host["skipped_records"] = skipped
+        if hasattr(self.batches, "metrics"):  # a rollout source's rewards and time split
+            host.update(self.batches.metrics())
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             held = self.evaluate(state)
             host.update({f"eval_{k}": held[k] for k in self.heldout.reported if k in held})

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxscale.errors import ConfigError, paragraph
@@ -335,6 +336,23 @@ def sequence_logps(model: Llama, batch: Mapping[str, jax.Array],
             router_loss(model, model.cfg.moe))
 
 
+def token_logps(model: Llama, batch: Mapping[str, jax.Array],
+                run_layers: LayerRunner | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(log-probability of every target (B, T), the float mask `batch['loss_mask']` marks
+    (B, T), the router's loss term), in the natural order of positions (laid back from the
+    training order of sequence shards): `sequence_logps` before the sum over positions."""
+    tokens_BT1 = constrain(batch["tokens"], "batch", "length")
+    order = _training_order(model, tokens_BT1.shape[1] - 1)
+    rows = {"tokens": tokens_BT1, "loss_mask": batch["loss_mask"]}
+    with context.sequence_order(order):
+        losses_BT, mask_BT = masked_losses(model, rows, run_layers, order)
+    if order is not None:
+        inverse = np.argsort(order)
+        losses_BT, mask_BT = _permuted(losses_BT, inverse), _permuted(mask_BT, inverse)
+    return -losses_BT, mask_BT, router_loss(model, model.cfg.moe)
+
+
 def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int,
                segments: bool) -> dict[str, jax.ShapeDtypeStruct]:
     """A training batch: `tokens` (batch, seq_len + 1) int32, inputs and shifted targets; rows
@@ -345,4 +363,5 @@ def batch_spec(model_cfg: Mapping[str, Any], batch_size: int, seq_len: int,
 
 LM = Task(lm_loss, eval_sums, batch_spec, unit="tokens", prepare=prepare_batch,
           perplexity=True, token_batches=True, sequence_logps=sequence_logps,
+          token_logps=token_logps,
           finetune=("finetune_lm:lora", "--config.data.sources='text=YOUR/FILES/*.txt'"))

@@ -1,0 +1,244 @@
+"""GRPO's rollouts: the batches a `grpo` run trains on, sampled with the weights being trained.
+
+A `RolloutSource` takes the place of the data pipeline in the training loop (`Trainer.batches`):
+the loop hands it the state it trains (`follow`) and pulls a batch per step. A new rollout, on
+the training mesh and with the training rules:
+
+  1. takes P = data.batch_size / G prompts (`data/prompts.py`: an order fixed by the seed);
+  2. samples G completions of each with the rollout sampler (`inference/sampling.py`), stopping
+     at the tokenizer's EOS / end-of-turn, with the key `fold_in(key(seed), rollout number)`;
+  3. lays each (prompt, completion) in a row of data.seq_len + 1 tokens, the completion marked,
+     and scores it with one forward pass: the policy's log-probabilities now (`old_logp`, the
+     ratio's denominator for every update of this rollout) and, with beta > 0, the reference's;
+  4. decodes the completions and calls the reward functions (`rewards.py`) on the whole batch,
+     then takes the group advantages (`objectives/grpo.py`).
+
+The batch is then trained on `objective.updates_per_rollout` times (one optimizer step each).
+Resuming is exact: the prompts and the sampling key of a rollout derive from (seed, rollout
+number), the weights it samples with are the checkpoint's, and a checkpoint taken between two
+updates of one rollout carries that rollout's batch in its data state (a checkpoint.every that
+is a multiple of updates_per_rollout never needs to). The run's metrics (`metrics()`, logged
+with the step's) are the means over the rollouts since the last log, with the seconds spent in
+rollouts (`rollout_s`: sampling, scoring and rewards) and in updates (`update_s`).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections as mlc
+import numpy as np
+
+from jaxscale.data.prompts import Prompt, PromptSet
+from jaxscale.errors import ConfigError, paragraph
+from jaxscale.inference.sampling import Sampler, Sampling
+from jaxscale.objectives import Settings
+from jaxscale.objectives.grpo import group_advantages
+from jaxscale.rl.rewards import load_rewards, score
+from jaxscale.rules import use_rules
+from jaxscale.train.loop import Trainer, prepare
+from jaxscale.train.state import TrainState
+from jaxscale.weights.tree import merge_trees
+
+SALT = 0x5EED  # sampling keys: fold_in(fold_in(key(seed), SALT), rollout)
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+
+
+def stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a completion: the tokenizer's EOS and any end-of-turn token it has."""
+    ids = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    lookup = getattr(getattr(tokenizer, "_tok", None), "token_to_id", None)
+    for name in END_OF_TURN if lookup else ():
+        if (i := lookup(name)) is not None:
+            ids.add(int(i))
+    return tuple(sorted(ids))
+
+
+def _pack(batch: dict[str, np.ndarray]) -> str:
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **batch)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _unpack(text: str) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(base64.b64decode(text))) as f:
+        return {k: f[k] for k in f.files}
+
+
+class RolloutSource:
+    """The batches of a `grpo` run (see the module docstring); also its own iterator."""
+
+    def __init__(self, trainer: Trainer):
+        if jax.process_count() > 1:
+            raise ConfigError(paragraph(
+                "objective.name='grpo' runs on one process here, and this run has",
+                f"{jax.process_count()}. Run it on one host (any number of its devices)."))
+        config, ctx = trainer.config, trainer.ctx
+        self.s = s = Settings.from_config(config.objective)
+        self.rows, self.width = config.data.batch_size, config.data.seq_len + 1
+        self.prompts = PromptSet(config, config.data.seq_len - s.max_new_tokens)
+        self.rewards = load_rewards(s.rewards)
+        tok = self.prompts.tokenizer
+        self.tokenizer, self.stops = tok, stop_ids(tok)
+        sampling = Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                            n=s.num_generations, stop_ids=self.stops, pad_id=tok.pad_id)
+        self.sampler = Sampler(ctx.model_def, sampling, ctx.rules, ctx.mesh,
+                               config.model.get("max_len", 0))
+        self.ctx, self.to_global = ctx, trainer.to_global
+        self.key = jax.random.fold_in(jax.random.key(config.seed), SALT)
+        self._score = self._scorer()
+        self.state: TrainState | None = None
+        self.position, self.cached = 0, None
+        self._window: list[dict[str, float]] = []
+        self._mark: float | None = None
+        self._update_s = 0.0
+
+    def _scorer(self) -> Any:
+        """A jitted (params, reference weights, global batch) -> (policy log-probs, reference
+        log-probs or None), each (B, T), on the training mesh."""
+        ctx, task = self.ctx, self.ctx.model_def.task
+        ref_def = None if ctx.reference is None else ctx.reference.model_def
+
+        @jax.jit
+        def scores(params: Any, reference: Any, batch: dict) -> tuple[jax.Array, Any]:
+            with use_rules(ctx.rules, ctx.mesh):
+                logp = task.token_logps(ctx.model_def.module(params), batch)[0]
+                ref = (None if ref_def is None
+                       else task.token_logps(ref_def.module(reference), batch)[0])
+            return logp, ref
+
+        return scores
+
+    # --- what the loop calls ---------------------------------------------------------------
+    def follow(self, state: TrainState) -> None:
+        """The state the next rollout samples with (the loop's, after each step's hooks)."""
+        self.state = state
+
+    def iterator(self, state: dict | None = None) -> "RolloutSource":
+        """Itself, at the position a checkpoint's data state names (the start without one)."""
+        self.position, self.cached = 0, None
+        if state:
+            self.position = int(state.get("batches", 0))
+            self.cached = _unpack(state["rollout"]) if state.get("rollout") else None
+        return self
+
+    def get_state(self) -> dict:
+        """Batches handed out, and the rollout batch while updates of it remain."""
+        state: dict[str, Any] = {"batches": self.position}
+        if self.position % self.s.updates_per_rollout and self.cached is not None:
+            state["rollout"] = _pack(self.cached)
+        return state
+
+    def __iter__(self) -> "RolloutSource":
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self.position % self.s.updates_per_rollout == 0 or self.cached is None:
+            self.cached = self._rollout(self.position // self.s.updates_per_rollout)
+        self.position += 1
+        return self.cached
+
+    def metrics(self) -> dict[str, float]:
+        """The means over the rollouts since the last call, and the time split."""
+        self._count_updates()
+        window, self._window = self._window, []
+        if not window:
+            return {"update_s": self._take_update_s()}
+        out = {k: float(np.mean([w[k] for w in window])) for k in window[0]}
+        out["completion_length_max"] = max(w["completion_length_max"] for w in window)
+        for k in ("rollout_s", "sample_s", "rollout_tokens"):
+            out[k] = float(sum(w[k] for w in window))
+        out["rollout_tokens_per_s"] = out.pop("rollout_tokens") / max(out.pop("sample_s"),
+                                                                      1e-9)
+        out["update_s"] = self._take_update_s()
+        return out
+
+    # --- one rollout ------------------------------------------------------------------------
+    def _count_updates(self) -> None:
+        now = time.perf_counter()
+        if self._mark is not None:
+            self._update_s += now - self._mark
+        self._mark = now
+
+    def _take_update_s(self) -> float:
+        out, self._update_s = self._update_s, 0.0
+        return out
+
+    def _rollout(self, number: int) -> dict[str, np.ndarray]:
+        if self.state is None:
+            raise RuntimeError("RolloutSource: follow(state) must come before the first batch")
+        state = self.state
+        params = merge_trees(state.params, state.frozen) if state.frozen else state.params
+        jax.block_until_ready(params)  # the update that made them counts as update time
+        self._count_updates()
+        began = time.perf_counter()
+        G = self.s.num_generations
+        prompts = self.prompts.take(number, self.rows // G)
+        out = self.sampler(params, [p.ids for p in prompts],
+                           jax.random.fold_in(self.key, number), self.s.max_new_tokens)
+        tokens, lengths, stopped = jax.device_get((out.tokens, out.lengths, out.stopped))
+        sample_s = time.perf_counter() - began
+        batch = self._rows(prompts, tokens, lengths)
+        reference = self.ctx.bound_reference(state)
+        logp, ref = self._score(params, None if reference is None else reference[1],
+                                self.to_global({k: batch[k] for k in ("tokens", "loss_mask")}))
+        batch["old_logp"] = np.asarray(jax.device_get(logp), np.float32)
+        if self.s.beta > 0:
+            batch["ref_logp"] = np.asarray(jax.device_get(ref), np.float32)
+        completions = [self._completion(prompts[r // G], tokens[r, :lengths[r]])
+                       for r in range(len(tokens))]
+        rows_of = lambda field: [getattr(prompts[r // G], field) for r in range(len(tokens))]
+        total, per_function = score(self.rewards, rows_of("prompt"), completions,
+                                    rows_of("record"))
+        advantages, std_P = group_advantages(jnp.asarray(total, jnp.float32), G,
+                                             self.s.scale_rewards)
+        batch["advantages"] = np.asarray(advantages, np.float32)
+        self._window.append({
+            "reward_mean": float(total.mean()), "reward_std": float(np.mean(std_P)),
+            **{f"reward/{k}": float(v.mean()) for k, v in per_function.items()},
+            "zero_std_fraction": float(np.mean(np.asarray(std_P) <= 1e-6)),
+            "completion_length": float(lengths.mean()),
+            "completion_length_max": float(lengths.max()),
+            "truncated_fraction": float(1.0 - stopped.mean()),
+            "rollout_s": time.perf_counter() - began, "sample_s": sample_s,
+            "rollout_tokens": float(lengths.sum())})
+        self._mark = time.perf_counter()
+        return batch
+
+    def _rows(self, prompts: list[Prompt], tokens: np.ndarray, lengths: np.ndarray
+              ) -> dict[str, np.ndarray]:
+        """Each (prompt, completion) right-padded to the row width, the completion marked."""
+        G, pad = self.s.num_generations, self.tokenizer.pad_id
+        rows = np.full((len(tokens), self.width), pad, np.int32)
+        mask = np.zeros((len(tokens), self.width), np.int32)
+        for r, n in enumerate(lengths):
+            p = prompts[r // G].ids
+            rows[r, :len(p)], rows[r, len(p):len(p) + n] = p, tokens[r, :n]
+            mask[r, len(p):len(p) + n] = 1
+        return {"tokens": rows, "loss_mask": mask}
+
+    def _completion(self, prompt: Prompt, ids: np.ndarray) -> Any:
+        """The decoded completion (without its stop token), in the prompt's form."""
+        ids = [int(i) for i in ids]
+        while ids and ids[-1] in self.stops:
+            ids.pop()
+        text = self.tokenizer.decode(ids)
+        return [{"role": "assistant", "content": text}] if prompt.chat else text
+
+
+def prepare_grpo(config: mlc.ConfigDict, workdir: str, hooks: Any = ()) -> Trainer:
+    """The `grpo` run `train_grpo` runs: the loop's run (`train.loop.prepare`: resumed, with
+    its hooks) with rollouts in place of the data pipeline."""
+    trainer = prepare(config, workdir, hooks)
+    trainer.batches = RolloutSource(trainer)
+    return trainer
+
+
+def train_grpo(config: mlc.ConfigDict, workdir: str, hooks: Any = ()) -> TrainState:
+    """Trains a `grpo` config in `workdir` (resuming from its newest checkpoint)."""
+    return prepare_grpo(config, workdir, hooks).run()
