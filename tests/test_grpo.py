@@ -317,3 +317,23 @@ def test_prompt_order_is_a_seeded_shuffle_per_pass(tmp_path):
     assert sorted(names(2) + names(3)) == [f"q{i}" for i in range(6)]  # the next pass
     assert names(2) + names(3) != names(0) + names(1)  # reshuffled
     assert [p.prompt for p in PromptSet(c, 20).take(3, 3)] == names(3)  # fixed by the seed
+
+
+def test_processes_with_other_prompts_are_refused(tmp_path):
+    """A multi-host run compares every process's `PromptSet.digest` (gathered) before sampling."""
+    from jaxscale.config import base_config
+    from jaxscale.data.prompts import PromptSet
+    from jaxscale.rl.rollout import check_same_prompts
+
+    def digest(lines: list[str]) -> np.ndarray:
+        path = tmp_path / f"p{abs(hash(tuple(lines)))}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": line}) + "\n" for line in lines))
+        c = base_config()
+        c.data.sources = f"prompts={path}"
+        return PromptSet(c, 20).digest()
+
+    same = digest(["q0", "q1"])
+    check_same_prompts(np.stack([same, digest(["q0", "q1"])]), "prompts=p.jsonl")
+    for other in (["q0", "q2"], ["q1", "q0"], ["q0", "q1", "q2"]):
+        with pytest.raises(ConfigError, match=r"other prompts on process 1 \(of 2; \d prompts"):
+            check_same_prompts(np.stack([same, digest(other)]), "prompts=p.jsonl")

@@ -16,6 +16,7 @@ the uninterrupted run drew, with no iterator state.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from dataclasses import dataclass
@@ -107,6 +108,15 @@ class PromptSet:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def digest(self) -> np.ndarray:
+        """(5,) int32: the prompt count and 128 bits of a hash of every prompt's ids, in file
+        order; processes that read the same prompts have the same digest."""
+        h = hashlib.sha256()
+        for p in self.prompts:
+            h.update(np.asarray(p.ids, np.int64).tobytes() + b";")
+        return np.concatenate([[len(self.prompts)], np.frombuffer(h.digest()[:16], np.int32)]
+                              ).astype(np.int32)
 
     def take(self, rollout: int, count: int) -> list[Prompt]:
         """The `count` prompts of rollout number `rollout` (0-based): consecutive slices of a

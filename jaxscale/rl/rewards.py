@@ -11,6 +11,12 @@ weighted sum of its functions' rewards; each function's mean is reported as `rew
 Every way a user's function can go wrong stops the run with one paragraph naming the function:
 a module or function that is not there, an exception inside it, a result of the wrong length, a
 value that is not a number, a NaN.
+
+On several processes (a multi-host run) only process 0 calls the functions, and its rewards are
+broadcast to the others (`score_everywhere`): a reward function may be non-deterministic (a
+sandbox with a timeout, a judge model sampling), and every process must train on the same
+advantages. A failure on process 0 is broadcast too, so every process stops with its paragraph
+instead of waiting in a collective for rewards that never come.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxscale.errors import JaxscaleError, paragraph, short_error
 from jaxscale.objectives.grpo import reward_specs
@@ -127,3 +135,32 @@ def score(rewards: Sequence[Reward], prompts: list, completions: list, records: 
         per_function[reward.name] = _checked(reward, values, len(completions))
     total = sum(r.weight * per_function[r.name] for r in rewards)
     return np.asarray(total, np.float64), per_function
+
+
+MESSAGE_BYTES = 4096  # the longest error paragraph broadcast from process 0
+
+
+def score_everywhere(rewards: Sequence[Reward], prompts: list, completions: list, records: list
+                     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """`score`'s result on every process: computed by process 0 alone and broadcast (exactly:
+    the float64 rewards travel as their bytes), or process 0's RewardError raised everywhere."""
+    if jax.process_count() == 1:
+        return score(rewards, prompts, completions, records)
+    values_FN = np.zeros((len(rewards) + 1, len(completions)), np.float64)
+    message = b""
+    if jax.process_index() == 0:
+        try:
+            total, per_function = score(rewards, prompts, completions, records)
+            values_FN = np.stack([total, *(per_function[r.name] for r in rewards)])
+        except RewardError as e:
+            message = str(e).encode()[:MESSAGE_BYTES] or b"RewardError"
+    text = np.zeros(MESSAGE_BYTES, np.uint8)
+    text[:len(message)] = np.frombuffer(message, np.uint8)
+    values, text = multihost_utils.broadcast_one_to_all(
+        (values_FN.view(np.int32), text.astype(np.int32)))
+    if text.any():
+        raise RewardError(paragraph(
+            f"On process 0 (which scores the rewards for all {jax.process_count()}):",
+            bytes(np.asarray(text, np.uint8)).rstrip(b"\0").decode(errors="replace")))
+    values_FN = np.ascontiguousarray(values).view(np.float64)
+    return values_FN[0], {r.name: values_FN[i + 1] for i, r in enumerate(rewards)}

@@ -13,6 +13,13 @@ the training mesh and with the training rules:
   4. decodes the completions and calls the reward functions (`rewards.py`) on the whole batch,
      then takes the group advantages (`objectives/grpo.py`).
 
+On several processes (a multi-host run) every process reads the same prompts (checked once:
+`check_same_prompts`) and builds the same whole rollout batch, the simplest layout that is
+correct: the sampler takes the prompts as a replicated input on the global mesh, its tokens and
+the scored log-probabilities are gathered to every process, process 0 alone calls the reward
+functions and broadcasts their rewards (`rewards.score_everywhere`: a non-deterministic reward
+cannot make hosts disagree), and `Trainer.to_global` takes each process's rows of the batch.
+
 The batch is then trained on `objective.updates_per_rollout` times (one optimizer step each).
 Resuming is exact: the prompts and the sampling key of a rollout derive from (seed, rollout
 number), the weights it samples with are the checkpoint's, and a checkpoint taken between two
@@ -33,13 +40,14 @@ import jax
 import jax.numpy as jnp
 import ml_collections as mlc
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxscale.data.prompts import Prompt, PromptSet
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.inference.sampling import Sampler, Sampling
 from jaxscale.objectives import Settings
 from jaxscale.objectives.grpo import group_advantages
-from jaxscale.rl.rewards import load_rewards, score
+from jaxscale.rl.rewards import load_rewards, score_everywhere
 from jaxscale.rules import use_rules
 from jaxscale.train.loop import Trainer, prepare
 from jaxscale.train.state import TrainState
@@ -59,6 +67,27 @@ def stop_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def check_same_prompts(digests_PD: np.ndarray, sources: str) -> None:
+    """Every process must have read the same prompts (`PromptSet.digest`, one row a process):
+    each builds the whole rollout batch from them, and the sampler takes its prompts as the
+    same (replicated) input on every process, so a host with other files would corrupt it."""
+    differ = [p for p in range(1, len(digests_PD))
+              if not np.array_equal(digests_PD[p], digests_PD[0])]
+    if differ:
+        raise ConfigError(paragraph(
+            f"data.sources={sources!r} holds other prompts on process {differ[0]} (of",
+            f"{len(digests_PD)}; {int(digests_PD[differ[0]][0])} prompts) than on process 0",
+            f"({int(digests_PD[0][0])} prompts): every process builds the whole rollout batch",
+            "from them, so all must read the same records. Put the prompts where every host",
+            "reads the same files (gs://, s3://, a shared filesystem), or copy them alike."))
+
+
+def _fetch(tree: Any) -> Any:
+    """`tree`'s global arrays whole, as numpy, on every process (gathered from the processes
+    that hold their shards; on one process, `device_get`)."""
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
 def _pack(batch: dict[str, np.ndarray]) -> str:
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **batch)
@@ -74,14 +103,13 @@ class RolloutSource:
     """The batches of a `grpo` run (see the module docstring); also its own iterator."""
 
     def __init__(self, trainer: Trainer):
-        if jax.process_count() > 1:
-            raise ConfigError(paragraph(
-                "objective.name='grpo' runs on one process here, and this run has",
-                f"{jax.process_count()}. Run it on one host (any number of its devices)."))
         config, ctx = trainer.config, trainer.ctx
         self.s = s = Settings.from_config(config.objective)
         self.rows, self.width = config.data.batch_size, config.data.seq_len + 1
         self.prompts = PromptSet(config, config.data.seq_len - s.max_new_tokens)
+        if jax.process_count() > 1:  # every process builds the whole batch from them
+            check_same_prompts(multihost_utils.process_allgather(self.prompts.digest()),
+                               config.data.sources)
         self.rewards = load_rewards(s.rewards)
         tok = self.prompts.tokenizer
         self.tokenizer, self.stops = tok, stop_ids(tok)
@@ -181,19 +209,19 @@ class RolloutSource:
         prompts = self.prompts.take(number, self.rows // G)
         out = self.sampler(params, [p.ids for p in prompts],
                            jax.random.fold_in(self.key, number), self.s.max_new_tokens)
-        tokens, lengths, stopped = jax.device_get((out.tokens, out.lengths, out.stopped))
+        tokens, lengths, stopped = _fetch((out.tokens, out.lengths, out.stopped))
         sample_s = time.perf_counter() - began
         batch = self._rows(prompts, tokens, lengths)
         reference = self.ctx.bound_reference(state)
         logp, ref = self._score(params, None if reference is None else reference[1],
                                 self.to_global({k: batch[k] for k in ("tokens", "loss_mask")}))
-        batch["old_logp"] = np.asarray(jax.device_get(logp), np.float32)
+        batch["old_logp"] = np.asarray(_fetch(logp), np.float32)
         if self.s.beta > 0:
-            batch["ref_logp"] = np.asarray(jax.device_get(ref), np.float32)
+            batch["ref_logp"] = np.asarray(_fetch(ref), np.float32)
         completions = [self._completion(prompts[r // G], tokens[r, :lengths[r]])
                        for r in range(len(tokens))]
         rows_of = lambda field: [getattr(prompts[r // G], field) for r in range(len(tokens))]
-        total, per_function = score(self.rewards, rows_of("prompt"), completions,
+        total, per_function = score_everywhere(self.rewards, rows_of("prompt"), completions,
                                     rows_of("record"))
         advantages, std_P = group_advantages(jnp.asarray(total, jnp.float32), G,
                                              self.s.scale_rewards)
