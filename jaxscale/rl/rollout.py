@@ -222,7 +222,7 @@ class RolloutSource:
                        for r in range(len(tokens))]
         rows_of = lambda field: [getattr(prompts[r // G], field) for r in range(len(tokens))]
         total, per_function = score_everywhere(self.rewards, rows_of("prompt"), completions,
-                                    rows_of("record"))
+                                               rows_of("record"))
         advantages, std_P = group_advantages(jnp.asarray(total, jnp.float32), G,
                                              self.s.scale_rewards)
         batch["advantages"] = np.asarray(advantages, np.float32)
