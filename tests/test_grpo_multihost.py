@@ -90,7 +90,7 @@ def test_two_processes_train_and_reward_as_one(runs):
     assert "[p1] step" not in multi.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # resume mid-rollout on one process: test_grpo.py; this adds 2 processes
 def test_resume_on_two_processes_between_two_updates_is_exact(runs):
     """Step 1's checkpoint (written by 2 processes) holds rollout 0's batch for step 2."""
     root, _ = runs
