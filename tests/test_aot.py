@@ -242,3 +242,40 @@ def test_moe_compile_matches_active_flops_and_the_dispatch(flags, tmp_path):
     else:
         assert r["padding_flops"] == 0 and not r["expected_collectives"]
     assert proc.stdout.count("compiled / expected = 1.00") == 1 + bool(r["expected_collectives"])
+
+
+def test_routed_flops_count_the_routed_rows_of_the_expert_layers():
+    # DeepSeek's tiny: 2 layers, the first dense; 8 experts of width 32, top-2, dropless. The
+    # routed rows are tokens x 2 on the one expert layer: 3 matmuls x (3 passes + the remat
+    # recompute) x 2 FLOPs x rows x embed x width, over the chips.
+    from jaxscale.aot.flops import routed_flops
+    from jaxscale.configs import deepseek
+
+    c = deepseek.get_config("tiny")
+    c.model.remat = "full"
+    rows = c.data.batch_size * c.data.seq_len * 2
+    assert routed_flops(c, 4) == 1 * 3 * 4 * 2 * rows * 64 * 32 / 4
+    c.model.remat = "dots"  # keeps the experts' outputs: no recompute
+    assert routed_flops(c, 4) == 1 * 3 * 3 * 2 * rows * 64 * 32 / 4
+    c.model.moe.capacity_factor = 1.25  # static buffers: the HLO counts them itself
+    assert routed_flops(c, 4) == 0.0
+
+
+@libtpu_test
+def test_dropless_grouped_matmuls_are_charged_at_the_routed_rows(tmp_path):
+    # Over expert=2 each chip's ragged dot is compiled for the worst-case received rows (an
+    # upper bound); the step's FLOPs put the routed rows in their place and then equal the
+    # model count (latent attention, a dense first layer, shared and routed experts), and the
+    # estimate charges those.
+    out = tmp_path / "r.json"
+    proc = run_module(["launch.compile", "--topology=v5p:2x2x1", "--config=deepseek:tiny",
+                       "--config.precision=bf16-mixed", "--config.mesh.fsdp=2",
+                       "--config.mesh.expert=2", f"--out={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["grouped_flops"] > 1.5 * r["routed_flops"] > 0
+    assert r["step_flops"] == pytest.approx(r["expected_flops"], rel=0.01)
+    assert r["flops"] > 1.1 * r["expected_flops"]
+    peak = TPUS["v5p"].peak_bf16_flops
+    assert r["estimate"]["compute_s"] == pytest.approx(r["step_flops"] / peak, rel=1e-6)
+    assert "at the routed rows" in proc.stdout and "compiled / expected = 1.00" in proc.stdout

@@ -14,7 +14,13 @@ With `model.attention=splash` the attention matmuls run inside Pallas kernels, c
 dot in the HLO to count: `kernel_flops` is what the compiled count then misses, the entry's
 `attention_flops` (the attention part of model + recompute, counted as the einsum computes it; the
 kernel itself skips the tiles a causal mask hides and recomputes QK^T in its backward pass, so its
-true count differs), which the report adds and labels as analytic. Across sequence shards the splash
+true count differs), which the report adds and labels as analytic.
+
+A dropless MoE step's grouped matmuls (`ragged-dot`, megablox) are counted by the HLO at their
+static rows, every row of the gathered or worst-case received buffer, while only the routed rows
+(tokens x experts_per_token) are multiplied: `routed_flops` is what they compute, which the
+report puts in place of the static count (`hlo_flops.grouped_flops`) for the FLOPs the estimate
+charges. Across sequence shards the splash
 blocks (`models/attention/sequence/context_splash.py`) are such kernels too, unless the sequence's
 layout is off their grid and the einsum tiles run (`context.splash_blocks_run`).
 """
@@ -79,3 +85,22 @@ def expected_flops(config: mlc.ConfigDict, num_chips: int) -> float | None:
     if base is None or recompute is None:
         return None
     return base + recompute + padding_flops(config, num_chips)
+
+
+def routed_flops(config: mlc.ConfigDict, num_chips: int) -> float:
+    """The routed experts' matmul FLOPs per chip per step at the routed rows (every token's
+    experts_per_token assignments, the chips' mean: exact in total, one chip's share follows
+    the routing), on the layers with experts (`sparse_layers`: DeepSeek's dense first layers
+    have none): three matmuls, forward and two backward, and the forward again under a remat
+    policy that recomputes them (all but `none` and `dots`, as `recompute_flops` has it). 0
+    without a dropless MoE (a capacity path's buffers are static: the HLO counts them)."""
+    from jaxscale.models.moe.config import MoEConfig, expert_width, sparse_layers  # lazy: jax
+
+    m, d = config.model, config.data
+    moe = MoEConfig.from_config(m.get("moe"))
+    if not moe.num_experts or moe.capacity_factor > 0:
+        return 0.0
+    passes = 3 + (m.get("remat", "none") not in ("none", "dots"))
+    per_token = 2.0 * 3 * m.embed * expert_width(moe, m.mlp) * moe.experts_per_token
+    layers = sparse_layers(moe, m.num_layers)
+    return layers * passes * per_token * d.batch_size * d.seq_len / num_chips
