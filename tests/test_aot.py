@@ -279,3 +279,26 @@ def test_dropless_grouped_matmuls_are_charged_at_the_routed_rows(tmp_path):
     peak = TPUS["v5p"].peak_bf16_flops
     assert r["estimate"]["compute_s"] == pytest.approx(r["step_flops"] / peak, rel=1e-6)
     assert "at the routed rows" in proc.stdout and "compiled / expected = 1.00" in proc.stdout
+
+
+def test_the_memory_guess_shards_routed_experts_over_the_expert_axis():
+    # DeepSeek-V3: 58 expert layers of 256 experts (3 x 7168 x 2048 each) are 653.9B of the
+    # 671B parameters. Over expert=16 x fsdp=16 a chip holds 1/256 of the experts' state and
+    # 1/16 of the rest; gathering a layer fetches only its own 16 experts. Before, every
+    # parameter counted as split over fsdp alone, which put every expert-parallel mesh of
+    # the planner far over HBM.
+    from jaxscale.aot import guess
+    from jaxscale.aot.memory import step_bytes
+    from jaxscale.configs import deepseek
+
+    c = deepseek.get_config("v3")
+    dims = guess.dims_of(c)
+    assert dims.expert_params == 58 * 256 * 3 * 7168 * 2048
+    rest = dims.num_params - dims.expert_params
+    assert 15e9 < rest < 20e9
+    kw = dict(tokens=0.0, seq_len=4096, state_bytes=18, tensor=1)
+    expected = 18 * (rest / 16 + dims.expert_params / 256) + 2 * 2 * (
+        rest + dims.expert_params / 16) / 61
+    assert step_bytes(dims, param_shards=16, expert=16, **kw) == pytest.approx(expected)
+    dense_view = step_bytes(dims, param_shards=16, **kw)
+    assert dense_view > 10 * step_bytes(dims, param_shards=16, expert=16, **kw)
