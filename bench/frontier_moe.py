@@ -111,14 +111,14 @@ def report(name: str, cache_dir: str) -> dict:
     dims = guess.dims_of(config)
     accum = config.train.grad_accum
     guessed = guess.remat_bytes(config, dims, dict(r["mesh"]), accum, config.model.attention,
-                                config.model.get("loss_chunks", 1), config.model.remat)
+                                max(1, config.model.get("loss_chunks", 1)), config.model.remat)
     tokens = config.data.batch_size * config.data.seq_len / (
         r["mesh"]["data"] * r["mesh"]["fsdp"] * r["mesh"].get("expert", 1) * accum)
     counted = step_bytes(dims, tokens=tokens, seq_len=config.data.seq_len,
                          state_bytes=state_bytes_per_param(accumulate=accum > 1),
                          param_shards=r["mesh"]["fsdp"], tensor=r["mesh"]["tensor"],
                          remat=config.model.remat, einsum_scores=False,
-                         loss_chunks=config.model.get("loss_chunks", 1),
+                         loss_chunks=max(1, config.model.get("loss_chunks", 1)),
                          expert=r["mesh"].get("expert", 1))
     print(f"  {topology.num_chips} chips, mesh {mesh}, compiled in {r['compile_s']:.0f} s")
     print(f"  memory per chip: arguments {gib(r['argument_bytes']):.2f} GiB, temporaries "
