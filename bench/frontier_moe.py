@@ -39,6 +39,13 @@ RECORDS: dict[str, tuple[str, str, dict]] = {
                            {**_FT, "mesh.fsdp": 4, "mesh.expert": 2}),
     "deepseek-v2-lite,v5p-16": ("deepseek:v2-lite", "v5p:2x2x2",
                                 {**_FT, "mesh.fsdp": 4, "mesh.expert": 2}),
+    # Pre-training at the preset's recipe (256 x 4,096 tokens a step), one sequence a chip.
+    "gpt-oss-120b,v5p-128": ("gpt_oss:120b", "v5p:4x4x4",
+                             {"mesh.fsdp": 16, "mesh.expert": 4, "train.grad_accum": 4,
+                              "train.eval_every": 0, "model.attention": "splash"}),
+    "gpt-oss-120b,v6e-256": ("gpt_oss:120b", "v6e:16x16",
+                             {"mesh.fsdp": 64, "mesh.expert": 4, "train.eval_every": 0,
+                              "model.attention": "splash"}),
 }
 
 

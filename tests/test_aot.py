@@ -302,3 +302,22 @@ def test_the_memory_guess_shards_routed_experts_over_the_expert_axis():
     assert step_bytes(dims, param_shards=16, expert=16, **kw) == pytest.approx(expected)
     dense_view = step_bytes(dims, param_shards=16, **kw)
     assert dense_view > 10 * step_bytes(dims, param_shards=16, expert=16, **kw)
+
+
+def test_automatic_loss_chunks_count_the_heads_recompute_as_the_step_chooses():
+    # model.loss_chunks=0 chooses at trace time (lm_task.choose_loss_chunks): a chip's float32
+    # logits of 4 x 2,048 positions over 65,536 words are 2 GiB, so 2 chunks, and the backward
+    # pass recomputes the head's logits (2 x embed x vocab a token) as under an explicit 2.
+    # The tiny vocabulary's 8 MiB stays whole: nothing recomputed.
+    from jaxscale.aot.flops import expected_flops, resolved_model
+
+    c = llama.get_config("tiny")
+    assert c.model.loss_chunks == 0 and resolved_model(c, 1).loss_chunks == 1
+    c.model.vocab_size, c.data.batch_size, c.data.seq_len = 65536, 4, 2048
+    assert resolved_model(c, 1).loss_chunks == 2
+    auto = expected_flops(c, 1)
+    c.model.loss_chunks = 1
+    whole = expected_flops(c, 1)
+    assert auto == pytest.approx(whole + 2 * c.model.embed * 65536 * 4 * 2048, rel=1e-12)
+    c.model.loss_chunks = 2
+    assert expected_flops(c, 1) == auto

@@ -41,11 +41,48 @@ def _entry(config: mlc.ConfigDict) -> Any:
 
 def _per_step(config: mlc.ConfigDict, count: Callable[[Any, int], float] | None, num_chips: int
               ) -> float | None:
-    """A per-token count of the model's entry, per chip per step (None without the count)."""
+    """A per-token count of the model's entry, per chip per step (None without the count),
+    of the model with its automatic loss chunks resolved (`resolved_model`)."""
     d = config.data
     if count is None:
         return None
-    return count(config.model, d.seq_len) * d.batch_size * d.seq_len / num_chips
+    return (count(resolved_model(config, num_chips), d.seq_len) * d.batch_size * d.seq_len
+            / num_chips)
+
+
+def resolved_model(config: mlc.ConfigDict, num_chips: int) -> Any:
+    """`config.model` with `loss_chunks=0` (automatic, the default) replaced by the count the
+    step will take (`lm_task.choose_loss_chunks` for a chip's float32 logits of one micro-batch
+    under the config's rules): the counts ask `loss_chunks > 1` for the head's recompute, and
+    an automatic choice of several chunks recomputes it as an explicit one does (GPT-OSS-20B,
+    one 4,096-token sequence a chip: 4 chunks, 2·E·V = 1.2e9 FLOPs a token, 3.4% of its step).
+    """
+    m = config.model
+    if m.get("loss_chunks", 1) or "vocab_size" not in m:
+        return m
+    import numpy as np
+    from jax.sharding import AbstractMesh
+
+    from jaxscale.mesh import MESH_AXES, MeshError, resolve_mesh_shape
+    from jaxscale.models.decoder.lm_task import choose_loss_chunks
+    from jaxscale.rules import AxisRules, as_tuple
+
+    d = config.data
+    try:
+        ici, dcn = resolve_mesh_shape(config.get("mesh") or {}, num_chips)
+    except MeshError:  # a mesh that does not fit the chips: the compile says so
+        return m
+    sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}
+    mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
+    shape = (d.batch_size // max(config.train.get("grad_accum", 1), 1), d.seq_len, m.vocab_size)
+    spec = AxisRules.from_config(config).activation_spec(("batch", "length", "vocab"), shape,
+                                                         mesh)
+    shards = [int(np.prod([sizes[a] for a in as_tuple(axes)])) for axes in spec]
+    chip_bytes = float(np.prod(shape)) * 4 / float(np.prod(shards))
+    chunks = choose_loss_chunks(d.seq_len, chip_bytes, shards[1])
+    resolved = mlc.ConfigDict(m.to_dict())
+    resolved.loss_chunks = chunks
+    return resolved
 
 
 def model_flops(config: mlc.ConfigDict, num_chips: int) -> float | None:
