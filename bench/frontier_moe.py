@@ -11,7 +11,8 @@ out here from the config alone (`independent_flops_per_token`: latent attention'
 q / kv projections and decoupled rope dims, the dense first layers, routed, shared experts and
 the router), so an error in either shows.
 
-    python bench/frontier_moe.py [--only=NAME,...] [--cache_dir=DIR] [--list]
+    python bench/frontier_moe.py [--only="NAME;..."] [--cache_dir=DIR] [--code_root=DIR] [--list]
+        [--saved="NAME=report.json;..."]
 
 Each record's command line is printed with it (bench/RESULTS.md, "Frontier MoE on TPU pods").
 """
@@ -40,6 +41,12 @@ RECORDS: dict[str, tuple[str, str, dict]] = {
     "deepseek-v2-lite,v5p-16": ("deepseek:v2-lite", "v5p:2x2x2",
                                 {**_FT, "mesh.fsdp": 4, "mesh.expert": 2}),
     # Pre-training at the preset's recipe (256 x 4,096 tokens a step), one sequence a chip.
+    # DeepSeek-V3 on v5p-512 (256 chips), the capacity path (dropless does not fit here: its
+    # worst-case receive buffers alone are over HBM), one sequence a chip, 60 micro-batches.
+    "deepseek-v3,v5p-512": ("deepseek:v3", "v5p:4x8x8",
+                            {"mesh.fsdp": 16, "mesh.expert": 16, "train.grad_accum": 60,
+                             "train.eval_every": 0, "model.attention": "splash",
+                             "model.moe.capacity_factor": 1.25}),
     "gpt-oss-120b,v5p-128": ("gpt_oss:120b", "v5p:4x4x4",
                              {"mesh.fsdp": 16, "mesh.expert": 4, "train.grad_accum": 4,
                               "train.eval_every": 0, "model.attention": "splash"}),
@@ -98,7 +105,7 @@ def command(name: str) -> str:
     return f"jaxscale compile --topology={topo} --config={config_arg} {flags}"
 
 
-def report(name: str, cache_dir: str) -> dict:
+def report(name: str, cache_dir: str, saved: str = "") -> dict:
     from jaxscale.aot import guess
     from jaxscale.aot.memory import BF16, state_bytes_per_param, step_bytes
     from jaxscale.aot.plan import fits
@@ -107,12 +114,14 @@ def report(name: str, cache_dir: str) -> dict:
     from jaxscale.models import entry_of
 
     config, topology = build(name)
-    r = compile_cached(json.dumps(config.to_dict(), default=list), topology, cache_dir)
+    r = (json.load(open(saved)) if saved else
+         compile_cached(json.dumps(config.to_dict(), default=list), topology, cache_dir))
     gib = lambda n: n / 2**30
     print(f"\n== {name}: {command(name)}")
-    if "error" in r:
-        print(f"  failed: {r['error']}")
+    if "error" in r or "over_hbm" in r:
+        print(f"  {r.get('error') or r['over_hbm']}: {gib(r.get('total_bytes', 0)):.2f} GiB")
         return r
+    r = {**r, **analytic(config, r)}
     mesh = {k: v for k, v in r["mesh"].items() if v > 1}
     budget = hbm_budget(r["hbm_limit_bytes"] or r["hbm_bytes"], 0.1)
     dims = guess.dims_of(config)
@@ -157,6 +166,37 @@ def report(name: str, cache_dir: str) -> dict:
     return r
 
 
+def analytic(config, r: dict) -> dict:
+    """The analytic fields of a compile result, computed by this tree's `aot` (so a result
+    compiled by another, `--code_root`, is read against the current count): expected FLOPs,
+    the grouped matmuls at the routed rows, and the roofline estimate of those."""
+    from jaxscale.aot import flops
+    from jaxscale.aot.roofline import estimate
+    from jaxscale.hardware import TPUS
+
+    chips = r["num_chips"]
+    routed = flops.routed_flops(config, chips) if r["grouped_flops"] else 0.0
+    step = r["flops"] - r["grouped_flops"] + routed
+    model = flops.model_flops(config, chips)
+    chip = TPUS[r["topology"].split(":")[0]]
+    e = estimate(chip, step, r["collectives"], model, r.get("int8_flops", 0.0))
+    return {"expected_flops": flops.expected_flops(config, chips), "routed_flops": routed,
+            "step_flops": step, "model_flops": model, "estimate": vars(e)}
+
+
+def use_code_of(root: str) -> None:
+    """Cache keys as the jaxscale tree at `root` computes them (`search.code_version` digests
+    the sources): reads what that tree compiled (e.g. the plan's run) with this tree's counts."""
+    import jaxscale
+    from jaxscale.aot import search
+
+    own = jaxscale.__file__
+    jaxscale.__file__ = os.path.join(root, "jaxscale", "__init__.py")
+    search.code_version.cache_clear()
+    search.code_version()
+    jaxscale.__file__ = own
+
+
 def _attention_part(config) -> float:
     """The score FLOPs a token (PaLM: 3 x the forward QK^T and AV), for the active-parameter
     line."""
@@ -168,16 +208,23 @@ def _attention_part(config) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="Comma-separated record names.")
+    parser.add_argument("--only", default="", help="Record names, separated by ;.")
     parser.add_argument("--cache_dir", default=os.path.expanduser("~/.cache/jaxscale/plan"))
     parser.add_argument("--list", action="store_true", help="Print the records' commands.")
+    parser.add_argument("--code_root", default="", help="Read results compiled by the jaxscale "
+                        "tree at this root (its cache keys); the analytic counts are this one's.")
+    parser.add_argument("--saved", default="", help="NAME=PATH;...: read a record from the "
+                        "JSON `jaxscale compile --out=PATH` wrote for its command instead.")
     args = parser.parse_args()
-    names = [n for n in args.only.split(",") if n] or list(RECORDS)
+    if args.code_root:
+        use_code_of(args.code_root)
+    saved = dict(kv.split("=", 1) for kv in args.saved.split(";") if kv)
+    names = [n for n in args.only.split(";") if n] or list(RECORDS)
     for name in names:
         if args.list:
             print(f"{name}: {command(name)}")
         else:
-            report(name, args.cache_dir)
+            report(name, args.cache_dir, saved.get(name, ""))
 
 
 if __name__ == "__main__":
