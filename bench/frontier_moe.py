@@ -47,6 +47,14 @@ RECORDS: dict[str, tuple[str, str, dict]] = {
                             {"mesh.fsdp": 16, "mesh.expert": 16, "train.grad_accum": 60,
                              "train.eval_every": 0, "model.attention": "splash",
                              "model.moe.capacity_factor": 1.25}),
+    # The plan's winner there (`jaxscale plan --topology=v5p --config=deepseek:v3
+    # --config.model.moe.capacity_factor=1.25 --max_candidates=4 --workers=1`).
+    "deepseek-v3,v5p-512,plan": ("deepseek:v3", "v5p:4x8x8",
+                                 {"mesh.fsdp": 8, "mesh.tensor": 4, "rules_preset": "fsdp_tp",
+                                  "model.attention": "splash", "model.loss_chunks": 8,
+                                  "precision": "bf16-mixed,logits=bfloat16",
+                                  "train.grad_accum": 120, "train.eval_every": 0,
+                                  "mesh.expert": 8, "model.moe.capacity_factor": 1.25}),
     "gpt-oss-120b,v5p-128": ("gpt_oss:120b", "v5p:4x4x4",
                              {"mesh.fsdp": 16, "mesh.expert": 4, "train.grad_accum": 4,
                               "train.eval_every": 0, "model.attention": "splash"}),
