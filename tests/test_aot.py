@@ -242,3 +242,82 @@ def test_moe_compile_matches_active_flops_and_the_dispatch(flags, tmp_path):
     else:
         assert r["padding_flops"] == 0 and not r["expected_collectives"]
     assert proc.stdout.count("compiled / expected = 1.00") == 1 + bool(r["expected_collectives"])
+
+
+def test_routed_flops_count_the_routed_rows_of_the_expert_layers():
+    # DeepSeek's tiny: 2 layers, the first dense; 8 experts of width 32, top-2, dropless. The
+    # routed rows are tokens x 2 on the one expert layer: 3 matmuls x (3 passes + the remat
+    # recompute) x 2 FLOPs x rows x embed x width, over the chips.
+    from jaxscale.aot.flops import routed_flops
+    from jaxscale.configs import deepseek
+
+    c = deepseek.get_config("tiny")
+    c.model.remat = "full"
+    rows = c.data.batch_size * c.data.seq_len * 2
+    assert routed_flops(c, 4) == 1 * 3 * 4 * 2 * rows * 64 * 32 / 4
+    c.model.remat = "dots"  # keeps the experts' outputs: no recompute
+    assert routed_flops(c, 4) == 1 * 3 * 3 * 2 * rows * 64 * 32 / 4
+    c.model.moe.capacity_factor = 1.25  # static buffers: the HLO counts them itself
+    assert routed_flops(c, 4) == 0.0
+
+
+@libtpu_test
+def test_dropless_grouped_matmuls_are_charged_at_the_routed_rows(tmp_path):
+    # Over expert=2 each chip's ragged dot is compiled for the worst-case received rows (an
+    # upper bound); the step's FLOPs put the routed rows in their place and then equal the
+    # model count (latent attention, a dense first layer, shared and routed experts), and the
+    # estimate charges those.
+    out = tmp_path / "r.json"
+    proc = run_module(["launch.compile", "--topology=v5p:2x2x1", "--config=deepseek:tiny",
+                       "--config.precision=bf16-mixed", "--config.mesh.fsdp=2",
+                       "--config.mesh.expert=2", f"--out={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["grouped_flops"] > 1.5 * r["routed_flops"] > 0
+    assert r["step_flops"] == pytest.approx(r["expected_flops"], rel=0.01)
+    assert r["flops"] > 1.1 * r["expected_flops"]
+    peak = TPUS["v5p"].peak_bf16_flops
+    assert r["estimate"]["compute_s"] == pytest.approx(r["step_flops"] / peak, rel=1e-6)
+    assert "at the routed rows" in proc.stdout and "compiled / expected = 1.00" in proc.stdout
+
+
+def test_the_memory_guess_shards_routed_experts_over_the_expert_axis():
+    # DeepSeek-V3: 58 expert layers of 256 experts (3 x 7168 x 2048 each) are 653.9B of the
+    # 671B parameters. Over expert=16 x fsdp=16 a chip holds 1/256 of the experts' state and
+    # 1/16 of the rest; gathering a layer fetches only its own 16 experts. Before, every
+    # parameter counted as split over fsdp alone, which put every expert-parallel mesh of
+    # the planner far over HBM.
+    from jaxscale.aot import guess
+    from jaxscale.aot.memory import step_bytes
+    from jaxscale.configs import deepseek
+
+    c = deepseek.get_config("v3")
+    dims = guess.dims_of(c)
+    assert dims.expert_params == 58 * 256 * 3 * 7168 * 2048
+    rest = dims.num_params - dims.expert_params
+    assert 15e9 < rest < 20e9
+    kw = dict(tokens=0.0, seq_len=4096, state_bytes=18, tensor=1)
+    expected = 18 * (rest / 16 + dims.expert_params / 256) + 2 * 2 * (
+        rest + dims.expert_params / 16) / 61
+    assert step_bytes(dims, param_shards=16, expert=16, **kw) == pytest.approx(expected)
+    dense_view = step_bytes(dims, param_shards=16, **kw)
+    assert dense_view > 10 * step_bytes(dims, param_shards=16, expert=16, **kw)
+
+
+def test_automatic_loss_chunks_count_the_heads_recompute_as_the_step_chooses():
+    # model.loss_chunks=0 chooses at trace time (lm_task.choose_loss_chunks): a chip's float32
+    # logits of 4 x 2,048 positions over 65,536 words are 2 GiB, so 2 chunks, and the backward
+    # pass recomputes the head's logits (2 x embed x vocab a token) as under an explicit 2.
+    # The tiny vocabulary's 8 MiB stays whole: nothing recomputed.
+    from jaxscale.aot.flops import expected_flops, resolved_model
+
+    c = llama.get_config("tiny")
+    assert c.model.loss_chunks == 0 and resolved_model(c, 1).loss_chunks == 1
+    c.model.vocab_size, c.data.batch_size, c.data.seq_len = 65536, 4, 2048
+    assert resolved_model(c, 1).loss_chunks == 2
+    auto = expected_flops(c, 1)
+    c.model.loss_chunks = 1
+    whole = expected_flops(c, 1)
+    assert auto == pytest.approx(whole + 2 * c.model.embed * 65536 * 4 * 2048, rel=1e-12)
+    c.model.loss_chunks = 2
+    assert expected_flops(c, 1) == auto

@@ -136,6 +136,8 @@ class StepReport:
     kernel_calls: int = 0        # Pallas kernel (custom call) executions per chip per step
     kernel_flops: float = 0.0    # their FLOPs, analytic, included in `flops` (aot.flops)
     int8_flops: float = 0.0      # the part of `flops` in int8 x int8 matmuls (precision=int8)
+    grouped_flops: float = 0.0   # the part of `flops` in grouped matmuls, static rows (hlo_flops)
+    routed_flops: float = 0.0    # what they compute at the routed rows, analytic (aot.flops)
     collectives: list[dict] = field(default_factory=list)
     # Analytic bytes per chip per step by kind, to read the table against (aot.traffic).
     expected_collectives: dict[str, float] = field(default_factory=dict)
@@ -157,6 +159,13 @@ class StepReport:
     attention_traffic: dict | None = None  # expected across sequence shards (aot.traffic)
 
     @property
+    def step_flops(self) -> float:
+        """The FLOPs the step computes: `flops` with a dropless MoE's grouped matmuls at the
+        routed rows instead of their static row count (an upper bound, 2-8x the routed rows)."""
+        return self.flops - self.grouped_flops + self.routed_flops if self.grouped_flops \
+            else self.flops
+
+    @property
     def total_bytes(self) -> int:
         """Peak per chip: arguments + outputs not aliased to arguments + temporaries."""
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
@@ -169,7 +178,8 @@ class StepReport:
         return hardware_fits(self.total_bytes, self.hbm_limit_bytes or self.hbm_bytes, 0.0)
 
     def to_json(self) -> dict:
-        return {**asdict(self), "total_bytes": self.total_bytes, "fits": self.fits}
+        return {**asdict(self), "total_bytes": self.total_bytes, "fits": self.fits,
+                "step_flops": self.step_flops}
 
 
 def topology_mesh(config: mlc.ConfigDict, topology: Topology, devices: list) -> Any:
@@ -223,6 +233,7 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
     elapsed = time.perf_counter() - start
     calls = hlo_flops.kernel_calls(partitioned)
     in_kernels = flops_lib.kernel_flops(config, topology.num_chips) if calls else 0.0
+    grouped = hlo_flops.grouped_flops(partitioned)
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):
@@ -245,6 +256,8 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         padding_flops=flops_lib.padding_flops(config, topology.num_chips),
         expected_collectives=_expected_collectives(config, mesh),
         kernel_calls=calls, kernel_flops=in_kernels, int8_flops=hlo_flops.int8_flops(partitioned),
+        grouped_flops=grouped,
+        routed_flops=flops_lib.routed_flops(config, topology.num_chips) if grouped else 0.0,
         collectives=[asdict(c) for c in hlo.collectives(optimized, slices)],
         compile_s=elapsed, tokens_per_step=config.data.batch_size * config.data.seq_len,
         hlo_path=text_path if hlo_dir else None,

@@ -14,7 +14,13 @@ With `model.attention=splash` the attention matmuls run inside Pallas kernels, c
 dot in the HLO to count: `kernel_flops` is what the compiled count then misses, the entry's
 `attention_flops` (the attention part of model + recompute, counted as the einsum computes it; the
 kernel itself skips the tiles a causal mask hides and recomputes QK^T in its backward pass, so its
-true count differs), which the report adds and labels as analytic. Across sequence shards the splash
+true count differs), which the report adds and labels as analytic.
+
+A dropless MoE step's grouped matmuls (`ragged-dot`, megablox) are counted by the HLO at their
+static rows, every row of the gathered or worst-case received buffer, while only the routed rows
+(tokens x experts_per_token) are multiplied: `routed_flops` is what they compute, which the
+report puts in place of the static count (`hlo_flops.grouped_flops`) for the FLOPs the estimate
+charges. Across sequence shards the splash
 blocks (`models/attention/sequence/context_splash.py`) are such kernels too, unless the sequence's
 layout is off their grid and the einsum tiles run (`context.splash_blocks_run`).
 """
@@ -35,11 +41,48 @@ def _entry(config: mlc.ConfigDict) -> Any:
 
 def _per_step(config: mlc.ConfigDict, count: Callable[[Any, int], float] | None, num_chips: int
               ) -> float | None:
-    """A per-token count of the model's entry, per chip per step (None without the count)."""
+    """A per-token count of the model's entry, per chip per step (None without the count),
+    of the model with its automatic loss chunks resolved (`resolved_model`)."""
     d = config.data
     if count is None:
         return None
-    return count(config.model, d.seq_len) * d.batch_size * d.seq_len / num_chips
+    return (count(resolved_model(config, num_chips), d.seq_len) * d.batch_size * d.seq_len
+            / num_chips)
+
+
+def resolved_model(config: mlc.ConfigDict, num_chips: int) -> Any:
+    """`config.model` with `loss_chunks=0` (automatic, the default) replaced by the count the
+    step will take (`lm_task.choose_loss_chunks` for a chip's float32 logits of one micro-batch
+    under the config's rules): the counts ask `loss_chunks > 1` for the head's recompute, and
+    an automatic choice of several chunks recomputes it as an explicit one does (GPT-OSS-20B,
+    one 4,096-token sequence a chip: 4 chunks, 2·E·V = 1.2e9 FLOPs a token, 3.4% of its step).
+    """
+    m = config.model
+    if m.get("loss_chunks", 1) or "vocab_size" not in m:
+        return m
+    import numpy as np
+    from jax.sharding import AbstractMesh
+
+    from jaxscale.mesh import MESH_AXES, MeshError, resolve_mesh_shape
+    from jaxscale.models.decoder.lm_task import choose_loss_chunks
+    from jaxscale.rules import AxisRules, as_tuple
+
+    d = config.data
+    try:
+        ici, dcn = resolve_mesh_shape(config.get("mesh") or {}, num_chips)
+    except MeshError:  # a mesh that does not fit the chips: the compile says so
+        return m
+    sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}
+    mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
+    shape = (d.batch_size // max(config.train.get("grad_accum", 1), 1), d.seq_len, m.vocab_size)
+    spec = AxisRules.from_config(config).activation_spec(("batch", "length", "vocab"), shape,
+                                                         mesh)
+    shards = [int(np.prod([sizes[a] for a in as_tuple(axes)])) for axes in spec]
+    chip_bytes = float(np.prod(shape)) * 4 / float(np.prod(shards))
+    chunks = choose_loss_chunks(d.seq_len, chip_bytes, shards[1])
+    resolved = mlc.ConfigDict(m.to_dict())
+    resolved.loss_chunks = chunks
+    return resolved
 
 
 def model_flops(config: mlc.ConfigDict, num_chips: int) -> float | None:
@@ -79,3 +122,22 @@ def expected_flops(config: mlc.ConfigDict, num_chips: int) -> float | None:
     if base is None or recompute is None:
         return None
     return base + recompute + padding_flops(config, num_chips)
+
+
+def routed_flops(config: mlc.ConfigDict, num_chips: int) -> float:
+    """The routed experts' matmul FLOPs per chip per step at the routed rows (every token's
+    experts_per_token assignments, the chips' mean: exact in total, one chip's share follows
+    the routing), on the layers with experts (`sparse_layers`: DeepSeek's dense first layers
+    have none): three matmuls, forward and two backward, and the forward again under a remat
+    policy that recomputes them (all but `none` and `dots`, as `recompute_flops` has it). 0
+    without a dropless MoE (a capacity path's buffers are static: the HLO counts them)."""
+    from jaxscale.models.moe.config import MoEConfig, expert_width, sparse_layers  # lazy: jax
+
+    m, d = config.model, config.data
+    moe = MoEConfig.from_config(m.get("moe"))
+    if not moe.num_experts or moe.capacity_factor > 0:
+        return 0.0
+    passes = 3 + (m.get("remat", "none") not in ("none", "dots"))
+    per_token = 2.0 * 3 * m.embed * expert_width(moe, m.mlp) * moe.experts_per_token
+    layers = sparse_layers(moe, m.num_layers)
+    return layers * passes * per_token * d.batch_size * d.seq_len / num_chips

@@ -67,7 +67,7 @@ def remat_bytes(config: mlc.ConfigDict, dims: Dims | None, mesh: dict[str, int],
     return scale * step_bytes(
         dims, tokens=tokens, seq_len=seq, state_bytes=state, param_shards=mesh["fsdp"],
         tensor=mesh.get("tensor", 1), remat=remat, einsum_scores=attention == "einsum",
-        loss_chunks=loss_chunks)
+        loss_chunks=loss_chunks, expert=mesh.get("expert", 1))
 
 
 def step_seconds(chip: Chip, dims: Dims | None, mesh: dict[str, int], accum: int,
@@ -75,7 +75,7 @@ def step_seconds(chip: Chip, dims: Dims | None, mesh: dict[str, int], accum: int
     """Guessed seconds of a step, no overlap: `compute_s` (the analytic FLOPs per chip with the
     remat recompute, `aot.flops.expected_flops`, at the chip's peak) plus the collectives a
     sharding implies, each over one ring of `chip.ring_bandwidth`: per micro-batch FSDP
-    gathers the bf16 weights twice (forward, backward) and reduces their gradient: an
+    gathers the bf16 weights (of MoE experts only the chip's own, `Dims.local_params`) twice (forward, backward) and reduces their gradient: an
     all-reduce (twice a gather) where FSDP spans the slice, as libtpu compiles it on v5e-64 and
     v5e-256, a reduce-scatter beside a data axis (bench/RESULTS.md); the data axis all-reduces
     each fsdp shard's gradient; tensor parallelism moves every layer's
@@ -86,9 +86,29 @@ def step_seconds(chip: Chip, dims: Dims | None, mesh: dict[str, int], accum: int
         return compute_s
     bw, ring = chip.ring_bandwidth, lambda n: (n - 1) / n
     fsdp, data, tensor = mesh["fsdp"], mesh["data"], mesh.get("tensor", 1)
-    weights = dims.num_params * BF16 / tensor / max(mesh.get("pipeline", 1), 1)
+    weights = dims.local_params(mesh.get("expert", 1)) * BF16 / tensor / max(
+        mesh.get("pipeline", 1), 1)  # a chip gathers only its own experts
     reduce = 2 if data == 1 else 1  # FSDP alone all-reduces the gradient, beside data scatters
     comm = accum * (2 + reduce) * weights * ring(fsdp) / bw
     comm += accum * 2 * weights / fsdp * ring(data) / bw
     comm += 16 * dims.num_layers * tokens_per_chip * dims.embed * BF16 * ring(tensor) / bw
     return compute_s + comm
+
+
+def state_floor_bytes(config: mlc.ConfigDict, dims: Dims | None, chips: int) -> float | None:
+    """The least bytes per chip any sharding of `config` over `chips` can need: the weights in
+    the parameter dtype and, for Adam (and LAMB), its two moments, every tensor split over
+    every chip, nothing else (LoRA: the frozen weights alone, counted in bf16). Not a guess
+    but a floor: a slice where it exceeds the HBM budget is ruled out without compiling (the
+    plan's walk over a generation's slices, `launch.plan --topology=GEN`); None without dims."""
+    import numpy as np
+
+    from jaxscale.precision import get_policy
+
+    if dims is None:
+        return None
+    param = np.dtype(get_policy(config.precision).param).itemsize
+    if config.lora.rank:
+        return dims.num_params * BF16 / chips
+    moments = 2 * param if config.optim.name in ("adamw", "lamb") else 0
+    return dims.num_params * (param + moments) / chips

@@ -21,7 +21,8 @@ _RAGGED = re.compile(r"lhs_ragged_dims=\{(\d+)\}")
 _KERNEL_FLOPS = re.compile(r'"cost_estimate":\s*\{[^}]*"flops":\s*(\d+)')
 
 
-def dot_flops(module: Module) -> dict[str, float]:
+def dot_flops(module: Module, opcodes: tuple[str, ...] = ("dot", "ragged-dot"),
+              kernels: bool = True) -> dict[str, float]:
     """Matmul FLOPs per device per step by operand type ('bf16', 'f32', 's8' where both
     operands are int8, ...): 2 x output elements x contracted size for every `dot` (read the HLO
     after SPMD partitioning, before dots become TPU convolutions), loop bodies multiplied by
@@ -29,13 +30,14 @@ def dot_flops(module: Module) -> dict[str, float]:
     A `ragged-dot` (MoE grouped matmuls, `jax.lax.ragged_dot`) counts the same where its groups
     split the rows (each row meets one group's weights); where they split the contracted
     dimension (the weight gradient: one output per group, each contracting only its group's
-    rows) the count is divided by the groups, the output's first dimension."""
+    rows) the count is divided by the groups, the output's first dimension. `opcodes` picks
+    which of the two are counted; `kernels`, whether cost-estimated Pallas kernels are added."""
     total: dict[str, float] = defaultdict(float)
     for comp, instrs in module.live.items():
         count = module.mult.get(comp, (0, False))[0]
         shapes = {i.name: i.shape for i in instrs}
         for ins in instrs:
-            if ins.opcode not in ("dot", "ragged-dot") or not count:
+            if ins.opcode not in opcodes or not count:
                 continue
             lhs, rhs = (shapes.get(o, "") or _param_shape(module, comp, o)
                         for o in hlo.OP.findall(ins.rest.split(")")[0])[:2])
@@ -48,9 +50,9 @@ def dot_flops(module: Module) -> dict[str, float]:
             types = {m.group(1) for m in (hlo.ARRAY.search(lhs), hlo.ARRAY.search(rhs)) if m}
             total[types.pop() if len(types) == 1 else "mixed"] += (
                 2.0 * math.prod(out) * k * count / groups)
-    kernels = kernel_cost_flops(module)
-    if kernels:
-        total["pallas"] += kernels
+    pallas = kernel_cost_flops(module) if kernels else 0.0
+    if pallas:
+        total["pallas"] += pallas
     return dict(total)
 
 
@@ -97,14 +99,8 @@ def grouped_flops(module: Module) -> float:
     the dropless MoE's), counted at their static row counts: every row of the (gathered or
     worst-case received) buffer, while only the routed rows are multiplied. Subtract it and add
     the routed count to compare with the model (bench/RESULTS.md, dropless MoE)."""
-    ragged = dot_flops(_only(module, "ragged-dot"))
+    ragged = dot_flops(module, ("ragged-dot",), kernels=False)  # operands' shapes kept
     return sum(ragged.values()) + kernel_cost_flops(module)
-
-
-def _only(module: Module, opcode: str) -> Module:
-    live = {c: [i for i in instrs if i.opcode == opcode] for c, instrs in module.live.items()}
-    return Module(module.comps, module.params, module.entry, module.partitions, module.mult,
-                  live)
 
 
 def flops(module: Module) -> float:

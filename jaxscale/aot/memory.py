@@ -50,6 +50,9 @@ class Dims:
     # {activation name: elements per token and layer} of what the attention names (its
     # component's `activation_widths`: grouped-query's q/k/v, attention output, out projection).
     attention_widths: Mapping[str, int] = field(default_factory=dict)
+    # Parameters of the routed MoE experts (part of num_params): sharded over `expert` as well
+    # as fsdp and tensor, and only a chip's own experts are gathered (0 for a dense model).
+    expert_params: int = 0
 
     @classmethod
     def from_model(cls, model: Mapping, num_params: int) -> Dims | None:
@@ -63,7 +66,13 @@ class Dims:
         if attention is None or not all(k in model for k in keys):
             return None
         return cls(num_params, *(int(model[k]) for k in keys),
-                   attention_widths=attention(model).activation_widths())
+                   attention_widths=attention(model).activation_widths(),
+                   expert_params=_expert_params(model))
+
+    def local_params(self, expert: int = 1) -> float:
+        """Parameters a chip holds a shard of, or gathers, with the experts split over
+        `expert` chips: all but the routed experts, and 1/expert of those."""
+        return self.num_params - self.expert_params + self.expert_params / expert
 
     def width(self, name: str) -> int:
         """Elements per token and layer of the activation `name` (`models/nn/scan.py`
@@ -71,6 +80,19 @@ class Dims:
         if name == "mlp_gate_up":
             return 2 * self.mlp
         return self.attention_widths.get(name, 0)
+
+
+def _expert_params(model: Mapping) -> int:
+    """The routed experts' parameters (weights and biases) of a `config.model` section, over
+    the layers that have them (`sparse_layers`: not DeepSeek's dense first ones)."""
+    from jaxscale.models.moe.config import MoEConfig, expert_width, sparse_layers  # lazy: jax
+
+    moe = MoEConfig.from_config(model.get("moe"))
+    if not moe.num_experts:
+        return 0
+    f, e = expert_width(moe, int(model["mlp"])), int(model["embed"])
+    per_expert = 3 * e * f + moe.expert_bias * (2 * f + e)
+    return sparse_layers(moe, int(model["num_layers"])) * moe.num_experts * per_expert
 
 
 def _named(remat: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
@@ -97,13 +119,15 @@ def host_bytes(dims: Dims, *, tokens: float, remat: str, tensor: int = 1) -> flo
 
 def step_bytes(dims: Dims, *, tokens: float, seq_len: int, state_bytes: float,
                param_shards: int, tensor: int = 1, remat: str = "none",
-               einsum_scores: bool = False, loss_chunks: int = 1) -> float:
+               einsum_scores: bool = False, loss_chunks: int = 1, expert: int = 1) -> float:
     """Estimated peak bytes per device of a train step over `tokens` tokens at once (a micro-
     batch), `state_bytes` per parameter (`state_bytes_per_param`), parameters sharded over
-    `param_shards` x `tensor` devices, activations over `tensor`."""
+    `param_shards` x `tensor` devices (the routed experts over `expert` as well), activations
+    over `tensor`."""
     d = dims
-    state = d.num_params * state_bytes / (param_shards * tensor)
-    gathered = 2 * BF16 * d.num_params / d.num_layers / tensor if param_shards > 1 else 0.0
+    local = d.local_params(expert)
+    state = local * state_bytes / (param_shards * tensor)
+    gathered = 2 * BF16 * local / d.num_layers / tensor if param_shards > 1 else 0.0
     layer = (10 * d.embed + 4 * d.mlp) * BF16 / tensor
     if einsum_scores:
         layer += 2 * d.num_heads * seq_len * F32 / tensor

@@ -68,6 +68,15 @@ def parse_topology(name: str, num_slices: int = 1) -> Topology:
     return Topology(name, TPUS[gen], tuple(int(x) for x in shape.split("x")), num_slices)
 
 
+def slice_names(name: str) -> list[str]:
+    """`--topology` of the planner: one slice ('v5p:4x4x8'), or a generation alone ('v5p'):
+    each of its slices, fewest chips first (the walk for the smallest slice that fits)."""
+    if name in TOPOLOGIES:
+        return sorted((f"{name}:{shape}" for shape in TOPOLOGIES[name]),
+                      key=lambda n: parse_topology(n).num_chips)
+    return [name]
+
+
 def has_libtpu() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
