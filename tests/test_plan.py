@@ -450,7 +450,7 @@ def test_a_generation_is_walked_smallest_slice_first_past_those_below_the_floor(
 
 
 @libtpu_test
-@pytest.mark.slow
+@pytest.mark.exhaustive  # two 1B compiles (~2 min); the walk's ruling-out is tested without them
 def test_plan_over_a_generation_names_its_smallest_slice_that_fits(tmp_path):
     # 1B on v5e: one 16 GB chip refuses it (its state alone is 13 GB), so the walk goes on to
     # v5e:2x2, where FSDP over 4 chips fits, and names it.
