@@ -230,3 +230,18 @@ def test_mtp_conversion_mistakes_are_one_paragraph(mtp_checkpoint, tmp_path):
     with pytest.raises(ConversionError, match="mtp_depth=0, so the") as err:
         hf.save((model_cfg, params), str(tmp_path / "a"), mtp=True)
     assert "\n" not in str(err.value)
+
+
+def test_convert_mtp_both_ways(mtp_checkpoint, tmp_path):
+    """`jaxscale convert --from_hf --mtp` / `--to_hf --mtp`: the MTP layer through a workdir."""
+    from jaxscale.interop import convert
+    from jaxscale.interop.hf import SafetensorsReader
+
+    _, _, path = mtp_checkpoint
+    model_cfg = convert.hf_to_workdir(path, str(tmp_path / "wd"), mtp=True)
+    assert model_cfg["mtp_depth"] == 1
+    out = convert.workdir_to_hf(str(tmp_path / "wd"), str(tmp_path / "hf"), mtp=True)
+    original, exported = SafetensorsReader(path), SafetensorsReader(out)
+    assert set(exported.keys()) == set(original.keys())
+    for k in original.keys():
+        np.testing.assert_array_equal(exported.get(k), original.get(k))

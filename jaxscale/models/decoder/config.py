@@ -249,6 +249,11 @@ def check_mtp(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None) -> No
             f"model.mtp_loss_weight={weight!r} must be a finite number >= 0: the MTP cross",
             "entropy's weight in the training loss (DeepSeek-V3: 0.3 for the first 10T tokens,",
             "then 0.1)."))
+    if depth and len(set(m.get("layer_types") or ())) > 1:
+        raise ConfigError(paragraph(
+            "model.mtp_depth=1 with a mixed model.layer_types pattern: the MTP block is one",
+            "layer of neither kind. Use multi-token prediction on a model whose layers are alike",
+            "(DeepSeek-V3's), or model.mtp_depth=0."))
     if not depth or mesh is None:
         return
     stages = mesh.get("pipeline", 1) * mesh.get("dcn_pipeline", 1)
