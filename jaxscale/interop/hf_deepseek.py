@@ -54,7 +54,7 @@ from jaxscale.interop.hf import (
 from jaxscale.interop.hf_config import decoder_fields, require_keys
 from jaxscale.interop.hf_rope import rope_scaling_to_hf
 from jaxscale.models.attention.latent import MLAConfig
-from jaxscale.models.moe.config import MoEConfig, expert_width
+from jaxscale.models.moe.config import BIASED_ROUTERS, MoEConfig, expert_width
 from jaxscale.models.nn.fused import GATE_UP
 from jaxscale.weights.sources import read_hf_config
 
@@ -63,14 +63,15 @@ REQUIRED = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"
 
 
 def deepseek_config_from_hf(hf: Mapping[str, Any], where: str = "config.json",
-                            name: str = "deepseek_v3") -> dict:
-    """HF `DeepseekV3Config` fields -> `config.model` of `model.name=deepseek_v3`."""
-    if hf.get("model_type") != "deepseek_v3":
+                            name: str = "deepseek_v3", model_type: str = "deepseek_v3") -> dict:
+    """HF `DeepseekV3Config` fields -> `config.model` of `model.name=deepseek_v3` (also the
+    latent attention and expert widths DeepSeek-V2 shares, `model_type` its: hf_deepseek_v2)."""
+    if hf.get("model_type") != model_type:
         raise ConversionError(paragraph(
-            f"{where}: model_type={hf.get('model_type')!r} is read by the deepseek_v3",
-            "converter; only model_type='deepseek_v3' is (the model table dispatches:",
+            f"{where}: model_type={hf.get('model_type')!r} is read by the {model_type}",
+            f"converter; only model_type={model_type!r} is (the model table dispatches:",
             "interop.hf.load)."))
-    require_keys(hf, REQUIRED, where, "DeepSeek-V3")
+    require_keys(hf, REQUIRED, where, model_type)
     if hf.get("attention_bias"):
         raise ConversionError(paragraph(
             f"{where}: attention_bias=True adds biases to the latent attention's projections,",
@@ -252,13 +253,14 @@ def _expert_leaves(moe: MoEConfig) -> dict[str, Leaf]:
     t = lambda w: w.T
     p = "{p}mlp."
     leaves = {"mlp/router": Leaf(p + "gate.weight", t, t),  # (X, E) <-> (E, X)
-              "mlp/balance_bias": Leaf(p + "gate.e_score_correction_bias", lambda b: b,
-                                      lambda b: b),
               "mlp/shared/w_gate_up": Leaf(
                   (p + "shared_experts.gate_proj.weight", p + "shared_experts.up_proj.weight"),
                   lambda g, u: GATE_UP.join(g.T, u.T),
                   lambda w: tuple(x.T for x in GATE_UP.split(w))),
               "mlp/shared/w_down": Leaf(p + "shared_experts.down_proj.weight", t, t)}
+    if moe.router in BIASED_ROUTERS:  # V3's selection bias (V2's routers keep none)
+        leaves["mlp/balance_bias"] = Leaf(p + "gate.e_score_correction_bias", lambda b: b,
+                                          lambda b: b)
     for path, hf_name in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
         leaves[f"mlp/{path}"] = Leaf(  # X of (F, E) <-> (X, E, F); down (E, F) <-> (X, F, E)
             tuple(p + f"experts.{j}.{hf_name}.weight" for j in range(moe.num_experts)),
