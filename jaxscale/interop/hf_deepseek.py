@@ -22,6 +22,9 @@ softmax factor from it (`Rope.score_scale`). Refused in one paragraph naming the
 rotary scalings the decoder lacks, attention biases, and on export a model that is not this
 family's shape (no experts, `moe.every` != 1, another router, no shared expert).
 
+The published checkpoints' FP8 weights (float8_e4m3fn with 128 x 128 block scales,
+`quantization_config`) read dequantised (`hf_fp8.py`); exports write them unquantised.
+
 Multi-token prediction (`models/decoder/mtp.py`): a checkpoint's `num_nextn_predict_layers`
 MTP layers (HF layer N = num_hidden_layers: `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`
 and a block's tensors) are left unread (`Source.unread_layers`) unless asked for:
@@ -52,6 +55,7 @@ from jaxscale.interop.hf import (
     unpack,
 )
 from jaxscale.interop.hf_config import decoder_fields, require_keys
+from jaxscale.interop.hf_fp8 import fp8_reader
 from jaxscale.interop.hf_rope import rope_scaling_to_hf
 from jaxscale.models.attention.latent import MLAConfig
 from jaxscale.models.moe.config import BIASED_ROUTERS, MoEConfig, expert_width
@@ -271,12 +275,19 @@ def _expert_leaves(moe: MoEConfig) -> dict[str, Leaf]:
 _open = decoder_opener("deepseek_v3", deepseek_config_from_hf, deepseek_leaves)
 
 
+def with_fp8(source: Source, hf_dir: str) -> Source:
+    """`source` reading its FP8 block-quantised weights dequantised (the published V3's:
+    `hf_fp8.py`), when config.json's `quantization_config` says it has them."""
+    reader = fp8_reader(source.reader, read_hf_config(hf_dir), f"{hf_dir}/config.json")
+    return dataclasses.replace(source, reader=reader)
+
+
 def open_deepseek_v3(hf_dir: str, mtp: bool = False) -> Source:
     """The config and lazy reader of a HF deepseek_v3 directory (validated). Its
     `num_nextn_predict_layers` multi-token-prediction layers (after the last, in the published
     checkpoints) are left unread, not refused as layers past num_hidden_layers; with `mtp`, the
     first is read as the model's MTP module (`model.mtp_depth=1`)."""
-    source = _open(hf_dir)
+    source = with_fp8(_open(hf_dir), hf_dir)
     depth = read_hf_config(hf_dir).get("num_nextn_predict_layers") or 0
     depth = depth if isinstance(depth, int) else 0
     if not mtp:

@@ -24,11 +24,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxscale.errors import paragraph
-from jaxscale.interop.hf import ConversionError, decoder_opener, decoder_saver
+from jaxscale.interop.hf import ConversionError, Source, decoder_opener, decoder_saver
 from jaxscale.interop.hf_deepseek import (
     deepseek_config_from_hf,
     deepseek_config_to_hf,
     deepseek_leaves,
+    with_fp8,
 )
 from jaxscale.models.moe.config import MoEConfig
 
@@ -88,6 +89,14 @@ def deepseek_v2_leaves(model_cfg: Mapping[str, Any]) -> dict:
     return deepseek_leaves({**dict(model_cfg), "mtp_depth": 0})
 
 
-open_deepseek_v2 = decoder_opener("deepseek_v2", deepseek_v2_config_from_hf, deepseek_v2_leaves)
+_open = decoder_opener("deepseek_v2", deepseek_v2_config_from_hf, deepseek_v2_leaves)
+
+
+def open_deepseek_v2(hf_dir: str) -> Source:
+    """The config and lazy reader of a HF deepseek_v2 directory (validated); FP8
+    block-quantised weights, as V3's, read dequantised (`hf_fp8.py`)."""
+    return with_fp8(_open(hf_dir), hf_dir)
+
+
 save_deepseek_v2 = decoder_saver("save_deepseek_v2", deepseek_v2_config_to_hf,
                                  deepseek_v2_leaves, ("deepseek_v2",))
