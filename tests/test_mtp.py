@@ -245,3 +245,25 @@ def test_convert_mtp_both_ways(mtp_checkpoint, tmp_path):
     assert set(exported.keys()) == set(original.keys())
     for k in original.keys():
         np.testing.assert_array_equal(exported.get(k), original.get(k))
+
+
+def test_packed_documents_each_get_their_own_mtp_loss():
+    """Two documents packed in one row: the MTP loss's sum is the sum of each document's alone
+    (t+2 targets stay inside their document; the block attends within it)."""
+    c = get_config("test")
+    c.model.update(mtp_depth=1)
+    model_def = ModelDef.build(c.model, get_policy("32-true"))
+    params = model_def.init_params(jax.random.key(0))
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(0, 256, 7), rng.integers(0, 256, 6)
+
+    def mtp_sum(batch, count):
+        model = model_def.module(params)
+        lm_loss(model, batch)
+        return float(step_metrics(model)["mtp_loss"]) * count
+
+    packed = {"tokens": np.concatenate([a, b])[None].astype(np.int32),
+              "segment_ids": np.array([[1] * 7 + [2] * 6], np.int32),
+              "positions": np.array([list(range(7)) + list(range(6))], np.int32)}
+    alone = sum(mtp_sum({"tokens": d[None].astype(np.int32)}, len(d) - 1) for d in (a, b))
+    np.testing.assert_allclose(mtp_sum(packed, 6 + 5), alone, rtol=1e-5)
