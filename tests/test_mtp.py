@@ -38,6 +38,16 @@ def _config(mesh=None, **model):
     return c
 
 
+def _losses(model_def, params, batch):
+    """(the training loss, the recorded `mtp_loss` or None) of one batch, jitted."""
+    def f(p, b):
+        model = model_def.module(p)
+        loss = lm_loss(model, b)
+        return loss, step_metrics(model).get("mtp_loss")
+    loss, mtp = jax.jit(f)(params, batch)
+    return float(loss), None if mtp is None else float(mtp)
+
+
 def _run(c, devices, steps=3):
     trainer = Trainer.build(c, workdir=None, devices=devices)
     it = trainer.batches.iterator()
@@ -70,17 +80,16 @@ def test_the_loss_adds_the_weighted_mtp_loss_and_generation_ignores_the_module()
     params = model_def.init_params(jax.random.key(0))
     assert model_def.num_params() == LlamaConfig.from_config(c.model).num_params()
     tokens = np.random.default_rng(0).integers(0, 256, (2, 9)).astype(np.int32)
-    model = model_def.module(params)
-    loss = lm_loss(model, {"tokens": tokens})
-    mtp = float(step_metrics(model)["mtp_loss"])
+    loss, mtp = _losses(model_def, params, {"tokens": tokens})
     plain_cfg = {**dict(c.model), "mtp_depth": 0}
     plain_def = ModelDef.build(plain_cfg, get_policy("32-true"))
     plain = {k: v for k, v in params.items() if k != "mtp"}
-    main = float(lm_loss(plain_def.module(plain), {"tokens": tokens}))
-    np.testing.assert_allclose(float(loss), main + 0.5 * mtp, rtol=1e-6)
+    main, none = _losses(plain_def, plain, {"tokens": tokens})
+    assert none is None
+    np.testing.assert_allclose(loss, main + 0.5 * mtp, rtol=1e-6)
     # The forward (what generation and evaluation call) is the model without the module.
-    np.testing.assert_array_equal(np.asarray(model(tokens)),
-                                  np.asarray(plain_def.module(plain)(tokens)))
+    forward = lambda d, p: np.asarray(jax.jit(lambda p, t: d.module(p)(t))(p, tokens))
+    np.testing.assert_array_equal(forward(model_def, params), forward(plain_def, plain))
 
 
 @pytest.mark.parametrize("model,culprit", [
@@ -189,9 +198,8 @@ def test_the_mtp_loss_of_an_imported_checkpoint_is_torchs(mtp_checkpoint):
     model_cfg, params = hf.load(path, mtp=True)
     assert model_cfg["mtp_depth"] == 1 and "mtp" in params
     tokens = np.random.default_rng(2).integers(0, HF["vocab_size"], (2, 11)).astype(np.int32)
-    model = ModelDef.build(model_cfg, get_policy("32-true")).module(params)
-    loss = float(lm_loss(model, {"tokens": tokens}))
-    mtp = float(step_metrics(model)["mtp_loss"])
+    loss, mtp = _losses(ModelDef.build(model_cfg, get_policy("32-true")), params,
+                        {"tokens": tokens})
     want_main, want_mtp = _torch_mtp_loss(full, extra, tokens)
     np.testing.assert_allclose(mtp, want_mtp, rtol=1e-5)
     np.testing.assert_allclose(loss, want_main + 0.3 * want_mtp, rtol=1e-5)  # the default
@@ -258,12 +266,26 @@ def test_packed_documents_each_get_their_own_mtp_loss():
     a, b = rng.integers(0, 256, 7), rng.integers(0, 256, 6)
 
     def mtp_sum(batch, count):
-        model = model_def.module(params)
-        lm_loss(model, batch)
-        return float(step_metrics(model)["mtp_loss"]) * count
+        return _losses(model_def, params, batch)[1] * count
 
     packed = {"tokens": np.concatenate([a, b])[None].astype(np.int32),
               "segment_ids": np.array([[1] * 7 + [2] * 6], np.int32),
               "positions": np.array([list(range(7)) + list(range(6))], np.int32)}
     alone = sum(mtp_sum({"tokens": d[None].astype(np.int32)}, len(d) - 1) for d in (a, b))
     np.testing.assert_allclose(mtp_sum(packed, 6 + 5), alone, rtol=1e-5)
+
+
+def test_asking_another_family_for_its_mtp_layer_is_one_paragraph(tmp_path):
+    from jaxscale.errors import ConversionError
+    from jaxscale.interop import hf
+
+    c = get_config("test")
+    model_def = ModelDef.build(c.model, get_policy("32-true"))
+    model = (c.model.to_dict(), model_def.init_params(jax.random.key(0)))
+    with pytest.raises(ConversionError, match="model.name='llama' has no multi-token") as err:
+        hf.save(model, str(tmp_path / "out"), mtp=True)
+    assert "\n" not in str(err.value)
+    out = hf.save(model, str(tmp_path / "plain"))
+    with pytest.raises(ConversionError, match="converter has no option mtp") as err:
+        hf.load(out, mtp=True)
+    assert "\n" not in str(err.value)

@@ -30,6 +30,7 @@ naming the field, never approximated.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -251,7 +252,7 @@ def save(model: Pretrained | tuple[Mapping, Mapping], out_dir: str, dtype: Any =
     from jaxscale.models import hf_saver
     model_cfg, _ = unpack(model, "save")
     saver = hf_saver(model_cfg)
-    if mtp and saver.__name__ != "save_deepseek":
+    if mtp and "mtp" not in inspect.signature(saver).parameters:
         raise ConversionError(paragraph(
             f"save(mtp=True): model.name={model_cfg.get('name')!r} has no multi-token-prediction",
             "layer in its Hugging Face layout (only deepseek_v3 does). Save without mtp."))
