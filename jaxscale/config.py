@@ -77,6 +77,7 @@ def base_config() -> mlc.ConfigDict:
         layer_types=(), rope_local_theta=0.0,
         query_pre_attn_scalar=0.0,  # attention scores times 1/sqrt(this); 0: head_dim (Gemma)
         attn_softcap=0.0, final_softcap=0.0,  # > 0: cap * tanh(x / cap) (Gemma 2); einsum or splash
+        mtp_depth=0, mtp_loss_weight=0.3,  # DeepSeek-V3's multi-token prediction (decoder/mtp.py)
         # mixture of experts in place of the dense MLP when num_experts > 0 (models/moe/layer.py):
         # capacity_factor 0 = dropless; every = MoE on every n-th layer, dense MLPs between
         # router: models/moe/routers.py's ROUTERS

@@ -28,14 +28,15 @@ from jaxscale.parallel.schedules import make_layer_runner
 
 def test_tables_name_every_model_and_task():
     assert set(models.MODELS) == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                 "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "vit"}
+                                 "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
+                                 "vit"}
     assert {n: list(e.tasks) for n, e in models.MODELS.items()} == {
         "llama": ["lm"], "mistral": ["lm"], "qwen2": ["lm"], "qwen3": ["lm"], "gemma3": ["lm"],
         "gemma2": ["lm"], "mixtral": ["lm"], "qwen3_moe": ["lm"], "gpt_oss": ["lm"],
-        "deepseek_v3": ["lm"], "vit": ["classify"]}
-    with pytest.raises(ConfigError, match="model.name='gpt9'.*'deepseek_v3', 'gemma2', 'gemma3', "
-                                          "'gpt_oss', 'llama', 'mistral', 'mixtral', 'qwen2', "
-                                          "'qwen3', 'qwen3_moe', 'vit'"):
+        "deepseek_v2": ["lm"], "deepseek_v3": ["lm"], "vit": ["classify"]}
+    with pytest.raises(ConfigError, match="model.name='gpt9'.*'deepseek_v2', 'deepseek_v3', "
+                                          "'gemma2', 'gemma3', 'gpt_oss', 'llama', 'mistral', "
+                                          "'mixtral', 'qwen2', 'qwen3', 'qwen3_moe', 'vit'"):
         models.lookup("gpt9")
     with pytest.raises(ConfigError, match="model.task='rank' for model.name='llama'.*'lm'"):
         models.task_of({"name": "llama", "task": "rank"})

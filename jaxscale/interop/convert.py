@@ -77,15 +77,16 @@ def check_not_empty(path: str, flag: str, overwrite: bool = False) -> None:
             "Nothing was written."))
 
 
-def hf_to_workdir(hf_dir: str, workdir: str, dtype: Any = None, overwrite: bool = False
-                  ) -> dict:
+def hf_to_workdir(hf_dir: str, workdir: str, dtype: Any = None, overwrite: bool = False,
+                  mtp: bool = False) -> dict:
     """Converts a HF checkpoint directory leaf by leaf; returns the model config written. A
-    non-empty `workdir` is refused unless `overwrite`."""
+    non-empty `workdir` is refused unless `overwrite`; `mtp`: DeepSeek-V3's
+    multi-token-prediction layer too (`hf_deepseek.py`)."""
     from jaxscale.weights.init_from import export_params
 
     local_only(hf_dir, "--from_hf")
     check_output_dir(workdir, "--out", overwrite)
-    source = open_huggingface(hf_dir)
+    source = open_huggingface(hf_dir, **({"mtp": True} if mtp else {}))
     source.check_tensors(finite=True)  # every name, shape and value, before anything is written
     params = source.lazy_leaves(hf.parse_dtype(dtype) or np.dtype(np.float32))
     if not locations.is_remote(workdir):
@@ -159,9 +160,11 @@ def workdir_params(workdir: str, lora_cfg: Mapping | None = None) -> dict:
 
 
 def workdir_to_hf(workdir: str, out_dir: str, dtype: Any = None,
-                  max_shard_size: int | str | None = None, overwrite: bool = False) -> str:
+                  max_shard_size: int | str | None = None, overwrite: bool = False,
+                  mtp: bool = False) -> str:
     """Writes a workdir's newest weights in the HF layout (sharded past `max_shard_size`); a
-    non-empty `out_dir` is refused unless `overwrite`."""
+    non-empty `out_dir` is refused unless `overwrite`; `mtp`: a DeepSeek-V3 model's
+    multi-token-prediction module too (`hf.save`)."""
     local_only(out_dir, "--to_hf")
     if not locations.is_remote(workdir) and os.path.realpath(out_dir) == os.path.realpath(
             workdir):
@@ -173,7 +176,7 @@ def workdir_to_hf(workdir: str, out_dir: str, dtype: Any = None,
     hf_saver(model_cfg)  # a family without an exporter, or an unsupported dtype, fails
     hf.parse_dtype(dtype)  # before any weights are read
     out = hf.save((model_cfg, workdir_params(workdir, lora_cfg)), out_dir, dtype=dtype,
-                  max_shard_size=max_shard_size)
+                  max_shard_size=max_shard_size, mtp=mtp)
     copy_tokenizer(recorded(workdir).tokenizer, out)  # and its chat template: as it came in
     return out
 

@@ -30,6 +30,7 @@ naming the field, never approximated.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -230,24 +231,33 @@ def default_rules() -> AxisRules:
 
 
 def load(path: str, mesh: Mesh | None = None, rules: AxisRules | None = None,
-         dtype: Any = None) -> Pretrained:
+         dtype: Any = None, mtp: bool = False) -> Pretrained:
     """`Pretrained(config, params)` of a Hugging Face directory of any supported architecture,
     read by the converter the model table names for its config.json `model_type` (an unknown
     one is a ConversionError listing those supported). With `mesh`, every parameter is a
     jax.Array sharded by `rules` (default: DEFAULT_RULES); without, host numpy arrays. `dtype`
-    ('bf16', 'float32', ...) defaults to float32 (the 32-true parameter dtype)."""
-    return load_pretrained(open_huggingface(path), mesh, rules, dtype)
+    ('bf16', 'float32', ...) defaults to float32 (the 32-true parameter dtype). `mtp`: read a
+    DeepSeek-V3 checkpoint's multi-token-prediction layer too (`hf_deepseek.py`)."""
+    return load_pretrained(open_huggingface(path, **({"mtp": True} if mtp else {})), mesh,
+                           rules, dtype)
 
 
 def save(model: Pretrained | tuple[Mapping, Mapping], out_dir: str, dtype: Any = None,
-         max_shard_size: int | str | None = None) -> str:
+         max_shard_size: int | str | None = None, mtp: bool = False) -> str:
     """Writes `model` (a `Pretrained`, or a (config.model, params) pair) as the Hugging Face
     directory of its family, by `config.model.name` through the model table: `config.json` +
     safetensors (sharded past `max_shard_size`, e.g. '5GB'), in `dtype` if given. Gathers one
-    parameter to the host at a time, so call it from a single process."""
+    parameter to the host at a time, so call it from a single process. `mtp`: write a
+    DeepSeek-V3 model's multi-token-prediction module too (left out by default)."""
     from jaxscale.models import hf_saver
     model_cfg, _ = unpack(model, "save")
-    return hf_saver(model_cfg)(model, out_dir, dtype=dtype, max_shard_size=max_shard_size)
+    saver = hf_saver(model_cfg)
+    if mtp and "mtp" not in inspect.signature(saver).parameters:
+        raise ConversionError(paragraph(
+            f"save(mtp=True): model.name={model_cfg.get('name')!r} has no multi-token-prediction",
+            "layer in its Hugging Face layout (only deepseek_v3 does). Save without mtp."))
+    return saver(model, out_dir, dtype=dtype, max_shard_size=max_shard_size,
+                 **({"mtp": True} if mtp else {}))
 
 
 def load_llama(hf_dir: str, mesh: Mesh | None = None, rules: AxisRules | None = None,

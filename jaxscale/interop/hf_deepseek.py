@@ -1,8 +1,8 @@
 """Hugging Face DeepSeek-V3 checkpoints (`DeepseekV3ForCausalLM`) <-> the decoder with latent
 attention and DeepSeek's mixture of experts.
 
-    source = open_deepseek_v3(hf_dir)   # model table opener (model_type "deepseek_v3")
-    save_deepseek(model, out_dir, dtype=None, max_shard_size=None)
+    source = open_deepseek_v3(hf_dir, mtp=False)   # model table opener ("deepseek_v3")
+    save_deepseek(model, out_dir, dtype=None, max_shard_size=None, mtp=False)
 
 DeepSeek-V3 is the Llama decoder (`models/decoder/`) with `model.attention_kind=latent`
 (`models/attention/latent.py`, widths in `model.mla`) and `model.moe.router=sigmoid_group`: a
@@ -20,9 +20,19 @@ The published checkpoints' YaRN rotary (`rope_scaling` yarn with `mscale` / `msc
 is read as the decoder's `rope_*` fields (`interop/hf_rope.py`); the latent attention takes its
 softmax factor from it (`Rope.score_scale`). Refused in one paragraph naming the field: other
 rotary scalings the decoder lacks, attention biases, and on export a model that is not this
-family's shape (no experts, `moe.every` != 1, another router, no shared expert). The
-multi-token-prediction layers of a checkpoint (`num_nextn_predict_layers`, after the last) are
-left unread (`Source.unread_layers`), not refused as layers past num_hidden_layers.
+family's shape (no experts, `moe.every` != 1, another router, no shared expert).
+
+The published checkpoints' FP8 weights (float8_e4m3fn with 128 x 128 block scales,
+`quantization_config`) read dequantised (`hf_fp8.py`); exports write them unquantised.
+
+Multi-token prediction (`models/decoder/mtp.py`): a checkpoint's `num_nextn_predict_layers`
+MTP layers (HF layer N = num_hidden_layers: `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`
+and a block's tensors) are left unread (`Source.unread_layers`) unless asked for:
+`open_deepseek_v3(hf_dir, mtp=True)` (`hf.load(..., mtp=True)`, `convert --mtp`) reads layer N
+as the model's `mtp` module (`model.mtp_depth=1`); its `embed_tokens` and `shared_head.head`
+copies of the main embedding and head are not read. `save_deepseek(..., mtp=True)` writes the
+module as layer N, those two copies included, with `num_nextn_predict_layers` 1; without it the
+export has no MTP layer (0), whether or not the model has one.
 """
 
 from __future__ import annotations
@@ -35,11 +45,20 @@ from typing import Any
 import numpy as np
 
 from jaxscale.errors import paragraph
-from jaxscale.interop.hf import ConversionError, Leaf, Source, decoder_opener, decoder_saver
+from jaxscale.interop.hf import (
+    ConversionError,
+    Leaf,
+    Pretrained,
+    Source,
+    decoder_opener,
+    save_decoder,
+    unpack,
+)
 from jaxscale.interop.hf_config import decoder_fields, require_keys
+from jaxscale.interop.hf_fp8 import fp8_reader
 from jaxscale.interop.hf_rope import rope_scaling_to_hf
 from jaxscale.models.attention.latent import MLAConfig
-from jaxscale.models.moe.config import MoEConfig, expert_width
+from jaxscale.models.moe.config import BIASED_ROUTERS, MoEConfig, expert_width
 from jaxscale.models.nn.fused import GATE_UP
 from jaxscale.weights.sources import read_hf_config
 
@@ -48,14 +67,15 @@ REQUIRED = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"
 
 
 def deepseek_config_from_hf(hf: Mapping[str, Any], where: str = "config.json",
-                            name: str = "deepseek_v3") -> dict:
-    """HF `DeepseekV3Config` fields -> `config.model` of `model.name=deepseek_v3`."""
-    if hf.get("model_type") != "deepseek_v3":
+                            name: str = "deepseek_v3", model_type: str = "deepseek_v3") -> dict:
+    """HF `DeepseekV3Config` fields -> `config.model` of `model.name=deepseek_v3` (also the
+    latent attention and expert widths DeepSeek-V2 shares, `model_type` its: hf_deepseek_v2)."""
+    if hf.get("model_type") != model_type:
         raise ConversionError(paragraph(
-            f"{where}: model_type={hf.get('model_type')!r} is read by the deepseek_v3",
-            "converter; only model_type='deepseek_v3' is (the model table dispatches:",
+            f"{where}: model_type={hf.get('model_type')!r} is read by the {model_type}",
+            f"converter; only model_type={model_type!r} is (the model table dispatches:",
             "interop.hf.load)."))
-    require_keys(hf, REQUIRED, where, "DeepSeek-V3")
+    require_keys(hf, REQUIRED, where, model_type)
     if hf.get("attention_bias"):
         raise ConversionError(paragraph(
             f"{where}: attention_bias=True adds biases to the latent attention's projections,",
@@ -154,8 +174,11 @@ def deepseek_leaves(model_cfg: Mapping[str, Any]) -> dict[str, Leaf]:
     if not model_cfg["tie_embeddings"]:
         leaves["lm_head"] = Leaf("lm_head.weight", t, t, stacked=False)
     moe = MoEConfig.from_config(model_cfg.get("moe"))
-    k = moe.first_k_dense_replace
+    k, n = moe.first_k_dense_replace, model_cfg["num_layers"]
     stacks = ([("dense_layers", 0, False)] if k else []) + [("layers", k, True)]
+    if model_cfg.get("mtp_depth"):
+        stacks.append(("mtp/block", n, bool(moe.num_experts)))
+        leaves.update(_mtp_leaves(model_cfg))
     for stack, offset, sparse in stacks:
         own = {**_attention_leaves(model_cfg), **(_expert_leaves(moe) if sparse else {
             "mlp/w_gate_up": Leaf(("{p}mlp.gate_proj.weight", "{p}mlp.up_proj.weight"),
@@ -167,6 +190,31 @@ def deepseek_leaves(model_cfg: Mapping[str, Any]) -> dict[str, Leaf]:
             leaves[f"{stack}/{path}"] = _Offset(names if len(names) > 1 else names[0],
                                                 leaf.to_jax, leaf.to_hf, True, offset)
     return leaves
+
+
+def _mtp_leaves(model_cfg: Mapping[str, Any]) -> dict[str, Leaf]:
+    """The MTP module's own tensors at HF layer N (its block: `deepseek_leaves`). The layer's
+    copies of the embedding and head are written beside the main ones on export (both names
+    of one leaf) and not read on import (the first name is)."""
+    ident, t = (lambda x: x), (lambda w: w.T)
+    p = f"model.layers.{model_cfg['num_layers']}."
+    first = lambda a, _copy: a
+    both = lambda w: (w, w)
+    copies = {"embedding": Leaf(("model.embed_tokens.weight", p + "embed_tokens.weight"),
+                                first, both, stacked=False)}
+    head = ("model.embed_tokens.weight" if model_cfg["tie_embeddings"] else "lm_head.weight")
+    if model_cfg["tie_embeddings"]:  # the head is the embedding: three names
+        copies["embedding"] = Leaf(copies["embedding"].names + (p + "shared_head.head.weight",),
+                                   lambda a, *_: a, lambda w: (w, w, w), stacked=False)
+    else:
+        copies["lm_head"] = Leaf((head, p + "shared_head.head.weight"),
+                                 lambda a, _copy: a.T, lambda w: (w.T, w.T), stacked=False)
+    return {**copies,
+            "mtp/enorm/scale": Leaf(p + "enorm.weight", ident, ident, stacked=False),
+            "mtp/hnorm/scale": Leaf(p + "hnorm.weight", ident, ident, stacked=False),
+            "mtp/eh_proj": Leaf(p + "eh_proj.weight", t, t, stacked=False),  # (E, 2E) <-> (2E, E)
+            "mtp/final_norm/scale": Leaf(p + "shared_head.norm.weight", ident, ident,
+                                         stacked=False)}
 
 
 def _attention_leaves(model_cfg: Mapping[str, Any]) -> dict[str, Leaf]:
@@ -209,13 +257,14 @@ def _expert_leaves(moe: MoEConfig) -> dict[str, Leaf]:
     t = lambda w: w.T
     p = "{p}mlp."
     leaves = {"mlp/router": Leaf(p + "gate.weight", t, t),  # (X, E) <-> (E, X)
-              "mlp/balance_bias": Leaf(p + "gate.e_score_correction_bias", lambda b: b,
-                                      lambda b: b),
               "mlp/shared/w_gate_up": Leaf(
                   (p + "shared_experts.gate_proj.weight", p + "shared_experts.up_proj.weight"),
                   lambda g, u: GATE_UP.join(g.T, u.T),
                   lambda w: tuple(x.T for x in GATE_UP.split(w))),
               "mlp/shared/w_down": Leaf(p + "shared_experts.down_proj.weight", t, t)}
+    if moe.router in BIASED_ROUTERS:  # V3's selection bias (V2's routers keep none)
+        leaves["mlp/balance_bias"] = Leaf(p + "gate.e_score_correction_bias", lambda b: b,
+                                          lambda b: b)
     for path, hf_name in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
         leaves[f"mlp/{path}"] = Leaf(  # X of (F, E) <-> (X, E, F); down (E, F) <-> (X, F, E)
             tuple(p + f"experts.{j}.{hf_name}.weight" for j in range(moe.num_experts)),
@@ -226,12 +275,48 @@ def _expert_leaves(moe: MoEConfig) -> dict[str, Leaf]:
 _open = decoder_opener("deepseek_v3", deepseek_config_from_hf, deepseek_leaves)
 
 
-def open_deepseek_v3(hf_dir: str) -> Source:
-    """The config and lazy reader of a HF deepseek_v3 directory (validated); its
+def with_fp8(source: Source, hf_dir: str) -> Source:
+    """`source` reading its FP8 block-quantised weights dequantised (the published V3's:
+    `hf_fp8.py`), when config.json's `quantization_config` says it has them."""
+    reader = fp8_reader(source.reader, read_hf_config(hf_dir), f"{hf_dir}/config.json")
+    return dataclasses.replace(source, reader=reader)
+
+
+def open_deepseek_v3(hf_dir: str, mtp: bool = False) -> Source:
+    """The config and lazy reader of a HF deepseek_v3 directory (validated). Its
     `num_nextn_predict_layers` multi-token-prediction layers (after the last, in the published
-    checkpoints) are left unread, not refused as layers past num_hidden_layers."""
-    source = _open(hf_dir)
-    mtp = read_hf_config(hf_dir).get("num_nextn_predict_layers") or 0
-    return dataclasses.replace(source, unread_layers=int(mtp) if isinstance(mtp, int) else 0)
-save_deepseek = decoder_saver("save_deepseek", deepseek_config_to_hf, deepseek_leaves,
-                              ("deepseek_v3",))
+    checkpoints) are left unread, not refused as layers past num_hidden_layers; with `mtp`, the
+    first is read as the model's MTP module (`model.mtp_depth=1`)."""
+    source = with_fp8(_open(hf_dir), hf_dir)
+    depth = read_hf_config(hf_dir).get("num_nextn_predict_layers") or 0
+    depth = depth if isinstance(depth, int) else 0
+    if not mtp:
+        return dataclasses.replace(source, unread_layers=depth)
+    if depth < 1:
+        raise ConversionError(paragraph(
+            f"{hf_dir}/config.json: num_nextn_predict_layers={depth}, so the checkpoint has no",
+            "multi-token-prediction layer to read (mtp=True, convert --mtp). Convert it",
+            "without MTP, or use a checkpoint that has one (the published DeepSeek-V3's: 1)."))
+    model_cfg = {**source.model_cfg, "mtp_depth": 1}
+    return dataclasses.replace(source, model_cfg=model_cfg, leaves=deepseek_leaves(model_cfg),
+                               unread_layers=depth - 1)
+
+
+def save_deepseek(model: Pretrained | tuple[Mapping, Mapping], out_dir: str, dtype: Any = None,
+                  max_shard_size: int | str | None = None, mtp: bool = False) -> str:
+    """Writes a deepseek_v3 model's `config.json` + safetensors (`hf.save_decoder`); `mtp`:
+    its MTP module too, as HF layer num_hidden_layers (refused for a model without one)."""
+    model_cfg, _ = unpack(model, "save_deepseek")
+    if mtp and not model_cfg.get("mtp_depth"):
+        raise ConversionError(paragraph(
+            f"save_deepseek(mtp=True): model.mtp_depth={model_cfg.get('mtp_depth', 0)}, so the",
+            "model has no multi-token-prediction module to write. Export without mtp, or train",
+            "with model.mtp_depth=1."))
+    written = {**model_cfg, "mtp_depth": int(mtp)}
+    return save_decoder(model, out_dir, lambda m: {**deepseek_config_to_hf(m),
+                                                   "num_nextn_predict_layers": int(mtp)},
+                        lambda m: deepseek_leaves(written), dtype, max_shard_size,
+                        "save_deepseek", ("deepseek_v3",))
+
+
+save_deepseek.leaves_of = deepseek_leaves  # the leaf table, for writers of other layouts

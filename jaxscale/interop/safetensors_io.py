@@ -121,6 +121,7 @@ class SafetensorsReader:
         self.directory = directory
         self._handles: dict[str, Any] = {}
         self._file_of: dict[str, str] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}  # float8 reads (`_raw`)
         for name in _files(directory):
             path = os.path.join(directory, name)
             self._handles[path] = handle = _open(path)
@@ -156,13 +157,31 @@ class SafetensorsReader:
                 "(e.g. `model.to(torch.bfloat16).save_pretrained(DIR)`).",
             ))
         try:
+            if view.get_dtype().startswith("F8_"):  # numpy has no float8: the library fails
+                return self._raw(key, _DTYPES[view.get_dtype()])
             arr = self._handles[self._file_of[key]].get_tensor(key)
-        except (SafetensorError, OSError, MemoryError) as e:
+        except (SafetensorError, OSError, MemoryError, KeyError, ValueError) as e:
             raise ConversionError(paragraph(
                 f"Tensor {key!r} in {self._file_of[key]} cannot be read ({e}); the file is",
                 "corrupt: fetch it again, or re-save the model with `save_pretrained`.",
             )) from None
         return np.asarray(arr).view(np.dtype(_DTYPES[view.get_dtype()]))
+
+    def _raw(self, key: str, dtype: Any) -> np.ndarray:
+        """Tensor `key` read at its header's byte offsets, for the dtypes (float8) the library's
+        numpy reader cannot build: the bytes viewed as `dtype`. Each file's header is parsed
+        once."""
+        path = self._file_of[key]
+        if path not in self._headers:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._headers[path] = (8 + size, json.loads(f.read(size)))
+        base, header = self._headers[path]
+        start, end = header[key]["data_offsets"]
+        with open(path, "rb") as f:
+            f.seek(base + start)
+            data = f.read(end - start)
+        return np.frombuffer(data, np.uint8).view(dtype).reshape(header[key]["shape"])
 
     def _slice(self, key: str) -> Any:
         if key not in self._file_of:

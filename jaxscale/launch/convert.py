@@ -3,6 +3,7 @@
     python -m launch.convert --from_hf=HF_DIR --out=WORKDIR [--dtype=bf16]
     python -m launch.convert --from_workdir=WORKDIR --to_hf=OUT [--dtype=bf16]
                              [--max_shard_size=5GB]
+    (either direction, DeepSeek-V3: [--mtp], its multi-token-prediction layer too)
     python -m launch.convert --from_workdir=LORA_RUN --to_peft=OUT [--base_model=HF_DIR]
                              [--overwrite] [--dtype=bf16]
 
@@ -37,6 +38,9 @@ _BASE_MODEL = flags.DEFINE_string("base_model", None, "--to_peft: the adapter's 
                                   "init_from, or what its conversion was made from).")
 _MAX_SHARD = flags.DEFINE_string("max_shard_size", None, "Export: split files past this size "
                                  "(e.g. 5GB); default: one model.safetensors.")
+_MTP = flags.DEFINE_bool("mtp", False, "DeepSeek-V3: also import (--from_hf) or export (--to_hf) "
+                         "the multi-token-prediction layer (HF layer num_hidden_layers); "
+                         "default: left unread / not written.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out, --to_hf or "
                                "--to_peft directory, replacing its files (refused without it).")
 
@@ -51,12 +55,12 @@ def main(argv):
     from jaxscale.interop import convert
     if _FROM_HF.value and _OUT.value:
         model_cfg = convert.hf_to_workdir(_FROM_HF.value, _OUT.value, _DTYPE.value,
-                                          _OVERWRITE.value)
+                                          _OVERWRITE.value, mtp=_MTP.value)
         print(f"jaxscale: wrote {_OUT.value}/params and {_OUT.value}/{convert.MODEL_CONFIG}.")
         print(f"Fine-tune with: {convert.finetune_command(_OUT.value, model_cfg)}")
     elif _FROM_WORKDIR.value and _TO_HF.value:
         out = convert.workdir_to_hf(_FROM_WORKDIR.value, _TO_HF.value, _DTYPE.value,
-                                    _MAX_SHARD.value, _OVERWRITE.value)
+                                    _MAX_SHARD.value, _OVERWRITE.value, mtp=_MTP.value)
         print(f"jaxscale: wrote {out} (config.json and safetensors).")
     elif _FROM_WORKDIR.value and _TO_PEFT.value:
         out, base = convert.workdir_to_peft(_FROM_WORKDIR.value, _TO_PEFT.value, _DTYPE.value,

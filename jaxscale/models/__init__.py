@@ -136,6 +136,10 @@ MODELS: dict[str, ModelEntry] = {
     "deepseek_v3": _decoder(LlamaConfig, HuggingFace(
         "deepseek_v3", "jaxscale.interop.hf_deepseek:open_deepseek_v3",
         "jaxscale.interop.hf_deepseek:save_deepseek")),
+    # DeepSeek-V2 / V2-Lite: V3's layout with softmax routing and no selection bias.
+    "deepseek_v2": _decoder(LlamaConfig, HuggingFace(
+        "deepseek_v2", "jaxscale.interop.hf_deepseek_v2:open_deepseek_v2",
+        "jaxscale.interop.hf_deepseek_v2:save_deepseek_v2")),
     "gemma3": _decoder(gemma.Gemma3Config, HuggingFace(
         "gemma3_text", "jaxscale.interop.hf_gemma:open_gemma3",
         "jaxscale.interop.hf_gemma:save_gemma")),

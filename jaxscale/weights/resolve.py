@@ -64,6 +64,7 @@ SAFE: dict[str, str] = {
     "moe.dispatch": RUN,             # how tokens reach experts on other devices
     "moe.router_aux_loss_coef": WEIGHTS,  # the router's load-balancing loss
     "moe.router_z_loss_coef": WEIGHTS,    # the router's logit-size loss
+    "mtp_loss_weight": WEIGHTS,      # the MTP module's weight in the training loss
 }
 
 

@@ -23,6 +23,7 @@ takes the run's model and tokenizer from it (`weights/resolve.py`); `inspect`, `
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -221,12 +222,20 @@ def _huggingface_weights(location: str) -> Weights:
                    model_cfg=dict(source.model_cfg))
 
 
-def open_huggingface(hf_dir: str) -> Any:
+def open_huggingface(hf_dir: str, **options: Any) -> Any:
     """The validated `interop.hf.Source` of a HF directory, read by the converter that the
-    model table names for its config's `model_type` (`models.hf_opener`)."""
+    model table names for its config's `model_type` (`models.hf_opener`); `options` (e.g.
+    DeepSeek-V3's `mtp=True`) go to that converter, refused for one that has no such option."""
     hf = read_hf_config(hf_dir)
+    opener = hf_opener(hf, hf_dir)
+    unknown = sorted(set(options) - set(inspect.signature(opener).parameters))
+    if unknown:
+        raise ConversionError(paragraph(
+            f"{hf_dir}: the {hf.get('model_type')!r} converter has no option {unknown[0]}",
+            f"(given {options}); it is a DeepSeek-V3 option (its multi-token-prediction",
+            "layer). Convert without it."))
     try:
-        return hf_opener(hf, hf_dir)(hf_dir)
+        return opener(hf_dir, **options)
     except JaxscaleError:
         raise
     except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:

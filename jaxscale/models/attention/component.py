@@ -16,8 +16,9 @@ fields as attributes, the decoder's `LlamaConfig`) and answers:
 - `num_params()`: parameters per layer (biases and norms included);
 - `named_matmuls()`, `matmul_params()`, `score_flops(seq_len)`: the matmul parameters per layer
   behind each activation name the remat policies keep (`nn/scan.ACTIVATION_NAMES`), all of them,
-  and the forward FLOPs per token and layer of the attention itself (QK^T and AV): the decoder's
-  FLOP counts (`decoder/flops.py`) are built from these;
+  and the forward FLOPs per token and layer of the attention itself (QK^T and AV, over the keys
+  each layer sees: a sliding window's); `masked_score_flops(seq_len)`: what a masking kernel
+  computes beyond those: the decoder's FLOP counts (`decoder/flops.py`) are built from these;
 - `activation_widths()`: elements per token and layer of each activation it names, what the
   memory model (`aot/memory.py`) counts for a remat policy that keeps them;
 - `kv_elements(tensor)`: elements per token and layer of what its cache holds, per `tensor`
@@ -69,7 +70,13 @@ class AttentionKind(abc.ABC):
     @abc.abstractmethod
     def score_flops(self, seq_len: int) -> float:
         """Forward FLOPs per token and layer of QK^T and AV over `seq_len` keys, counted without
-        the causal saving (PaLM's convention)."""
+        the causal saving (PaLM's convention); a kind whose layers see fewer keys (a sliding
+        window) counts those, averaged over the layers."""
+
+    def masked_score_flops(self, seq_len: int) -> float:
+        """Forward FLOPs per token and layer that a kernel masking the scores instead of skipping
+        them (einsum) spends beyond `score_flops`: 0 unless some layers see fewer keys."""
+        return 0.0
 
     @abc.abstractmethod
     def activation_widths(self) -> dict[str, int]:

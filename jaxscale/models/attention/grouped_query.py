@@ -272,7 +272,21 @@ class GroupedQuery(AttentionKind):
                 "out_proj": c.num_heads * c.head_dim * c.embed}
 
     def score_flops(self, seq_len: int) -> float:
-        return 4.0 * self.cfg.num_heads * self.cfg.head_dim * seq_len
+        """QK^T and AV over the keys each layer sees: `seq_len`, or on a sliding-window layer
+        min(sliding_window, seq_len) (GPT-OSS: 128 on every other layer), averaged over the
+        layers (the counts multiply this by the layer count)."""
+        keys = self._keys(seq_len)
+        return 4.0 * self.cfg.num_heads * self.cfg.head_dim * sum(keys) / len(keys)
+
+    def masked_score_flops(self, seq_len: int) -> float:
+        """The einsum kernel computes every score and masks those outside the window."""
+        return 4.0 * self.cfg.num_heads * self.cfg.head_dim * seq_len - self.score_flops(seq_len)
+
+    def _keys(self, seq_len: int) -> list[int]:
+        """Keys a query sees on each layer (PaLM's convention: no causal saving)."""
+        window = self.cfg.sliding_window or 0
+        local = self.cfg.local_layers or (False,)
+        return [min(window, seq_len) if window and is_local else seq_len for is_local in local]
 
     def activation_widths(self) -> dict[str, int]:
         c = self.cfg

@@ -96,6 +96,10 @@ class LlamaConfig:
     moe: MoEConfig = MoEConfig()
     # Multi-head latent attention's widths (`attention_kind=latent`): attention/latent.py.
     mla: MLAConfig = MLAConfig()
+    # DeepSeek-V3's multi-token prediction (`mtp.py`): 1 adds the MTP module (training only),
+    # its cross entropy weighted by mtp_loss_weight in the loss; 0: none.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
 
     @classmethod
     def from_config(cls, model_cfg: Mapping[str, Any]) -> "LlamaConfig":
@@ -143,7 +147,9 @@ class LlamaConfig:
         ffn = self.moe_layers * moe_params(self.moe, e, f) + (l - self.moe_layers) * 3 * e * f
         per_layer = attention_of(self).num_params() + (2 + 2 * self.post_norms) * e
         head = 0 if self.tie_embeddings else e * self.vocab_size
-        return self.vocab_size * e + l * per_layer + ffn + e + head
+        mtp = self.mtp_depth * (3 * e + 2 * e * e + per_layer + (
+            moe_params(self.moe, e, f) if self.moe.num_experts else 3 * e * f))
+        return self.vocab_size * e + l * per_layer + ffn + e + head + mtp
 
 
 def check_config(m: Mapping[str, Any], seq_len: int,
@@ -171,6 +177,7 @@ def check_config(m: Mapping[str, Any], seq_len: int,
             f"data.seq_len ({seq_len}): the LM head and loss run over the sequence in that many",
             "chunks (1: all at once; 4-16 cut the float32 logits' memory that many times).")
     check_moe(m)
+    check_mtp(m)
 
 
 def check_mesh(m: Mapping[str, Any], mesh_cfg: Mapping[str, Any], seq_len: int,
@@ -179,6 +186,7 @@ def check_mesh(m: Mapping[str, Any], mesh_cfg: Mapping[str, Any], seq_len: int,
     sequence shards (`mesh.context`), the experts over `mesh.expert` and the pipeline stages."""
     check_context(mesh_cfg, m, seq_len)
     check_moe(m, mesh_cfg, repeats)
+    check_mtp(m, mesh_cfg)
 
 
 def check_sliding_window(m: Mapping[str, Any]) -> None:
@@ -226,3 +234,33 @@ def check_layer_pattern(m: Mapping[str, Any]) -> None:
             "global layers, Gemma's pattern): the layers are scanned, so each layer's window is",
             "a traced value, and that kernel needs a static window. Use model.attention=einsum",
             "(or splash on TPUs)."))
+
+
+def check_mtp(m: Mapping[str, Any], mesh: Mapping[str, Any] | None = None) -> None:
+    """`model.mtp_depth` / `model.mtp_loss_weight` (ConfigError paragraphs); with `config.mesh`,
+    the meshes whose schedules the MTP loss does not run in yet."""
+    depth, weight = m.get("mtp_depth", 0), m.get("mtp_loss_weight", 0.3)
+    if depth not in (0, 1) or isinstance(depth, bool):
+        raise ConfigError(paragraph(
+            f"model.mtp_depth={depth!r} must be 0 (no multi-token prediction) or 1 (DeepSeek-V3's",
+            "one MTP module, predicting the token after next): deeper chains are not built."))
+    if not (isinstance(weight, (int, float)) and 0 <= weight < float("inf")):
+        raise ConfigError(paragraph(
+            f"model.mtp_loss_weight={weight!r} must be a finite number >= 0: the MTP cross",
+            "entropy's weight in the training loss (DeepSeek-V3: 0.3 for the first 10T tokens,",
+            "then 0.1)."))
+    if depth and len(set(m.get("layer_types") or ())) > 1:
+        raise ConfigError(paragraph(
+            "model.mtp_depth=1 with a mixed model.layer_types pattern: the MTP block is one",
+            "layer of neither kind. Use multi-token prediction on a model whose layers are alike",
+            "(DeepSeek-V3's), or model.mtp_depth=0."))
+    if not depth or mesh is None:
+        return
+    stages = mesh.get("pipeline", 1) * mesh.get("dcn_pipeline", 1)
+    context = mesh.get("context", 1) * mesh.get("dcn_context", 1)
+    if stages > 1 or context > 1:
+        raise ConfigError(paragraph(
+            f"model.mtp_depth=1 with mesh.pipeline x dcn_pipeline={stages} and mesh.context x",
+            f"dcn_context={context}: the MTP module runs after the last layer on whole,",
+            "naturally ordered sequences, which pipeline schedules and sequence shards do not",
+            "give it yet. Use data, fsdp, expert and tensor axes, or model.mtp_depth=0."))

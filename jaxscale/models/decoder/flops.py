@@ -19,7 +19,10 @@ all three routed-expert matmuls (the combine's backward needs the experts' outpu
 shared experts' gate/up as the dense MLP (`_experts_recompute` for the other policies); the
 capacity path computes every slot of its expert buffers, empty or not
 (`padding_flops_per_token`). With MoE on every n-th layer only (`model.moe.every`), each count
-is the MoE layers' plus the dense layers' (`_by_layer_kind`).
+is the MoE layers' plus the dense layers' (`_by_layer_kind`). Sliding-window layers (Mistral,
+Gemma's and GPT-OSS's local layers) count the keys their window lets a query see; the scores a
+masking kernel computes outside it are padding (`_masked_scores`). A multi-token-prediction
+module counts as one more block plus its projection and head pass (`_with_mtp`).
 """
 
 from __future__ import annotations
@@ -57,11 +60,32 @@ def _by_layer_kind(count: Count) -> Count:
     return mixed
 
 
+def _with_mtp(extra: Callable[[Mapping[str, Any], int], float]) -> Callable[[Count], Count]:
+    """`count` of a model with a multi-token-prediction module (`model.mtp_depth=1`,
+    `mtp.py`): the main model's plus one more layer of the model's MoE kind (its block: every
+    count is affine in num_layers, so a one-layer model's less a zero-layer model's) plus
+    `extra(m, seq_len)`, what the module has beyond a block (its 2E x E projection and its pass
+    through the LM head)."""
+    def wrap(count: Count) -> Count:
+        @functools.wraps(count)
+        def with_module(m: Mapping[str, Any], seq_len: int, **kw: Any) -> float:
+            main = {**dict(m), "mtp_depth": 0}
+            if not m.get("mtp_depth"):
+                return count(main, seq_len, **kw)
+            moe = {**dict(m.get("moe") or {}), "first_k_dense_replace": 0, "every": 1}
+            block = {**main, "num_layers": 1, "layer_types": (), "moe": moe}
+            return (count(main, seq_len, **kw) + count(block, seq_len, **kw)
+                    - count({**block, "num_layers": 0}, seq_len, **kw) + extra(m, seq_len))
+        return with_module
+    return wrap
+
+
 def _attention(m: Mapping[str, Any], config_cls: type[LlamaConfig]) -> AttentionKind:
     """The attention component of a `config.model` section, with the family's defaults."""
     return attention_of(config_cls.from_config(m))
 
 
+@_with_mtp(lambda m, t: 6.0 * m["embed"] * (2 * m["embed"] + m["vocab_size"]))
 @_by_layer_kind
 def flops_per_token(m: Mapping[str, Any], seq_len: int,
                     config_cls: type[LlamaConfig] = LlamaConfig) -> float:
@@ -72,7 +96,8 @@ def flops_per_token(m: Mapping[str, Any], seq_len: int,
     matrices, an MoE layer's router and active experts, and the output projection onto the
     vocabulary; embedding lookups and norms are excluded), L layers, and A the attention's own
     forward FLOPs per token and layer (QK^T and AV: 4·H·Q·T for H query heads of head_dim Q over
-    T positions, so the familiar 12·L·H·Q·T). The factor 6 is 2 (multiply-add) × 3 (forward +
+    T positions, so the familiar 12·L·H·Q·T; a sliding-window layer's T is its window when
+    shorter: `score_flops`). The factor 6 is 2 (multiply-add) × 3 (forward +
     two backward matmuls); attention counts QK^T and AV without exploiting the causal mask, as
     PaLM and MaxText do, so numbers are comparable. An MoE layer counts its active parameters
     (`moe.active_mlp`: the routed and shared experts a token passes through, and the router),
@@ -88,6 +113,7 @@ def _remat(m: Mapping[str, Any]) -> str:
     return m.get("remat", "none")
 
 
+@_with_mtp(lambda m, t: 2.0 * m["embed"] * m["vocab_size"] * (m.get("loss_chunks", 1) > 1))
 @_by_layer_kind
 def recompute_flops_per_token(m: Mapping[str, Any], seq_len: int,
                               config_cls: type[LlamaConfig] = LlamaConfig) -> float:
@@ -139,6 +165,7 @@ def _mlp_widths(m: Mapping[str, Any]) -> tuple[int, int]:
     return width * moe.shared_experts, width * moe.experts_per_token
 
 
+@_with_mtp(lambda m, t: 0.0)
 @_by_layer_kind
 def padding_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
     """Matmul FLOPs per token an MoE capacity path (`model.moe.capacity_factor > 0`) spends on
@@ -146,15 +173,27 @@ def padding_flops_per_token(m: Mapping[str, Any], seq_len: int) -> float:
     C = moe.capacity(capacity_factor, T x k, X), and the expert matmuls run over all X x C of
     them, so (X·C / (T·k) - 1) times the routed experts' training FLOPs (6 per parameter per
     token, and their forward again where `remat=full` recomputes it). 0 when dropless or
-    dense."""
+    dense. Plus, with a sliding window and a kernel that masks rather than skips (einsum, the
+    fused kernel), the scores outside the window (`_masked_scores`)."""
     moe = MoEConfig.from_config(m.get("moe"))
     if not moe.num_experts or moe.capacity_factor <= 0:
-        return 0.0
+        return _masked_scores(m, seq_len)
     k, x = moe.experts_per_token, moe.num_experts
     ratio = x * capacity(moe.capacity_factor, seq_len * k, x) / (seq_len * k)
     per_matmul = 2.0 * m["embed"] * _mlp_widths(m)[1]  # forward, the routed experts, a token
     passes = 3 + (_remat(m) not in ("none", "dots"))  # forward + two backward (+ recompute)
-    return m["num_layers"] * (ratio - 1.0) * 3 * per_matmul * passes
+    return m["num_layers"] * (ratio - 1.0) * 3 * per_matmul * passes + _masked_scores(m, seq_len)
+
+
+def _masked_scores(m: Mapping[str, Any], seq_len: int) -> float:
+    """The attention FLOPs per token the model count leaves out because a sliding window
+    hides them, but a kernel that masks scores computes anyway (all but splash, whose
+    local mask skips the hidden tiles): forward, two backward, and the recompute."""
+    if m.get("attention", "einsum") == "splash":
+        return 0.0
+    passes = 3.0 + _recomputes_attention(m)
+    return passes * m["num_layers"] * attention_of(LlamaConfig.from_config(m)) \
+        .masked_score_flops(seq_len)
 
 
 def _named_recompute(m: Mapping[str, Any], attn: AttentionKind) -> float | None:
@@ -178,6 +217,7 @@ def _recomputes_attention(m: Mapping[str, Any]) -> bool:
     return _remat(m) in ("full", "dots_no_batch") or _remat(m) in NAMED_POLICIES
 
 
+@_with_mtp(lambda m, t: 0.0)
 def attention_flops_per_token(m: Mapping[str, Any], seq_len: int,
                               config_cls: type[LlamaConfig] = LlamaConfig) -> float:
     """Attention matmul FLOPs per token of a step (what a fused attention kernel computes out of

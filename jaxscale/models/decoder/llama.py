@@ -23,6 +23,7 @@ from flax import nnx
 from jaxscale.models.attention.kinds import attention_of
 from jaxscale.models.decoder.block import dense_first, dense_stack, layer_stack
 from jaxscale.models.decoder.config import LlamaConfig
+from jaxscale.models.decoder.mtp import MTP
 from jaxscale.models.nn.layers import RMSNorm, param
 from jaxscale.models.nn.scan import check_remat, scan_layers
 from jaxscale.models.nn.shard_sums import batch_shards, take_rows_sum_shards
@@ -45,6 +46,8 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"),
                                  fan_in=cfg.embed, dtype=policy.param)
+        if cfg.mtp_depth:  # multi-token prediction: the training loss alone calls it
+            self.mtp = MTP(cfg, policy, rngs)
 
     def embed(self, tokens_BT: jax.Array) -> jax.Array:
         table_VE, compute = self.embedding[...], self.policy.compute
@@ -65,12 +68,14 @@ class Llama(nnx.Module):
             return self.embedding[...].astype(dtype).T
         return self.lm_head[...].astype(dtype)
 
-    def head(self, h_BTE: jax.Array, w_EV: jax.Array | None = None) -> jax.Array:
-        """Logits (B, T, V) of the last layer's output; `w_EV` replaces `head_weight()`.
+    def head(self, h_BTE: jax.Array, w_EV: jax.Array | None = None,
+             norm: RMSNorm | None = None) -> jax.Array:
+        """Logits (B, T, V) of the last layer's output; `w_EV` replaces `head_weight()`,
+        `norm` the final norm (the MTP module's own, `mtp_hidden`).
 
         Also (S, b, T, E) rows with an (S, E, V) weight: one weight copy per batch shard, the
         form in which a loss-chunk scan accumulates the head's gradient without collectives."""
-        h_BTE = self.final_norm(h_BTE).astype(self.policy.dtype_for("logits"))
+        h_BTE = (norm or self.final_norm)(h_BTE).astype(self.policy.dtype_for("logits"))
         w_EV = self.head_weight() if w_EV is None else w_EV
         if w_EV.ndim == 3:
             logits = jnp.einsum("sbte,sev->sbtv", h_BTE, w_EV)
@@ -135,6 +140,13 @@ class Llama(nnx.Module):
                                segments_BT=segments_BT)
         packed = {} if segments_BT is None else {"segments_BT": segments_BT}
         return run_layers(self.layers, h_BTE, positions_BT, **packed)
+
+
+def mtp_hidden(model: Llama, h_BTE: jax.Array, next_BT: jax.Array, positions_BT: jax.Array,
+               segments_BT: jax.Array | None = None) -> jax.Array:
+    """The MTP module's output (before its final norm) from the main model's last-layer
+    output `h_BTE` and the next tokens `next_BT` (the main targets): `mtp.MTP`."""
+    return model.mtp(model.final_norm(h_BTE), model.embed(next_BT), positions_BT, segments_BT)
 
 
 def head_scope(run_layers: LayerRunner | None) -> contextlib.AbstractContextManager:

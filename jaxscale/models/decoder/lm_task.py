@@ -21,7 +21,8 @@ import optax
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.attention.sequence import context
-from jaxscale.models.decoder.llama import Llama, head_scope
+from jaxscale.models.decoder import mtp
+from jaxscale.models.decoder.llama import Llama, head_scope, mtp_hidden
 from jaxscale.models.moe.routers import router_loss, router_objective
 from jaxscale.models.nn.shard_sums import shard_copies
 from jaxscale.models.runner import LayerRunner
@@ -90,8 +91,10 @@ def _reduced_bwd(_: None, g: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ja
 _reduced_before_layers.defvjp(_reduced_fwd, _reduced_bwd)
 
 
-def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Per-position losses (B, T) of the head on the last layer's output `h_BTE`.
+def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array,
+                norm: Any = None) -> jax.Array:
+    """Per-position losses (B, T) of the head on the last layer's output `h_BTE` (normed by
+    `norm` in place of the final norm: the MTP module's).
 
     With n = `loss_chunks_for(...)` > 1 the positions are split into n chunks, chunk k holding
     positions k, k+n, k+2n, ... (strided, so a sharded `length` stays sharded within a chunk),
@@ -112,9 +115,9 @@ def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Ar
     S = shard_counts((B,), "batch")[0]
     if n == 1:
         if not _narrow_sum(model, S):
-            return token_losses(model.head(h_BTE), targets_BT)
+            return token_losses(model.head(h_BTE, norm=norm), targets_BT)
         w_SEV = _head_copies(model, model.head_weight(), S)
-        logits_SbTV = model.head(h_BTE.reshape(S, B // S, T, E), w_SEV)
+        logits_SbTV = model.head(h_BTE.reshape(S, B // S, T, E), w_SEV, norm)
         return token_losses(logits_SbTV, targets_BT.reshape(S, B // S, T)).reshape(B, T)
     if T % n:
         raise ConfigError(paragraph(
@@ -129,7 +132,7 @@ def head_losses(model: Llama, h_BTE: jax.Array, targets_BT: jax.Array) -> jax.Ar
     @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     def chunk(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
         h_SbCE, targets_SbC = xs
-        return None, token_losses(model.head(h_SbCE, w_SEV), targets_SbC)
+        return None, token_losses(model.head(h_SbCE, w_SEV, norm), targets_SbC)
 
     _, losses_nSbC = jax.lax.scan(chunk, None, (h_nSbCE, to_chunks(targets_BT)))
     return jnp.moveaxis(losses_nSbC, 0, -1).reshape(B, T)
@@ -162,8 +165,14 @@ def lm_loss(model: Llama, batch: Mapping[str, jax.Array],
     Packed rows (`segment_ids`, `positions`) count only targets inside the same document, and
     rows with a `loss_mask` (B, T+1) only the targets it marks (chat: the assistant's tokens):
     the loss is the mean over the counted targets. MoE layers add their router losses
-    (`moe.router_loss`, which records the moe_* metrics)."""
-    return _next_token_loss(model, batch, run_layers) + router_loss(model, model.cfg.moe)
+    (`moe.router_loss`, which records the moe_* metrics), and an MTP module (`mtp.py`)
+    mtp_loss_weight x its loss (recorded as `mtp_loss`)."""
+    loss, mtp_loss = _next_token_loss(model, batch, run_layers)
+    loss = loss + router_loss(model, model.cfg.moe)  # pops every sown value: record after
+    if mtp_loss is None:
+        return loss
+    mtp.record(model, mtp_loss)
+    return loss + model.cfg.mtp_loss_weight * mtp_loss
 
 
 def _training_order(model: Llama, length: int) -> Any:
@@ -180,15 +189,23 @@ def is_masked(batch: Mapping[str, jax.Array]) -> bool:
 
 
 def _next_token_loss(model: Llama, batch: Mapping[str, jax.Array],
-                     run_layers: LayerRunner | None = None) -> jax.Array:
+                     run_layers: LayerRunner | None = None
+                     ) -> tuple[jax.Array, jax.Array | None]:
+    """(the next-token loss, the MTP module's loss or None without one)."""
     tokens_BT1 = constrain(batch["tokens"], "batch", "length")
     order = _training_order(model, tokens_BT1.shape[1] - 1)
+    if model.cfg.mtp_depth:  # pipelines and sequence shards refused (config.check_mtp)
+        rows = _rows(batch)
+        h_BTE = model.hidden(rows.inputs_BT, rows.positions_BT, None, rows.segments_BT)
+        count = _target_count(batch, rows.counted_BT)
+        losses_BT = head_losses(model, h_BTE, rows.targets_BT)
+        return (losses_BT * rows.counted_BT).sum() / count, _mtp_loss(model, h_BTE, rows, count)
     with context.sequence_order(order):
         if is_masked(batch):
             if run_layers is not None and run_layers.fuses_loss:
-                return _fused_masked_loss(model, batch, run_layers, order)
+                return _fused_masked_loss(model, batch, run_layers, order), None
             losses_BT, mask_BT = masked_losses(model, batch, run_layers, order)
-            return (losses_BT * mask_BT).sum() / _target_count(batch, mask_BT)
+            return (losses_BT * mask_BT).sum() / _target_count(batch, mask_BT), None
         inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
         positions_BT = jnp.broadcast_to(jnp.arange(inputs_BT.shape[1]), inputs_BT.shape)
         if order is not None:
@@ -197,10 +214,19 @@ def _next_token_loss(model: Llama, batch: Mapping[str, jax.Array],
         if run_layers is not None and run_layers.fuses_loss:
             return run_layers.fused_loss(model, inputs_BT, targets_BT, mean_head_loss,
                                          positions_BT if order is not None else None,
-                                         sown_loss=_router_objective(model))
+                                         sown_loss=_router_objective(model)), None
         h_BTE = model.hidden(inputs_BT, positions_BT, run_layers)
         with head_scope(run_layers):
-            return mean_head_loss(model, h_BTE, targets_BT)
+            return mean_head_loss(model, h_BTE, targets_BT), None
+
+
+def _mtp_loss(model: Llama, h_BTE: jax.Array, rows: "_Rows", count: jax.Array) -> jax.Array:
+    """The MTP module's summed cross entropy of its counted t+2 targets over `count`, the main
+    loss's target count (`mtp.py`)."""
+    targets_BT, counted_BT = mtp.mtp_targets(rows.targets_BT, rows.counted_BT, rows.segments_BT)
+    x_BTE = mtp_hidden(model, h_BTE, rows.targets_BT, rows.positions_BT, rows.segments_BT)
+    losses_BT = head_losses(model, x_BTE, targets_BT, norm=model.mtp.final_norm)
+    return (losses_BT * counted_BT).sum() / count
 
 
 def _permuted(x_BT: jax.Array | None, order: Any) -> jax.Array | None:

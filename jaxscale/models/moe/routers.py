@@ -4,9 +4,10 @@ router's statistics and losses.
 Every router starts from the same float32 logits (x @ router) and returns each token's top-k
 expert ids and their combine weights, plus the per-expert probabilities the Switch load-balancing
 loss averages; what differs between families is the choice: softmax then top-k (Mixtral,
-Qwen3-MoE), top k of the logits then a softmax over those k (GPT-OSS), or DeepSeek-V3's sigmoid
-scores with group-limited top-k (`sigmoid_group`). A new router is one function and one line in
-`ROUTERS`.
+Qwen3-MoE), top k of the logits then a softmax over those k (GPT-OSS), DeepSeek-V3's sigmoid
+scores with group-limited top-k (`sigmoid_group`), or DeepSeek-V2's softmax with group-limited
+top-k (`softmax_group`). Every router's combine weights are scaled by
+`routed_scaling_factor` (`route`). A new router is one function and one line in `ROUTERS`.
 
 Auxiliary-loss-free balancing (DeepSeek-V3, `sigmoid_group`): a per-expert bias is added to the
 scores for the choice only (the combine weights are the unbiased scores). It is not trained: the
@@ -34,6 +35,8 @@ from flax import nnx
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.moe.config import BIASED_ROUTERS, MoEConfig
 
+# The routers that limit a token's choice to its best groups of experts (`model.moe.n_group`).
+GROUPED_ROUTERS = ("sigmoid_group", "softmax_group")
 # The per-call router statistics, in the order of the sown vector (all float32 scalars):
 # aux: Switch load-balancing loss E * sum_e f_e * P_e (f_e: share of the token-expert
 #   assignments routed to e, P_e: mean router probability of e); 1.0 when perfectly balanced.
@@ -86,35 +89,59 @@ def sigmoid_group(logits_NX: jax.Array, moe: MoEConfig, balance_X: jax.Array | N
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """DeepSeek-V3: sigmoid scores; the experts in `n_group` groups, each group scored by the
     sum of its two best biased scores, a token choosing its top k among the experts of its
-    `topk_group` best groups (the others' never chosen); the
-    weights are the chosen experts' unbiased scores, renormalised with `norm_topk_prob`, times
-    `routed_scaling_factor`. Why groups: with the groups on different devices, a token's
+    `topk_group` best groups (the others' never chosen); the weights are the chosen experts'
+    unbiased scores, renormalised with `norm_topk_prob` (times `routed_scaling_factor`, as
+    every router's: `route`). Why groups: with the groups on different devices, a token's
     experts live on at most topk_group of them, which bounds the all-to-all."""
     scores_NX = jax.nn.sigmoid(logits_NX)
     choice_NX = scores_NX
     if balance_X is not None:
         choice_NX = scores_NX + balance_X.astype(jnp.float32).reshape(
             (1,) * (scores_NX.ndim - 1) + balance_X.shape)
-    if moe.n_group > 1:
-        *lead, x = choice_NX.shape
-        grouped_NGY = choice_NX.reshape(*lead, moe.n_group, x // moe.n_group)
-        group_NG = jnp.sum(jax.lax.top_k(grouped_NGY, 2)[0], axis=-1)
-        _, best_NJ = jax.lax.top_k(group_NG, moe.topk_group)
-        keep_NG = jnp.sum(jax.nn.one_hot(best_NJ, moe.n_group, dtype=jnp.bool_), axis=-2)
-        keep_NX = jnp.repeat(keep_NG, x // moe.n_group, axis=-1)
-        choice_NX = jnp.where(keep_NX, choice_NX, -jnp.inf)
+    if moe.n_group > 1:  # a group scored by the sum of its two best
+        choice_NX = _best_groups(choice_NX, moe, lambda g: jnp.sum(jax.lax.top_k(g, 2)[0], -1))
     _, experts_NK = jax.lax.top_k(choice_NX, moe.experts_per_token)
     weights_NK = jnp.take_along_axis(scores_NX, experts_NK, axis=-1)
     if moe.norm_topk_prob:
         weights_NK = weights_NK / (jnp.sum(weights_NK, axis=-1, keepdims=True) + 1e-20)
     probs_NX = scores_NX / jnp.sum(scores_NX, axis=-1, keepdims=True)
-    return weights_NK * moe.routed_scaling_factor, experts_NK, probs_NX
+    return weights_NK, experts_NK, probs_NX
+
+
+def softmax_group(logits_NX: jax.Array, moe: MoEConfig, balance_X: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """DeepSeek-V2's `group_limited_greedy`: softmax over all experts; the experts in `n_group`
+    groups, each scored by its best expert, a token choosing its top k among the experts of
+    its `topk_group` best groups; the weights are those softmax probabilities (renormalised
+    with `norm_topk_prob`). With n_group 1 it is `softmax_topk` (V2's `greedy`)."""
+    probs_NX = jax.nn.softmax(logits_NX, axis=-1)
+    choice_NX = probs_NX
+    if moe.n_group > 1:
+        choice_NX = _best_groups(probs_NX, moe, lambda g: jnp.max(g, axis=-1))
+    _, experts_NK = jax.lax.top_k(choice_NX, moe.experts_per_token)
+    weights_NK = jnp.take_along_axis(probs_NX, experts_NK, axis=-1)
+    if moe.norm_topk_prob:
+        weights_NK = weights_NK / jnp.sum(weights_NK, axis=-1, keepdims=True)
+    return weights_NK, experts_NK, probs_NX
+
+
+def _best_groups(choice_NX: jax.Array, moe: MoEConfig,
+                 score: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """`choice_NX` with the experts outside each token's `topk_group` best of `n_group` groups
+    (each scored by `score` over its experts' choice values) set to -inf."""
+    *lead, x = choice_NX.shape
+    group_NG = score(choice_NX.reshape(*lead, moe.n_group, x // moe.n_group))
+    _, best_NJ = jax.lax.top_k(group_NG, moe.topk_group)
+    keep_NG = jnp.sum(jax.nn.one_hot(best_NJ, moe.n_group, dtype=jnp.bool_), axis=-2)
+    keep_NX = jnp.repeat(keep_NG, x // moe.n_group, axis=-1)
+    return jnp.where(keep_NX, choice_NX, -jnp.inf)
 
 
 ROUTERS: dict[str, Router] = {
     "softmax_topk": Router(softmax_topk),
     "topk_softmax": Router(topk_softmax),  # GPT-OSS
     "sigmoid_group": Router(sigmoid_group),  # DeepSeek-V3; keeps a bias (BIASED_ROUTERS)
+    "softmax_group": Router(softmax_group),  # DeepSeek-V2's group_limited_greedy
 }
 
 
@@ -131,11 +158,12 @@ def check_router(moe: MoEConfig, num_layers: int) -> None:
             "groups of at least two (a group is scored by its two best experts), topk_group be",
             "between 1 and n_group, and the chosen groups hold at least experts_per_token",
             "experts (DeepSeek-V3: 256 experts, n_group 8, topk_group 4, 8 per token)."))
-    if g > 1 and moe.router not in BIASED_ROUTERS:
+    if g > 1 and moe.router not in GROUPED_ROUTERS:
         raise ConfigError(paragraph(
             f"model.moe.n_group={g} limits the choice to groups only in the",
-            f"{', '.join(BIASED_ROUTERS)} router, not {moe.router!r}: set",
-            "model.moe.router=sigmoid_group (DeepSeek-V3's) or n_group=1."))
+            f"{', '.join(GROUPED_ROUTERS)} routers, not {moe.router!r}: set",
+            "model.moe.router=sigmoid_group (DeepSeek-V3's), softmax_group (DeepSeek-V2's) or",
+            "n_group=1."))
     if moe.routed_scaling_factor <= 0 or moe.bias_update_rate < 0 or (
             moe.bias_update_rate and moe.router not in BIASED_ROUTERS):
         raise ConfigError(paragraph(
@@ -171,6 +199,8 @@ def route(x_NE: jax.Array, router_EX: jax.Array, moe: MoEConfig,
         logits_NX = logits_NX + bias_X.astype(jnp.float32).reshape(
             (1,) * (logits_NX.ndim - 1) + (-1,))
     weights_NK, experts_NK, probs_NX = ROUTERS[moe.router].choose(logits_NX, moe, balance_X)
+    if moe.routed_scaling_factor != 1.0:  # DeepSeek's: the combine weights scaled
+        weights_NK = weights_NK * moe.routed_scaling_factor
     leading = tuple(range(probs_NX.ndim - 1))
     counts_X = jnp.sum(jax.nn.one_hot(experts_NK, n, dtype=jnp.float32), axis=(*leading, -2))
     share_X = counts_X / experts_NK.size                 # f_e: share of the assignments
