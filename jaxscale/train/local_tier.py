@@ -16,11 +16,11 @@ of them (`agreed_steps`: an all-gather of each process's step list). Orbax write
 temporary directory and renames it when complete, so a step cut short by a kill is never
 listed, hence never chosen; `local_keep` old steps are kept, older ones deleted by orbax.
 
-A host whose tier is empty (replaced) makes the common step absent, and the run restores the
-persistent tier; so does a local restore that fails on any process (another mesh: the shards a
-process holds are not the ones it needs), agreed by all processes so that they restore the same
-step. Fetching a replaced host's shards from its peers is not done: the persistent tier is the
-fallback.
+A host whose tier is empty (replaced), or lacks the newest step, gets that step from the peers
+that hold it where the layout allows (`local_peers`: the state replicated along a mesh axis
+with a whole replica on those peers); otherwise the run takes an older step or the persistent
+tier, as it does when a local restore fails on any process (another mesh: the shards a process
+holds are not the ones it needs), agreed by all processes so that they restore the same step.
 """
 
 from __future__ import annotations
@@ -115,15 +115,18 @@ class LocalTier:
         """The complete steps in this process's tier (orbax lists no half-written one)."""
         return sorted(self.manager.all_steps())
 
-    def agreed_steps(self) -> list[int]:
-        """The steps complete on every process's local tier, newest first (the same list on
-        every process: each takes part in the same restores, in the same order)."""
+    def held_steps(self) -> dict[int, set[int]]:
+        """Each step complete on some process's local tier, with the processes that hold it
+        (the same on every process: each takes part in the same restores, in the same
+        order)."""
         mine = np.full(MAX_AGREED, -1, np.int64)
         newest = self.steps()[-MAX_AGREED:]
         mine[:len(newest)] = newest
-        rows = _all_gather(mine)
-        common = set.intersection(*({int(s) for s in row if s >= 0} for row in rows))
-        return sorted(common, reverse=True)
+        held: dict[int, set[int]] = {}
+        for process, row in enumerate(_all_gather(mine)):
+            for step in row[row >= 0]:
+                held.setdefault(int(step), set()).add(process)
+        return held
 
     def save(self, step: int, state: TrainState, data_state: dict | None) -> None:
         """Starts saving `step` (the whole state, with this process's data position); its
@@ -134,15 +137,18 @@ class LocalTier:
         self.manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave(meta)))
 
-    def restore(self, step: int, state: TrainState,
-                shardings: TrainState) -> tuple[TrainState, dict | None]:
-        """`step` from this process's tier onto the run's shardings; raises if this process's
-        files do not hold what it needs (the caller agrees with the others on falling back)."""
+    def restore(self, step: int, state: TrainState, shardings: TrainState,
+                onto: TrainState | None = None) -> tuple[TrainState, dict | None]:
+        """`step` from this process's tier onto the run's shardings (or `onto`: one replica's,
+        `local_peers`); raises if this process's files do not hold what it needs (the caller
+        agrees with the others on falling back)."""
         from jaxscale.train.checkpoint import _target
         target = _target(state, shardings, adapters_only=False)
         meta = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
         if (meta["data"] or {}).get("layout") != layout_key(jax.tree.leaves(target)):
             raise LayoutChanged(step)
+        if onto is not None:
+            target = _target(state, onto, adapters_only=False)
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
         got = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
@@ -170,33 +176,76 @@ class LocalTier:
         self.manager.close()
 
 
+Restored = tuple[int, TrainState, "dict | None", str]  # step, state, data position, note
+
+
 def restore_newest(tier: LocalTier, persistent_step: int | None, state: TrainState,
-                   shardings: TrainState) -> tuple[tuple[int, TrainState, dict | None] | None,
-                                                   str]:
-    """((step, state, data state), "") from the newest local step that is complete on every
-    process, at least as new as the persistent tier's, and restores on every process (a damaged
-    newest step gives way to the one before it); else (None, why not), and the persistent tier
-    is restored."""
-    steps = tier.agreed_steps()
-    if not steps:
-        n = jax.process_count()
+                   shardings: TrainState) -> tuple[Restored | None, str]:
+    """((step, state, data state, note), "") from the newest local step at least as new as the
+    persistent tier's that restores on every process: from each process's own tier where all
+    hold it, else from the peers that hold it where the layout allows (`local_peers`; the note
+    says which processes got their shards from peers), a damaged newest step giving way to the
+    one before it; else (None, why not), and the persistent tier is restored."""
+    held, n = tier.held_steps(), jax.process_count()
+    if not held:
         return None, ("has no step complete on every process" if n > 1 else "has no step")
-    failed = []
-    for step in steps:
+    failed: list[str] = []
+    missing: list[str] = []
+    for step in sorted(held, reverse=True):
         if persistent_step is not None and step < persistent_step:
             break
+        if len(held[step]) < n:
+            restored, why = _from_peers(tier, step, held[step], state, shardings)
+            if restored is not None:
+                return restored, ""
+            missing.append(f"step {step} is on process {_names(held[step])} only and {why}")
+            continue
         try:
-            restored: Any = tier.restore(step, state, shardings)
+            got: Any = tier.restore(step, state, shardings)
         except Exception:  # any failure here means: try an older step, then the persistent tier
-            restored = None
-        if all_agree(restored is not None):
-            return (step, *restored), ""
+            got = None
+        if all_agree(got is not None):
+            return (step, *got, ""), ""
         failed.append(str(step))
+    if not failed and not missing:
+        return None, f"has only the older step {max(held)}"
     if not failed:
-        return None, f"has only the older step {steps[0]}"
-    return None, (f"could not restore step {', '.join(failed)} on every process (damaged, or "
-                  "saved with another mesh or process count: each host holds only its own "
-                  "shards)")
+        return None, "; ".join(missing)
+    return None, "; ".join([f"could not restore step {', '.join(failed)} on every process "
+                            "(damaged, or saved with another mesh or process count: each host "
+                            "holds only its own shards)", *missing])
+
+
+def _names(processes: set[int]) -> str:
+    return ", ".join(str(p) for p in sorted(processes))
+
+
+def _from_peers(tier: LocalTier, step: int, holders: set[int], state: TrainState,
+                shardings: TrainState) -> tuple[Restored | None, str]:
+    """`step`, which only `holders` hold: one replica of the state read by the processes that
+    hold it and broadcast to all (`local_peers`), with the first reader's data position."""
+    from jaxscale.train import local_peers
+
+    plan, why = local_peers.replica_plan(jax.tree.leaves(shardings), holders)
+    if plan is None:
+        return None, why
+    axis, rid = plan
+    sources = local_peers.source_processes(jax.tree.leaves(shardings)[0].mesh, axis, rid)
+    is_source = jax.process_index() in sources
+    got: Any = None
+    if is_source:
+        try:
+            got = local_peers.read_source(tier, step, state, shardings, axis, rid)
+        except Exception:  # damaged or another layout: the others are told below
+            got = None
+    if not all_agree(got is not None or not is_source):
+        return None, "could not be read there (damaged, or saved with another mesh)"
+    restored, position = got if got is not None else (None, None)
+    new = local_peers.broadcast_state(restored, state, shardings, axis, rid, is_source)
+    position = local_peers.broadcast_position(position, min(sources))
+    others = set(range(jax.process_count())) - holders
+    return (step, new, position or None,
+            f"process {_names(others)} got its shards from its peers' local tiers"), ""
 
 
 class LocalTierHook:

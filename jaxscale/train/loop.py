@@ -259,8 +259,9 @@ def _resume(trainer: Trainer, checkpointer: Any, tier: Any) -> None:
         from jaxscale.train.local_tier import restore_newest
         restored, why = restore_newest(tier, persistent, trainer.state, trainer.shardings)
     if restored is not None:
-        step, trainer.state, trainer.data_state = restored
+        step, trainer.state, trainer.data_state, note = restored
         where, name = f"step {step} of the local tier {tier.directory}", "local"
+        where += f" ({note})" if note else ""
     elif persistent is not None:
         trainer.state, trainer.data_state = checkpointer.restore(trainer.state, trainer.shardings)
         step = int(jax.device_get(trainer.state.step))
