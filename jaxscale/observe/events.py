@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.storage import locations, workdir_files
 
 FILE = "events.jsonl"
@@ -51,13 +52,16 @@ class EventLog:
 
     def _open(self) -> None:
         if self._remote:
-            self._text = workdir_files.read_text(self.path) or ""
+            self._text = _text(self.path)
             if self._text and not self._text.endswith("\n"):
                 self._text += "\n"
             return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        cut = os.path.exists(self.path) and _ends_without_newline(self.path)
-        self._file = open(self.path, "a")
+        try:
+            cut = os.path.exists(self.path) and _ends_without_newline(self.path)
+            self._file = open(self.path, "a")
+        except OSError as e:
+            raise _unusable(self.path, e) from None
         if cut:  # a write cut short by a kill: start on a line of our own
             self._file.write("\n")
 
@@ -114,7 +118,7 @@ def _ends_without_newline(path: str) -> bool:
 def read_events(workdir: str) -> tuple[list[dict], int]:
     """(the events of WORKDIR/events.jsonl, how many lines did not parse: writes cut short by
     a kill); a workdir without the file has none."""
-    text = workdir_files.read_text(locations.join(workdir, FILE)) or ""
+    text = _text(locations.join(workdir, FILE))
     events, bad = [], 0
     for line in text.splitlines():
         if not line.strip():
@@ -129,6 +133,23 @@ def read_events(workdir: str) -> tuple[list[dict], int]:
         else:
             bad += 1
     return events, bad
+
+
+def _text(path: str) -> str:
+    """The event log's text ("" if absent); bytes that are not UTF-8 (a foreign or damaged
+    file) become lines that do not parse, skipped like a write cut short."""
+    try:
+        data = workdir_files.read_bytes(path)
+    except OSError as e:
+        raise _unusable(path, e) from None
+    return (data or b"").decode("utf-8", errors="replace")
+
+
+def _unusable(path: str, e: OSError) -> JaxscaleError:
+    return JaxscaleError(paragraph(
+        f"{path} cannot be used as the run's event log ({e.strerror or e}): it is a",
+        "directory, or not readable and writable. `jaxscale goodput` reads it and every run",
+        "appends to it; move what is there aside and rerun."))
 
 
 def _well_formed(record: Any) -> bool:

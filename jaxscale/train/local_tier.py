@@ -37,6 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
+from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.train.state import TrainState
 
 MAX_AGREED = 64  # the newest steps each process offers to the agreement (a fixed-size gather)
@@ -86,13 +87,56 @@ def all_agree(ok: bool) -> bool:
     return bool(_all_gather(np.array([int(ok)], np.int32)).min())
 
 
+def _check_apart(directory: str, workdir: str) -> None:
+    """The local tier is not the workdir or its persistent checkpoints: two orbax managers in
+    one directory would delete each other's steps (each keeps only its newest few)."""
+    from jaxscale.storage import locations
+    if not workdir or locations.is_remote(workdir):
+        return
+    for place in (workdir, os.path.join(workdir, "checkpoints")):
+        if os.path.realpath(directory) == os.path.realpath(place):
+            raise JaxscaleError(paragraph(
+                f"checkpoint.local_dir resolves to {directory}, the run's own",
+                f"{'workdir' if place == workdir else 'persistent checkpoint directory'}: the",
+                "local tier writes and deletes numbered step directories of its own, which would",
+                "mix with (or delete) the run's. Give it a directory of its own on the host's fast",
+                "disk, e.g. /ssd/tier-{process}."))
+
+
+def _check_not_shared(directory: str) -> None:
+    """Refuses, on every process, a local tier that another process of this run also uses (a
+    `checkpoint.local_dir` without {process} for processes sharing a machine): their steps
+    would overwrite each other's. Each process leaves a marker named after this run's nonce
+    (from process 0) and its index, and looks for the others' after a barrier."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+    nonce = int(multihost_utils.broadcast_one_to_all(
+        np.int32(int.from_bytes(os.urandom(3), "little"))))
+    mine = os.path.join(directory, f".jaxscale-tier-{nonce}-{jax.process_index()}")
+    with open(mine, "w"):
+        pass
+    multihost_utils.sync_global_devices("jaxscale-local-tier-markers")
+    others = [n for n in os.listdir(directory)
+              if n.startswith(f".jaxscale-tier-{nonce}-") and os.path.join(directory, n) != mine]
+    shared = not all_agree(not others)
+    multihost_utils.sync_global_devices("jaxscale-local-tier-checked")
+    os.remove(mine)
+    if shared:
+        raise JaxscaleError(paragraph(
+            f"checkpoint.local_dir: processes of this run share a local tier directory ({directory}",
+            "here): their saves would overwrite each other's. Put {process} in",
+            "checkpoint.local_dir (e.g. /ssd/tier-{process}) so that each process has its own."))
+
+
 class LocalTier:
     """This process's orbax manager of the local tier (see the module docstring)."""
 
-    def __init__(self, template: str, every: int, keep: int):
+    def __init__(self, template: str, every: int, keep: int, workdir: str = ""):
         self.every = every
         logging.getLogger("absl").addFilter(_PerProcessNotes())
         self.directory = local_directory(template)
+        _check_apart(self.directory, workdir)
         pid = jax.process_index()
         multiprocessing = ocp.options.MultiprocessingOptions(
             primary_host=None, active_processes={pid}, barrier_sync_key_prefix=f"local-{pid}")
@@ -107,7 +151,15 @@ class LocalTier:
             max_to_keep=keep, create=False, enable_async_checkpointing=True,
             multiprocessing_options=multiprocessing, save_root_metadata=False,
             enable_per_process_directory_creation=True, enable_background_delete=False)
-        os.makedirs(self.directory, exist_ok=True)  # orbax's create=True refuses a subset
+        try:
+            os.makedirs(self.directory, exist_ok=True)  # orbax's create=True refuses a subset
+            _check_not_shared(self.directory)
+        except OSError as e:
+            raise JaxscaleError(paragraph(
+                f"checkpoint.local_dir: {self.directory} cannot be used as this process's local",
+                f"tier ({e.strerror or e}: {e.filename or self.directory}): a regular file, a",
+                "path below one, a read-only filesystem, or no permission. Give a writable",
+                "directory on the host's own disk (it may contain {process}).")) from None
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers={"state": state, "data": data})
 

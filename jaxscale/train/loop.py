@@ -238,7 +238,7 @@ def _attach_checkpoints(trainer: Trainer) -> None:
     tier = None
     if c.get("local_dir"):
         from jaxscale.train.local_tier import LocalTier, LocalTierHook
-        tier = LocalTier(c.local_dir, c.local_every, c.local_keep)
+        tier = LocalTier(c.local_dir, c.local_every, c.local_keep, trainer.workdir)
         trainer.hooks.append(LocalTierHook(
             tier, Interval(c.local_every, c.get("local_every_minutes", 0.0)),
             trainer.config.train.skip_nonfinite, trainer.events))
