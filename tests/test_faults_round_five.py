@@ -27,8 +27,9 @@ def _one_paragraph(run: subprocess.CompletedProcess, words: str) -> None:
 
 
 def test_generate_stop_ids_outside_the_vocabulary_and_top_k_past_it(tmp_path):
-    """--stop_ids that no token can match are refused; --top_k past the vocabulary keeps every
-    token (as transformers clamps it) instead of a lax.top_k traceback."""
+    """--stop_ids that no token can match are refused, and so is a --num_samples whose KV cache
+    exceeds the free memory; --top_k past the vocabulary keeps every token (as transformers
+    clamps it) instead of a lax.top_k traceback."""
     from configs.tiny_lm import get_config
     from jaxscale.train.loop import train
 
@@ -40,6 +41,8 @@ def test_generate_stop_ids_outside_the_vocabulary_and_top_k_past_it(tmp_path):
     gen = ["generate", f"--workdir={workdir}", "--prompt_ids=1,2", "--steps=2"]
     _one_paragraph(_jaxscale(*gen, "--stop_ids=3,99999"),
                    "--stop_ids holds [99999], outside the model's vocabulary [0, 256)")
+    # a KV cache of ~19 TiB: refused, where the kernel would otherwise SIGKILL the process
+    _one_paragraph(_jaxscale(*gen, f"--num_samples={10**10}"), "need a KV cache of")
     wide, whole = (_jaxscale(*gen, "--temperature=1", f"--top_k={k}") for k in (10**8, 256))
     assert wide.returncode == 0, wide.stderr[-2000:]
     assert wide.stdout == whole.stdout  # top_k >= vocab_size is top-k off

@@ -50,6 +50,7 @@ def main(argv):
     from jaxscale.generate import (
         GenerateError,
         chat_prompt,
+        check_cache_memory,
         check_request,
         generate_from_config,
         load_model,
@@ -75,6 +76,7 @@ def main(argv):
         ids = chat_prompt(_PROMPT.value, config, _WORKDIR.value, _FROM_HF.value)
     else:
         ids = parse_prompt(_PROMPT.value, _PROMPT_IDS.value, config.model.vocab_size, tokenizer)
+    check_cache_memory(config, sampling.n, len(ids) + steps)
     rows = generate_from_config(config, params, np.asarray([ids]), steps, seed=_SEED.value,
                                 sampling=sampling)
     for out in rows:
