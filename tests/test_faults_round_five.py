@@ -85,3 +85,15 @@ def test_two_processes_sharing_one_local_tier_directory_are_refused(tmp_path):
                in text, text[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
     assert os.listdir(tmp_path / "tier") == []  # markers removed, nothing saved
+
+
+def test_an_event_without_the_fields_the_report_reads_is_skipped(tmp_path):
+    """An `exit` without its step (a hand edit, another tool's file): skipped and counted like
+    a line cut short, not a KeyError."""
+    from jaxscale.observe.goodput import goodput
+
+    (tmp_path / "events.jsonl").write_text(
+        '{"event": "start", "time": 1.0}\n{"event": "exit", "time": 5.0, "reason": "end"}\n'
+        '{"event": "progress", "time": 2.0, "step": 3}\n')
+    report = goodput(str(tmp_path))
+    assert report.unreadable_lines == 2 and not report.finished

@@ -157,9 +157,16 @@ def _well_formed(record: Any) -> bool:
     edit or a foreign file is skipped like a cut-short line, not a traceback)."""
     def number(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
-    return (isinstance(record, dict) and isinstance(record.get("event"), str)
-            and number(record.get("time"))
+    if not (isinstance(record, dict) and isinstance(record.get("event"), str)):
+        return False
+    needs = ["time", *_NEEDS.get(record["event"], ())]
+    return (all(number(record.get(k)) for k in needs)
             and all(number(record[k]) for k in ("step", "seconds") if k in record))
+
+
+# The fields beside `time` that the goodput report reads of each event that has them.
+_NEEDS = {"restore": ("step",), "progress": ("step", "seconds"), "save": ("step",),
+          "preempted": ("step",), "exit": ("step",)}
 
 
 class GoodputHook:
