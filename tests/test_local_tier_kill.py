@@ -60,10 +60,12 @@ def _run(workdir: str, local) -> list[str]:
 
 
 def _kill_between_saves(workdir: str, local, persistent_steps) -> tuple[list[int], list[list[int]]]:
-    """Starts the 2-process run and SIGKILLs it once both local tiers hold step 5 or 6: after
-    the persistent save of step 4, before that of 8. (persistent steps, each tier's steps)."""
+    """Starts the 2-process run and SIGKILLs it once both local tiers hold step 5, 6 or 7 and
+    the persistent save of step 4 is committed (on a bucket it may commit after step 5's local
+    save): between the persistent saves of 4 and 8. (persistent steps, each tier's steps)."""
     _kill_when(_run(workdir, local),
-               lambda: all({5, 6} & set(_steps(local / f"local-{p}")) for p in (0, 1)))
+               lambda: all({5, 6, 7} & set(_steps(local / f"local-{p}")) for p in (0, 1))
+               and bool(persistent_steps()))
     persistent = persistent_steps()
     tiers = [_steps(local / f"local-{p}") for p in (0, 1)]
     newest_local = max(tiers[0] + tiers[1])
