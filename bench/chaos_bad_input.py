@@ -21,6 +21,9 @@ def bad_input_files(tmp: str) -> dict[str, str]:
              "tok": os.path.join(d, "tokenizer.json"), "docs": os.path.join(d, "docs.txt"),
              "out": os.path.join(d, "out"), "empty": os.path.join(d, "empty-store")}
     os.makedirs(files["empty"], exist_ok=True)
+    files["evdir"] = os.path.join(d, "events-dir")  # a workdir whose event log is a directory
+    os.makedirs(os.path.join(files["evdir"], "events.jsonl"), exist_ok=True)
+
     with open(files["cfg"], "w") as f:
         f.write("def get_config(arg=None:\n    return None\n")
     for name in ("junk", "tok"):
@@ -45,6 +48,16 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
         ("train", "unknown config field", [tiny, f"--workdir={f['out']}/t", "--config.nope=1"]),
         ("train", "config file with a syntax error", [f"--config={f['cfg']}",
                                                       f"--workdir={f['out']}/t"]),
+        ("train", "checkpoint.local_dir a regular file", [
+            tiny, f"--workdir={f['out']}/t2", f"--config.checkpoint.local_dir={f['docs']}",
+            "--config.checkpoint.local_every=1"]),
+        ("train", "checkpoint.local_dir with a brace field other than {process}", [
+            tiny, f"--workdir={f['out']}/t3", "--config.checkpoint.local_every=1",
+            f"--config.checkpoint.local_dir={f['out']}/tier-{{proc}}"]),
+        ("train", "checkpoint.local_dir the workdir's checkpoints", [
+            tiny, f"--workdir={f['out']}/t4", "--config.checkpoint.local_every=1",
+            f"--config.checkpoint.local_dir={f['out']}/t4/checkpoints"]),
+
         ("evaluate", "missing workdir", [f"--workdir={f['missing']}"]),
         ("evaluate", "corrupt config.json", [f"--workdir={f['workdir']}"]),
         ("evaluate", "bad flag value", [f"--workdir={f['workdir']}", "--max_batches=x"]),
@@ -59,6 +72,11 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
         ("inspect", "unknown config field", [tiny, "--config.model.nope=1"]),
         ("inspect", "config file with a syntax error", [f"--config={f['cfg']}"]),
         ("compile", "bad topology", [tiny, "--topology=v99:1x1"]),
+        ("compile", "--decode_context without --decode_batch", [
+            tiny, "--topology=v5p:2x2x1", "--decode_context=64"]),
+        ("compile", "negative --decode_batch", [tiny, "--topology=v5p:2x2x1", "--decode_batch=-1"]),
+        ("compile", "a decoding cache past HBM", [tiny, "--topology=v5p:2x2x1", "--decode_only",
+                                                  "--decode_batch=1000000000"]),
         ("compile", "unknown config field", [tiny, "--topology=v5p:2x2x1", "--config.nope=1"]),
         ("compile", "config file with a syntax error", [f"--config={f['cfg']}",
                                                         "--topology=v5p:2x2x1"]),
@@ -88,6 +106,20 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
         ("goodput", "missing workdir", [f['missing']]),
         ("goodput", "events.jsonl of garbage and ill-typed events", [f['workdir']]),
         ("goodput", "bad flag value", [f['workdir'], "--json=x"]),
+        ("goodput", "events.jsonl a directory", [f['evdir']]),
+        ("goodput", "no workdir given", []),
+        ("convert", "--to_peft beside --to_hf", [f"--from_workdir={f['workdir']}",
+                                                 f"--to_hf={f['out']}/h2", f"--to_peft={f['out']}/a"]),
+        ("convert", "--to_peft below a regular file", [f"--from_workdir={f['workdir']}",
+                                                        f"--to_peft={f['docs']}/adapter"]),
+        ("lm-eval", "unknown --model_args key", ["--model", "jaxscale", "--model_args", "foo=1",
+                                                 "--tasks", "hellaswag"]),
+        ("lm-eval", "--model_args batch_size not a number", [
+            "--model", "jaxscale", "--model_args", f"workdir={f['workdir']},batch_size=x",
+            "--tasks", "hellaswag"]),
+        ("lm-eval", "--model_args workdir missing", [
+            "--model", "jaxscale", "--model_args", f"workdir={f['missing']}",
+            "--tasks", "hellaswag"]),
     ]
 
 

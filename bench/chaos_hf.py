@@ -1,7 +1,8 @@
 """Hostile Hugging Face directories for `make chaos` (issue 44, faults round four): tiny
 checkpoints written with numpy (no torch), then broken one way each: a config.json that
 undercounts the layers, NaN / inf weights, a wrong-shaped tensor in a later layer or in one
-expert, a non-numeric field, a config.json that is not an object, more experts per token than
+expert (GPT-OSS's fused `gate_up_proj` and its bias, and its MXFP4 `*_blocks` / `*_scales`
+included), a non-numeric field, a config.json that is not an object, more experts per token than
 experts. Each must be one `jaxscale: error:` paragraph naming the file and the tensor or field,
 from `convert`, `hf.load` and `generate --from_hf` alike, with nothing written."""
 
@@ -23,6 +24,10 @@ FAMILIES = {
     "qwen3_moe": dict(MOE, model_type="qwen3_moe", num_experts=4, moe_intermediate_size=8,
                       head_dim=8),
 }
+# GPT-OSS: experts stacked in one tensor per layer, gate and up interleaved in `gate_up_proj`;
+# widths of 32 so that the MXFP4 variant (`*_blocks` / `*_scales`, 32 values a block) fits.
+GPT_OSS = dict(LLAMA, model_type="gpt_oss", hidden_size=32, intermediate_size=32, head_dim=16,
+               num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
 
 
 def tiny_hf(path: str, family: str = "llama") -> str:
@@ -30,10 +35,13 @@ def tiny_hf(path: str, family: str = "llama") -> str:
     from jaxscale.interop import hf
     from jaxscale.weights.tree import unflatten
 
-    hf_cfg = FAMILIES[family]
+    hf_cfg = GPT_OSS if family.startswith("gpt_oss") else FAMILIES[family]
     if family == "llama":
         from jaxscale.interop.hf_config import llama_config_from_hf as from_hf
         model_cfg = from_hf(hf_cfg)
+    elif family.startswith("gpt_oss"):
+        from jaxscale.interop.hf_gpt_oss import gpt_oss_config_from_hf
+        model_cfg = gpt_oss_config_from_hf(hf_cfg)
     else:
         from jaxscale.interop.hf_moe import moe_config_from_hf as from_hf
         model_cfg = from_hf(hf_cfg, name=family)
@@ -41,7 +49,29 @@ def tiny_hf(path: str, family: str = "llama") -> str:
     shapes = hf._model_def(model_cfg).shapes()
     params = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in shapes.items()}
     hf.save((model_cfg, unflatten(params)), path)
+    if family == "gpt_oss_mxfp4":
+        _pack_mxfp4(path, model_cfg["num_layers"])
     return path
+
+
+def _pack_mxfp4(path: str, layers: int) -> None:
+    """The experts' weights stored as the published GPT-OSS checkpoints store them: MXFP4
+    blocks (..., rows, G, 16) and scales (..., rows, G) of each (..., 32 G, rows) tensor."""
+    from safetensors.numpy import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    rng = np.random.default_rng(1)
+    for i in range(layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            *lead, cols, rows = tensors.pop(name).shape
+            tensors[name + "_blocks"] = rng.integers(0, 256, (*lead, rows, cols // 32, 16),
+                                                     dtype=np.uint8)
+            tensors[name + "_scales"] = rng.integers(122, 129, (*lead, rows, cols // 32),
+                                                     dtype=np.uint8)
+    save_file(tensors, file, metadata={"format": "pt"})
+    edit_config(path, _set(quantization_config={"quant_method": "mxfp4"}))
 
 
 def edit_config(path: str, change: Callable[[dict], object]) -> None:
@@ -103,6 +133,18 @@ HOSTILE = [
      lambda cfg: {**{k: v for k, v in cfg.items() if k != "num_local_experts"},
                   "num_experts": 4, "num_experts_per_tok": 5}, None,
      ["num_experts_per_tok", "num_experts=4"]),
+    ("GPT-OSS gate_up_proj (gate and up interleaved) narrower in layer 1", "gpt_oss", None,
+     ("model.layers.1.mlp.experts.gate_up_proj", lambda w: w[..., :-2]),
+     ["model.layers.1.mlp.experts.gate_up_proj", "shape"]),
+    ("GPT-OSS gate_up_proj_bias narrower in layer 1", "gpt_oss", None,
+     ("model.layers.1.mlp.experts.gate_up_proj_bias", lambda w: w[..., :-2]),
+     ["model.layers.1.mlp.experts.gate_up_proj_bias", "shape"]),
+    ("GPT-OSS MXFP4 gate_up_proj_blocks with a row too few", "gpt_oss_mxfp4", None,
+     ("model.layers.1.mlp.experts.gate_up_proj_blocks", lambda w: w[:, :-1]),
+     ["model.layers.1.mlp.experts.gate_up_proj_blocks", "shape"]),
+    ("GPT-OSS MXFP4 down_proj_scales for another width", "gpt_oss_mxfp4", None,
+     ("model.layers.0.mlp.experts.down_proj_scales", lambda w: np.concatenate([w, w], -1)),
+     ["model.layers.0.mlp.experts.down_proj_scales", "shape"]),
 ]
 
 

@@ -313,6 +313,11 @@ def _validate_checkpoint(k: mlc.ConfigDict) -> None:
              f"{minutes}: the local tier needs both a directory and an interval. Set",
              "checkpoint.local_dir to a fast per-host path (it may contain {process}) and",
              "checkpoint.local_every (steps) or local_every_minutes, or none of them.")
+    stray = local.replace("{process}", "")
+    _require("{" not in stray and "}" not in stray,
+             f"checkpoint.local_dir={local!r} holds braces other than {{process}}, the one",
+             "field replaced (by the process index, e.g. /ssd/tier-{process}); others would name",
+             "a directory literally. Spell it {process} or remove the braces.")
     _require("://" not in local,
              f"checkpoint.local_dir={local!r} is a URL: the local tier is a path on each host's",
              "own disk (local SSD or RAM disk); persistent checkpoints go to the workdir, which",

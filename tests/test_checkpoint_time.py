@@ -76,3 +76,32 @@ def test_a_bad_interval_is_one_paragraph(minutes):
     with pytest.raises(ConfigError, match="checkpoint.every_minutes=") as e:
         config_lib.validate(c)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_two_processes_with_skewed_clocks_save_at_the_same_steps(tmp_path):
+    """2 processes x 4 devices whose clocks run at 1 and 5 minutes per step: every time-based
+    save, persistent and local, happens at the steps process 0's clock decides, on both
+    processes (decided collectively: process 1 alone would save at every step, and a
+    persistent save that one host starts alone would hang the collective write)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    local = tmp_path / "local-{process}"
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.local_multihost", "--num_processes=2",
+         "--devices_per_process=4", "--module=tests.skewed_clocks", "--",
+         "--config=configs/tiny_lm.py:test", "--config.train.steps=8",
+         "--config.train.eval_every=0", "--config.checkpoint.every=0",
+         "--config.checkpoint.every_minutes=2.5", "--config.checkpoint.keep=10",
+         f"--config.checkpoint.local_dir={local}", "--config.checkpoint.local_every=0",
+         "--config.checkpoint.local_every_minutes=1.5", "--config.checkpoint.local_keep=10",
+         f"--workdir={tmp_path / 'run'}"],
+        cwd=root, env={**os.environ, "XLA_FLAGS": "", "PYTHONPATH": root},
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert _steps(tmp_path / "run") == [4, 7, 8]  # as on one process (the test above)
+    for p in (0, 1):  # process 0's minute 2, 4, 6: steps 3, 5, 7 (1.5 minutes after each)
+        tier = tmp_path / f"local-{p}"
+        assert sorted(int(n) for n in os.listdir(tier) if n.isdigit()) == [3, 5, 7], p

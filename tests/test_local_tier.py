@@ -177,3 +177,24 @@ def test_s3_workdir_with_the_local_tier_on_disk_resumes_from_the_local_step(
     train(_config(local), workdir)
     assert f"resumed from step 6 of the local tier {local}" in capfd.readouterr().out
     assert _losses(workdir) == whole
+
+
+def test_peers_can_supply_a_replaced_hosts_shards_only_where_the_state_is_replicated():
+    """`replica_plan` (the layout rule of `local_peers`): a replica along an axis no leaf is
+    sharded over, lying wholly on the processes that hold the step; none where every axis of
+    size > 1 shards some leaf (a replaced host's shards were on no other host), or where no
+    process holds the step. (One process here; test_local_tier_kill runs two.)"""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxscale.train.local_peers import replica_plan
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "fsdp"))
+    replicated = [NamedSharding(mesh, P()), NamedSharding(mesh, P("fsdp", None))]
+    assert replica_plan(replicated, {0}) == ((0, 0), "")
+    plan, why = replica_plan(replicated, set())
+    assert plan is None and "no other host holds" in why
+    sharded = [*replicated, NamedSharding(mesh, P(("data", "fsdp")))]
+    assert replica_plan(sharded, {0})[0] is None

@@ -1,8 +1,10 @@
 """Proof under kill -9 (issue 44 item 5): a two-process run (2 x 4 simulated CPU devices) with
 a local tier every step and persistent saves every 4 steps is killed with SIGKILL between
-them. Restarted, it resumes from the newest step complete on both processes' local tiers; with
-one host's local tier wiped (a replaced host), or both, from the persistent step; and each
-resumed run's losses equal an uninterrupted run's."""
+them. Restarted, it resumes from the newest local step; with one host's local tier wiped (a
+replaced host), from the newest step of the other, whose copy of the replicated state it gets
+over the run's collectives; with both wiped, from the persistent step; on an S3 workdir with
+the local tiers on disk, the same; and each resumed run's losses equal an uninterrupted
+run's."""
 
 import json
 import os
@@ -15,7 +17,6 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
 STEPS = 12
 TRAIN = ["--config=configs/tiny_lm.py:test", f"--config.train.steps={STEPS}",
          "--config.train.log_every=1", "--config.train.eval_every=0",
@@ -34,10 +35,15 @@ def _steps(path) -> list[int]:
     return sorted(int(n) for n in os.listdir(path) if n.isdigit()) if os.path.isdir(path) else []
 
 
+def _env() -> dict[str, str]:
+    """The test's environment at call time (an S3 fixture has set the AWS_* variables)."""
+    return {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+
+
 def _kill_when(cmd: list[str], ready) -> None:
     """Runs `cmd` in its own process group and SIGKILLs the whole group (launcher and both
     training processes) once `ready()` holds."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
@@ -48,48 +54,92 @@ def _kill_when(cmd: list[str], ready) -> None:
     proc.wait(timeout=60)
 
 
-def _resume(tmp, name: str) -> subprocess.CompletedProcess:
-    run = subprocess.run([*MULTIHOST, *TRAIN, f"--workdir={tmp / name / 'run'}",
-                          f"--config.checkpoint.local_dir={tmp / name / 'local-{process}'}"],
-                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+def _run(workdir: str, local) -> list[str]:
+    return [*MULTIHOST, *TRAIN, f"--workdir={workdir}",
+            f"--config.checkpoint.local_dir={local / 'local-{process}'}"]
+
+
+def _kill_between_saves(workdir: str, local, persistent_steps) -> tuple[list[int], list[list[int]]]:
+    """Starts the 2-process run and SIGKILLs it once both local tiers hold step 5, 6 or 7 and
+    the persistent save of step 4 is committed (on a bucket it may commit after step 5's local
+    save): between the persistent saves of 4 and 8. (persistent steps, each tier's steps)."""
+    _kill_when(_run(workdir, local),
+               lambda: all({5, 6, 7} & set(_steps(local / f"local-{p}")) for p in (0, 1))
+               and bool(persistent_steps()))
+    persistent = persistent_steps()
+    tiers = [_steps(local / f"local-{p}") for p in (0, 1)]
+    newest_local = max(tiers[0] + tiers[1])
+    assert persistent and persistent[-1] < newest_local < STEPS, (persistent, tiers)
+    return persistent, tiers
+
+
+def _resume(workdir: str, local) -> subprocess.CompletedProcess:
+    run = subprocess.run(_run(workdir, local), cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=900)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     return run
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> list[float]:
+    """The uninterrupted run's losses, on 1 process x 8 devices (which 2 x 4 equal:
+    test_multihost)."""
+    workdir = tmp_path_factory.mktemp("whole")
+    run = subprocess.run([sys.executable, "-m", "launch.train", *TRAIN[:4], "--cpu_devices=8",
+                          f"--workdir={workdir}"], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return _losses(workdir)
+
+
+def _assert_losses(got: list[float], want: list[float], name: str) -> None:
+    assert len(got) == STEPS, name
+    for step, (a, b) in enumerate(zip(want, got), 1):
+        assert b == pytest.approx(a, rel=1e-5), (name, step)
+
+
 @pytest.mark.slow
-def test_sigkill_between_local_and_persistent_saves_then_restart_from_each_tier(tmp_path):
-    whole = subprocess.run([sys.executable, "-m", "launch.train", *TRAIN[:4], "--cpu_devices=8",
-                            f"--workdir={tmp_path / 'whole'}"], cwd=ROOT, env=ENV,
-                           capture_output=True, text=True, timeout=900)
-    assert whole.returncode == 0, whole.stderr[-3000:]
+def test_sigkill_between_local_and_persistent_saves_then_restart_from_each_tier(tmp_path, whole):
     killed = tmp_path / "killed"
-    # Once both local tiers hold step 5 or 6: after the persistent save of step 4, before 8.
-    _kill_when([*MULTIHOST, *TRAIN, f"--workdir={killed / 'run'}",
-                f"--config.checkpoint.local_dir={killed / 'local-{process}'}"],
-               lambda: all({5, 6} & set(_steps(killed / f"local-{p}")) for p in (0, 1)))
-    persistent = _steps(killed / "run" / "checkpoints")
-    local = [_steps(killed / f"local-{p}") for p in (0, 1)]
-    newest_local = max(set(local[0]) & set(local[1]))
-    assert persistent and newest_local > persistent[-1] and newest_local < STEPS, (
-        persistent, local)  # killed between a local and the next persistent save
+    persistent, tiers = _kill_between_saves(str(killed / "run"), killed,
+                                            lambda: _steps(killed / "run" / "checkpoints"))
     for name in ("one_wiped", "both_wiped"):
         shutil.copytree(killed, tmp_path / name)
     shutil.rmtree(tmp_path / "one_wiped" / "local-1")
     for p in (0, 1):
         shutil.rmtree(tmp_path / "both_wiped" / f"local-{p}")
 
-    cases = {"killed": f"resumed from step {newest_local} of the local tier "
-                       f"{killed / 'local-0'}",
-             "one_wiped": f"resumed from {tmp_path / 'one_wiped' / 'run' / 'checkpoints'}/"
-                          f"{persistent[-1]} (persistent tier; the local tier has no step "
-                          "complete on every process)",
-             "both_wiped": f"resumed from {tmp_path / 'both_wiped' / 'run' / 'checkpoints'}/"
-                           f"{persistent[-1]} (persistent tier"}
-    want = _losses(tmp_path / "whole")
+    newest = max(tiers[0] + tiers[1])
+    cases = {  # the replaced host gets its shards from its peer (the state is replicated
+               # along `data`, which spans both processes)
+        "killed": f"resumed from step {newest} of the local tier {killed / 'local-0'}",
+        "one_wiped": f"resumed from step {max(tiers[0])} of the local tier "
+                     f"{tmp_path / 'one_wiped' / 'local-0'} (process 1 got its shards from "
+                     "its peers' local tiers)",
+        "both_wiped": f"resumed from {tmp_path / 'both_wiped' / 'run' / 'checkpoints'}/"
+                      f"{persistent[-1]} (persistent tier; the local tier has no step "
+                      "complete on every process)"}
     for name, line in cases.items():
-        run = _resume(tmp_path, name)
+        run = _resume(str(tmp_path / name / "run"), tmp_path / name)
         assert f"[p0] jaxscale: {line}" in run.stdout, (name, run.stdout[-3000:])
-        got = _losses(tmp_path / name / "run")
-        assert len(got) == STEPS, name
-        for step, (a, b) in enumerate(zip(want, got), 1):  # 2x4 devices equal 1x8 (test_multihost)
-            assert b == pytest.approx(a, rel=1e-5), (name, step)
+        _assert_losses(_losses(tmp_path / name / "run"), whole, name)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("seaweedfs")
+def test_sigkill_on_an_s3_workdir_with_local_tiers_on_disk(seaweedfs, tmp_path, whole):
+    """The same on an S3 workdir (SeaweedFS): the persistent tier, config and metrics in the
+    bucket, the local tiers on disk; one tier wiped after the kill (a replaced host)."""
+    from jaxscale.observe.metrics import read_metrics
+    from jaxscale.weights.restore import saved_steps
+
+    _, bucket = seaweedfs
+    workdir = f"s3://{bucket}/killed"
+    _, tiers = _kill_between_saves(
+        workdir, tmp_path, lambda: sorted(saved_steps(f"{workdir}/checkpoints")))
+    shutil.rmtree(tmp_path / "local-1")
+    run = _resume(workdir, tmp_path)
+    line = (f"[p0] jaxscale: resumed from step {max(tiers[0])} of the local tier "
+            f"{tmp_path / 'local-0'} (process 1 got its shards from its peers' local tiers)")
+    assert line in run.stdout, run.stdout[-3000:]
+    _assert_losses([m["loss"] for m in read_metrics(workdir)], whole, "s3")

@@ -15,6 +15,7 @@ a tensor-parallel layer all-reduces its output). An ESTIMATE, never a measuremen
 
 from __future__ import annotations
 
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,6 +31,10 @@ from jaxscale.aot.compile import as_compiler_error, dumped_hlo, topology_mesh
 from jaxscale.aot.roofline import estimate
 from jaxscale.aot.topology import Topology, topology_devices
 from jaxscale.errors import ConfigError, paragraph
+
+# libtpu's CompileTimeHbmOom, sizes with their unit letter (G, T, ...)
+_CACHE_OOM = re.compile(r"HLO temporaries \(([\d.]+[KMGTP]?)\) exceeds? available HBM "
+                        r"\(([\d.]+[KMGTP]?)\)")
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,17 @@ def compile_decode(config: mlc.ConfigDict, topology: Topology, batch: int,
         with use_rules(rules, mesh):
             return model_def.module(p).init_cache(batch, context)
 
-    cache_out = jax.jit(empty_cache).lower(params).compile().output_shardings
+    try:  # libtpu refuses a cache that does not fit HBM here already
+        cache_out = jax.jit(empty_cache).lower(params).compile().output_shardings
+    except Exception as e:
+        if found := _CACHE_OOM.search(str(e)):
+            raise ConfigError(paragraph(
+                f"The decoding cache of --decode_batch={batch} rows x --decode_context={context}",
+                f"positions does not fit {topology.label()}: libtpu needs {found.group(1)}B per",
+                f"chip for it against {found.group(2)}B. Lower --decode_batch or",
+                "--decode_context, or shard the cache over more chips (mesh.data / tensor).",
+            )) from None
+        raise as_compiler_error(e, topology, config) from None
     cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          jax.eval_shape(empty_cache, params), cache_out)
 

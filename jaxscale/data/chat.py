@@ -169,10 +169,18 @@ def _environment() -> Any:
 class ChatTemplate:
     """A compiled chat template and the special tokens it is rendered with."""
 
-    def __init__(self, source: str, tokens: Mapping[str, str]):
+    def __init__(self, source: str, tokens: Mapping[str, str], where: str = "the chat template"):
+        import jinja2
+
         self.source, self.tokens = source, dict(tokens)
         self.marks_generation = bool(_GENERATION.search(source))
-        self._template = _environment().from_string(source)
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise ConfigError(paragraph(
+                f"The chat template of {where} is not valid Jinja ({e.message}, template line",
+                f"{e.lineno}). Fix the template (data.chat_template names a template file of",
+                "your own), or use the one the tokenizer directory was saved with.")) from None
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False
                ) -> tuple[str, list[tuple[int, int]]]:
@@ -229,7 +237,7 @@ class ChatEncoder:
         from tokenizers import Tokenizer
 
         self.template = ChatTemplate(find_template(tokenizer, template_file),
-                                     special_tokens(tokenizer))
+                                     special_tokens(tokenizer), template_file or tokenizer)
         self._tok = Tokenizer.from_file(resolve_path(tokenizer))
 
     def _render(self, messages: list[dict], where: Where, generation_prompt: bool = False

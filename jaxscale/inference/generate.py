@@ -260,3 +260,33 @@ def _sampler(config: Any, sampling: Sampling) -> tuple[Sampler, Any, Any]:
         sampler = Sampler(model_def, sampling, rules, mesh, config.model.get("max_len", 0))
         _SAMPLERS[key] = (sampler, shardings, dtype)
     return _SAMPLERS[key]
+
+
+def check_cache_memory(config: Any, rows: int, positions: int) -> None:
+    """Refuses a request whose KV cache alone (`rows` x `positions`, in the model's own cache
+    layout, counted once however it is sharded: a lower bound) exceeds the memory free on the
+    run's devices (the host's on CPU): the kernel would kill the process without a word
+    (SIGKILL) or the device would fail deep in the sampler."""
+    model_def, rules, mesh, shardings, _ = model_on_mesh(config)
+    from jaxscale.weights.tree import unflatten
+
+    params = unflatten({k: jax.ShapeDtypeStruct(s.shape, s.dtype)
+                        for k, s in model_def.shapes().items()})
+
+    def empty_cache(p: Mapping) -> Any:
+        with use_rules(rules, mesh):
+            return model_def.module(p).init_cache(rows, positions)
+
+    need = sum(math.prod(x.shape) * x.dtype.itemsize
+               for x in jax.tree.leaves(jax.eval_shape(empty_cache, params)))
+    stats = [d.memory_stats() or {} for d in mesh.devices.flat]
+    if all("bytes_limit" in s for s in stats):
+        free = sum(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > free:
+        raise GenerateError(paragraph(
+            f"{rows} sequences of {positions} positions need a KV cache of {need / 2**30:.1f}",
+            f"GiB, more than the {free / 2**30:.1f} GiB free on {mesh.devices.size}",
+            f"{mesh.devices.flat[0].platform} device(s). Lower --num_samples (or the prompts)",
+            "or --steps."))

@@ -63,6 +63,21 @@ class JaxscaleLM(TemplateLM):
     `from_hf=DIR`; `batch_size`, `max_length` and `max_gen_toks` as the harness's own models
     take them)."""
 
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None
+                               ) -> JaxscaleLM:
+        from lm_eval import utils
+        return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string),
+                                       additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None
+                            ) -> JaxscaleLM:
+        """--model_args over the harness's own flags (its --batch_size default among them):
+        the harness's version passes a key given in both twice (a TypeError)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**{**extra, **arg_dict})
+
     def __init__(self, workdir: str = "", from_hf: str = "", batch_size: int | str = 8,
                  max_length: int | str = 0, max_gen_toks: int | str = 256, seed: int | str = 0,
                  max_batch_size: Any = None, device: Any = None, **unknown: Any) -> None:
@@ -78,6 +93,14 @@ class JaxscaleLM(TemplateLM):
                 "Face model directory)."))
         if str(batch_size).startswith("auto"):
             batch_size = 8  # the harness's automatic search runs torch models; pick a size
+        sizes = dict(batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks)
+        bad = {k: v for k, v in sizes.items()
+               if not str(v).isdigit() or int(v) < (k != "max_length")}
+        if bad:
+            raise ConfigError(paragraph(
+                f"lm_eval --model_args for jaxscale: {bad} must be whole numbers (batch_size and",
+                "max_gen_toks at least 1; max_length 0 for the model's own), e.g.",
+                "--model_args workdir=DIR,batch_size=8."))
         self.config, params = load_model(workdir, from_hf)
         self.model_def, self.params, self.rules, self.mesh = placed_model(self.config, params)
         self.tokenizer = (model_tokenizer(self.config, workdir, from_hf) or ByteTokenizer())

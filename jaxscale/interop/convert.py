@@ -189,6 +189,13 @@ def workdir_to_peft(workdir: str, out_dir: str, dtype: Any = None, base_model: s
     from jaxscale.interop import peft
     from jaxscale.models.adapters import lora
 
+    local_only(out_dir, "--to_peft")
+    if os.path.realpath(out_dir) == os.path.realpath(workdir):
+        raise hf.ConversionError(paragraph(
+            f"--to_peft={out_dir} is the --from_workdir itself: the adapter's files would lie",
+            "among the run's. Give another directory for the adapter."))
+    peft.check_empty(out_dir, overwrite)
+    check_output_dir(out_dir, "--to_peft", overwrite=True)  # a regular file on its path
     model_cfg, lora_cfg = read_model_config(workdir)
     if not lora_cfg or not lora_cfg.get("rank"):
         raise hf.ConversionError(paragraph(
@@ -197,8 +204,6 @@ def workdir_to_peft(workdir: str, out_dir: str, dtype: Any = None, base_model: s
             "whole model with --to_hf instead."))
     hf_saver(model_cfg)  # a family without an exporter fails before any weights are read
     hf.parse_dtype(dtype)
-    local_only(out_dir, "--to_peft")
-    peft.check_empty(out_dir, overwrite)
     weights = open_weights(workdir)
     adapters = {k: np.asarray(v) for k, v in weights.leaves.items() if lora.is_adapter(k)}
     shapes = {k: tuple(v.shape) for k, v in weights.leaves.items()}

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from jaxscale.errors import ConversionError, paragraph
+from jaxscale.interop.hf_mxfp4 import stored_shapes
 
 
 def check_finite(reader: Any, name: str, arr: np.ndarray) -> None:
@@ -39,21 +40,44 @@ def check_finite(reader: Any, name: str, arr: np.ndarray) -> None:
 def expected_tensors(source: Any) -> dict[str, tuple[tuple[int, ...] | None, str]]:
     """{HF tensor name: (the shape config.json implies, jaxscale leaf)} of every tensor the
     leaves read, from the model definition (nothing is read)."""
-    out = {}
+    out: dict[str, tuple[tuple[int, ...] | None, str]] = {}
+    halves: dict[str, list[tuple[Any, tuple[int, ...]]]] = {}
     for path, shape in source.shapes().items():
         leaf = source.leaves[path]
         layer = shape[1:] if leaf.stacked else shape
         empty = np.empty(layer, dtype=np.uint8)  # untouched pages: no allocation
         hf = leaf.hf_arrays(empty)
         # An import-only leaf (GPT-OSS's gate / up halves of one HF tensor) does not map
-        # back to its tensor's shape: its names are checked for presence only (None).
+        # back to its tensor's shape: `_split_shapes` finds it from all the leaves reading it.
         exact = tuple(leaf.to_jax(*hf).shape) == tuple(layer)
         hf_shapes = [tuple(a.shape) if exact else None for a in hf]
+        if not exact and len(leaf.names) == 1:
+            halves.setdefault(leaf.names[0], []).append((leaf, tuple(layer)))
         for i in (range(shape[0]) if leaf.stacked else [None]):
             for n, s in zip(leaf.layer_names(i), hf_shapes):
                 if out.get(n, (None,))[0] is None:
                     out[n] = (s, path)
+    split = {n: _split_shape(parts) for n, parts in halves.items()}
+    for name, (shape, path) in out.items():
+        unformatted = re.sub(r"\.\d+\.", ".{i}.", name)
+        if shape is None and split.get(unformatted) is not None:
+            out[name] = (split[unformatted], path)
     return out
+
+
+def _split_shape(parts: list[tuple[Any, tuple[int, ...]]]) -> tuple[int, ...] | None:
+    """The shape of one HF tensor that several leaves take parts of along its last axis
+    (GPT-OSS's interleaved gate / up), if reading each leaf from a tensor of that shape gives
+    that leaf's shape; else None (its name is then checked for presence only)."""
+    first = parts[0][1]
+    if not first or any(layer[:-1] != first[:-1] for _, layer in parts):
+        return None
+    shape = (*first[:-1], sum(layer[-1] for _, layer in parts))
+    empty = np.empty(shape, dtype=np.uint8)
+    if all(tuple(leaf.to_jax(empty).shape) == layer for leaf, layer in parts):
+        return shape
+    return None
+
 
 def check_tensors(source: Any, finite: bool = False) -> None:
     """Every tensor the conversion reads is present with the shape config.json implies,
@@ -82,16 +106,15 @@ def check_tensors(source: Any, finite: bool = False) -> None:
                 "The checkpoint does not match its config.json, or it is not a checkpoint of",
                 "this model family: fetch the matching config.json or the missing files.",
                 "Nothing was written."))
-        try:  # a dequantised MXFP4 name has no header of its own (`hf_mxfp4.py`)
-            got = tuple(source.reader.get_slice(name).get_shape())
-        except ConversionError:
-            continue
-        if shape is not None and got != shape:
-            raise ConversionError(paragraph(
-                f"{source.reader.file_of(name)}: tensor {name} has shape {got}, but {where}",
-                f"implies {shape} (jaxscale leaf {path}). The tensor and the config disagree:",
-                "the file is corrupt or from another model size; fetch the matching",
-                "safetensors files (or the matching config.json). Nothing was written."))
+        for stored, want in stored_shapes(source.reader, name, shape).items():
+            got = tuple(source.reader.get_slice(stored).get_shape())
+            if want is not None and got != want:
+                raise ConversionError(paragraph(
+                    f"{source.reader.file_of(stored)}: tensor {stored} has shape {got}, but",
+                    f"{where} implies {want} (jaxscale leaf {path}). The tensor and the config",
+                    "disagree: the file is corrupt or from another model size; fetch the",
+                    "matching safetensors files (or the matching config.json). Nothing was",
+                    "written."))
     if finite:
         for name in expected:
             source.get(name)

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxscale.errors import ConversionError, paragraph
+
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 BLOCKS, SCALES = "_blocks", "_scales"
@@ -40,6 +42,35 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     values = values.reshape(*scales.shape, -1)                       # (..., rows, G, 32)
     values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
     return np.swapaxes(values.reshape(*scales.shape[:-1], -1), -1, -2)
+
+
+def packed_shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, ...] | None]:
+    """{suffix: shape} of the blocks and scales that store a dequantised (..., 32 G, rows)
+    tensor of `shape` (None each where `shape` is unknown or not a whole number of blocks:
+    then the blocks and scales are checked against each other only)."""
+    if len(shape) < 2 or shape[-2] % 32:
+        return {BLOCKS: None, SCALES: None}
+    scales = (*shape[:-2], shape[-1], shape[-2] // 32)
+    return {BLOCKS: (*scales, 16), SCALES: scales}
+
+
+def stored_shapes(reader: Any, name: str, shape: tuple[int, ...] | None
+                  ) -> dict[str, tuple[int, ...] | None]:
+    """{stored tensor: the shape it must have} for tensor `name` of `shape` (None: unknown):
+    `name` itself, or its MXFP4 blocks and scales, which must also agree with each other."""
+    if not isinstance(reader, Mxfp4Reader) or name in reader._reader:
+        return {name: shape}
+    want = packed_shapes(shape) if shape is not None else {BLOCKS: None, SCALES: None}
+    if shape is not None and want[SCALES] is None:
+        raise ConversionError(paragraph(
+            f"{reader.file_of(name + BLOCKS)}: tensor {name} is stored in MXFP4 blocks of 32",
+            f"values, but config.json implies the shape {shape}, whose axis {len(shape) - 2}",
+            "is not a multiple of 32: the checkpoint and its config.json disagree. Pair the",
+            "safetensors with their own config.json. Nothing was written."))
+    if want[SCALES] is None:  # the scales are the blocks' shape less their 16 bytes
+        blocks = tuple(reader.get_slice(name + BLOCKS).get_shape())
+        want = {BLOCKS: (*blocks[:-1], 16), SCALES: blocks[:-1]}
+    return {name + suffix: s for suffix, s in want.items()}
 
 
 class Mxfp4Reader:

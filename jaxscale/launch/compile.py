@@ -54,8 +54,7 @@ def main(argv):
                 "directory for the HLO dump.")) from None
     config = cli.resolved(_CONFIG.value)
     topology = parse_topology(_TOPOLOGY.value, _SLICES.value)
-    if _DECODE_ONLY.value and _DECODE_BATCH.value < 1:
-        raise app.UsageError("--decode_only needs --decode_batch=B (rows of the decoding step).")
+    _check_decode_flags(_DECODE_BATCH.value, _DECODE_CONTEXT.value, _DECODE_ONLY.value)
     out: dict = {}
     if not _DECODE_ONLY.value:
         report = compile_step(config, topology, _HLO.value)
@@ -73,6 +72,17 @@ def main(argv):
                 json.dump(out, f, indent=1)
         except OSError as e:
             raise JaxscaleError(_cannot_write(_OUT.value, e)) from None
+
+
+def _check_decode_flags(batch: int, context: int, only: bool) -> None:
+    """--decode_* before any compile: negative sizes, or a context or --decode_only without the
+    batch that turns the decoding step on, would otherwise be ignored silently."""
+    if batch < 0 or context < 0 or ((context or only) and batch < 1):
+        raise JaxscaleError(paragraph(
+            f"--decode_batch={batch}, --decode_context={context}, --decode_only={only}: the",
+            "decoding step is compiled when --decode_batch=B >= 1 rows (with --decode_context=T",
+            ">= 1 cache positions, default data.seq_len; --decode_only skips the train step).",
+            "Give --decode_batch, or drop the other two."))
 
 
 def _cannot_write(path: str, e: OSError) -> str:

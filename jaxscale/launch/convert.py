@@ -23,7 +23,7 @@ unless `--overwrite`.
 from absl import app, flags
 
 from jaxscale import cli
-from jaxscale.errors import exit_on_user_error
+from jaxscale.errors import JaxscaleError, exit_on_user_error, paragraph
 
 _FROM_HF = flags.DEFINE_string("from_hf", None, "Hugging Face model directory to import.")
 _OUT = flags.DEFINE_string("out", None, "Directory for the converted jaxscale weights.")
@@ -53,6 +53,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax's INFO lines would bury the result
     cli.host_only()  # conversion needs no accelerator: no libtpu start-up lines
     from jaxscale.interop import convert
+    _check_one_conversion()
     if _FROM_HF.value and _OUT.value:
         model_cfg = convert.hf_to_workdir(_FROM_HF.value, _OUT.value, _DTYPE.value,
                                           _OVERWRITE.value, mtp=_MTP.value)
@@ -70,9 +71,20 @@ def main(argv):
             print("jaxscale: the run's base is no Hugging Face model, so the adapter names none:"
                   " export the base with --to_hf and pass it as --base_model=DIR (or give"
                   " PeftModel.from_pretrained that base yourself).")
-    else:
-        raise app.UsageError("Give --from_hf and --out, or --from_workdir and --to_hf or "
-                             "--to_peft.")
+
+
+def _check_one_conversion() -> None:
+    """One source and one target, and no flag that the conversion asked for would ignore."""
+    given = [f"--{f.name}" for f in (_FROM_HF, _OUT, _FROM_WORKDIR, _TO_HF, _TO_PEFT,
+                                     _BASE_MODEL) if f.value]
+    known = (["--from_hf", "--out"], ["--from_workdir", "--to_hf"],
+             ["--from_workdir", "--to_peft"], ["--from_workdir", "--to_peft", "--base_model"])
+    if given not in known:
+        raise JaxscaleError(paragraph(
+            f"jaxscale convert was given {' '.join(given) or 'no source or target'}: give",
+            "--from_hf=DIR --out=DIR (import), --from_workdir=DIR --to_hf=DIR (export), or",
+            "--from_workdir=DIR --to_peft=DIR [--base_model=NAME] (LoRA adapters), one at a",
+            "time."))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ accelerators).
 from absl import app, flags
 
 from jaxscale import cli
-from jaxscale.errors import exit_on_user_error
+from jaxscale.errors import exit_on_user_error, paragraph
 from jaxscale.runtime import distributed
 
 _WORKDIR = flags.DEFINE_string("workdir", "", "Training workdir or launch.convert output.")
@@ -50,6 +50,7 @@ def main(argv):
     from jaxscale.inference.generate import (
         GenerateError,
         chat_prompt,
+        check_cache_memory,
         check_request,
         generate_from_config,
         load_model,
@@ -69,17 +70,34 @@ def main(argv):
     if _PROMPT.value and _PROMPT_IDS.value:
         parse_prompt(_PROMPT.value, _PROMPT_IDS.value, 0)  # the two-spellings error
     config, params = load_model(_WORKDIR.value, _FROM_HF.value)
+    sampling = _fit_vocab(sampling, int(config.model.vocab_size))
     tokenizer = model_tokenizer(config, _WORKDIR.value, _FROM_HF.value)
     if _CHAT.value and _PROMPT.value:
         ids = chat_prompt(_PROMPT.value, config, _WORKDIR.value, _FROM_HF.value)
     else:
         ids = parse_prompt(_PROMPT.value, _PROMPT_IDS.value, config.model.vocab_size, tokenizer)
+    check_cache_memory(config, sampling.n, len(ids) + steps)
     rows = generate_from_config(config, params, np.asarray([ids]), steps, seed=_SEED.value,
                                 sampling=sampling)
     for out in rows:
         new = [int(t) for t in out[len(ids):]]
         stops = [i for i, t in enumerate(new) if t in stop_ids]
         print_ids(ids + (new[:stops[0] + 1] if stops else new), tokenizer, config)
+
+
+def _fit_vocab(sampling, vocab: int):
+    """--stop_ids inside the model's vocabulary (an id outside never matches: a typo); a
+    --top_k past it keeps every token, as transformers' top-k does (clamped)."""
+    import dataclasses
+
+    from jaxscale.inference.generate import GenerateError
+    bad = [i for i in sampling.stop_ids if not 0 <= i < vocab]
+    if bad:
+        raise GenerateError(paragraph(
+            f"--stop_ids holds {bad[:5]}, outside the model's vocabulary [0, {vocab}): no",
+            "generated token could ever match it. Use ids from the model's tokenizer (its EOS or",
+            "end-of-turn token)."))
+    return dataclasses.replace(sampling, top_k=min(sampling.top_k, vocab))
 
 
 def print_ids(out: list, tokenizer, config) -> None:

@@ -11,7 +11,7 @@ import json
 from absl import app, flags
 
 from jaxscale import cli
-from jaxscale.errors import exit_on_user_error
+from jaxscale.errors import JaxscaleError, exit_on_user_error, paragraph
 
 _JSON = flags.DEFINE_bool("json", False, "Print the report as one JSON object.")
 
@@ -19,7 +19,9 @@ _JSON = flags.DEFINE_bool("json", False, "Print the report as one JSON object.")
 @exit_on_user_error
 def main(argv):
     if len(argv) != 2:
-        raise app.UsageError("Usage: jaxscale goodput WORKDIR [--json]")
+        raise JaxscaleError(paragraph(
+            f"jaxscale goodput takes one workdir, and was given {len(argv) - 1}",
+            f"({' '.join(argv[1:]) or 'none'}): jaxscale goodput WORKDIR [--json]."))
     from jaxscale.observe.goodput import format_report, goodput
     from jaxscale.storage import locations
     locations.check(argv[1])

@@ -14,6 +14,12 @@ import sys
 
 
 def main() -> None:
+    from jaxscale.errors import exit_on_user_error
+
+    exit_on_user_error(_run)()
+
+
+def _run() -> None:
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.storage import locations, workdir_files
 
 FILE = "events.jsonl"
@@ -49,8 +50,11 @@ class EventLog:
         """Appends `event` at `at` (default: now) with `fields`."""
         if not self.enabled:
             return
-        self._log.append(json.dumps({"event": event, "time": self.clock() if at is None else at,
-                                     **fields}) + "\n")
+        line = json.dumps({"event": event, "time": self.clock() if at is None else at, **fields})
+        try:
+            self._log.append(line + "\n")
+        except OSError as e:
+            raise _unusable(self.path, e) from None
 
     def loop_started(self) -> None:
         """The step loop begins (after restoring and compiling): step time counts from here."""
@@ -78,7 +82,7 @@ class EventLog:
 def read_events(workdir: str) -> tuple[list[dict], int]:
     """(the events of WORKDIR/events.jsonl, how many lines did not parse: writes cut short by
     a kill); a workdir without the file has none."""
-    text = workdir_files.read_text(locations.join(workdir, FILE)) or ""
+    text = _text(locations.join(workdir, FILE))
     events, bad = [], 0
     for line in text.splitlines():
         if not line.strip():
@@ -95,14 +99,38 @@ def read_events(workdir: str) -> tuple[list[dict], int]:
     return events, bad
 
 
+def _text(path: str) -> str:
+    """The event log's text ("" if absent); bytes that are not UTF-8 (a foreign or damaged
+    file) become lines that do not parse, skipped like a write cut short."""
+    try:
+        data = workdir_files.read_bytes(path)
+    except OSError as e:
+        raise _unusable(path, e) from None
+    return (data or b"").decode("utf-8", errors="replace")
+
+
+def _unusable(path: str, e: OSError) -> JaxscaleError:
+    return JaxscaleError(paragraph(
+        f"{path} cannot be used as the run's event log ({e.strerror or e}): it is a",
+        "directory, or not readable and writable. `jaxscale goodput` reads it and every run",
+        "appends to it; move what is there aside and rerun."))
+
+
 def _well_formed(record: Any) -> bool:
     """An event the report can use: a name, a time, and numbers where numbers belong (a hand
     edit or a foreign file is skipped like a cut-short line, not a traceback)."""
     def number(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
-    return (isinstance(record, dict) and isinstance(record.get("event"), str)
-            and number(record.get("time"))
+    if not (isinstance(record, dict) and isinstance(record.get("event"), str)):
+        return False
+    needs = ["time", *_NEEDS.get(record["event"], ())]
+    return (all(number(record.get(k)) for k in needs)
             and all(number(record[k]) for k in ("step", "seconds") if k in record))
+
+
+# The fields beside `time` that the goodput report reads of each event that has them.
+_NEEDS = {"restore": ("step",), "progress": ("step", "seconds"), "save": ("step",),
+          "preempted": ("step",), "exit": ("step",)}
 
 
 class GoodputHook:

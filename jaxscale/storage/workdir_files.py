@@ -122,7 +122,8 @@ class LineLog:
         """Adds `line` (ending in a newline) to the file."""
         if self._remote:
             if self._text is None:
-                self._text = read_text(self.location) or ""
+                # bytes that are not UTF-8 (a damaged file) become a line no reader parses
+                self._text = (read_bytes(self.location) or b"").decode("utf-8", "replace")
                 if self._text and not self._text.endswith("\n"):
                     self._text += "\n"
             self._text += line

@@ -16,11 +16,11 @@ of them (`agreed_steps`: an all-gather of each process's step list). Orbax write
 temporary directory and renames it when complete, so a step cut short by a kill is never
 listed, hence never chosen; `local_keep` old steps are kept, older ones deleted by orbax.
 
-A host whose tier is empty (replaced) makes the common step absent, and the run restores the
-persistent tier; so does a local restore that fails on any process (another mesh: the shards a
-process holds are not the ones it needs), agreed by all processes so that they restore the same
-step. Fetching a replaced host's shards from its peers is not done: the persistent tier is the
-fallback.
+A host whose tier is empty (replaced), or lacks the newest step, gets that step from the peers
+that hold it where the layout allows (`local_peers`: the state replicated along a mesh axis
+with a whole replica on those peers); otherwise the run takes an older step or the persistent
+tier, as it does when a local restore fails on any process (another mesh: the shards a process
+holds are not the ones it needs), agreed by all processes so that they restore the same step.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
+from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.train.state import TrainState
 
 MAX_AGREED = 64  # the newest steps each process offers to the agreement (a fixed-size gather)
@@ -86,13 +87,56 @@ def all_agree(ok: bool) -> bool:
     return bool(_all_gather(np.array([int(ok)], np.int32)).min())
 
 
+def _check_apart(directory: str, workdir: str) -> None:
+    """The local tier is not the workdir or its persistent checkpoints: two orbax managers in
+    one directory would delete each other's steps (each keeps only its newest few)."""
+    from jaxscale.storage import locations
+    if not workdir or locations.is_remote(workdir):
+        return
+    for place in (workdir, os.path.join(workdir, "checkpoints")):
+        if os.path.realpath(directory) == os.path.realpath(place):
+            raise JaxscaleError(paragraph(
+                f"checkpoint.local_dir resolves to {directory}, the run's own",
+                f"{'workdir' if place == workdir else 'persistent checkpoint directory'}: the",
+                "local tier writes and deletes numbered step directories of its own, which would",
+                "mix with (or delete) the run's. Give it a directory of its own on the host's fast",
+                "disk, e.g. /ssd/tier-{process}."))
+
+
+def _check_not_shared(directory: str) -> None:
+    """Refuses, on every process, a local tier that another process of this run also uses (a
+    `checkpoint.local_dir` without {process} for processes sharing a machine): their steps
+    would overwrite each other's. Each process leaves a marker named after this run's nonce
+    (from process 0) and its index, and looks for the others' after a barrier."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+    nonce = int(multihost_utils.broadcast_one_to_all(
+        np.int32(int.from_bytes(os.urandom(3), "little"))))
+    mine = os.path.join(directory, f".jaxscale-tier-{nonce}-{jax.process_index()}")
+    with open(mine, "w"):
+        pass
+    multihost_utils.sync_global_devices("jaxscale-local-tier-markers")
+    others = [n for n in os.listdir(directory)
+              if n.startswith(f".jaxscale-tier-{nonce}-") and os.path.join(directory, n) != mine]
+    shared = not all_agree(not others)
+    multihost_utils.sync_global_devices("jaxscale-local-tier-checked")
+    os.remove(mine)
+    if shared:
+        raise JaxscaleError(paragraph(
+            f"checkpoint.local_dir: processes of this run share a local tier directory ({directory}",
+            "here): their saves would overwrite each other's. Put {process} in",
+            "checkpoint.local_dir (e.g. /ssd/tier-{process}) so that each process has its own."))
+
+
 class LocalTier:
     """This process's orbax manager of the local tier (see the module docstring)."""
 
-    def __init__(self, template: str, every: int, keep: int):
+    def __init__(self, template: str, every: int, keep: int, workdir: str = ""):
         self.every = every
         logging.getLogger("absl").addFilter(_PerProcessNotes())
         self.directory = local_directory(template)
+        _check_apart(self.directory, workdir)
         pid = jax.process_index()
         multiprocessing = ocp.options.MultiprocessingOptions(
             primary_host=None, active_processes={pid}, barrier_sync_key_prefix=f"local-{pid}")
@@ -107,7 +151,15 @@ class LocalTier:
             max_to_keep=keep, create=False, enable_async_checkpointing=True,
             multiprocessing_options=multiprocessing, save_root_metadata=False,
             enable_per_process_directory_creation=True, enable_background_delete=False)
-        os.makedirs(self.directory, exist_ok=True)  # orbax's create=True refuses a subset
+        try:
+            os.makedirs(self.directory, exist_ok=True)  # orbax's create=True refuses a subset
+            _check_not_shared(self.directory)
+        except OSError as e:
+            raise JaxscaleError(paragraph(
+                f"checkpoint.local_dir: {self.directory} cannot be used as this process's local",
+                f"tier ({e.strerror or e}: {e.filename or self.directory}): a regular file, a",
+                "path below one, a read-only filesystem, or no permission. Give a writable",
+                "directory on the host's own disk (it may contain {process}).")) from None
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers={"state": state, "data": data})
 
@@ -115,15 +167,18 @@ class LocalTier:
         """The complete steps in this process's tier (orbax lists no half-written one)."""
         return sorted(self.manager.all_steps())
 
-    def agreed_steps(self) -> list[int]:
-        """The steps complete on every process's local tier, newest first (the same list on
-        every process: each takes part in the same restores, in the same order)."""
+    def held_steps(self) -> dict[int, set[int]]:
+        """Each step complete on some process's local tier, with the processes that hold it
+        (the same on every process: each takes part in the same restores, in the same
+        order)."""
         mine = np.full(MAX_AGREED, -1, np.int64)
         newest = self.steps()[-MAX_AGREED:]
         mine[:len(newest)] = newest
-        rows = _all_gather(mine)
-        common = set.intersection(*({int(s) for s in row if s >= 0} for row in rows))
-        return sorted(common, reverse=True)
+        held: dict[int, set[int]] = {}
+        for process, row in enumerate(_all_gather(mine)):
+            for step in row[row >= 0]:
+                held.setdefault(int(step), set()).add(process)
+        return held
 
     def save(self, step: int, state: TrainState, data_state: dict | None) -> None:
         """Starts saving `step` (the whole state, with this process's data position); its
@@ -134,15 +189,18 @@ class LocalTier:
         self.manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave(meta)))
 
-    def restore(self, step: int, state: TrainState,
-                shardings: TrainState) -> tuple[TrainState, dict | None]:
-        """`step` from this process's tier onto the run's shardings; raises if this process's
-        files do not hold what it needs (the caller agrees with the others on falling back)."""
+    def restore(self, step: int, state: TrainState, shardings: TrainState,
+                onto: TrainState | None = None) -> tuple[TrainState, dict | None]:
+        """`step` from this process's tier onto the run's shardings (or `onto`: one replica's,
+        `local_peers`); raises if this process's files do not hold what it needs (the caller
+        agrees with the others on falling back)."""
         from jaxscale.train.checkpoint import _target
         target = _target(state, shardings, adapters_only=False)
         meta = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
         if (meta["data"] or {}).get("layout") != layout_key(jax.tree.leaves(target)):
             raise LayoutChanged(step)
+        if onto is not None:
+            target = _target(state, onto, adapters_only=False)
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
         got = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
@@ -170,33 +228,76 @@ class LocalTier:
         self.manager.close()
 
 
+Restored = tuple[int, TrainState, "dict | None", str]  # step, state, data position, note
+
+
 def restore_newest(tier: LocalTier, persistent_step: int | None, state: TrainState,
-                   shardings: TrainState) -> tuple[tuple[int, TrainState, dict | None] | None,
-                                                   str]:
-    """((step, state, data state), "") from the newest local step that is complete on every
-    process, at least as new as the persistent tier's, and restores on every process (a damaged
-    newest step gives way to the one before it); else (None, why not), and the persistent tier
-    is restored."""
-    steps = tier.agreed_steps()
-    if not steps:
-        n = jax.process_count()
+                   shardings: TrainState) -> tuple[Restored | None, str]:
+    """((step, state, data state, note), "") from the newest local step at least as new as the
+    persistent tier's that restores on every process: from each process's own tier where all
+    hold it, else from the peers that hold it where the layout allows (`local_peers`; the note
+    says which processes got their shards from peers), a damaged newest step giving way to the
+    one before it; else (None, why not), and the persistent tier is restored."""
+    held, n = tier.held_steps(), jax.process_count()
+    if not held:
         return None, ("has no step complete on every process" if n > 1 else "has no step")
-    failed = []
-    for step in steps:
+    failed: list[str] = []
+    missing: list[str] = []
+    for step in sorted(held, reverse=True):
         if persistent_step is not None and step < persistent_step:
             break
+        if len(held[step]) < n:
+            restored, why = _from_peers(tier, step, held[step], state, shardings)
+            if restored is not None:
+                return restored, ""
+            missing.append(f"step {step} is on process {_names(held[step])} only and {why}")
+            continue
         try:
-            restored: Any = tier.restore(step, state, shardings)
+            got: Any = tier.restore(step, state, shardings)
         except Exception:  # any failure here means: try an older step, then the persistent tier
-            restored = None
-        if all_agree(restored is not None):
-            return (step, *restored), ""
+            got = None
+        if all_agree(got is not None):
+            return (step, *got, ""), ""
         failed.append(str(step))
+    if not failed and not missing:
+        return None, f"has only the older step {max(held)}"
     if not failed:
-        return None, f"has only the older step {steps[0]}"
-    return None, (f"could not restore step {', '.join(failed)} on every process (damaged, or "
-                  "saved with another mesh or process count: each host holds only its own "
-                  "shards)")
+        return None, "; ".join(missing)
+    return None, "; ".join([f"could not restore step {', '.join(failed)} on every process "
+                            "(damaged, or saved with another mesh or process count: each host "
+                            "holds only its own shards)", *missing])
+
+
+def _names(processes: set[int]) -> str:
+    return ", ".join(str(p) for p in sorted(processes))
+
+
+def _from_peers(tier: LocalTier, step: int, holders: set[int], state: TrainState,
+                shardings: TrainState) -> tuple[Restored | None, str]:
+    """`step`, which only `holders` hold: one replica of the state read by the processes that
+    hold it and broadcast to all (`local_peers`), with the first reader's data position."""
+    from jaxscale.train import local_peers
+
+    plan, why = local_peers.replica_plan(jax.tree.leaves(shardings), holders)
+    if plan is None:
+        return None, why
+    axis, rid = plan
+    sources = local_peers.source_processes(jax.tree.leaves(shardings)[0].mesh, axis, rid)
+    is_source = jax.process_index() in sources
+    got: Any = None
+    if is_source:
+        try:
+            got = local_peers.read_source(tier, step, state, shardings, axis, rid)
+        except Exception:  # damaged or another layout: the others are told below
+            got = None
+    if not all_agree(got is not None or not is_source):
+        return None, "could not be read there (damaged, or saved with another mesh)"
+    restored, position = got if got is not None else (None, None)
+    new = local_peers.broadcast_state(restored, state, shardings, axis, rid, is_source)
+    position = local_peers.broadcast_position(position, min(sources))
+    others = set(range(jax.process_count())) - holders
+    return (step, new, position or None,
+            f"process {_names(others)} got its shards from its peers' local tiers"), ""
 
 
 class LocalTierHook:

@@ -245,7 +245,7 @@ def _attach_checkpoints(trainer: Trainer) -> None:
     tier = None
     if c.get("local_dir"):
         from jaxscale.train.local_tier import LocalTier, LocalTierHook
-        tier = LocalTier(c.local_dir, c.local_every, c.local_keep)
+        tier = LocalTier(c.local_dir, c.local_every, c.local_keep, trainer.workdir)
         trainer.hooks.append(LocalTierHook(
             tier, Interval(c.local_every, c.get("local_every_minutes", 0.0)),
             trainer.config.train.skip_nonfinite, trainer.events))
@@ -266,8 +266,9 @@ def _resume(trainer: Trainer, checkpointer: Any, tier: Any) -> None:
         from jaxscale.train.local_tier import restore_newest
         restored, why = restore_newest(tier, persistent, trainer.state, trainer.shardings)
     if restored is not None:
-        step, trainer.state, trainer.data_state = restored
+        step, trainer.state, trainer.data_state, note = restored
         where, name = f"step {step} of the local tier {tier.directory}", "local"
+        where += f" ({note})" if note else ""
     elif persistent is not None:
         trainer.state, trainer.data_state = checkpointer.restore(trainer.state, trainer.shardings)
         step = int(jax.device_get(trainer.state.step))
