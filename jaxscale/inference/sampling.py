@@ -121,17 +121,24 @@ def filter_logits(logits_BV: jax.Array, temperature: float, top_k: int = 0,
 
 def choose(logits_BV: jax.Array, key: jax.Array, s: Sampling) -> tuple[jax.Array, jax.Array]:
     """(token, the model's log-prob of it) per row: argmax at temperature 0, else a sample of
-    the filtered distribution."""
+    the filtered distribution.
+
+    Written as plain reductions over the vocabulary (the max, the first index holding it, the
+    log-sum-exp, the chosen logit): `jnp.argmax` (one reduction over value-index pairs) and a
+    whole `log_softmax` took 4x as long on XLA:CPU, a tenth of a decoding step."""
     logits_BV = logits_BV.astype(jnp.float32)
-    if s.temperature == 0.0:
-        token_B = jnp.argmax(logits_BV, axis=-1)
+    max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
+    vocab = logits_BV.shape[-1]
+    if s.temperature == 0.0:  # the first likeliest token, as jnp.argmax (NaN rows: the last id)
+        ids_1V = jnp.arange(vocab, dtype=jnp.int32)[None]
+        token_B = jnp.min(jnp.where(logits_BV == max_B1, ids_1V, vocab - 1), axis=-1)
     else:
         token_B = jax.random.categorical(key, filter_logits(logits_BV, s.temperature, s.top_k,
                                                             s.top_p), axis=-1)
     token_B = token_B.astype(jnp.int32)
-    logp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV, axis=-1), token_B[:, None],
-                                 axis=-1)[:, 0]
-    return token_B, logp_B
+    chosen_B = jnp.take_along_axis(logits_BV, token_B[:, None], axis=-1)[:, 0]
+    log_sum_B = jnp.log(jnp.sum(jnp.exp(logits_BV - max_B1), axis=-1))
+    return token_B, chosen_B - max_B1[:, 0] - log_sum_B
 
 
 def bucket(length: int, cap: int = 0) -> int:
