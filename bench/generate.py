@@ -1,7 +1,7 @@
 """Decode tokens/s on CPU: jaxscale's rollout sampler against transformers' `generate`, on the
 same converted model (issue 42 item 1).
 
-    python bench/generate.py [--batch=32] [--prompt=16] [--new=128] [--repeats=2]
+    python bench/generate.py [--batch=32] [--prompt=16] [--new=128] [--repeats=2] [--profile]
 
 The model is the one the issue measured: a random Qwen3-style model (hidden 256, 4 layers,
 vocabulary 2,048) made with transformers, converted to jaxscale, float32, one CPU device. Both
@@ -12,11 +12,14 @@ one after the other so that other load on the machine hits both alike; transform
 torch's default threads and with one (faster on a loaded machine), and the faster counts; the
 Sampler also runs with single-threaded XLA:CPU (a subprocess: the flag is read at start-up). Also printed: the
 `jaxscale generate` path (`generate.generate_from_config`, which now keeps its sampler, so a
-second call does not compile again) and a top-p sampling run (its speed only).
+second call does not compile again) and a top-p sampling run (its speed only). `--profile`
+prints instead where a greedy Sampler call spends its time: the top XLA:CPU ops of a
+`jax.profiler` trace of one call (`jaxscale.observe.profiling`, as `jaxscale profile-summary`).
 """
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -48,6 +51,25 @@ def best_of(fn, repeats: int) -> tuple[float, object]:
     return best, out
 
 
+def profile(call, hlo_text: str, steps: int, top: int = 16) -> None:
+    """The top ops of one traced `call` (a warm Sampler call), in ms a decoding step, each with
+    the jax operation it came from (its `op_name` in the compiled program `hlo_text`)."""
+    from jaxscale.observe.profiling import summarize
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            call()
+        summary = summarize(next(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs
+                                 if f.endswith(".xplane.pb")))
+    origin = {name: (shape.split("{")[0], op.split("/")[-1]) for name, shape, op in re.findall(
+        r'^\s*%(\S+) = (\S+) .*?op_name="([^"]+)"', hlo_text, re.M)}
+    print(f"one greedy Sampler call of {steps} steps: {summary.total_ns / 1e6 / steps:.2f} ms "
+          f"of op time a step ({summary.source})")
+    for op in summary.ops[:top]:
+        shape, what = origin.get(op.name, ("", ""))
+        print(f"{op.name[:32]:<32} {op.total_ns / 1e6 / steps:6.3f} ms/step "
+              f"{100 * op.total_ns / summary.total_ns:5.1f}%  {shape:<20} {what[:30]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=32)
@@ -56,6 +78,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--jax_only", action="store_true", help="print only the Sampler's greedy "
                    "tok/s (the single-threaded XLA:CPU run below is this, in a subprocess)")
+    p.add_argument("--profile", action="store_true", help="print the top ops of one greedy "
+                   "Sampler call instead of the comparison")
     a = p.parse_args()
     torch.manual_seed(0)
     config = transformers.Qwen3Config(
@@ -87,6 +111,13 @@ def main() -> None:
         sampler(params, prompt, jax.random.key(0), a.new).tokens), a.repeats)
     if a.jax_only:
         print(tokens / t_ours)
+        return
+    if a.profile:
+        lengths = np.full((a.batch,), a.prompt, np.int32)
+        hlo = sampler._jitted.lower(params, prompt, lengths, jax.random.key(0),
+                                    steps=a.new).compile().as_text()
+        profile(lambda: jax.block_until_ready(
+            sampler(params, prompt, jax.random.key(0), a.new).tokens), hlo, a.new)
         return
     env = {**os.environ, "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
     one = subprocess.run([sys.executable, __file__, "--jax_only", f"--batch={a.batch}",

@@ -66,7 +66,7 @@ def test_decoding_through_the_model_cache_equals_full_forward(impl):
     def cached(p, toks):
         model = model_def.module(p)
         cache = model.init_cache(2, 7)
-        chex.assert_shape(cache.k, (c.model.num_layers, 2, 7, c.model.num_kv_heads,
+        chex.assert_shape(cache.k, (c.model.num_layers, 2, c.model.num_kv_heads, 7,
                                     c.model.head_dim))
         first, cache = model(toks[:, :3], cache=cache, cache_index=jnp.int32(0))
         rest = []

@@ -91,7 +91,7 @@ def test_sharded_generation_matches_single_device():
 
 
 def test_kv_cache_is_sharded_by_the_rules():
-    """The cache (layers, batch, length, kv, head_dim) gets the spec the rules give its names:
+    """The cache (layers, batch, kv, length, head_dim) gets the spec the rules give its names:
     batch over data x fsdp, length over context, kv heads over tensor."""
     c = tiny_lm.get_config("test")
     c.mesh.update(data=2, fsdp=2, tensor=2)
@@ -109,11 +109,11 @@ def test_kv_cache_is_sharded_by_the_rules():
     expected = rules.spec(CACHE_AXES, cache["k"].shape, mesh)
     # length over `context`: sequence shards (mesh.context, 1 here) split the cache like the keys;
     # rows over data x fsdp x expert (an expert axis also splits the batch)
-    assert expected == PartitionSpec("pipeline", ("data", "fsdp", "expert"), "context", "tensor",
+    assert expected == PartitionSpec("pipeline", ("data", "fsdp", "expert"), "tensor", "context",
                                      None)
     for name in ("k", "v"):
         assert cache[name].sharding.is_equivalent_to(NamedSharding(mesh, expected), 5), name
-        assert cache[name].addressable_shards[0].data.shape == (2, 1, 8, 1, 16)
+        assert cache[name].addressable_shards[0].data.shape == (2, 1, 1, 8, 16)
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.5,

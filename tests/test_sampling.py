@@ -90,6 +90,19 @@ def test_filter_masks_equal_numpy(temperature, top_k, top_p):
     np.testing.assert_array_equal(got, numpy_filter(logits, temperature, top_k, top_p))
 
 
+def test_top_k_keeps_ties_and_caps_at_the_vocabulary_as_transformers():
+    """Tokens tied with the k-th likeliest stay (transformers' TopKLogitsWarper keeps every
+    score not below the k-th), and k beyond the vocabulary keeps everything."""
+    torch = pytest.importorskip("torch")
+    from transformers.generation.logits_process import TopKLogitsWarper
+    logits = np.array([[3.0, 2.0, 2.0, 2.0, 1.0, -1.0], [0.5, 0.5, 0.5, 0.5, 0.2, 0.1],
+                       [-2.0, 7.0, -np.inf, 1.5, 1.5, 0.0]], np.float32)
+    for k in (1, 2, 4, 10):
+        ref = TopKLogitsWarper(k)(None, torch.from_numpy(logits.copy()))
+        got = filter_logits(jnp.asarray(logits), 1.0, k)
+        np.testing.assert_array_equal(np.isfinite(np.asarray(got)), torch.isfinite(ref).numpy())
+
+
 def test_sampled_tokens_stay_in_the_filtered_set_and_logprobs_equal_a_full_forward(model):
     """Each sampled token is among the top-k / top-p set of the full forward's logits at its
     position, and its reported log-prob is the full forward's log-softmax."""

@@ -56,12 +56,13 @@ def start(q_BTKGD: jax.Array, dtype: Any, sinks_H: jax.Array | None = None) -> A
                jnp.broadcast_to(jnp.exp(sink_KG1 - max_KG1), (b, k, g, t)), out)
 
 
-def scores(q_BTKGD: jax.Array, k_BSKD: jax.Array, dtype: Any, softcap: float = 0.0
-           ) -> jax.Array:
+def scores(q_BTKGD: jax.Array, k_BSKD: jax.Array, dtype: Any, softcap: float = 0.0,
+           kv_axes: str = "bskd") -> jax.Array:
     """q.k / sqrt(D) in `dtype`, (B, K, G, T, S); `softcap` > 0 (Gemma 2): softcap *
     tanh(scores / softcap). The one score formula of every attention path (`einsum_attention`,
-    the online-softmax blocks here, the ring's custom backward)."""
-    s_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD).astype(dtype)
+    the online-softmax blocks here, the ring's custom backward). `kv_axes` "bksd": the keys
+    are (B, K, S, D), the KV cache's layout (`grouped_query.KVCache`)."""
+    s_BKGTS = jnp.einsum(f"btkgd,{kv_axes}->bkgts", q_BTKGD, k_BSKD).astype(dtype)
     s_BKGTS = s_BKGTS / math.sqrt(q_BTKGD.shape[-1])
     return softcap * jnp.tanh(s_BKGTS / softcap) if softcap else s_BKGTS
 

@@ -12,7 +12,10 @@ fields as attributes, the decoder's `LlamaConfig`) and answers:
   returns the output (B, T, E), or with a one-layer `cache` (output, updated cache);
 - `init_cache(layers, batch, max_len, dtype)`: an empty cache stacked over the layers, a pytree
   of the component's own layout whose `constrained()` shards it by its logical names (the layer
-  scan and generation pass it along unopened);
+  scan and generation pass it along unopened). A cache that also offers `at_layer(l)` (layer
+  l's view of the stack, which the module writes in place with `put_slots` and reads with
+  `layer_of`; `at_layer(None)`: the stack again) is carried whole through the layer scan
+  (`nn/scan.py`), so a decoding step copies no layer's cache out of the stack and back;
 - `num_params()`: parameters per layer (biases and norms included);
 - `named_matmuls()`, `matmul_params()`, `score_flops(seq_len)`: the matmul parameters per layer
   behind each activation name the remat policies keep (`nn/scan.ACTIVATION_NAMES`), all of them,
@@ -31,6 +34,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+import jax
 from flax import nnx
 
 from jaxscale.precision import Policy
@@ -86,3 +90,16 @@ class AttentionKind(abc.ABC):
     def kv_elements(self, tensor: int = 1) -> float:
         """Elements per token and layer its cache holds on one of `tensor` shards."""
 
+
+
+def put_slots(old: jax.Array, new: jax.Array, at: tuple, layer: jax.Array | None) -> jax.Array:
+    """`old` (one layer's cache array, or the stack when `layer` is set) with `new` (one
+    layer's shape) written at `at` (one layer's start indices), in place in the stack."""
+    if layer is None:
+        return jax.lax.dynamic_update_slice(old, new.astype(old.dtype), at)
+    return jax.lax.dynamic_update_slice(old, new.astype(old.dtype)[None], (layer, *at))
+
+
+def layer_of(a: jax.Array, layer: jax.Array | None) -> jax.Array:
+    """Layer `layer`'s slice of a stacked cache array (`a` itself when `layer` is None)."""
+    return a if layer is None else jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)

@@ -9,7 +9,7 @@ the parameters' layout nor the cache, only one term of the softmax, which every 
 takes them (`kernels.SINK_IMPLS`) adds itself.
 
 Decoding keeps a `KVCache` (keys, values and segment ids of every slot so far, written at a
-given index): `Attention(x, positions, cache, cache_index)` writes the new keys/values at
+given index, held (B, K, S, D) for the attention's dots): `Attention(x, positions, cache, cache_index)` writes the new keys/values at
 `cache_index` and attends over the whole cache, masking the slots not yet written (they are "in
 the future"). Prompts of different lengths in one batch are left-padded with segment id 0 on the
 padding and 1 (or a document id) on real tokens, positions restarting at each row's first real
@@ -32,8 +32,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.attention.component import AttentionKind
-from jaxscale.models.attention.kernels import attend, check_impl
+from jaxscale.models.attention.component import AttentionKind, layer_of, put_slots
+from jaxscale.models.attention.kernels import attend, attend_cached, check_impl
 from jaxscale.models.attention.mask import Mask
 from jaxscale.models.nn.fused import FUSED_AXIS, QKV
 from jaxscale.models.nn.layers import RMSNorm, param, project
@@ -41,48 +41,70 @@ from jaxscale.models.nn.rope import Rope, rotary
 from jaxscale.precision import Policy
 from jaxscale.rules import constrain
 
-# Logical axes of a stacked cache (one slice per layer) and of one layer's slice.
-CACHE_AXES = ("layers", "batch", "length", "kv", "head_dim")
-LAYER_CACHE_AXES = CACHE_AXES[1:]
+# Logical axes of a stacked cache (one slice per layer; a layer's slice drops the first) and
+# of its segment ids. Keys and values are held kv head before slot, (B, K, S, D): the layout the
+# attention's two dots read (`kernels.attend_cached`), so a decoding step neither transposes
+# nor copies the cache.
+CACHE_AXES = ("layers", "batch", "kv", "length", "head_dim")
+SEGMENT_AXES = ("layers", "batch", "length")
+
+
+def _layer_axes(ndim: int, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The trailing logical axes of an array of `ndim` dims (a stack or one layer's slice)."""
+    return axes[len(axes) - ndim:]
 
 
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values of every cache slot: (B, S, K, D) for one layer, (L, B, S, K, D) stacked,
-    and each slot's segment id, (B, S) or (L, B, S) (0: padding or not yet written).
+    """Keys and values of every cache slot: (B, K, S, D) for one layer, (L, B, K, S, D)
+    stacked, and each slot's segment id, (B, S) or (L, B, S) (0: padding or not yet written).
 
     A pytree, so a stacked cache scans over layers like the stacked parameters; `cache['k']`
-    reads a field by name.
+    reads a field by name. `layer` set (`at_layer`, by `scan_layers`): the arrays are the
+    whole stack and this is layer `layer`'s view of it, written in place and read by `read`,
+    so that a decoding step does not copy every layer's cache out of the stack and back.
     """
 
     k: jax.Array
     v: jax.Array
     segments: jax.Array
+    layer: jax.Array | None = None
 
     @classmethod
     def zeros(cls, layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
               dtype: Any) -> "KVCache":
         """An empty stacked cache, sharded by the rules through its logical names."""
-        zeros = lambda: constrain(jnp.zeros((layers, batch, max_len, kv_heads, head_dim), dtype),
+        zeros = lambda: constrain(jnp.zeros((layers, batch, kv_heads, max_len, head_dim), dtype),
                                   *CACHE_AXES)
-        segments = constrain(jnp.zeros((layers, batch, max_len), jnp.int32), *CACHE_AXES[:3])
+        segments = constrain(jnp.zeros((layers, batch, max_len), jnp.int32), *SEGMENT_AXES)
         return cls(zeros(), zeros(), segments)
 
-    def constrained(self, axes: tuple[str, ...] = CACHE_AXES) -> "KVCache":
-        return KVCache(constrain(self.k, *axes), constrain(self.v, *axes),
-                       constrain(self.segments, *axes[:-2]))
+    def at_layer(self, layer: jax.Array | None) -> "KVCache":
+        """Layer `layer`'s view of this stacked cache (None: the stack itself again)."""
+        return self.replace(layer=layer)
+
+    def constrained(self) -> "KVCache":
+        """The cache (a stack or one layer's slice) sharded by the rules."""
+        return self.replace(k=constrain(self.k, *_layer_axes(self.k.ndim, CACHE_AXES)),
+                            v=constrain(self.v, *_layer_axes(self.v.ndim, CACHE_AXES)),
+                            segments=constrain(self.segments,
+                                               *_layer_axes(self.segments.ndim, SEGMENT_AXES)))
 
     def write(self, k_BTKD: jax.Array, v_BTKD: jax.Array, index: jax.Array,
               segments_BT: jax.Array | None = None) -> "KVCache":
         """This layer's cache with new keys/values (and segment ids, default 1) written at
-        slots index..index+T-1."""
-        at = (0, index, 0, 0)
+        slots index..index+T-1 (in the stack, at its layer, for a layer's view)."""
         if segments_BT is None:
             segments_BT = jnp.ones(k_BTKD.shape[:2], jnp.int32)
-        return KVCache(jax.lax.dynamic_update_slice(self.k, k_BTKD.astype(self.k.dtype), at),
-                       jax.lax.dynamic_update_slice(self.v, v_BTKD.astype(self.v.dtype), at),
-                       jax.lax.dynamic_update_slice(
-                           self.segments, segments_BT.astype(jnp.int32), at[:2]))
+        put = lambda old, new_BTKD: put_slots(old, jnp.swapaxes(new_BTKD, 1, 2),
+                                              (0, 0, index, 0), self.layer)
+        return self.replace(k=put(self.k, k_BTKD), v=put(self.v, v_BTKD),
+                            segments=put_slots(self.segments, segments_BT.astype(jnp.int32),
+                                               (0, index), self.layer))
+
+    def read(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """This layer's (keys (B, K, S, D), values (B, K, S, D), segment ids (B, S))."""
+        return tuple(layer_of(a, self.layer) for a in (self.k, self.v, self.segments))
 
     def __getitem__(self, name: str) -> jax.Array:
         return getattr(self, name)
@@ -196,19 +218,21 @@ class Attention(nnx.Module):
         v_BTKD = constrain(v_BTKD, "batch", "length", "kv", "head_dim")
         t = x_BTE.shape[1]
         window = self.window if local is None else jnp.where(local, self.window, 0)
+        softmax = self.policy.dtype_for("softmax")
+        sinks_H = self.sinks[...].astype(jnp.float32) if self.has_sinks else None
         if cache is None:
-            k_BSKD, v_BSKD, mask = k_BTKD, v_BTKD, Mask.sequence(
-                t, segments_BT, window=window, local_window=self.window)
+            mask = Mask.sequence(t, segments_BT, window=window, local_window=self.window)
+            out_BTHD = attend(q_BTHD, k_BTKD, v_BTKD, mask, impl=self.impl,
+                              softmax_dtype=softmax, context_impl=self.context_impl,
+                              softcap=self.softcap, sinks_H=sinks_H)
         else:
-            cache = cache.write(k_BTKD, v_BTKD, cache_index, segments_BT)
-            cache = cache.constrained(LAYER_CACHE_AXES)
-            k_BSKD, v_BSKD = cache.k.astype(c), cache.v.astype(c)
-            mask = Mask.cached(t, cache_index, cache.k.shape[1], segments_BT, cache.segments,
+            cache = cache.write(k_BTKD, v_BTKD, cache_index, segments_BT).constrained()
+            k_BKSD, v_BKSD, cached_segments_BS = cache.read()
+            mask = Mask.cached(t, cache_index, k_BKSD.shape[2], segments_BT, cached_segments_BS,
                                window=window)
-        out_BTHD = attend(q_BTHD, k_BSKD, v_BSKD, mask, impl=self.impl,
-                          softmax_dtype=self.policy.dtype_for("softmax"),
-                          context_impl=self.context_impl, softcap=self.softcap,
-                          sinks_H=self.sinks[...].astype(jnp.float32) if self.has_sinks else None)
+            out_BTHD = attend_cached(q_BTHD, k_BKSD.astype(c), v_BKSD.astype(c), mask,
+                                     impl=self.impl, softmax_dtype=softmax,
+                                     softcap=self.softcap, sinks_H=sinks_H)
         out_BTHD = checkpoint_name(constrain(out_BTHD, "batch", "length", "heads", "head_dim"),
                                    "attn_out")
         out_BTE = project(self, "wo", "bthd,hde->bte", out_BTHD, c)

@@ -30,14 +30,15 @@ from jaxscale.models.attention.sequence import context
 
 def einsum_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                      mask: Mask | None, softmax_dtype: Any, softcap: float = 0.0,
-                     sinks_H: jax.Array | None = None) -> jax.Array:
+                     sinks_H: jax.Array | None = None, kv_axes: str = "bskd") -> jax.Array:
     """Grouped-query attention written out: the reference every other kernel must match.
     `softcap` > 0 (Gemma 2): the scaled scores become softcap * tanh(scores / softcap).
     `sinks_H` (GPT-OSS): one learned logit per head joins each query's softmax as a key
-    without a value, so a head can put weight on nothing."""
-    kv = k_BSKD.shape[2]
+    without a value, so a head can put weight on nothing. `kv_axes` "bksd": keys and values
+    are (B, K, S, D), the KV cache's layout, which both dots then read as they are."""
+    kv = k_BSKD.shape[kv_axes.index("k")]
     q_BTKGD = rearrange(q_BTHD, "b t (k g) d -> b t k g d", k=kv)
-    scores_BKGTS = blockwise.scores(q_BTKGD, k_BSKD, softmax_dtype, softcap)
+    scores_BKGTS = blockwise.scores(q_BTKGD, k_BSKD, softmax_dtype, softcap, kv_axes)
     visible_BTS = None if mask is None else mask.dense()
     if visible_BTS is not None:
         scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS,
@@ -50,8 +51,10 @@ def einsum_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
         probs_BKGTS = with_sink[..., :-1].astype(v_BSKD.dtype)
     else:
         probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKD.dtype)
-    out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKD)
-    return rearrange(out_BTKGD, "b t k g d -> b t (k g) d")
+    # Out (B, K, G, T, D), then transposed: asked for (B, T, K, G, D) directly, XLA:CPU makes
+    # the cache the dot's transposed left operand, ~9x slower (a decoding step's largest cost).
+    out_BKGTD = jnp.einsum(f"bkgts,{kv_axes}->bkgtd", probs_BKGTS, v_BSKD)
+    return rearrange(out_BKGTD, "b k g t d -> b t (k g) d")
 
 
 def fused_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
@@ -112,6 +115,22 @@ def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask: Mask |
     if softcap:
         return SOFTCAP_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype, softcap)
     return ATTENTION_IMPLS[impl](q_BTHD, k_BSKD, v_BSKD, mask, softmax_dtype)
+
+
+def attend_cached(q_BTHD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array, mask: Mask, *,
+                  impl: str = "einsum", softmax_dtype: Any = jnp.float32, softcap: float = 0.0,
+                  sinks_H: jax.Array | None = None) -> jax.Array:
+    """`attend` of new queries over a KV cache held (B, K, S, D), the layout both of the
+    einsum kernel's dots read without a transpose: a decoding step then reads the cache once
+    instead of copying it into (B, K, S, D) and (B, K, D, S) first. Splash, which decodes by
+    the einsum kernel anyway (a cached mask is never aligned), reads it so too; the fused
+    kernel (`jax.nn.dot_product_attention`) takes its own (B, S, K, D)."""
+    if impl == "dot_product_attention":
+        swap = lambda x: jnp.swapaxes(x, 1, 2)
+        return attend(q_BTHD, swap(k_BKSD), swap(v_BKSD), mask, impl=impl,
+                      softmax_dtype=softmax_dtype)
+    return einsum_attention(q_BTHD, k_BKSD, v_BKSD, mask, softmax_dtype, softcap, sinks_H,
+                            kv_axes="bksd")
 
 
 def check_impl(impl: str) -> None:

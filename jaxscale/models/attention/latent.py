@@ -47,7 +47,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.models.attention.component import AttentionKind
+from jaxscale.models.attention.component import AttentionKind, layer_of, put_slots
 from jaxscale.models.attention.kernels import attend, check_impl
 from jaxscale.models.attention.mask import Mask
 from jaxscale.models.attention.sequence import context
@@ -60,9 +60,8 @@ from jaxscale.rules import constrain
 # RMSNorm default, not the model's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 # Logical axes of the stacked cache (latent and rope key: replicated over `tensor`, every head
-# reads them, as multi-query attention's one kv head) and of one layer's slice.
+# reads them, as multi-query attention's one kv head); a layer's slice drops the first.
 CACHE_AXES = ("layers", "batch", "length", None)
-LAYER_CACHE_AXES = CACHE_AXES[1:]
 # Kernels that take a value head dim unlike the key's (others get zero-padded values).
 UNEQUAL_DIMS = ("einsum", "splash")
 
@@ -90,11 +89,13 @@ class MLAConfig:
 @flax.struct.dataclass
 class LatentCache:
     """Every cache slot's normalised latent (B, S, C) and rotated rope key (B, S, R), (L, ...)
-    stacked, and its segment id (0: padding or not yet written), as `KVCache` keeps them."""
+    stacked, and its segment id (0: padding or not yet written), as `KVCache` keeps them;
+    `layer` set (`at_layer`): a layer's view of the stack, written in place (`component.py`)."""
 
     latent: jax.Array
     k_rope: jax.Array
     segments: jax.Array
+    layer: jax.Array | None = None
 
     @classmethod
     def zeros(cls, layers: int, batch: int, max_len: int, mla: MLAConfig, dtype: Any
@@ -105,20 +106,31 @@ class LatentCache:
         segments = constrain(jnp.zeros((layers, batch, max_len), jnp.int32), *CACHE_AXES[:3])
         return cls(zeros(mla.kv_lora_rank), zeros(mla.qk_rope_head_dim), segments)
 
-    def constrained(self, axes: tuple[str | None, ...] = CACHE_AXES) -> "LatentCache":
-        return LatentCache(constrain(self.latent, *axes), constrain(self.k_rope, *axes),
-                           constrain(self.segments, *axes[:-1]))
+    def at_layer(self, layer: jax.Array | None) -> "LatentCache":
+        """Layer `layer`'s view of this stacked cache (None: the stack itself again)."""
+        return self.replace(layer=layer)
+
+    def constrained(self) -> "LatentCache":
+        """The cache (a stack or one layer's slice) sharded by the rules."""
+        axes = CACHE_AXES[len(CACHE_AXES) - self.latent.ndim:]
+        return self.replace(latent=constrain(self.latent, *axes),
+                            k_rope=constrain(self.k_rope, *axes),
+                            segments=constrain(self.segments, *axes[:-1]))
 
     def write(self, latent_BTC: jax.Array, k_rope_BTR: jax.Array, index: jax.Array,
               segments_BT: jax.Array | None = None) -> "LatentCache":
         """This layer's cache with the new tokens written at slots index..index+T-1."""
         if segments_BT is None:
             segments_BT = jnp.ones(latent_BTC.shape[:2], jnp.int32)
-        put = lambda old, new: jax.lax.dynamic_update_slice(old, new.astype(old.dtype),
-                                                            (0, index, 0))
-        return LatentCache(put(self.latent, latent_BTC), put(self.k_rope, k_rope_BTR),
-                           jax.lax.dynamic_update_slice(
-                               self.segments, segments_BT.astype(jnp.int32), (0, index)))
+        put = lambda old, new: put_slots(old, new, (0, index, 0), self.layer)
+        return self.replace(latent=put(self.latent, latent_BTC),
+                            k_rope=put(self.k_rope, k_rope_BTR),
+                            segments=put_slots(self.segments, segments_BT.astype(jnp.int32),
+                                               (0, index), self.layer))
+
+    def read(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """This layer's (latents (B, S, C), rope keys (B, S, R), segment ids (B, S))."""
+        return tuple(layer_of(a, self.layer) for a in (self.latent, self.k_rope, self.segments))
 
     def __getitem__(self, name: str) -> jax.Array:
         return getattr(self, name)
@@ -215,8 +227,8 @@ class LatentAttention(nnx.Module):
                        softmax_dtype=self.policy.dtype_for("softmax"),
                        context_impl=self.context_impl)
 
-    def _absorbed(self, q_nope_BTHN: jax.Array, q_rope_BTHR: jax.Array, cache: LatentCache,
-                  mask: Mask) -> jax.Array:
+    def _absorbed(self, q_nope_BTHN: jax.Array, q_rope_BTHR: jax.Array, latent_BSC: jax.Array,
+                  k_rope_BSR: jax.Array, mask: Mask) -> jax.Array:
         """Attention over the cached latents with the up-projections absorbed into the query
         and output (multi-query, one shared head of C + R): (B, T, H, V)."""
         c, n = self.policy.compute, self.mla.qk_nope_head_dim
@@ -225,7 +237,7 @@ class LatentAttention(nnx.Module):
         q_BTHX = jnp.concatenate([q_lat_BTHC, q_rope_BTHR], -1)
         # The kernel divides by sqrt(C + R); the expanded form by sqrt(N + R).
         q_BTHX = q_BTHX * jnp.asarray(math.sqrt(q_BTHX.shape[-1] / self.mla.qk_head_dim), c)
-        latent_BSC, k_rope_BSR = cache.latent.astype(c), cache.k_rope.astype(c)
+        latent_BSC, k_rope_BSR = latent_BSC.astype(c), k_rope_BSR.astype(c)
         k_BS1X = jnp.concatenate([latent_BSC, k_rope_BSR], -1)[:, :, None]
         out_BTHC = _attend(constrain(q_BTHX, "batch", "length", "heads", None), k_BS1X,
                            latent_BSC[:, :, None], mask, self.impl,
@@ -248,11 +260,11 @@ class LatentAttention(nnx.Module):
             out_BTHV = self._expanded(q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR,
                                       Mask.sequence(t, segments_BT))
         else:
-            cache = cache.write(latent_BTC, k_rope_BTR, cache_index, segments_BT)
-            cache = cache.constrained(LAYER_CACHE_AXES)
-            mask = Mask.cached(t, cache_index, cache.latent.shape[1], segments_BT,
-                               cache.segments)
-            out_BTHV = self._absorbed(q_nope_BTHN, q_rope_BTHR, cache, mask)
+            cache = cache.write(latent_BTC, k_rope_BTR, cache_index, segments_BT).constrained()
+            latent_BSC, k_rope_BSR, cached_segments_BS = cache.read()
+            mask = Mask.cached(t, cache_index, latent_BSC.shape[1], segments_BT,
+                               cached_segments_BS)
+            out_BTHV = self._absorbed(q_nope_BTHN, q_rope_BTHR, latent_BSC, k_rope_BSR, mask)
         out_BTHV = checkpoint_name(constrain(out_BTHV, "batch", "length", "heads", "head_dim"),
                                    "attn_out")
         out_BTE = constrain(project(self, "wo", "bthv,hve->bte", out_BTHV, c),

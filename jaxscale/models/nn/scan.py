@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.errors import ConfigError, paragraph
@@ -124,8 +125,7 @@ def scan_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
 
     With a `cache` (any pytree whose leaves are stacked over the layers, (L, ...): the
     attention's own layout, opaque here) each layer reads and writes its own slice, and the
-    result is (h, updated cache); a block whose scan step runs n layers (`layers_per_step`:
-    the decoder's `LayerGroup` of dense and MoE layers) reads its step's (n, ...) slices.
+    result is (h, updated cache) (`_scan_cached`).
     Without one, what the layers sow as `nnx.Intermediate` (the MoE router's statistics) is
     left on `block`, stacked over the layers, as `nnx.scan` does.
     """
@@ -133,16 +133,8 @@ def scan_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
     per_layer = _per_layer(block, per_layer)
     graphdef, state = nnx.split(block)
     if cache is not None:
-        def apply_cached(h, xs):
-            layer_state, layer_cache, extra = xs
-            return nnx.merge(graphdef, layer_state)(h, positions_BT, layer_cache, cache_index,
-                                                    segments_BT, **extra)
-
-        n = getattr(block, "layers_per_step", 1)
-        steps = jax.tree.map(lambda a: a.reshape(-1, n, *a.shape[1:]), cache) if n > 1 else cache
-        h_BTE, steps = jax.lax.scan(apply_cached, h_BTE, (state, steps, per_layer))
-        cache = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), steps) if n > 1 else steps
-        return h_BTE, cache
+        return _scan_cached(block, graphdef, state, per_layer, h_BTE, positions_BT, cache,
+                            cache_index, segments_BT)
 
     packed = {} if segments_BT is None else {"segments_BT": segments_BT}  # ViT blocks: never
 
@@ -156,3 +148,38 @@ def scan_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
     h_BTE, sown = jax.lax.scan(apply_one, h_BTE, (state, per_layer))
     nnx.update(block, sown)  # what a layer sowed (the MoE router's stats), stacked (L, ...)
     return h_BTE
+
+
+def _scan_cached(block: nnx.Module, graphdef: Any, state: Any, per_layer: Mapping[str, Any],
+                 h_BTE: jax.Array, positions_BT: jax.Array, cache: Any,
+                 cache_index: jax.Array | None, segments_BT: jax.Array | None
+                 ) -> tuple[jax.Array, Any]:
+    """`scan_layers` with a KV cache. A cache that offers layer views (`at_layer(l)`: the
+    grouped-query and latent caches) is carried whole through the scan and each layer writes
+    its new slots into the stack in place: as the scan's per-layer input and output, every
+    layer's whole cache would be copied out of the stack and back on every decoding step. Any
+    other cache is scanned as per-layer slices; a block whose scan step runs n layers
+    (`layers_per_step`: the decoder's `LayerGroup` of dense and MoE layers) reads its step's
+    (n, ...) slices."""
+    n = getattr(block, "layers_per_step", 1)
+    args = (cache_index, segments_BT)
+    if n == 1 and hasattr(cache, "at_layer"):
+        def apply_in_place(carry, xs):
+            h, stack = carry
+            layer_state, extra, layer = xs
+            h, stack = nnx.merge(graphdef, layer_state)(h, positions_BT, stack.at_layer(layer),
+                                                        *args, **extra)
+            return (h, stack.at_layer(None)), None
+
+        layers = jax.tree.leaves(cache)[0].shape[0]
+        (h_BTE, cache), _ = jax.lax.scan(apply_in_place, (h_BTE, cache),
+                                         (state, per_layer, jnp.arange(layers)))
+        return h_BTE, cache
+
+    def apply_cached(h, xs):
+        layer_state, layer_cache, extra = xs
+        return nnx.merge(graphdef, layer_state)(h, positions_BT, layer_cache, *args, **extra)
+
+    steps = jax.tree.map(lambda a: a.reshape(-1, n, *a.shape[1:]), cache) if n > 1 else cache
+    h_BTE, steps = jax.lax.scan(apply_cached, h_BTE, (state, steps, per_layer))
+    return h_BTE, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), steps) if n > 1 else steps
