@@ -66,8 +66,9 @@ RECORDS: dict[str, tuple[str, str, dict]] = {
 
 def independent_flops_per_token(m: dict, seq_len: int) -> float:
     """PaLM-convention training FLOPs per token written out from `config.model` alone: 6 per
-    matmul parameter a token passes through plus 6·H·(Q + V)·T for QK^T and AV (12·H·D·T when
-    Q = V = D), summed layer by layer."""
+    matmul parameter a token passes through plus 6·H·(Q + V)·K for QK^T and AV (12·H·D·K when
+    Q = V = D), K the keys a query sees (T, or the window on a sliding-window layer), summed
+    layer by layer."""
     e, h, layers = m["embed"], m["num_heads"], m["num_layers"]
     moe, mla = m.get("moe") or {}, m.get("mla") or {}
     if m.get("attention_kind") == "latent":
@@ -84,10 +85,15 @@ def independent_flops_per_token(m: dict, seq_len: int) -> float:
     width = moe.get("mlp") or m["mlp"]
     active = 3 * e * width * (moe.get("experts_per_token", 0) + moe.get("shared_experts", 0))
     first_dense = moe.get("first_k_dense_replace", 0) if experts else layers
+    window = m.get("sliding_window") or 0
+    kinds = m.get("layer_types") or (["sliding_attention"] * layers if window else [])
     total = 0.0
     for i in range(layers):
         ffn = dense_mlp if i < first_dense else active + e * experts  # + the router
-        total += 6 * (attn + ffn) + 6 * h * (qk + vd) * seq_len
+        # a sliding-window layer's query sees at most `window` keys (GPT-OSS: every other layer)
+        keys = min(window, seq_len) if i < len(kinds) and kinds[i] == "sliding_attention" \
+            else seq_len
+        total += 6 * (attn + ffn) + 6 * h * (qk + vd) * keys
     return total + 6 * e * m["vocab_size"]
 
 
