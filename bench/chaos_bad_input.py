@@ -21,6 +21,8 @@ def bad_input_files(tmp: str) -> dict[str, str]:
              "tok": os.path.join(d, "tokenizer.json"), "docs": os.path.join(d, "docs.txt"),
              "out": os.path.join(d, "out"), "empty": os.path.join(d, "empty-store")}
     os.makedirs(files["empty"], exist_ok=True)
+    files["nodocs"] = os.path.join(d, "no-records.jsonl")  # an empty source file
+    open(files["nodocs"], "w").close()
     files["evdir"] = os.path.join(d, "events-dir")  # a workdir whose event log is a directory
     os.makedirs(os.path.join(files["evdir"], "events.jsonl"), exist_ok=True)
 
@@ -88,6 +90,9 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
                                              f"--out={f['out']}/p1", "--tokenizer=bytes"]),
         ("prepare-data", "zero shards", [f"--sources={f['docs']}", f"--out={f['out']}/p2",
                                          "--tokenizer=bytes", "--num_shards=0"]),
+        ("prepare-data", "sources without a record", [f"--sources={f['nodocs']}",
+                                                      "--format=jsonl", f"--out={f['out']}/p4",
+                                                      "--tokenizer=bytes"]),
         ("prepare-data", "corrupt tokenizer", [f"--sources={f['docs']}", f"--out={f['out']}/p3",
                                                f"--tokenizer={f['tok']}"]),
         ("lofi-local", "zero workers", [f"--store={f['out']}/l1", "--num_workers=0"]),

@@ -213,6 +213,11 @@ def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shard
     check_args(out, tokenizer, num_shards, workers, train_vocab)
     check_chat_args(fmt, tokenizer, train_vocab, chat_template)
     readers = open_readers(globs, fmt, text_field, None, skip_bad)
+    if not sum(r.num_docs for r in readers):
+        raise ConfigError(paragraph(
+            f"--sources={','.join(globs)} hold no {fmt} documents (the files are empty), so",
+            "there is nothing to prepare and nothing was written. Point --sources at files with",
+            "at least one record."))
     src = ""
     if not train_vocab and tokenizer != "bytes":
         from jaxscale.data.tokenizer import resolve_path
