@@ -73,8 +73,11 @@ def test_a_round_rides_out_a_server_restart_and_publishes_the_same_average(
     (report,) = reports
     assert report.published and report.used == {0: 10, 1: 10, 2: 10}, report.note
     down, up = _outage_lines(caplog)
-    assert len(down) == 1 and location in down[0] and "retrying for up to 120 s" in down[0]
-    assert len(up) == 1
+    # One line for the outage, not one per request. A freshly restarted server may still answer
+    # a request or two with InternalError while it loads its volumes: a second, short blip,
+    # reported and recovered on its own (seen on a loaded 2-core machine).
+    assert 1 <= len(down) <= 2 and len(up) == len(down), (down, up)
+    assert location in down[0] and "retrying for up to 120 s" in down[0]
     want = {k: (pushed[0][k] + pushed[1][k] + pushed[2][k]) / 3 for k in pushed[0]}
     got = latest_average(Store(location)).params
     for leaf, value in want.items():
