@@ -24,6 +24,8 @@ def test_sentencepiece_model_gives_special_ids(tmp_path):
     tok = load_tokenizer(str(tmp_path))  # a directory holding tokenizer.model
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1, 2, 40)
     assert tok.decode(tok.encode("the fox")) == "the fox"
+    # special tokens by name (a rollout's stop ids): EOS found, an absent one is None, not <unk>
+    assert tok.token_id("</s>") == tok.eos_id and tok.token_id("<|im_end|>") is None
     with pytest.raises(ConfigError, match="model.vocab_size=32 is smaller than the 40 tokens"):
         check_vocab(tok, 32, str(tmp_path))
     check_vocab(tok, 64, str(tmp_path))  # a padded vocabulary is fine

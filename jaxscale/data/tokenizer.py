@@ -39,6 +39,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_id(self, name: str) -> int | None:
+        """The id of the special token `name` (e.g. an end-of-turn marker), None if absent."""
+
 
 @dataclass(frozen=True)
 class ByteTokenizer:
@@ -52,6 +55,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def token_id(self, name: str) -> int | None:
+        return None  # bytes have no special tokens
 
     def decode(self, ids: list[int]) -> str:
         return bytes(int(i) for i in ids if 0 < int(i) < 256).decode("utf-8", errors="replace")
@@ -71,11 +77,11 @@ class HFTokenizer:
         self.pad_id = pad if pad is not None else (self.eos_id or 0)
 
     def _first_id(self, names: tuple[str, ...]) -> int | None:
-        for name in names:
-            i = self._tok.token_to_id(name)
-            if i is not None:
-                return int(i)
-        return None
+        return next((i for i in map(self.token_id, names) if i is not None), None)
+
+    def token_id(self, name: str) -> int | None:
+        i = self._tok.token_to_id(name)
+        return None if i is None else int(i)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -105,6 +111,10 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+    def token_id(self, name: str) -> int | None:
+        i = int(self._sp.piece_to_id(name))  # an unknown piece maps to <unk>'s id
+        return i if self._sp.id_to_piece(i) == name else None
 
 
 CACHE_DIR = os.path.join("~", ".cache", "jaxscale", "tokenizers")

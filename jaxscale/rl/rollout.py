@@ -60,10 +60,7 @@ END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoft
 def stop_ids(tokenizer: Any) -> tuple[int, ...]:
     """The ids that end a completion: the tokenizer's EOS and any end-of-turn token it has."""
     ids = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
-    lookup = getattr(getattr(tokenizer, "_tok", None), "token_to_id", None)
-    for name in END_OF_TURN if lookup else ():
-        if (i := lookup(name)) is not None:
-            ids.add(int(i))
+    ids |= {i for i in map(tokenizer.token_id, END_OF_TURN) if i is not None}
     return tuple(sorted(ids))
 
 
