@@ -163,3 +163,17 @@ def test_bad_model_args_are_one_paragraph(hf_dir):
     with pytest.raises(ConfigError, match="unknown argument"):
         JaxscaleLM(from_hf=hf_dir, pretrained="x")
 
+
+
+def test_a_task_whose_dataset_cannot_be_fetched_is_one_paragraph(hf_dir, tmp_path):
+    # Offline (as this test machine is), a hub task's dataset cannot be fetched: the harness's
+    # ConnectionError traceback becomes one paragraph that names the local-task way out.
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxscale", "lm-eval", "--model", "jaxscale", "--model_args",
+         f"from_hf={hf_dir},max_length=64", "--tasks", "hellaswag", "--limit", "2"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    error = done.stderr[done.stderr.index("jaxscale: error:"):]
+    assert "hellaswag" in error and "--include_path" in error and error.count("\n") == 1

@@ -27,9 +27,19 @@ def _run() -> None:
                  "`pip install 'jaxscale[eval]'` (or `pip install lm_eval`) and run this again.")
     from jaxscale.inference.lm_harness import register
 
+    from jaxscale.errors import JaxscaleError, paragraph
+
     register()
     sys.argv[0] = "jaxscale lm-eval"
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except OSError as e:  # the harness fetching a task's dataset (or files) and failing
+        raise JaxscaleError(paragraph(
+            f"lm-eval stopped on an I/O error: {e}. If it was fetching a task's dataset, this",
+            "machine cannot reach the Hugging Face Hub (offline, or HF_DATASETS_OFFLINE /",
+            "HF_HUB_OFFLINE set without the dataset in the cache). Run once where the Hub is",
+            "reachable to fill the cache, or evaluate a local task: a YAML and a jsonl in a",
+            "directory given to --include_path (docs/post-training.md, 'lm-eval').")) from None
 
 
 if __name__ == "__main__":
