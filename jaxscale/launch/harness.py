@@ -25,9 +25,8 @@ def _run() -> None:
     except ImportError:
         sys.exit("jaxscale lm-eval: the lm-evaluation-harness is not installed; install it with "
                  "`pip install 'jaxscale[eval]'` (or `pip install lm_eval`) and run this again.")
-    from jaxscale.inference.lm_harness import register
-
     from jaxscale.errors import JaxscaleError, paragraph
+    from jaxscale.inference.lm_harness import register
 
     register()
     sys.argv[0] = "jaxscale lm-eval"
