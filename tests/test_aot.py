@@ -321,3 +321,13 @@ def test_automatic_loss_chunks_count_the_heads_recompute_as_the_step_chooses():
     assert auto == pytest.approx(whole + 2 * c.model.embed * 65536 * 4 * 2048, rel=1e-12)
     c.model.loss_chunks = 2
     assert expected_flops(c, 1) == auto
+
+
+def test_an_hbm_refusal_in_terabytes_is_read_as_one():
+    # libtpu prints sizes with their own unit: a step needing terabytes says "T", not "G".
+    from jaxscale.aot.compile import _hbm_oom
+    error = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. HLO "
+                         "temporaries (1.50T) exceeds available HBM (85.50G) by 1.42T.")
+    refused = _hbm_oom(error, parse_topology("v5p:2x2x1"), config_lib.base_config(), 4.0)
+    assert refused.temp_bytes == 1.5 * 2**40 and refused.available_bytes == 85.5 * 2**30
+    assert "1536.00 GiB per chip against the 85.50 GiB" in str(refused)

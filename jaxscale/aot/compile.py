@@ -28,7 +28,9 @@ from jaxscale.aot.topology import Topology, TopologyError, topology_devices, usa
 from jaxscale.errors import JaxscaleError, MeshError, paragraph
 from jaxscale.hardware import fits as hardware_fits
 
-_HBM_OOM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds? available HBM \(([\d.]+)G\)")
+_HBM_OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds? available HBM "
+                      r"\(([\d.]+)([KMGT])\)")
+_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # libtpu's size suffixes (binary)
 
 
 class HbmOom(JaxscaleError):
@@ -41,11 +43,13 @@ class HbmOom(JaxscaleError):
 
 def _hbm_oom(error: Exception, topology: Topology, config: mlc.ConfigDict,
              rows_per_chip: float) -> HbmOom | None:
-    """libtpu's CompileTimeHbmOom as a one-paragraph error (its sizes are GiB, printed "G")."""
+    """libtpu's CompileTimeHbmOom as a one-paragraph error (sizes printed "95.00G", or "1.20T"
+    for a step needing terabytes)."""
     found = _HBM_OOM.search(str(error))
     if not found:
         return None
-    temp, available = (float(g) * 2**30 for g in found.groups())
+    t, t_unit, a, a_unit = found.groups()
+    temp, available = float(t) * _UNIT[t_unit], float(a) * _UNIT[a_unit]
     return HbmOom(paragraph(
         f"Does not fit {topology.label()}: libtpu refused to compile the step, whose",
         f"temporaries alone need {temp / 2**30:.2f} GiB per chip against the",
