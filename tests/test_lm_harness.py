@@ -177,3 +177,20 @@ def test_a_task_whose_dataset_cannot_be_fetched_is_one_paragraph(hf_dir, tmp_pat
     assert "Traceback" not in done.stderr
     error = done.stderr[done.stderr.index("jaxscale: error:"):]
     assert "hellaswag" in error and "--include_path" in error and error.count("\n") == 1
+
+
+def test_the_installed_entry_point_resolves_through_the_harness_registry():
+    # What plain `lm_eval --model jaxscale` does on harness releases with plugin discovery
+    # (lm_eval's docs/plugins.md: the `lm_eval.models` group, each entry point registered as a
+    # lazy target): here on a fresh registry, so the global one is left as the harness has it.
+    import importlib.metadata
+
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import Registry
+
+    found = importlib.metadata.entry_points(group="lm_eval.models", name="jaxscale")
+    if not found:
+        pytest.skip("jaxscale is not installed (a checkout on PYTHONPATH has no entry points)")
+    registry = Registry("model", base_cls=LM)
+    registry.register("jaxscale", target=next(iter(found)))
+    assert registry.get("jaxscale") is JaxscaleLM
