@@ -82,12 +82,18 @@ class MixtureBatches:
         return it
 
 
+def hash_heldout(keys: list[str], fraction: float) -> np.ndarray:
+    """True for the keys whose stable hash (32 bits of sha1) is below `fraction`: the same
+    split on every run, process and Python, whatever order the keys come in."""
+    buckets = np.asarray([int(hashlib.sha1(k.encode()).hexdigest()[:8], 16) for k in keys],
+                         np.int64)
+    return buckets < fraction * 0x100000000
+
+
 def heldout_mask(source: Any, fraction: float) -> np.ndarray:
     """True for the documents whose stable hash (of file name and place) is below `fraction`."""
     keys = source.reader.keys or [str(i) for i in range(source.reader.num_docs)]
-    keys = [keys[i] for i in source.ids]
-    buckets = np.asarray([int(hashlib.sha1(k.encode()).hexdigest()[:8], 16) for k in keys])
-    return buckets < fraction * 0x100000000
+    return hash_heldout([keys[i] for i in source.ids], fraction)
 
 
 def check_prepared(spec: SourceSpec, tokenizer_spec: str, field_name: str) -> None:

@@ -12,6 +12,14 @@ read and tokenized once, up front, and each bad record is reported in one paragr
 file and line. The order prompts are used in depends only on the seed and the rollout number
 (`PromptSet.take`): a new shuffle per pass over the set, so a resumed run draws the prompts
 the uninterrupted run drew, with no iterator state.
+
+Held-out prompts (`training_and_heldout`), which a `grpo` run decodes greedily and scores at
+each `train.eval_every` (`jaxscale/rl/rollout.py`): the records of `data.eval_sources`
+(`prompts=GLOB`), or, when it is empty, the records of `data.sources` whose stable hash falls
+below `data.eval_fraction`, as the text pipeline splits documents. The hash is of the record's
+content (its JSON with sorted keys), so the split does not depend on file names or order, and
+a record repeated in the files is held out with its copies. Held-out records are never trained
+on, whether or not the run evaluates, so turning evaluation on or off keeps the training order.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from jaxscale.data.chat import encoder as chat_encoder
+from jaxscale.data.mixture import hash_heldout
 from jaxscale.data.readers import DataError
 from jaxscale.data.sources import expand, parse_sources
 from jaxscale.data.tokenizer import BYTES, load_tokenizer
@@ -62,27 +71,28 @@ def _records(path: str) -> list[tuple[int, Any]]:
 
 
 class PromptSet:
-    """Every record of `config.data.sources`'s `prompts=GLOB` entries, tokenized; prompts
-    longer than `max_prompt_tokens` are refused (they would leave no room to answer)."""
+    """Every record of `config.data.sources`'s `prompts=GLOB` entries (or those of the data
+    field `field` names), tokenized; prompts longer than `max_prompt_tokens` are refused (they
+    would leave no room to answer)."""
 
-    def __init__(self, config: Any, max_prompt_tokens: int):
+    def __init__(self, config: Any, max_prompt_tokens: int, field: str = "sources"):
         d = config.data
         self.tokenizer = load_tokenizer(d.get("tokenizer", BYTES))
         self._spec, self._template = d.get("tokenizer", BYTES), d.get("chat_template", "")
         self.max_prompt_tokens = max_prompt_tokens
         self.prompts: list[Prompt] = []
-        for spec in parse_sources(d.sources):
+        for spec in parse_sources(d.get(field, ""), f"data.{field}"):
             if spec.format != "prompts":
                 raise ConfigError(paragraph(
-                    f"data.sources mixes prompts=GLOB with {spec.format}={spec.glob}: an RL run",
-                    "samples its rows from prompts alone. Give only prompts=GLOB entries."))
-            for path in expand(spec):
+                    f"data.{field} mixes prompts=GLOB with {spec.format}={spec.glob}: an RL",
+                    "run samples its rows from prompts alone. Give only prompts=GLOB entries."))
+            for path in expand(spec, f"data.{field}"):
                 self.prompts += [self._read(value, f"{path} line {n}")
                                  for n, value in _records(path)]
         if not self.prompts:
             raise ConfigError(paragraph(
-                f"data.sources={d.sources!r} holds no prompt record. Give jsonl files with one",
-                "{\"prompt\": ...} object per line."))
+                f"data.{field}={d.get(field, '')!r} holds no prompt record. Give jsonl files with",
+                "one {\"prompt\": ...} object per line."))
         self.seed = int(config.seed)
 
     def _read(self, record: Any, where: str) -> Prompt:
@@ -112,11 +122,15 @@ class PromptSet:
     def digest(self) -> np.ndarray:
         """(5,) int32: the prompt count and 128 bits of a hash of every prompt's ids, in file
         order; processes that read the same prompts have the same digest."""
-        h = hashlib.sha256()
-        for p in self.prompts:
-            h.update(np.asarray(p.ids, np.int64).tobytes() + b";")
-        return np.concatenate([[len(self.prompts)], np.frombuffer(h.digest()[:16], np.int32)]
-                              ).astype(np.int32)
+        return digest(self.prompts)
+
+    def hold_out(self, fraction: float) -> list[Prompt]:
+        """Removes the records whose content's stable hash is below `fraction` (the others
+        keep their file order) and returns them, in file order."""
+        held = hash_heldout([record_key(p.record) for p in self.prompts], fraction)
+        out = [p for p, h in zip(self.prompts, held) if h]
+        self.prompts = [p for p, h in zip(self.prompts, held) if not h]
+        return out
 
     def take(self, rollout: int, count: int) -> list[Prompt]:
         """The `count` prompts of rollout number `rollout` (0-based): consecutive slices of a
@@ -127,6 +141,46 @@ class PromptSet:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
             out.append(self.prompts[int(order[i])])
         return out
+
+
+def record_key(record: Any) -> str:
+    """The text a record's held-out hash is of: its JSON with sorted keys (its content alone)."""
+    return json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def digest(prompts: list[Prompt]) -> np.ndarray:
+    """`PromptSet.digest` of a list of prompts."""
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(np.asarray(p.ids, np.int64).tobytes() + b";")
+    return np.concatenate([[len(prompts)], np.frombuffer(h.digest()[:16], np.int32)]
+                          ).astype(np.int32)
+
+
+def training_and_heldout(config: Any, max_prompt_tokens: int) -> tuple[PromptSet, list[Prompt]]:
+    """(the training prompts, the held-out ones): see the module docstring. An empty side is
+    one paragraph: no training prompt always, no held-out prompt when `train.eval_every` > 0."""
+    d, every = config.data, int(config.get("train", {}).get("eval_every", 0))
+    train = PromptSet(config, max_prompt_tokens)
+    if d.get("eval_sources", ""):
+        return train, PromptSet(config, max_prompt_tokens, "eval_sources").prompts
+    fraction, total = float(d.get("eval_fraction", 0.05)), len(train)
+    held = train.hold_out(fraction)
+    where = (f"data.eval_fraction={fraction} of the {total} prompt records of "
+             f"data.sources={d.sources!r}")
+    if not train.prompts:
+        raise ConfigError(paragraph(
+            f"{where} holds out every record (a record is held out when a hash of its content",
+            "falls below the fraction), so no prompt is left for training rollouts. Lower",
+            "data.eval_fraction, or give the held-out prompts as their own files with",
+            "data.eval_sources='prompts=GLOB' (every record of data.sources then trains)."))
+    if every and not held:
+        raise ConfigError(paragraph(
+            f"train.eval_every={every} decodes the held-out prompts, but {where} holds out",
+            "none (a record is held out when a hash of its content falls below the",
+            "fraction). Raise data.eval_fraction, give held-out prompts with",
+            "data.eval_sources='prompts=GLOB', or set train.eval_every=0."))
+    return train, held
 
 
 class PromptBatches:

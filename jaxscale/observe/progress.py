@@ -28,7 +28,8 @@ class ProgressBar:
     share of pairs whose chosen response the model rewards above the rejected one), an RL
     run's mean reward and KL (`reward`, `kl`), an MoE
     model's expert load (busiest/idlest expert relative to a balanced load, `load=1.40/0.60`)
-    and the latest eval loss (and eval reward accuracy) once one is known.
+    and the latest eval loss (and eval reward accuracy, or an RL run's held-out reward
+    `eval_reward`) once one is known.
     """
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True,
@@ -41,6 +42,7 @@ class ProgressBar:
         self._print_every = print_every or max(1, total // 20)
         self._eval_loss: float | None = None
         self._eval_accuracy: float | None = None
+        self._eval_reward: float | None = None
         self._start = time.perf_counter()
         self._warned_dropped = False
         if enabled and self._stream.isatty():
@@ -71,6 +73,10 @@ class ProgressBar:
             self._eval_accuracy = float(metrics["eval_reward_accuracy"])
         if self._eval_accuracy is not None:
             shown["eval_acc"] = f"{self._eval_accuracy:.2f}"
+        if metrics.get("eval_reward_mean") is not None:  # an RL run's held-out prompts
+            self._eval_reward = float(metrics["eval_reward_mean"])
+        if self._eval_reward is not None:
+            shown["eval_reward"] = f"{self._eval_reward:.3f}"
         return shown
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -90,7 +96,7 @@ class ProgressBar:
             self._bar.update(step - self._last)
             self._bar.set_postfix(shown)
         elif (step - self._printed >= self._print_every or step >= self.total
-              or "eval_loss" in metrics):
+              or "eval_loss" in metrics or "eval_reward_mean" in metrics):
             elapsed = time.perf_counter() - self._start
             text = " ".join(f"{k}={v}" for k, v in shown.items())
             print(f"step {step}/{self.total} {text} ({elapsed:.0f}s)", file=self._stream,

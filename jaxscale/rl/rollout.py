@@ -27,6 +27,11 @@ updates of one rollout carries that rollout's batch in its data state (a checkpo
 is a multiple of updates_per_rollout never needs to). The run's metrics (`metrics()`, logged
 with the step's) are the means over the rollouts since the last log, with the seconds spent in
 rollouts (`rollout_s`: sampling, scoring and rewards) and in updates (`update_s`).
+
+Held-out rewards (`HeldOutRewards`): the prompts `data/prompts.py` holds out (`data.eval_sources`
+or a stable-hash `data.eval_fraction` of the records, never trained on) are decoded greedily at
+each `train.eval_every` and scored by the same reward functions; `Trainer.evaluate` asks the
+batch source for them (`evaluate`), as it asks it to `follow` the state and for its `metrics`.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import ml_collections as mlc
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxscale.data.prompts import Prompt, PromptSet
+from jaxscale.data.prompts import Prompt, digest, training_and_heldout
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.inference.sampling import Sampler, Sampling
 from jaxscale.objectives import Settings
@@ -64,7 +69,8 @@ def stop_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def check_same_prompts(digests_PD: np.ndarray, sources: str) -> None:
+def check_same_prompts(digests_PD: np.ndarray, sources: str, field: str = "data.sources"
+                       ) -> None:
     """Every process must have read the same prompts (`PromptSet.digest`, one row a process):
     each builds the whole rollout batch from them, and the sampler takes its prompts as the
     same (replicated) input on every process, so a host with other files would corrupt it."""
@@ -72,7 +78,7 @@ def check_same_prompts(digests_PD: np.ndarray, sources: str) -> None:
               if not np.array_equal(digests_PD[p], digests_PD[0])]
     if differ:
         raise ConfigError(paragraph(
-            f"data.sources={sources!r} holds other prompts on process {differ[0]} (of",
+            f"{field}={sources!r} holds other prompts on process {differ[0]} (of",
             f"{len(digests_PD)}; {int(digests_PD[differ[0]][0])} prompts) than on process 0",
             f"({int(digests_PD[0][0])} prompts): every process builds the whole rollout batch",
             "from them, so all must read the same records. Put the prompts where every host",
@@ -103,10 +109,14 @@ class RolloutSource:
         config, ctx = trainer.config, trainer.ctx
         self.s = s = Settings.from_config(config.objective)
         self.rows, self.width = config.data.batch_size, config.data.seq_len + 1
-        self.prompts = PromptSet(config, config.data.seq_len - s.max_new_tokens)
+        self.prompts, heldout = training_and_heldout(config,
+                                                     config.data.seq_len - s.max_new_tokens)
         if jax.process_count() > 1:  # every process builds the whole batch from them
-            check_same_prompts(multihost_utils.process_allgather(self.prompts.digest()),
-                               config.data.sources)
+            both = multihost_utils.process_allgather(
+                np.concatenate([self.prompts.digest(), digest(heldout)]))
+            check_same_prompts(both[:, :5], config.data.sources)
+            held = "eval_sources" if config.data.get("eval_sources") else "sources"
+            check_same_prompts(both[:, 5:], config.data[held], f"data.{held}")
         self.rewards = load_rewards(s.rewards)
         tok = self.prompts.tokenizer
         self.tokenizer, self.stops = tok, stop_ids(tok)
@@ -115,6 +125,9 @@ class RolloutSource:
         self.sampler = Sampler(ctx.model_def, sampling, ctx.rules, ctx.mesh,
                                config.model.get("max_len", 0))
         self.ctx, self.to_global = ctx, trainer.to_global
+        self.held_out = HeldOutRewards(
+            self, heldout[:config.data.eval_batches * config.data.batch_size],
+            config.model.get("max_len", 0))
         self.key = jax.random.fold_in(jax.random.key(config.seed), SALT)
         self._score = self._scorer()
         self.state: TrainState | None = None
@@ -167,6 +180,12 @@ class RolloutSource:
             self.cached = self._rollout(self.position // self.s.updates_per_rollout)
         self.position += 1
         return self.cached
+
+    def evaluate(self, state: TrainState) -> dict[str, float]:
+        """The held-out rewards of `state`'s weights (`HeldOutRewards.metrics`), which the loop
+        logs as `eval_<name>` (`Trainer.evaluate` asks this source for them)."""
+        params = merge_trees(state.params, state.frozen) if state.frozen else state.params
+        return self.held_out.metrics(params)
 
     def metrics(self) -> dict[str, float]:
         """The means over the rollouts since the last call, and the time split."""
@@ -254,6 +273,65 @@ class RolloutSource:
             ids.pop()
         text = self.tokenizer.decode(ids)
         return [{"role": "assistant", "content": text}] if prompt.chat else text
+
+
+class HeldOutRewards:
+    """A `grpo` run's held-out metrics: each held-out prompt (at most data.eval_batches x
+    data.batch_size of them, in file order) decoded GREEDILY (temperature 0, one completion,
+    objective.max_new_tokens, the rollouts' stop ids) with the weights being trained, and
+    scored by the run's reward functions (process 0 scores and broadcasts, as for rollouts).
+    Greedy decoding is deterministic, so two evaluations differ only by the weights: the
+    metric is comparable eval to eval, where a sampled rollout's reward also carries the draw.
+
+    The prompts go through the sampler in chunks of data.batch_size (the rollout sampler's
+    rows, which the mesh's batch axes divide), the last chunk filled with repeats of its
+    first prompt, so the sampler compiles once per prompt-length bucket and is kept from one
+    evaluation to the next; it is built at the first evaluation (a run with
+    train.eval_every=0 builds and decodes nothing)."""
+
+    def __init__(self, source: RolloutSource, prompts: list[Prompt], max_len: int):
+        self.source, self.prompts, self.max_len = source, prompts, max_len
+        self.sampler: Sampler | None = None
+
+    def _decode(self, params: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, lengths, stopped) of the greedy completion of every prompt, on every
+        process."""
+        src = self.source
+        if self.sampler is None:
+            greedy = Sampling(temperature=0.0, n=1, stop_ids=src.stops,
+                              pad_id=src.tokenizer.pad_id)
+            self.sampler = Sampler(src.ctx.model_def, greedy, src.ctx.rules, src.ctx.mesh,
+                                   self.max_len)
+        parts = []
+        for start in range(0, len(self.prompts), src.rows):
+            chunk = [p.ids for p in self.prompts[start:start + src.rows]]
+            out = self.sampler(params, chunk + [chunk[0]] * (src.rows - len(chunk)),
+                               jax.random.key(0), src.s.max_new_tokens)  # greedy: unused
+            parts.append([x[:len(chunk)] for x in _fetch((out.tokens, out.lengths,
+                                                          out.stopped))])
+        tokens, lengths, stopped = (np.concatenate(x) for x in zip(*parts))
+        return tokens, lengths, stopped
+
+    def metrics(self, params: Any) -> dict[str, float]:
+        """`reward_mean` (the weighted sum of the reward functions, averaged over the held-out
+        prompts), `reward/<function>`, `completion_length` (tokens, a stop token included) and
+        `truncated_fraction` (completions that hit objective.max_new_tokens) of `params`."""
+        if not self.prompts:
+            raise ConfigError(paragraph(
+                "This grpo run has no held-out prompt to evaluate: data.eval_fraction held out",
+                "none of data.sources' records. Raise data.eval_fraction, or give held-out",
+                "prompts with data.eval_sources='prompts=GLOB'."))
+        tokens, lengths, stopped = self._decode(params)
+        src = self.source
+        completions = [src._completion(p, tokens[r, :lengths[r]])
+                       for r, p in enumerate(self.prompts)]
+        total, per_function = score_everywhere(
+            src.rewards, [p.prompt for p in self.prompts], completions,
+            [p.record for p in self.prompts])
+        return {"reward_mean": float(total.mean()),
+                **{f"reward/{k}": float(v.mean()) for k, v in per_function.items()},
+                "completion_length": float(lengths.mean()),
+                "truncated_fraction": float(1.0 - stopped.mean())}
 
 
 def prepare_grpo(config: mlc.ConfigDict, workdir: str, hooks: Any = ()) -> Trainer:

@@ -105,11 +105,19 @@ class Trainer:
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """The held-out metrics of `state` on the run's held-out batches: those of `jaxscale
         evaluate` (`HeldOut`), logged as `eval_loss`, `eval_accuracy` (and `eval_perplexity`),
-        or a preference objective's `eval_reward_accuracy`, ..."""
+        or a preference objective's `eval_reward_accuracy`, ... A batch source with held-out
+        metrics of its own (`evaluate(state)`: a grpo run's rollouts, whose held-out prompts
+        are decoded, not scored as rows) gives them instead, all of them logged."""
+        if self._own_eval is not None:
+            return self._own_eval(state)
         params = merge_trees(state.params, state.frozen) if state.frozen else state.params
         reference = self.ctx.bound_reference(state)
         return self.heldout.metrics(params, map(self.to_global, self.eval_data),
                                     None if reference is None else reference[1])
+
+    @property
+    def _own_eval(self) -> Any:
+        return getattr(self.batches, "evaluate", None)
 
     def flops_per_token(self) -> float | None:
         return model_flops_per_token(self.config.model, self.config.data.seq_len)
@@ -203,7 +211,8 @@ class Trainer:
             host.update(self.batches.metrics())
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             held = self.evaluate(state)
-            host.update({f"eval_{k}": held[k] for k in self.heldout.reported if k in held})
+            reported = held if self._own_eval is not None else self.heldout.reported
+            host.update({f"eval_{k}": held[k] for k in reported if k in held})
         info = replace(info, metrics=host)
         for hook in hooks:
             if hasattr(hook, "on_metrics"):
