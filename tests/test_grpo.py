@@ -153,7 +153,9 @@ def _losses(workdir: str) -> dict[int, float]:
 def test_resume_between_two_updates_of_a_rollout_is_exact(toy, tmp_path):
     toy.train.steps = 3  # rollout 0 for steps 1-2, rollout 1 for step 3
     toy.checkpoint.every = 1
-    prepare_grpo(toy, str(tmp_path / "whole")).run()
+    trainer = prepare_grpo(toy, str(tmp_path / "whole"))
+    trainer.run()
+    assert trainer.batches.held_out.sampler is None  # train.eval_every=0: no eval decoding
     # Stopped after step 1: its checkpoint holds rollout 0's batch for step 2.
     parts = tmp_path / "parts"
     (parts / "checkpoints").mkdir(parents=True)
@@ -170,6 +172,7 @@ def test_resume_between_two_updates_of_a_rollout_is_exact(toy, tmp_path):
     assert all(name in logged[i] for i in (0, 2) for name in reported), logged  # rollouts
     assert logged[0]["completion_length_max"] <= toy.objective.max_new_tokens
     assert "reward_mean" not in logged[1] and "update_s" in logged[1]  # step 1's rollout again
+    assert not any(k.startswith("eval_") for m in logged for k in m)
 
 
 @pytest.mark.slow
