@@ -13,7 +13,6 @@ iterator state (saved in checkpoints) resumes mid-epoch exactly. The held-out sp
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -26,7 +25,14 @@ from jaxscale.data.chat import find_template
 from jaxscale.data.chat_sources import kind_of
 from jaxscale.data.doc_index import default_exchange
 from jaxscale.data.packing import PACKINGS, make_rows
-from jaxscale.data.sources import SourceSpec, expand, open_source, parse_sources, prepared_kind
+from jaxscale.data.sources import (
+    SourceSpec,
+    expand,
+    hash_heldout,
+    open_source,
+    parse_sources,
+    prepared_kind,
+)
 from jaxscale.data.tokenizer import BYTES, check_vocab, file_hash, load_tokenizer
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.storage import locations
@@ -80,14 +86,6 @@ class MixtureBatches:
         if state is not None:
             it.set_state(state)
         return it
-
-
-def hash_heldout(keys: list[str], fraction: float) -> np.ndarray:
-    """True for the keys whose stable hash (32 bits of sha1) is below `fraction`: the same
-    split on every run, process and Python, whatever order the keys come in."""
-    buckets = np.asarray([int(hashlib.sha1(k.encode()).hexdigest()[:8], 16) for k in keys],
-                         np.int64)
-    return buckets < fraction * 0x100000000
 
 
 def heldout_mask(source: Any, fraction: float) -> np.ndarray:

@@ -33,9 +33,8 @@ from typing import Any
 import numpy as np
 
 from jaxscale.data.chat import encoder as chat_encoder
-from jaxscale.data.mixture import hash_heldout
 from jaxscale.data.readers import DataError
-from jaxscale.data.sources import expand, parse_sources
+from jaxscale.data.sources import expand, hash_heldout, parse_sources
 from jaxscale.data.tokenizer import BYTES, load_tokenizer
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.storage import data_files

@@ -19,6 +19,7 @@ and line (or skip and count them with `data.skip_bad_records`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -121,6 +122,14 @@ class DocSource:
 
     def subset(self, keep: np.ndarray) -> "DocSource":
         return DocSource(self.reader, self.ids[keep])
+
+
+def hash_heldout(keys: list[str], fraction: float) -> np.ndarray:
+    """True for the keys whose stable hash (32 bits of sha1) is below `fraction`: the same
+    split on every run, process and Python, whatever order the keys come in."""
+    buckets = np.asarray([int(hashlib.sha1(k.encode()).hexdigest()[:8], 16) for k in keys],
+                         np.int64)
+    return buckets < fraction * 0x100000000
 
 
 def check_ids(ids: np.ndarray, vocab_size: int, where: Callable[[], str], first: int,
