@@ -1,6 +1,6 @@
 """GRPO across real processes (jax.distributed, gloo CPU collectives): 2 processes x 2 simulated
 devices run `train_grpo` exactly like 1 process x 4 devices (same global mesh data=4): the same
-losses, gradient norms, KL and rewards, step by step; the reward function runs on process 0
+losses, gradient norms, KL, rewards and held-out rewards, step by step; the reward function runs on process 0
 only (its rewards are broadcast); only process 0 writes metrics; a checkpoint taken between
 two updates of a rollout resumes on 2 processes to the uninterrupted run's losses; and a reward
 function that fails on process 0 stops every process with one paragraph, none left waiting.
@@ -31,17 +31,19 @@ def broken(prompts, completions, records):
     raise KeyError("answer")
 '''
 # 4 prompts x 4 completions; steps 1-2 train on rollout 0 (the second with ratios off 1), step
-# 3 on rollout 1, sampled with the weights two updates made.
+# 3 on rollout 1, sampled with the weights two updates made; then the held-out prompts (4 of
+# the 16) are decoded greedily and rewarded.
 GRPO = ["--config=tiny_lm:test", "--config.data.sources=prompts=prompts.jsonl",
         "--config.data.batch_size=16", "--config.objective.name=grpo",
         "--config.objective.rewards=toy_reward:digits", "--config.objective.num_generations=4",
         "--config.objective.max_new_tokens=8", "--config.objective.beta=0.05",
         "--config.objective.updates_per_rollout=2", "--config.objective.epsilon=0.1",
         "--config.optim.lr=3e-2", "--config.optim.warmup_steps=0", "--config.train.steps=3",
-        "--config.train.log_every=1", "--config.train.eval_every=0",
-        "--config.checkpoint.every=1"]
+        "--config.train.log_every=1", "--config.train.eval_every=3",
+        "--config.data.eval_fraction=0.25", "--config.checkpoint.every=1"]
 COMPARED = ("loss", "grad_norm", "kl", "clip_fraction", "reward_mean", "reward_std",
-            "reward/digits", "completion_length", "truncated_fraction")
+            "reward/digits", "completion_length", "truncated_fraction", "eval_reward_mean",
+            "eval_reward/digits", "eval_completion_length", "eval_truncated_fraction")
 
 
 def _run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
@@ -83,8 +85,10 @@ def test_two_processes_train_and_reward_as_one(runs):
                 assert two[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-7), (
                     step, key)
     assert "reward_mean" in two[3]  # rollout 1 was sampled, scored and rewarded on 2 processes
-    # The reward function ran once per rollout, on process 0 only; process 0 alone logged.
-    assert (root / "multi" / "calls.txt").read_text().split() == ["0", "0"]
+    assert "eval_reward_mean" in two[3] and "eval_reward_mean" not in two[2]
+    # The reward function ran once per rollout and once for the held-out prompts, on process 0
+    # only; process 0 alone logged.
+    assert (root / "multi" / "calls.txt").read_text().split() == ["0", "0", "0"]
     assert [p.name for p in (root / "multi").rglob("metrics.jsonl")] == ["metrics.jsonl"]
     assert "[p0] jaxscale: mesh data=4 pipeline=1 fsdp=1 tensor=1 (4 cpu devices)" in multi.stdout
     assert "[p1] step" not in multi.stdout

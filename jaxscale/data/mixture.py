@@ -256,7 +256,8 @@ def files_heldout(config: Any, process_index: int, process_count: int) -> list:
     if configured_kind(config.data) == "prompts":
         raise ConfigError(paragraph(
             "This run trained on prompts=GLOB (an RL objective), which have no held-out rows to",
-            "score: its rewards are in metrics.jsonl. Evaluate the model on a benchmark with",
+            "score: its rewards, and with train.eval_every its held-out prompts' greedy",
+            "eval_reward_mean, are in metrics.jsonl. Evaluate the model on a benchmark with",
             "`jaxscale lm-eval --model jaxscale --model_args workdir=DIR` (docs/rl.md), or give",
             "held-out text with --eval_sources."))
     return files_data(config, process_index, process_count, require_heldout=True)[1]
