@@ -2,8 +2,9 @@
 devices run `train_grpo` exactly like 1 process x 4 devices (same global mesh data=4): the same
 losses, gradient norms, KL, rewards and held-out rewards, step by step; the reward function
 runs on process 0 only (its rewards are broadcast); only process 0 writes metrics; a checkpoint
-taken between two updates of a rollout resumes on 2 processes to the uninterrupted run's losses; and a reward
-function that fails on process 0 stops every process with one paragraph, none left waiting.
+taken between two updates of a rollout resumes on 2 processes to the uninterrupted run's
+losses; and a reward function that fails on process 0 stops every process with one paragraph,
+none left waiting.
 """
 
 from __future__ import annotations
