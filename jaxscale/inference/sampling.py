@@ -34,9 +34,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.models.nn.scan import copy_layer_weights, layer_caches
 from jaxscale.rules import AxisRules, use_rules
 
 MIN_BUCKET = 16  # the shortest prompt bucket: tiny prompts share one program
+UNROLL_LAYERS = 16  # models up to this deep decode layers unrolled (compile time grows with it)
 
 
 class GenerateError(JaxscaleError):
@@ -194,10 +196,14 @@ class Sampler:
     model's context, which prompt plus new tokens may not exceed (0: unchecked)."""
 
     def __init__(self, model_def: Any, sampling: Sampling = Sampling(),
-                 rules: AxisRules | None = None, mesh: Mesh | None = None, max_len: int = 0):
+                 rules: AxisRules | None = None, mesh: Mesh | None = None, max_len: int = 0,
+                 unroll_layers: int = UNROLL_LAYERS, copy_weights: bool | None = None):
         sampling.check()
         self.model_def, self.sampling, self.rules, self.mesh = model_def, sampling, rules, mesh
-        self.max_len = int(max_len)
+        self.max_len, self.unroll_layers = int(max_len), int(unroll_layers)
+        if copy_weights is None:  # on by default only where it was measured to pay
+            copy_weights = jax.default_backend() == "cpu" and (mesh is None or mesh.size == 1)
+        self.copy_weights = bool(copy_weights)
         self.shapes: set[tuple[int, int, int]] = set()  # (rows, bucket, new tokens) run
         self._jitted = jax.jit(self._rollout, static_argnames=("steps",))
 
@@ -213,7 +219,7 @@ class Sampler:
         s = self.sampling
         model = self.model_def.module(params)
         b, t = prompt_BT.shape
-        cache = model.init_cache(b, t + steps)
+        cache = self._buffers(model, model.init_cache(b, t + steps))
         logits, cache = forward_cached(model, prompt_BT, jnp.int32(0), cache,
                                        **left_padded_rows(lengths_B, t))
         stop = jnp.asarray(s.stop_ids or (-1,), jnp.int32)
@@ -245,6 +251,18 @@ class Sampler:
         mask = jnp.arange(steps)[None] < count[:, None]
         tokens = jnp.where(mask, tokens, jnp.int32(s.pad_id))
         return tokens, mask, count, jnp.where(mask, logps, 0.0), done
+
+    def _buffers(self, model: nnx.Module, cache: Any) -> Any:
+        """The cache the decoding program carries: one buffer per layer (`layer_caches`), the
+        layers then unrolled, for a model of at most `unroll_layers` layers that offers it
+        (`LAYER_STACKS`); with `copy_weights`, each layer's weights sliced here once (before
+        the decoding loop). Else the stacked cache, the layers scanned."""
+        layers = jax.tree.leaves(cache)[0].shape[0]
+        if not hasattr(model, "LAYER_STACKS") or layers > self.unroll_layers:
+            return cache
+        if self.copy_weights:
+            copy_layer_weights(model, model.LAYER_STACKS)
+        return layer_caches(cache)
 
     def compiles(self) -> int:
         """How many programs jit holds (one per (rows, bucket, new tokens) seen)."""
