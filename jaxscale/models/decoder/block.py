@@ -103,7 +103,7 @@ class LayerGroup(nnx.Module):
         """The group's output; with the group's (n, ...) `cache`, (output, updated cache)."""
         caches, per_layer = [], isinstance(cache, tuple)  # a tuple: one cache per layer
         for j, block in enumerate(self.blocks()):
-            layer_cache = (cache[j] if per_layer or cache is None
+            layer_cache = (cache[j] if per_layer else None if cache is None
                            else jax.tree.map(lambda a, j=j: a[j], cache))
             h_BTE = block(h_BTE, positions_BT, layer_cache, cache_index, segments_BT,
                           None if local is None else local[j])
