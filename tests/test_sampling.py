@@ -188,3 +188,22 @@ def test_sharded_sampler_equals_one_device(model):
     np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(single.tokens))
     np.testing.assert_allclose(np.asarray(sharded.logprobs), np.asarray(single.logprobs),
                                atol=1e-5)
+
+
+def test_per_layer_buffers_and_weight_copies_equal_the_scanned_stack(model):
+    """Decoding on one cache per layer (layers unrolled), with and without the per-call copies
+    of the layer weights, samples the very rollout of the scanned stacked cache; the scanned
+    path is what a model deeper than `unroll_layers` runs (its program has the layer scan)."""
+    model_def, params = model
+    settings, rows = Sampling(temperature=1.0, top_p=0.9, n=2), prompts()
+    runs = {(unroll, copy): Sampler(model_def, settings, unroll_layers=unroll, copy_weights=copy)
+            for unroll, copy in [(0, False), (16, False), (16, True)]}
+    outs = [s(params, rows, jax.random.key(3), STEPS) for s in runs.values()]
+    for out in outs[1:]:
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(outs[0].tokens))
+        np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(outs[0].logprobs),
+                                   atol=1e-6)
+    greedy = lambda unroll: jax.make_jaxpr(
+        lambda p: Sampler(model_def, unroll_layers=unroll)._rollout(
+            p, jnp.ones((1, 16), jnp.int32), jnp.full((1,), 16), jax.random.key(0), steps=2))
+    assert " scan[" in str(greedy(0)(params)) and " scan[" not in str(greedy(16)(params))

@@ -10,8 +10,19 @@ the sampler thousands of times with prompts of varying lengths. `jaxscale genera
 build a fresh jitted function per call (a compile each time); here prompts are left-padded to a
 power-of-two bucket and the compiled program is kept per (rows, bucket, max new tokens), so a
 new call with known shapes runs straight away (`Sampler.compiles()` counts them). The parameters
-are used where they are (no copy), and the KV cache, made by the model in its own layout, is
-sharded by the rules of the mesh it is given, as in training.
+are used where they are, and the KV cache, made by the model in its own layout, is sharded by
+the rules of the mesh it is given, as in training.
+
+Per-layer buffers (`unroll_layers`, `copy_weights`): a model of at most `unroll_layers` layers
+(default 16) decodes on one cache array per layer with its layers unrolled, instead of one
+stacked (L, ...) cache and a layer scan: XLA:CPU copies each layer's slice of a stack out of it
+to feed the dots (a fifth of a decoding step for the cache, measured in bench/RESULTS.md), and
+per-layer arrays are read where they are. The stacked weights are sliced the same way: with
+`copy_weights` each layer's weights are sliced once per call, before the decoding loop, which
+costs a transient second copy of the layer weights for the duration of the call (slices inside
+the loop, static or not, are copied on every step); without it they are sliced in the loop.
+By default the copy is made only on a CPU backend without a sharded mesh, where it was measured
+to pay; deeper models keep the scan (unrolling adds ~0.5 s of compile a layer on CPU).
 
 Decoding runs in a `lax.while_loop` that ends when every row has emitted one of `stop_ids`
 (EOS, end-of-turn) or `max_new_tokens` are out: a row's stop token is kept and counted in its
@@ -193,7 +204,9 @@ class Sampler:
 
     `rules` / `mesh`: the training mesh's, so the KV cache is sharded like training's
     activations; params may already be placed there (they are used in place). `max_len`: the
-    model's context, which prompt plus new tokens may not exceed (0: unchecked)."""
+    model's context, which prompt plus new tokens may not exceed (0: unchecked).
+    `unroll_layers` (0: always scanned) and `copy_weights` (None: on a CPU backend without a
+    sharded mesh): per-layer buffers, see the module docstring."""
 
     def __init__(self, model_def: Any, sampling: Sampling = Sampling(),
                  rules: AxisRules | None = None, mesh: Mesh | None = None, max_len: int = 0,

@@ -4,8 +4,8 @@ The model knows nothing of meshes, training or checkpoints: it declares logical 
 `constrain` on key activations. The layer stack is one `Block` (`block.py`) whose parameters
 carry a leading `layers` dimension; `__call__` scans over it, and `embed` / `run_layers` / `head`
 are exposed so a pipeline schedule can drive the same stack stage by stage. Decoding passes a
-stacked cache (`init_cache`) and the slot to write at: the same modules then return (logits,
-updated cache). Its config and checks are in `config.py`; the language-model task (`LM`: the
+stacked cache (`init_cache`; or a tuple of one cache per layer, `nn/scan.layer_caches`) and the
+slot to write at: the same modules then return (logits, updated cache). Its config and checks are in `config.py`; the language-model task (`LM`: the
 next-token loss, the packed batch's preparation and the held-out sums) in `lm_task.py`; its FLOP
 counts in `flops.py`.
 """

@@ -10,6 +10,10 @@ keep: the model tags its key activations with `jax.ad_checkpoint.checkpoint_name
 offloads to pinned host memory (saved there in the forward pass, copied back for the backward);
 everything else in the layer is recomputed. A remat policy only changes what the backward pass
 recomputes, never the values: every policy gives the loss and gradients of `none`.
+
+Decoding may instead carry one cache per layer (`layer_caches`): the layers then run unrolled,
+each on its own buffer, optionally on weights sliced once per call (`LayerCopies`), because
+XLA:CPU copies any slice of a stacked array that feeds a dot (the rollout sampler's choice).
 """
 
 from __future__ import annotations
