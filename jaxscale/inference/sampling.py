@@ -268,11 +268,15 @@ class Sampler:
     def _buffers(self, model: nnx.Module, cache: Any) -> Any:
         """The cache the decoding program carries: one buffer per layer (`layer_caches`), the
         layers then unrolled, for a model of at most `unroll_layers` layers that offers it
-        (`LAYER_STACKS`); with `copy_weights`, each layer's weights sliced here once (before
-        the decoding loop). Else the stacked cache, the layers scanned."""
+        (`LAYER_STACKS`) whose layers the mesh does not split (pipeline stages); with
+        `copy_weights`, each layer's weights sliced here once (before the decoding loop). Else
+        the stacked cache, the layers scanned."""
         layers = jax.tree.leaves(cache)[0].shape[0]
         if not hasattr(model, "LAYER_STACKS") or layers > self.unroll_layers:
             return cache
+        if self.rules is not None and self.mesh is not None and self.rules.spec(
+                ("layers",), (layers,), self.mesh, warn=False)[0] is not None:
+            return cache  # layers split over pipeline stages: each stage scans its own
         if self.copy_weights:
             copy_layer_weights(model, model.LAYER_STACKS)
         return layer_caches(cache)
