@@ -51,7 +51,7 @@ def best_of(fn, repeats: int) -> tuple[float, object]:
     return best, out
 
 
-def profile(call, hlo_text: str, steps: int, top: int = 16) -> None:
+def profile(call, hlo_text: str, steps: int, top: int = int(os.environ.get("TOP", "16"))) -> None:
     """The top ops of one traced `call` (a warm Sampler call), in ms a decoding step, each with
     the jax operation it came from (its `op_name` in the compiled program `hlo_text`)."""
     from jaxscale.observe.profiling import summarize

@@ -10,8 +10,19 @@ the sampler thousands of times with prompts of varying lengths. `jaxscale genera
 build a fresh jitted function per call (a compile each time); here prompts are left-padded to a
 power-of-two bucket and the compiled program is kept per (rows, bucket, max new tokens), so a
 new call with known shapes runs straight away (`Sampler.compiles()` counts them). The parameters
-are used where they are (no copy), and the KV cache, made by the model in its own layout, is
-sharded by the rules of the mesh it is given, as in training.
+are used where they are, and the KV cache, made by the model in its own layout, is sharded by
+the rules of the mesh it is given, as in training.
+
+Per-layer buffers (`unroll_layers`, `copy_weights`): a model of at most `unroll_layers` layers
+(default 16) decodes on one cache array per layer with its layers unrolled, instead of one
+stacked (L, ...) cache and a layer scan: XLA:CPU copies each layer's slice of a stack out of it
+to feed the dots (a fifth of a decoding step for the cache, measured in bench/RESULTS.md), and
+per-layer arrays are read where they are. The stacked weights are sliced the same way: with
+`copy_weights` each layer's weights are sliced once per call, before the decoding loop, which
+costs a transient second copy of the layer weights for the duration of the call (slices inside
+the loop, static or not, are copied on every step); without it they are sliced in the loop.
+By default the copy is made only on a CPU backend without a sharded mesh, where it was measured
+to pay; deeper models keep the scan (unrolling adds ~0.5 s of compile a layer on CPU).
 
 Decoding runs in a `lax.while_loop` that ends when every row has emitted one of `stop_ids`
 (EOS, end-of-turn) or `max_new_tokens` are out: a row's stop token is kept and counted in its
@@ -34,9 +45,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.models.nn.scan import copy_layer_weights, layer_caches
 from jaxscale.rules import AxisRules, use_rules
 
 MIN_BUCKET = 16  # the shortest prompt bucket: tiny prompts share one program
+UNROLL_LAYERS = 16  # models up to this deep decode layers unrolled (compile time grows with it)
 
 
 class GenerateError(JaxscaleError):
@@ -191,13 +204,19 @@ class Sampler:
 
     `rules` / `mesh`: the training mesh's, so the KV cache is sharded like training's
     activations; params may already be placed there (they are used in place). `max_len`: the
-    model's context, which prompt plus new tokens may not exceed (0: unchecked)."""
+    model's context, which prompt plus new tokens may not exceed (0: unchecked).
+    `unroll_layers` (0: always scanned) and `copy_weights` (None: on a CPU backend without a
+    sharded mesh): per-layer buffers, see the module docstring."""
 
     def __init__(self, model_def: Any, sampling: Sampling = Sampling(),
-                 rules: AxisRules | None = None, mesh: Mesh | None = None, max_len: int = 0):
+                 rules: AxisRules | None = None, mesh: Mesh | None = None, max_len: int = 0,
+                 unroll_layers: int = UNROLL_LAYERS, copy_weights: bool | None = None):
         sampling.check()
         self.model_def, self.sampling, self.rules, self.mesh = model_def, sampling, rules, mesh
-        self.max_len = int(max_len)
+        self.max_len, self.unroll_layers = int(max_len), int(unroll_layers)
+        if copy_weights is None:  # on by default only where it was measured to pay
+            copy_weights = jax.default_backend() == "cpu" and (mesh is None or mesh.size == 1)
+        self.copy_weights = bool(copy_weights)
         self.shapes: set[tuple[int, int, int]] = set()  # (rows, bucket, new tokens) run
         self._jitted = jax.jit(self._rollout, static_argnames=("steps",))
 
@@ -213,7 +232,7 @@ class Sampler:
         s = self.sampling
         model = self.model_def.module(params)
         b, t = prompt_BT.shape
-        cache = model.init_cache(b, t + steps)
+        cache = self._buffers(model, model.init_cache(b, t + steps))
         logits, cache = forward_cached(model, prompt_BT, jnp.int32(0), cache,
                                        **left_padded_rows(lengths_B, t))
         stop = jnp.asarray(s.stop_ids or (-1,), jnp.int32)
@@ -245,6 +264,22 @@ class Sampler:
         mask = jnp.arange(steps)[None] < count[:, None]
         tokens = jnp.where(mask, tokens, jnp.int32(s.pad_id))
         return tokens, mask, count, jnp.where(mask, logps, 0.0), done
+
+    def _buffers(self, model: nnx.Module, cache: Any) -> Any:
+        """The cache the decoding program carries: one buffer per layer (`layer_caches`), the
+        layers then unrolled, for a model of at most `unroll_layers` layers that offers it
+        (`LAYER_STACKS`) whose layers the mesh does not split (pipeline stages); with
+        `copy_weights`, each layer's weights sliced here once (before the decoding loop). Else
+        the stacked cache, the layers scanned."""
+        layers = jax.tree.leaves(cache)[0].shape[0]
+        if not hasattr(model, "LAYER_STACKS") or layers > self.unroll_layers:
+            return cache
+        if self.rules is not None and self.mesh is not None and self.rules.spec(
+                ("layers",), (layers,), self.mesh, warn=False)[0] is not None:
+            return cache  # layers split over pipeline stages: each stage scans its own
+        if self.copy_weights:
+            copy_layer_weights(model, model.LAYER_STACKS)
+        return layer_caches(cache)
 
     def compiles(self) -> int:
         """How many programs jit holds (one per (rows, bucket, new tokens) seen)."""

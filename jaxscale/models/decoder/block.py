@@ -101,16 +101,18 @@ class LayerGroup(nnx.Module):
                  cache_index: jax.Array | None = None, segments_BT: jax.Array | None = None,
                  local: jax.Array | None = None) -> jax.Array | tuple[jax.Array, Any]:
         """The group's output; with the group's (n, ...) `cache`, (output, updated cache)."""
-        caches = []
+        caches, per_layer = [], isinstance(cache, tuple)  # a tuple: one cache per layer
         for j, block in enumerate(self.blocks()):
-            layer_cache = None if cache is None else jax.tree.map(lambda a, j=j: a[j], cache)
+            layer_cache = (cache[j] if per_layer else None if cache is None
+                           else jax.tree.map(lambda a, j=j: a[j], cache))
             h_BTE = block(h_BTE, positions_BT, layer_cache, cache_index, segments_BT,
                           None if local is None else local[j])
             if cache is not None:
                 h_BTE, layer_cache = h_BTE
                 caches.append(layer_cache)
-        return h_BTE if cache is None else (h_BTE, jax.tree.map(
-            lambda *a: jnp.stack(a), *caches))
+        if cache is None or per_layer:
+            return h_BTE if cache is None else (h_BTE, tuple(caches))
+        return h_BTE, jax.tree.map(lambda *a: jnp.stack(a), *caches)
 
 
 def layer_stack(cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs) -> Block | LayerGroup:

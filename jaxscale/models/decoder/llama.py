@@ -4,8 +4,8 @@ The model knows nothing of meshes, training or checkpoints: it declares logical 
 `constrain` on key activations. The layer stack is one `Block` (`block.py`) whose parameters
 carry a leading `layers` dimension; `__call__` scans over it, and `embed` / `run_layers` / `head`
 are exposed so a pipeline schedule can drive the same stack stage by stage. Decoding passes a
-stacked cache (`init_cache`) and the slot to write at: the same modules then return (logits,
-updated cache). Its config and checks are in `config.py`; the language-model task (`LM`: the
+stacked cache (`init_cache`; or a tuple of one cache per layer, `nn/scan.layer_caches`) and the
+slot to write at: the same modules then return (logits, updated cache). Its config and checks are in `config.py`; the language-model task (`LM`: the
 next-token loss, the packed batch's preparation and the held-out sums) in `lm_task.py`; its FLOP
 counts in `flops.py`.
 """
@@ -33,6 +33,10 @@ from jaxscale.rules import constrain
 
 
 class Llama(nnx.Module):
+    # The scanned layer stacks, in layer order: a decoding program may run them unrolled on
+    # one cache per layer, their weights sliced once per call (`nn/scan.copy_layer_weights`).
+    LAYER_STACKS = ("dense_layers", "layers")
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, policy: Policy | None = None):
         policy = policy or get_policy("32-true")
         check_remat(cfg.remat)
@@ -112,11 +116,16 @@ class Llama(nnx.Module):
         if cache is not None:
             h_BTE, k = self.embed(tokens_BT), dense_first(self.cfg)
             kw = dict(cache_index=cache_index, segments_BT=segments_BT)
-            parts = [jax.tree.map(lambda a: a[:k], cache), jax.tree.map(lambda a: a[k:], cache)]
+            per_layer = isinstance(cache, tuple)  # one cache per layer (`layer_caches`)
+            split = (lambda s: cache[s]) if per_layer else (
+                lambda s: jax.tree.map(lambda a: a[s], cache))
+            parts = [split(slice(None, k)), split(slice(k, None))]
             if k:
                 h_BTE, parts[0] = scan_layers(self.dense_layers, h_BTE, positions_BT,
                                               cache=parts[0], **kw)
             h_BTE, parts[1] = scan_layers(self.layers, h_BTE, positions_BT, cache=parts[1], **kw)
+            if per_layer:
+                return self.head(h_BTE), tuple(c.constrained() for c in parts[0] + parts[1])
             if k:
                 cache = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
             else:

@@ -10,6 +10,10 @@ keep: the model tags its key activations with `jax.ad_checkpoint.checkpoint_name
 offloads to pinned host memory (saved there in the forward pass, copied back for the backward);
 everything else in the layer is recomputed. A remat policy only changes what the backward pass
 recomputes, never the values: every policy gives the loss and gradients of `none`.
+
+Decoding may instead carry one cache per layer (`layer_caches`): the layers then run unrolled,
+each on its own buffer, optionally on weights sliced once per call (`LayerCopies`), because
+XLA:CPU copies any slice of a stacked array that feeds a dot (the rollout sampler's choice).
 """
 
 from __future__ import annotations
@@ -129,6 +133,12 @@ def scan_layers(block: nnx.Module, h_BTE: jax.Array, positions_BT: jax.Array,
     Without one, what the layers sow as `nnx.Intermediate` (the MoE router's statistics) is
     left on `block`, stacked over the layers, as `nnx.scan` does.
     """
+    if isinstance(block, LayerCopies):  # weights sliced once per decoding call
+        if not isinstance(cache, tuple):
+            raise TypeError("LayerCopies runs only with one cache per layer (layer_caches).")
+        return _unrolled_cached(block.graphdef, block.states, _per_layer(block.block, per_layer),
+                                h_BTE, positions_BT, cache, (cache_index, segments_BT),
+                                getattr(block.block, "layers_per_step", 1))
     nnx.pop(block, nnx.Intermediate)  # a previous call's sown values are not layer inputs
     per_layer = _per_layer(block, per_layer)
     graphdef, state = nnx.split(block)
@@ -163,6 +173,8 @@ def _scan_cached(block: nnx.Module, graphdef: Any, state: Any, per_layer: Mappin
     (n, ...) slices."""
     n = getattr(block, "layers_per_step", 1)
     args = (cache_index, segments_BT)
+    if isinstance(cache, tuple):  # one cache per layer (`layer_caches`): the layers unrolled
+        return _unrolled_cached(graphdef, state, per_layer, h_BTE, positions_BT, cache, args, n)
     if n == 1 and hasattr(cache, "at_layer"):
         def apply_in_place(carry, xs):
             h, stack = carry
@@ -183,3 +195,54 @@ def _scan_cached(block: nnx.Module, graphdef: Any, state: Any, per_layer: Mappin
     steps = jax.tree.map(lambda a: a.reshape(-1, n, *a.shape[1:]), cache) if n > 1 else cache
     h_BTE, steps = jax.lax.scan(apply_cached, h_BTE, (state, steps, per_layer))
     return h_BTE, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), steps) if n > 1 else steps
+
+
+def layer_caches(cache: Any) -> tuple:
+    """A stacked cache (leaves (L, ...)) as a tuple of L one-layer caches, each its own buffer:
+    a decoding loop carrying these runs its layers unrolled (`_unrolled_cached`), so no step
+    copies a layer's cache out of the stack to feed attention's dots (XLA:CPU's dynamic slice
+    of the stack is a copy)."""
+    layers = jax.tree.leaves(cache)[0].shape[0]
+    return tuple(jax.tree.map(lambda a, l=l: a[l], cache) for l in range(layers))
+
+
+def _unrolled_cached(graphdef: Any, state: Any | list, per_layer: Mapping[str, Any], h_BTE: jax.Array,
+                     positions_BT: jax.Array, caches: tuple, args: tuple, n: int
+                     ) -> tuple[jax.Array, tuple]:
+    """The stack's layers (scan steps of `n` layers) one after the other in Python, each on its
+    own cache of `caches` (one per layer) and its static slice of the stacked weights `state`
+    (or its own entry of `state`, a list of per-step weights: `LayerCopies`)."""
+    out = []
+    for step in range(len(caches) // n):
+        pick = lambda a, s=step: a[s]
+        layer_cache = caches[step] if n == 1 else caches[step * n:(step + 1) * n]
+        extra = {k: pick(v) for k, v in per_layer.items()}
+        layer_state = state[step] if isinstance(state, list) else jax.tree.map(pick, state)
+        h_BTE, layer_cache = nnx.merge(graphdef, layer_state)(
+            h_BTE, positions_BT, layer_cache, *args, **extra)
+        out.extend([layer_cache] if n == 1 else layer_cache)
+    return h_BTE, tuple(out)
+
+
+class LayerCopies:
+    """A stacked block's weights sliced once into one state per scan step, for a decoding loop
+    that runs its layers unrolled on per-layer caches: made outside the loop, so the slices are
+    copied once per call instead of on every step (XLA:CPU copies a slice of the stack that
+    feeds a dot, static or dynamic, and does not hoist it out of the loop). The cost: a second,
+    transient copy of the stack's weights for the call. `scan_layers` runs it in place of the
+    block (only with `layer_caches`)."""
+
+    def __init__(self, block: nnx.Module):
+        nnx.pop(block, nnx.Intermediate)
+        self.block = block
+        self.graphdef, state = nnx.split(block)
+        steps = jax.tree.leaves(state)[0].shape[0]
+        self.states = [jax.tree.map(lambda a, s=s: a[s], state) for s in range(steps)]
+
+
+def copy_layer_weights(model: nnx.Module, names: tuple[str, ...]) -> None:
+    """Replaces the model's stacked layer blocks `names` (those it has) by their `LayerCopies`:
+    for a decoding program that runs them on `layer_caches`, and nothing else."""
+    for name in names:
+        if getattr(model, name, None) is not None:
+            setattr(model, name, LayerCopies(getattr(model, name)))
