@@ -69,9 +69,9 @@ def gather_texts(text: str) -> list[str]:
 
 
 class QuietTier(logging.Filter):
-    """Orbax logs a failed background save as several tracebacks (one per writer thread); a
-    failure under the tier's directory is reported once, by `SaveOutcomes`, so those records
-    are dropped. Orbax also warns at every array of every local save that it cannot log global
+    """Orbax logs a failed background save as several tracebacks (one per writer thread, and
+    asyncio's "never retrieved" for the writes it abandons); a failure under the tier's
+    directory is reported once, by `SaveOutcomes`, so those records are dropped. Orbax also warns at every array of every local save that it cannot log global
     sizes without a primary host: true of every local save by design, so dropped too."""
 
     def __init__(self, directory: str):

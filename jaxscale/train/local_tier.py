@@ -152,7 +152,8 @@ class LocalTier:
     def __init__(self, template: str, every: int, keep: int, workdir: str = ""):
         self.every = every
         self.directory = local_directory(template)
-        logging.getLogger("absl").addFilter(QuietTier(self.directory))
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addFilter(QuietTier(self.directory))
         _check_apart(self.directory, workdir)
         pid = jax.process_index()
         multiprocessing = ocp.options.MultiprocessingOptions(
