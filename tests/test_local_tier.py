@@ -13,6 +13,7 @@ from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
 from jaxscale.observe.metrics import read_metrics
 from jaxscale.train.checkpoint import Checkpointer
+from jaxscale.train.local_faults import FAILURES_IN_A_ROW, LocalTierFailed
 from jaxscale.train.local_tier import LocalTierHook
 from jaxscale.train.loop import prepare, train
 
@@ -116,6 +117,49 @@ def test_truncated_and_broken_local_steps_are_never_chosen(tmp_path, whole, capf
     train(_config(local), workdir)
     out = capfd.readouterr().out
     assert f"resumed from step 5 of the local tier {local}" in out
+    assert _losses(workdir) == whole
+
+
+class BreakAt:
+    """Replaces the tier by a regular file after `step` (before that step's local save)."""
+
+    order = 250
+
+    def __init__(self, directory: str, step: int):
+        self.directory, self.step = directory, step
+
+    def after_step(self, info):
+        if info.step == self.step:
+            os.rename(self.directory, self.directory + ".gone")
+            open(self.directory, "w").close()
+
+    def at_end(self, info):
+        pass
+
+
+def test_a_local_tier_failing_three_saves_in_a_row_stops_the_run_and_the_rerun_resumes(
+        tmp_path, whole, capfd):
+    """One process whose tier becomes a regular file after step 3: the local saves of steps 3,
+    4 and 5 fail (or step 2's commit, in flight then, instead of step 3's save), and the third
+    failure in a row stops the run with one paragraph, the persistent step 4 kept; with the
+    directory back the same command resumes from that step with an uninterrupted run's losses
+    (two processes: tests/test_local_tier_faults.py)."""
+    local, workdir = str(tmp_path / "local"), str(tmp_path / "run")
+    trainer = prepare(_config(local), workdir, hooks=[BreakAt(local, 3)])
+    with pytest.raises(LocalTierFailed) as e:
+        trainer.run()
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(
+        f"The local checkpoint tier (checkpoint.local_dir) failed {FAILURES_IN_A_ROW} saves in a "
+        f"row, the last at step 5, on process 0 ({local}: [Errno 20] Not a directory"), message
+    warned = [x for x in capfd.readouterr().out.splitlines() if "warning: the local" in x]
+    assert len(warned) == FAILURES_IN_A_ROW - 1
+    for hook in trainer.hooks:  # the killed process's commits in flight end with it
+        if hasattr(hook, "checkpointer"):
+            hook.checkpointer.close()
+    os.remove(local)
+    train(_config(local), workdir)
+    assert f"resumed from {workdir}/checkpoints/4 (persistent tier" in capfd.readouterr().out
     assert _losses(workdir) == whole
 
 

@@ -11,6 +11,8 @@ JSON object per line: `{"event": NAME, "time": <unix seconds>, ...}` with
 - `progress` (`step`, `seconds`: time in the loop since the previous `progress` or the start of
   the loop, less the saves in it; written on logged steps),
 - `save` (`step`, `seconds` the loop was held by it, `tier`),
+- `local_save_failed` (`step`, `processes`, `errors`, `in_a_row`: a local-tier save that failed
+  on those processes; `jaxscale.train.local_faults`),
 - `preempted` (`step`), `exit` (`step`).
 
 A process killed with SIGKILL writes no `exit`: the next `start` shows the interruption, and

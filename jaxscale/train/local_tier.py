@@ -25,10 +25,13 @@ holds are not the ones it needs), agreed by all processes so that they restore t
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from typing import Any
 
@@ -38,17 +41,18 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
 from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.train.local_faults import (
+    LocalTierFailed,
+    QuietTier,
+    SaveOutcomes,
+    all_agree,
+    all_gather,
+    failed_processes,
+    gather_texts,
+)
 from jaxscale.train.state import TrainState
 
 MAX_AGREED = 64  # the newest steps each process offers to the agreement (a fixed-size gather)
-
-
-class _PerProcessNotes(logging.Filter):
-    """Orbax warns at every array of every local save that it cannot log global sizes without a
-    primary host: true of every local save by design, so dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "logging disabled for `primary_host=None`" not in record.getMessage()
 
 
 class LayoutChanged(Exception):
@@ -72,19 +76,6 @@ def layout_key(leaves: list[Any]) -> str:
 def local_directory(template: str) -> str:
     """This process's local tier: `template` with `{process}` replaced, made absolute."""
     return os.path.abspath(template.replace("{process}", str(jax.process_index())))
-
-
-def _all_gather(values: np.ndarray) -> np.ndarray:
-    """Every process's `values`, stacked (one process: its own, as one row)."""
-    if jax.process_count() == 1:
-        return values[None]
-    from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(values))
-
-
-def all_agree(ok: bool) -> bool:
-    """Whether `ok` holds on every process (each process passes its own)."""
-    return bool(_all_gather(np.array([int(ok)], np.int32)).min())
 
 
 def _check_apart(directory: str, workdir: str) -> None:
@@ -129,13 +120,40 @@ def _check_not_shared(directory: str) -> None:
             "checkpoint.local_dir (e.g. /ssd/tier-{process}) so that each process has its own."))
 
 
+def _check_usable(directory: str) -> None:
+    """Makes this process's tier directory and writes a probe file there; refuses, on every
+    process at once (not on the failing one alone, its peers left waiting in the next
+    collective), a tier that some process cannot use."""
+    probe = os.path.join(directory, f".jaxscale-probe-{jax.process_index()}")
+    error: OSError | None = None
+    try:
+        os.makedirs(directory, exist_ok=True)  # orbax's create=True refuses a subset
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        error = e
+    failed = failed_processes(error is None)
+    if not failed:
+        return
+    texts = gather_texts(f"{error.strerror or error}: {error.filename or directory}"
+                         if error is not None else "")
+    where = "; ".join(f"{'this process' if jax.process_count() == 1 else f'process {p}'} "
+                      f"({texts[p]})" for p in failed)
+    raise JaxscaleError(paragraph(
+        f"checkpoint.local_dir cannot be used as the local tier of {where}: a regular file, a",
+        "path below one, a read-only filesystem, or no permission. Give a writable directory",
+        "on the host's own disk (it may contain {process})."))
+
+
 class LocalTier:
     """This process's orbax manager of the local tier (see the module docstring)."""
 
     def __init__(self, template: str, every: int, keep: int, workdir: str = ""):
         self.every = every
-        logging.getLogger("absl").addFilter(_PerProcessNotes())
         self.directory = local_directory(template)
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addFilter(QuietTier(self.directory))
         _check_apart(self.directory, workdir)
         pid = jax.process_index()
         multiprocessing = ocp.options.MultiprocessingOptions(
@@ -150,16 +168,12 @@ class LocalTier:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=False, enable_async_checkpointing=True,
             multiprocessing_options=multiprocessing, save_root_metadata=False,
-            enable_per_process_directory_creation=True, enable_background_delete=False)
-        try:
-            os.makedirs(self.directory, exist_ok=True)  # orbax's create=True refuses a subset
-            _check_not_shared(self.directory)
-        except OSError as e:
-            raise JaxscaleError(paragraph(
-                f"checkpoint.local_dir: {self.directory} cannot be used as this process's local",
-                f"tier ({e.strerror or e}: {e.filename or self.directory}): a regular file, a",
-                "path below one, a read-only filesystem, or no permission. Give a writable",
-                "directory on the host's own disk (it may contain {process}).")) from None
+            enable_per_process_directory_creation=True, enable_background_delete=False,
+            # a step directory that cannot be made fails save() itself, not a background
+            # thread whose array writes would wait for it for orbax's 300 s timeout
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+        _check_usable(self.directory)
+        _check_not_shared(self.directory)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers={"state": state, "data": data})
 
@@ -172,10 +186,13 @@ class LocalTier:
         (the same on every process: each takes part in the same restores, in the same
         order)."""
         mine = np.full(MAX_AGREED, -1, np.int64)
-        newest = self.steps()[-MAX_AGREED:]
+        try:
+            newest = self.steps()[-MAX_AGREED:]
+        except Exception:  # an unreadable tier offers no step (the others' still restore)
+            newest = []
         mine[:len(newest)] = newest
         held: dict[int, set[int]] = {}
-        for process, row in enumerate(_all_gather(mine)):
+        for process, row in enumerate(all_gather(mine)):
             for step in row[row >= 0]:
                 held.setdefault(int(step), set()).add(process)
         return held
@@ -223,9 +240,17 @@ class LocalTier:
             self.manager.reload()
 
     def finish(self) -> None:
-        """Waits until the last local save is committed, then closes."""
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits until the last local save is committed (raises if it failed), then closes."""
+        try:
+            self.manager.wait_until_finished()
+        finally:
+            self.manager.close()
+
+    def discard_partial(self) -> None:
+        """Removes what failed saves left (orbax's temporary step directories: never listed,
+        never restored), so that a full disk gets its space back; no save is in flight."""
+        for tmp in glob.glob(os.path.join(glob.escape(self.directory), "*.orbax-checkpoint-tmp*")):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 Restored = tuple[int, TrainState, "dict | None", str]  # step, state, data position, note
@@ -303,28 +328,55 @@ def _from_peers(tier: LocalTier, step: int, holders: set[int], state: TrainState
 class LocalTierHook:
     """Saves to the local tier on its `Interval` (after finiteness is checked, like the
     persistent saves: a NaN state never replaces a good step), and waits for the last local
-    commit at the end or a pre-emption (where the persistent tier saves the stopping step)."""
+    commit at the end or a pre-emption (where the persistent tier saves the stopping step).
+    A save that fails on any process is agreed on by all, warned about once, and training
+    goes on; `FAILURES_IN_A_ROW` failures in a row stop every process (`local_faults`)."""
 
     def __init__(self, tier: LocalTier, interval: Any, skip_nonfinite: bool,
-                 events: Any = None):
+                 events: Any = None, persistent_every: int = 0):
         from jaxscale.train.hooks import ORDER
         self.order = ORDER["checkpoint"]
         self.tier, self.interval = tier, interval
         self.skip_nonfinite, self.events = skip_nonfinite, events
+        self.outcomes = SaveOutcomes(tier.directory, persistent_every, events)
+        self.saved = 0  # the step of the last save started (its commit may be in flight)
 
     def after_step(self, info: Any) -> None:
         if self.interval.due(info.step):
             from jaxscale.train.hooks import check_finite
             check_finite(info.state, self.skip_nonfinite)
-            began = time.monotonic()
-            self.tier.save(info.step, info.state, info.data_state)
-            if self.events is not None:
+            began, step, error = time.monotonic(), self.saved, None
+            try:
+                self.tier.manager.wait_until_finished()  # the previous save's commit
+                step = info.step
+                self.tier.save(step, info.state, info.data_state)
+            except Exception as e:
+                error = e
+                self.tier.discard_partial()
+            self.saved = info.step
+            try:
+                ok = self.outcomes.agree(step, error)
+            except LocalTierFailed:  # every process stops: let the healthy tiers commit
+                with contextlib.suppress(Exception):
+                    self.tier.finish()
+                raise
+            if ok and self.events is not None:
                 self.events.timed("save", time.monotonic() - began, step=info.step,
                                   tier="local")
 
+    def _finish(self) -> None:
+        """Waits for the last local commit; a failure is agreed on and warned about, never
+        fatal here (the run has finished or is stopping, the persistent tier saves it)."""
+        error = None
+        try:
+            self.tier.finish()
+        except Exception as e:
+            error = e
+        self.outcomes.agree(self.saved, error, final=True)
+
     def at_end(self, info: Any) -> None:
-        self.tier.finish()
+        self._finish()
 
     def at_preemption(self, info: Any) -> bool:
-        self.tier.finish()
+        self._finish()
         return False

@@ -257,7 +257,7 @@ def _attach_checkpoints(trainer: Trainer) -> None:
         tier = LocalTier(c.local_dir, c.local_every, c.local_keep, trainer.workdir)
         trainer.hooks.append(LocalTierHook(
             tier, Interval(c.local_every, c.get("local_every_minutes", 0.0)),
-            trainer.config.train.skip_nonfinite, trainer.events))
+            trainer.config.train.skip_nonfinite, trainer.events, c.every))
     _resume(trainer, checkpointer, tier)
     adapters_only = bool(lora and lora.rank and lora.get("save_adapters_only", False))
     trainer.hooks.insert(0, CheckpointHook(checkpointer, trainer.config.train.skip_nonfinite,
