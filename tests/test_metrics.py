@@ -1,10 +1,13 @@
 """metrics.py: peak table, MFU arithmetic (FLOPs per token from the model table), metrics.jsonl
 writer, progress bar fallback."""
 
+import importlib.util
 import io
 import json
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +19,8 @@ from jaxscale.models.decoder.flops import flops_per_token
 from jaxscale.observe import metrics
 from jaxscale.observe.metrics import MetricsWriter, mfu, read_metrics
 from jaxscale.observe.progress import ProgressBar
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("kind, expected", [
@@ -91,6 +96,24 @@ def test_tensorboard_event_file(tmp_path):
     w.close()
     files = os.listdir(tmp_path / "tensorboard")
     assert any(f.startswith("events.out.tfevents") for f in files), files
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_tensorboard_leaves_torch_unimported_and_importable(tmp_path):
+    """tensorboardX would import torch (seconds of every run's start) only for type hints: the
+    writer imports it with torch refused, in a fresh process (pytest's has torch already)."""
+    code = ("import os, sys\n"
+            "from jaxscale.observe.metrics import MetricsWriter\n"
+            f"w = MetricsWriter({str(tmp_path)!r})\n"
+            "w.write(1, {'loss': 1.5})\n"
+            "w.close()\n"
+            "assert 'torch' not in sys.modules, 'tensorboardX imported torch'\n"
+            f"assert os.listdir({str(tmp_path / 'tensorboard')!r})\n"
+            "import torch\n"
+            "torch.zeros(1)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_progress_bar_plain_lines():

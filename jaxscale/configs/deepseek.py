@@ -1,6 +1,6 @@
 """DeepSeek presets (latent attention, DeepSeek's mixture of experts): `--config=deepseek:SIZE`.
 
-    --config=deepseek:tiny      a tiny DeepSeek-V3-shaped model on CPU (docs/moe.md)
+    --config=deepseek:tiny      a tiny DeepSeek-V3-shaped model on CPU (docs/deepseek.md)
     --config=deepseek:v2-lite   DeepSeek-V2-Lite's shape (15.7B, 2.4B active a token)
     --config=deepseek:v3        DeepSeek-V3's shape (671B, 37B active a token)
 
@@ -21,7 +21,7 @@ SIZE (the decoder of `configs/llama.py` with `model.attention_kind=latent` and `
 Both full sizes carry the published checkpoints' YaRN extension from 4,096 to 163,840 tokens
 (factor 40; V3's mscale and mscale_all_dim 1, V2-Lite's 0.707), so a converted checkpoint
 computes its own frequencies; the recipes train at 4,096. DeepSeek-V3's multi-token prediction
-module is off in every size: `--config.model.mtp_depth=1` adds it (docs/moe.md).
+module is off in every size: `--config.model.mtp_depth=1` adds it (docs/deepseek.md).
 There is no hardware target yet (the planner, `jaxscale plan --config=deepseek:v3`, is the way
 to size one); the recipes are the papers' (V3: 15,360 sequences of 4,096 tokens, lr 2.2e-4;
 V2-Lite: 4,608, lr 4.2e-4) over the byte-level stdlib corpus of `configs/llama.py`.

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.observe.metrics import MetricsWriter
+from jaxscale.observe.metrics import MetricsWriter, summary_writer
 from jaxscale.storage.locations import is_remote
 from jaxscale.storage.workdir_files import TensorBoardMirror
 
@@ -69,9 +69,8 @@ class TensorBoardLogger(Logger):
     def __init__(self, trainer: Any, start_step: int):
         self._tb = None
         if trainer.is_primary and trainer.workdir:
-            from tensorboardX import SummaryWriter
             self._mirror = TensorBoardMirror(trainer.workdir)
-            self._tb = SummaryWriter(self._mirror.local, purge_step=start_step + 1)
+            self._tb = summary_writer(self._mirror.local, start_step + 1)
 
     def on_metrics(self, info: Any) -> None:
         if self._tb is None:

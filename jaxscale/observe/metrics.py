@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,9 +80,8 @@ class MetricsWriter:
     def _tb_writer(self) -> Any:
         """Created lazily so a resume can first tell TensorBoard which steps to purge."""
         if self._tb is None and self._tensorboard:
-            from tensorboardX import SummaryWriter
             self._mirror = workdir_files.TensorBoardMirror(self.workdir)
-            self._tb = SummaryWriter(self._mirror.local, purge_step=self._purge_step)
+            self._tb = summary_writer(self._mirror.local, self._purge_step)
         return self._tb
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -140,3 +141,31 @@ def read_metrics_file(path: str) -> list[dict]:
 def read_metrics(workdir: str) -> list[dict]:
     """All records of WORKDIR/metrics.jsonl, in file order."""
     return read_metrics_file(locations.join(workdir, "metrics.jsonl"))
+
+
+class _NoTorchInThisThread:
+    """A meta-path finder that refuses `torch` to the thread that made it (`summary_writer`)."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name.partition(".")[0] == "torch" and threading.get_ident() == self.thread:
+            raise ModuleNotFoundError("torch is not imported for tensorboardX", name=name)
+        return None
+
+
+def summary_writer(logdir: str, purge_step: int | None) -> Any:
+    """A tensorboardX `SummaryWriter`. tensorboardX imports torch when it is installed only to
+    name `torch.Tensor` in its type hints: over a second of CPU at the start of every run where
+    torch is installed (the `parity` extra). We log floats, so its first import runs with torch
+    refused to this thread only (other threads, and this one afterwards, import it as usual)."""
+    finder = _NoTorchInThisThread()
+    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+        sys.meta_path.insert(0, finder)
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+    return SummaryWriter(logdir, purge_step=purge_step)
