@@ -5,7 +5,10 @@ regular file then fails with EFBIG, as a full quota does, for root too); after s
 (0: never) the limit is restored. Process 0 writes as usual. Run by
 `launch.local_multihost --module=tests.save_faults`."""
 
+import glob
+import os
 import resource
+import time
 
 import jax
 from absl import app, flags
@@ -27,11 +30,16 @@ class DenyWrites:
 
     order = 250
 
-    def __init__(self):
+    def __init__(self, checkpoints: str):
         self.limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+        self.checkpoints = checkpoints
 
     def after_step(self, info) -> None:
         if info.step == _BREAK.value:
+            # the previous save's commit done (renamed by process 0 after every process
+            # wrote), so that the save that fails is this step's, not a slow earlier one
+            while glob.glob(os.path.join(self.checkpoints, "*.orbax-checkpoint-tmp*")):
+                time.sleep(0.05)
             resource.setrlimit(resource.RLIMIT_FSIZE, (0, self.limits[1]))
         if info.step == _MEND.value:
             resource.setrlimit(resource.RLIMIT_FSIZE, self.limits)
@@ -46,7 +54,7 @@ def main(argv: list[str]) -> None:
     from jaxscale.train.loop import prepare
 
     config = cli.resolved(_CONFIG.value)
-    hooks = [DenyWrites()] if jax.process_index() == 1 else []
+    hooks = [DenyWrites(os.path.join(_WORKDIR.value, "checkpoints"))] if jax.process_index() == 1 else []
     prepare(config, _WORKDIR.value, hooks).run()
 
 

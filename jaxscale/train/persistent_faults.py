@@ -133,7 +133,8 @@ class Writes:
 
 class QuietSave(QuietTier):
     """The failed write is reported once, in `PersistentSaveFailed`: orbax's logged tracebacks
-    of it (its writer thread's, its commit thread's, its wait's: one per process) are dropped,
+    of it (its writer thread's, which `_Recorded` records, its commit thread's and its wait's:
+    one per process) are dropped,
     as `QuietTier` drops the local tier's, and so is asyncio's note, at exit, of the metadata
     write the failed step abandoned."""
 
@@ -144,6 +145,8 @@ class QuietSave(QuietTier):
                 return False
             error = error.__context__
         text = record.getMessage()
+        if "_SignalingThread.run() raised an exception" in text:  # a write: recorded
+            return False
         if text.startswith("Task was destroyed but it is pending") and "orbax" in text:
             return False
         return super().filter(record)
