@@ -34,6 +34,8 @@ from jaxscale.models.nn.fused import is_legacy
 from jaxscale.storage import locations, orbax_paths
 from jaxscale.storage.diskfull import disk_full_error, is_disk_full
 from jaxscale.storage.retry import Retry, for_workdir, is_outage
+from jaxscale.train import persistent_faults
+from jaxscale.train.persistent_faults import Writes, recording_handlers
 from jaxscale.train.state import TrainState
 from jaxscale.weights.legacy import LEGACY_RESUME
 from jaxscale.weights.restore import (
@@ -88,11 +90,20 @@ class Checkpointer:
         # threads for orbax's 300 s coordination timeout and held the process at exit after
         # the run had already stopped (or retried). Created here, such a failure is raised by
         # save() and retried like any other; the writes then wait for nothing.
+        # Several processes: a write failing on some of them is agreed on by all
+        # (`persistent_faults`), through its barrier and handlers.
+        self._writes = Writes() if jax.process_count() > 1 else None
+        if self._writes:
+            persistent_faults.quiet(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=True,
-            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+            async_options=ocp.AsyncOptions(
+                create_directories_asynchronously=False,
+                barrier_sync_fn=self._writes.barrier if self._writes else None),
             atomicity_options=orbax_paths.atomicity_options(self.directory))
-        self.manager = ocp.CheckpointManager(self._path(), options=options)
+        self.manager = ocp.CheckpointManager(
+            self._path(), options=options,
+            handler_registry=recording_handlers(self._writes) if self._writes else None)
         # One process: a failed save can be redone alone; with several, every host would have
         # to agree to redo it, so an outage there stops the run (orbax's error).
         self._retry = for_workdir(self.directory)
@@ -103,6 +114,7 @@ class Checkpointer:
         self._lost = False   # a save's commit failed: the state at hand must be saved again
         self._bytes = 0      # the last save's state, in bytes (what a full disk needed)
         self.saved_processes: int | None = None  # of the step restored
+        self._pending: int | None = None  # the step of the last save started
         # The echoes of what is reported in one paragraph (an outage, a full disk): orbax's
         # logged tracebacks of its background commit, and the writes it abandons at the first
         # failure (closed event loops), which can print before the failure reaches us.
@@ -125,7 +137,7 @@ class Checkpointer:
         self._bytes = _nbytes(state)
 
         def attempt(_: float | None) -> None:
-            self._settle()
+            self._settle(step)
             self._start(step, args)
         self._retry.call(f"saving checkpoint step {step}", attempt)
 
@@ -137,17 +149,22 @@ class Checkpointer:
         self._bytes = _nbytes(state)
 
         def attempt(_: float | None) -> None:
-            self._settle()
+            self._settle(step)
             if (save or self._lost) and self.manager.latest_step() != step:
                 self._start(step, _save_args(state, data_state, adapters_only))
-                self._settle()
+                self._settle(step)
         self._retry.call(f"saving checkpoint step {step}", attempt)
         self._lost = False
         self.manager.close()
 
-    def _settle(self) -> None:
+    def _settle(self, at: int) -> None:
         """Removes what an outage left half-written, then waits for the background commit of
-        the last save; one that failed for an outage marks its state as lost."""
+        the last save; one that failed for an outage marks its state as lost. Several
+        processes: a save failed on any stops every process at step `at` (`persistent_faults`)."""
+        if self._writes is not None:
+            self._writes.settle(self.manager.wait_until_finished, self._pending, at,
+                                self.directory, self._discard_failed)
+            return
         if self._dirty:
             orbax_paths.discard_partial(self.directory, locations.settings().timeout_s)
             self.manager.reload()
@@ -170,6 +187,21 @@ class Checkpointer:
             self._raise_if_disk_full(e)
             raise
         self._lost = False
+        self._pending = step
+
+    def _discard_failed(self) -> tuple[str, int | None]:
+        """Removes (on process 0) what the failed save of `_pending` left; returns its name
+        and the newest intact step."""
+        if locations.is_remote(self.directory):  # commit-file steps: a step without one
+            name = str(self._pending)
+            if jax.process_index() == 0:
+                orbax_paths.discard_partial(self.directory, locations.settings().timeout_s)
+        else:
+            name = f"{self._pending}.orbax-checkpoint-tmp"
+            if jax.process_index() == 0:
+                shutil.rmtree(str(self._path(name)), ignore_errors=True)
+        self.manager.reload()
+        return name, self.manager.latest_step()
 
     def _raise_if_disk_full(self, error: Exception) -> None:
         """A full disk (or quota) while a step is written: the unfinished step is removed (it was

@@ -1,0 +1,83 @@
+"""A persistent (workdir) save that fails on one process of a multi-process run
+(`jaxscale/train/persistent_faults.py`): process 1 of 2 cannot write its shards from some step
+on (`tests/save_faults.py`: its file-size limit set to 0, so its writes fail with EFBIG, for
+root too). Before, every process hung until orbax's 20-minute barrier timeout; now both stop at
+the next commit wait with the same paragraph and exit status 2, the failed step's temporary
+directory is removed, the earlier checkpoints are intact, and the rerun resumes from the newest
+one with the losses of the first run (which trained on unhurt up to the stop). The launcher's
+grace period is 300 s here, so a process it had to stop would be named in its "stopped" line:
+the assertions are about the behaviour, not a timeout."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 6
+TRAIN = ["--config=configs/tiny_lm.py:test", f"--config.train.steps={STEPS}",
+         "--config.train.log_every=1", "--config.train.eval_every=0",
+         "--config.checkpoint.every=2"]
+
+
+def _launch(workdir, *flags: str, module: str = "tests.save_faults"):
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.local_multihost", "--num_processes=2",
+         "--devices_per_process=4", "--grace_s=300", f"--module={module}", "--", *TRAIN,
+         f"--workdir={workdir}", *flags],
+        cwd=ROOT, env={**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT},
+        capture_output=True, text=True, timeout=600)
+    text = run.stdout + run.stderr
+    assert "Traceback" not in text and " later" not in run.stderr, text[-3000:]  # none stopped
+    return run, text
+
+
+def _losses(workdir) -> dict[int, float]:
+    lines = open(os.path.join(workdir, "metrics.jsonl")).read().splitlines()
+    return {row["step"]: row["loss"] for row in map(json.loads, lines)}
+
+
+def _stopped(tmp_path, failed: int, at: int, newest: int) -> str:
+    """Runs with process 1's writes failing from step `failed` on; checks that both processes
+    stopped at step `at` with one paragraph, leaving the checkpoints up to `newest`."""
+    workdir = tmp_path / "run"
+    run, text = _launch(workdir, f"--break_at={failed}")
+    assert "failed processes (exit codes): {'p0': 2, 'p1': 2}" in run.stderr, text[-3000:]
+    checkpoints = workdir / "checkpoints"
+    for p in (0, 1):
+        line = next(x for x in text.splitlines() if x.startswith(f"[p{p}] jaxscale: error:"))
+        assert line.startswith(
+            f"[p{p}] jaxscale: error: The persistent checkpoint of step {failed} in "
+            f"{checkpoints} could not be written on process 1 ({checkpoints}/{failed}."
+            "orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_1/"), line
+        assert ": File too large). Every process stopped at step " f"{at}:" in line, line
+        assert (f"the checkpoints before it are intact, the newest step {newest}, and a rerun "
+                "resumes from it") in line, line
+    assert sorted(os.listdir(checkpoints)) == [str(s) for s in range(2, newest + 1, 2)]
+    return str(workdir)
+
+
+@pytest.mark.slow
+def test_a_save_failing_on_one_process_stops_all_and_the_rerun_resumes(tmp_path):
+    """Process 1 cannot write step 4's shards: both stop at step 6 (the next commit wait);
+    only step 2 is left, and the rerun resumes from it with the first run's losses."""
+    workdir = _stopped(tmp_path, failed=4, at=6, newest=2)
+    first = _losses(workdir)
+    assert sorted(first) == list(range(1, STEPS + 1))  # trained on unhurt up to the stop
+    resumed, text = _launch(workdir, module="launch.train")
+    assert resumed.returncode == 0, text[-3000:]
+    assert f"[p0] jaxscale: resumed from {workdir}/checkpoints/2 (persistent tier)" in text
+    again = _losses(workdir)
+    assert sorted(again) == sorted(first)
+    assert [again[s] for s in range(3, STEPS + 1)] == pytest.approx(
+        [first[s] for s in range(3, STEPS + 1)], rel=1e-5)
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4", "6"]
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_the_final_save_failing_on_one_process_stops_all(tmp_path):
+    """The failing save is the run's last (waited for at the end, not at a next save)."""
+    _stopped(tmp_path, failed=STEPS, at=STEPS, newest=STEPS - 2)
