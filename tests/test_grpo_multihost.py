@@ -57,15 +57,22 @@ def _metrics(workdir) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The prompts and reward module, and the same run on 1 process x 4 devices and on 2
-    processes x 2 devices (each in its own directory, with its own record of reward calls)."""
+def files(tmp_path_factory):
+    """The prompts and reward module, in a directory for each run (each with its own record
+    of reward calls)."""
     root = tmp_path_factory.mktemp("grpo_mh")
     for name in ("single", "multi"):
         (root / name).mkdir()
         (root / name / "toy_reward.py").write_text(REWARD)
         (root / name / "prompts.jsonl").write_text("".join(
             json.dumps({"prompt": f"Q{i}: a number? A:", "id": i}) + "\n" for i in range(16)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(files):
+    """The same run on 1 process x 4 devices and on 2 processes x 2 devices."""
+    root = files
     single = _run([sys.executable, "-m", "launch.train", *GRPO, "--workdir=run",
                    "--cpu_devices=4"], root / "single")
     assert single.returncode == 0, (single.stdout + single.stderr)[-3000:]
@@ -113,8 +120,8 @@ def test_resume_on_two_processes_between_two_updates_is_exact(runs):
 
 
 @pytest.mark.slow
-def test_reward_failing_on_process_0_stops_every_process_with_one_paragraph(runs):
-    root, _ = runs
+def test_reward_failing_on_process_0_stops_every_process_with_one_paragraph(files):
+    root = files  # not the runs: this test needs only their files (and may run on another worker)
     out = _run([*MULTIHOST, *GRPO, "--config.objective.rewards=toy_reward:broken",
                 "--workdir=broken"], root / "multi")
     assert out.returncode == 1, (out.stdout + out.stderr)[-3000:]
