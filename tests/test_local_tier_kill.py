@@ -125,7 +125,10 @@ def test_sigkill_between_local_and_persistent_saves_then_restart_from_each_tier(
         _assert_losses(_losses(tmp_path / name / "run"), whole, name)
 
 
-@pytest.mark.slow
+# Exhaustive (~40 s): its halves run in make test, the kill with a wiped tier restored from a
+# peer above, and an S3 workdir with local tiers on disk in test_local_tier.py's
+# test_s3_workdir_with_the_local_tier_on_disk_resumes_from_the_local_step.
+@pytest.mark.exhaustive
 @pytest.mark.xdist_group("seaweedfs")
 def test_sigkill_on_an_s3_workdir_with_local_tiers_on_disk(seaweedfs, tmp_path, whole):
     """The same on an S3 workdir (SeaweedFS): the persistent tier, config and metrics in the
