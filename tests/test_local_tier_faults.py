@@ -1,6 +1,6 @@
 """A local-tier save that fails on one process of a multi-process run (`jaxscale/train/
 local_faults.py`): process 1's `checkpoint.local_dir` is renamed away mid-run and a regular file
-put in its place (`tests/tier_faults.py`), which fails its saves for root too. Every process
+put in its place (`tests/fault_worker.py --fault=local_tier`), which fails its saves for root too. Every process
 agrees on each failure: one warning paragraph and one `local_save_failed` event name process 1,
 its directory and the error, and training goes on with an uninterrupted run's losses; three
 failures in a row stop every process at the same step with one paragraph (exit 2), and the
@@ -9,16 +9,14 @@ process it had to stop would be named in its "stopped" line)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from configs.tiny_lm import get_config
+from fault_common import launch_two
 from jaxscale.observe.events import read_events
 from jaxscale.train.loop import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8
 TRAIN = ["--config=configs/tiny_lm.py:test", f"--config.train.steps={STEPS}",
          "--config.train.log_every=1", "--config.train.eval_every=0",
@@ -51,17 +49,9 @@ def whole(tmp_path_factory) -> list[float]:
     return _losses(workdir)
 
 
-def _launch(tmp_path, *flags: str, module: str = "tests.tier_faults"):
-    run = subprocess.run(
-        [sys.executable, "-m", "launch.local_multihost", "--num_processes=2",
-         "--devices_per_process=4", "--grace_s=300", f"--module={module}", "--", *TRAIN,
-         f"--config.checkpoint.local_dir={tmp_path / 'local-{process}'}",
-         f"--workdir={tmp_path / 'run'}", *flags],
-        cwd=ROOT, env={**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT},
-        capture_output=True, text=True, timeout=600)
-    text = run.stdout + run.stderr
-    assert "Traceback" not in text and " later" not in run.stderr, text[-3000:]  # none stopped
-    return run, text
+def _launch(tmp_path, *flags: str, module: str = "tests.fault_worker"):
+    return launch_two([*TRAIN, f"--config.checkpoint.local_dir={tmp_path / 'local-{process}'}",
+                       f"--workdir={tmp_path / 'run'}", *flags], module)
 
 
 def _warnings(text: str) -> list[str]:

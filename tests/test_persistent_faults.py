@@ -1,6 +1,6 @@
 """A persistent (workdir) save that fails on one process of a multi-process run
 (`jaxscale/train/persistent_faults.py`): process 1 of 2 cannot write its shards from some step
-on (`tests/save_faults.py`: its file-size limit set to 0, so its writes fail with EFBIG, for
+on (`tests/fault_worker.py --fault=writes`: its file-size limit set to 0, so its writes fail with EFBIG, for
 root too). Before, every process hung until orbax's 20-minute barrier timeout; now both stop at
 the next commit wait with the same paragraph and exit status 2, the failed step's temporary
 directory is removed, the earlier checkpoints are intact, and the rerun resumes from the newest
@@ -10,28 +10,20 @@ the assertions are about the behaviour, not a timeout."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from fault_common import launch_two
+
 STEPS = 6
 TRAIN = ["--config=configs/tiny_lm.py:test", f"--config.train.steps={STEPS}",
          "--config.train.log_every=1", "--config.train.eval_every=0",
          "--config.checkpoint.every=2"]
 
 
-def _launch(workdir, *flags: str, module: str = "tests.save_faults"):
-    run = subprocess.run(
-        [sys.executable, "-m", "launch.local_multihost", "--num_processes=2",
-         "--devices_per_process=4", "--grace_s=300", f"--module={module}", "--", *TRAIN,
-         f"--workdir={workdir}", *flags],
-        cwd=ROOT, env={**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT},
-        capture_output=True, text=True, timeout=600)
-    text = run.stdout + run.stderr
-    assert "Traceback" not in text and " later" not in run.stderr, text[-3000:]  # none stopped
-    return run, text
+def _launch(workdir, *flags: str, module: str = "tests.fault_worker"):
+    extra = ["--fault=writes"] if module == "tests.fault_worker" else []
+    return launch_two([*TRAIN, f"--workdir={workdir}", *extra, *flags], module)
 
 
 def _losses(workdir) -> dict[int, float]:

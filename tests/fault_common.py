@@ -1,0 +1,22 @@
+"""Launching the 2-process fault runs (`tests/fault_worker.py`, or `launch.train` for a rerun)."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch_two(args: list[str], module: str = "tests.fault_worker"
+               ) -> tuple[subprocess.CompletedProcess, str]:
+    """Runs `module` on 2 processes x 4 CPU devices with `args`; returns the run and its text.
+    The launcher's grace period is 300 s, so a process it had to stop would be named in its
+    "stopped ... later" line: asserted absent, with any traceback."""
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.local_multihost", "--num_processes=2",
+         "--devices_per_process=4", "--grace_s=300", f"--module={module}", "--", *args],
+        cwd=ROOT, env={**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT},
+        capture_output=True, text=True, timeout=600)
+    text = run.stdout + run.stderr
+    assert "Traceback" not in text and " later" not in run.stderr, text[-3000:]  # none stopped
+    return run, text
