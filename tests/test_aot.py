@@ -130,11 +130,15 @@ def test_splash_attention_compiles_for_tpu_with_its_flops_labelled(tmp_path):
     # The Pallas kernel lowers for the TPU topology (Mosaic), runs in the layer loop (fwd, the
     # remat's fwd again, dq, dkv per layer) and its FLOPs, invisible to the dot count, are
     # added analytically and said so; with them compiled = model + recompute, as for einsum.
-    # The chunked loss recomputes the head's forward (2·E·V a token, 11% of this model's
-    # count), which the expected count includes.
+    # The chunked loss recomputes the head's forward (2·E·V a token), which the expected count
+    # includes. 1B's sequences, head width and vocabulary, but 4 heads (embed 256): the
+    # kernels' FLOPs and the head's recompute are each 18% of the count (at 1B's 2,048 wide,
+    # 9% and 11%, and three times the compile).
     out = tmp_path / "r.json"
     proc = run_module(["launch.compile", "--topology=v5p:2x2x1", "--config=configs/llama.py:1b",
-                 "--config.model.num_layers=2", "--config.data.batch_size=4",
+                 "--config.model.num_layers=2", "--config.model.embed=256",
+                 "--config.model.num_heads=4", "--config.model.num_kv_heads=2",
+                 "--config.model.mlp=512", "--config.data.batch_size=4",
                  "--config.mesh.fsdp=4", "--config.model.attention=splash",
                  "--config.model.loss_chunks=4", f"--out={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -157,9 +157,10 @@ def _run(config, devices, steps: int = 3) -> tuple[np.ndarray, np.ndarray]:
     return losses, np.asarray(flatten(state.frozen)["layers/mlp/balance_bias"])
 
 
-@pytest.mark.parametrize("mesh", [
-    dict(data=2, fsdp=2, expert=2),  # the experts split, dropless: each token to its experts
-    pytest.param(dict(fsdp=4, tensor=2), marks=pytest.mark.exhaustive)])
+# The default proof is test_mtp.py's training test: this model with its MTP block, the experts
+# split over fsdp x tensor x expert (dropless: each token to its experts), against one device.
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, expert=2), dict(fsdp=4, tensor=2)])
 def test_deepseek_trains_sharded_as_on_one_device(mesh):
     """Latent attention, dense first layer, sigmoid group routing with a shared expert and bias
     balancing: the losses and the moved biases of a sharded run equal one device's."""

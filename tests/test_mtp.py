@@ -1,8 +1,8 @@
 """DeepSeek-V3's multi-token prediction (`model.mtp_depth=1`, `models/decoder/mtp.py`): the MTP
 loss equals transformers' DeepSeek-V3 block and torch computing the module by hand from an
-imported checkpoint's `model.layers.{N}.*` tensors; training with it on fsdp x tensor equals one
-device, `mtp_loss` is a step metric, generation ignores it, the MTP tensors survive HF export
-and import bit for bit, and bad settings are one paragraph."""
+imported checkpoint's `model.layers.{N}.*` tensors; training with it on fsdp x tensor x expert
+equals one device, `mtp_loss` is a step metric, generation ignores it, the MTP tensors survive
+HF export and import bit for bit, and bad settings are one paragraph."""
 
 
 import json
@@ -58,19 +58,26 @@ def _run(c, devices, steps=3):
     return np.array(out), state
 
 
-@pytest.mark.parametrize("mesh", [dict(fsdp=4, tensor=2)])
-def test_training_with_mtp_on_fsdp_x_tensor_equals_one_device(mesh):
-    """Losses, MTP losses and moved balancing biases (the MTP block's included) of a sharded
-    run equal one device's; the MTP loss is trained on (it falls) and weighed in the loss."""
+@pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=2, expert=2),
+                                  pytest.param(dict(fsdp=4, tensor=2), marks=pytest.mark.exhaustive)])
+def test_training_with_mtp_on_fsdp_x_tensor_x_expert_equals_one_device(mesh):
+    """DeepSeek-V3's whole layer set (latent attention, a dense first layer, sigmoid group
+    routing with a shared expert, bias balancing) with its MTP block, the experts split over
+    `expert`: the losses, MTP losses and moved balancing biases (the main layers' and the MTP
+    block's) of a sharded run equal one device's; the MTP loss is trained on (it falls) and
+    weighed in the loss. The default proof of test_deepseek_moe.py's sharded training too."""
     c = _config()
     one, one_state = _run(c, jax.devices()[:1])
-    assert one[-1, 1] < one[0, 1]
-    bias = np.asarray(flatten(one_state.frozen)["mtp/block/mlp/balance_bias"])
-    assert np.abs(bias).max() > 0  # the MTP block's router balanced like the others
+    assert one[-1, 0] < one[0, 0] and one[-1, 1] < one[0, 1]
+    biases = {k: np.asarray(v) for k, v in flatten(one_state.frozen).items()
+              if k.endswith("balance_bias")}
+    assert set(biases) == {"layers/mlp/balance_bias", "mtp/block/mlp/balance_bias"}
+    for bias in biases.values():  # the MTP block's router balanced like the others
+        assert np.abs(bias).max() > 0
     sharded, state = _run(_config(mesh), jax.devices())
     np.testing.assert_allclose(sharded, one, rtol=1e-5)
-    np.testing.assert_array_equal(
-        np.asarray(flatten(state.frozen)["mtp/block/mlp/balance_bias"]), bias)
+    for k, bias in biases.items():
+        np.testing.assert_array_equal(np.asarray(flatten(state.frozen)[k]), bias)
 
 
 def test_the_loss_adds_the_weighted_mtp_loss_and_generation_ignores_the_module():

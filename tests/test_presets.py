@@ -63,18 +63,35 @@ def _tightest(size: str) -> str:
 
 
 # Compiled for its slice by one `bench/presets.py --check` process: in every `make test` the
-# tightest TPU preset of the two smallest sizes (2 compiles); with JAXSCALE_COMPILE_PRESETS=1
-# every one of them (21, which would take `make test` past CI's 30 minutes: bench/RESULTS.md
-# has the times). `python bench/presets.py --check` runs the same full check on its own.
+# tightest TPU preset of the two smallest sizes (the sweep's answers, read from its cache); with
+# JAXSCALE_COMPILE_PRESETS=1 every one of them (21, which would take `make test` past CI's 30
+# minutes: bench/RESULTS.md has the times). `python bench/presets.py --check` runs the same full
+# check on its own.
 CHECKED = (PRESET_VARIANTS if os.environ.get("JAXSCALE_COMPILE_PRESETS")
            else [_tightest(size) for size in list(llama.SIZES)[:2]])
+SWEPT = "v5e-8"  # the target the sweep searches: that of both tightest presets in CHECKED
 
 
 @pytest.fixture(scope="module")
-def presets_compiled(tmp_path_factory):
+def plan_cache(tmp_path_factory):
+    """One compile cache for the sweep and the check: the check compiles the tightest presets
+    (v5e-8) as configured, which are the sweep's answers, so it reads them from the cache
+    (`aot.search.compile_cached`: keyed by the whole config and topology) instead of compiling
+    them again."""
+    return tmp_path_factory.mktemp("plan_cache")
+
+
+@pytest.fixture(scope="module")
+def sweep(plan_cache, tmp_path_factory):
+    return run(["bench/presets.py", "--sizes=tiny,125m", f"--targets={SWEPT}",
+                f"--cache_dir={plan_cache}"], tmp_path_factory.mktemp("sweep"))
+
+
+@pytest.fixture(scope="module")
+def presets_compiled(sweep, plan_cache, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("presets")
     proc = run(["bench/presets.py", "--check", f"--variants={';'.join(CHECKED)}",
-                f"--json={tmp}/r.json", f"--cache_dir={tmp}/cache"], tmp, timeout=3600)
+                f"--json={tmp}/r.json", f"--cache_dir={plan_cache}"], tmp, timeout=3600)
     return proc, json.loads((tmp / "r.json").read_text())
 
 
@@ -96,18 +113,18 @@ def test_preset_fits_its_target(variant, presets_compiled):
 
 
 @libtpu_test
-def test_the_sweep_reproduces_what_compiled_records(tmp_path):
+def test_the_sweep_reproduces_what_compiled_records(sweep):
     # bench/presets.py's search: micro-batches largest first until one fits (`aot.plan.fits`).
-    # On v4-8 tiny takes its chips' whole share at once; 125m fits neither 64 nor 32 sequences
-    # of 1,024 a chip at once within the margin (32 take 28.50 GiB, over 90% of v4's 30.75
-    # usable): it tries 64 and 32, then takes 16.
-    proc = run(["bench/presets.py", "--sizes=tiny,125m", "--targets=v4-8",
-                f"--cache_dir={tmp_path}"], tmp_path)
+    # On v5e-8 tiny takes its chips' whole share (2 sequences) at once; 125m fits neither 32
+    # nor 16 sequences of 1,024 a chip at once within the margin of v5e's 16 GiB: it tries 32
+    # and 16, then takes 8.
+    proc = sweep
     assert proc.returncode == 0, proc.stderr[-3000:]
-    found = dict(re.findall(r"\('(\w+)', 'v4-8'\): Compiled\((\d+), ", proc.stdout))
+    found = dict(re.findall(rf"\('(\w+)', '{SWEPT}'\): Compiled\((\d+), ", proc.stdout))
     assert {s: int(m) for s, m in found.items()} == {
-        s: llama.COMPILED[(s, "v4-8")].micro_batch for s in ("tiny", "125m")}
-    assert "| `125m,v4-8` | v4:2x2x1 | data=4 | 16 x 4 |" in proc.stdout
+        s: llama.COMPILED[(s, SWEPT)].micro_batch for s in ("tiny", "125m")}
+    assert re.search(rf"\| `125m,{SWEPT}` \| v5e:2x4 \| data=8 \| 8 x 4 \|.*\| 3, \d+ s \|",
+                     proc.stdout), proc.stdout
 
 
 FAMILY_TPU_VARIANTS = [v for v in finetune_lm.VARIANTS if v.split(",")[0] in finetune_lm.FAMILIES
