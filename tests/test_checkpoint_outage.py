@@ -31,7 +31,8 @@ from jaxscale.weights.restore import restore_params, saved_steps
 from tests import servers
 
 pytestmark = [pytest.mark.xdist_group("seaweedfs-checkpoint-outage")]
-KILL_AT = 4  # a save step (checkpoint.every=2)
+KILL_AT = 4  # a save step (checkpoint.every=2), between two others
+STEPS = 6
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +48,10 @@ def workdir(own_seaweedfs, monkeypatch):
     locations.configure()
 
 
-def _config(retry_s: float):
+def _config(retry_s: float, every: int = 2):
     c = get_config("test")
-    c.train.update(steps=8, log_every=1, eval_every=0)
-    c.checkpoint.every = 2
+    c.train.update(steps=STEPS, log_every=1, eval_every=0)
+    c.checkpoint.every = every
     c.storage.retry_s = retry_s
     return c
 
@@ -97,6 +98,15 @@ def _outage_lines(caplog) -> tuple[list[str], list[str]]:
             [t for t in text if "answers again" in t])
 
 
+def _until_the_outage_is_logged(caplog, running: threading.Thread) -> None:
+    """Waits until the run has logged the outage (its requests' own few-second retries gave
+    up, so its retry policy took over), so the server comes back only after that; the 600 s is
+    a hang guard, not a speed check."""
+    deadline = time.monotonic() + 600
+    while not _outage_lines(caplog)[0] and running.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 def test_a_server_restart_during_a_save_costs_a_retry_not_the_run(
         own_seaweedfs, workdir, tmp_path, caplog):
@@ -116,20 +126,21 @@ def test_a_server_restart_during_a_save_costs_a_retry_not_the_run(
     killer.reached.wait(600)
     own_seaweedfs.kill()  # a crash, right before the save of step 4
     killer.go.set()
-    time.sleep(3.0)
+    _until_the_outage_is_logged(caplog, loop)
     own_seaweedfs.start()  # from the main thread: the server dies with the thread that forked it
     loop.join(600)
     assert not loop.is_alive() and not errors, errors
     assert _losses(workdir) == want
-    _assert_complete(workdir, 8)
+    _assert_complete(workdir, STEPS)
     down, up = _outage_lines(caplog)
     assert len(down) >= 1 and len(up) == len(down), (down, up)
     assert "retrying for up to 120 s" in down[0]
 
 
 def _losses_of_local_run(tmp_path) -> list[float]:
+    """The same run on local disk, without checkpoints (saves do not change the losses)."""
     local = str(tmp_path / "local")
-    train(_config(retry_s=120.0), local)
+    train(_config(retry_s=120.0, every=0), local)
     return _losses(local)
 
 
@@ -191,6 +202,6 @@ def test_an_outage_longer_than_the_budget_stops_in_one_paragraph_and_resumes(
     assert saved_steps(locations.join(workdir, "checkpoints")) == [2]
     train(_config(retry_s=3.0), workdir)  # the same run again, server back: it resumes
     assert "resumed from" in capfd.readouterr().out
-    assert [m["step"] for m in read_metrics(workdir)] == list(range(1, 9))
-    _assert_complete(workdir, 8)
+    assert [m["step"] for m in read_metrics(workdir)] == list(range(1, STEPS + 1))
+    _assert_complete(workdir, STEPS)
 
