@@ -2,7 +2,6 @@
 step on all hosts and exits with status 75; the same command resumes, and the resumed loss
 series equals an uninterrupted run's."""
 
-import json
 import os
 import signal
 import subprocess
@@ -95,10 +94,7 @@ def _sigterm_after(cmd: list[str], metrics: str, lines: int) -> tuple[int, str]:
 
 @pytest.mark.slow
 def test_two_processes_save_at_the_same_step_and_resume_exactly(tmp_path):
-    whole = subprocess.run([sys.executable, "-m", "launch.train", *TRAIN, "--cpu_devices=8",
-                            f"--workdir={tmp_path / 'whole'}"], cwd=ROOT, env=ENV,
-                           capture_output=True, text=True, timeout=600)
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    train(_config(16), str(tmp_path / "whole"))  # uninterrupted, on this process's 8 devices
     workdir = tmp_path / "multi"
     cmd = [*MULTIHOST, *TRAIN, f"--workdir={workdir}"]
     status, out = _sigterm_after(cmd, str(workdir / "metrics.jsonl"), lines=2)
@@ -112,8 +108,7 @@ def test_two_processes_save_at_the_same_step_and_resume_exactly(tmp_path):
     again = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert f"resumed from {workdir / 'checkpoints'}/{step}" in again.stdout
-    one = [json.loads(l) for l in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
-    two = read_metrics(str(workdir))
+    one, two = read_metrics(str(tmp_path / "whole")), read_metrics(str(workdir))
     assert [r["step"] for r in two] == list(range(1, 17))
     for a, b in zip(one, two):  # 2x4 devices equal 1x8 up to reduction order (test_multihost)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
