@@ -32,7 +32,8 @@ from tests import servers
 
 pytestmark = [pytest.mark.xdist_group("seaweedfs-checkpoint-outage")]
 KILL_AT = 4  # a save step (checkpoint.every=2), between two others
-STEPS = 6
+STEPS = 8  # conftest.TINY_STEPS: the uninterrupted run (tiny_losses) the first test equals
+SHORT = 6  # the second test's: saves 2 and 4 (the outage), and after the resume 4 and 6
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +49,10 @@ def workdir(own_seaweedfs, monkeypatch):
     locations.configure()
 
 
-def _config(retry_s: float, every: int = 2):
+def _config(retry_s: float, steps: int = STEPS):
     c = get_config("test")
-    c.train.update(steps=STEPS, log_every=1, eval_every=0)
-    c.checkpoint.every = every
+    c.train.update(steps=steps, log_every=1, eval_every=0)
+    c.checkpoint.every = 2
     c.storage.retry_s = retry_s
     return c
 
@@ -109,8 +110,7 @@ def _until_the_outage_is_logged(caplog, running: threading.Thread) -> None:
 
 @pytest.mark.slow
 def test_a_server_restart_during_a_save_costs_a_retry_not_the_run(
-        own_seaweedfs, workdir, tmp_path, caplog):
-    want = _losses_of_local_run(tmp_path)
+        own_seaweedfs, workdir, caplog, tiny_losses):
     caplog.set_level(logging.WARNING, logger="jaxscale.storage")
     killer, errors = _PauseBeforeSave(workdir), []
 
@@ -130,18 +130,11 @@ def test_a_server_restart_during_a_save_costs_a_retry_not_the_run(
     own_seaweedfs.start()  # from the main thread: the server dies with the thread that forked it
     loop.join(600)
     assert not loop.is_alive() and not errors, errors
-    assert _losses(workdir) == want
+    assert _losses(workdir) == tiny_losses  # the same run uninterrupted (another process)
     _assert_complete(workdir, STEPS)
     down, up = _outage_lines(caplog)
     assert len(down) >= 1 and len(up) == len(down), (down, up)
     assert "retrying for up to 120 s" in down[0]
-
-
-def _losses_of_local_run(tmp_path) -> list[float]:
-    """The same run on local disk, without checkpoints (saves do not change the losses)."""
-    local = str(tmp_path / "local")
-    train(_config(retry_s=120.0, every=0), local)
-    return _losses(local)
 
 
 def _kill_inside_directory_creation(server, monkeypatch) -> None:
@@ -186,7 +179,7 @@ def test_an_outage_longer_than_the_budget_stops_in_one_paragraph_and_resumes(
     try:
         with monkeypatch.context() as patch, pytest.raises(StoreUnavailable) as err:
             _kill_inside_directory_creation(own_seaweedfs, patch)
-            train(_config(retry_s=3.0), workdir)
+            train(_config(retry_s=3.0, steps=SHORT), workdir)
         took = time.monotonic() - began
         _assert_no_orbax_thread_holds_the_exit([t for t in threading.enumerate()
                                                 if t not in before])
@@ -200,8 +193,8 @@ def test_an_outage_longer_than_the_budget_stops_in_one_paragraph_and_resumes(
     assert took < 300, took  # bounded: the budget, not tensorstore's quarter of an hour
     assert "Traceback" not in capfd.readouterr().err  # the outage is not echoed as a traceback
     assert saved_steps(locations.join(workdir, "checkpoints")) == [2]
-    train(_config(retry_s=3.0), workdir)  # the same run again, server back: it resumes
+    train(_config(retry_s=3.0, steps=SHORT), workdir)  # the same run again: it resumes
     assert "resumed from" in capfd.readouterr().out
-    assert [m["step"] for m in read_metrics(workdir)] == list(range(1, STEPS + 1))
-    _assert_complete(workdir, STEPS)
+    assert [m["step"] for m in read_metrics(workdir)] == list(range(1, SHORT + 1))
+    _assert_complete(workdir, SHORT)
 
