@@ -55,6 +55,39 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# The uninterrupted run that the multi-process and fault tests compare with (test_multihost,
+# test_local_tier_kill, test_local_tier_faults, test_local_tier, test_checkpoint_outage): one
+# per pytest process. A subprocess, so its train step comes from (or goes to) the compilation
+# cache above; the 2 x 4 runs train as many steps, so one compile of each mesh's step serves
+# them all. An in-process run of the same steps gives the same losses bit for bit.
+TINY_STEPS = 8
+
+
+@pytest.fixture(scope="session")
+def tiny_metrics(tmp_path_factory) -> list[dict]:
+    """metrics.jsonl of `configs/tiny_lm.py:test` trained TINY_STEPS steps on 1 process x 8
+    devices (which 2 processes x 4 equal: test_multihost), evaluated every 5 steps (which does
+    not change the training losses)."""
+    import json
+    import subprocess
+
+    workdir = tmp_path_factory.mktemp("tiny_run")
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.train", "--config=configs/tiny_lm.py:test",
+         f"--config.train.steps={TINY_STEPS}", "--config.train.log_every=1",
+         "--config.train.eval_every=5", "--cpu_devices=8", f"--workdir={workdir}"],
+        cwd=ROOT, env={**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}, capture_output=True,
+        text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
+
+
+@pytest.fixture(scope="session")
+def tiny_losses(tiny_metrics) -> list[float]:
+    """Its per-step training losses."""
+    return [m["loss"] for m in tiny_metrics]
+
+
 @pytest.fixture
 def store(tmp_path):
     """A Lo-Fi store holding round 0 (the initial weights) of tests/lofi_common.py's params."""

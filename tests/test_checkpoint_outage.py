@@ -31,7 +31,9 @@ from jaxscale.weights.restore import restore_params, saved_steps
 from tests import servers
 
 pytestmark = [pytest.mark.xdist_group("seaweedfs-checkpoint-outage")]
-KILL_AT = 4  # a save step (checkpoint.every=2)
+KILL_AT = 4  # a save step (checkpoint.every=2), between two others
+STEPS = 8  # conftest.TINY_STEPS: the uninterrupted run (tiny_losses) the first test equals
+SHORT = 6  # the second test's: saves 2 and 4 (the outage), and after the resume 4 and 6
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +49,9 @@ def workdir(own_seaweedfs, monkeypatch):
     locations.configure()
 
 
-def _config(retry_s: float):
+def _config(retry_s: float, steps: int = STEPS):
     c = get_config("test")
-    c.train.update(steps=8, log_every=1, eval_every=0)
+    c.train.update(steps=steps, log_every=1, eval_every=0)
     c.checkpoint.every = 2
     c.storage.retry_s = retry_s
     return c
@@ -97,10 +99,18 @@ def _outage_lines(caplog) -> tuple[list[str], list[str]]:
             [t for t in text if "answers again" in t])
 
 
+def _until_the_outage_is_logged(caplog, running: threading.Thread) -> None:
+    """Waits until the run has logged the outage (its requests' own few-second retries gave
+    up, so its retry policy took over), so the server comes back only after that; the 600 s is
+    a hang guard, not a speed check."""
+    deadline = time.monotonic() + 600
+    while not _outage_lines(caplog)[0] and running.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 def test_a_server_restart_during_a_save_costs_a_retry_not_the_run(
-        own_seaweedfs, workdir, tmp_path, caplog):
-    want = _losses_of_local_run(tmp_path)
+        own_seaweedfs, workdir, caplog, tiny_losses):
     caplog.set_level(logging.WARNING, logger="jaxscale.storage")
     killer, errors = _PauseBeforeSave(workdir), []
 
@@ -116,21 +126,15 @@ def test_a_server_restart_during_a_save_costs_a_retry_not_the_run(
     killer.reached.wait(600)
     own_seaweedfs.kill()  # a crash, right before the save of step 4
     killer.go.set()
-    time.sleep(3.0)
+    _until_the_outage_is_logged(caplog, loop)
     own_seaweedfs.start()  # from the main thread: the server dies with the thread that forked it
     loop.join(600)
     assert not loop.is_alive() and not errors, errors
-    assert _losses(workdir) == want
-    _assert_complete(workdir, 8)
+    assert _losses(workdir) == tiny_losses  # the same run uninterrupted (another process)
+    _assert_complete(workdir, STEPS)
     down, up = _outage_lines(caplog)
     assert len(down) >= 1 and len(up) == len(down), (down, up)
     assert "retrying for up to 120 s" in down[0]
-
-
-def _losses_of_local_run(tmp_path) -> list[float]:
-    local = str(tmp_path / "local")
-    train(_config(retry_s=120.0), local)
-    return _losses(local)
 
 
 def _kill_inside_directory_creation(server, monkeypatch) -> None:
@@ -175,7 +179,7 @@ def test_an_outage_longer_than_the_budget_stops_in_one_paragraph_and_resumes(
     try:
         with monkeypatch.context() as patch, pytest.raises(StoreUnavailable) as err:
             _kill_inside_directory_creation(own_seaweedfs, patch)
-            train(_config(retry_s=3.0), workdir)
+            train(_config(retry_s=3.0, steps=SHORT), workdir)
         took = time.monotonic() - began
         _assert_no_orbax_thread_holds_the_exit([t for t in threading.enumerate()
                                                 if t not in before])
@@ -189,8 +193,8 @@ def test_an_outage_longer_than_the_budget_stops_in_one_paragraph_and_resumes(
     assert took < 300, took  # bounded: the budget, not tensorstore's quarter of an hour
     assert "Traceback" not in capfd.readouterr().err  # the outage is not echoed as a traceback
     assert saved_steps(locations.join(workdir, "checkpoints")) == [2]
-    train(_config(retry_s=3.0), workdir)  # the same run again, server back: it resumes
+    train(_config(retry_s=3.0, steps=SHORT), workdir)  # the same run again: it resumes
     assert "resumed from" in capfd.readouterr().out
-    assert [m["step"] for m in read_metrics(workdir)] == list(range(1, 9))
-    _assert_complete(workdir, 8)
+    assert [m["step"] for m in read_metrics(workdir)] == list(range(1, SHORT + 1))
+    _assert_complete(workdir, SHORT)
 

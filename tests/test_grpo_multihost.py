@@ -41,7 +41,8 @@ GRPO = ["--config=tiny_lm:test", "--config.data.sources=prompts=prompts.jsonl",
         "--config.objective.updates_per_rollout=2", "--config.objective.epsilon=0.1",
         "--config.optim.lr=3e-2", "--config.optim.warmup_steps=0", "--config.train.steps=3",
         "--config.train.log_every=1", "--config.train.eval_every=3",
-        "--config.data.eval_fraction=0.25", "--config.checkpoint.every=1"]
+        "--config.data.eval_fraction=0.25"]
+SAVE = "--config.checkpoint.every=1"  # the 2-process run's (the resume test reads step 1's)
 COMPARED = ("loss", "grad_norm", "kl", "clip_fraction", "reward_mean", "reward_std",
             "reward/digits", "completion_length", "truncated_fraction", "eval_reward_mean",
             "eval_reward/digits", "eval_completion_length", "eval_truncated_fraction")
@@ -76,7 +77,7 @@ def runs(files):
     single = _run([sys.executable, "-m", "launch.train", *GRPO, "--workdir=run",
                    "--cpu_devices=4"], root / "single")
     assert single.returncode == 0, (single.stdout + single.stderr)[-3000:]
-    multi = _run([*MULTIHOST, *GRPO, "--workdir=run"], root / "multi")
+    multi = _run([*MULTIHOST, *GRPO, SAVE, "--workdir=run"], root / "multi")
     assert multi.returncode == 0, (multi.stdout + multi.stderr)[-3000:]
     return root, multi
 
@@ -109,7 +110,7 @@ def test_resume_on_two_processes_between_two_updates_is_exact(runs):
     parts = root / "multi" / "parts"
     (parts / "checkpoints").mkdir(parents=True)
     shutil.copytree(root / "multi" / "run" / "checkpoints" / "1", parts / "checkpoints" / "1")
-    out = _run([*MULTIHOST, *GRPO, "--workdir=parts"], root / "multi")
+    out = _run([*MULTIHOST, *GRPO, SAVE, "--workdir=parts"], root / "multi")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     whole, resumed = _metrics(root / "multi" / "run"), _metrics(parts)
     assert sorted(resumed) == [2, 3]

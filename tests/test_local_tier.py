@@ -66,14 +66,11 @@ def _local_steps(local: str) -> list[str]:
     return sorted(n for n in os.listdir(local) if n.isdigit())
 
 
-@pytest.fixture(scope="module")
-def whole(tmp_path_factory):
-    """An uninterrupted run's losses (no local tier: it must not change the trajectory)."""
-    workdir = str(tmp_path_factory.mktemp("whole"))
-    c = _config("")
-    c.checkpoint.update(local_every=0)
-    train(c, workdir)
-    return _losses(workdir)
+@pytest.fixture
+def whole(tiny_losses):
+    """An uninterrupted run's losses (no checkpoints, no local tier: it must not change the
+    trajectory): conftest's, of these 8 steps, from another process."""
+    return tiny_losses
 
 
 def test_resumes_from_the_newest_local_step_and_matches_an_uninterrupted_run(

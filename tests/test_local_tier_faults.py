@@ -12,23 +12,14 @@ import os
 
 import pytest
 
-from configs.tiny_lm import get_config
 from fault_common import launch_two
 from jaxscale.observe.events import read_events
-from jaxscale.train.loop import train
 
-STEPS = 8
+STEPS = 8  # conftest.TINY_STEPS: the uninterrupted run's (the fixture tiny_losses)
 TRAIN = ["--config=configs/tiny_lm.py:test", f"--config.train.steps={STEPS}",
          "--config.train.log_every=1", "--config.train.eval_every=0",
          "--config.checkpoint.every=4", "--config.checkpoint.local_every=1",
          "--config.checkpoint.local_keep=2"]
-
-
-def _config(local: str = ""):
-    c = get_config("test")
-    c.train.update(steps=STEPS, log_every=1, eval_every=0)
-    c.checkpoint.update(every=4, local_dir=local, local_every=1 if local else 0, local_keep=2)
-    return c
 
 
 def _losses(workdir) -> list[float]:
@@ -38,15 +29,6 @@ def _losses(workdir) -> list[float]:
 
 def _steps(path) -> list[int]:
     return sorted(int(n) for n in os.listdir(path) if n.isdigit())
-
-
-@pytest.fixture(scope="module")
-def whole(tmp_path_factory) -> list[float]:
-    """An uninterrupted run's losses, on 1 process x 8 devices (which 2 x 4 equal:
-    test_multihost)."""
-    workdir = str(tmp_path_factory.mktemp("whole"))
-    train(_config(), workdir)
-    return _losses(workdir)
 
 
 def _launch(tmp_path, *flags: str, module: str = "tests.fault_worker"):
@@ -64,7 +46,8 @@ def _assert_close(got: list[float], want: list[float]) -> None:
 
 
 @pytest.mark.slow
-def test_a_local_save_failing_on_one_process_is_warned_once_and_trained_past(tmp_path, whole):
+def test_a_local_save_failing_on_one_process_is_warned_once_and_trained_past(tmp_path,
+                                                                             tiny_losses):
     """Broken after step 3, mended after step 5: the saves of steps 3 and 4 fail on process 1
     (a regular file where its tier was), each warned about once by process 0 and recorded once;
     the run finishes every step with an uninterrupted run's losses, and once the directory is
@@ -85,14 +68,14 @@ def test_a_local_save_failing_on_one_process_is_warned_once_and_trained_past(tmp
     assert [(e["step"], e["processes"], e["in_a_row"]) for e in failed] == [(3, [1], 1),
                                                                            (4, [1], 2)]
     assert all(e["errors"][0].startswith(f"{local1}: ") for e in failed)
-    _assert_close(_losses(tmp_path / "run"), whole)
+    _assert_close(_losses(tmp_path / "run"), tiny_losses)
     assert _steps(tmp_path / "local-0") == _steps(local1) == [7, 8]  # saving again
     assert _steps(tmp_path / "run" / "checkpoints") == [4, 8]
 
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
-def test_two_processes_stop_together_and_resume_with_the_peers_shards(tmp_path, whole):
+def test_two_processes_stop_together_and_resume_with_the_peers_shards(tmp_path, tiny_losses):
     """Never mended: the third failed save in a row (step 5) stops both processes with the same
     paragraph and exit status 2; a rerun with the file still there is refused at start on both,
     naming process 1; with it removed (an empty tier, like a replaced host) the rerun resumes
@@ -117,4 +100,4 @@ def test_two_processes_stop_together_and_resume_with_the_peers_shards(tmp_path, 
     assert resumed.returncode == 0, text[-3000:]
     assert (f"[p0] jaxscale: resumed from step {newest} of the local tier {tmp_path / 'local-0'}"
             " (process 1 got its shards from its peers' local tiers)") in text, text[-3000:]
-    _assert_close(_losses(tmp_path / "run"), whole)
+    _assert_close(_losses(tmp_path / "run"), tiny_losses)

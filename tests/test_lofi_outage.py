@@ -67,7 +67,9 @@ def test_a_round_rides_out_a_server_restart_and_publishes_the_same_average(
     averager = threading.Thread(target=lambda: reports.append(
         run_round(st, AveragerConfig(chunk_budget_bytes=1, min_workers=3))))
     averager.start()
-    time.sleep(6.0)
+    deadline = time.monotonic() + 600  # a hang guard, not a speed check
+    while not _outage_lines(caplog)[0] and averager.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)  # until the round's requests gave up and its retry policy took over
     own_seaweedfs.start()  # from this thread: the server dies with the thread that forked it
     averager.join()
     (report,) = reports

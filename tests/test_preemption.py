@@ -1,6 +1,8 @@
 """Pre-emption (issue 21, item 4): on SIGTERM every process finishes its step, saves at the same
 step on all hosts and exits with status 75; the same command resumes, and the resumed loss
-series equals an uninterrupted run's."""
+series equals an uninterrupted run's. Two processes with a local tier that has no step yet
+(its first save would be at step 100) agree that it offers none and resume from the
+persistent step (as after both hosts' tiers are lost: test_local_tier_kill)."""
 
 import json
 import os
@@ -100,7 +102,8 @@ def test_two_processes_save_at_the_same_step_and_resume_exactly(tmp_path):
                            capture_output=True, text=True, timeout=600)
     assert whole.returncode == 0, whole.stderr[-3000:]
     workdir = tmp_path / "multi"
-    cmd = [*MULTIHOST, *TRAIN, f"--workdir={workdir}"]
+    cmd = [*MULTIHOST, *TRAIN, f"--workdir={workdir}", "--config.checkpoint.local_every=100",
+           f"--config.checkpoint.local_dir={tmp_path / 'local-{process}'}"]
     status, out = _sigterm_after(cmd, str(workdir / "metrics.jsonl"), lines=2)
     assert status == PREEMPTED_EXIT, out[-3000:]
     # JAX's sync service picked one step for both processes; orbax saved it once, whole.
@@ -111,7 +114,8 @@ def test_two_processes_save_at_the_same_step_and_resume_exactly(tmp_path):
     assert os.listdir(workdir / "checkpoints") == [str(step)] and 2 <= step < 16
     again = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
-    assert f"resumed from {workdir / 'checkpoints'}/{step}" in again.stdout
+    assert (f"[p0] jaxscale: resumed from {workdir / 'checkpoints'}/{step} (persistent tier; "
+            "the local tier has no step complete on every process)") in again.stdout
     one = [json.loads(l) for l in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     two = read_metrics(str(workdir))
     assert [r["step"] for r in two] == list(range(1, 17))
