@@ -1,19 +1,11 @@
-"""Test set-up: 8 simulated CPU devices and quick XLA:CPU compiles (before jax initialises), strict
-rank promotion."""
+"""Test set-up: 8 simulated CPU devices (before jax initialises) and strict rank promotion."""
 
 import os
 import shutil
 import sys
 
-# XLA:CPU's LLVM optimisation of the machine code is most of what compiling a tiny model costs,
-# and compiling is most of what a test of one costs: at level 0 the tests' compiles take about
-# half the time (tests/test_mtp.py & co.: 349 -> 172 CPU s). The HLO is the same (fusions,
-# collectives, buffers: what the tests inspect), the values the same up to float rounding.
-# Inherited by the command-line runs the tests start, unless they set XLA_FLAGS themselves.
-_flags = os.environ.get("XLA_FLAGS", "")
-if "xla_backend_optimization_level" not in _flags:
-    _flags += " --xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # gcsfs >= 2026.10 asks a gRPC control API for the bucket type (60 s time-out against the GCS
 # emulator, which has none); set before gcsfs is imported. Real GCS is unaffected.
