@@ -106,10 +106,8 @@ def _outside_fences(page: str) -> list[tuple[int, str]]:
 
 
 # The blocks' time goes to compiling tiny models (a dozen `jaxscale` processes a page), not to
-# running them: LLVM at -O0 compiles the same HLO about a third faster, as in the unit tests
-# (tests/conftest.py); runs that set XLA_FLAGS themselves (conftest's tiny_metrics run, which the
-# multi-process tests equal) keep the default level, so an optimised build is still tested.
-# Drop the flag to run the pages as shipped.
+# running them: LLVM at -O0 compiles the same HLO about a third faster, and the unit tests keep
+# the default, so an optimised build is still tested. Drop the flag to run the pages as shipped.
 DOCS_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
