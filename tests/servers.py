@@ -260,3 +260,19 @@ def start(kind: type[Server]) -> Server:
     except Unavailable:
         server.stop()
         raise
+
+
+def outage_lines(caplog, logger: str | None = None) -> tuple[list[str], list[str]]:
+    """A store outage as the retry policy logs it in `caplog`: (its "did not answer" lines, its
+    "answers again" lines); only `logger`'s records when given."""
+    text = [r.getMessage() for r in caplog.records if logger is None or r.name == logger]
+    return ([t for t in text if "did not answer" in t], [t for t in text if "answers again" in t])
+
+
+def until_outage_logged(caplog, running, logger: str | None = None) -> None:
+    """Waits until `running` (a thread using the store) has logged the outage: its requests'
+    own few-second retries gave up and the retry policy took over, so a server restarted after
+    this tests the policy, not those retries. The 600 s is a hang guard, not a speed check."""
+    deadline = time.monotonic() + 600
+    while not outage_lines(caplog, logger)[0] and running.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)

@@ -93,21 +93,6 @@ def _assert_complete(workdir: str, newest: int) -> None:
     assert all(n < min(steps) for n in set(names) - set(steps)), (names, steps)
 
 
-def _outage_lines(caplog) -> tuple[list[str], list[str]]:
-    text = [r.getMessage() for r in caplog.records if r.name == "jaxscale.storage"]
-    return ([t for t in text if "did not answer" in t],
-            [t for t in text if "answers again" in t])
-
-
-def _until_the_outage_is_logged(caplog, running: threading.Thread) -> None:
-    """Waits until the run has logged the outage (its requests' own few-second retries gave
-    up, so its retry policy took over), so the server comes back only after that; the 600 s is
-    a hang guard, not a speed check."""
-    deadline = time.monotonic() + 600
-    while not _outage_lines(caplog)[0] and running.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_a_server_restart_during_a_save_costs_a_retry_not_the_run(
         own_seaweedfs, workdir, caplog, tiny_losses):
@@ -126,13 +111,13 @@ def test_a_server_restart_during_a_save_costs_a_retry_not_the_run(
     killer.reached.wait(600)
     own_seaweedfs.kill()  # a crash, right before the save of step 4
     killer.go.set()
-    _until_the_outage_is_logged(caplog, loop)
+    servers.until_outage_logged(caplog, loop, "jaxscale.storage")
     own_seaweedfs.start()  # from the main thread: the server dies with the thread that forked it
     loop.join(600)
     assert not loop.is_alive() and not errors, errors
     assert _losses(workdir) == tiny_losses  # the same run uninterrupted (another process)
     _assert_complete(workdir, STEPS)
-    down, up = _outage_lines(caplog)
+    down, up = servers.outage_lines(caplog, "jaxscale.storage")
     assert len(down) >= 1 and len(up) == len(down), (down, up)
     assert "retrying for up to 120 s" in down[0]
 

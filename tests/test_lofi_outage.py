@@ -52,12 +52,6 @@ def _three_pushes(location: str) -> tuple[Store, dict]:
     return st, pushed
 
 
-def _outage_lines(caplog) -> tuple[list[str], list[str]]:
-    text = [r.getMessage() for r in caplog.records]
-    return ([t for t in text if "did not answer" in t],
-            [t for t in text if "answers again" in t])
-
-
 def test_a_round_rides_out_a_server_restart_and_publishes_the_same_average(
         own_seaweedfs, location, caplog):
     st, pushed = _three_pushes(location)
@@ -67,14 +61,12 @@ def test_a_round_rides_out_a_server_restart_and_publishes_the_same_average(
     averager = threading.Thread(target=lambda: reports.append(
         run_round(st, AveragerConfig(chunk_budget_bytes=1, min_workers=3))))
     averager.start()
-    deadline = time.monotonic() + 600  # a hang guard, not a speed check
-    while not _outage_lines(caplog)[0] and averager.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.1)  # until the round's requests gave up and its retry policy took over
+    servers.until_outage_logged(caplog, averager)
     own_seaweedfs.start()  # from this thread: the server dies with the thread that forked it
     averager.join()
     (report,) = reports
     assert report.published and report.used == {0: 10, 1: 10, 2: 10}, report.note
-    down, up = _outage_lines(caplog)
+    down, up = servers.outage_lines(caplog)
     # One line for the outage, not one per request. A freshly restarted server may still answer
     # a request or two with InternalError while it loads its volumes: a second, short blip,
     # reported and recovered on its own (seen on a loaded 2-core machine).
@@ -115,7 +107,7 @@ def test_an_object_deleted_under_the_averager_drops_that_push_at_once(location, 
     report = run_round(st, AveragerConfig(chunk_budget_bytes=1, min_workers=2))
     assert report.published and report.used == {0: 10, 2: 10}
     assert "layers/w" in report.skipped[1]
-    assert _outage_lines(caplog) == ([], [])
+    assert servers.outage_lines(caplog) == ([], [])
     got = latest_average(st).params
     np.testing.assert_allclose(got["b"], (pushed[0]["b"] + pushed[2]["b"]) / 2, rtol=1e-6)
 
