@@ -1,11 +1,15 @@
-"""Test set-up: 8 simulated CPU devices (before jax initialises) and strict rank promotion."""
+"""Test set-up: 8 simulated CPU devices (before jax initialises), the tests' XLA flags and
+strict rank promotion."""
 
 import os
 import shutil
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+from child_env import TEST_XLA_FLAGS, child_env
+
+# LLVM at -O0 here and in every run the tests start (tests/child_env.py says why).
+os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}"
+                           " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # gcsfs >= 2026.10 asks a gRPC control API for the bucket type (60 s time-out against the GCS
 # emulator, which has none); set before gcsfs is imported. Real GCS is unaffected.
@@ -68,7 +72,7 @@ def tiny_metrics(tmp_path_factory) -> list[dict]:
         [sys.executable, "-m", "launch.train", "--config=configs/tiny_lm.py:test",
          f"--config.train.steps={TINY_STEPS}", "--config.train.log_every=1",
          "--config.train.eval_every=5", "--cpu_devices=8", f"--workdir={workdir}"],
-        cwd=ROOT, env={**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}, capture_output=True,
+        cwd=ROOT, env=child_env(), capture_output=True,
         text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return [json.loads(line) for line in (workdir / "metrics.jsonl").open()]

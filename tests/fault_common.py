@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from child_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -15,7 +17,7 @@ def launch_two(args: list[str], module: str = "tests.fault_worker"
     run = subprocess.run(
         [sys.executable, "-m", "launch.local_multihost", "--num_processes=2",
          "--devices_per_process=4", "--grace_s=300", f"--module={module}", "--", *args],
-        cwd=ROOT, env={**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT},
+        cwd=ROOT, env=child_env(),
         capture_output=True, text=True, timeout=600)
     text = run.stdout + run.stderr
     assert "Traceback" not in text and " later" not in run.stderr, text[-3000:]  # none stopped

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from child_env import child_env
 from jaxscale.config import base_config
 from jaxscale.data.mixture import files_data
 from jaxscale.data.prepare import prepare
@@ -26,7 +27,7 @@ def _text(i: int) -> str:
 
 def cli(*args: str, cwd: str = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -m jaxscale ARGS` on the CPU, as a user would run it."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+    env = child_env(JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "jaxscale", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from child_env import child_env
 from configs.tiny_lm import get_config
 from jaxscale.errors import short_error
 from jaxscale.train.checkpoint import Checkpointer
@@ -19,7 +20,7 @@ from jaxscale.train.hooks import NonFiniteError
 from jaxscale.train.loop import Trainer, _attach_checkpoints, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+ENV = child_env()
 
 
 def _metrics(workdir):

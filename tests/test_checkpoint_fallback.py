@@ -10,13 +10,14 @@ import jax
 import numpy as np
 import pytest
 
+from child_env import child_env
 from configs.tiny_lm import get_config
 from jaxscale.train.loop import train
 from jaxscale.weights.restore import BrokenCheckpointWarning
 from jaxscale.weights.sources import open_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+ENV = child_env()
 
 
 def _truncate_arrays(step_dir: str) -> None:

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from child_env import child_env
 from configs.tiny_lm import get_config
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
@@ -98,7 +99,7 @@ def test_two_processes_with_skewed_clocks_save_at_the_same_steps(tmp_path):
          f"--config.checkpoint.local_dir={local}", "--config.checkpoint.local_every=0",
          "--config.checkpoint.local_every_minutes=1.5", "--config.checkpoint.local_keep=10",
          f"--workdir={tmp_path / 'run'}"],
-        cwd=root, env={**os.environ, "XLA_FLAGS": "", "PYTHONPATH": root},
+        cwd=root, env=child_env(),
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     assert _steps(tmp_path / "run") == [4, 7, 8]  # as on one process (the test above)

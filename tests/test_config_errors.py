@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from child_env import TEST_XLA_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SYNTAX = """from jaxscale.config import base_config
@@ -46,7 +48,7 @@ def _run(tmp_path, command: str, source: str) -> tuple[str, subprocess.Completed
     path = tmp_path / "bad_config.py"
     path.write_text(source)
     flags = [f.format(tmp=tmp_path) for f in COMMANDS[command]]
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, "JAX_PLATFORMS": "cpu"}
     # From another directory: the config is found by its path, and nothing of the checkout.
     proc = subprocess.run([sys.executable, "-m", "jaxscale", command, f"--config={path}:test",
                            *flags], cwd=tmp_path, env=env, capture_output=True, text=True,

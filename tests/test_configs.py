@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
 
+from child_env import child_env
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
 from jaxscale.mesh import MESH_AXES, resolve_mesh_shape
@@ -227,7 +228,7 @@ def test_family_presets_have_the_published_shapes_and_the_table_flops():
 
 
 def _run(*args, timeout=300):
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+    env = child_env()
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

@@ -12,8 +12,9 @@ run. The runnable blocks of one page (README.md or docs/NAME.md) run in order in
 directory, so a block may use what an earlier block of the same page wrote; `bash` blocks run under
 `bash -euo pipefail`, `python` blocks through the venv's `python`, with the running venv's `bin`
 first on PATH (`.venv/bin`, `.venv312/bin`), on the CPU backend (`JAX_PLATFORMS=cpu`) and without
-the test suite's `XLA_FLAGS`, as in a user's shell, but for `DOCS_XLA_FLAGS` (LLVM at -O0: the
-same HLO, compiled a third faster; the blocks spend their time compiling). Mark only blocks that
+the test suite's `XLA_FLAGS`, as in a user's shell, but for the tests' own (`TEST_XLA_FLAGS`,
+tests/child_env.py: LLVM at -O0, the same HLO compiled a third faster; the blocks spend their
+time compiling). Mark only blocks that
 are cheap (seconds, at most about a minute on a loaded 2-core machine: tiny configs, a few steps,
 `--cpu_devices`, relative workdirs) and hermetic (no network, no TPU); all of them together should
 stay under about three minutes; the test that runs them is marked `slow` (part of `make test`,
@@ -38,6 +39,8 @@ import subprocess
 import sys
 
 import pytest
+
+from child_env import TEST_XLA_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
@@ -105,17 +108,11 @@ def _outside_fences(page: str) -> list[tuple[int, str]]:
     return out
 
 
-# The blocks' time goes to compiling tiny models (a dozen `jaxscale` processes a page), not to
-# running them: LLVM at -O0 compiles the same HLO about a third faster, and the unit tests keep
-# the default, so an optimised build is still tested. Drop the flag to run the pages as shipped.
-DOCS_XLA_FLAGS = "--xla_backend_optimization_level=0"
-
-
 def _env() -> dict[str, str]:
     venv_bin = os.path.dirname(sys.executable)  # the venv running the tests: .venv, .venv312
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PATH=venv_bin + os.pathsep + env.get("PATH", ""), JAX_PLATFORMS="cpu",
-               PYTHONUNBUFFERED="1", XLA_FLAGS=DOCS_XLA_FLAGS)
+               PYTHONUNBUFFERED="1", XLA_FLAGS=TEST_XLA_FLAGS)
     return env
 
 

@@ -8,10 +8,11 @@ import sys
 
 import pytest
 
+from child_env import child_env
 from jaxscale.errors import JaxscaleError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+ENV = child_env(JAX_PLATFORMS="cpu")
 
 
 def _jaxscale(*args: str) -> subprocess.CompletedProcess:

@@ -12,10 +12,11 @@ import time
 
 import pytest
 
+from child_env import child_env
 from jaxscale.runtime.preemption import PREEMPTED_EXIT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+ENV = child_env(JAX_PLATFORMS="cpu")
 # Unrolled layers make the compile last a few seconds, so the signal lands inside it.
 TRAIN = [sys.executable, "-m", "jaxscale", "train", "--config=tiny_lm:test",
          "--config.train.log_every=1", "--config.train.eval_every=0",

@@ -13,6 +13,8 @@ import sys
 import numpy as np
 import pytest
 
+from child_env import child_env
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -20,8 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cli(module: str, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # the entry points simulate devices with --cpu_devices
+    env = child_env(JAX_PLATFORMS="cpu")  # the entry points simulate devices with --cpu_devices
     run = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     if ok:

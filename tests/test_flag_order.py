@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from child_env import child_env
 from jaxscale.cli import config_first
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +20,7 @@ RESOLVE = ("import importlib, os, sys; from jaxscale import cli; "
 
 
 def _resolved(module: str, args: list[str]) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT, "LAUNCHER": module}
+    env = child_env(LAUNCHER=module)
     out = subprocess.run([sys.executable, "-c", RESOLVE, *args], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

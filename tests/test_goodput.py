@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from child_env import child_env
 from configs.tiny_lm import get_config
 from jaxscale.observe.events import EventLog, read_events
 from jaxscale.observe.goodput import Interruption, analyse
@@ -20,7 +21,7 @@ from jaxscale.train.hooks import CheckpointHook
 from jaxscale.train.loop import prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+ENV = child_env()
 
 # Three runs: killed after step 4 (its last save: step 2), pre-empted at step 4 (saved), done.
 CRAFTED = [

@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from child_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTIHOST = [sys.executable, "-m", "launch.local_multihost", "--num_processes=2",
              "--devices_per_process=2", "--"]
@@ -49,7 +51,7 @@ COMPARED = ("loss", "grad_norm", "kl", "clip_fraction", "reward_mean", "reward_s
 
 
 def _run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": f"{ROOT}{os.pathsep}{cwd}"}
+    env = child_env(PYTHONPATH=f"{ROOT}{os.pathsep}{cwd}")
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from child_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8  # conftest.TINY_STEPS: the uninterrupted run's
 TRAIN = ["--config=configs/tiny_lm.py:test", f"--config.train.steps={STEPS}",
@@ -39,7 +41,7 @@ def _steps(path) -> list[int]:
 
 def _env() -> dict[str, str]:
     """The test's environment at call time (an S3 fixture has set the AWS_* variables)."""
-    return {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+    return child_env()
 
 
 def _kill_when(cmd: list[str], ready) -> None:

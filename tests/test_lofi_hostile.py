@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from child_env import child_env
 from jaxscale.errors import ConfigError
 from jaxscale.lofi import store as S
 from jaxscale.lofi import stream as R
@@ -128,7 +129,7 @@ def test_step_beyond_int32_is_rejected_without_job_settings(store):
 # ------------------------------------------------------------ a bad object costs one push
 def _lofi_average(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "launch.lofi_average", *args], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""},
+                          env=child_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -386,7 +387,7 @@ def test_averager_killed_mid_round_and_restarted_at_once_lets_workers_finish(tmp
     """The claim of an averager SIGKILLed mid-round used to block the round for 900 s while
     workers wait lofi.sync_timeout_s (600 s): now its lease expires after --claim_lease_s."""
     store_dir = str(tmp_path / "store")
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
+    env = child_env()
     dying = subprocess.Popen([sys.executable, "-c", DIES_MID_ROUND, store_dir], cwd=ROOT, env=env)
     workers = [subprocess.Popen(
         [sys.executable, "-m", "launch.train", "--config=configs/tiny_lm.py:test",

@@ -8,7 +8,6 @@ location, the endpoint and the fix, and leaves no COMMIT behind. An object delet
 running averager drops that worker's push (data, not weather) without waiting out a budget."""
 
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from child_env import child_env
 from jaxscale.lofi import store as S
 from jaxscale.lofi.averager import AveragerConfig, latest_average, publish_initial, run_round
 from jaxscale.storage import locations
@@ -136,7 +136,7 @@ def test_three_workers_and_an_averager_survive_a_server_restart_bit_for_bit(
     """Separate processes on SeaweedFS, the server killed for ~10 s after round 1 (workers are
     pushing step 4 and polling for round 2): the job finishes, each process says so once in its
     log, and every published average equals the same job on a local store bit for bit."""
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+    env = child_env()
     local = subprocess.run(_lofi_job(str(tmp_path / "store"), tmp_path / "local"), env=env,
                            cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from child_env import child_env
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
 from jaxscale.inference.evaluate import evaluate_params, evaluate_workdir, read_config
@@ -29,7 +30,7 @@ from jaxscale.weights.tree import flatten
 from tests.lofi_common import KILL_MID_PUSH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+ENV = child_env()
 
 
 def train(c, workdir, hooks=()):

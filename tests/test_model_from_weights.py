@@ -20,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from child_env import child_env
 from jaxscale.configs import finetune_lm
 from jaxscale.interop import convert
 from jaxscale.weights.resolve import SAFE, InitFromError, resolve
@@ -274,8 +275,7 @@ def test_inspect_reads_the_shapes_and_no_weight(tmp_path, monkeypatch):
 
 
 def cli(module: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env(JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 

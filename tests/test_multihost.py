@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from child_env import child_env
 from jaxscale.runtime import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +22,7 @@ MULTIHOST = [sys.executable, "-m", "launch.local_multihost", "--num_processes=2"
 
 
 def _run(cmd: list[str], timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT, **env}
+    env = child_env(**env)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -66,7 +67,7 @@ def test_missing_peer_fails_clearly_within_the_timeout(tmp_path):
                "--cpu_devices=4", "--num_processes=2", f"--process_id={pid}",
                f"--coordinator_address=localhost:{_free_port()}",
                "--initialization_timeout=8"]
-        env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+        env = child_env()
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from child_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = "the quick brown fox jumps over lazy dog data model token train jax grain".split()
 MULTIHOST = [sys.executable, "-m", "launch.local_multihost", "--num_processes=2",
@@ -41,7 +43,7 @@ app.run(main)
 
 
 def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT, **env}
+    env = child_env(**env)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 

@@ -11,6 +11,7 @@ import types
 
 import pytest
 
+from child_env import child_env
 from configs.tiny_lm import get_config
 from jaxscale.errors import ConfigError
 from jaxscale.observe import loggers, throughput
@@ -131,7 +132,7 @@ def test_profile_trace_is_written_and_summarized(run):
     assert any(op.collective and op.name.startswith("all-reduce") for op in summary.ops)
     assert [op.total_ns for op in summary.ops] == sorted((op.total_ns for op in summary.ops),
                                                         reverse=True)
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env = child_env(JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-m", "launch.profile_summary", workdir, "--top=5"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from child_env import child_env
 from configs.tiny_lm import get_config
 from jaxscale.observe.metrics import read_metrics
 from jaxscale.runtime.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
@@ -74,7 +75,7 @@ TRAIN = ["--config=configs/tiny_lm.py:test", "--config.train.steps=16",
          "--config.train.log_every=1", "--config.train.eval_every=0"]
 MULTIHOST = [sys.executable, "-m", "launch.local_multihost", "--num_processes=2",
              "--devices_per_process=4", "--"]
-ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+ENV = child_env()
 
 
 def _sigterm_after(cmd: list[str], metrics: str, lines: int) -> tuple[int, str]:

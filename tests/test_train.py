@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from child_env import child_env
 from configs.tiny_lm import get_config
 from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef
@@ -80,7 +81,7 @@ def test_cli_writes_config_and_metrics(tmp_path, mesh_flags, summary):
     cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny_lm.py:test",
            f"--workdir={workdir}", "--cpu_devices=8", *mesh_flags,
            "--config.train.steps=4", "--config.train.eval_every=2"]
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+    env = child_env(XLA_FLAGS="")  # as users compile: XLA's default optimisation (child_env.py)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     config = json.loads((workdir / "config.json").read_text())
@@ -97,7 +98,7 @@ def test_cli_writes_config_and_metrics(tmp_path, mesh_flags, summary):
 def test_cli_reports_bad_mesh_clearly(tmp_path):
     cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny_lm.py:test",
            f"--workdir={tmp_path}", "--cpu_devices=8", "--config.mesh.data=3"]
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+    env = child_env()
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "has 3 devices but 8 are available" in out.stderr
@@ -109,7 +110,7 @@ def test_cli_rejects_an_unsupported_workdir_url():
     scheme is one paragraph naming the supported ones."""
     cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny_lm.py:test",
            "--workdir=hdfs://namenode/run", "--cpu_devices=8"]
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+    env = child_env()
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "does not support" in out.stderr and "s3://bucket/prefix" in out.stderr

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from child_env import child_env
 from configs.tiny_lm import get_config
 from jaxscale.observe.metrics import read_metrics
 from jaxscale.storage import locations as storage
@@ -117,7 +118,7 @@ def test_torn_and_broken_steps_on_s3_are_skipped_and_set_aside(seaweedfs):
     assert [m["step"] for m in read_metrics(workdir)] == [1, 2, 3]
 
 
-ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+ENV = child_env()
 
 
 def _cli(workdir, steps=14, env=None, timeout=600, **kwargs):

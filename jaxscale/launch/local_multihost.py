@@ -10,7 +10,6 @@ prefixes. Only process 0 writes logs and metrics, so all may share one `--workdi
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -22,6 +21,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from jaxscale import cli
+from jaxscale.runtime.distributed import worker_environment
 from jaxscale.runtime.preemption import PREEMPTED_EXIT
 
 _N = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
@@ -53,8 +53,7 @@ def run_group(commands: dict[str, Sequence[str]], grace_s: float) -> int:
     SIGTERM sent to this launcher is passed on to every process, as a pre-empted machine
     would deliver it to each of its processes.
     """
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)  # each process sets its own device count via --cpu_devices
+    env = worker_environment()
     procs = {name: subprocess.Popen(list(argv), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, env=env)
              for name, argv in commands.items()}

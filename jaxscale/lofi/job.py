@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jaxscale.lofi.progress import JobProgress
+from jaxscale.runtime.distributed import worker_environment
 
 # glibc's documented environment tunables (other C libraries ignore them), no code: glibc gives
 # each of tensorstore's I/O threads a heap arena of its own, and the 1 MiB chunk buffers they
@@ -100,8 +101,7 @@ class _Children:
     def __init__(self, output: Output, grace_s: float = 20.0):
         self.output, self.procs, self.threads = output, [], []
         self.stopping, self.grace_s = 0, grace_s
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.env.pop("XLA_FLAGS", None)  # each worker sets its own simulated device count
+        self.env = worker_environment()
 
     def start(self, argv: Sequence[str], prefix: str,
               env: dict[str, str] | None = None) -> subprocess.Popen:

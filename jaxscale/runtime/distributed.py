@@ -15,6 +15,7 @@ user-facing error.
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import sys
 import threading
@@ -58,6 +59,20 @@ def set_cpu_devices(n: int | None) -> None:
     import jax
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", int(n))
+
+
+def worker_environment() -> dict[str, str]:
+    """The environment for a process that this one starts with its own `--cpu_devices`
+    (`launch.local_multihost`, a Lo-Fi job's workers): this one's, with XLA_FLAGS passed on
+    (a user's dump or tuning flags reach every worker, and a test suite's compile options
+    keep the workers' numbers equal to its own) but for a simulated device count, which is
+    each worker's own to set."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    kept = [f for f in shlex.split(env.pop("XLA_FLAGS", ""))
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    if kept:
+        env["XLA_FLAGS"] = shlex.join(kept)
+    return env
 
 
 def detected_num_processes() -> int | None:
