@@ -109,17 +109,18 @@ def _keep_directories_of_existing_buckets() -> None:
     (`retry.is_existing_bucket`) as FileExistsError, which failed the save and the run as the
     server came back. That answer says the bucket exists, all such a directory needs, so it is
     success here, as it would have been had the probe been answered. The bucket itself, made
-    again, is still a FileExistsError; an inaccessible bucket fails at its first write."""
+    again, is still a FileExistsError; an inaccessible bucket fails at its first write.
+    Checked against s3fs 2026.9.x (pinned in pyproject.toml): `_makedirs` calls `_mkdir`."""
     import s3fs
 
     mkdir = s3fs.S3FileSystem._mkdir
 
     @functools.wraps(mkdir)
-    async def _mkdir(self: Any, path: str, *args: Any, **kwargs: Any) -> None:
+    async def _mkdir(self: Any, target: str, *args: Any, **kwargs: Any) -> None:
         try:
-            return await mkdir(self, path, *args, **kwargs)
+            return await mkdir(self, target, *args, **kwargs)
         except FileExistsError as e:
-            if not (self.split_path(path)[1] and is_existing_bucket(e)):
+            if not (self.split_path(target)[1] and is_existing_bucket(e)):
                 raise
             return None
     s3fs.S3FileSystem._mkdir = _mkdir
