@@ -39,7 +39,7 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
 from jaxscale.storage import locations
 from jaxscale.storage.diskfull import is_disk_full
-from jaxscale.storage.retry import REQUEST_RETRIES, is_outage
+from jaxscale.storage.retry import REQUEST_RETRIES, is_existing_bucket, is_outage
 
 COMMIT_FILE = "commit_success.txt"  # orbax's marker of a finished step (commit-file protocol)
 _GS_ALIAS = "gs://"
@@ -94,9 +94,36 @@ def atomicity_options(location: str) -> Any:
 
 
 def path(location: str) -> Any:
-    """The `etils.epath.Path` orbax should be given for `location` (adapter installed)."""
+    """The `etils.epath.Path` orbax should be given for `location` (adapters installed)."""
     install()
+    if str(location).startswith("s3://"):
+        _keep_directories_of_existing_buckets()
     return locations.epath(location)
+
+
+@functools.cache
+def _keep_directories_of_existing_buckets() -> None:
+    """s3fs creates a directory under a bucket (orbax: a step's, `mkdir(parents=True,
+    exist_ok=False)`) as nothing at all once the bucket exists; when its probe of the bucket
+    failed in an outage, it creates the bucket instead and raised the server's "it exists"
+    (`retry.is_existing_bucket`) as FileExistsError, which failed the save and the run as the
+    server came back. That answer says the bucket exists, all such a directory needs, so it is
+    success here, as it would have been had the probe been answered. The bucket itself, made
+    again, is still a FileExistsError; an inaccessible bucket fails at its first write.
+    Checked against s3fs 2026.9.x (pinned in pyproject.toml): `_makedirs` calls `_mkdir`."""
+    import s3fs
+
+    mkdir = s3fs.S3FileSystem._mkdir
+
+    @functools.wraps(mkdir)
+    async def _mkdir(self: Any, target: str, *args: Any, **kwargs: Any) -> None:
+        try:
+            return await mkdir(self, target, *args, **kwargs)
+        except FileExistsError as e:
+            if not (self.split_path(target)[1] and is_existing_bucket(e)):
+                raise
+            return None
+    s3fs.S3FileSystem._mkdir = _mkdir
 
 
 def is_complete(step_dir: Any, remote: bool) -> bool:
