@@ -19,6 +19,7 @@ the `lm_eval.models` entry point in pyproject.toml where its version reads entry
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,6 +59,32 @@ def scorer(model_def: Any, rules: Any, mesh: Any) -> Callable[..., tuple[jax.Arr
     return jax.jit(score)
 
 
+def check_model_args(workdir: str, from_hf: str, batch_size: int | str, max_length: int | str,
+                     max_gen_toks: int | str, unknown: dict) -> int:
+    """The batch size, once `--model_args` are known to be valid (a ConfigError naming the bad
+    one otherwise). `jaxscale lm-eval` calls it before the harness indexes its tasks (seconds)."""
+    if unknown:
+        raise ConfigError(paragraph(
+            f"lm_eval --model_args for jaxscale: unknown argument(s) {sorted(unknown)}.",
+            "Known: workdir, from_hf, batch_size, max_length, max_gen_toks, seed."))
+    if bool(workdir) == bool(from_hf):
+        raise ConfigError(paragraph(
+            "lm_eval --model jaxscale needs exactly one of --model_args workdir=DIR (a",
+            "training workdir or a `jaxscale convert` output) or from_hf=DIR (a Hugging",
+            "Face model directory)."))
+    if str(batch_size).startswith("auto"):
+        batch_size = 8  # the harness's automatic search runs torch models; pick a size
+    sizes = dict(batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks)
+    bad = {k: v for k, v in sizes.items()
+           if not str(v).isdigit() or int(v) < (k != "max_length")}
+    if bad:
+        raise ConfigError(paragraph(
+            f"lm_eval --model_args for jaxscale: {bad} must be whole numbers (batch_size and",
+            "max_gen_toks at least 1; max_length 0 for the model's own), e.g.",
+            "--model_args workdir=DIR,batch_size=8."))
+    return int(batch_size)
+
+
 class JaxscaleLM(TemplateLM):
     """lm_eval's model interface over a jaxscale model (`--model_args workdir=DIR` or
     `from_hf=DIR`; `batch_size`, `max_length` and `max_gen_toks` as the harness's own models
@@ -78,29 +105,23 @@ class JaxscaleLM(TemplateLM):
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
         return cls(**{**extra, **arg_dict})
 
+    @classmethod
+    def check_arg_string(cls, arg_string: str) -> None:
+        """Raises the ConfigError that `create_from_arg_string` would, without loading."""
+        from lm_eval import utils
+        args = utils.simple_parse_args_string(arg_string)
+        params = inspect.signature(cls.__init__).parameters
+        given = {name: args.pop(name, p.default) for name, p in params.items()
+                 if p.default is not p.empty}
+        check_model_args(given["workdir"], given["from_hf"], given["batch_size"],
+                         given["max_length"], given["max_gen_toks"], unknown=args)
+
     def __init__(self, workdir: str = "", from_hf: str = "", batch_size: int | str = 8,
                  max_length: int | str = 0, max_gen_toks: int | str = 256, seed: int | str = 0,
                  max_batch_size: Any = None, device: Any = None, **unknown: Any) -> None:
         super().__init__()
-        if unknown:
-            raise ConfigError(paragraph(
-                f"lm_eval --model_args for jaxscale: unknown argument(s) {sorted(unknown)}.",
-                "Known: workdir, from_hf, batch_size, max_length, max_gen_toks, seed."))
-        if bool(workdir) == bool(from_hf):
-            raise ConfigError(paragraph(
-                "lm_eval --model jaxscale needs exactly one of --model_args workdir=DIR (a",
-                "training workdir or a `jaxscale convert` output) or from_hf=DIR (a Hugging",
-                "Face model directory)."))
-        if str(batch_size).startswith("auto"):
-            batch_size = 8  # the harness's automatic search runs torch models; pick a size
-        sizes = dict(batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks)
-        bad = {k: v for k, v in sizes.items()
-               if not str(v).isdigit() or int(v) < (k != "max_length")}
-        if bad:
-            raise ConfigError(paragraph(
-                f"lm_eval --model_args for jaxscale: {bad} must be whole numbers (batch_size and",
-                "max_gen_toks at least 1; max_length 0 for the model's own), e.g.",
-                "--model_args workdir=DIR,batch_size=8."))
+        batch_size = check_model_args(workdir, from_hf, batch_size, max_length, max_gen_toks,
+                                      unknown)
         self.config, params = load_model(workdir, from_hf)
         self.model_def, self.params, self.rules, self.mesh = placed_model(self.config, params)
         self.tokenizer = (model_tokenizer(self.config, workdir, from_hf) or ByteTokenizer())

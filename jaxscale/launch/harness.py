@@ -10,6 +10,7 @@ this command works on every version (it registers the model, then runs the harne
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 
@@ -26,9 +27,12 @@ def _run() -> None:
         sys.exit("jaxscale lm-eval: the lm-evaluation-harness is not installed; install it with "
                  "`pip install 'jaxscale[eval]'` (or `pip install lm_eval`) and run this again.")
     from jaxscale.errors import JaxscaleError, paragraph
-    from jaxscale.inference.lm_harness import register
+    from jaxscale.inference.lm_harness import JaxscaleLM, register
 
     register()
+    model_args = _jaxscale_model_args(sys.argv[1:])
+    if model_args is not None:  # checked before the harness spends seconds indexing its tasks
+        JaxscaleLM.check_arg_string(model_args)
     sys.argv[0] = "jaxscale lm-eval"
     try:
         cli_evaluate()
@@ -39,6 +43,18 @@ def _run() -> None:
             "HF_HUB_OFFLINE set without the dataset in the cache). Run once where the Hub is",
             "reachable to fill the cache, or evaluate a local task: a YAML and a jsonl in a",
             "directory given to --include_path (docs/post-training.md, 'lm-eval').")) from None
+
+
+def _jaxscale_model_args(argv: list[str]) -> str | None:
+    """The `--model_args` string of a `--model jaxscale` command line (None for another model,
+    or arguments given as JSON, which the harness itself parses)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model", default="")
+    parser.add_argument("--model_args", default="")
+    known, _ = parser.parse_known_args(argv)
+    if known.model != "jaxscale" or known.model_args.lstrip().startswith("{"):
+        return None
+    return known.model_args
 
 
 if __name__ == "__main__":
