@@ -25,7 +25,7 @@ from jaxscale.configs import finetune_lm
 from jaxscale.interop import convert
 from jaxscale.weights.resolve import SAFE, InitFromError, resolve
 from jaxscale.weights.sources import Recorded, recorded
-from jaxscale.weights.tree import flatten
+from jaxscale.weights.tree import flatten, unflatten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -106,7 +106,7 @@ class Losses:
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_a_family_fine_tunes_from_its_directory_and_from_its_conversion(name, tmp_path):
     from jaxscale.train.loop import Trainer
-    from jaxscale.weights.init_from import init_params
+    from jaxscale.weights.init_from import load_params
 
     hf_dir = make_hf(name, str(tmp_path / "hf"))
     conv = str(tmp_path / "conv")
@@ -134,7 +134,10 @@ def test_a_family_fine_tunes_from_its_directory_and_from_its_conversion(name, tm
     first = Losses()
     trainer.hooks.append(first)
     trainer.run()
-    state, again = init_params(conv, blank, trainer.shardings, after.model), []
+    loaded = load_params(conv, blank, trainer.shardings, after.model)
+    state, again = blank.replace(**{  # the conversion's weights in both parts of the state
+        part: unflatten({k: loaded.get(k, v) for k, v in flatten(getattr(blank, part)).items()})
+        for part in ("params", "frozen")}), []
     batches = trainer.batches.iterator(None)
     for _ in range(2):  # the step compiled above: same model, same shapes, same batches
         state, metrics = trainer.train_fn(state, trainer.to_global(next(batches)))
@@ -321,7 +324,6 @@ def test_lora_adapters_on_experts_are_per_expert_and_merge_exactly():
     params = {k: rng.normal(size=v.shape).astype(np.float32) if k.endswith("_lora_b") else v
               for k, v in params.items()}
     tokens = jnp.arange(12).reshape(1, 12)
-    from jaxscale.weights.tree import unflatten
     adapted = model_def.module(unflatten(params))(tokens)
     plain = ModelDef.build(model_cfg, get_policy("32-true"))
     merged = lora.merge(unflatten(params), lora_cfg)  # export: the experts' deltas folded in

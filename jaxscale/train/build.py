@@ -6,7 +6,7 @@ exactly what `launch.train` runs (tests/test_inspect.py compares the lowered pro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import jax
@@ -46,12 +46,14 @@ class StepSetup:
         return abstract_state(c.model_def, c.optimizer, c.rules, c.mesh, self.trainable,
                               self.init_extra, c.offload_state, self.init_reference)
 
-    def init_state(self, seed: int) -> tuple[TrainState, TrainState]:
-        """(state, shardings): the sharded initial state (before init_from or a checkpoint;
-        `train.reference.set_reference` then fills the reference)."""
+    def init_state(self, seed: int, loaded: Mapping[str, jax.Array] | None = None
+                   ) -> tuple[TrainState, TrainState]:
+        """(state, shardings): the sharded initial state, with `loaded` parameters (init_from's,
+        `weights.init_from.load_params`) in place of random ones; before a checkpoint is
+        restored (`train.reference.set_reference` then fills the reference)."""
         c = self.ctx
         return init_state(c.model_def, c.optimizer, c.rules, c.mesh, seed, self.trainable,
-                          self.init_extra, c.offload_state, self.init_reference)
+                          self.init_extra, c.offload_state, self.init_reference, loaded)
 
     def jit(self, shardings: TrainState, batch: BatchSpec) -> Callable:
         """The jitted train step as the loop forms it: explicit shardings, donated state."""

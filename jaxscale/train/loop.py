@@ -42,7 +42,7 @@ from jaxscale.train.reference import set_reference
 from jaxscale.train.resume_config import check_resumed_model
 from jaxscale.train.state import TrainState
 from jaxscale.train.step import StepContext, global_batch, jit_train_step
-from jaxscale.weights.init_from import init_params
+from jaxscale.weights.init_from import load_params
 from jaxscale.weights.resolve import resolve
 from jaxscale.weights.tree import merge_trees
 
@@ -78,9 +78,9 @@ class Trainer:
         mesh = make_mesh(config.mesh, devices)
         setup = build_step(config, mesh)
         ctx = setup.ctx
-        state, shardings = setup.init_state(config.seed)
-        if config.init_from:
-            state = init_params(config.init_from, state, shardings, config.model)
+        loaded = (load_params(config.init_from, *setup.abstract_state(), config.model)
+                  if config.init_from else None)
+        state, shardings = setup.init_state(config.seed, loaded)
         state = set_reference(config, state, shardings)  # before any checkpoint is restored
         lofi = config.lofi
         shard = (lofi.worker_id, lofi.num_workers) if lofi.enabled else (0, 1)

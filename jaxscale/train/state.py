@@ -108,9 +108,14 @@ def no_reference(trainable: Any, frozen: Any) -> dict:
 def _initializer(model_def: ModelDef, optimizer: optax.GradientTransformation,
                  is_trainable: Callable[[str], bool], init_extra: Callable[[], dict],
                  init_reference: InitReference = no_reference):
-    def init(rng: jax.Array) -> TrainState:
+    def init(rng: jax.Array, loaded: Mapping[str, jax.Array] | None = None) -> TrainState:
+        """The initial state; parameters in `loaded` ({path: array}, `config.init_from`'s)
+        replace the random ones, whose computation XLA then drops as unused."""
         params_rng, state_rng = jax.random.split(rng)
-        trainable, frozen = split_trainable(model_def.init_params(params_rng), is_trainable)
+        params = model_def.init_params(params_rng)
+        if loaded:
+            params = unflatten({**flatten(params), **loaded})
+        trainable, frozen = split_trainable(params, is_trainable)
         return TrainState(jnp.zeros((), jnp.int32), trainable, frozen,
                           optimizer.init(trainable), state_rng, {**base_extra(), **init_extra()},
                           init_reference(trainable, frozen))
@@ -135,13 +140,16 @@ def abstract_state(model_def: ModelDef, optimizer: optax.GradientTransformation,
 def init_state(model_def: ModelDef, optimizer: optax.GradientTransformation, rules: AxisRules,
                mesh: Mesh, seed: int, is_trainable: Callable[[str], bool] = all_trainable,
                init_extra: Callable[[], dict] = dict, offload_opt: bool = False,
-               init_reference: InitReference = no_reference
-               ) -> tuple[TrainState, TrainState]:
-    """Creates the TrainState already sharded; returns (state, its shardings)."""
+               init_reference: InitReference = no_reference,
+               loaded: Mapping[str, jax.Array] | None = None) -> tuple[TrainState, TrainState]:
+    """Creates the TrainState already sharded; returns (state, its shardings). `loaded`:
+    parameters placed with the state's shardings ({path: array}, `weights.init_from.
+    load_params`), which become the state's own buffers (donated: never copied)."""
     init = _initializer(model_def, optimizer, is_trainable, init_extra, init_reference)
     _, shardings = abstract_state(model_def, optimizer, rules, mesh, is_trainable, init_extra,
                                   offload_opt, init_reference)
-    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed)), shardings
+    make = jax.jit(init, out_shardings=shardings, donate_argnums=1)
+    return make(jax.random.key(seed), dict(loaded or {})), shardings
 
 
 def state_shardings(abstract: TrainState, model_def: ModelDef, rules: AxisRules,

@@ -2,7 +2,7 @@
 
 Any location `jaxscale.weights.sources.open_weights` reads is accepted (a params export, a
 training workdir, a Lo-Fi store's newest average, a Hugging Face directory); a run whose model
-is a stand-in takes its model from there first (`weights/resolve.py`). `init_params`, the one
+is a stand-in takes its model from there first (`weights/resolve.py`). `load_params`, the one
 function the train loop calls, checks that the saved weights fit the run's model (the tree
 must match exactly: same leaves, shapes; weights that record their model fields must run with
 them, `resolve.SAFE` aside) and places the leaves one at a time with
@@ -21,14 +21,17 @@ from jaxscale.weights.place import place
 from jaxscale.weights.resolve import InitFromError, check_model, mismatches
 from jaxscale.weights.snapshot import PARAMS, write_snapshot
 from jaxscale.weights.sources import WeightsError, open_weights, recorded
-from jaxscale.weights.tree import flatten, unflatten
+from jaxscale.weights.tree import flatten
 
 
-def init_params(path: str, state: Any, shardings: Any, model_cfg: Any = None) -> Any:
-    """`state` (a `train.state.TrainState`, read by field name: weights sit below train) with
-    its freshly initialised parameters replaced by the saved ones at `path`, placed by
-    `shardings` (the same TrainState of shardings). LoRA runs (a frozen base) take the saved
-    weights as the frozen base; their adapters start fresh.
+def load_params(path: str, abstract: Any, shardings: Any, model_cfg: Any = None
+                ) -> dict[str, Any]:
+    """{parameter path: jax.Array} of the saved weights at `path`, each placed as the run's
+    own (`abstract` and `shardings`: `train.state.TrainState`s of its shapes and shardings,
+    read by field name: weights sit below train) and cast to its dtype. They fill both the
+    trainable and the frozen parameters (a LoRA base, a router's balancing bias); adapters are
+    left out and start fresh. `train.state.init_state` builds the state around them, so the
+    random weights they replace are never made: no second copy of the model at start-up.
 
     Leaves are read and placed one at a time (`open_weights` + `place`), so a converted model
     never sits whole on the host.
@@ -38,19 +41,12 @@ def init_params(path: str, state: Any, shardings: Any, model_cfg: Any = None) ->
         leaves = open_weights(path).leaves
     except WeightsError as e:
         raise InitFromError(f"config.init_from: {e}") from None
-    # The saved weights fill both parts (frozen: a LoRA base, a router's balancing bias);
-    # adapters start fresh.
-    parts = {part: flatten(getattr(state, part)) for part in ("params", "frozen")}
     leaves = {k: v for k, v in leaves.items() if not lora.is_adapter(k)}
-    like = {k: v for flat in parts.values() for k, v in flat.items() if not lora.is_adapter(k)}
+    like = {k: v for part in ("params", "frozen")
+            for k, v in flatten(getattr(abstract, part)).items() if not lora.is_adapter(k)}
     check_matches({k: v.shape for k, v in leaves.items()}, like, path, model_cfg)
-    replaced = {}
-    for part, flat in parts.items():
-        sh = flatten(getattr(shardings, part))
-        placed = place(leaves, {k: sh[k] for k in flat if k in leaves}, flat)
-        if placed:
-            replaced[part] = unflatten({**flat, **placed})
-    return state.replace(**replaced)
+    sh = {k: v for part in ("params", "frozen") for k, v in flatten(getattr(shardings, part)).items()}
+    return place(leaves, {k: sh[k] for k in like}, like)
 
 
 def export_params(directory: str, flat_params: dict[str, Any], meta: dict | None = None) -> str:
