@@ -144,3 +144,16 @@ def test_lone_process_of_a_detected_cluster_is_refused(monkeypatch):
         distributed.check_not_alone(None)
     monkeypatch.setenv("SLURM_NTASKS", "1")
     distributed.check_not_alone(None)
+
+
+def test_workers_get_the_users_xla_flags_but_not_a_device_count(monkeypatch):
+    """`launch.local_multihost` and a Lo-Fi job start workers that set their own device count
+    (`--cpu_devices`); the user's other XLA flags (dumps, tuning, the suite's -O0, which the
+    2 x 4 run above needs to equal the 1 x 8 one bit for bit) reach them unchanged."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to='/tmp/a b' "
+                                    "--xla_force_host_platform_device_count=8 --xla_foo=1")
+    env = distributed.worker_environment()
+    assert env["XLA_FLAGS"] == "--xla_dump_to='/tmp/a b' --xla_foo=1"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert "XLA_FLAGS" not in distributed.worker_environment()

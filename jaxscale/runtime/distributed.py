@@ -15,7 +15,7 @@ user-facing error.
 from __future__ import annotations
 
 import os
-import shlex
+import re
 import socket
 import sys
 import threading
@@ -68,10 +68,9 @@ def worker_environment() -> dict[str, str]:
     keep the workers' numbers equal to its own) but for a simulated device count, which is
     each worker's own to set."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    kept = [f for f in shlex.split(env.pop("XLA_FLAGS", ""))
-            if not f.startswith("--xla_force_host_platform_device_count")]
-    if kept:
-        env["XLA_FLAGS"] = shlex.join(kept)
+    kept = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.pop("XLA_FLAGS", ""))
+    if kept.strip():  # the rest as the user wrote it (XLA reads its own quoting)
+        env["XLA_FLAGS"] = " ".join(kept.split())
     return env
 
 
