@@ -9,7 +9,9 @@ as FileExistsError: a save, and the run, died at the end of an outage it should 
 out. Here the server is killed, and restarted exactly between the probes and create_bucket (a
 hook on s3fs's own S3 call), so that order is met every time, not by chance. The directory is
 then created; the bucket itself, created again, is still a FileExistsError (it does exist), and
-so is an existing directory, raised at once, not retried as an outage."""
+so is an existing directory, raised at once, not retried as an outage. On moto (as on AWS's
+us-east-1) the same order ends in create_bucket refusing the region s3fs names: the bucket is
+then probed again, and the directory created."""
 
 import asyncio
 import logging
@@ -125,3 +127,39 @@ def test_the_bucket_itself_and_an_existing_directory_still_exist(own_seaweedfs, 
         for_workdir(root).call("saving checkpoint step 4", mkdir)
     assert len(attempts) == 1  # not retried as an outage
     assert servers.outage_lines(caplog, "jaxscale.storage") == ([], [])
+
+
+def test_a_refused_bucket_creation_is_answered_by_the_probe_again(moto, monkeypatch):
+    """moto, like AWS's us-east-1, refuses create_bucket's LocationConstraint (s3fs sends the
+    region): the same outage order there ends in EINVAL, not "it exists". The probes fail as in
+    an outage until s3fs calls create_bucket (a hook on s3fs's S3 call; moto keeps its buckets
+    in memory, so a restart would lose them); the directory is then created, the bucket's
+    second probe answering."""
+    from botocore.exceptions import EndpointConnectionError
+
+    _, bucket = moto
+    locations.configure(retry_s=30.0)  # a fresh s3fs: nothing it knows of the bucket
+    answers: list[str] = []
+    call = s3fs.S3FileSystem._call_s3
+
+    async def call_s3(fs, method, *args, **kwargs):
+        if not answers and method in ("head_bucket", "get_bucket_location"):
+            raise EndpointConnectionError(endpoint_url="http://down")
+        try:
+            return await call(fs, method, *args, **kwargs)
+        except Exception as e:
+            if method == "create_bucket":
+                answers.append(getattr(e.__cause__, "response", {}).get("Error", {})
+                               .get("Code", type(e).__name__))
+            raise
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call_s3)
+    try:
+        root = f"s3://{bucket}/run/checkpoints"
+        step = orbax_paths.path(f"{root}/4")
+        for_workdir(root).call("saving checkpoint step 4",
+                               lambda _: step.mkdir(parents=True, exist_ok=False))
+        assert answers == ["InvalidLocationConstraint"]  # the order was met
+        (step / "commit_success.txt").write_text("ok")
+        assert [p.name for p in orbax_paths.path(root).iterdir()] == ["4"]
+    finally:
+        locations.configure()

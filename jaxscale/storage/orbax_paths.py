@@ -108,8 +108,11 @@ def _keep_directories_of_existing_buckets() -> None:
     failed in an outage, it creates the bucket instead and raised the server's "it exists"
     (`retry.is_existing_bucket`) as FileExistsError, which failed the save and the run as the
     server came back. That answer says the bucket exists, all such a directory needs, so it is
-    success here, as it would have been had the probe been answered. The bucket itself, made
-    again, is still a FileExistsError; an inaccessible bucket fails at its first write.
+    success here, as it would have been had the probe been answered. Other servers refuse that
+    create_bucket otherwise: AWS's us-east-1 and moto refuse its LocationConstraint (EINVAL),
+    a key without s3:CreateBucket gets AccessDenied; so any failure of it is followed by the
+    probe again, and a bucket that answers now is success too. The bucket itself, made again,
+    is still a FileExistsError; an inaccessible bucket fails at its first write.
     Checked against s3fs 2026.9.x (pinned in pyproject.toml): `_makedirs` calls `_mkdir`."""
     import s3fs
 
@@ -119,9 +122,14 @@ def _keep_directories_of_existing_buckets() -> None:
     async def _mkdir(self: Any, target: str, *args: Any, **kwargs: Any) -> None:
         try:
             return await mkdir(self, target, *args, **kwargs)
-        except FileExistsError as e:
-            if not (self.split_path(target)[1] and is_existing_bucket(e)):
+        except OSError as e:  # FileExistsError, PermissionError, EINVAL, an outage's
+            bucket, key, _ = self.split_path(target)
+            if not key:
                 raise
+            if not is_existing_bucket(e):
+                self.invalidate_cache(bucket)
+                if not await self._exists(bucket):  # still no answer: the error stands
+                    raise
             return None
     s3fs.S3FileSystem._mkdir = _mkdir
 
