@@ -39,7 +39,7 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
 from jaxscale.storage import locations
 from jaxscale.storage.diskfull import is_disk_full
-from jaxscale.storage.retry import REQUEST_RETRIES, is_existing_bucket, is_outage
+from jaxscale.storage.retry import REQUEST_RETRIES, is_outage
 
 COMMIT_FILE = "commit_success.txt"  # orbax's marker of a finished step (commit-file protocol)
 _GS_ALIAS = "gs://"
@@ -104,15 +104,15 @@ def path(location: str) -> Any:
 @functools.cache
 def _keep_directories_of_existing_buckets() -> None:
     """s3fs creates a directory under a bucket (orbax: a step's, `mkdir(parents=True,
-    exist_ok=False)`) as nothing at all once the bucket exists; when its probe of the bucket
-    failed in an outage, it creates the bucket instead and raised the server's "it exists"
-    (`retry.is_existing_bucket`) as FileExistsError, which failed the save and the run as the
-    server came back. That answer says the bucket exists, all such a directory needs, so it is
-    success here, as it would have been had the probe been answered. Other servers refuse that
-    create_bucket otherwise: AWS's us-east-1 and moto refuse its LocationConstraint (EINVAL),
-    a key without s3:CreateBucket gets AccessDenied; so any failure of it is followed by the
-    probe again, and a bucket that answers now is success too. The bucket itself, made again,
-    is still a FileExistsError; an inaccessible bucket fails at its first write.
+    exist_ok=False)`) as nothing at all once the bucket exists. When its probe of the bucket
+    failed in an outage, it creates the bucket instead, and the server, back by then, refuses:
+    "it exists" (BucketAlreadyExists / BucketAlreadyOwnedByYou, a FileExistsError), or the
+    region s3fs names (AWS's us-east-1, moto: EINVAL), or AccessDenied for a key without
+    s3:CreateBucket. Any of those failed the save and the run as the server came back. So a
+    failed creation under a bucket is followed by the probe again: a bucket that answers now is
+    all such a directory needs, success, as it would have been had the first probe been
+    answered; a bucket that still does not answer leaves the error standing (an outage's is
+    retried by `retry`). The bucket itself, made again, is still a FileExistsError.
     Checked against s3fs 2026.9.x (pinned in pyproject.toml): `_makedirs` calls `_mkdir`."""
     import s3fs
 
@@ -122,14 +122,13 @@ def _keep_directories_of_existing_buckets() -> None:
     async def _mkdir(self: Any, target: str, *args: Any, **kwargs: Any) -> None:
         try:
             return await mkdir(self, target, *args, **kwargs)
-        except OSError as e:  # FileExistsError, PermissionError, EINVAL, an outage's
+        except OSError:  # FileExistsError, PermissionError, EINVAL, an outage's
             bucket, key, _ = self.split_path(target)
             if not key:
                 raise
-            if not is_existing_bucket(e):
-                self.invalidate_cache(bucket)
-                if not await self._exists(bucket):  # still no answer: the error stands
-                    raise
+            self.invalidate_cache(bucket)
+            if not await self._exists(bucket):  # still no answer: the error stands
+                raise
             return None
     s3fs.S3FileSystem._mkdir = _mkdir
 

@@ -58,10 +58,6 @@ _CONNECTION_ERRORS = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTim
                       "ClientOSError"}  # botocore / aiohttp class names (neither is imported)
 
 
-# S3's answers to create_bucket for a name that is taken (s3fs raises both as FileExistsError).
-_BUCKET_EXISTS = {"BucketAlreadyExists", "BucketAlreadyOwnedByYou"}
-
-
 class StoreUnavailable(locations.StorageError):
     """The store did not answer for longer than the retry budget (not a damaged snapshot)."""
 
@@ -84,21 +80,6 @@ def is_outage(error: BaseException | None) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
-
-
-def is_existing_bucket(error: BaseException) -> bool:
-    """Whether `error` is s3fs's FileExistsError for S3's answer that the bucket exists.
-
-    Why it matters: s3fs creates a directory `bucket/key` by asking whether the bucket exists
-    and creating it if not, and reads any failure of that question (a server still down, or
-    coming back from an outage) as "no such bucket"; the create_bucket that follows then meets
-    the server up and answers BucketAlreadyOwnedByYou, or BucketAlreadyExists (SeaweedFS,
-    for its own bucket, right after a restart). Neither is an outage, nor a fact about the
-    directory: it is the answer to the question s3fs could not ask. `orbax_paths` reads it as
-    what it means for a directory under the bucket, which S3 does not store: success."""
-    response = getattr(error.__cause__, "response", None)  # botocore's ClientError
-    return (isinstance(error, FileExistsError) and isinstance(response, dict)
-            and response.get("Error", {}).get("Code") in _BUCKET_EXISTS)
 
 
 class Retry:
