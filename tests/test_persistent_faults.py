@@ -14,6 +14,7 @@ import os
 import pytest
 
 from fault_common import launch_two
+from jaxscale.train.persistent_faults import describe
 
 STEPS = 8  # the other 2 x 4 runs' (test_local_tier_faults, ...): one compile serves them all
 TRAIN = ["--config=configs/tiny_lm.py:test", f"--config.train.steps={STEPS}",
@@ -40,15 +41,38 @@ def _stopped(tmp_path, failed: int, at: int, newest: int) -> str:
     checkpoints = workdir / "checkpoints"
     for p in (0, 1):
         line = next(x for x in text.splitlines() if x.startswith(f"[p{p}] jaxscale: error:"))
+        # the file named: tensorstore's shard, or (a plain write that hit the limit first,
+        # whose OSError names no file) the step's staging directory
         assert line.startswith(
             f"[p{p}] jaxscale: error: The persistent checkpoint of step {failed} in "
             f"{checkpoints} could not be written on process 1 ({checkpoints}/{failed}."
-            "orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_1/"), line
-        assert ": File too large). Every process stopped at step " f"{at}:" in line, line
+            "orbax-checkpoint-tmp"), line
+        assert "File too large). Every process stopped at step " f"{at}:" in line, line
         assert (f"the checkpoints before it are intact, the newest step {newest}, and a rerun "
                 "resumes from it") in line, line
     assert sorted(os.listdir(checkpoints)) == [str(s) for s in range(2, newest + 1, 2)]
     return str(workdir)
+
+
+def test_a_failed_write_is_told_by_its_file_or_the_step_being_written():
+    """Which write hits the fault first is a race: tensorstore names its file after a page of
+    context, a plain write's OSError may name none (then the staging directory stands in)."""
+    staging = "/run/checkpoints/4.orbax-checkpoint-tmp"
+    shard = f"{staging}/state/ocdbt.process_1/d/abc"
+    tensorstore = ValueError(f'Failed writing: "{shard}": Error writing file: File too large '
+                             "[os_error_code=27]\nmore context")
+    assert describe(tensorstore, staging) == f"{shard}: File too large"
+    assert describe(OSError(27, "File too large"), staging) == f"{staging}: File too large"
+    named = OSError(27, "File too large", f"{staging}/data/data.json")
+    assert describe(named, staging) == f"{staging}/data/data.json: File too large"
+    try:
+        try:
+            raise OSError(27, "File too large")
+        except OSError as e:
+            raise RuntimeError("commit failed") from e
+    except RuntimeError as wrapped:
+        assert describe(wrapped, staging) == f"{staging}: File too large"
+    assert describe(RuntimeError("boom"), staging) == f"{staging}: boom"
 
 
 @pytest.mark.slow

@@ -163,7 +163,8 @@ class Checkpointer:
         processes: a save failed on any stops every process at step `at` (`persistent_faults`)."""
         if self._writes is not None:
             self._writes.settle(self.manager.wait_until_finished, self._pending, at,
-                                self.directory, self._discard_failed)
+                                self.directory, locations.join(self.directory, self._staging()),
+                                self._discard_failed)
             return
         if self._dirty:
             orbax_paths.discard_partial(self.directory, locations.settings().timeout_s)
@@ -192,16 +193,22 @@ class Checkpointer:
     def _discard_failed(self) -> tuple[str, int | None]:
         """Removes (on process 0) what the failed save of `_pending` left; returns its name
         and the newest intact step."""
-        if locations.is_remote(self.directory):  # commit-file steps: a step without one
-            name = str(self._pending)
-            if jax.process_index() == 0:
+        name = self._staging()
+        if jax.process_index() == 0:
+            if locations.is_remote(self.directory):
                 orbax_paths.discard_partial(self.directory, locations.settings().timeout_s)
-        else:
-            name = f"{self._pending}.orbax-checkpoint-tmp"
-            if jax.process_index() == 0:
+            else:
                 shutil.rmtree(str(self._path(name)), ignore_errors=True)
         self.manager.reload()
         return name, self.manager.latest_step()
+
+    def _staging(self) -> str:
+        """The name under which the pending step is written: the step itself on a bucket
+        (commit-file steps: a step without one is unfinished), orbax's temporary directory on
+        a file system (renamed once complete)."""
+        if locations.is_remote(self.directory):
+            return str(self._pending)
+        return f"{self._pending}.orbax-checkpoint-tmp"
 
     def _raise_if_disk_full(self, error: Exception) -> None:
         """A full disk (or quota) while a step is written: the unfinished step is removed (it was

@@ -98,12 +98,13 @@ class Writes:
         if failed:
             raise PeerFailed(failed)
 
-    def settle(self, wait: Any, step: int | None, at: int, directory: str,
+    def settle(self, wait: Any, step: int | None, at: int, directory: str, staging: str,
                cleanup: Any) -> None:
         """Runs `wait` (the manager's wait for the last commit) on every process, then agrees
         on the outcome: if some process's save of `step` failed, every process runs `cleanup`
         (returns what it removed and the newest intact step) and raises `PersistentSaveFailed`
-        at step `at`."""
+        at step `at`. `staging` is where `step` was being written: named for a failed write
+        whose error does not say which file."""
         error: BaseException | None = None
         try:
             wait()
@@ -115,7 +116,7 @@ class Writes:
         failed = failed_processes(own is None)
         if not failed:
             return
-        texts = gather_texts(describe(own) if own is not None else "")
+        texts = gather_texts(describe(own, staging) if own is not None else "")
         removed, newest = cleanup()
         where = "; ".join(f"process {p} ({texts[p]})" for p in failed)
         intact = (f"the checkpoints before it are intact, the newest step {newest}, and a rerun "
@@ -157,15 +158,22 @@ def quiet(directory: str) -> None:
         logging.getLogger(name).addFilter(QuietSave(directory))
 
 
-def describe(error: BaseException) -> str:
-    """A failed write in a line: tensorstore's message names the database, the file and the
-    OS error after a page of context; the file and its error are what say what to fix."""
+def describe(error: BaseException, staging: str) -> str:
+    """A failed write in a line, `file: OS error`, which is what says what to fix.
+    Tensorstore's message names the database, the file and the OS error after a page of
+    context; a plain write (orbax's metadata, the data position) raises an OSError that may not
+    name its file, and then the step's staging directory `staging` stands in for it."""
     text = str(error)
     file = re.search(r'Failed writing: "([^"]+)": .*?([^:]+?)(?: \[os_error_code.*)?$',
                      text.splitlines()[0] if text else "")
     if file:
         return f"{file.group(1)}: {file.group(2).strip()}"
-    return short_error(error)
+    cause: BaseException | None = error
+    while cause is not None and not (isinstance(cause, OSError) and cause.strerror):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        return f"{cause.filename or staging}: {cause.strerror}"
+    return f"{staging}: {short_error(error)}"
 
 
 def recording_handlers(writes: Writes) -> Any:
