@@ -33,11 +33,14 @@ import numpy as np
 import torch
 import transformers
 
+from jaxscale.config import base_config
 from jaxscale.inference import generate as gen
 from jaxscale.inference.sampling import Sampler, Sampling
 from jaxscale.interop import hf
+from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef
 from jaxscale.precision import get_policy
+from jaxscale.rules import AxisRules
 from jaxscale.weights.sources import open_huggingface
 
 
@@ -80,6 +83,8 @@ def main() -> None:
                    "tok/s (the single-threaded XLA:CPU run below is this, in a subprocess)")
     p.add_argument("--profile", action="store_true", help="print the top ops of one greedy "
                    "Sampler call instead of the comparison")
+    p.add_argument("--replicas", type=int, default=0, help="with --jax_only: decode on a "
+                   "data mesh of this many CPU devices (set them with XLA_FLAGS)")
     a = p.parse_args()
     torch.manual_seed(0)
     config = transformers.Qwen3Config(
@@ -104,12 +109,24 @@ def main() -> None:
     model_def = ModelDef.build(model_cfg, get_policy("32-true"))
     params = jax.device_put(params)
     sampler = Sampler(model_def, max_len=model_cfg["max_len"])
+    if a.replicas:  # the training mesh of a data-parallel run: the rows split, weights whole
+        c = base_config()
+        c.mesh.data = a.replicas
+        mesh = make_mesh(c.mesh)
+        params = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
+        sampler = Sampler(model_def, rules=AxisRules.from_config(c), mesh=mesh,
+                          max_len=model_cfg["max_len"])
+        assert sampler.replica_axes(params, a.batch) == ("data",)
     start = time.perf_counter()
     jax.block_until_ready(sampler(params, prompt, jax.random.key(0), a.new).tokens)
     compile_s = time.perf_counter() - start
     t_ours, out = best_of(lambda: jax.block_until_ready(
         sampler(params, prompt, jax.random.key(0), a.new).tokens), a.repeats)
     if a.jax_only:
+        if a.replicas:  # the rollout is one device's
+            one = Sampler(model_def, max_len=model_cfg["max_len"])
+            alone = one(jax.device_get(params), prompt, jax.random.key(0), a.new).tokens
+            assert np.array_equal(np.asarray(out), np.asarray(alone)), "replicas differ"
         print(tokens / t_ours)
         return
     if a.profile:
@@ -124,6 +141,13 @@ def main() -> None:
                           f"--prompt={a.prompt}", f"--new={a.new}", f"--repeats={a.repeats}"],
                          env=env, capture_output=True, text=True, check=True)
     one_thread = float(one.stdout.split()[-1])
+    cores = os.cpu_count() or 1
+    both = subprocess.run(
+        [sys.executable, __file__, "--jax_only", f"--replicas={cores}", f"--batch={a.batch}",
+         f"--prompt={a.prompt}", f"--new={a.new}", f"--repeats={a.repeats}"],
+        env={**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={cores}"},
+        capture_output=True, text=True, check=True) if cores > 1 and a.batch % cores == 0 else None
+    replicas = float(both.stdout.split()[-1]) if both else None
     timings = {}
     for threads in sorted({torch.get_num_threads(), 1}, reverse=True):  # the default, and 1
         torch.set_num_threads(threads)  # (1 is faster when other jobs load the cores)
@@ -151,6 +175,10 @@ def main() -> None:
     print(f"jaxscale Sampler, 1-thread XLA:CPU     {one_thread:9,.0f} tok/s  "
           f"ratio {one_thread * t_hf / tokens:.2f}x  (a subprocess, "
           "XLA_FLAGS=--xla_cpu_multi_thread_eigen=false)")
+    if replicas:
+        print(f"jaxscale Sampler, data={cores} CPU devices {replicas:9,.0f} tok/s  "
+              f"ratio {replicas * t_hf / tokens:.2f}x  (a subprocess: decoding replicas, one "
+              "a core)")
     print(f"jaxscale generate_from_config (greedy) {tokens / t_cli:9,.0f} tok/s  "
           f"ratio {t_hf / t_cli:.2f}x  (params placed each call)")
     print(f"jaxscale Sampler (top-k 50, top-p 0.9) {tokens / t_top_p:9,.0f} tok/s")

@@ -190,6 +190,43 @@ def test_sharded_sampler_equals_one_device(model):
                                atol=1e-5)
 
 
+def test_decoding_replicas_equal_one_device(model):
+    """On a pure data mesh (parameters replicated) each device decodes its own rows, its own
+    loop ending with its rows (`Sampler.replica_axes`): the rollout, sampling noise included,
+    is one device's, with rows stopping at different steps; with the parameters split (fsdp),
+    the sharded program runs instead."""
+    import optax
+
+    from configs import tiny_lm
+    from jaxscale.mesh import make_mesh
+    from jaxscale.rules import AxisRules
+    from jaxscale.train.state import init_state
+
+    model_def, _ = model
+    c = tiny_lm.get_config("test")
+    c.mesh.update(data=4, fsdp=2)
+    split = make_mesh(c.mesh), AxisRules.from_config(c)
+    state, _ = init_state(model_def, optax.sgd(0.1), split[1], split[0], seed=3)
+    c.mesh.update(data=8, fsdp=1)
+    mesh, rules = make_mesh(c.mesh), AxisRules.from_config(c)
+    params = jax.device_put(jax.device_get(state.params), jax.NamedSharding(mesh, jax.P()))
+    rows = prompts() + [[9, 8]]  # 4 prompts x 2 samples: one row a device
+    free = Sampler(model_def, Sampling(temperature=1.0, top_k=8, n=2))(
+        jax.device_get(params), rows, jax.random.key(2), STEPS)
+    settings = Sampling(temperature=1.0, top_k=8, n=2, stop_ids=(int(free.tokens[0, 2]),))
+    single = Sampler(model_def, settings)(jax.device_get(params), rows, jax.random.key(2), STEPS)
+    assert len(set(np.asarray(single.lengths).tolist())) > 1  # rows stop at different steps
+    sampler = Sampler(model_def, settings, rules, mesh)
+    assert sampler.replica_axes(params, 8) == ("data",)
+    assert sampler.replica_axes(params, 6) is None  # rows the mesh does not divide
+    assert Sampler(model_def, settings, split[1], split[0]).replica_axes(state.params, 8) is None
+    replicas = sampler(params, rows, jax.random.key(2), STEPS)
+    for got, want in zip(replicas, single):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(replicas.tokens), np.asarray(single.tokens))
+    assert sampler._replicated._cache_size() == 1 and sampler._jitted._cache_size() == 0
+
+
 def test_per_layer_buffers_and_weight_copies_equal_the_scanned_stack(model):
     """Decoding on one cache per layer (layers unrolled), with and without the per-call copies
     of the layer weights, samples the very rollout of the scanned stacked cache; the scanned

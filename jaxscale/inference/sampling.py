@@ -24,6 +24,15 @@ the loop, static or not, are copied on every step); without it they are sliced i
 By default the copy is made only on a CPU backend without a sharded mesh, where it was measured
 to pay; deeper models keep the scan (unrolling adds ~0.5 s of compile a layer on CPU).
 
+Decoding replicas: on a mesh where the rows are split (the rules' `batch` axes) and the weights
+are not (every parameter replicated, every other mesh axis of size 1: pure data parallelism),
+each device decodes its own rows with the one-device program under `jax.shard_map`, its own
+loop ending when its own rows stop. The sharded program would agree on "every row done" with a
+collective every step, and then the devices would wait for the slowest. The rows, the sampling
+noise (each row draws what it draws on one device) and so the rollout are those of one device;
+on CPU it is how decoding uses more than one core (XLA:CPU runs these small dots on one thread:
+bench/RESULTS.md).
+
 Decoding runs in a `lax.while_loop` that ends when every row has emitted one of `stop_ids`
 (EOS, end-of-turn) or `max_new_tokens` are out: a row's stop token is kept and counted in its
 length, the tokens after it are `pad_id` with `mask` false and log-prob 0. `logprobs` are the
@@ -34,6 +43,7 @@ Sampling applies temperature, then top-k, then top-p, as transformers' warpers d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -42,11 +52,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.models.nn.scan import copy_layer_weights, layer_caches
-from jaxscale.rules import AxisRules, use_rules
+from jaxscale.rules import AxisRules, as_tuple, use_rules
 
 MIN_BUCKET = 16  # the shortest prompt bucket: tiny prompts share one program
 UNROLL_LAYERS = 16  # models up to this deep decode layers unrolled (compile time grows with it)
@@ -164,16 +174,23 @@ def first_max(x_BV: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(x_BV == top_B1, ids_1V, vocab - 1), axis=-1)
 
 
-def choose(logits_BV: jax.Array, key: jax.Array, s: Sampling) -> tuple[jax.Array, jax.Array]:
+def choose(logits_BV: jax.Array, key: jax.Array, s: Sampling,
+           rows: tuple[jax.Array | int, int] | None = None) -> tuple[jax.Array, jax.Array]:
     """(token, the model's log-prob of it) per row: argmax at temperature 0, else a sample of
     the filtered distribution (the Gumbel-max draw of `jax.random.categorical`). The log-prob
-    is the chosen logit less the log-sum-exp: no whole `log_softmax` is built."""
+    is the chosen logit less the log-sum-exp: no whole `log_softmax` is built. `rows`
+    (first, total): these are rows first.. of a batch of `total` (a decoding replica's share),
+    and draw that batch's noise for them, so that a rollout does not depend on the split."""
     logits_BV = logits_BV.astype(jnp.float32)
     if s.temperature == 0.0:
         token_B = first_max(logits_BV)
     else:
         x_BV = filter_logits(logits_BV, s.temperature, s.top_k, s.top_p)
-        token_B = first_max(x_BV + jax.random.gumbel(key, x_BV.shape, jnp.float32))
+        first, total = rows or (0, x_BV.shape[0])
+        noise_BV = jax.random.gumbel(key, (total, x_BV.shape[1]), jnp.float32)
+        if total != x_BV.shape[0]:
+            noise_BV = jax.lax.dynamic_slice_in_dim(noise_BV, first, x_BV.shape[0], 0)
+        token_B = first_max(x_BV + noise_BV)
     token_B = token_B.astype(jnp.int32)
     max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
     chosen_B = jnp.take_along_axis(logits_BV, token_B[:, None], axis=-1)[:, 0]
@@ -214,29 +231,61 @@ class Sampler:
         sampling.check()
         self.model_def, self.sampling, self.rules, self.mesh = model_def, sampling, rules, mesh
         self.max_len, self.unroll_layers = int(max_len), int(unroll_layers)
-        if copy_weights is None:  # on by default only where it was measured to pay
-            copy_weights = jax.default_backend() == "cpu" and (mesh is None or mesh.size == 1)
-        self.copy_weights = bool(copy_weights)
+        self.copy_weights = copy_weights  # None: decided per program (`_buffers`)
         self.shapes: set[tuple[int, int, int]] = set()  # (rows, bucket, new tokens) run
         self._jitted = jax.jit(self._rollout, static_argnames=("steps",))
+        self._replicated = jax.jit(self._rollout_replicas, static_argnames=("steps", "axes"))
 
     def _rollout(self, params: Mapping, prompt_BT: jax.Array, lengths_B: jax.Array,
                  rng: jax.Array, steps: int) -> tuple[jax.Array, ...]:
         if self.rules is None or self.mesh is None:
             return self._decode(params, prompt_BT, lengths_B, rng, steps)
         with use_rules(self.rules, self.mesh):
-            return self._decode(params, prompt_BT, lengths_B, rng, steps)
+            return self._decode(params, prompt_BT, lengths_B, rng, steps, sharded=True)
+
+    def _rollout_replicas(self, params: Mapping, prompt_BT: jax.Array, lengths_B: jax.Array,
+                          rng: jax.Array, steps: int, axes: tuple[str, ...]
+                          ) -> tuple[jax.Array, ...]:
+        """`_rollout` as decoding replicas over mesh `axes` (the module docstring)."""
+        total = prompt_BT.shape[0]
+
+        def replica(params, prompt_BT, lengths_B, rng):
+            first = jax.lax.axis_index(axes) * prompt_BT.shape[0]
+            return self._decode(params, prompt_BT, lengths_B, rng, steps, share=(first, total))
+
+        split, whole = PartitionSpec(axes), PartitionSpec()
+        return jax.shard_map(replica, mesh=self.mesh, in_specs=(whole, split, split, whole),
+                             out_specs=split, check_vma=False)(params, prompt_BT, lengths_B,
+                                                               rng)
+
+    def replica_axes(self, params: Mapping, rows: int) -> tuple[str, ...] | None:
+        """The mesh axes `rows` rows decode over as replicas (the module docstring), or None:
+        no mesh, a mesh of one device, a mesh axis of size > 1 that the rows are not split
+        over, rows it does not divide, or a parameter not replicated."""
+        if self.mesh is None or self.rules is None or self.mesh.size == 1:
+            return None
+        spec = self.rules.activation_spec(("batch",), (rows,), self.mesh)[0]
+        axes = tuple(a for a in as_tuple(spec) if self.mesh.shape[a] > 1)
+        if any(size > 1 and a not in axes for a, size in self.mesh.shape.items()):
+            return None
+        if not axes or rows % math.prod(self.mesh.shape[a] for a in axes):
+            return None
+        replicated = lambda x: not isinstance(x, jax.Array) or x.sharding.is_fully_replicated
+        return axes if all(map(replicated, jax.tree.leaves(params))) else None
 
     def _decode(self, params: Mapping, prompt_BT: jax.Array, lengths_B: jax.Array,
-                rng: jax.Array, steps: int) -> tuple[jax.Array, ...]:
+                rng: jax.Array, steps: int, sharded: bool = False,
+                share: tuple[jax.Array, int] | None = None) -> tuple[jax.Array, ...]:
+        """The decoding program (the module docstring); `sharded`: under the mesh's rules;
+        `share`: a replica's (first row, total rows), for `choose`."""
         s = self.sampling
         model = self.model_def.module(params)
         b, t = prompt_BT.shape
-        cache = self._buffers(model, model.init_cache(b, t + steps))
+        cache = self._buffers(model, model.init_cache(b, t + steps), sharded)
         logits, cache = forward_cached(model, prompt_BT, jnp.int32(0), cache,
                                        **left_padded_rows(lengths_B, t))
         stop = jnp.asarray(s.stop_ids or (-1,), jnp.int32)
-        token, logp = choose(logits[:, -1], jax.random.fold_in(rng, 0), s)
+        token, logp = choose(logits[:, -1], jax.random.fold_in(rng, 0), s, share)
         tokens = jnp.zeros((b, steps), jnp.int32).at[:, 0].set(token)
         logps = jnp.zeros((b, steps), jnp.float32).at[:, 0].set(logp)
         done = jnp.isin(token, stop)
@@ -251,7 +300,7 @@ class Sampler:
             rows = dict(positions_BT=(lengths_B + i - 1)[:, None],
                         segments_BT=jnp.ones((b, 1), jnp.int32))
             logits, cache = forward_cached(model, token[:, None], t + i - 1, cache, **rows)
-            nxt, lp = choose(logits[:, -1], jax.random.fold_in(rng, i), s)
+            nxt, lp = choose(logits[:, -1], jax.random.fold_in(rng, i), s, share)
             nxt = jnp.where(done, jnp.int32(s.pad_id), nxt)
             lp = jnp.where(done, 0.0, lp)
             tokens = jax.lax.dynamic_update_slice(tokens, nxt[:, None], (0, i))
@@ -265,25 +314,29 @@ class Sampler:
         tokens = jnp.where(mask, tokens, jnp.int32(s.pad_id))
         return tokens, mask, count, jnp.where(mask, logps, 0.0), done
 
-    def _buffers(self, model: nnx.Module, cache: Any) -> Any:
+    def _buffers(self, model: nnx.Module, cache: Any, sharded: bool) -> Any:
         """The cache the decoding program carries: one buffer per layer (`layer_caches`), the
         layers then unrolled, for a model of at most `unroll_layers` layers that offers it
         (`LAYER_STACKS`) whose layers the mesh does not split (pipeline stages); with
         `copy_weights`, each layer's weights sliced here once (before the decoding loop). Else
-        the stacked cache, the layers scanned."""
+        the stacked cache, the layers scanned. `copy_weights` None: copied on a CPU backend
+        in a one-device program (a replica's too), where it was measured to pay."""
         layers = jax.tree.leaves(cache)[0].shape[0]
         if not hasattr(model, "LAYER_STACKS") or layers > self.unroll_layers:
             return cache
-        if self.rules is not None and self.mesh is not None and self.rules.spec(
-                ("layers",), (layers,), self.mesh, warn=False)[0] is not None:
+        if sharded and self.rules.spec(("layers",), (layers,), self.mesh,
+                                       warn=False)[0] is not None:
             return cache  # layers split over pipeline stages: each stage scans its own
-        if self.copy_weights:
+        copy = self.copy_weights
+        if copy is None:
+            copy = jax.default_backend() == "cpu" and (not sharded or self.mesh.size == 1)
+        if copy:
             copy_layer_weights(model, model.LAYER_STACKS)
         return layer_caches(cache)
 
     def compiles(self) -> int:
         """How many programs jit holds (one per (rows, bucket, new tokens) seen)."""
-        return self._jitted._cache_size()
+        return self._jitted._cache_size() + self._replicated._cache_size()
 
     def __call__(self, params: Mapping, prompts: Sequence[Sequence[int]] | np.ndarray,
                  rng: jax.Array, max_new_tokens: int) -> Rollout:
@@ -309,5 +362,8 @@ class Sampler:
         if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
             rng = jax.random.wrap_key_data(rng)  # a raw uint32 key (jax.random.PRNGKey)
         self.shapes.add((len(batch), width, int(max_new_tokens)))
-        return Rollout(*self._jitted(params, jnp.asarray(batch), jnp.asarray(lengths), rng,
-                                     steps=int(max_new_tokens)))
+        args = (params, jnp.asarray(batch), jnp.asarray(lengths), rng)
+        axes = self.replica_axes(params, len(batch))
+        if axes:
+            return Rollout(*self._replicated(*args, steps=int(max_new_tokens), axes=axes))
+        return Rollout(*self._jitted(*args, steps=int(max_new_tokens)))
