@@ -11,7 +11,7 @@ warm-up call (jaxscale's compile is not counted, and is printed apart), measured
 one after the other so that other load on the machine hits both alike; transformers runs with
 torch's default threads and with one (faster on a loaded machine), and the faster counts; the
 Sampler also runs with single-threaded XLA:CPU (a subprocess: the flag is read at start-up). Also printed: the
-`jaxscale generate` path (`generate.generate_from_config`, which now keeps its sampler, so a
+`copy_weights=True` Sampler (the CPU speed knob), the `jaxscale generate` path (`generate.generate_from_config`, which now keeps its sampler, so a
 second call does not compile again) and a top-p sampling run (its speed only). `--profile`
 prints instead where a greedy Sampler call spends its time: the top XLA:CPU ops of a
 `jax.profiler` trace of one call (`jaxscale.observe.profiling`, as `jaxscale profile-summary`).
@@ -160,6 +160,11 @@ def main() -> None:
     gen.generate_from_config(run_config, lazy, prompt, a.new)  # builds its sampler once
     t_cli, cli_out = best_of(lambda: gen.generate_from_config(run_config, lazy, prompt, a.new),
                              a.repeats)
+    copies = Sampler(model_def, max_len=model_cfg["max_len"], copy_weights=True)
+    copies(params, prompt, jax.random.key(0), a.new)
+    t_copies, copied = best_of(lambda: jax.block_until_ready(
+        copies(params, prompt, jax.random.key(0), a.new).tokens), a.repeats)
+    same = same and np.array_equal(np.asarray(copied), ref)
     top_p = Sampler(model_def, Sampling(temperature=1.0, top_p=0.9, top_k=50))
     top_p(params, prompt, jax.random.key(1), a.new)
     t_top_p, _ = best_of(lambda: jax.block_until_ready(
@@ -175,6 +180,8 @@ def main() -> None:
     print(f"jaxscale Sampler, 1-thread XLA:CPU     {one_thread:9,.0f} tok/s  "
           f"ratio {one_thread * t_hf / tokens:.2f}x  (a subprocess, "
           "XLA_FLAGS=--xla_cpu_multi_thread_eigen=false)")
+    print(f"jaxscale Sampler, copy_weights=True   {tokens / t_copies:9,.0f} tok/s  "
+          f"ratio {t_hf / t_copies:.2f}x  (per-call copies of the layer weights)")
     if replicas:
         print(f"jaxscale Sampler, data={cores} CPU devices {replicas:9,.0f} tok/s  "
               f"ratio {replicas * t_hf / tokens:.2f}x  (a subprocess: decoding replicas, one "
@@ -182,7 +189,7 @@ def main() -> None:
     print(f"jaxscale generate_from_config (greedy) {tokens / t_cli:9,.0f} tok/s  "
           f"ratio {t_hf / t_cli:.2f}x  (params placed each call)")
     print(f"jaxscale Sampler (top-k 50, top-p 0.9) {tokens / t_top_p:9,.0f} tok/s")
-    print(f"greedy tokens identical to transformers: {same}, "
+    print(f"greedy tokens identical to transformers (both Samplers): {same}, "
           f"generate_from_config too: {np.array_equal(cli_out[:, a.prompt:], ref)}")
 
 

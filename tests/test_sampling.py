@@ -227,29 +227,31 @@ def test_decoding_replicas_equal_one_device(model):
     assert sampler._replicated._cache_size() == 1 and sampler._jitted._cache_size() == 0
 
 
-def test_per_layer_buffers_and_weight_copies_equal_the_scanned_stack(model):
-    """Decoding on one cache per layer (layers unrolled), with and without the per-call copies
-    of the layer weights, samples the very rollout of the scanned stacked cache; the scanned
-    path (its program has the layer scan) is what a model deeper than `unroll_layers` runs, and
-    one whose layers a pipeline mesh splits."""
+def test_weight_copies_equal_the_weights_in_place(model):
+    """By default the weights are read in place and the layers scanned over the stacked cache;
+    `copy_weights` (per-call copies of each layer's weights, one cache per layer, the layers
+    unrolled) samples the very same rollout. A model deeper than `unroll_layers`, and one whose
+    layers a pipeline mesh splits, keep the scan."""
     model_def, params = model
     settings, rows = Sampling(temperature=1.0, top_p=0.9, n=2), prompts()
-    runs = {(unroll, copy): Sampler(model_def, settings, unroll_layers=unroll, copy_weights=copy)
-            for unroll, copy in [(0, False), (16, False), (16, True)]}
-    outs = [s(params, rows, jax.random.key(3), STEPS) for s in runs.values()]
+    runs = [Sampler(model_def, settings, **kw) for kw in
+            [{}, {"copy_weights": True}, {"copy_weights": True, "unroll_layers": 0}]]
+    outs = [s(params, rows, jax.random.key(3), STEPS) for s in runs]
     for out in outs[1:]:
         np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(outs[0].tokens))
         np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(outs[0].logprobs),
                                    atol=1e-6)
-    greedy = lambda unroll, *mesh: str(jax.make_jaxpr(
-        lambda p: Sampler(model_def, Sampling(), *mesh, unroll_layers=unroll)._rollout(
+    greedy = lambda copy, unroll, *mesh: str(jax.make_jaxpr(
+        lambda p: Sampler(model_def, Sampling(), *mesh, unroll_layers=unroll,
+                          copy_weights=copy)._rollout(
             p, jnp.ones((2, 16), jnp.int32), jnp.full((2,), 16), jax.random.key(0), steps=2)
     )(params))
-    assert " scan[" in greedy(0) and " scan[" not in greedy(16)
+    assert " scan[" in greedy(False, 16) and " scan[" in greedy(True, 0)
+    assert " scan[" not in greedy(True, 16)
     from configs import tiny_lm
     from jaxscale.mesh import make_mesh
     from jaxscale.rules import AxisRules
 
     c = tiny_lm.get_config("test")  # layers over pipeline stages: each stage scans its own
     c.mesh.update(data=2, pipeline=2, fsdp=2)
-    assert " scan[" in greedy(16, AxisRules.from_config(c), make_mesh(c.mesh))
+    assert " scan[" in greedy(True, 16, AxisRules.from_config(c), make_mesh(c.mesh))

@@ -13,16 +13,13 @@ new call with known shapes runs straight away (`Sampler.compiles()` counts them)
 are used where they are, and the KV cache, made by the model in its own layout, is sharded by
 the rules of the mesh it is given, as in training.
 
-Per-layer buffers (`unroll_layers`, `copy_weights`): a model of at most `unroll_layers` layers
-(default 16) decodes on one cache array per layer with its layers unrolled, instead of one
-stacked (L, ...) cache and a layer scan: XLA:CPU copies each layer's slice of a stack out of it
-to feed the dots (a fifth of a decoding step for the cache, measured in bench/RESULTS.md), and
-per-layer arrays are read where they are. The stacked weights are sliced the same way: with
-`copy_weights` each layer's weights are sliced once per call, before the decoding loop, which
-costs a transient second copy of the layer weights for the duration of the call (slices inside
-the loop, static or not, are copied on every step); without it they are sliced in the loop.
-By default the copy is made only on a CPU backend without a sharded mesh, where it was measured
-to pay; deeper models keep the scan (unrolling adds ~0.5 s of compile a layer on CPU).
+The weights are read where they are, and the layers scanned over the stacked (L, ...) KV
+cache. `copy_weights=True` is a CPU speed knob that trades memory for CPU time: each layer's
+weights are sliced out of the stacks once per call, before the decoding loop (a transient second
+copy of the layer weights), and a model of at most `unroll_layers` layers (default 16) then
+decodes on one cache array per layer with its layers unrolled; XLA:CPU copies a slice that
+feeds a dot, so without the copies every step would copy every layer's weights. It takes ~15%
+less CPU time a token single-threaded (bench/RESULTS.md) and ~0.5 s of compile a layer.
 
 Decoding replicas: on a mesh where the rows are split (the rules' `batch` axes) and the weights
 are not (every parameter replicated, every other mesh axis of size 1: pure data parallelism),
@@ -222,16 +219,16 @@ class Sampler:
     `rules` / `mesh`: the training mesh's, so the KV cache is sharded like training's
     activations; params may already be placed there (they are used in place). `max_len`: the
     model's context, which prompt plus new tokens may not exceed (0: unchecked).
-    `unroll_layers` (0: always scanned) and `copy_weights` (None: on a CPU backend without a
-    sharded mesh): per-layer buffers, see the module docstring."""
+    `copy_weights` and `unroll_layers`: the CPU speed knob of the module docstring (off: the
+    weights used in place)."""
 
     def __init__(self, model_def: Any, sampling: Sampling = Sampling(),
                  rules: AxisRules | None = None, mesh: Mesh | None = None, max_len: int = 0,
-                 unroll_layers: int = UNROLL_LAYERS, copy_weights: bool | None = None):
+                 unroll_layers: int = UNROLL_LAYERS, copy_weights: bool = False):
         sampling.check()
         self.model_def, self.sampling, self.rules, self.mesh = model_def, sampling, rules, mesh
         self.max_len, self.unroll_layers = int(max_len), int(unroll_layers)
-        self.copy_weights = copy_weights  # None: decided per program (`_buffers`)
+        self.copy_weights = bool(copy_weights)
         self.shapes: set[tuple[int, int, int]] = set()  # (rows, bucket, new tokens) run
         self._jitted = jax.jit(self._rollout, static_argnames=("steps",))
         self._replicated = jax.jit(self._rollout_replicas, static_argnames=("steps", "axes"))
@@ -315,23 +312,19 @@ class Sampler:
         return tokens, mask, count, jnp.where(mask, logps, 0.0), done
 
     def _buffers(self, model: nnx.Module, cache: Any, sharded: bool) -> Any:
-        """The cache the decoding program carries: one buffer per layer (`layer_caches`), the
-        layers then unrolled, for a model of at most `unroll_layers` layers that offers it
-        (`LAYER_STACKS`) whose layers the mesh does not split (pipeline stages); with
-        `copy_weights`, each layer's weights sliced here once (before the decoding loop). Else
-        the stacked cache, the layers scanned. `copy_weights` None: copied on a CPU backend
-        in a one-device program (a replica's too), where it was measured to pay."""
+        """The cache the decoding program carries: the model's stacked cache, its layers then
+        scanned; with `copy_weights`, for a model of at most `unroll_layers` layers that offers
+        it (`LAYER_STACKS`) and whose layers the mesh does not split over pipeline stages, each
+        layer's weights sliced here once (before the decoding loop) and one cache buffer per
+        layer (`layer_caches`), the layers then unrolled."""
         layers = jax.tree.leaves(cache)[0].shape[0]
-        if not hasattr(model, "LAYER_STACKS") or layers > self.unroll_layers:
+        if (not self.copy_weights or not hasattr(model, "LAYER_STACKS")
+                or layers > self.unroll_layers):
             return cache
         if sharded and self.rules.spec(("layers",), (layers,), self.mesh,
                                        warn=False)[0] is not None:
             return cache  # layers split over pipeline stages: each stage scans its own
-        copy = self.copy_weights
-        if copy is None:
-            copy = jax.default_backend() == "cpu" and (not sharded or self.mesh.size == 1)
-        if copy:
-            copy_layer_weights(model, model.LAYER_STACKS)
+        copy_layer_weights(model, model.LAYER_STACKS)
         return layer_caches(cache)
 
     def compiles(self) -> int:

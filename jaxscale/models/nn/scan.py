@@ -11,9 +11,9 @@ offloads to pinned host memory (saved there in the forward pass, copied back for
 everything else in the layer is recomputed. A remat policy only changes what the backward pass
 recomputes, never the values: every policy gives the loss and gradients of `none`.
 
-Decoding may instead carry one cache per layer (`layer_caches`): the layers then run unrolled,
-each on its own buffer, optionally on weights sliced once per call (`LayerCopies`), because
-XLA:CPU copies any slice of a stacked array that feeds a dot (the rollout sampler's choice).
+Decoding may instead carry one cache per layer (`layer_caches`) on weights sliced once per call
+(`LayerCopies`): the layers then run unrolled, each on its own buffers, because XLA:CPU copies
+any slice of a stacked array that feeds a dot (the rollout sampler's `copy_weights`).
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ def _scan_cached(block: nnx.Module, graphdef: Any, state: Any, per_layer: Mappin
     (n, ...) slices."""
     n = getattr(block, "layers_per_step", 1)
     args = (cache_index, segments_BT)
-    if isinstance(cache, tuple):  # one cache per layer (`layer_caches`): the layers unrolled
-        return _unrolled_cached(graphdef, state, per_layer, h_BTE, positions_BT, cache, args, n)
+    if isinstance(cache, tuple):
+        raise TypeError("One cache per layer (layer_caches) runs only on LayerCopies.")
     if n == 1 and hasattr(cache, "at_layer"):
         def apply_in_place(carry, xs):
             h, stack = carry
@@ -206,19 +206,17 @@ def layer_caches(cache: Any) -> tuple:
     return tuple(jax.tree.map(lambda a, l=l: a[l], cache) for l in range(layers))
 
 
-def _unrolled_cached(graphdef: Any, state: Any | list, per_layer: Mapping[str, Any], h_BTE: jax.Array,
+def _unrolled_cached(graphdef: Any, states: list, per_layer: Mapping[str, Any], h_BTE: jax.Array,
                      positions_BT: jax.Array, caches: tuple, args: tuple, n: int
                      ) -> tuple[jax.Array, tuple]:
     """The stack's layers (scan steps of `n` layers) one after the other in Python, each on its
-    own cache of `caches` (one per layer) and its static slice of the stacked weights `state`
-    (or its own entry of `state`, a list of per-step weights: `LayerCopies`)."""
+    own cache of `caches` (one per layer) and its own weights of `states` (`LayerCopies`)."""
     out = []
     for step in range(len(caches) // n):
         pick = lambda a, s=step: a[s]
         layer_cache = caches[step] if n == 1 else caches[step * n:(step + 1) * n]
         extra = {k: pick(v) for k, v in per_layer.items()}
-        layer_state = state[step] if isinstance(state, list) else jax.tree.map(pick, state)
-        h_BTE, layer_cache = nnx.merge(graphdef, layer_state)(
+        h_BTE, layer_cache = nnx.merge(graphdef, states[step])(
             h_BTE, positions_BT, layer_cache, *args, **extra)
         out.extend([layer_cache] if n == 1 else layer_cache)
     return h_BTE, tuple(out)
