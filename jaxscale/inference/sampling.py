@@ -56,7 +56,7 @@ from jaxscale.models.nn.scan import copy_layer_weights, layer_caches
 from jaxscale.rules import AxisRules, as_tuple, use_rules
 
 MIN_BUCKET = 16  # the shortest prompt bucket: tiny prompts share one program
-UNROLL_LAYERS = 16  # models up to this deep decode layers unrolled (compile time grows with it)
+UNROLL_LAYERS = 16  # copy_weights: models up to this deep unroll their layers (compile grows)
 
 
 class GenerateError(JaxscaleError):
