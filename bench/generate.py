@@ -116,7 +116,7 @@ def main() -> None:
         params = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
         sampler = Sampler(model_def, rules=AxisRules.from_config(c), mesh=mesh,
                           max_len=model_cfg["max_len"])
-        assert sampler.replica_axes(params, a.batch) == ("data",)
+        assert sampler.replica_axes(params) == ("data",)
     start = time.perf_counter()
     jax.block_until_ready(sampler(params, prompt, jax.random.key(0), a.new).tokens)
     compile_s = time.perf_counter() - start

@@ -193,8 +193,8 @@ def test_sharded_sampler_equals_one_device(model):
 def test_decoding_replicas_equal_one_device(model):
     """On a pure data mesh (parameters replicated) each device decodes its own rows, its own
     loop ending with its rows (`Sampler.replica_axes`): the rollout, sampling noise included,
-    is one device's, with rows stopping at different steps; with the parameters split (fsdp),
-    the sharded program runs instead."""
+    is one device's, with rows stopping at different steps, also for rows the mesh does not
+    divide (padded); with the parameters split (fsdp), the sharded program runs instead."""
     import optax
 
     from configs import tiny_lm
@@ -217,13 +217,16 @@ def test_decoding_replicas_equal_one_device(model):
     single = Sampler(model_def, settings)(jax.device_get(params), rows, jax.random.key(2), STEPS)
     assert len(set(np.asarray(single.lengths).tolist())) > 1  # rows stop at different steps
     sampler = Sampler(model_def, settings, rules, mesh)
-    assert sampler.replica_axes(params, 8) == ("data",)
-    assert sampler.replica_axes(params, 6) is None  # rows the mesh does not divide
-    assert Sampler(model_def, settings, split[1], split[0]).replica_axes(state.params, 8) is None
-    replicas = sampler(params, rows, jax.random.key(2), STEPS)
-    for got, want in zip(replicas, single):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(replicas.tokens), np.asarray(single.tokens))
+    assert sampler.replica_axes(params) == ("data",)
+    assert Sampler(model_def, settings, split[1], split[0]).replica_axes(state.params) is None
+    for batch in (rows, rows[:3]):  # 8 rows; 6, padded to 8 with copies of the first
+        replicas = sampler(params, batch, jax.random.key(2), STEPS)
+        alone = Sampler(model_def, settings)(jax.device_get(params), batch, jax.random.key(2),
+                                             STEPS)
+        assert replicas.tokens.shape == alone.tokens.shape == (2 * len(batch), STEPS)
+        for got, want in zip(replicas, alone):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(replicas.tokens), np.asarray(alone.tokens))
     assert sampler._replicated._cache_size() == 1 and sampler._jitted._cache_size() == 0
 
 

@@ -255,20 +255,31 @@ class Sampler:
                              out_specs=split, check_vma=False)(params, prompt_BT, lengths_B,
                                                                rng)
 
-    def replica_axes(self, params: Mapping, rows: int) -> tuple[str, ...] | None:
-        """The mesh axes `rows` rows decode over as replicas (the module docstring), or None:
-        no mesh, a mesh of one device, a mesh axis of size > 1 that the rows are not split
-        over, rows it does not divide, or a parameter not replicated."""
+    def replica_axes(self, params: Mapping) -> tuple[str, ...] | None:
+        """The mesh axes the rows decode over as replicas (the module docstring), or None: no
+        mesh, a mesh of one device, a mesh axis of size > 1 that the rows are not split over,
+        or a parameter not replicated."""
         if self.mesh is None or self.rules is None or self.mesh.size == 1:
             return None
-        spec = self.rules.activation_spec(("batch",), (rows,), self.mesh)[0]
+        spec = self.rules.activation_spec(("batch",), (self.mesh.size,), self.mesh)[0]
         axes = tuple(a for a in as_tuple(spec) if self.mesh.shape[a] > 1)
-        if any(size > 1 and a not in axes for a, size in self.mesh.shape.items()):
-            return None
-        if not axes or rows % math.prod(self.mesh.shape[a] for a in axes):
+        if not axes or any(size > 1 and a not in axes for a, size in self.mesh.shape.items()):
             return None
         replicated = lambda x: not isinstance(x, jax.Array) or x.sharding.is_fully_replicated
         return axes if all(map(replicated, jax.tree.leaves(params))) else None
+
+    def _run_replicas(self, axes: tuple[str, ...], params: Mapping, batch: np.ndarray,
+                      lengths: np.ndarray, rng: jax.Array, steps: int) -> Rollout:
+        """The replicas' rollout of `batch`, padded with copies of its first row to a multiple
+        of the replica count (each real row still draws its own noise), the padding cut off."""
+        rows, count = len(batch), math.prod(self.mesh.shape[a] for a in axes)
+        extra = -rows % count
+        if extra:
+            batch = np.concatenate([batch, np.repeat(batch[:1], extra, axis=0)])
+            lengths = np.concatenate([lengths, np.repeat(lengths[:1], extra)])
+        out = self._replicated(params, jnp.asarray(batch), jnp.asarray(lengths), rng,
+                               steps=steps, axes=axes)
+        return Rollout(*(x[:rows] for x in out)) if extra else Rollout(*out)
 
     def _decode(self, params: Mapping, prompt_BT: jax.Array, lengths_B: jax.Array,
                 rng: jax.Array, steps: int, sharded: bool = False,
@@ -355,8 +366,8 @@ class Sampler:
         if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
             rng = jax.random.wrap_key_data(rng)  # a raw uint32 key (jax.random.PRNGKey)
         self.shapes.add((len(batch), width, int(max_new_tokens)))
-        args = (params, jnp.asarray(batch), jnp.asarray(lengths), rng)
-        axes = self.replica_axes(params, len(batch))
+        axes = self.replica_axes(params)
         if axes:
-            return Rollout(*self._replicated(*args, steps=int(max_new_tokens), axes=axes))
-        return Rollout(*self._jitted(*args, steps=int(max_new_tokens)))
+            return self._run_replicas(axes, params, batch, lengths, rng, int(max_new_tokens))
+        return Rollout(*self._jitted(params, jnp.asarray(batch), jnp.asarray(lengths), rng,
+                                     steps=int(max_new_tokens)))
