@@ -10,9 +10,11 @@ to the end); the tokens must be identical. Timings are the best of `--repeats` c
 warm-up call (jaxscale's compile is not counted, and is printed apart), measured in one process
 one after the other so that other load on the machine hits both alike; transformers runs with
 torch's default threads and with one (faster on a loaded machine), and the faster counts; the
-Sampler also runs with single-threaded XLA:CPU (a subprocess: the flag is read at start-up). Also printed: the
-`copy_weights=True` Sampler (the CPU speed knob), the `jaxscale generate` path (`generate.generate_from_config`, which now keeps its sampler, so a
-second call does not compile again) and a top-p sampling run (its speed only). `--profile`
+Sampler also runs with single-threaded XLA:CPU (a subprocess: the flag is read at start-up).
+Also printed: the `copy_weights=True` Sampler (the CPU speed knob), a data mesh of one CPU device
+a core (a subprocess, `--replicas`: decoding replicas), the `jaxscale generate` path
+(`generate.generate_from_config`, which keeps its sampler, so a second call does not compile
+again) and a top-p sampling run (its speed only). `--profile`
 prints instead where a greedy Sampler call spends its time: the top XLA:CPU ops of a
 `jax.profiler` trace of one call (`jaxscale.observe.profiling`, as `jaxscale profile-summary`).
 """
@@ -146,7 +148,7 @@ def main() -> None:
         [sys.executable, __file__, "--jax_only", f"--replicas={cores}", f"--batch={a.batch}",
          f"--prompt={a.prompt}", f"--new={a.new}", f"--repeats={a.repeats}"],
         env={**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={cores}"},
-        capture_output=True, text=True, check=True) if cores > 1 and a.batch % cores == 0 else None
+        capture_output=True, text=True, check=True) if cores > 1 else None
     replicas = float(both.stdout.split()[-1]) if both else None
     timings = {}
     for threads in sorted({torch.get_num_threads(), 1}, reverse=True):  # the default, and 1

@@ -8,8 +8,9 @@ and back for the create_bucket that follows answers BucketAlreadyOwnedByYou, whi
 as FileExistsError: a save, and the run, died at the end of an outage it should have ridden
 out. Here the server is killed, and restarted exactly between the probes and create_bucket (a
 hook on s3fs's own S3 call), so that order is met every time, not by chance. The bucket is then
-probed again, and the directory created; the bucket itself, created again, is still a FileExistsError (it does exist), and
-so is an existing directory, raised at once, not retried as an outage. On moto (as on AWS's
+probed again, and the directory created; the bucket itself, created again, is still a
+FileExistsError (it does exist), and so is an existing directory, raised at once, not retried
+as an outage. On moto (as on AWS's
 us-east-1) the same order ends in create_bucket refusing the region s3fs names: the bucket is
 then probed again, and the directory created."""
 

@@ -18,8 +18,8 @@ cache. `copy_weights=True` is a CPU speed knob that trades memory for CPU time: 
 weights are sliced out of the stacks once per call, before the decoding loop (a transient second
 copy of the layer weights), and a model of at most `unroll_layers` layers (default 16) then
 decodes on one cache array per layer with its layers unrolled; XLA:CPU copies a slice that
-feeds a dot, so without the copies every step would copy every layer's weights. It takes ~15%
-less CPU time a token single-threaded (bench/RESULTS.md) and ~0.5 s of compile a layer.
+feeds a dot, so without the copies every step would copy every layer's weights. It takes less
+CPU time a token and more compile time (bench/RESULTS.md has both).
 
 Decoding replicas: on a mesh where the rows are split (the rules' `batch` axes) and the weights
 are not (every parameter replicated, every other mesh axis of size 1: pure data parallelism),
@@ -172,10 +172,10 @@ def first_max(x_BV: jax.Array) -> jax.Array:
 
 
 def choose(logits_BV: jax.Array, key: jax.Array, s: Sampling,
-           rows: tuple[jax.Array | int, int] | None = None) -> tuple[jax.Array, jax.Array]:
+           share: tuple[jax.Array | int, int] | None = None) -> tuple[jax.Array, jax.Array]:
     """(token, the model's log-prob of it) per row: argmax at temperature 0, else a sample of
     the filtered distribution (the Gumbel-max draw of `jax.random.categorical`). The log-prob
-    is the chosen logit less the log-sum-exp: no whole `log_softmax` is built. `rows`
+    is the chosen logit less the log-sum-exp: no whole `log_softmax` is built. `share`
     (first, total): these are rows first.. of a batch of `total` (a decoding replica's share),
     and draw that batch's noise for them, so that a rollout does not depend on the split."""
     logits_BV = logits_BV.astype(jnp.float32)
@@ -183,7 +183,7 @@ def choose(logits_BV: jax.Array, key: jax.Array, s: Sampling,
         token_B = first_max(logits_BV)
     else:
         x_BV = filter_logits(logits_BV, s.temperature, s.top_k, s.top_p)
-        first, total = rows or (0, x_BV.shape[0])
+        first, total = share or (0, x_BV.shape[0])
         noise_BV = jax.random.gumbel(key, (total, x_BV.shape[1]), jnp.float32)
         if total != x_BV.shape[0]:
             noise_BV = jax.lax.dynamic_slice_in_dim(noise_BV, first, x_BV.shape[0], 0)
@@ -231,7 +231,8 @@ class Sampler:
         self.copy_weights = bool(copy_weights)
         self.shapes: set[tuple[int, int, int]] = set()  # (rows, bucket, new tokens) run
         self._jitted = jax.jit(self._rollout, static_argnames=("steps",))
-        self._replicated = jax.jit(self._rollout_replicas, static_argnames=("steps", "axes"))
+        self._replicated = jax.jit(self._rollout_replicas, static_argnames=("steps",))
+        self._batch_axes = self._data_parallel_axes()
 
     def _rollout(self, params: Mapping, prompt_BT: jax.Array, lengths_B: jax.Array,
                  rng: jax.Array, steps: int) -> tuple[jax.Array, ...]:
@@ -241,45 +242,43 @@ class Sampler:
             return self._decode(params, prompt_BT, lengths_B, rng, steps, sharded=True)
 
     def _rollout_replicas(self, params: Mapping, prompt_BT: jax.Array, lengths_B: jax.Array,
-                          rng: jax.Array, steps: int, axes: tuple[str, ...]
-                          ) -> tuple[jax.Array, ...]:
-        """`_rollout` as decoding replicas over mesh `axes` (the module docstring)."""
-        total = prompt_BT.shape[0]
+                          rng: jax.Array, steps: int) -> tuple[jax.Array, ...]:
+        """`_rollout` as decoding replicas over `_batch_axes` (the module docstring): the rows
+        padded with copies of the first to a multiple of the replica count (each real row still
+        draws its own noise), the padding cut off the result."""
+        axes, rows = self._batch_axes, prompt_BT.shape[0]
+        extra = -rows % math.prod(self.mesh.shape[a] for a in axes)
+        pad = lambda x: jnp.concatenate([x, jnp.repeat(x[:1], extra, axis=0)])
+        total = rows + extra
 
         def replica(params, prompt_BT, lengths_B, rng):
             first = jax.lax.axis_index(axes) * prompt_BT.shape[0]
             return self._decode(params, prompt_BT, lengths_B, rng, steps, share=(first, total))
 
         split, whole = PartitionSpec(axes), PartitionSpec()
-        return jax.shard_map(replica, mesh=self.mesh, in_specs=(whole, split, split, whole),
-                             out_specs=split, check_vma=False)(params, prompt_BT, lengths_B,
-                                                               rng)
+        out = jax.shard_map(replica, mesh=self.mesh, in_specs=(whole, split, split, whole),
+                            out_specs=split, check_vma=False)(params, pad(prompt_BT),
+                                                              pad(lengths_B), rng)
+        return tuple(x[:rows] for x in out)
 
-    def replica_axes(self, params: Mapping) -> tuple[str, ...] | None:
-        """The mesh axes the rows decode over as replicas (the module docstring), or None: no
-        mesh, a mesh of one device, a mesh axis of size > 1 that the rows are not split over,
-        or a parameter not replicated."""
+    def _data_parallel_axes(self) -> tuple[str, ...] | None:
+        """The mesh axes the rules split the rows over, when they are the mesh's only axes of
+        size > 1 (pure data parallelism), else None (no mesh, or a mesh of one device)."""
         if self.mesh is None or self.rules is None or self.mesh.size == 1:
             return None
         spec = self.rules.activation_spec(("batch",), (self.mesh.size,), self.mesh)[0]
         axes = tuple(a for a in as_tuple(spec) if self.mesh.shape[a] > 1)
         if not axes or any(size > 1 and a not in axes for a, size in self.mesh.shape.items()):
             return None
-        replicated = lambda x: not isinstance(x, jax.Array) or x.sharding.is_fully_replicated
-        return axes if all(map(replicated, jax.tree.leaves(params))) else None
+        return axes
 
-    def _run_replicas(self, axes: tuple[str, ...], params: Mapping, batch: np.ndarray,
-                      lengths: np.ndarray, rng: jax.Array, steps: int) -> Rollout:
-        """The replicas' rollout of `batch`, padded with copies of its first row to a multiple
-        of the replica count (each real row still draws its own noise), the padding cut off."""
-        rows, count = len(batch), math.prod(self.mesh.shape[a] for a in axes)
-        extra = -rows % count
-        if extra:
-            batch = np.concatenate([batch, np.repeat(batch[:1], extra, axis=0)])
-            lengths = np.concatenate([lengths, np.repeat(lengths[:1], extra)])
-        out = self._replicated(params, jnp.asarray(batch), jnp.asarray(lengths), rng,
-                               steps=steps, axes=axes)
-        return Rollout(*(x[:rows] for x in out)) if extra else Rollout(*out)
+    def replica_axes(self, params: Mapping) -> tuple[str, ...] | None:
+        """The mesh axes the rows decode over as replicas (the module docstring), or None: not
+        a data-parallel mesh (`_data_parallel_axes`), or a parameter not replicated."""
+        replicated = lambda x: not isinstance(x, jax.Array) or x.sharding.is_fully_replicated
+        if self._batch_axes and all(map(replicated, jax.tree.leaves(params))):
+            return self._batch_axes
+        return None
 
     def _decode(self, params: Mapping, prompt_BT: jax.Array, lengths_B: jax.Array,
                 rng: jax.Array, steps: int, sharded: bool = False,
@@ -366,8 +365,6 @@ class Sampler:
         if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
             rng = jax.random.wrap_key_data(rng)  # a raw uint32 key (jax.random.PRNGKey)
         self.shapes.add((len(batch), width, int(max_new_tokens)))
-        axes = self.replica_axes(params)
-        if axes:
-            return self._run_replicas(axes, params, batch, lengths, rng, int(max_new_tokens))
-        return Rollout(*self._jitted(params, jnp.asarray(batch), jnp.asarray(lengths), rng,
-                                     steps=int(max_new_tokens)))
+        run = self._replicated if self.replica_axes(params) else self._jitted
+        return Rollout(*run(params, jnp.asarray(batch), jnp.asarray(lengths), rng,
+                            steps=int(max_new_tokens)))
