@@ -4,8 +4,9 @@ Process 0 runs as usual. Run by `launch.local_multihost --module=tests.fault_wor
 start it with `fault_common.launch_two`).
 
 `--fault=local_tier` (tests/test_local_tier_faults.py): process 1's `checkpoint.local_dir` is
-renamed away (a save in flight then fails writing into it) and a regular file takes its place
-(every later save fails to make its step directory); mended, an empty directory again.
+renamed away, once the previous local save has been committed (else that save, still in flight,
+would fail writing into it first, by chance, with another error), and a regular file takes its
+place (every later save fails to make its step directory); mended, an empty directory again.
 `--fault=writes` (tests/test_persistent_faults.py): process 1's file-size limit is set to 0 bytes
 (RLIMIT_FSIZE: every write to a regular file fails with EFBIG, as a full quota does, for root
 too; Python ignores SIGXFSZ), once the previous persistent save has been committed, so that the
@@ -31,6 +32,13 @@ _MEND = flags.DEFINE_integer("mend_at", 0, "Step after which it is mended (0: ne
 distributed.define_flags()
 
 
+def wait_for_commits(directory: str) -> None:
+    """Until the previous save under `directory` is committed (orbax renames its temporary
+    directory then), so that the save the fault fails is this step's."""
+    while glob.glob(os.path.join(directory, "*.orbax-checkpoint-tmp*")):
+        time.sleep(0.05)
+
+
 class Fault:
     """Breaks and mends at `break_at` / `mend_at`, before the checkpoint hooks (order 300)."""
 
@@ -51,6 +59,7 @@ class BreakTier(Fault):
         self.directory = directory
 
     def break_(self) -> None:
+        wait_for_commits(self.directory)
         os.rename(self.directory, self.directory + ".gone")
         open(self.directory, "w").close()
 
@@ -65,8 +74,7 @@ class DenyWrites(Fault):
         self.checkpoints = checkpoints
 
     def break_(self) -> None:
-        while glob.glob(os.path.join(self.checkpoints, "*.orbax-checkpoint-tmp*")):
-            time.sleep(0.05)  # the previous save's commit is not done yet
+        wait_for_commits(self.checkpoints)
         resource.setrlimit(resource.RLIMIT_FSIZE, (0, self.limits[1]))
 
     def mend(self) -> None:
