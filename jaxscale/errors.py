@@ -23,6 +23,12 @@ class ConversionError(JaxscaleError):
     """A Hugging Face checkpoint cannot be converted faithfully."""
 
 
+class EveryProcessError(JaxscaleError):
+    """Raised on every process of a multi-process run at once, by agreement (an all-gather
+    decided it): each process reports it itself, so `runtime.peer_failure` does not publish it
+    to the others."""
+
+
 def paragraph(*sentences: str) -> str:
     """Joins sentences into one readable paragraph (errors are read in terminals and logs)."""
     return " ".join(s.strip() for s in sentences if s and s.strip())
@@ -40,6 +46,19 @@ def short_error(error: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def report(error: BaseException) -> int:
+    """Prints `error` as an entry point's end and returns its exit status: a `JaxscaleError`'s
+    paragraph (2), anything else's traceback (1)."""
+    import sys
+    import traceback
+
+    if isinstance(error, JaxscaleError):
+        print(f"jaxscale: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    traceback.print_exception(error, file=sys.stderr)
+    return 1
+
+
 def exit_on_user_error(fn):
     """Decorator for entry points: a JaxscaleError exits with its paragraph, not a traceback."""
     import functools
@@ -50,7 +69,6 @@ def exit_on_user_error(fn):
         try:
             return fn(*args, **kwargs)
         except JaxscaleError as e:
-            print(f"jaxscale: error: {e}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(report(e))
 
     return wrapper

@@ -7,6 +7,8 @@ start it with `fault_common.launch_two`).
 renamed away, once the previous local save has been committed (else that save, still in flight,
 would fail writing into it first, by chance, with another error), and a regular file takes its
 place (every later save fails to make its step directory); mended, an empty directory again.
+`--fault=raise` (tests/test_peer_failure.py): process 1 raises a plain RuntimeError, as a
+reward function or a data reader that fails on one host does; never mended.
 `--fault=writes` (tests/test_persistent_faults.py): process 1's file-size limit is set to 0 bytes
 (RLIMIT_FSIZE: every write to a regular file fails with EFBIG, as a full quota does, for root
 too; Python ignores SIGXFSZ), once the previous persistent save has been committed, so that the
@@ -23,10 +25,12 @@ from absl import app, flags
 from jaxscale import cli
 from jaxscale.errors import exit_on_user_error
 from jaxscale.runtime import distributed
+from jaxscale.runtime.peer_failure import together
 
 _CONFIG = cli.define_config_file("config", "configs/tiny_lm.py", "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir.", required=True)
-_FAULT = flags.DEFINE_enum("fault", "local_tier", ["local_tier", "writes"], "What breaks.")
+_FAULT = flags.DEFINE_enum("fault", "local_tier", ["local_tier", "writes", "raise"],
+                           "What breaks.")
 _BREAK = flags.DEFINE_integer("break_at", 3, "Step after which process 1's fault starts.")
 _MEND = flags.DEFINE_integer("mend_at", 0, "Step after which it is mended (0: never).")
 distributed.define_flags()
@@ -68,6 +72,14 @@ class BreakTier(Fault):
         os.makedirs(self.directory)
 
 
+class Raise(Fault):
+    def break_(self) -> None:
+        raise RuntimeError(f"injected on process 1 after step {_BREAK.value}")
+
+    def mend(self) -> None:
+        pass
+
+
 class DenyWrites(Fault):
     def __init__(self, checkpoints: str):
         self.limits = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -90,9 +102,12 @@ def main(argv: list[str]) -> None:
     config = cli.resolved(_CONFIG.value)
     if _FAULT.value == "local_tier":
         fault = BreakTier(local_directory(config.checkpoint.local_dir))
+    elif _FAULT.value == "raise":
+        fault = Raise()
     else:
         fault = DenyWrites(os.path.join(_WORKDIR.value, "checkpoints"))
-    prepare(config, _WORKDIR.value, [fault] if jax.process_index() == 1 else []).run()
+    with together():  # as launch.train
+        prepare(config, _WORKDIR.value, [fault] if jax.process_index() == 1 else []).run()
 
 
 if __name__ == "__main__":

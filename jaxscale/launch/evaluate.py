@@ -13,6 +13,7 @@ from absl import app, flags
 from jaxscale import cli
 from jaxscale.errors import exit_on_user_error
 from jaxscale.runtime import distributed
+from jaxscale.runtime.peer_failure import together
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A launch.train workdir.", required=True)
 _MAX_BATCHES = flags.DEFINE_integer("max_batches", 0, "Evaluate at most N batches (0: all).")
@@ -29,7 +30,8 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     distributed.setup()
     from jaxscale.inference.evaluate import evaluate_workdir  # after the devices are configured
-    print(json.dumps(evaluate_workdir(_WORKDIR.value, _MAX_BATCHES.value, _SOURCES.value)))
+    with together():  # one process failing stops them all
+        print(json.dumps(evaluate_workdir(_WORKDIR.value, _MAX_BATCHES.value, _SOURCES.value)))
 
 
 if __name__ == "__main__":

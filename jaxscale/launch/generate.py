@@ -19,6 +19,7 @@ from absl import app, flags
 from jaxscale import cli
 from jaxscale.errors import exit_on_user_error, paragraph
 from jaxscale.runtime import distributed
+from jaxscale.runtime.peer_failure import together
 
 _WORKDIR = flags.DEFINE_string("workdir", "", "Training workdir or launch.convert output.")
 _FROM_HF = flags.DEFINE_string("from_hf", "", "Hugging Face Llama or Mistral directory.")
@@ -44,6 +45,11 @@ def main(argv):
     if len(argv) > 1 or not (_WORKDIR.value or _FROM_HF.value):
         raise app.UsageError("Give --workdir or --from_hf (and --prompt or --prompt_ids).")
     distributed.setup()
+    with together():  # one process failing stops them all
+        _generate()
+
+
+def _generate() -> None:
     import numpy as np
 
     from jaxscale.data.tokenizer import model_tokenizer

@@ -12,6 +12,7 @@ from absl import app, flags
 from jaxscale import cli
 from jaxscale.errors import exit_on_user_error
 from jaxscale.runtime import distributed
+from jaxscale.runtime.peer_failure import together
 from jaxscale.runtime.preemption import Preempted, StartupGuard, exit_preempted
 from jaxscale.storage import locations
 
@@ -37,7 +38,8 @@ def main(argv):
         run = (train_worker if _CONFIG.value.lofi.enabled else
                train_grpo if _CONFIG.value.objective.name == "grpo" else train)
         try:
-            run(cli.resolved(_CONFIG.value), _WORKDIR.value)
+            with together():  # one process failing stops them all
+                run(cli.resolved(_CONFIG.value), _WORKDIR.value)
         except Preempted as e:  # SIGTERM: saved at the same step on every host; exit 75
             exit_preempted(e)
 

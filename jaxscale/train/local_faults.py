@@ -30,13 +30,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxscale.errors import JaxscaleError, paragraph, short_error
+from jaxscale.errors import EveryProcessError, paragraph, short_error
 
 FAILURES_IN_A_ROW = 3  # failed local saves in a row that stop the run (a broken tier)
 _TEXT_BYTES = 512  # each failing process's "directory: error", as gathered to process 0
 
 
-class LocalTierFailed(JaxscaleError):
+class LocalTierFailed(EveryProcessError):
     """The local tier failed `FAILURES_IN_A_ROW` saves in a row on some process."""
 
 

@@ -40,7 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
-from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.errors import EveryProcessError, JaxscaleError, paragraph
 from jaxscale.train.local_faults import (
     LocalTierFailed,
     QuietTier,
@@ -114,7 +114,7 @@ def _check_not_shared(directory: str) -> None:
     multihost_utils.sync_global_devices("jaxscale-local-tier-checked")
     os.remove(mine)
     if shared:
-        raise JaxscaleError(paragraph(
+        raise EveryProcessError(paragraph(
             f"checkpoint.local_dir: processes of this run share a local tier directory ({directory}",
             "here): their saves would overwrite each other's. Put {process} in",
             "checkpoint.local_dir (e.g. /ssd/tier-{process}) so that each process has its own."))
@@ -140,7 +140,7 @@ def _check_usable(directory: str) -> None:
                          if error is not None else "")
     where = "; ".join(f"{'this process' if jax.process_count() == 1 else f'process {p}'} "
                       f"({texts[p]})" for p in failed)
-    raise JaxscaleError(paragraph(
+    raise EveryProcessError(paragraph(
         f"checkpoint.local_dir cannot be used as the local tier of {where}: a regular file, a",
         "path below one, a read-only filesystem, or no permission. Give a writable directory",
         "on the host's own disk (it may contain {process})."))

@@ -37,11 +37,11 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxscale.errors import JaxscaleError, paragraph, short_error
+from jaxscale.errors import EveryProcessError, paragraph, short_error
 from jaxscale.train.local_faults import QuietTier, failed_processes, gather_texts
 
 
-class PersistentSaveFailed(JaxscaleError):
+class PersistentSaveFailed(EveryProcessError):
     """A persistent save failed on some process; every process stops (module docstring)."""
 
 
