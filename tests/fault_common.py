@@ -1,5 +1,6 @@
 """Launching the 2-process fault runs (`tests/fault_worker.py`, or `launch.train` for a rerun)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,6 +8,16 @@ import sys
 from child_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 8  # conftest.TINY_STEPS: the 2 x 4 fault runs share one compile
+TRAIN = ["--config=configs/tiny_lm.py:test", f"--config.train.steps={STEPS}",
+         "--config.train.log_every=1", "--config.train.eval_every=0",
+         "--config.checkpoint.every=2"]
+
+
+def losses_by_step(workdir) -> dict[int, float]:
+    """A run's `metrics.jsonl` losses by step."""
+    lines = open(os.path.join(workdir, "metrics.jsonl")).read().splitlines()
+    return {row["step"]: row["loss"] for row in map(json.loads, lines)}
 
 
 def launch_two(args: list[str], module: str = "tests.fault_worker", traceback: bool = False

@@ -7,23 +7,12 @@ abort), and the rerun resumes from the last checkpoint. The launcher's grace per
 so a process it had to stop would be named in its "stopped" line: the assertions are about the
 behaviour, not a timeout."""
 
-import json
 import os
 
 import pytest
 
-from fault_common import launch_two
+from fault_common import STEPS, TRAIN, launch_two, losses_by_step
 from jaxscale.runtime.peer_failure import stopped_message, together
-
-STEPS = 8  # the other 2 x 4 runs' (test_persistent_faults, ...): one compile serves them all
-TRAIN = ["--config=configs/tiny_lm.py:test", f"--config.train.steps={STEPS}",
-         "--config.train.log_every=1", "--config.train.eval_every=0",
-         "--config.checkpoint.every=2"]
-
-
-def _losses(workdir) -> dict[int, float]:
-    lines = open(os.path.join(workdir, "metrics.jsonl")).read().splitlines()
-    return {row["step"]: row["loss"] for row in map(json.loads, lines)}
 
 
 @pytest.mark.slow
@@ -39,14 +28,14 @@ def test_one_process_failing_stops_every_process_and_the_rerun_resumes(tmp_path)
         "step 3. Process 0 stopped with it instead of waiting for it"), stopped
     for noise in ("Terminating process", "Shutdown barrier", "[p0] Traceback"):
         assert noise not in text, text[-3000:]  # no abort, no coordination-service logs
-    first = _losses(workdir)
+    first = losses_by_step(workdir)
     assert sorted(first) == [1, 2, 3]
     assert os.listdir(workdir / "checkpoints") == ["2"]
 
     resumed, text = launch_two([*TRAIN, f"--workdir={workdir}"], module="launch.train")
     assert resumed.returncode == 0, text[-3000:]
     assert f"[p0] jaxscale: resumed from {workdir}/checkpoints/2 (persistent tier)" in text
-    again = _losses(workdir)
+    again = losses_by_step(workdir)
     assert sorted(again) == list(range(1, STEPS + 1))
     assert again[3] == pytest.approx(first[3], rel=1e-5)
 

@@ -8,28 +8,17 @@ one with the losses of the first run (which trained on unhurt up to the stop). T
 grace period is 300 s here, so a process it had to stop would be named in its "stopped" line:
 the assertions are about the behaviour, not a timeout."""
 
-import json
 import os
 
 import pytest
 
-from fault_common import launch_two
+from fault_common import STEPS, TRAIN, launch_two, losses_by_step
 from jaxscale.train.persistent_faults import describe
-
-STEPS = 8  # the other 2 x 4 runs' (test_local_tier_faults, ...): one compile serves them all
-TRAIN = ["--config=configs/tiny_lm.py:test", f"--config.train.steps={STEPS}",
-         "--config.train.log_every=1", "--config.train.eval_every=0",
-         "--config.checkpoint.every=2"]
 
 
 def _launch(workdir, *flags: str, module: str = "tests.fault_worker"):
     extra = ["--fault=writes"] if module == "tests.fault_worker" else []
     return launch_two([*TRAIN, f"--workdir={workdir}", *extra, *flags], module)
-
-
-def _losses(workdir) -> dict[int, float]:
-    lines = open(os.path.join(workdir, "metrics.jsonl")).read().splitlines()
-    return {row["step"]: row["loss"] for row in map(json.loads, lines)}
 
 
 def _stopped(tmp_path, failed: int, at: int, newest: int) -> str:
@@ -80,12 +69,12 @@ def test_a_save_failing_on_one_process_stops_all_and_the_rerun_resumes(tmp_path)
     """Process 1 cannot write step 4's shards: both stop at step 6 (the next commit wait);
     only step 2 is left, and the rerun resumes from it with the first run's losses."""
     workdir = _stopped(tmp_path, failed=4, at=6, newest=2)
-    first = _losses(workdir)
+    first = losses_by_step(workdir)
     assert sorted(first) == list(range(1, 7))  # trained on unhurt up to the stop
     resumed, text = _launch(workdir, module="launch.train")
     assert resumed.returncode == 0, text[-3000:]
     assert f"[p0] jaxscale: resumed from {workdir}/checkpoints/2 (persistent tier)" in text
-    again = _losses(workdir)
+    again = losses_by_step(workdir)
     assert sorted(again) == list(range(1, STEPS + 1))
     assert [again[s] for s in range(3, 7)] == pytest.approx([first[s] for s in range(3, 7)],
                                                             rel=1e-5)

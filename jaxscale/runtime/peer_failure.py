@@ -43,23 +43,25 @@ SHUTDOWN_S = 60.0  # the longest wait for the others in JAX's shutdown barrier
 STOPPED_EXIT = 2  # as every user-facing error (`errors.exit_on_user_error`)
 
 
-def _client() -> Any:
-    """JAX's coordination-service client, or None outside a multi-process run."""
-    import jax
+def _joined() -> Any:
+    """JAX's distributed state (its coordination-service client, process index and count), or
+    None outside a multi-process run. Read without starting the backends: a run's own set-up
+    may still configure them."""
     from jax._src import distributed  # the public API has no handle on it
-    client = getattr(distributed.global_state, "client", None)
-    return client if client is not None and jax.process_count() > 1 else None
+    state = distributed.global_state
+    joined = getattr(state, "client", None) is not None and (state.num_processes or 1) > 1
+    return state if joined else None
 
 
 @contextlib.contextmanager
 def together() -> Iterator[None]:
     """Runs the block; on a multi-process run, one process's failure stops every process
     (module docstring). A no-op for a single process."""
-    client = _client()
-    if client is None:
+    state = _joined()
+    if state is None:
         yield
         return
-    watch = _Watch(client)
+    watch = _Watch(state.client, state.process_id, state.num_processes)
     watch.thread.start()
     try:
         yield
@@ -75,9 +77,8 @@ def together() -> Iterator[None]:
 class _Watch:
     """The thread that stops this process when another one fails."""
 
-    def __init__(self, client: Any):
-        import jax
-        self.client, self.me, self.count = client, jax.process_index(), jax.process_count()
+    def __init__(self, client: Any, me: int, count: int):
+        self.client, self.me, self.count = client, me, count
         self.done = threading.Event()  # this process finished or failed by itself
         self.lock = threading.Lock()  # whoever takes it first reports: this thread or main
         self.thread = threading.Thread(target=self._watch, name="peer-failure", daemon=True)
@@ -94,9 +95,8 @@ class _Watch:
         return True
 
     def publish(self, error: Exception) -> None:
-        text = str(error) if isinstance(error, JaxscaleError) else short_error(error)
-        if not isinstance(error, JaxscaleError):
-            text = f"{type(error).__name__}: {text}"
+        text = (str(error) if isinstance(error, JaxscaleError) else
+                f"{type(error).__name__}: {short_error(error)}")
         with contextlib.suppress(Exception):  # the service is gone: nobody left to tell
             self.client.key_value_set(f"{KEYS}{self.me}", text)
 
