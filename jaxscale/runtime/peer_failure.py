@@ -66,12 +66,13 @@ def together() -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        if not watch.stand_down() or isinstance(error, (EveryProcessError, Preempted)):
-            raise  # the watch is stopping this process already; or every process reports
-        watch.publish(error)
-        _leave(report(error))
+        if watch.stand_down() and not isinstance(error, (EveryProcessError, Preempted)):
+            watch.publish(error)
+            _leave(report(error))
+        raise  # every process reports it itself; or the watch is stopping this process
     finally:
-        watch.stand_down()
+        if not watch.stand_down():  # the watch is stopping this process for a peer: an error
+            watch.thread.join()  # of its own now (a collective losing that peer) stays unsaid
 
 
 class _Watch:
