@@ -19,6 +19,7 @@ import re
 import socket
 import sys
 import threading
+from typing import Any
 
 from absl import flags
 
@@ -165,15 +166,29 @@ class _JoinWatchdog:
         os._exit(_ERROR_EXIT)
 
 
-def _fill_from_jax(coordinator: str | None, num_processes: int | None,
-                   process_id: int | None) -> tuple[str | None, int | None, int | None]:
-    """Under cluster auto-detection the flags are unset; JAX's partly initialised state then
-    holds the detected values (a private object, hence the defensive lookups)."""
+def jax_state() -> Any | None:
+    """JAX's distributed state: its coordination-service client, process index and count, and
+    coordinator address (None where this JAX has no such object). The public API has no handle
+    on it, so this is the one place that reads JAX's private `global_state`; reading it does not
+    start the backends, which a run's own set-up may still be configuring."""
     try:
         from jax._src import distributed
     except ImportError:
-        return coordinator, num_processes, process_id
-    state = getattr(distributed, "global_state", None)
+        return None
+    return getattr(distributed, "global_state", None)
+
+
+def coordination_client() -> Any | None:
+    """The coordination-service client once `jax.distributed.initialize` has run (it also
+    starts the pre-emption sync service), else None."""
+    return getattr(jax_state(), "client", None)
+
+
+def _fill_from_jax(coordinator: str | None, num_processes: int | None,
+                   process_id: int | None) -> tuple[str | None, int | None, int | None]:
+    """Under cluster auto-detection the flags are unset; JAX's partly initialised state then
+    holds the detected values."""
+    state = jax_state()
     if getattr(state, "coordinator_address", None) is None:
         return coordinator, num_processes, process_id  # detection itself did not finish
     return (coordinator or state.coordinator_address,

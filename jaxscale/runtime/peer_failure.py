@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jaxscale.errors import EveryProcessError, JaxscaleError, paragraph, report, short_error
+from jaxscale.runtime.distributed import jax_state
 from jaxscale.runtime.preemption import Preempted
 
 KEYS = "jaxscale/failed/"
@@ -45,10 +46,8 @@ STOPPED_EXIT = 2  # as every user-facing error (`errors.exit_on_user_error`)
 
 def _joined() -> Any:
     """JAX's distributed state (its coordination-service client, process index and count), or
-    None outside a multi-process run. Read without starting the backends: a run's own set-up
-    may still configure them."""
-    from jax._src import distributed  # the public API has no handle on it
-    state = distributed.global_state
+    None outside a multi-process run."""
+    state = jax_state()
     joined = getattr(state, "client", None) is not None and (state.num_processes or 1) > 1
     return state if joined else None
 

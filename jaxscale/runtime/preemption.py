@@ -33,6 +33,8 @@ import threading
 from types import FrameType
 from typing import Any, NoReturn
 
+from jaxscale.runtime.distributed import coordination_client
+
 PREEMPTED_EXIT = 75
 
 
@@ -55,8 +57,7 @@ def exit_preempted(error: Preempted) -> NoReturn:
 
 def _distributed() -> bool:
     """Whether JAX's distributed runtime (and with it the pre-emption sync service) is up."""
-    from jax._src import distributed  # the public API has no "is initialised" query
-    return distributed.global_state.client is not None
+    return coordination_client() is not None
 
 
 class PreemptionWatch:

@@ -38,6 +38,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxscale.errors import EveryProcessError, paragraph, short_error
+from jaxscale.runtime.distributed import coordination_client
 from jaxscale.train.local_faults import QuietTier, failed_processes, gather_texts
 
 
@@ -83,8 +84,7 @@ class Writes:
     def barrier(self, *, key: str, timeout_ms: int) -> None:
         """Orbax's `async_write_complete` barrier, carrying each process's outcome; raises
         `PeerFailed` on every process if any process's writes failed."""
-        from jax._src import distributed
-        client = distributed.global_state.client
+        client = coordination_client()
         self._calls += 1
         base = f"jaxscale/persistent/{self._calls}/{key}"
         client.key_value_set(f"{base}/{jax.process_index()}",
