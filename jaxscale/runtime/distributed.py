@@ -180,8 +180,17 @@ def jax_state() -> Any | None:
 
 def coordination_client() -> Any | None:
     """The coordination-service client once `jax.distributed.initialize` has run (it also
-    starts the pre-emption sync service), else None."""
-    return getattr(jax_state(), "client", None)
+    starts the pre-emption sync service), else None. Raises if this JAX keeps its state
+    elsewhere: a multi-process run taken for a single process would save and stop out of step."""
+    state = jax_state()
+    if state is None:
+        import jax
+        raise DistributedError(paragraph(
+            f"This JAX ({jax.__version__}) has no `jax._src.distributed.global_state`, which",
+            "jaxscale reads to find the coordination service (pre-emption sync, multi-process",
+            "saves). Install a JAX in the range pyproject.toml supports.",
+        ))
+    return state.client
 
 
 def _fill_from_jax(coordinator: str | None, num_processes: int | None,
