@@ -125,6 +125,20 @@ def test_incomplete_flags_are_refused_before_jax_starts(monkeypatch):
         distributed.init_distributed("localhost:1", 2, 2)
 
 
+def test_jaxs_distributed_state_is_read_in_one_place_and_its_absence_is_said(monkeypatch):
+    """Outside a joined run there is no client; a JAX that keeps its state elsewhere is named
+    (pre-emption and the persistent-save barrier must not take a multi-process run for one)."""
+    from jax._src import distributed as jax_distributed
+    assert distributed.jax_state() is jax_distributed.global_state
+    assert distributed.coordination_client() is None  # this test process never joined
+    monkeypatch.delattr(jax_distributed, "global_state")
+    assert distributed.jax_state() is None
+    assert distributed._fill_from_jax(None, 2, None) == (None, 2, None)
+    with pytest.raises(distributed.DistributedError,
+                       match=r"no `jax._src.distributed.global_state`.*supports"):
+        distributed.coordination_client()
+
+
 def test_join_timeout_messages_name_the_missing_processes():
     msg = distributed.join_timeout_message
     assert "but process 1 never joined" in msg("h:1", 2, 0, 10, None)
