@@ -4,6 +4,7 @@ fail with one clear paragraph instead of hanging, aborting or training independe
 
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -129,6 +130,9 @@ def test_jaxs_distributed_state_is_read_in_one_place_and_its_absence_is_said(mon
     """Outside a joined run there is no client; a JAX that keeps its state elsewhere is named
     (pre-emption and the persistent-save barrier must not take a multi-process run for one)."""
     from jax._src import distributed as jax_distributed
+    readers = [str(f) for f in pathlib.Path(distributed.__file__).parents[1].rglob("*.py")
+               if "jax._src import distributed" in f.read_text()]
+    assert readers == [distributed.__file__], readers
     assert distributed.jax_state() is jax_distributed.global_state
     assert distributed.coordination_client() is None  # this test process never joined
     monkeypatch.delattr(jax_distributed, "global_state")
