@@ -12,6 +12,7 @@ which the fixtures turn into a skip that names the reason.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -177,7 +178,8 @@ class SeaweedFS(_S3Server):
 
     def command(self) -> list[str]:
         p = self.ports
-        return [_bin("weed"), "server", f"-dir={self.dir / 'data'}", "-ip=127.0.0.1",
+        return [_bin("weed"), f"-logdir={self.dir}", "server", f"-dir={self.dir / 'data'}",
+                "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", f"-master.port={p['master']}",
                 f"-master.port.grpc={p['master.grpc']}", "-master.volumeSizeLimitMB=64",
                 "-volume.max=500", "-master.electionTimeout=1s",
@@ -185,6 +187,14 @@ class SeaweedFS(_S3Server):
                 "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer.grpc']}",
                 "-s3", f"-s3.port={self.port}", f"-s3.port.grpc={p['s3.grpc']}",
                 "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={self.dir / 's3.json'}"]
+
+    def stop(self) -> None:
+        """Also removes the Unix sockets weed makes in /tmp, named by port, whatever TMPDIR."""
+        super().stop()
+        for port in (self.port, *self.ports.values()):
+            for path in glob.glob(f"/tmp/seaweedfs-*-{port}.sock"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 class Moto(_S3Server):

@@ -1,5 +1,5 @@
 """metrics.py: peak table, MFU arithmetic (FLOPs per token from the model table), metrics.jsonl
-writer, progress bar fallback."""
+writer; the TensorBoard logger (locally and on a bucket); progress bar fallback."""
 
 import importlib.util
 import io
@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from jaxscale.hardware import peak_flops
 from jaxscale.models import vit
 from jaxscale.models.decoder.flops import flops_per_token
 from jaxscale.observe import metrics
+from jaxscale.observe.loggers import TensorBoardLogger
 from jaxscale.observe.metrics import MetricsWriter, mfu, read_metrics
 from jaxscale.observe.progress import ProgressBar
 
@@ -50,7 +52,7 @@ def test_llama_flops_by_hand():
 
 
 def test_writer_lines(tmp_path):
-    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    w = MetricsWriter(str(tmp_path))
     w.write(np.int64(1), {"loss": np.float32(2.5), "tokens": 7, "bad": float("nan")})
     w.write(2, {"loss": 2.0, "eval_loss": float("inf")})
     w.close()
@@ -72,11 +74,11 @@ def test_writer_disabled(tmp_path):
 
 
 def test_truncate_after_and_append(tmp_path):
-    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    w = MetricsWriter(str(tmp_path))
     for step in range(1, 6):
         w.write(step, {"loss": float(step)})
     w.close()
-    resumed = MetricsWriter(str(tmp_path), tensorboard=False)
+    resumed = MetricsWriter(str(tmp_path))
     resumed.truncate_after(3)
     resumed.write(4, {"loss": 40.0})
     resumed.close()
@@ -90,12 +92,31 @@ def test_read_skips_cut_last_line(tmp_path):
     assert read_metrics(str(tmp_path / "missing")) == []
 
 
+def _tensorboard_logger(workdir: str) -> TensorBoardLogger:
+    return TensorBoardLogger(SimpleNamespace(is_primary=True, workdir=workdir), start_step=0)
+
+
 def test_tensorboard_event_file(tmp_path):
-    w = MetricsWriter(str(tmp_path))
-    w.write(1, {"loss": 1.5})
-    w.close()
+    tb = _tensorboard_logger(str(tmp_path))
+    tb.on_metrics(SimpleNamespace(step=1, metrics={"loss": 1.5, "eval_loss": None}))
+    tb.close()
     files = os.listdir(tmp_path / "tensorboard")
     assert any(f.startswith("events.out.tfevents") for f in files), files
+    assert not (tmp_path / "metrics.jsonl").exists()  # metrics.jsonl is the jsonl logger's
+
+
+@pytest.mark.xdist_group("seaweedfs")
+def test_tensorboard_on_a_bucket_uploads_and_leaves_no_local_mirror(seaweedfs):
+    server, bucket = seaweedfs
+    tb = _tensorboard_logger(f"s3://{bucket}/run")
+    mirror = tb._mirror.local
+    tb.on_metrics(SimpleNamespace(step=1, metrics={"loss": 1.5}))
+    assert os.listdir(mirror)  # events are written locally, then uploaded
+    tb.close()
+    keys = [o["Key"] for o in server.client().list_objects_v2(
+        Bucket=bucket, Prefix="run/tensorboard/").get("Contents", [])]
+    assert any(k.startswith("run/tensorboard/events.out.tfevents") for k in keys), keys
+    assert not os.path.exists(mirror)  # the temporary mirror goes once its events are uploaded
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
@@ -103,9 +124,9 @@ def test_tensorboard_leaves_torch_unimported_and_importable(tmp_path):
     """tensorboardX would import torch (seconds of every run's start) only for type hints: the
     writer imports it with torch refused, in a fresh process (pytest's has torch already)."""
     code = ("import os, sys\n"
-            "from jaxscale.observe.metrics import MetricsWriter\n"
-            f"w = MetricsWriter({str(tmp_path)!r})\n"
-            "w.write(1, {'loss': 1.5})\n"
+            "from jaxscale.observe.loggers import summary_writer\n"
+            f"w = summary_writer({str(tmp_path / 'tensorboard')!r}, None)\n"
+            "w.add_scalar('loss', 1.5, 1)\n"
             "w.close()\n"
             "assert 'torch' not in sys.modules, 'tensorboardX imported torch'\n"
             f"assert os.listdir({str(tmp_path / 'tensorboard')!r})\n"

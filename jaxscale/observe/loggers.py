@@ -14,11 +14,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.observe.metrics import MetricsWriter, summary_writer
+from jaxscale.observe.metrics import MetricsWriter
 from jaxscale.storage.locations import is_remote
 from jaxscale.storage.workdir_files import TensorBoardMirror
 
@@ -50,8 +52,7 @@ class JsonlLogger(Logger):
     step are dropped first, so the file ends as an uninterrupted run's would."""
 
     def __init__(self, trainer: Any, start_step: int):
-        self.writer = MetricsWriter(trainer.workdir, enabled=trainer.is_primary,
-                                    tensorboard=False)
+        self.writer = MetricsWriter(trainer.workdir, enabled=trainer.is_primary)
         self.writer.truncate_after(start_step)
 
     def on_metrics(self, info: Any) -> None:
@@ -59,6 +60,34 @@ class JsonlLogger(Logger):
 
     def close(self) -> None:
         self.writer.close()
+
+
+class _NoTorchInThisThread:
+    """A meta-path finder that refuses `torch` to the thread that made it (`summary_writer`)."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name.partition(".")[0] == "torch" and threading.get_ident() == self.thread:
+            raise ModuleNotFoundError("torch is not imported for tensorboardX", name=name)
+        return None
+
+
+def summary_writer(logdir: str, purge_step: int | None) -> Any:
+    """A tensorboardX `SummaryWriter`. tensorboardX imports torch when it is installed only to
+    name `torch.Tensor` in its type hints: over a second of CPU at the start of every run where
+    torch is installed (the `parity` extra). We log floats, so its first import runs with torch
+    refused to this thread only (other threads, and this one afterwards, import it as usual)."""
+    finder = _NoTorchInThisThread()
+    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+        sys.meta_path.insert(0, finder)
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+    return SummaryWriter(logdir, purge_step=purge_step)
 
 
 class TensorBoardLogger(Logger):

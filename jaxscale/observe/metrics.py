@@ -1,18 +1,16 @@
-"""Metrics: metrics.jsonl + TensorBoard and model FLOPs utilisation (the progress line is in
-`jaxscale.observe.progress`, peak FLOP/s in `jaxscale.hardware`, each model's FLOPs per token in
-its model table entry).
+"""Metrics: metrics.jsonl and model FLOPs utilisation (the progress line is in
+`jaxscale.observe.progress`, TensorBoard in `jaxscale.observe.loggers`, peak FLOP/s in
+`jaxscale.hardware`, each model's FLOPs per token in its model table entry).
 
 `metrics.jsonl` is the source of truth (tests, `launch.plot` and resume all read it); TensorBoard
-is a convenience view of the same numbers. Only process 0 writes either (`enabled=False`
-elsewhere), so a multi-host run produces one file, not one per host.
+is a convenience view of the same numbers. Only process 0 writes (`enabled=False` elsewhere), so
+a multi-host run produces one file, not one per host.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,65 +55,38 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON object per `write` to WORKDIR/metrics.jsonl, plus TensorBoard scalars.
+    """Appends one JSON object per `write` to WORKDIR/metrics.jsonl.
 
     Line format: `{"step": <int>, "<name>": <float|int|null>, ...}` with `step` first, metrics in
     the order given, and non-finite floats written as null. Each line is flushed at once so a
     killed process leaves only complete lines. On gs:// / s3:// (no append) the whole file is
-    rewritten as one object per write, so a reader sees every line up to the last write; and
-    TensorBoard writes to a local mirror that is uploaded (`workdir_files.TensorBoardMirror`).
+    rewritten as one object per write, so a reader sees every line up to the last write.
     Disabled (non-primary processes) it does nothing.
     """
 
-    def __init__(self, workdir: str | None, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, workdir: str | None, enabled: bool = True):
         self.enabled = bool(enabled and workdir)
-        self.workdir = workdir
         self.path = locations.join(workdir, "metrics.jsonl") if workdir else None
-        self._tensorboard = tensorboard
-        self._tb: Any = None
-        self._mirror: Any = None
-        self._purge_step: int | None = None
         self._log = workdir_files.LineLog(self.path) if self.enabled else None
-
-    def _tb_writer(self) -> Any:
-        """Created lazily so a resume can first tell TensorBoard which steps to purge."""
-        if self._tb is None and self._tensorboard:
-            self._mirror = workdir_files.TensorBoardMirror(self.workdir)
-            self._tb = summary_writer(self._mirror.local, self._purge_step)
-        return self._tb
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Logs `metrics` at `step` (numpy/jax scalars accepted)."""
         if not self.enabled:
             return
-        values = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
-        record = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
+        record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
         self._log.append(json.dumps(record) + "\n")
-        tb = self._tb_writer()
-        if tb is not None:
-            for k, v in values.items():  # TensorBoard takes NaN/inf, so log the raw value
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    tb.add_scalar(k, float(v), int(step))
-            tb.flush()
-            self._mirror.sync()
 
     def truncate_after(self, step: int) -> None:
         """Drops lines with step > `step`, so a run resumed from the checkpoint at `step`
-        re-logs those steps and ends with the same file as an uninterrupted run. TensorBoard
-        events after `step` are purged too (tensorboardX `purge_step`)."""
+        re-logs those steps and ends with the same file as an uninterrupted run."""
         if not self.enabled:
             return
-        self._purge_step = int(step) + 1
         kept = [r for r in read_metrics_file(self.path) if r["step"] <= step]
         self._log.replace("".join(json.dumps(r) + "\n" for r in kept))
 
     def close(self) -> None:
         if self.enabled:
             self._log.close()
-            if self._tb is not None:
-                self._tb.close()
-                self._tb = None
-                self._mirror.close()
 
 
 def read_metrics_file(path: str) -> list[dict]:
@@ -141,31 +112,3 @@ def read_metrics_file(path: str) -> list[dict]:
 def read_metrics(workdir: str) -> list[dict]:
     """All records of WORKDIR/metrics.jsonl, in file order."""
     return read_metrics_file(locations.join(workdir, "metrics.jsonl"))
-
-
-class _NoTorchInThisThread:
-    """A meta-path finder that refuses `torch` to the thread that made it (`summary_writer`)."""
-
-    def __init__(self) -> None:
-        self.thread = threading.get_ident()
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        if name.partition(".")[0] == "torch" and threading.get_ident() == self.thread:
-            raise ModuleNotFoundError("torch is not imported for tensorboardX", name=name)
-        return None
-
-
-def summary_writer(logdir: str, purge_step: int | None) -> Any:
-    """A tensorboardX `SummaryWriter`. tensorboardX imports torch when it is installed only to
-    name `torch.Tensor` in its type hints: over a second of CPU at the start of every run where
-    torch is installed (the `parity` extra). We log floats, so its first import runs with torch
-    refused to this thread only (other threads, and this one afterwards, import it as usual)."""
-    finder = _NoTorchInThisThread()
-    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
-        sys.meta_path.insert(0, finder)
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        if finder in sys.meta_path:
-            sys.meta_path.remove(finder)
-    return SummaryWriter(logdir, purge_step=purge_step)

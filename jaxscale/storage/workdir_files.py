@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from typing import Any, TextIO
@@ -163,7 +164,8 @@ def _ends_without_newline(path: str) -> bool:
 class TensorBoardMirror:
     """Where TensorBoard writes for a workdir: WORKDIR/tensorboard itself when local; for a
     bucket, a local temporary directory whose event files are uploaded to
-    WORKDIR/tensorboard/ (`sync`: at most every TB_UPLOAD_EVERY_S, and always on `close`)."""
+    WORKDIR/tensorboard/ (`sync`: at most every TB_UPLOAD_EVERY_S, and always on `close`, which
+    then removes the directory; one whose last upload failed is kept, so no event is lost)."""
 
     def __init__(self, workdir: str):
         self.remote = locations.join(workdir, "tensorboard")
@@ -191,3 +193,5 @@ class TensorBoardMirror:
 
     def close(self) -> None:
         self.sync(force=True)
+        if self.is_remote:
+            shutil.rmtree(self.local, ignore_errors=True)
