@@ -81,7 +81,10 @@ def test_1f1b_equals_gpipe_with_float16_loss_scaling_lora_and_tied_embeddings():
     for k in want:
         assert np.all(np.isfinite(got[k]))
         assert np.linalg.norm(got[k] - want[k]) <= 1e-3 * np.linalg.norm(want[k]), k
-    np.testing.assert_allclose([got_loss, got_eval], want_loss, rtol=1e-6)
+    # Two programs computing one float16 forward: equal up to XLA's rounding of each (3e-6
+    # apart with the older CPU emitters of tests/child_env.py); a wrong micro-batch or a loss
+    # scale not undone would be off by far more.
+    np.testing.assert_allclose([got_loss, got_eval], want_loss, rtol=2e-5)
     assert not want_finite and not got_finite
 
 
