@@ -122,6 +122,9 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
         ("lm-eval", "--model_args batch_size not a number", [
             "--model", "jaxscale", "--model_args", f"workdir={f['workdir']},batch_size=x",
             "--tasks", "hellaswag"]),
+        ("lm-eval", "a task name the harness does not know", [
+            "--model", "jaxscale", "--model_args", f"workdir={f['workdir']}",
+            "--tasks", "nosuchtask"]),
         ("lm-eval", "--model_args workdir missing", [
             "--model", "jaxscale", "--model_args", f"workdir={f['missing']}",
             "--tasks", "hellaswag"]),

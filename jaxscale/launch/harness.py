@@ -43,6 +43,13 @@ def _run() -> None:
             "HF_HUB_OFFLINE set without the dataset in the cache). Run once where the Hub is",
             "reachable to fill the cache, or evaluate a local task: a YAML and a jsonl in a",
             "directory given to --include_path (docs/post-training.md, 'lm-eval').")) from None
+    except ValueError as e:  # the harness's own check of --tasks, raised as a bare ValueError
+        if "Tasks not found" not in str(e):
+            raise
+        raise JaxscaleError(paragraph(
+            f"lm-eval: {e}. `jaxscale lm-eval ls tasks` lists the harness's tasks; a task of",
+            "your own is a YAML (and its data) in a directory given to --include_path",
+            "(docs/post-training.md, 'lm-eval').")) from None
 
 
 def _jaxscale_model_args(argv: list[str]) -> str | None:
