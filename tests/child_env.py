@@ -9,8 +9,8 @@ child starts from `child_env()`. The simulated device count is not in it: each c
 sets its own with `--cpu_devices`.
 
 jaxlib 0.10 still has XLA:CPU's older loop emitters beside the MLIR fusion emitters it uses by
-default; with the older ones the suite's programs compile about a third faster (a tiny train
-step runs about as fast; bench/RESULTS.md). jaxlib 0.11 removed them and the flag with them, and
+default; with the older ones the suite's programs compile in about two thirds of the time (a
+compiled step runs about a fifth slower; bench/RESULTS.md, `bench/suite_compile.py`). jaxlib 0.11 removed them and the flag with them, and
 XLA aborts on a flag it does not know, so it is passed to jaxlib 0.10 only.
 """
 
