@@ -60,7 +60,8 @@ def report(error: BaseException) -> int:
 
 
 def exit_on_user_error(fn):
-    """Decorator for entry points: a JaxscaleError exits with its paragraph, not a traceback."""
+    """Decorator for entry points: a JaxscaleError exits with its paragraph, and a Ctrl-C with
+    one line and 130 (128 + SIGINT, as a shell reports it), not a traceback."""
     import functools
     import sys
 
@@ -70,5 +71,9 @@ def exit_on_user_error(fn):
             return fn(*args, **kwargs)
         except JaxscaleError as e:
             sys.exit(report(e))
+        except KeyboardInterrupt:
+            print("jaxscale: interrupted (Ctrl-C); it stopped where it was.", file=sys.stderr,
+                  flush=True)
+            sys.exit(130)
 
     return wrapper

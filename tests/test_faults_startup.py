@@ -13,7 +13,7 @@ import time
 import pytest
 
 from child_env import child_env
-from jaxscale.runtime.preemption import PREEMPTED_EXIT
+from jaxscale.runtime.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = child_env(JAX_PLATFORMS="cpu")
@@ -23,8 +23,8 @@ TRAIN = [sys.executable, "-m", "jaxscale", "train", "--config=tiny_lm:test",
          "--config.model.num_layers=8", "--config.checkpoint.every=2"]
 
 
-def _sigterm_when(cmd: list[str], ready) -> tuple[int, str, float]:
-    """Runs `cmd`, sends SIGTERM once `ready(output so far)` is true; (status, output, seconds
+def _sigterm_when(cmd: list[str], ready, signum: int = signal.SIGTERM) -> tuple[int, str, float]:
+    """Runs `cmd`, sends `signum` once `ready(output so far)` is true; (status, output, seconds
     from the signal to the exit)."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -35,7 +35,7 @@ def _sigterm_when(cmd: list[str], ready) -> tuple[int, str, float]:
     while proc.poll() is None and time.monotonic() < deadline:
         if ready("".join(out)):
             signalled_at = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signum)
             break
         time.sleep(0.01)
     proc.wait(timeout=600)
@@ -80,3 +80,15 @@ def test_sigterm_while_the_state_is_built_or_restored_exits_75(tmp_path):
     assert "before the first step" in out and "Traceback" not in out, out[-3000:]
     assert "jaxscale: mesh " not in out, out[-3000:]  # stopped before the loop's banner
     assert os.listdir(os.path.join(workdir, "checkpoints")) == ["2"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_compiling_exits_130_at_once_in_one_line(tmp_path):
+    workdir = str(tmp_path / "run")
+    status, out, took = _sigterm_when([*TRAIN, "--config.train.steps=4", f"--workdir={workdir}"],
+                                      lambda out: "jaxscale: mesh " in out, signal.SIGINT)
+    assert status == INTERRUPTED_EXIT, out[-3000:]
+    assert "Stopped by Ctrl-C (SIGINT) during start-up, before the first step" in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert took < 5, took  # at once, not after the compile
+    assert not os.path.exists(os.path.join(workdir, "checkpoints", "1"))

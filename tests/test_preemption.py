@@ -17,7 +17,7 @@ import pytest
 from child_env import child_env
 from configs.tiny_lm import get_config
 from jaxscale.observe.metrics import read_metrics
-from jaxscale.runtime.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch
+from jaxscale.runtime.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted, PreemptionWatch
 from jaxscale.train.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +33,23 @@ def test_watch_turns_sigterm_into_a_flag_and_restores_the_handler():
             time.sleep(0.01)  # Python runs the handler between bytecodes of the main thread
         assert watch.reached(2)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_first_ctrl_c_is_a_flag_and_the_second_interrupts():
+    before = signal.getsignal(signal.SIGINT)
+    with PreemptionWatch() as watch:
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while not watch.reached(1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watch.reached(1) and watch.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(60)  # the second Ctrl-C ends this at once
+    assert signal.getsignal(signal.SIGINT) is before
+    error = Preempted(3, True, signal.SIGINT)
+    assert error.exit_code == INTERRUPTED_EXIT and str(error).startswith(
+        "Stopped by Ctrl-C (SIGINT): stopped after step 3 and saved a checkpoint")
 
 
 class SigtermAt:
@@ -78,8 +95,9 @@ MULTIHOST = [sys.executable, "-m", "launch.local_multihost", "--num_processes=2"
 ENV = child_env()
 
 
-def _sigterm_after(cmd: list[str], metrics: str, lines: int) -> tuple[int, str]:
-    """Runs `cmd`, sends it SIGTERM once `metrics` has `lines` lines; (status, output)."""
+def _sigterm_after(cmd: list[str], metrics: str, lines: int,
+                   signum: int = signal.SIGTERM) -> tuple[int, str]:
+    """Runs `cmd`, sends it `signum` once `metrics` has `lines` lines; (status, output)."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     out: list[str] = []
@@ -88,7 +106,7 @@ def _sigterm_after(cmd: list[str], metrics: str, lines: int) -> tuple[int, str]:
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
         if os.path.exists(metrics) and len(open(metrics).read().splitlines()) >= lines:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signum)
             break
         time.sleep(0.02)
     proc.wait(timeout=600)
@@ -122,3 +140,15 @@ def test_two_processes_save_at_the_same_step_and_resume_exactly(tmp_path):
     assert [r["step"] for r in two] == list(range(1, 17))
     for a, b in zip(one, two):  # 2x4 devices equal 1x8 up to reduction order (test_multihost)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_that_step_and_exits_130_in_one_line(tmp_path):
+    workdir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jaxscale", "train", *TRAIN[:1], "--config.train.steps=400",
+           *TRAIN[2:], f"--workdir={workdir}", "--config.checkpoint.every=0"]
+    status, out = _sigterm_after(cmd, str(workdir / "metrics.jsonl"), 2, signal.SIGINT)
+    assert status == INTERRUPTED_EXIT, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    step = int(out.split("Stopped by Ctrl-C (SIGINT): stopped after step ")[1].split()[0])
+    assert os.listdir(workdir / "checkpoints") == [str(step)] and 2 <= step < 400

@@ -167,7 +167,8 @@ class Trainer:
                     if follow is not None:
                         follow(state)
                     if preemption.reached(step):
-                        self._stop_for_preemption(hooks, replace(info, state=state), bar)
+                        self._stop_for_preemption(hooks, replace(info, state=state), bar,
+                                                 preemption.signum)
         finally:
             profiler.stop()
         end = StepInfo(int(jax.device_get(state.step)), state, data_state=self.data_state)
@@ -222,14 +223,14 @@ class Trainer:
         return info
 
     def _stop_for_preemption(self, hooks: Sequence[Any], info: StepInfo,
-                             bar: ProgressBar) -> None:
+                             bar: ProgressBar, signum: int) -> None:
         saved = False
         for hook in hooks:
             if hasattr(hook, "at_preemption"):
                 saved = bool(hook.at_preemption(info)) or saved
         bar.close()
         self.state = info.state
-        raise Preempted(info.step, saved)
+        raise Preempted(info.step, saved, signum)
 
 
 def _after_step(hooks: Sequence[Any], info: StepInfo) -> TrainState:
