@@ -81,3 +81,25 @@ def test_cli_falls_back_past_a_truncated_checkpoint(broken_run, tmp_path, module
         assert steps[-3:] == [3, 4, 5]  # resumed from step 2, not from the broken step 4
         ckpts = os.listdir(os.path.join(workdir, "checkpoints"))
         assert "4.broken" in ckpts and {"4", "5"} <= set(ckpts), ckpts  # kept, then re-saved
+
+
+def test_a_resume_that_cannot_restore_says_why(broken_run, tmp_path):
+    """No step restores: with every step truncated the error says so (not that the config
+    differs); with the LoRA settings changed it names those (the files are fine)."""
+    import shutil
+
+    from jaxscale.weights.restore import CheckpointError
+    workdir = str(tmp_path / "w")
+    shutil.copytree(broken_run[0], workdir)
+    c = get_config("test")
+    c.train.update(steps=6, log_every=1, eval_every=0)
+    c.checkpoint.update(every=2, keep=3)
+    c.lora.rank = 4
+    with pytest.raises(CheckpointError, match=r"step 4 .*another structure.*config\.lora"):
+        train(c, workdir)
+    _truncate_arrays(os.path.join(workdir, "checkpoints", "2"))
+    c.lora.rank = 0
+    with pytest.raises(CheckpointError, match=r"step 4 .*truncated or corrupt") as error:
+        train(c, workdir)
+    assert "config" not in str(error.value).split("corrupt")[0]
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]  # kept

@@ -244,11 +244,7 @@ class Checkpointer:
             return adapters_only, self.manager.restore(step, args=args)
 
         def mismatch(step: int, e: Exception) -> CheckpointError:
-            return CheckpointError(paragraph(
-                f"Cannot restore checkpoint step {step} from {self.directory}: {short_error(e)}.",
-                "The saved state does not match this run's model/optimizer config; resume with",
-                "the same config, or start a fresh workdir (use config.init_from for weights).",
-            ))
+            return _unrestorable(self.directory, step, e)
 
         def retried(step: int) -> tuple[bool, dict]:
             return self._retry.call(f"restoring checkpoint step {step}", lambda _: attempt(step))
@@ -330,3 +326,22 @@ def _save_args(state: TrainState, data_state: dict | None, adapters_only: bool) 
     data = {**(data_state or {}), PROCESSES: jax.process_count()}
     return ocp.args.Composite(state=ocp.args.StandardSave(saveable),
                               data=ocp.args.JsonSave(data))
+
+
+def _unrestorable(directory: str, step: int, error: Exception) -> CheckpointError:
+    """Why step `step` does not restore, told apart: a saved tree of another structure (the
+    model itself was compared with config.json before any restore, so the optimizer or the
+    LoRA settings differ) or files that cannot be read (truncated, corrupt, missing)."""
+    text = short_error(error).rstrip(":. ")
+    if isinstance(error, KeyError) or "tree structures do not match" in text:
+        return CheckpointError(paragraph(
+            f"Cannot restore checkpoint step {step} from {directory}: the saved state has",
+            "another structure than this run's, so its optimizer or LoRA settings",
+            "(config.optim.*, config.lora.*) differ from the ones it was saved with. Resume",
+            "with those settings, or start a fresh workdir (use config.init_from for weights).",
+        ))
+    return CheckpointError(paragraph(
+        f"Cannot restore checkpoint step {step} from {directory}: {text}. Its files are",
+        "truncated or corrupt (and no older step restores). Restore them from a copy, or",
+        "start a fresh workdir (use config.init_from for the weights of another run).",
+    ))
