@@ -63,6 +63,7 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
         ("evaluate", "missing workdir", [f"--workdir={f['missing']}"]),
         ("evaluate", "corrupt config.json", [f"--workdir={f['workdir']}"]),
         ("evaluate", "bad flag value", [f"--workdir={f['workdir']}", "--max_batches=x"]),
+        ("evaluate", "negative --max_batches", [f"--workdir={f['workdir']}", "--max_batches=-1"]),
         ("generate", "missing workdir", [f"--workdir={f['missing']}", "--prompt=hi"]),
         ("generate", "corrupt config.json", [f"--workdir={f['workdir']}", "--prompt=hi"]),
         ("generate", "bad flag value", [f"--workdir={f['workdir']}", "--steps=x"]),

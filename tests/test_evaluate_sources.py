@@ -89,3 +89,17 @@ def test_bad_eval_sources_are_clear_errors(setup, tmp_path):
     c.data.packing = "concat"
     with pytest.raises(ConfigError, match="too short"):
         evaluate_params(c, params, eval_sources=f"text={tmp_path}/tiny.txt")
+
+
+def test_a_bad_record_names_the_flag_that_skips_it_and_skipping_drops_only_it(setup, tmp_path):
+    from jaxscale.data.readers import DataError
+    root, c, params = setup
+    good = [json.dumps({"text": t}) for t in TEXTS[5:]]
+    (tmp_path / "bad.jsonl").write_text("\n".join(good[:3] + ["not json"] + good[3:]) + "\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl line 4 .*--skip_bad_records \(evaluate"):
+        evaluate_params(c, params, eval_sources=f"jsonl={tmp_path}/bad.jsonl")
+    skipping = c.copy_and_resolve_references()
+    skipping.data.skip_bad_records = True  # what `evaluate --skip_bad_records` sets
+    got = evaluate_params(skipping, params, eval_sources=f"jsonl={tmp_path}/bad.jsonl")
+    want = evaluate_params(c, params, eval_sources=f"jsonl={root}/more.jsonl")
+    assert got["tokens"] == want["tokens"] and got["loss"] == pytest.approx(want["loss"])

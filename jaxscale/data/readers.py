@@ -188,8 +188,9 @@ def bad_record(reader: Any, loc: Any, what: str) -> None:
         return None
     where = reader.where_loc(loc) if isinstance(loc, tuple) else reader.where(loc)
     raise DataError(paragraph(
-        f"{where} {what}. Fix or remove the record, or set",
-        "--config.data.skip_bad_records=True to skip and count bad records.",
+        f"{where} {what}. Fix or remove the record, or skip and count bad records:",
+        "--config.data.skip_bad_records=True (train), --skip_bad_records (evaluate,",
+        "prepare-data).",
     ))
 
 

@@ -39,7 +39,7 @@ def read_config(workdir: str) -> mlc.ConfigDict:
     config = workdir_files.read_json(os.path.join(workdir, "config.json"))
     if config is None:
         raise JaxscaleError(f"{workdir} has no config.json; evaluate a directory written by "
-                            "launch.train (--workdir).")
+                            "`jaxscale train` (its --workdir).")
     return mlc.ConfigDict(config)
 
 
@@ -64,11 +64,14 @@ def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 
     return held.metrics(placed, batches, reference)
 
 
-def evaluate_workdir(workdir: str, max_batches: int = 0, eval_sources: str = ""
-                     ) -> dict[str, float]:
+def evaluate_workdir(workdir: str, max_batches: int = 0, eval_sources: str = "",
+                     skip_bad_records: bool = False) -> dict[str, float]:
     """Metrics of the newest checkpoint (or params export) in `workdir`, on its held-out split
-    or on `eval_sources`."""
+    or on `eval_sources` (bad records skipped and counted if `skip_bad_records` or the run's
+    config says so)."""
     from jaxscale.weights.sources import merged_params, open_weights
     config = read_config(workdir)
+    if skip_bad_records:
+        config.data.skip_bad_records = True
     params = merged_params(open_weights(workdir))  # LoRA adapters folded in (config.json)
     return evaluate_params(config, params, max_batches, eval_sources)

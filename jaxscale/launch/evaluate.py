@@ -21,6 +21,11 @@ _SOURCES = flags.DEFINE_string(
     "eval_sources", "", "Evaluate on these files instead of the run's held-out split: "
     "FORMAT=GLOB[;FORMAT=GLOB...] as config.data.eval_sources (text, jsonl, parquet, "
     "array_record, tokens), tokenized with the run's tokenizer.")
+_SKIP_BAD = flags.DEFINE_bool(
+    "skip_bad_records", False, "Skip and count bad jsonl / parquet records of the evaluated "
+    "data instead of failing (as config.data.skip_bad_records does for train).")
+flags.register_validator("max_batches", lambda n: n >= 0,
+                         "--max_batches must be 0 (every batch) or a positive count.")
 distributed.define_flags()
 
 
@@ -31,7 +36,8 @@ def main(argv):
     distributed.setup()
     from jaxscale.inference.evaluate import evaluate_workdir  # after the devices are configured
     with together():  # one process failing stops them all
-        print(json.dumps(evaluate_workdir(_WORKDIR.value, _MAX_BATCHES.value, _SOURCES.value)))
+        print(json.dumps(evaluate_workdir(_WORKDIR.value, _MAX_BATCHES.value, _SOURCES.value,
+                                          _SKIP_BAD.value)))
 
 
 if __name__ == "__main__":
