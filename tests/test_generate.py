@@ -184,7 +184,8 @@ def cached_logits(model_def, params, tokens_BT, prefill):
     (lambda: gen.check_request(4, 0, 0.0, 64), "at least one"),
     (lambda: gen.check_request(4, -3, 0.0, 64), "at least one"),
     (lambda: gen.check_request(4, 8, -1.0, 64), "temperature"),
-    (lambda: gen.check_request(60, 8, 0.0, 64), "max_len=64.*at most 4"),
+    (lambda: gen.check_request(60, 8, 0.0, 64), "max_len=64.*at most 4 tokens"),
+    (lambda: gen.check_request(64, 8, 0.0, 64), "no position .* at most 63 tokens"),
 ])
 def test_bad_requests_are_clear_errors(call, culprit):
     with pytest.raises(gen.GenerateError, match=culprit):
@@ -209,3 +210,11 @@ def test_prompt_text_uses_the_tokenizer_and_both_prompt_flags_are_an_error(tmp_p
     assert ids[0] == loaded.bos_id == 0 and loaded.decode(ids) == "hello world"
     with pytest.raises(gen.GenerateError, match="Both --prompt and --prompt_ids"):
         gen.parse_prompt("hello", ["1"], 300, loaded)
+
+
+def test_a_directory_without_a_model_config_names_generates_own_flag(tmp_path):
+    from jaxscale.errors import JaxscaleError
+    with pytest.raises(JaxscaleError, match=r"^--workdir=.* \(written by `jaxscale train`\).*"
+                       r"Point --workdir at") as error:
+        gen.load_model(str(tmp_path))
+    assert "--from_workdir" not in str(error.value) and "launch." not in str(error.value)

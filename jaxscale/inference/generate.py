@@ -160,12 +160,18 @@ def check_request(prompt_len: int, steps: int, temperature: float, max_len: int)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise GenerateError(f"--temperature={temperature}: use 0 for greedy decoding or a "
                             "positive value (e.g. 0.8) for sampling.")
+    if max_len and prompt_len >= max_len:
+        raise GenerateError(paragraph(
+            f"The prompt is {prompt_len} tokens, which leaves no position for a new one within",
+            f"model.max_len={max_len} (the longest context the model was trained for). Shorten",
+            f"the prompt to at most {max_len - 1} tokens.",
+        ))
     if max_len and prompt_len + steps > max_len:
         raise GenerateError(paragraph(
             f"The prompt ({prompt_len} tokens) plus {steps} new tokens is {prompt_len + steps}",
             f"positions, more than model.max_len={max_len} (the longest context the model was",
-            f"trained for). Generate at most {max(max_len - prompt_len, 0)} tokens or shorten",
-            "the prompt.",
+            f"trained for). Generate at most {max_len - prompt_len} tokens or shorten the",
+            "prompt.",
         ))
 
 
@@ -187,7 +193,7 @@ def load_model(workdir: str = "", hf_dir: str = "") -> tuple[Any, dict]:
         config.model.update(source.model_cfg)
         params = unflatten(source.lazy_leaves(np.float32))
     else:
-        model_cfg, lora_cfg = convert.read_model_config(workdir)
+        model_cfg, lora_cfg = convert.read_model_config(workdir, "--workdir")
         params = convert.workdir_params(workdir, lora_cfg)
         if os.path.exists(os.path.join(workdir, "config.json")):
             from jaxscale.inference.evaluate import read_config

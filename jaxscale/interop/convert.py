@@ -133,17 +133,18 @@ def local_only(path: str, flag: str) -> None:
             "(--out, --from_workdir, --config.init_from) may be gs:// or s3://."))
 
 
-def read_model_config(workdir: str) -> tuple[dict, Any]:
-    """(config.model fields, config.lora or None) of a conversion output or training workdir."""
+def read_model_config(workdir: str, flag: str = "--from_workdir") -> tuple[dict, Any]:
+    """(config.model fields, config.lora or None) of a conversion output or training workdir;
+    `flag`: the command's flag that named `workdir`, for the error."""
     model = workdir_files.read_json(locations.join(workdir, MODEL_CONFIG))
     if model is not None:
         return model, None
     config = workdir_files.read_json(locations.join(workdir, "config.json"))
     if config is None:
         raise hf.ConversionError(paragraph(
-            f"{workdir} has neither {MODEL_CONFIG} (written by launch.convert) nor config.json",
-            "(written by launch.train), so the model's shape is unknown. Point --from_workdir at",
-            "one of those.",
+            f"{flag}={workdir} has neither {MODEL_CONFIG} (written by `jaxscale convert",
+            "--from_hf`) nor config.json (written by `jaxscale train`), so the model's shape is",
+            f"unknown. Point {flag} at one of those.",
         ))
     return config["model"], config.get("lora")
 

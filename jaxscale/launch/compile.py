@@ -1,6 +1,6 @@
 """Compile a config's train step for a TPU topology on this machine (no TPU needed):
 
-    python -m launch.compile --topology=v5p:4x4x8 --config=configs/llama.py:7b \
+    jaxscale compile --topology=v5p:4x4x8 --config=configs/llama.py:7b \
         [--config.mesh.fsdp=64 ...] [--num_slices=2] [--save_hlo=DIR] [--out=report.json]
 
 Prints memory per chip against HBM, FLOPs, collectives and a roofline step-time estimate.

@@ -1,10 +1,10 @@
 """Convert Hugging Face checkpoints to and from jaxscale.
 
-    python -m launch.convert --from_hf=HF_DIR --out=WORKDIR [--dtype=bf16]
-    python -m launch.convert --from_workdir=WORKDIR --to_hf=OUT [--dtype=bf16]
+    jaxscale convert --from_hf=HF_DIR --out=WORKDIR [--dtype=bf16]
+    jaxscale convert --from_workdir=WORKDIR --to_hf=OUT [--dtype=bf16]
                              [--max_shard_size=5GB]
     (either direction, DeepSeek-V3: [--mtp], its multi-token-prediction layer too)
-    python -m launch.convert --from_workdir=LORA_RUN --to_peft=OUT [--base_model=HF_DIR]
+    jaxscale convert --from_workdir=LORA_RUN --to_peft=OUT [--base_model=HF_DIR]
                              [--overwrite] [--dtype=bf16]
 
 A non-empty output directory is refused unless `--overwrite` is given. The first writes

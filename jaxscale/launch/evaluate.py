@@ -1,7 +1,7 @@
 """Evaluate a workdir's newest weights on its held-out split, or on any text files.
 
-    python -m launch.evaluate --workdir=DIR [--cpu_devices=8] [--max_batches=N]
-    python -m launch.evaluate --workdir=DIR --eval_sources='text=/data/val/*.txt;jsonl=x.jsonl'
+    jaxscale evaluate --workdir=DIR [--cpu_devices=8] [--max_batches=N]
+    jaxscale evaluate --workdir=DIR --eval_sources='text=/data/val/*.txt;jsonl=x.jsonl'
 
 Prints loss, perplexity (language models) and accuracy as one JSON line.
 """

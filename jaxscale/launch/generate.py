@@ -1,8 +1,8 @@
-"""Generate text with a KV cache from a workdir, a launch.convert output or a HF directory.
+"""Generate text with a KV cache from a workdir, a `jaxscale convert` output or a HF directory.
 
-    python -m launch.generate --workdir=DIR --prompt="def main(" --steps=64 [--temperature=0.8]
-    python -m launch.generate --from_hf=HF_DIR --prompt_ids=1,15043 --max_new_tokens=16
-    python -m launch.generate --workdir=DIR --chat --prompt="hello" --steps=32
+    jaxscale generate --workdir=DIR --prompt="def main(" --steps=64 [--temperature=0.8]
+    jaxscale generate --from_hf=HF_DIR --prompt_ids=1,15043 --max_new_tokens=16
+    jaxscale generate --workdir=DIR --chat --prompt="hello" --steps=32
 
 `--prompt` text is encoded and the output decoded with the model's tokenizer (a tokenizer file
 in its directory, or its training config's `data.tokenizer`; bytes for a byte-level model);
@@ -21,8 +21,8 @@ from jaxscale.errors import exit_on_user_error, paragraph
 from jaxscale.runtime import distributed
 from jaxscale.runtime.peer_failure import together
 
-_WORKDIR = flags.DEFINE_string("workdir", "", "Training workdir or launch.convert output.")
-_FROM_HF = flags.DEFINE_string("from_hf", "", "Hugging Face Llama or Mistral directory.")
+_WORKDIR = flags.DEFINE_string("workdir", "", "Training workdir or `jaxscale convert` output.")
+_FROM_HF = flags.DEFINE_string("from_hf", "", "A Hugging Face model directory (any family `jaxscale convert --from_hf` reads).")
 _PROMPT = flags.DEFINE_string("prompt", "", "Prompt text (encoded with the model's tokenizer).")
 _PROMPT_IDS = flags.DEFINE_list("prompt_ids", [], "Prompt token ids, comma-separated.")
 _STEPS = flags.DEFINE_integer("steps", 64, "Tokens to generate.")

@@ -1,4 +1,4 @@
-"""Print where every parameter lives: `python -m launch.inspect --config=... [--cpu_devices=N]`.
+"""Print where every parameter lives: `jaxscale inspect --config=... [--cpu_devices=N]`.
 
 `--config.init_from=WEIGHTS` supplies the model as it does to `train` (`cli.resolved`): only the
 shapes the weights record are read."""

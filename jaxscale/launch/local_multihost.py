@@ -1,7 +1,7 @@
 """Several local processes joined into one global mesh (CPU collectives), for testing
 multi-host behaviour on one machine:
 
-    python -m launch.local_multihost --num_processes=2 --devices_per_process=4 -- <train flags>
+    jaxscale local-multihost --num_processes=2 --devices_per_process=4 -- <train flags>
 
 Every process gets the same flags plus `--coordinator_address`, `--num_processes`,
 `--process_id` and `--cpu_devices`; their output is interleaved under `[p0]`, `[p1]`, ...

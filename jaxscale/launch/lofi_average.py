@@ -1,4 +1,4 @@
-"""Lo-Fi averager: `python -m launch.lofi_average --store=STORE [--watch] [--aggregator=mean]`.
+"""Lo-Fi averager: `jaxscale lofi-average --store=STORE [--watch] [--aggregator=mean]`.
 
 Each round takes every allowed worker's newest complete push, skips (and says why) anything
 partial, corrupt, mismatched, stale or non-finite, and publishes STORE/average/<round>/.

@@ -1,4 +1,4 @@
-"""Lo-Fi on one machine: `python -m launch.lofi_local --num_workers=4 --devices_per_worker=2
+"""Lo-Fi on one machine: `jaxscale lofi-local --num_workers=4 --devices_per_worker=2
 --store=DIR -- <train flags>` runs N independent workers plus the averager, shows one combined
 progress line, and leaves the final average in the store (exported to WORKDIR/final).
 `--dry_run` prints the same job as one worker per TPU VM with a shared gs:// store."""

@@ -1,6 +1,6 @@
 """Find the fastest sharding that fits a TPU topology, by compiling candidates (no TPU needed):
 
-    python -m launch.plan --topology=v5p:2x4x4 --config=configs/llama.py:7b \
+    jaxscale plan --topology=v5p:2x4x4 --config=configs/llama.py:7b \
         [--top=3] [--hbm_margin=0.1] [--max_candidates=16] [--time_budget_s=3600] [--workers=N]
 
 Ranks by a roofline step-time ESTIMATE (no overlap: compute plus every collective); prints

@@ -1,6 +1,6 @@
 """Train and eval loss curves of one or more runs on one figure:
 
-    python -m launch.plot WORKDIR [WORKDIR...] --out=curves.png
+    jaxscale plot WORKDIR [WORKDIR...] --out=curves.png
 """
 
 from absl import app, flags

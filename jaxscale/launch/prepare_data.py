@@ -1,10 +1,10 @@
 """Tokenize text files into ArrayRecord shards that training reads per host.
 
-    python -m launch.prepare_data --sources='docs/*.jsonl' --format=jsonl --train_tokenizer=4096 \
+    jaxscale prepare-data --sources='docs/*.jsonl' --format=jsonl --train_tokenizer=4096 \
         --out=/tmp/prepared [--num_shards=4] [--workers=2]
-    python -m launch.prepare_data --sources=a/*.txt,b/*.txt --format=text \
+    jaxscale prepare-data --sources=a/*.txt,b/*.txt --format=text \
         --tokenizer=/models/llama3 --out=/tmp/prepared
-    python -m launch.prepare_data --sources=chats/*.jsonl --format=chat --tokenizer=/models/qwen3 \
+    jaxscale prepare-data --sources=chats/*.jsonl --format=chat --tokenizer=/models/qwen3 \
         --out=/tmp/prepared_chat
 
 Writes DIR/data-*.array_record, DIR/metadata.json and DIR/tokenizer.json (chat and preference:

@@ -1,4 +1,4 @@
-"""Summarize a profiler trace in the terminal: `python -m launch.profile_summary WORKDIR`.
+"""Summarize a profiler trace in the terminal: `jaxscale profile-summary WORKDIR`.
 
 Prints the top ops by device time and the share of time in collectives, from the newest trace
 a run with `--config.train.profile.num_steps=N` wrote into WORKDIR/profile/ (or from a
@@ -16,7 +16,7 @@ _TOP = flags.DEFINE_integer("top", 15, "How many ops to list.")
 @exit_on_user_error
 def main(argv):
     if len(argv) != 2:
-        raise app.UsageError("Usage: python -m launch.profile_summary WORKDIR [--top=N]")
+        raise app.UsageError("Usage: jaxscale profile-summary WORKDIR [--top=N]")
     from jaxscale.observe.profiling import format_summary, summarize
     print(format_summary(summarize(argv[1]), _TOP.value))
 

@@ -1,6 +1,6 @@
 """Copy, install and start training on every worker of a TPU VM slice:
 
-    python -m launch.tpu_pod --tpu=NAME --zone=ZONE [--project=P] [--dry_run] -- <train flags>
+    jaxscale tpu-pod --tpu=NAME --zone=ZONE [--project=P] [--dry_run] -- <train flags>
 
 The commands are built by `jaxscale.runtime.pod_commands.tpu_pod_commands`; `--dry_run` prints them.
 """

@@ -1,4 +1,4 @@
-"""Train from a config file: `python -m launch.train --config=configs/tiny_lm.py --workdir=DIR`.
+"""Train from a config file: `jaxscale train --config=configs/tiny_lm.py --workdir=DIR`.
 
 Any config field can be overridden (`--config.mesh.fsdp=4 --config.train.steps=20`);
 `--cpu_devices=N` simulates N CPU devices (applied before JAX initialises its backends).
