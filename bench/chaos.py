@@ -212,7 +212,7 @@ def in_save(workdir: str) -> Callable[[str], bool]:
 
 def sigterm_phases(workdir: str) -> dict[str, Callable[[str], bool]]:
     return {"start-up (before compile)":
-            lambda out: os.path.exists(os.path.join(workdir, "config.json")),
+            lambda out: os.path.exists(os.path.join(workdir, "events.jsonl")),
             "compile": lambda out: "jaxscale: mesh " in out,
             "a step": lambda out: f"step 9/{STEPS}" in out,
             "a save": in_save(workdir)}

@@ -71,11 +71,11 @@ def test_sigterm_while_the_state_is_built_or_restored_exits_75(tmp_path):
     first = subprocess.run([*TRAIN, "--config.train.steps=2", f"--workdir={workdir}"],
                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
-    config = os.path.join(workdir, "config.json")
-    written = os.stat(config).st_mtime_ns
-    # A run writes config.json again first thing, then builds the state and restores it.
+    events = os.path.join(workdir, "events.jsonl")
+    size = os.path.getsize(events)
+    # A run appends its start to events.jsonl once the state is built, then restores it.
     status, out, _ = _sigterm_when([*TRAIN, "--config.train.steps=4", f"--workdir={workdir}"],
-                                   lambda out: os.stat(config).st_mtime_ns != written)
+                                   lambda out: os.path.getsize(events) != size)
     assert status == PREEMPTED_EXIT, out[-3000:]
     assert "before the first step" in out and "Traceback" not in out, out[-3000:]
     assert "jaxscale: mesh " not in out, out[-3000:]  # stopped before the loop's banner

@@ -73,8 +73,6 @@ class Trainer:
             locations.check(workdir)
         if workdir:  # a resume trains the model its checkpoints hold (or refuses)
             check_resumed_model(config, workdir)
-        if workdir and jax.process_index() == 0:
-            config_lib.save_config(config, workdir)
         mesh = make_mesh(config.mesh, devices)
         setup = build_step(config, mesh)
         ctx = setup.ctx
@@ -311,8 +309,28 @@ def prepare(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) ->
                           devices=jax.device_count())
     if workdir:  # with checkpoint.every=0 still: a pre-empted run saves, and resumes from that
         _attach_checkpoints(trainer)
+        _check_steps_ahead(trainer)
+        if trainer.is_primary:  # once the mesh, model, data and resumed step are accepted
+            config_lib.save_config(config, workdir)
     trainer.hooks.extend(hooks)
     return trainer
+
+
+def _check_steps_ahead(trainer: Trainer) -> None:
+    """A resumed run whose `train.steps` is at or below the step it resumed at trains nothing:
+    below it is refused (the flag most likely meant something else, and config.json would
+    record a step count the checkpoints are past), at it one line says so."""
+    start, steps = int(jax.device_get(trainer.state.step)), trainer.config.train.steps
+    if steps < start:
+        raise ConfigError(paragraph(
+            f"train.steps={steps}, but {trainer.workdir} resumed at step {start}, so nothing",
+            f"would be trained. Give train.steps above {start} to continue (e.g.",
+            f"--config.train.steps={start + steps}), or a new --workdir to train from scratch.",
+            "config.json and the checkpoints are as they were.",
+        ))
+    if steps == start and trainer.is_primary:
+        print(f"jaxscale: {trainer.workdir} is already at step {start} = train.steps; nothing "
+              f"to train (a larger --config.train.steps continues it)", flush=True)
 
 
 def train(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> TrainState:
