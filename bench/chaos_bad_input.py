@@ -94,6 +94,9 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
         ("prepare-data", "sources without a record", [f"--sources={f['nodocs']}",
                                                       "--format=jsonl", f"--out={f['out']}/p4",
                                                       "--tokenizer=bytes"]),
+        ("prepare-data", "a vocabulary no larger than the bytes", [
+            f"--sources={f['docs']}", "--format=text", f"--out={f['out']}/p5",
+            "--train_tokenizer=10"]),
         ("prepare-data", "corrupt tokenizer", [f"--sources={f['docs']}", f"--out={f['out']}/p3",
                                                f"--tokenizer={f['tok']}"]),
         ("lofi-local", "zero workers", [f"--store={f['out']}/l1", "--num_workers=0"]),

@@ -140,6 +140,20 @@ def test_prepare_refuses_zero_shards_or_workers_and_creates_nothing(docs, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+def test_prepare_refuses_a_vocabulary_no_larger_than_the_bytes_and_notes_a_short_one(
+        docs, tmp_path, capfd):
+    from jaxscale.data.prepare import check_args
+    with pytest.raises(JaxscaleError, match=r"--train_tokenizer=258: .* starts with 258 ids"):
+        check_args(str(tmp_path / "out"), "", 1, 1, 258)
+    check_args(str(tmp_path / "out"), "", 1, 1, 259)
+    # 40 short documents offer a few hundred merges, not 50,000: said once, and the size given
+    prepare([docs], "jsonl", str(tmp_path / "big"), train_vocab=50_000)
+    from tokenizers import Tokenizer
+    size = Tokenizer.from_file(str(tmp_path / "big" / "tokenizer.json")).get_vocab_size()
+    assert 258 < size < 50_000
+    assert capfd.readouterr().err.count(f"has {size:,} ids, fewer than the 50,000 asked") == 1
+
+
 def test_prepare_out_below_a_file_or_on_a_read_only_filesystem(docs, tmp_path):
     (tmp_path / "file.txt").write_text("mine")
     one_paragraph(_prepare(docs, tmp_path / "file.txt" / "out"), f"{tmp_path}/file.txt/out",

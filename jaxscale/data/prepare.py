@@ -23,6 +23,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,6 +90,10 @@ def train_tokenizer(readers: list[Any], vocab_size: int, path: str) -> None:
                                   show_progress=False)
     tok.train_from_iterator(_texts(readers), trainer=trainer)
     tok.save(path)
+    if tok.get_vocab_size() < vocab_size:
+        print(f"jaxscale: note: the tokenizer has {tok.get_vocab_size():,} ids, fewer than the "
+              f"{vocab_size:,} asked for: the sources offer no more merges (more text gives "
+              "more)", file=sys.stderr, flush=True)
 
 
 _WORKER: dict = {}
@@ -144,6 +149,14 @@ def check_args(out: str, tokenizer: str, num_shards: int, workers: int, train_vo
     if train_vocab < 0 or not (tokenizer or train_vocab) or (tokenizer and train_vocab):
         raise ConfigError("Give exactly one of --tokenizer=PATH and --train_tokenizer=VOCAB "
                           "(a positive vocabulary size).")
+    base = 256 + len(SPECIAL_TOKENS)  # every byte, then EOS and pad: ids before any merge
+    if 0 < train_vocab <= base:
+        raise ConfigError(paragraph(
+            f"--train_tokenizer={train_vocab}: a byte-level BPE starts with {base} ids (the 256",
+            f"bytes, {' and '.join(SPECIAL_TOKENS)}), so it learns merges only past that. Give",
+            "a larger vocabulary (e.g. --train_tokenizer=4096), or --tokenizer=bytes for bytes",
+            "alone.",
+        ))
 
 
 def check_chat_args(fmt: str, tokenizer: str, train_vocab: int, chat_template: str) -> None:
