@@ -299,10 +299,17 @@ def _wrong_type(name: str, path: str, value: str | None, config: Any) -> str:
     for part in path.split("."):
         node = node[part]
     kind = type(node).__name__
+    given = f"--{name}.{path}={value if value is not None else ''}"
+    if hasattr(node, "keys"):  # a group: its fields are set one by one
+        fields = ", ".join(sorted(node.keys()))
+        return paragraph(
+            f"{given}: config.{path} is a group of fields, not a value. Set one of its fields,",
+            f"e.g. --{name}.{path}.FIELD=VALUE; its fields: {fields}.",
+        )
     hint = " (use true or false)" if isinstance(node, bool) else ""
     return paragraph(
-        f"--{name}.{path}={value if value is not None else ''}: config.{path} has type {kind}",
-        f"(currently {node!r}), and {value!r} does not parse as {kind}{hint}.",
+        f"{given}: config.{path} has type {kind} (currently {node!r}), and {value!r} does not",
+        f"parse as {kind}{hint}.",
     )
 
 

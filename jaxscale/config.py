@@ -193,7 +193,9 @@ def validate(c: mlc.ConfigDict) -> None:
              "parameter, while lora.save_adapters_only=True saves the adapters alone: a resumed",
              "run would lose the bias's moves. Set model.moe.bias_update_rate=0 (the bias fixed,",
              "as fine-tuning usually keeps it) or lora.save_adapters_only=False.")
-    _require(t.steps > 0 and t.log_every > 0, "train.steps and train.log_every must be positive.")
+    for name, value in (("steps", t.steps), ("log_every", t.log_every)):
+        _require(value > 0, f"train.{name}={value}: it must be positive (e.g. "
+                            f"--config.train.{name}={100 if name == 'steps' else 10}).")
     _require(t.grad_accum >= 1 and d.batch_size % t.grad_accum == 0,
              f"data.batch_size={d.batch_size} must be divisible by train.grad_accum="
              f"{t.grad_accum}: each accumulation step takes batch_size/grad_accum rows.")

@@ -242,6 +242,9 @@ def _run(*args, timeout=300):
     ("--config.optim.lr=fast", "config.optim.lr has type float"),
     ("--config.train.grad_accum=5", "data.batch_size=16 must be divisible by "
                                     "train.grad_accum=5"),
+    ("--config.data=5", "config.data is a group of fields, not a value. Set one of its fields, "
+                        "e.g. --config.data.FIELD=VALUE; its fields: batch_size,"),
+    ("--config.train.log_every=0", "train.log_every=0: it must be positive"),
 ])
 def test_cli_config_mistakes_are_one_paragraph(tmp_path, override, expected):
     out = _run("launch.train", "--config=configs/tiny_lm.py:test", f"--workdir={tmp_path}",
