@@ -103,3 +103,16 @@ def test_a_resume_that_cannot_restore_says_why(broken_run, tmp_path):
         train(c, workdir)
     assert "config" not in str(error.value).split("corrupt")[0]
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]  # kept
+
+
+def test_a_step_without_its_state_directory_is_named(broken_run, tmp_path):
+    import shutil
+
+    from jaxscale.weights.restore import CheckpointError
+    workdir = str(tmp_path / "w")
+    shutil.copytree(broken_run[0], workdir)
+    for step in ("2", "4"):
+        shutil.rmtree(os.path.join(workdir, "checkpoints", step, "state"))
+    with pytest.raises(CheckpointError, match=r"step 4 fails with .*/checkpoints/4/state holds "
+                                              r"no checkpoint metadata"):
+        open_weights(workdir)

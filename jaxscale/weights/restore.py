@@ -115,6 +115,9 @@ def restore_params(root: str, step: int) -> dict:
     with ocp.StandardCheckpointer() as checkpointer:
         with _quiet_absl():  # orbax warns that the per-item metadata file is absent: harmless
             meta = checkpointer.metadata(path).item_metadata
+        if meta is None:  # orbax answers None, not an error, for a missing or empty state/
+            raise FileNotFoundError(f"{path} holds no checkpoint metadata (_METADATA): the "
+                                    "directory is missing or was not copied whole")
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
                               dict(meta.tree if hasattr(meta, "tree") else meta))
