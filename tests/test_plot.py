@@ -35,3 +35,11 @@ def test_plot_missing_run(tmp_path):
                            f"--out={tmp_path / 'x.png'}"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "metrics.jsonl is missing" in proc.stderr
+
+
+def test_plot_without_an_extension_prints_the_png_it_wrote(tmp_path):
+    from jaxscale.observe.plots import plot_runs
+    _fake_run(str(tmp_path / "a"), 3.0)
+    written = plot_runs([str(tmp_path / "a")], str(tmp_path / "sig"))
+    assert written == str(tmp_path / "sig.png")
+    assert sorted(os.listdir(tmp_path)) == ["a", "sig.png"]

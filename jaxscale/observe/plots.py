@@ -17,8 +17,9 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 def plot_runs(workdirs: Sequence[str], out: str, labels: Sequence[str] | None = None) -> str:
     """Draws train loss (solid) and eval loss (dashed, dots) vs step, one colour per run.
 
-    Labels default to the workdir names. Returns `out`. Raises ValueError naming the workdir
-    when a run has no metrics.jsonl, since an empty curve would silently hide the mistake.
+    Labels default to the workdir names. Returns the path written (`out`, plus ".png" if it has
+    no extension). Raises ValueError naming the workdir when a run has no metrics.jsonl, since
+    an empty curve would silently hide the mistake.
     """
     import matplotlib
     matplotlib.use("Agg")  # no display on servers / CI
@@ -44,6 +45,8 @@ def plot_runs(workdirs: Sequence[str], out: str, labels: Sequence[str] | None = 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    if not os.path.splitext(out)[1]:  # what matplotlib would write: say so, not `out`
+        out += ".png"
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
