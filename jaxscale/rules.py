@@ -203,7 +203,8 @@ class AxisRules:
                 f"{shape[dim]}, which is not divisible by {size}, the product of its mesh axes",
                 f"{axes} ({', '.join(f'{a}={mesh.shape[a]}' for a in axes)}).",
                 "Change the model dimension or the mesh, change the rule for",
-                f"'{logical[dim]}', or set config.rules_indivisible='replicate'.",
+                f"'{logical[dim]}', or set --config.rules_indivisible=replicate (those axes dropped",
+                "for it, with a warning).",
             ))
         if warn:
             warnings.warn(paragraph(

@@ -51,7 +51,8 @@ def test_indivisible_error_and_replicate(mesh):
     strict = AxisRules(normalize_rules([("mlp", ("fsdp", "tensor"))]))
     with pytest.raises(RulesError) as e:
         strict.spec(("mlp",), (6,), mesh, path="mlp/w_up")
-    assert "mlp/w_up" in str(e.value) and "6" in str(e.value) and "replicate" in str(e.value)
+    assert "mlp/w_up" in str(e.value) and "6" in str(e.value)
+    assert "--config.rules_indivisible=replicate" in str(e.value)
     lenient = AxisRules(strict.rules, indivisible="replicate")
     with pytest.warns(UserWarning, match="mlp/w_up"):
         assert lenient.spec(("mlp",), (6,), mesh, path="mlp/w_up") == P("fsdp")
