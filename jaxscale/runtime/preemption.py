@@ -124,12 +124,10 @@ _loop_began = threading.Event()  # set when a training loop's PreemptionWatch is
 def _exit_at_startup(signum: int) -> None:
     """Says so and exits now. `os.write`, not `print`: the main thread may hold stderr's lock
     (blocked in a write), and this may run on the wakeup thread beside it."""
-    interrupted = signum == signal.SIGINT
-    what = "Stopped by Ctrl-C (SIGINT)" if interrupted else "Pre-empted (SIGTERM)"
-    os.write(2, f"jaxscale: {what} during start-up, before the first step: nothing needed "
-                "saving and the workdir is as it was. Run the same command again to resume.\n"
-             .encode())
-    os._exit(INTERRUPTED_EXIT if interrupted else PREEMPTED_EXIT)
+    os.write(2, f"jaxscale: {_WHAT[signum]} during start-up, before the first step: nothing "
+                "needed saving and the workdir is as it was. Run the same command again to "
+                "resume.\n".encode())
+    os._exit(INTERRUPTED_EXIT if signum == signal.SIGINT else PREEMPTED_EXIT)
 
 
 _STOPS = (signal.SIGTERM, signal.SIGINT)
