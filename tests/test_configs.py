@@ -299,7 +299,7 @@ def test_finetune_from_a_pretraining_run(tmp_path):
         c.init_from = str(tmp_path / "pre")
         c.train.update(steps=2, eval_every=0)
         workdir = tmp_path / variant.replace(",", "_")
-        trainer = loop.Trainer.build(c, str(workdir))
+        trainer = loop.prepare(c, str(workdir))  # built, config.json written
         start = flatten(trainer.state.frozen if variant.endswith("lora") else trainer.state.params)
         for path, value in pretrained.items():
             np.testing.assert_array_equal(np.asarray(start[path]), np.asarray(value))

@@ -105,7 +105,7 @@ class Losses:
 @pytest.mark.slow  # a compile per family
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_a_family_fine_tunes_from_its_directory_and_from_its_conversion(name, tmp_path):
-    from jaxscale.train.loop import Trainer
+    from jaxscale.train.loop import prepare
     from jaxscale.weights.init_from import load_params
 
     hf_dir = make_hf(name, str(tmp_path / "hf"))
@@ -125,7 +125,7 @@ def test_a_family_fine_tunes_from_its_directory_and_from_its_conversion(name, tm
         resolve(wrong, {"model.num_layers"})
 
     workdir = tmp_path / "run"
-    trainer = Trainer.build(direct, str(workdir), devices=jax.devices()[:1])
+    trainer = prepare(direct, str(workdir), devices=jax.devices()[:1])  # writes config.json
     saved = json.loads((workdir / "config.json").read_text())
     assert saved["model"] == json.loads(json.dumps(direct.model.to_dict()))
     assert convert.read_model_config(str(workdir))[0] == saved["model"]  # evaluate, export

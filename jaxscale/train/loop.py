@@ -1,7 +1,8 @@
 """The training loop: build everything from the config, run steps, call hooks, log metrics.
 
 `Trainer.build(config, workdir)` performs the visible set-up (mesh, rules, policy, model
-definition, optimizer, sharded state, jitted steps, data); `Trainer.run()` compiles the train
+definition, optimizer, sharded state, jitted steps, data); `prepare` adds the resume, the
+checkpoint hooks and the workdir's config.json; `Trainer.run()` compiles the train
 step ahead of time (timed as `compile_s`), then loops. Periodic work (checkpoints, Lo-Fi
 pushes, loggers) are hooks (`jaxscale.train.hooks`): each receives a `StepInfo` after every
 step, in their explicit `order`, and may return a replacement state (e.g. after loading an
@@ -297,12 +298,13 @@ def _resume(trainer: Trainer, checkpointer: Any, tier: Any) -> None:
         print(f"jaxscale: resumed from {where}", flush=True)
 
 
-def prepare(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> Trainer:
+def prepare(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = (),
+            devices: Sequence[Any] | None = None) -> Trainer:
     """The run `train` runs, built and not yet started: resumed from the newest complete
-    checkpoint in `workdir`, with its hooks. A Lo-Fi worker (`jaxscale.lofi.worker.
-    train_worker`) adds its own hook to it before running it."""
+    checkpoint in `workdir` (whose config.json it then records), with its hooks. A Lo-Fi
+    worker (`jaxscale.lofi.worker.train_worker`) adds its own hook to it before running it."""
     began = time.time()
-    trainer = Trainer.build(config, workdir)
+    trainer = Trainer.build(config, workdir, devices)
     # The event log of `jaxscale goodput`: this process's start, from before the build.
     trainer.events = EventLog(workdir, enabled=trainer.is_primary)
     trainer.events.record("start", at=began, processes=jax.process_count(),
