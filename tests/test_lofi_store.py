@@ -325,3 +325,22 @@ def test_polling_the_newest_average_reads_each_commit_once(store):
     store.kv = Counting(store.kv)
     assert W.latest_average_snapshot(store).manifest["round"] == 1
     assert reads.count("commits/average/1") == 1 and "commits/average/0" not in reads
+
+
+def test_final_export_never_writes_over_a_training_workdir(tmp_path):
+    from jaxscale.lofi.accounting import check_final_dir
+    run = tmp_path / "run"
+    (run / "checkpoints" / "2").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(StoreError, match=r"--final=.*/run holds checkpoints, metrics.jsonl, "
+                                         r"which an export .* Nothing was written"):
+        check_final_dir(str(run))
+    assert (run / "config.json").read_text() == "{}"
+    earlier = tmp_path / "final"  # an earlier export is replaced, as a rerun of the job does
+    (earlier / "params").mkdir(parents=True)
+    (earlier / "commits").mkdir()
+    (earlier / "config.json").write_text("{}")
+    (earlier / "params" / "manifest.json").write_text("{}")
+    check_final_dir(str(earlier))
+    check_final_dir(str(tmp_path / "new"))

@@ -17,7 +17,7 @@ from absl import app, flags
 
 from jaxscale import cli
 from jaxscale.errors import ConfigError, exit_on_user_error, paragraph
-from jaxscale.lofi.accounting import accounting_lines, export_final
+from jaxscale.lofi.accounting import accounting_lines, check_final_dir, export_final
 from jaxscale.lofi.aggregate import AGGREGATORS
 from jaxscale.lofi.averager import AveragerConfig, describe, run_round
 from jaxscale.lofi.lease import DEFAULT_LEASE_S
@@ -31,7 +31,7 @@ _WATCH = flags.DEFINE_bool("watch", False, "Keep running rounds as workers push.
 _REPAIR_INDEX = flags.DEFINE_bool(
     "repair_index", False, "No longer needed, and refused: stores have no index to repair "
     "(committed snapshots are found by listing their COMMIT markers under commits/).")
-_INTERVAL = flags.DEFINE_float("interval_s", 1.0, "Polling interval with --watch.")
+_INTERVAL = flags.DEFINE_float("interval_s", 1.0, "Polling interval with --watch.", lower_bound=0.0)
 _DEFAULT = AveragerConfig()  # the flags' defaults are the averager's
 _AGG = flags.DEFINE_enum("aggregator", _DEFAULT.aggregator, list(AGGREGATORS),
                          "How deltas are reduced.")
@@ -93,6 +93,8 @@ def main(argv):
         ))
     locations.configure(retry_s=_RETRY.value)  # endpoint and region: AWS_* variables
     check_store_root(_STORE.value, kvstore_spec(_STORE.value), must_exist=not _WATCH.value)
+    if _FINAL.value:
+        check_final_dir(_FINAL.value)  # before a round: a refused export changes nothing
     store = Store(_STORE.value)
     while True:  # the job settings appear with round 0, possibly after the averager started
         report = run_round(store, _config(store))

@@ -10,6 +10,7 @@ all-reduce), so the ratio grows linearly with the number of steps between exchan
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 
@@ -121,6 +122,7 @@ def export_final(location: str, directory: str) -> str:
     --from_workdir=DIR` can rebuild the model)."""
     from jaxscale.weights.init_from import export_params
 
+    check_final_dir(directory)
     store = Store(location)
     ckpt = latest_average_snapshot(store)
     if ckpt is None:
@@ -132,3 +134,25 @@ def export_final(location: str, directory: str) -> str:
     if config is not None:
         Store(directory).write("config.json", config)
     return directory
+
+
+FINAL_ENTRIES = {"params", "commits", "config.json"}  # what `export_final` writes
+
+
+def check_final_dir(directory: str) -> None:
+    """`--final` writes into an empty directory or over an earlier export (a rerun of the
+    job), never over anything else: a training workdir's config.json would be replaced."""
+    from jaxscale.storage import locations
+    if locations.is_remote(directory):
+        names = {key.split("/")[0] for key in Store(directory).keys("")}
+    else:
+        names = set(os.listdir(directory)) if os.path.isdir(directory) else set()
+    foreign = sorted(names - FINAL_ENTRIES)
+    if foreign:
+        from jaxscale.errors import paragraph
+        raise StoreError(paragraph(
+            f"--final={directory} holds {', '.join(foreign[:5])}{', ...' if foreign[5:] else ''},",
+            "which an export of the average does not write (a training workdir?): its",
+            "config.json would be replaced. Give a new or empty directory, or an earlier",
+            "--final export. Nothing was written.",
+        ))
