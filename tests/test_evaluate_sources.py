@@ -103,3 +103,15 @@ def test_a_bad_record_names_the_flag_that_skips_it_and_skipping_drops_only_it(se
     got = evaluate_params(skipping, params, eval_sources=f"jsonl={tmp_path}/bad.jsonl")
     want = evaluate_params(c, params, eval_sources=f"jsonl={root}/more.jsonl")
     assert got["tokens"] == want["tokens"] and got["loss"] == pytest.approx(want["loss"])
+
+
+def test_eval_sources_of_another_kind_than_the_objective_scores(setup):
+    from jaxscale.errors import JaxscaleError
+    root, c, params = setup
+    with pytest.raises(JaxscaleError, match=r"holds preference data, but the run's "
+                                            r"objective.name='lm' scores text or chat data"):
+        evaluate_params(c, params, eval_sources=f"preference={root}/more.jsonl")
+    dpo = c.copy_and_resolve_references()
+    dpo.objective.name = "dpo"
+    with pytest.raises(JaxscaleError, match=r"holds text data, but .*'dpo' scores preference"):
+        evaluate_params(dpo, params, eval_sources=f"jsonl={root}/more.jsonl")

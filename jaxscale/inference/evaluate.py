@@ -21,7 +21,7 @@ import jax
 import ml_collections as mlc
 
 from jaxscale.data.registry import heldout_batches
-from jaxscale.errors import JaxscaleError
+from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef
 from jaxscale.objectives import objective_of
@@ -47,6 +47,8 @@ def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 
                     eval_sources: str = "") -> dict[str, float]:
     """Metrics of `params` (flat or nested, host or device) on the config's held-out data, or
     on every row of `eval_sources` (`FORMAT=GLOB;...`, read with the run's tokenizer)."""
+    if eval_sources:
+        _check_eval_kind(config, eval_sources)
     mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
     policy = get_policy(config.precision)
     model_def = ModelDef.build(config.model, policy)
@@ -62,6 +64,23 @@ def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 
     held = HeldOut(model_def, rules, mesh, objective_of(config),
                    None if reference is None else model_def)
     return held.metrics(placed, batches, reference)
+
+
+def _check_eval_kind(config: mlc.ConfigDict, sources: str) -> None:
+    """The run's objective scores one kind of data: preference pairs (dpo, ipo, simpo) or
+    sequences (text, chat); prompts have no answers to score."""
+    from jaxscale.data.mixture import configured_kind
+    from jaxscale.objectives import PREFERENCE
+    kind = configured_kind({"sources": sources})
+    name = (config.get("objective") or {}).get("name", "lm")
+    pairs = name in PREFERENCE
+    if kind == "prompts" or (kind == "preference") != pairs:
+        wants = "preference pairs (preference=FILE.jsonl)" if pairs else "text or chat data"
+        raise JaxscaleError(paragraph(
+            f"--eval_sources={sources} holds {kind} data, but the run's objective.name={name!r}",
+            f"scores {wants}. Give --eval_sources of that kind, or drop the flag to evaluate",
+            "the run's own held-out split.",
+        ))
 
 
 def evaluate_workdir(workdir: str, max_batches: int = 0, eval_sources: str = "",
