@@ -282,3 +282,13 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_paragraph(tmp_path):
             assert restore_params(root, step)["params"]
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_convert_flags_the_conversion_would_ignore_or_cannot_parse_write_nothing(tmp_path):
+    one_paragraph(cli("convert", f"--from_workdir={tmp_path}", f"--to_hf={tmp_path}/hf",
+                      "--max_shard_size=5XB"), "max_shard_size='5XB'")
+    one_paragraph(cli("convert", f"--from_hf={tmp_path}", f"--out={tmp_path}/out",
+                      "--max_shard_size=1MB"), "--max_shard_size=1MB", "--to_hf", "Drop the flag")
+    one_paragraph(cli("convert", f"--from_workdir={tmp_path}", f"--to_peft={tmp_path}/peft",
+                      "--mtp"), "Drop --mtp")
+    assert os.listdir(tmp_path) == []

@@ -85,6 +85,17 @@ def _check_one_conversion() -> None:
             "--from_hf=DIR --out=DIR (import), --from_workdir=DIR --to_hf=DIR (export), or",
             "--from_workdir=DIR --to_peft=DIR [--base_model=NAME] (LoRA adapters), one at a",
             "time."))
+    if _MAX_SHARD.value is not None:
+        if not _TO_HF.value:
+            raise JaxscaleError(paragraph(
+                f"--max_shard_size={_MAX_SHARD.value} splits the safetensors files of an export",
+                "(--to_hf); this conversion writes none it could split. Drop the flag."))
+        from jaxscale.interop.safetensors_io import parse_size
+        parse_size(_MAX_SHARD.value)  # a bad size fails before anything is written
+    if _MTP.value and _TO_PEFT.value:
+        raise JaxscaleError(paragraph(
+            "--mtp imports (--from_hf) or exports (--to_hf) DeepSeek-V3's multi-token-prediction",
+            "layer; a PEFT adapter holds only the LoRA adapters. Drop --mtp."))
 
 
 if __name__ == "__main__":
