@@ -19,7 +19,7 @@ import pytest
 from jaxscale.data.chat import encode_chat, split_mask
 from jaxscale.data.chat_sources import PairRows
 from jaxscale.data.packing import make_rows
-from jaxscale.data.readers import DataError
+from jaxscale.data.readers import SKIP_FLAGS, DataError
 from jaxscale.data.sources import SourceSpec, open_source
 from jaxscale.data.tokenizer import load_tokenizer
 from jaxscale.errors import ConfigError
@@ -109,8 +109,9 @@ def _source(fmt, glob, tok, **data):
 def test_bad_chat_records_name_file_and_line(tokenizers, tmp_path, record, match):
     good = {"messages": CONVERSATIONS[0]}
     glob = _write(tmp_path / "bad.jsonl", [good, record, good])
-    with pytest.raises(DataError, match=match):
+    with pytest.raises(DataError, match=match) as error:
         _source("chat", glob, tokenizers["qwen2"])
+    assert SKIP_FLAGS in str(error.value)  # train's flag, and evaluate's and prepare-data's
     skipped = _source("chat", glob, tokenizers["qwen2"], skip_bad_records=True)
     assert skipped.reader.skipped == 1 and (skipped.lengths > 0).sum() == 2
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale.data.readers import DataError
+from jaxscale.data.readers import SKIP_FLAGS, DataError
 from jaxscale.data.tokenizer import resolve_path
 from jaxscale.errors import ConfigError, paragraph
 
@@ -214,13 +214,13 @@ def check_messages(messages: Any, where: Where) -> list[dict]:
         raise DataError(paragraph(
             f"{_at(where)} has {'an empty' if messages == [] else 'no'} conversation: `messages` must",
             "be a non-empty list of {\"role\": ..., \"content\": ...} objects. Fix or remove",
-            "the record (or set --config.data.skip_bad_records=True)."))
+            f"the record (or skip bad records: {SKIP_FLAGS})."))
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise DataError(paragraph(
                 f"{_at(where)}: message {k} has no role ({json.dumps(m)[:80]}). Every message needs",
                 "a \"role\" (system, user, assistant, ...) and its \"content\". Fix or remove",
-                "the record (or set --config.data.skip_bad_records=True)."))
+                f"the record (or skip bad records: {SKIP_FLAGS})."))
     out = []
     for m in messages:  # None values dropped and reasoning aliased, as transformers does
         m = {k: v for k, v in m.items() if v is not None}
@@ -249,7 +249,7 @@ class ChatEncoder:
             raise DataError(paragraph(
                 f"{_at(where)}: the chat template refused the conversation ({e}). Fix the record to",
                 "what the template accepts (e.g. alternating user/assistant turns), or remove",
-                "it (--config.data.skip_bad_records=True skips such records).")) from None
+                f"it (or skip such records: {SKIP_FLAGS}).")) from None
 
     def _assistant_spans(self, messages: list[dict], text: str, where: Where
                          ) -> list[tuple[int, int]]:

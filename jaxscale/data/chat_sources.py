@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from jaxscale.data.chat import MASK_BIT, ChatEncoder, split_mask, with_mask
-from jaxscale.data.readers import DataError, JsonlReader
+from jaxscale.data.readers import SKIP_FLAGS, DataError, JsonlReader
 from jaxscale.errors import paragraph
 
 KINDS = ("text", "chat", "preference")  # what a source's documents are
@@ -70,8 +70,8 @@ def as_messages(value: Any, role: str, what: str, where: Any) -> list:
     raise DataError(paragraph(
         f"{where()} has no {what} (found {type(value).__name__}): a preference record holds",
         "\"prompt\" (a string or a messages list), \"chosen\" and \"rejected\" (each a string",
-        "or the assistant messages that follow the prompt). Fix or remove the record (or set",
-        "--config.data.skip_bad_records=True)."))
+        "or the assistant messages that follow the prompt). Fix or remove the record (or skip",
+        f"bad records: {SKIP_FLAGS})."))
 
 
 class ChatReader(JsonlReader):
@@ -134,7 +134,7 @@ def check_prompt(prompt_tokens: int, seq_len: int, where: Any) -> None:
             f"{where()}: the prompt alone is {prompt_tokens} tokens, more than",
             f"data.seq_len={seq_len}, so no token of either response fits in the row and the",
             "pair cannot be scored. Raise data.seq_len, shorten the prompt, or remove the",
-            "record (--config.data.skip_bad_records=True skips such records)."))
+            f"record (or skip such records: {SKIP_FLAGS})."))
 
 
 class PairRows:

@@ -162,7 +162,8 @@ class JsonlReader(Tokenized):
             return None
         if not isinstance(record.get(self.text_field), str):
             return bad_record(self, loc, f"has no string field {self.text_field!r} (set "
-                              "--config.data.text_field to the field holding the text)")
+                              "--config.data.text_field, or prepare-data's --text_field, to the "
+                              "field holding the text)")
         return record[self.text_field]
 
 
@@ -182,6 +183,11 @@ def _line_number(path: str, offset: int) -> int:
     return data_files.read_range(path, 0, offset).count(b"\n") + 1
 
 
+# How each command skips bad records (`data.skip_bad_records`), named by every such error.
+SKIP_FLAGS = ("--config.data.skip_bad_records=True (train), --skip_bad_records (evaluate, "
+              "prepare-data)")
+
+
 def bad_record(reader: Any, loc: Any, what: str) -> None:
     if reader.skip_bad:
         reader.skipped = getattr(reader, "skipped", 0) + 1
@@ -189,8 +195,7 @@ def bad_record(reader: Any, loc: Any, what: str) -> None:
     where = reader.where_loc(loc) if isinstance(loc, tuple) else reader.where(loc)
     raise DataError(paragraph(
         f"{where} {what}. Fix or remove the record, or skip and count bad records:",
-        "--config.data.skip_bad_records=True (train), --skip_bad_records (evaluate,",
-        "prepare-data).",
+        f"{SKIP_FLAGS}.",
     ))
 
 
@@ -226,7 +231,7 @@ class ParquetReader(Tokenized):
                                                                  else "")
             raise DataError(paragraph(
                 f"{f} has no column {self.text_field!r}; its columns are {shown or 'none'}.",
-                "Set --config.data.text_field (launch.prepare_data: --text_field) to the column",
+                "Set --config.data.text_field (prepare-data: --text_field) to the column",
                 "holding the text.",
             ))
         return np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
