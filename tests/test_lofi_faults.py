@@ -165,6 +165,30 @@ def test_job_settings_from_round_0_are_the_averager_defaults(tmp_path):
     assert job_settings(bare) == {}
 
 
+def test_a_worker_with_other_job_settings_is_refused_by_name(tmp_path, capfd):
+    from ml_collections import ConfigDict
+
+    from jaxscale.lofi.jobcheck import check_same_job
+    from jaxscale.lofi.worker import job_of
+    lofi = ConfigDict(dict(allowed_workers="", num_workers=2, min_workers=2, max_staleness=0,
+                           sync="end"))
+    st = Store(str(tmp_path / "job"))
+    check_same_job(st, job_of(lofi, 4, 8), 0)  # no round 0 yet: this worker publishes it
+    publish_initial(st, _params(0), job=job_of(lofi, 4, 8))
+    check_same_job(st, job_of(lofi, 4, 8), 1)  # a (re)started worker of the same job
+    with pytest.raises(ConfigError, match=r"worker 1 joins .* train.steps: 3 here, 4 in the "
+                                          r"job.*new lofi.store"):
+        check_same_job(st, job_of(lofi, 3, 8), 1)
+    with pytest.raises(ConfigError, match=r"data.batch_size: 16 here, 8 in the job"):
+        check_same_job(st, job_of(lofi, 4, 16), 1)
+    check_same_job(st, job_of(lofi, 6, 8), 1)  # continued past the job: warned, not refused
+    assert "rejects its pushes past step 4" in capfd.readouterr().err
+    lofi.num_workers = 3
+    with pytest.raises(ConfigError, match=r"lofi.num_workers / lofi.allowed_workers: \[0, 1, "
+                                          r"2\] here, \[0, 1\] in the job"):
+        check_same_job(st, job_of(lofi, 4, 8), 2)
+
+
 def test_job_sync_mode_sets_the_outer_optimizer_and_bad_settings_are_named(tmp_path):
     st = Store(str(tmp_path / "job"))
     publish_initial(st, _params(0), job={"allowed_workers": None, "min_workers": 1,

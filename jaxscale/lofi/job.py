@@ -176,7 +176,7 @@ def _run(job: LofiJob, periodic: bool, children: _Children) -> int:
         return 1
     if any(codes):
         print(f"lofi_local: worker exit codes {codes}", file=sys.stderr)
-        return 1
+        return 2 if set(codes) == {2} else 1  # every worker refused its input: a user error
     final = children.start(job.averager_argv(final=os.path.join(job.workdir, "final")), "avg",
                            AVERAGER_ENV)
     code = children.wait([final])[0]

@@ -9,6 +9,7 @@ broadcasting error; instead it refuses at start, naming the fields that differ.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
@@ -56,4 +57,40 @@ def check_same_model(store: Store, config_json: bytes,
             "; ".join(fields[:5] + ([leaf] if leaf else [])) + ".",
             "The averager would skip every push of it. Run it with the job's model config (the",
             "store's config.json), or give it its own lofi.store.",
+        ))
+
+
+# The job settings a worker records with round 0 (`LofiWorker.job`), as its config names them.
+JOB_FLAGS = {"total_steps": "train.steps", "batch_size": "data.batch_size",
+             "allowed_workers": "lofi.num_workers / lofi.allowed_workers", "sync": "lofi.sync",
+             "min_workers": "lofi.min_workers", "max_staleness": "lofi.max_staleness"}
+
+
+def check_same_job(store: Store, job: dict, worker_id: int) -> None:
+    """Raises ConfigError unless this worker's job settings equal those recorded with round 0:
+    the averager judges every push by the recorded ones, so a worker with more steps or
+    another worker set would train, have its pushes rejected, and end on the old average."""
+    try:
+        recorded = load_snapshot(store, average_prefix(0)).manifest.get("job") or {}
+    except StoreError:
+        return  # no (readable) round 0 yet: this worker may be the one to publish it
+    if not isinstance(recorded, dict):
+        return  # malformed: the averager's `job_settings` names it
+    differ = [f"{JOB_FLAGS[k]}: {job[k]!r} here, {recorded[k]!r} in the job" for k in JOB_FLAGS
+              if k in recorded and k in job and recorded[k] != job[k] and k != "total_steps"]
+    steps = recorded.get("total_steps")
+    if isinstance(steps, int) and job.get("total_steps", steps) > steps:  # a worker continued
+        print(f"jaxscale: warning: Lo-Fi worker {worker_id} trains to step {job['total_steps']},"
+              f" but the job in {store.location} recorded train.steps={steps} with round 0: the"
+              f" averager rejects its pushes past step {steps}. To train a finished job further,"
+              " start a new job in a new lofi.store from its final average (config.init_from).",
+              file=sys.stderr, flush=True)
+    elif isinstance(steps, int) and job.get("total_steps", steps) < steps:
+        differ.append(f"train.steps: {job['total_steps']!r} here, {steps!r} in the job")
+    if differ:
+        raise ConfigError(paragraph(
+            f"Lo-Fi worker {worker_id} joins the job in {store.location} with other job settings",
+            f"than its round 0 recorded: {'; '.join(differ)}. The averager judges every push by",
+            "the recorded ones, so its work would be rejected. Run it with the job's settings,",
+            "or start a new job in a new lofi.store (e.g. to train a finished job further).",
         ))

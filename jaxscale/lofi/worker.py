@@ -24,7 +24,7 @@ from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.lofi import averager as averager_lib
 from jaxscale.lofi import fallback
 from jaxscale.lofi import store as store_lib
-from jaxscale.lofi.jobcheck import check_same_model
+from jaxscale.lofi.jobcheck import check_same_job, check_same_model
 from jaxscale.lofi.trust import MAX_STEP
 from jaxscale.train.hooks import ORDER, StepInfo
 from jaxscale.train.state import TrainState
@@ -122,10 +122,7 @@ class LofiWorker:
     def job(self) -> dict:
         """The quorum settings and sync mode recorded with round 0, the averager's defaults
         (a `diloco` job gets the outer optimizer without the averager being told)."""
-        allowed = averager_lib.parse_allowed(self.lofi.allowed_workers, self.lofi.num_workers)
-        return {"allowed_workers": list(allowed), "min_workers": int(self.lofi.min_workers),
-                "max_staleness": int(self.lofi.max_staleness), "sync": str(self.lofi.sync),
-                "total_steps": int(self.total_steps), "batch_size": int(self.batch_size)}
+        return job_of(self.lofi, self.total_steps, self.batch_size)
 
     def start(self, state: TrainState) -> tuple[TrainState, dict | None]:
         """At launch: publish the initial weights as round 0 if nobody has, then continue from
@@ -269,12 +266,26 @@ class LofiWorker:
         return state
 
 
+def job_of(lofi: Any, total_steps: int, batch_size: int) -> dict:
+    """The job settings recorded with round 0: the quorum, the sync mode, the steps and the
+    batch (what the averager judges pushes by)."""
+    allowed = averager_lib.parse_allowed(lofi.allowed_workers, lofi.num_workers)
+    return {"allowed_workers": list(allowed), "min_workers": int(lofi.min_workers),
+            "max_staleness": int(lofi.max_staleness), "sync": str(lofi.sync),
+            "total_steps": int(total_steps), "batch_size": int(batch_size)}
+
+
 def train_worker(config: Any, workdir: str, hooks: Sequence[Any] = ()) -> TrainState:
     """Trains one Lo-Fi worker: the run `train.loop.train` would (resumed from its own newest
     checkpoint), continued from the newest average or its own newer push, with the worker's
     hook pushing and loading on schedule. Returns the final state."""
+    from jaxscale.storage import locations
     from jaxscale.train.loop import prepare
 
+    locations.configure(config.get("storage"))  # the store may be on S3
+    check_same_job(Store(config.lofi.store), job_of(config.lofi, config.train.steps,
+                                                    config.data.batch_size),
+                   config.lofi.worker_id)  # before its workdir records anything
     trainer = prepare(config, workdir, hooks)
     worker = LofiWorker.for_run(config, trainer.shardings, trainer.ctx.optimizer)
     trainer.state, data_state = worker.start(trainer.state)
