@@ -42,5 +42,8 @@ def test_steps_at_or_below_the_resumed_step(tmp_path, capsys):
     assert open(config_json).read() == before
     assert os.listdir(os.path.join(workdir, "checkpoints")) == ["2"]
     capsys.readouterr()
-    train(_config(2), workdir)  # the same command again: nothing to train, said once
+    again = _config(2)
+    again.optim.lr = 0.5  # no step runs with it: config.json keeps what the steps ran with
+    train(again, workdir)  # the same command again: nothing to train, said once
     assert capsys.readouterr().out.count("is already at step 2 = train.steps; nothing") == 1
+    assert open(config_json).read() == before

@@ -311,17 +311,16 @@ def prepare(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = (),
                           devices=jax.device_count())
     if workdir:  # with checkpoint.every=0 still: a pre-empted run saves, and resumes from that
         _attach_checkpoints(trainer)
-        _check_steps_ahead(trainer)
-        if trainer.is_primary:  # once the mesh, model, data and resumed step are accepted
+        if _check_steps_ahead(trainer) and trainer.is_primary:  # once all is accepted
             config_lib.save_config(config, workdir)
     trainer.hooks.extend(hooks)
     return trainer
 
 
-def _check_steps_ahead(trainer: Trainer) -> None:
-    """A resumed run whose `train.steps` is at or below the step it resumed at trains nothing:
-    below it is refused (the flag most likely meant something else, and config.json would
-    record a step count the checkpoints are past), at it one line says so."""
+def _check_steps_ahead(trainer: Trainer) -> bool:
+    """Whether the run has steps to train. A resumed run whose `train.steps` is at or below
+    the step it resumed at trains nothing: below it is refused (the flag most likely meant
+    something else), at it one line says so (and config.json keeps what the steps ran with)."""
     start, steps = int(jax.device_get(trainer.state.step)), trainer.config.train.steps
     if steps < start:
         raise ConfigError(paragraph(
@@ -333,6 +332,7 @@ def _check_steps_ahead(trainer: Trainer) -> None:
     if steps == start and trainer.is_primary:
         print(f"jaxscale: {trainer.workdir} is already at step {start} = train.steps; nothing "
               f"to train (a larger --config.train.steps continues it)", flush=True)
+    return steps > start
 
 
 def train(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()) -> TrainState:
