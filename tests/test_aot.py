@@ -104,6 +104,18 @@ def test_compile_reports_memory_flops_and_collectives(compiled):
     assert report["estimate"]["full_overlap_s"] <= report["estimate"]["no_overlap_s"]
 
 
+@libtpu_test
+def test_a_single_chip_compiles_and_counts_the_whole_step(tmp_path):
+    # One chip: the SPMD partitioner has nothing to do and libtpu dumps no partitioned module;
+    # the FLOPs are counted on the module as it entered the compiler (the chip's whole share).
+    out = tmp_path / "r.json"
+    proc = run_module(["launch.compile", "--topology=v6e:1x1", "--config=configs/tiny_lm.py:test",
+                       f"--out={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["num_chips"] == 1 and r["flops"] == pytest.approx(r["expected_flops"], rel=0.01)
+
+
 @pytest.mark.exhaustive
 @libtpu_test
 @pytest.mark.slow

@@ -232,7 +232,7 @@ def compile_step(config: mlc.ConfigDict, topology: Topology,
         text_path = dumped_hlo(dump, "after_optimizations.txt")
         with open(text_path) as f:
             optimized = hlo.parse(f.read())
-        with open(dumped_hlo(dump, "after_tpu-spmd-partitioning*.txt")) as f:
+        with open(partitioned_hlo(dump)) as f:
             partitioned = hlo.parse(f.read())
     elapsed = time.perf_counter() - start
     calls = hlo_flops.kernel_calls(partitioned)
@@ -273,6 +273,15 @@ def _expected_collectives(config: mlc.ConfigDict, mesh: Any) -> dict[str, float]
     only the kinds with an expectation."""
     a2a = traffic.moe_all_to_all_bytes(config, mesh)
     return {"all-to-all": a2a} if a2a else {}
+
+
+def partitioned_hlo(dump_dir: str) -> str:
+    """The step's module after SPMD partitioning (one chip's share, before fusion: what its
+    FLOPs are counted on). On a single chip the partitioner has nothing to do and libtpu dumps
+    no such module: the module as it entered the compiler is that chip's whole share."""
+    if glob.glob(os.path.join(dump_dir, "*after_tpu-spmd-partitioning*.txt")):
+        return dumped_hlo(dump_dir, "after_tpu-spmd-partitioning*.txt")
+    return dumped_hlo(dump_dir, "before_optimizations.txt")
 
 
 def dumped_hlo(dump_dir: str, suffix: str) -> str:

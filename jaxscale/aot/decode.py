@@ -27,7 +27,7 @@ import numpy as np
 from jaxscale import config as config_lib
 from jaxscale.aot import hlo, hlo_flops
 from jaxscale.aot.choices import require_language_model
-from jaxscale.aot.compile import as_compiler_error, dumped_hlo, topology_mesh
+from jaxscale.aot.compile import as_compiler_error, dumped_hlo, partitioned_hlo, topology_mesh
 from jaxscale.aot.roofline import estimate
 from jaxscale.aot.topology import Topology, topology_devices
 from jaxscale.errors import ConfigError, paragraph
@@ -147,7 +147,7 @@ def compile_decode(config: mlc.ConfigDict, topology: Topology, batch: int,
             raise as_compiler_error(e, topology, config) from None
         with open(dumped_hlo(dump, "after_optimizations.txt")) as f:
             optimized = hlo.parse(f.read())
-        with open(dumped_hlo(dump, "after_tpu-spmd-partitioning*.txt")) as f:
+        with open(partitioned_hlo(dump)) as f:
             partitioned = hlo.parse(f.read())
     chip, mem = topology.chip, compiled.memory_analysis()
     collectives = [asdict(c) for c in hlo.collectives(optimized, None)]
