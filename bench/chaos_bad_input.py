@@ -102,6 +102,14 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
         ("lofi-local", "zero workers", [f"--store={f['out']}/l1", "--num_workers=0"]),
         ("lofi-local", "unknown sync", [f"--store={f['out']}/l2", "--sync=bogus"]),
         ("lofi-local", "store below a regular file", [f"--store={f['docs']}/store"]),
+        ("lofi-local", "zero devices per worker", [f"--store={f['out']}/l3",
+                                                   "--devices_per_worker=0"]),
+        ("lofi-local", "--cpu_devices among the train flags", [
+            f"--store={f['out']}/l4", "--", tiny, "--cpu_devices=4"]),
+        ("local-multihost", "zero processes", ["--num_processes=0", "--", tiny]),
+        ("local-multihost", "zero devices per process", ["--devices_per_process=0", "--", tiny]),
+        ("local-multihost", "--cpu_devices among the train flags", [
+            "--", tiny, f"--workdir={f['out']}/m1", "--cpu_devices=4"]),
         ("lofi-average", "missing store", [f"--store={f['missing']}"]),
         ("lofi-average", "unknown aggregator", [f"--store={f['empty']}", "--aggregator=bogus"]),
         ("lofi-average", "negative --interval_s", [f"--store={f['empty']}", "--watch",

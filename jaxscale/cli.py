@@ -323,3 +323,15 @@ def _last_line(error: BaseException) -> str:
         text = text.strip().splitlines()[-1]
         text = re.sub(r"^[\w.]+(Error|Exception): ", "", text)
     return paragraph(*text.replace("\\n", "\n").splitlines())
+
+
+def refuse_device_flag(passed: Sequence[str], ours: str) -> None:
+    """A launcher (`local-multihost`, `lofi-local`) gives every process it starts its own
+    simulated devices (`ours`, e.g. '--devices_per_process=4'); a `--cpu_devices` among the
+    flags it passes on would fight it, so it is refused naming the launcher's flag."""
+    given = [a for a in passed if a.split("=")[0] == "--cpu_devices"]
+    if given:
+        raise JaxscaleError(paragraph(
+            f"{given[0]} among the flags passed on: the launcher gives each process its own",
+            f"simulated devices ({ours}). Set {ours.split('=')[0]}=N instead and drop",
+            "--cpu_devices."))

@@ -51,14 +51,14 @@ def test_every_subcommand_has_bad_inputs(tmp_path):
     covered = {subcommand for subcommand, _, _ in cases}
     assert covered == {"train", "evaluate", "generate", "convert", "inspect", "compile", "plan",
                        "prepare-data", "lofi-local", "lofi-average", "plot", "profile-summary",
-                       "goodput", "lm-eval"}
+                       "goodput", "lm-eval", "local-multihost"}
     assert all(sum(s == c for s, _, _ in cases) >= 3 for c in covered)
 
 
 @pytest.mark.parametrize("subcommand", ["train", "evaluate", "generate", "convert", "inspect",
                                         "compile", "plan", "prepare-data", "lofi-local",
                                         "lofi-average", "plot", "profile-summary",
-                                        "goodput", "lm-eval"])
+                                        "goodput", "lm-eval", "local-multihost"])
 def test_the_bad_input_table_runs(subcommand, tmp_path, capsys):
     if subcommand == "lm-eval":
         pytest.importorskip("lm_eval")

@@ -21,11 +21,13 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from jaxscale import cli
+from jaxscale.errors import exit_on_user_error
 from jaxscale.runtime.distributed import worker_environment
 from jaxscale.runtime.preemption import PREEMPTED_EXIT
 
-_N = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
-_DEV = flags.DEFINE_integer("devices_per_process", 4, "Simulated CPU devices per process.")
+_N = flags.DEFINE_integer("num_processes", 2, "Processes to start.", lower_bound=1)
+_DEV = flags.DEFINE_integer("devices_per_process", 4, "Simulated CPU devices per process.",
+                            lower_bound=1)
 _MODULE = flags.DEFINE_string("module", "launch.train", "Entry point every process runs.")
 _GRACE = flags.DEFINE_float(
     "grace_s", 15.0, "After one process fails, seconds the others get to finish before they "
@@ -87,10 +89,14 @@ def run_group(commands: dict[str, Sequence[str]], grace_s: float) -> int:
     if failed:
         print(f"local_multihost: failed processes (exit codes): {failed}"
               + (f"; stopped {stopped} {grace_s:g}s later" if stopped else ""), file=sys.stderr)
+    if failed and not stopped and set(codes.values()) == {2}:
+        return 2  # every process refused its input: a user error, said by each
     return 1 if failed else 0
 
 
+@exit_on_user_error
 def main(argv: list[str]) -> None:
+    cli.refuse_device_flag(argv[1:], f"--devices_per_process={_DEV.value}")
     address = f"localhost:{_free_port()}"
     commands = {f"p{i}": [sys.executable, "-m", _MODULE.value, *argv[1:],
                           f"--coordinator_address={address}",

@@ -14,8 +14,10 @@ from jaxscale.lofi.aggregate import AGGREGATORS
 from jaxscale.lofi.job import LofiJob, lofi_vm_commands, run_local
 from jaxscale.storage import locations
 
-_N = flags.DEFINE_integer("num_workers", 4, "Worker processes, each with its own mesh.")
-_DEV = flags.DEFINE_integer("devices_per_worker", 2, "Simulated CPU devices per worker.")
+_N = flags.DEFINE_integer("num_workers", 4, "Worker processes, each with its own mesh.",
+                          lower_bound=1)
+_DEV = flags.DEFINE_integer("devices_per_worker", 2, "Simulated CPU devices per worker.",
+                            lower_bound=1)
 _STORE = flags.DEFINE_string("store", None, "Shared store (path, gs://, s3://).", required=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Per-worker workdirs (default: STORE/runs).")
 _SYNC = flags.DEFINE_enum("sync", "end", list(LOFI_SYNC_MODES), "Lo-Fi schedule.")
@@ -26,6 +28,7 @@ _DRY = flags.DEFINE_bool("dry_run", False, "Print one worker command per TPU VM 
 
 @exit_on_user_error
 def main(argv):
+    cli.refuse_device_flag(argv[1:], f"--devices_per_worker={_DEV.value}")
     train_flags = tuple(argv[1:]) + (f"--config.lofi.sync={_SYNC.value}",)
     outer = "diloco" if _SYNC.value == "diloco" else "none"
     if _DRY.value:
