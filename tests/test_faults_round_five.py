@@ -43,7 +43,12 @@ def test_generate_stop_ids_outside_the_vocabulary_and_top_k_past_it(tmp_path):
     _one_paragraph(_jaxscale(*gen, "--stop_ids=3,99999"),
                    "--stop_ids holds [99999], outside the model's vocabulary [0, 256)")
     # a KV cache of ~19 TiB: refused, where the kernel would otherwise SIGKILL the process
-    _one_paragraph(_jaxscale(*gen, f"--num_samples={10**10}"), "need a KV cache of")
+    _one_paragraph(_jaxscale(*gen, "--temperature=1", f"--num_samples={10**10}"),
+                   "need a KV cache of")
+    # flags that would be ignored: sampling settings under greedy decoding, --chat on ids
+    _one_paragraph(_jaxscale(*gen, "--num_samples=3", "--top_p=0.5"),
+                   "--top_p, --num_samples shape sampling, but --temperature=0 decodes greedily")
+    _one_paragraph(_jaxscale(*gen, "--chat"), "--chat renders --prompt TEXT as a user turn")
     wide, whole = (_jaxscale(*gen, "--temperature=1", f"--top_k={k}") for k in (10**8, 256))
     assert wide.returncode == 0, wide.stderr[-2000:]
     assert wide.stdout == whole.stdout  # top_k >= vocab_size is top-k off

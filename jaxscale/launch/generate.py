@@ -73,6 +73,7 @@ def _generate() -> None:
                             " list of token ids; give e.g. --stop_ids=2,151645.") from None
     sampling = Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _N.value, stop_ids)
     sampling.check()
+    _check_flags_apply(sampling)
     if _PROMPT.value and _PROMPT_IDS.value:
         parse_prompt(_PROMPT.value, _PROMPT_IDS.value, 0)  # the two-spellings error
     config, params = load_model(_WORKDIR.value, _FROM_HF.value)
@@ -89,6 +90,24 @@ def _generate() -> None:
         new = [int(t) for t in out[len(ids):]]
         stops = [i for i, t in enumerate(new) if t in stop_ids]
         print_ids(ids + (new[:stops[0] + 1] if stops else new), tokenizer, config)
+
+
+def _check_flags_apply(sampling) -> None:
+    """Flags that would be silently ignored: sampling settings under greedy decoding, and
+    --chat without a text prompt to render."""
+    from jaxscale.inference.generate import GenerateError
+    sampled = [f for f, on in (("--top_k", sampling.top_k), ("--top_p", sampling.top_p < 1.0),
+                                ("--num_samples", sampling.n > 1)) if on]
+    if sampled and sampling.temperature == 0:
+        raise GenerateError(paragraph(
+            f"{', '.join(sampled)} {'shape' if sampled[1:] else 'shapes'} sampling, but",
+            "--temperature=0 decodes greedily (the one likeliest token each step, the same for",
+            "every sample). Set --temperature above 0 (e.g. --temperature=0.8), or drop them."))
+    if _CHAT.value and not _PROMPT.value:
+        raise GenerateError(paragraph(
+            "--chat renders --prompt TEXT as a user turn with the chat template; --prompt_ids",
+            "are token ids already and are used as given. Give --chat --prompt=TEXT, or drop",
+            "--chat (and render the template into the ids yourself)."))
 
 
 def _fit_vocab(sampling, vocab: int):
