@@ -58,6 +58,8 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
         rest = FLAGS(argv)
         for name in _config_flag_names():
             _touch(FLAGS[name].value)  # a missing config file only raises when first read
+            if FLAGS[name].value is None:  # its get_config returned nothing
+                raise ValueError(f"Unexpected None value for flag {name}")
         return rest
     except Exception as e:  # those of a config file's code; the flags' own; else re-raised
         _fail_on_user_error(e, argv)
@@ -92,6 +94,10 @@ def define_config_file(name: str, default: str, help_string: str) -> Any:
     # ml_collections reads the overrides from sys.argv itself (not from the argv absl parses)
     # and refuses one given before `--NAME=`, so the reordering must happen there.
     sys.argv[:] = config_first(sys.argv, [name])
+    given = [a for a in sys.argv[1:] if a == f"--{name}" or a.startswith(f"--{name}=")]
+    if len(given) > 1:
+        fail(paragraph(f"--{name} is given {len(given)} times ({', '.join(given)}): give one",
+                       f"config file, and change its fields with --{name}.FIELD=VALUE."))
     try:
         return config_flags.DEFINE_config_file(name, default, help_string)
     except Exception as e:  # those of a config file's code; the flags' own; else re-raised
@@ -152,7 +158,8 @@ def _fail_on_user_error(error: Exception, argv: Sequence[str],
     if not isinstance(error, JaxscaleError):
         files = {os.path.realpath(_spec(argv, name, default).split(":", 1)[0]): name
                  for name, default in defaults.items()}
-        broken = config_file_error(error, files)
+        broken = config_file_error(error, files) or _get_config_error(
+            error, {name: _spec(argv, name, default) for name, default in defaults.items()})
         if broken:
             fail(broken)
     if isinstance(error, _FLAG_ERRORS):
@@ -185,6 +192,28 @@ def config_file_error(error: BaseException, files: dict[str, str]) -> str | None
     return paragraph(f"--{flag}={path}: the config file failed to load with",
                      f"{type(error).__name__}: {message}, at {where}{code}", hint,
                      "Fix the file and run the command again.")
+
+
+def _get_config_error(error: BaseException, specs: dict[str, str]) -> str | None:
+    """One paragraph for a config file whose `get_config` is missing, takes no argument while
+    `FILE:ARG` passes one, or returns None (`specs`: the one config flag -> `file[:arg]`);
+    these fail inside ml_collections, in no frame of the user's file. None for other errors."""
+    if len(specs) != 1:
+        return None
+    [(name, spec)] = specs.items()
+    path, _, arg = spec.partition(":")
+    text = _last_line(error)  # ml_collections embeds the whole traceback in its message
+    shape = ("A config file defines `def get_config(arg=None)` returning an "
+             "ml_collections.ConfigDict (configs/tiny_lm.py is one).")
+    if "no attribute 'get_config'" in text:
+        return paragraph(f"--{name}={spec}: {path} defines no get_config.", shape)
+    if "get_config()" in text and "argument" in text:
+        given = f"passes {arg!r} to it" if arg else "passes no argument"
+        return paragraph(f"--{name}={spec}: calling its get_config failed ({text}); the",
+                         f"command line {given}.", shape)
+    if "NoneType" in text or f"Unexpected None value for flag {name}" in text:
+        return paragraph(f"--{name}={spec}: its get_config returned None, not a config.", shape)
+    return None
 
 
 def _is_users(filename: str) -> bool:

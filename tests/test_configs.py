@@ -256,6 +256,26 @@ def test_cli_config_mistakes_are_one_paragraph(tmp_path, override, expected):
     assert len(error_lines) == 1
 
 
+def test_a_config_file_without_a_usable_get_config_is_one_paragraph(tmp_path):
+    files = {"noget.py": "def config():\n    return None\n",
+             "none.py": "def get_config(arg=None):\n    pass\n",
+             "noarg.py": "def get_config():\n    return None\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    for spec, expected in (("noget.py", "noget.py defines no get_config."),
+                           ("none.py", "its get_config returned None, not a config."),
+                           ("noarg.py:test", "takes 0 positional arguments but 1 was given); "
+                                             "the command line passes 'test' to it.")):
+        out = _run("launch.train", f"--config={tmp_path / spec}", f"--workdir={tmp_path}/w")
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        [line] = [l for l in out.stderr.splitlines() if l.startswith("jaxscale: error:")]
+        assert expected in line and "def get_config(arg=None)" in line, line
+    twice = _run("launch.train", "--config=configs/tiny_lm.py:test", f"--workdir={tmp_path}/w",
+                 "--config=configs/tiny_lm.py")
+    assert twice.returncode == 2 and "--config is given 2 times" in twice.stderr, twice.stderr
+    assert not (tmp_path / "w").exists()
+
+
 def test_cli_unknown_variant_and_default_config_typo(tmp_path):
     out = _run("launch.train", "--config=configs/llama.py:2b", f"--workdir={tmp_path}")
     assert out.returncode != 0 and "Traceback" not in out.stderr
