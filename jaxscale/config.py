@@ -387,6 +387,14 @@ def _validate_lofi(lofi: mlc.ConfigDict) -> None:
              "(0, 1), e.g. 0.999.")
 
 
+def check_workdir_path(workdir: str) -> None:
+    """A local workdir must be a directory (or not exist yet): checked before a run writes
+    anything into it (its event log, its config.json)."""
+    if not storage.is_remote(workdir) and os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ConfigError(f"--workdir={workdir} names an existing file, not a directory. Give "
+                          "a new or existing directory path (the file is left untouched).")
+
+
 def save_config(c: mlc.ConfigDict, workdir: str) -> str:
     """Writes the resolved config as JSON (tuples become lists) and returns its path; a
     gs:// or s3:// workdir gets it as one object."""
@@ -395,9 +403,7 @@ def save_config(c: mlc.ConfigDict, workdir: str) -> str:
         workdir_files.write_text(path, json.dumps(c.to_dict(), indent=2, sort_keys=True,
                                                   default=str))
         return path
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise ConfigError(f"--workdir={workdir} names an existing file, not a directory. Give "
-                          "a new or existing directory path (the file is left untouched).")
+    check_workdir_path(workdir)
     storage.make_local_dir(workdir, "--workdir")
     path = os.path.join(workdir, "config.json")
     with open(path, "w") as f:

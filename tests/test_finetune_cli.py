@@ -168,7 +168,8 @@ def test_generate_samples_and_stops(tmp_path):
                       "--steps=6"))[-1].split(",")
     stop = greedy[5]  # the third new token
     lines = last(cli("launch.generate", f"--from_hf={hf_dir}", "--prompt_ids=5,6,7",
-                     "--steps=6", "--num_samples=2", f"--stop_ids={stop}"))[-2:]
+                     "--steps=6", "--num_samples=2", f"--stop_ids={stop}",
+                     "--temperature=1", "--top_k=1"))[-2:]  # top-k 1: the greedy token
     first = greedy.index(stop, 3)
     assert lines == [",".join(greedy[:first + 1])] * 2
 

@@ -72,6 +72,7 @@ class Trainer:
         locations.configure(config.get("storage"))  # S3 endpoint/region for every location
         if workdir:  # a bad scheme, dead endpoint, missing bucket or refused key: one paragraph
             locations.check(workdir)
+            config_lib.check_workdir_path(workdir)
         if workdir:  # a resume trains the model its checkpoints hold (or refuses)
             check_resumed_model(config, workdir)
         mesh = make_mesh(config.mesh, devices)
