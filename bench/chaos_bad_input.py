@@ -112,6 +112,7 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
             "--", tiny, f"--workdir={f['out']}/m1", "--cpu_devices=4"]),
         ("lofi-average", "missing store", [f"--store={f['missing']}"]),
         ("lofi-average", "unknown aggregator", [f"--store={f['empty']}", "--aggregator=bogus"]),
+        ("lofi-average", "a directory holding no Lo-Fi job", [f"--store={f['workdir']}"]),
         ("lofi-average", "negative --interval_s", [f"--store={f['empty']}", "--watch",
                                                    "--interval_s=-1"]),
         ("lofi-average", "--final a training workdir", [f"--store={f['empty']}",

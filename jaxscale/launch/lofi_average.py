@@ -96,6 +96,12 @@ def main(argv):
     if _FINAL.value:
         check_final_dir(_FINAL.value)  # before a round: a refused export changes nothing
     store = Store(_STORE.value)
+    if not _WATCH.value and not store.keys("average/") and not store.keys("workers/"):
+        raise ConfigError(paragraph(
+            f"--store={_STORE.value} holds no Lo-Fi job: no initial average (round 0) and no",
+            "worker push, so there is nothing to average (a training workdir, or a job whose",
+            "workers have not started?). Point --store at the workers' config.lofi.store, or",
+            "add --watch to wait for them."))
     while True:  # the job settings appear with round 0, possibly after the averager started
         report = run_round(store, _config(store))
         if report.published or not _WATCH.value:
