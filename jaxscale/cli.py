@@ -245,6 +245,8 @@ def describe(error: BaseException, argv: Sequence[str],
     """
     if defaults is None:
         defaults = {n: FLAGS[n].default_as_str.strip("'") for n in _config_flag_names()}
+    if isinstance(error, flags.UnrecognizedFlagError):
+        return _unknown_flag(error.flagname, bool(defaults))
     for name, default in defaults.items():
         path = _spec(argv, name, default).split(":", 1)[0]
         if not os.path.isfile(path):
@@ -267,6 +269,21 @@ def describe(error: BaseException, argv: Sequence[str],
             return _wrong_type(name, culprit.group(1), dict(overrides).get(culprit.group(1)),
                                config)
     return _last_line(error)
+
+
+def _unknown_flag(name: str, has_config: bool) -> str:
+    """An unknown flag named with this command's own flags (not absl's logging flags, which
+    absl's own "Did you mean" draws from)."""
+    own = sorted(f"--{f.name}" for module, defined in FLAGS.flags_by_module_dict().items()
+                 if module == sys.argv[0] or module.startswith(("jaxscale.", "launch."))
+                 for f in defined)  # a command run as __main__ registers under argv[0]
+    close = difflib.get_close_matches(f"--{name}", own, n=1)
+    hint = f" Did you mean {close[0]}?" if close else ""
+    passed = (" Flags for the processes it starts go after `--` (e.g. `-- --config=tiny_lm`)."
+              if name.startswith("config") and not has_config else "")
+    return paragraph(f"--{name} is not a flag of this command.{hint}{passed} Its flags:",
+                     f"{', '.join(own) or 'none'} (`--help` describes them, and any arguments",
+                     "it takes).")
 
 
 def _overrides(argv: Sequence[str], name: str) -> list[tuple[str, str | None]]:

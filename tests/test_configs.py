@@ -276,6 +276,17 @@ def test_a_config_file_without_a_usable_get_config_is_one_paragraph(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
+def test_an_unknown_flag_is_named_with_the_commands_own_flags(tmp_path):
+    out = _run("jaxscale", "train", "--config=tiny_lm:test", f"--workdir={tmp_path}/w",
+               "--workdr=x")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert ("--workdr is not a flag of this command. Did you mean --workdir? Its flags: "
+            "--config,") in out.stderr and "log_dir" not in out.stderr, out.stderr
+    launcher = _run("jaxscale", "lofi-local", f"--store={tmp_path}/s", "--config=tiny_lm")
+    assert launcher.returncode == 2 and "go after `--`" in launcher.stderr, launcher.stderr
+    assert not (tmp_path / "w").exists() and not (tmp_path / "s").exists()
+
+
 def test_cli_unknown_variant_and_default_config_typo(tmp_path):
     out = _run("launch.train", "--config=configs/llama.py:2b", f"--workdir={tmp_path}")
     assert out.returncode != 0 and "Traceback" not in out.stderr
