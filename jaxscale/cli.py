@@ -32,7 +32,7 @@ import re
 import sys
 import sysconfig
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from absl import flags
@@ -159,7 +159,8 @@ def _fail_on_user_error(error: Exception, argv: Sequence[str],
         files = {os.path.realpath(_spec(argv, name, default).split(":", 1)[0]): name
                  for name, default in defaults.items()}
         broken = config_file_error(error, files) or _get_config_error(
-            error, {name: _spec(argv, name, default) for name, default in defaults.items()})
+            error, {name: _spec(argv, name, default) for name, default in defaults.items()},
+            lambda: all(_load(argv, name, default) is None for name, default in defaults.items()))
         if broken:
             fail(broken)
     if isinstance(error, _FLAG_ERRORS):
@@ -194,7 +195,8 @@ def config_file_error(error: BaseException, files: dict[str, str]) -> str | None
                      "Fix the file and run the command again.")
 
 
-def _get_config_error(error: BaseException, specs: dict[str, str]) -> str | None:
+def _get_config_error(error: BaseException, specs: dict[str, str],
+                      no_config: Callable[[], bool]) -> str | None:
     """One paragraph for a config file whose `get_config` is missing, takes no argument while
     `FILE:ARG` passes one, or returns None (`specs`: the one config flag -> `file[:arg]`);
     these fail inside ml_collections, in no frame of the user's file. None for other errors."""
@@ -211,7 +213,7 @@ def _get_config_error(error: BaseException, specs: dict[str, str]) -> str | None
         given = f"passes {arg!r} to it" if arg else "passes no argument"
         return paragraph(f"--{name}={spec}: calling its get_config failed ({text}); the",
                          f"command line {given}.", shape)
-    if "NoneType" in text or f"Unexpected None value for flag {name}" in text:
+    if f"Unexpected None value for flag {name}" in text or ("NoneType" in text and no_config()):
         return paragraph(f"--{name}={spec}: its get_config returned None, not a config.", shape)
     return None
 
