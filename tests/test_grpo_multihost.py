@@ -127,7 +127,7 @@ def test_reward_failing_on_process_0_stops_every_process_with_one_paragraph(file
     root = files  # not the runs: this test needs only their files (and may run on another worker)
     out = _run([*MULTIHOST, *GRPO, "--config.objective.rewards=toy_reward:broken",
                 "--workdir=broken"], root / "multi")
-    assert out.returncode == 1, (out.stdout + out.stderr)[-3000:]
+    assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]  # each said: a user error
     assert "Traceback" not in out.stdout + out.stderr, out.stdout[-3000:]
     for pid in (0, 1):
         errors = [line for line in out.stdout.splitlines()

@@ -14,7 +14,7 @@ import pytest
 from configs.tiny_lm import get_config
 from jaxscale.models.adapters import lora
 from jaxscale.train.checkpoint import Checkpointer
-from jaxscale.train.loop import Trainer, _attach_checkpoints
+from jaxscale.train.loop import Trainer, prepare
 from jaxscale.weights.restore import CheckpointError
 from jaxscale.weights.sources import rebuild_base
 from jaxscale.weights.tree import flatten
@@ -44,8 +44,7 @@ def _dir_bytes(path) -> int:
 
 def test_adapters_only_checkpoint_resumes_like_an_uninterrupted_run(tmp_path):
     c = _config(4)
-    first = Trainer.build(c, str(tmp_path))
-    _attach_checkpoints(first)
+    first = prepare(c, str(tmp_path))  # resumed from and saving to the workdir
     full = jax.device_get(first.run())                    # 4 steps, saves steps 2 and 4
     tree = _saved_tree(tmp_path, 2)
     assert "frozen" not in tree and "base_fingerprint" in tree
@@ -55,8 +54,7 @@ def test_adapters_only_checkpoint_resumes_like_an_uninterrupted_run(tmp_path):
                  jax.tree_util.tree_flatten_with_path(tree["opt_state"])[0]]
     assert all("_lora_" in k for k in opt_paths if "'layers'" in k or "embedding" in k)
     shutil.rmtree(tmp_path / "checkpoints" / "4")         # as if killed after step 2's save
-    second = Trainer.build(c, str(tmp_path))              # base rebuilt from the same seed
-    _attach_checkpoints(second)
+    second = prepare(c, str(tmp_path))                    # base rebuilt from the same seed
     assert int(second.state.step) == 2
     resumed = jax.device_get(second.run())
     with open(tmp_path / "metrics.jsonl") as f:
@@ -101,8 +99,7 @@ def test_adapters_only_workdir_exports_merged_weights(tmp_path):
     from jaxscale.weights.sources import WeightsError, open_weights
 
     c = _config(2)
-    trainer = Trainer.build(c, str(tmp_path))
-    _attach_checkpoints(trainer)
+    trainer = prepare(c, str(tmp_path))  # records config.json, which the export reads
     state = jax.device_get(trainer.run())
     flat = open_weights(str(tmp_path)).arrays()
     want = {**flatten(state.frozen), **flatten(state.params)}

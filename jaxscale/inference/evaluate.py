@@ -70,9 +70,9 @@ def _check_eval_kind(config: mlc.ConfigDict, sources: str) -> None:
     """The run's objective scores one kind of data: preference pairs (dpo, ipo, simpo) or
     sequences (text, chat); prompts have no answers to score."""
     from jaxscale.data.mixture import configured_kind
-    from jaxscale.objectives import PREFERENCE
+    from jaxscale.objectives import PREFERENCE, Settings
     kind = configured_kind({"sources": sources})
-    name = (config.get("objective") or {}).get("name", "lm")
+    name = Settings.from_config(config.get("objective")).name
     pairs = name in PREFERENCE
     if kind == "prompts" or (kind == "preference") != pairs:
         wants = "preference pairs (preference=FILE.jsonl)" if pairs else "text or chat data"
