@@ -68,8 +68,10 @@ JOB_FLAGS = {"total_steps": "train.steps", "batch_size": "data.batch_size",
 
 def check_same_job(store: Store, job: dict, worker_id: int) -> None:
     """Raises ConfigError unless this worker's job settings equal those recorded with round 0:
-    the averager judges every push by the recorded ones, so a worker with more steps or
-    another worker set would train, have its pushes rejected, and end on the old average."""
+    the averager judges every push by the recorded ones, so a worker with another worker set,
+    batch, sync, quorum or fewer steps would train and have its pushes rejected. More steps
+    than recorded is only warned (a restarted worker may run on; its later pushes are not
+    averaged)."""
     try:
         recorded = load_snapshot(store, average_prefix(0)).manifest.get("job") or {}
     except StoreError:
