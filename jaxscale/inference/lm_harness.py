@@ -34,6 +34,7 @@ from jaxscale.errors import ConfigError, paragraph
 from jaxscale.inference.generate import load_model, placed_model
 from jaxscale.inference.sampling import Sampler, Sampling, bucket
 from jaxscale.rules import use_rules
+from jaxscale.runtime import jax_platform
 
 
 def cut_at_stops(text: str, stops: Sequence[str]) -> str:
@@ -120,6 +121,7 @@ class JaxscaleLM(TemplateLM):
                  max_length: int | str = 0, max_gen_toks: int | str = 256, seed: int | str = 0,
                  max_batch_size: Any = None, device: Any = None, **unknown: Any) -> None:
         super().__init__()
+        jax_platform.cpu_when_no_accelerator()  # before the first array: no libtpu noise
         batch_size = check_model_args(workdir, from_hf, batch_size, max_length, max_gen_toks,
                                       unknown)
         self.config, params = load_model(workdir, from_hf)

@@ -24,6 +24,7 @@ from absl import app, flags
 
 from jaxscale import cli
 from jaxscale.errors import JaxscaleError, exit_on_user_error, paragraph
+from jaxscale.runtime import jax_platform
 
 _FROM_HF = flags.DEFINE_string("from_hf", None, "Hugging Face model directory to import.")
 _OUT = flags.DEFINE_string("out", None, "Directory for the converted jaxscale weights.")
@@ -51,7 +52,7 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # orbax's INFO lines would bury the result
-    cli.host_only()  # conversion needs no accelerator: no libtpu start-up lines
+    jax_platform.host_only()  # conversion needs no accelerator: no libtpu start-up lines
     from jaxscale.interop import convert
     _check_one_conversion()
     if _FROM_HF.value and _OUT.value:

@@ -24,6 +24,7 @@ from typing import Any
 from absl import flags
 
 from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.runtime import jax_platform
 
 FLAGS = flags.FLAGS
 
@@ -277,6 +278,7 @@ def setup() -> None:
     # absl INFO lines from orbax/grain would drown the progress bar; warnings still show.
     from absl import logging
     logging.set_verbosity(logging.WARNING)
+    jax_platform.cpu_when_no_accelerator()  # no libtpu start-up noise where no TPU is attached
     set_cpu_devices(FLAGS.cpu_devices)
     init_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                      FLAGS.initialization_timeout)
