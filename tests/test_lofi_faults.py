@@ -165,7 +165,7 @@ def test_job_settings_from_round_0_are_the_averager_defaults(tmp_path):
     assert job_settings(bare) == {}
 
 
-def test_a_worker_with_other_job_settings_is_refused_by_name(tmp_path, capfd):
+def test_a_worker_with_other_job_settings_is_refused_by_name(tmp_path):
     from ml_collections import ConfigDict
 
     from jaxscale.lofi.jobcheck import check_same_job
@@ -181,8 +181,9 @@ def test_a_worker_with_other_job_settings_is_refused_by_name(tmp_path, capfd):
         check_same_job(st, job_of(lofi, 3, 8), 1)
     with pytest.raises(ConfigError, match=r"data.batch_size: 16 here, 8 in the job"):
         check_same_job(st, job_of(lofi, 4, 16), 1)
-    check_same_job(st, job_of(lofi, 6, 8), 1)  # continued past the job: warned, not refused
-    assert "rejects its pushes past step 4" in capfd.readouterr().err
+    with pytest.raises(ConfigError, match=r"train.steps: 6 here, 4 in the job.*train a "
+                                          r"finished job further, start a new job"):
+        check_same_job(st, job_of(lofi, 6, 8), 1)  # its pushes past step 4 would be rejected
     lofi.num_workers = 3
     with pytest.raises(ConfigError, match=r"lofi.num_workers / lofi.allowed_workers: \[0, 1, "
                                           r"2\] here, \[0, 1\] in the job"):

@@ -253,14 +253,17 @@ def _first_leaf(st, prefix):
 def test_worker_restarts_past_a_corrupt_push_a_damaged_average_and_a_hostile_step(tmp_path,
                                                                                  caplog):
     from configs.tiny_lm import get_config
+    from hooks_common import SigtermAt
     from jaxscale.lofi.worker import train_worker as train
+    from jaxscale.runtime.preemption import Preempted
     c = get_config("test")
-    c.train.steps = 4
+    c.train.steps = 6
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2", num_workers=2)
-    train(c, str(tmp_path / "w0"))
+    with pytest.raises(Preempted):
+        train(c, str(tmp_path / "w0"), hooks=[SigtermAt(4)])
     store = Store(c.lofi.store)
     _flip_a_bit(store, "workers/0/4", _first_leaf(store, "workers/0/4"))
-    c.train.steps = 6
+    shutil.rmtree(tmp_path / "w0" / "checkpoints")  # the VM's disk, with its save, is lost
     os.remove(tmp_path / "w0" / "metrics.jsonl")
     with caplog.at_level("WARNING"):
         train(c, str(tmp_path / "w0"))  # used to exit: the committed push does not verify
@@ -269,13 +272,13 @@ def test_worker_restarts_past_a_corrupt_push_a_damaged_average_and_a_hostile_ste
     assert run_round(store, AveragerConfig()).round == 1
     _flip_a_bit(store, "average/1", _first_leaf(store, "average/1"))
     _push(store, 1, 2**40, W.read_params(store, W.load_snapshot(store, "average/0")))
-    c.lofi.worker_id, c.train.steps = 1, 4
+    c.lofi.worker_id = 1
     caplog.clear()
     with caplog.at_level("WARNING"):
         train(c, str(tmp_path / "w1"))  # used to crash on average/1, then overflow int32
-    assert _metric_steps(tmp_path / "w1") == [1, 2, 3, 4]
+    assert _metric_steps(tmp_path / "w1") == [1, 2, 3, 4, 5, 6]
     assert "average/1 does not verify" in caplog.text
-    assert S.worker_pushes(store)[1] == [2, 4, 2**40]
+    assert S.worker_pushes(store)[1] == [2, 4, 6, 2**40]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import pytest
 
 from child_env import child_env
 from configs.tiny_lm import get_config
+from hooks_common import SigtermAt
 from jaxscale.errors import ConfigError
 from jaxscale.inference.evaluate import evaluate_params, evaluate_workdir, read_config
 from jaxscale.interop.convert import workdir_to_hf
@@ -22,6 +23,7 @@ from jaxscale.lofi import store as S
 from jaxscale.lofi.accounting import accounting_lines, export_final
 from jaxscale.lofi.averager import AveragerConfig, latest_average, run_round
 from jaxscale.lofi.worker import train_worker
+from jaxscale.runtime.preemption import Preempted
 from jaxscale.train import loop
 from jaxscale.weights import snapshot as W
 from jaxscale.weights.kv import Store, kvstore_spec
@@ -149,12 +151,13 @@ def test_periodic_worker_pushes_ema_resets_optimizer_and_continues_from_average(
 @pytest.mark.slow
 def test_restarted_worker_continues_from_its_last_complete_push(tmp_path):
     c = get_config("test")
-    c.train.steps = 4
+    c.train.steps = 6
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2")
-    train(c, str(tmp_path / "w0"))
+    with pytest.raises(Preempted):
+        train(c, str(tmp_path / "w0"), hooks=[SigtermAt(4)])
     store = Store(c.lofi.store)
     store.delete(W.commit_key("workers/0/4"))  # the push of step 4 was cut off
-    c.train.steps = 6
+    shutil.rmtree(tmp_path / "w0" / "checkpoints")  # and the VM's disk, with its save, is lost
     os.remove(tmp_path / "w0" / "metrics.jsonl")
     train(c, str(tmp_path / "w0"))
     steps = [json.loads(l)["step"] for l in open(tmp_path / "w0" / "metrics.jsonl")]
@@ -167,12 +170,12 @@ def test_worker_resumed_from_its_own_checkpoint_reports_the_round_it_continued_f
     """sync=end loads no average mid-run: rounds a watching averager published from its pushes
     must not count as synced (the averager measures staleness by it)."""
     c = get_config("test")
-    c.train.steps = 4
+    c.train.steps = 6
     c.checkpoint.update(every=2, keep=5)
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2")
-    train(c, str(tmp_path / "w0"))
+    with pytest.raises(Preempted):
+        train(c, str(tmp_path / "w0"), hooks=[SigtermAt(4)])
     assert run_round(c.lofi.store, AveragerConfig()).round == 1  # covers step 4, not loaded
-    c.train.steps = 6
     train(c, str(tmp_path / "w0"))  # resumes from its own checkpoint of step 4
     store = Store(c.lofi.store)
     assert S.worker_pushes(store)[0] == [2, 4, 6]
@@ -376,16 +379,16 @@ def test_worker_that_lost_its_workdir_continues_from_the_newest_average(tmp_path
     """A worker restarted on a fresh VM (no local checkpoint) starts from the newest average
     when it is at least as new as its own last push, and says which round it synced to."""
     c = get_config("test")
-    c.train.steps = 4
+    c.train.steps = 5
     c.lofi.update(enabled=True, store=str(tmp_path / "store"), push_every="2", num_workers=2)
-    train(c, str(tmp_path / "w0"))
+    with pytest.raises(Preempted):
+        train(c, str(tmp_path / "w0"), hooks=[SigtermAt(4)])
     store = Store(c.lofi.store)
     own = W.read_params(store, W.load_snapshot(store, "workers/0/4"))
     S.push(store, 1, 4, {k: v + 1.0 for k, v in own.items()}, 64)  # a second worker's push
     assert run_round(store, AveragerConfig()).used == {0: 4, 1: 4}
     average = latest_average(store)
     rec = _Recorder()
-    c.train.steps = 5
     train(c, str(tmp_path / "w0_new_vm"), hooks=[rec])
     assert list(rec.params) == [5]                       # continued after step 4
     assert W.load_snapshot(store, "workers/0/5").manifest["synced_round"] == 1

@@ -16,6 +16,7 @@ import pytest
 
 from child_env import child_env
 from configs.tiny_lm import get_config
+from hooks_common import SigtermAt
 from jaxscale.observe.metrics import read_metrics
 from jaxscale.runtime.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted, PreemptionWatch
 from jaxscale.train.loop import train
@@ -50,21 +51,6 @@ def test_first_ctrl_c_is_a_flag_and_the_second_interrupts():
     error = Preempted(3, True, signal.SIGINT)
     assert error.exit_code == INTERRUPTED_EXIT and str(error).startswith(
         "Stopped by Ctrl-C (SIGINT): stopped after step 3 and saved a checkpoint")
-
-
-class SigtermAt:
-    """A hook that sends this process SIGTERM after step `step` (a pre-emption notice)."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def after_step(self, info):
-        if info.step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.1)  # let the handler run, as a real notice arrives asynchronously
-
-    def at_end(self, info):
-        pass
 
 
 def _config(steps: int):

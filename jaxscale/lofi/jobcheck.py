@@ -9,7 +9,6 @@ broadcasting error; instead it refuses at start, naming the fields that differ.
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
@@ -69,9 +68,8 @@ JOB_FLAGS = {"total_steps": "train.steps", "batch_size": "data.batch_size",
 def check_same_job(store: Store, job: dict, worker_id: int) -> None:
     """Raises ConfigError unless this worker's job settings equal those recorded with round 0:
     the averager judges every push by the recorded ones, so a worker with another worker set,
-    batch, sync, quorum or fewer steps would train and have its pushes rejected. More steps
-    than recorded is only warned (a restarted worker may run on; its later pushes are not
-    averaged)."""
+    batch, sync, quorum or step count would train and have its pushes rejected (with more
+    steps, every push past the job's last step)."""
     try:
         recorded = load_snapshot(store, average_prefix(0)).manifest.get("job") or {}
     except StoreError:
@@ -79,20 +77,12 @@ def check_same_job(store: Store, job: dict, worker_id: int) -> None:
     if not isinstance(recorded, dict):
         return  # malformed: the averager's `job_settings` names it
     differ = [f"{JOB_FLAGS[k]}: {job[k]!r} here, {recorded[k]!r} in the job" for k in JOB_FLAGS
-              if k in recorded and k in job and recorded[k] != job[k] and k != "total_steps"]
-    steps = recorded.get("total_steps")
-    if isinstance(steps, int) and job.get("total_steps", steps) > steps:  # a worker continued
-        print(f"jaxscale: warning: Lo-Fi worker {worker_id} trains to step {job['total_steps']},"
-              f" but the job in {store.location} recorded train.steps={steps} with round 0: the"
-              f" averager rejects its pushes past step {steps}. To train a finished job further,"
-              " start a new job in a new lofi.store from its final average (config.init_from).",
-              file=sys.stderr, flush=True)
-    elif isinstance(steps, int) and job.get("total_steps", steps) < steps:
-        differ.append(f"train.steps: {job['total_steps']!r} here, {steps!r} in the job")
+              if k in recorded and k in job and recorded[k] != job[k]]
     if differ:
         raise ConfigError(paragraph(
             f"Lo-Fi worker {worker_id} joins the job in {store.location} with other job settings",
             f"than its round 0 recorded: {'; '.join(differ)}. The averager judges every push by",
-            "the recorded ones, so its work would be rejected. Run it with the job's settings,",
-            "or start a new job in a new lofi.store (e.g. to train a finished job further).",
+            "the recorded ones, so its work would be rejected. Run it with the job's settings;",
+            "to train a finished job further, start a new job in a new lofi.store from its",
+            "final average (config.init_from).",
         ))
