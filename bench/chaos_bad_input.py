@@ -106,10 +106,13 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
                                                    "--devices_per_worker=0"]),
         ("lofi-local", "--cpu_devices among the train flags", [
             f"--store={f['out']}/l4", "--", tiny, "--cpu_devices=4"]),
+        ("lofi-local", "--store a training workdir", [f"--store={f['workdir']}", "--", tiny]),
         ("local-multihost", "zero processes", ["--num_processes=0", "--", tiny]),
         ("local-multihost", "zero devices per process", ["--devices_per_process=0", "--", tiny]),
         ("local-multihost", "--cpu_devices among the train flags", [
             "--", tiny, f"--workdir={f['out']}/m1", "--cpu_devices=4"]),
+        ("local-multihost", "a --module that does not exist", [
+            "--module=launch.nope", "--", tiny, f"--workdir={f['out']}/m2"]),
         ("lofi-average", "missing store", [f"--store={f['missing']}"]),
         ("lofi-average", "unknown aggregator", [f"--store={f['empty']}", "--aggregator=bogus"]),
         ("lofi-average", "a directory holding no Lo-Fi job", [f"--store={f['workdir']}"]),

@@ -133,17 +133,6 @@ def resolved(config: Any, name: str = "config") -> Any:
     return resolve(config, overridden(None, name))
 
 
-def host_only() -> None:
-    """For a command that needs no accelerator (`convert`): JAX runs on the host CPU unless
-    the user chose a platform, so libtpu does not start (and print INVALID_ARGUMENT lines on a
-    machine that is no TPU VM, or take a TPU another process holds)."""
-    if not os.environ.get("JAX_PLATFORMS"):
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        if "jax" in sys.modules:
-            import jax
-            jax.config.update("jax_platforms", "cpu")
-
-
 def fail(message: str) -> NoReturn:
     print(f"jaxscale: error: {message}", file=sys.stderr)
     sys.exit(EXIT_CODE)

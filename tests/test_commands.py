@@ -2,6 +2,7 @@
 and an installation that adds no top-level `launch` / `configs` packages."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -39,6 +40,18 @@ def test_bundled_configs_resolve_from_anywhere(tmp_path, monkeypatch):
     assert configs.resolve("configs/tiny_lm.py:test") == "configs/tiny_lm.py:test"
     assert configs.resolve("no_such_config") == "no_such_config"
     assert {"tiny_lm", "llama", "finetune_lm", "vit_digits"} <= set(configs.bundled_names())
+
+
+# lm-eval's --help is the harness's own argparse text (aligned columns), not a docstring of ours.
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "lm-eval"])
+def test_help_usage_lines_read_cleanly(command, tmp_path):
+    """absl prints the module docstring as the usage: a backslash line continuation there (not a
+    raw string) joins two lines with a run of spaces, `... llama.py:7b         [--top=3]`."""
+    out = _run(["-m", "jaxscale", command, "--help"], tmp_path)
+    usage, sep, _ = (out.stdout + out.stderr).partition("\nflags:\n")
+    assert sep and usage.strip(), (command, out.stdout[-2000:], out.stderr[-2000:])
+    gaps = [line for line in usage.splitlines() if re.search(r"\S {3,}\S", line)]
+    assert not gaps, (command, gaps)
 
 
 def test_usage_and_unknown_command(tmp_path):

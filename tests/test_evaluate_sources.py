@@ -4,6 +4,7 @@ masked rows), equal to running the model on each document alone."""
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -106,12 +107,23 @@ def test_a_bad_record_names_the_flag_that_skips_it_and_skipping_drops_only_it(se
 
 
 def test_eval_sources_of_another_kind_than_the_objective_scores(setup):
+    """Training's own check (`objectives.check_data_kind`), blaming --eval_sources; evaluate
+    scores rows and samples nothing, so prompts are refused even for a grpo run, which is
+    scored on text."""
     from jaxscale.errors import JaxscaleError
     root, c, params = setup
-    with pytest.raises(JaxscaleError, match=r"holds preference data, but the run's "
-                                            r"objective.name='lm' scores text or chat data"):
-        evaluate_params(c, params, eval_sources=f"preference={root}/more.jsonl")
+    sources = f"preference={root}/more.jsonl"
+    with pytest.raises(JaxscaleError, match=rf"--eval_sources={re.escape(sources)} holds preference pairs, "
+                                            r"which objective.name='lm' cannot score"):
+        evaluate_params(c, params, eval_sources=sources)
     dpo = c.copy_and_resolve_references()
     dpo.objective.name = "dpo"
-    with pytest.raises(JaxscaleError, match=r"holds text data, but .*'dpo' scores preference"):
+    with pytest.raises(JaxscaleError, match=r"'dpo' trains on preference pairs, but "
+                                            r"--eval_sources=jsonl=.* holds text data"):
         evaluate_params(dpo, params, eval_sources=f"jsonl={root}/more.jsonl")
+    grpo = c.copy_and_resolve_references()
+    grpo.objective.update(name="grpo", beta=0.0)
+    with pytest.raises(JaxscaleError, match=r"holds prompts=GLOB, which objective.name='grpo' "
+                                            r"cannot score .* drop the flag"):
+        evaluate_params(grpo, params, eval_sources=f"prompts={root}/more.jsonl")
+    evaluate_params(grpo, params, eval_sources=f"jsonl={root}/more.jsonl")  # text: not refused

@@ -1,6 +1,7 @@
 """Lo-Fi store and averager: exact aggregates, faults and hostile input leave the store sane."""
 
 import json
+import re
 
 import ml_dtypes
 import numpy as np
@@ -344,3 +345,30 @@ def test_final_export_never_writes_over_a_training_workdir(tmp_path):
     (earlier / "params" / "manifest.json").write_text("{}")
     check_final_dir(str(earlier))
     check_final_dir(str(tmp_path / "new"))
+
+
+def test_lofi_local_never_turns_a_training_workdir_into_a_store(tmp_path, store):
+    """`lofi-local --store`: a training workdir (or any other non-empty directory without a
+    Lo-Fi job) is refused before anything is written; a new or empty directory, a job's store
+    and a job stopped before round 0 (its config.json, lofi-local's runs/) are taken."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "2").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"lofi": {"enabled": False}}))
+    (run / "metrics.jsonl").write_text("")
+    before = sorted(p.name for p in run.iterdir())
+    with pytest.raises(StoreError, match=rf"--store={re.escape(str(run))} holds checkpoints, config.json, "
+                                         r"metrics.jsonl and no Lo-Fi job.* new or empty "
+                                         r"directory, or an existing Lo-Fi store"):
+        S.check_new_store(str(run))
+    assert sorted(p.name for p in run.iterdir()) == before
+    other = tmp_path / "other"  # lofi-local's own runs/ names only
+    (other / "runs" / "my_experiment").mkdir(parents=True)
+    with pytest.raises(StoreError, match=r"holds runs and no Lo-Fi job"):
+        S.check_new_store(str(other))
+    started = tmp_path / "started"  # stopped after the first worker recorded the job
+    (started / "runs" / "worker0").mkdir(parents=True)
+    (started / "runs" / "final").mkdir()
+    (started / "config.json").write_text(json.dumps({"lofi": {"enabled": True}}))
+    (tmp_path / "empty").mkdir()
+    for ok in (store.location, started, tmp_path / "empty", tmp_path / "new"):
+        S.check_new_store(str(ok))

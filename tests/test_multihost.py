@@ -117,6 +117,19 @@ def test_launcher_stops_the_others_when_one_process_fails(tmp_path):
     assert "failed processes (exit codes): {'p1': 3}; stopped ['p0']" in out.stderr
 
 
+def test_a_module_python_cannot_find_is_refused_before_any_process_starts(tmp_path):
+    """Otherwise every process prints the same import traceback."""
+    for module in ("launch.nope", "nope.train", "jaxscale.launch"):  # the last: no __main__
+        out = _run([*MULTIHOST[:-1], f"--module={module}", "--", *TRAIN,
+                    f"--workdir={tmp_path}/run"])
+        assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
+        errors = [line for line in out.stderr.splitlines() if line.startswith("jaxscale: error:")]
+        assert len(errors) == 1 and f"--module={module} is no module" in errors[0], out.stderr
+        assert "jaxscale.launch.train" in errors[0] and "PYTHONPATH" in errors[0]
+        assert "Traceback" not in out.stderr and "[p0]" not in out.stdout
+    assert not os.path.exists(tmp_path / "run")
+
+
 def test_incomplete_flags_are_refused_before_jax_starts(monkeypatch):
     for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
         monkeypatch.delenv(var, raising=False)

@@ -20,11 +20,12 @@ from collections.abc import Mapping
 import jax
 import ml_collections as mlc
 
+from jaxscale.data.mixture import configured_kind
 from jaxscale.data.registry import heldout_batches
-from jaxscale.errors import JaxscaleError, paragraph
+from jaxscale.errors import JaxscaleError
 from jaxscale.mesh import make_mesh
 from jaxscale.models import ModelDef
-from jaxscale.objectives import objective_of
+from jaxscale.objectives import Settings, check_data_kind, objective_of
 from jaxscale.precision import get_policy
 from jaxscale.rules import AxisRules
 from jaxscale.storage import workdir_files
@@ -33,6 +34,10 @@ from jaxscale.train.reference import host_reference
 from jaxscale.train.step import global_batch
 from jaxscale.weights.place import named_shardings, param_specs, place
 from jaxscale.weights.tree import flatten, unflatten
+
+_OTHER_SOURCES = ("Give --eval_sources of what the run's objective scores (preference pairs for "
+                  "dpo, ipo and simpo; text or chat otherwise), or drop the flag to evaluate the "
+                  "run's own held-out split.")
 
 
 def read_config(workdir: str) -> mlc.ConfigDict:
@@ -47,8 +52,10 @@ def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 
                     eval_sources: str = "") -> dict[str, float]:
     """Metrics of `params` (flat or nested, host or device) on the config's held-out data, or
     on every row of `eval_sources` (`FORMAT=GLOB;...`, read with the run's tokenizer)."""
-    if eval_sources:
-        _check_eval_kind(config, eval_sources)
+    if eval_sources:  # training's check, blaming the flag: the run's objective is fixed
+        check_data_kind(Settings.from_config(config.get("objective")).name,
+                        configured_kind({"sources": eval_sources}),
+                        f"--eval_sources={eval_sources}", _OTHER_SOURCES, rollouts=False)
     mesh, rules = make_mesh(config.mesh), AxisRules.from_config(config)
     policy = get_policy(config.precision)
     model_def = ModelDef.build(config.model, policy)
@@ -64,23 +71,6 @@ def evaluate_params(config: mlc.ConfigDict, params: Mapping, max_batches: int = 
     held = HeldOut(model_def, rules, mesh, objective_of(config),
                    None if reference is None else model_def)
     return held.metrics(placed, batches, reference)
-
-
-def _check_eval_kind(config: mlc.ConfigDict, sources: str) -> None:
-    """The run's objective scores one kind of data: preference pairs (dpo, ipo, simpo) or
-    sequences (text, chat); prompts have no answers to score."""
-    from jaxscale.data.mixture import configured_kind
-    from jaxscale.objectives import PREFERENCE, Settings
-    kind = configured_kind({"sources": sources})
-    name = Settings.from_config(config.get("objective")).name
-    pairs = name in PREFERENCE
-    if kind == "prompts" or (kind == "preference") != pairs:
-        wants = "preference pairs (preference=FILE.jsonl)" if pairs else "text or chat data"
-        raise JaxscaleError(paragraph(
-            f"--eval_sources={sources} holds {kind} data, but the run's objective.name={name!r}",
-            f"scores {wants}. Give --eval_sources of that kind, or drop the flag to evaluate",
-            "the run's own held-out split.",
-        ))
 
 
 def evaluate_workdir(workdir: str, max_batches: int = 0, eval_sources: str = "",

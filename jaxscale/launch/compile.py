@@ -1,4 +1,4 @@
-"""Compile a config's train step for a TPU topology on this machine (no TPU needed):
+r"""Compile a config's train step for a TPU topology on this machine (no TPU needed):
 
     jaxscale compile --topology=v5p:4x4x8 --config=configs/llama.py:7b \
         [--config.mesh.fsdp=64 ...] [--num_slices=2] [--save_hlo=DIR] [--out=report.json]

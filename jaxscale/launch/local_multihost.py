@@ -10,6 +10,8 @@ prefixes. Only process 0 writes logs and metrics, so all may share one `--workdi
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import signal
 import socket
 import subprocess
@@ -21,17 +23,47 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from jaxscale import cli
-from jaxscale.errors import exit_on_user_error
+from jaxscale.errors import ConfigError, exit_on_user_error, paragraph
 from jaxscale.runtime.distributed import worker_environment
 from jaxscale.runtime.preemption import PREEMPTED_EXIT
 
 _N = flags.DEFINE_integer("num_processes", 2, "Processes to start.", lower_bound=1)
 _DEV = flags.DEFINE_integer("devices_per_process", 4, "Simulated CPU devices per process.",
                             lower_bound=1)
-_MODULE = flags.DEFINE_string("module", "launch.train", "Entry point every process runs.")
+_MODULE = flags.DEFINE_string(
+    "module", "jaxscale.launch.train", "Entry point every process runs (`python -m MODULE`): "
+    "jaxscale.launch.train, .evaluate, .generate or .inspect (`launch.NAME` from a checkout), or "
+    "a module of your own that takes the multi-host flags.")
 _GRACE = flags.DEFINE_float(
     "grace_s", 15.0, "After one process fails, seconds the others get to finish before they "
     "are stopped (they usually fail the same way and print why).")
+
+
+MULTIHOST_ENTRY_POINTS = ("train", "evaluate", "generate", "inspect")  # take --process_id
+
+
+def check_module(module: str) -> None:
+    """Refuses a `--module` that `python -m` cannot run from this directory before any process
+    starts: each would print the same import traceback. `find_spec` imports the parent
+    packages, never the module itself (a package runs its `__main__`)."""
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())  # where `python -m` in the children looks first
+    try:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(f"{module}.__main__")
+    except Exception:  # a parent package missing or failing to import, a relative name
+        spec = None
+    finally:
+        sys.path[:] = saved
+    if spec is None:
+        ours = ", ".join(f"jaxscale.launch.{name}" for name in MULTIHOST_ENTRY_POINTS)
+        raise ConfigError(paragraph(
+            f"--module={module} is no module `python -m` can run from {os.getcwd()}, so no",
+            f"process was started. Give one of jaxscale's multi-host entry points ({ours}; the",
+            "default is jaxscale.launch.train, and launch.NAME works from a checkout's root), or",
+            "a module of your own, importable here or from PYTHONPATH, that takes",
+            "--coordinator_address, --num_processes, --process_id and --cpu_devices."))
 
 
 def _free_port() -> int:
@@ -97,6 +129,7 @@ def run_group(commands: dict[str, Sequence[str]], grace_s: float) -> int:
 @exit_on_user_error
 def main(argv: list[str]) -> None:
     cli.refuse_device_flag(argv[1:], f"--devices_per_process={_DEV.value}")
+    check_module(_MODULE.value)
     address = f"localhost:{_free_port()}"
     commands = {f"p{i}": [sys.executable, "-m", _MODULE.value, *argv[1:],
                           f"--coordinator_address={address}",

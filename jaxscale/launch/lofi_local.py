@@ -12,6 +12,7 @@ from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import exit_on_user_error
 from jaxscale.lofi.aggregate import AGGREGATORS
 from jaxscale.lofi.job import LofiJob, lofi_vm_commands, run_local
+from jaxscale.lofi.store import check_new_store
 from jaxscale.storage import locations
 
 _N = flags.DEFINE_integer("num_workers", 4, "Worker processes, each with its own mesh.",
@@ -35,6 +36,7 @@ def main(argv):
         print("\n".join(lofi_vm_commands(_STORE.value, _N.value, train_flags, _AGG.value, outer,
                                          _SYNC.value != "end")))
         return
+    check_new_store(_STORE.value)  # never a training workdir; before anything is written
     if "://" not in _STORE.value:  # one paragraph here, not one from every worker
         locations.make_local_dir(_STORE.value, "--store")
     job = LofiJob(_STORE.value, _N.value, _DEV.value, train_flags,

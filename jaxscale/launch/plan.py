@@ -1,4 +1,4 @@
-"""Find the fastest sharding that fits a TPU topology, by compiling candidates (no TPU needed):
+r"""Find the fastest sharding that fits a TPU topology, by compiling candidates (no TPU needed):
 
     jaxscale plan --topology=v5p:2x4x4 --config=configs/llama.py:7b \
         [--top=3] [--hbm_margin=0.1] [--max_candidates=16] [--time_budget_s=3600] [--workers=N]

@@ -1,4 +1,4 @@
-"""Tokenize text files into ArrayRecord shards that training reads per host.
+r"""Tokenize text files into ArrayRecord shards that training reads per host.
 
     jaxscale prepare-data --sources='docs/*.jsonl' --format=jsonl --train_tokenizer=4096 \
         --out=/tmp/prepared [--num_shards=4] [--workers=2]

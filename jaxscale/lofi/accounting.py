@@ -10,7 +10,6 @@ all-reduce), so the ratio grows linearly with the number of steps between exchan
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 
@@ -142,12 +141,7 @@ FINAL_ENTRIES = {"params", "commits", "config.json"}  # what `export_final` writ
 def check_final_dir(directory: str) -> None:
     """`--final` writes into an empty directory or over an earlier export (a rerun of the
     job), never over anything else: a training workdir's config.json would be replaced."""
-    from jaxscale.storage import locations
-    if locations.is_remote(directory):
-        names = {key.split("/")[0] for key in Store(directory).keys("")}
-    else:
-        names = set(os.listdir(directory)) if os.path.isdir(directory) else set()
-    foreign = sorted(names - FINAL_ENTRIES)
+    foreign = sorted(store_lib.top_level_names(directory) - FINAL_ENTRIES)
     if foreign:
         from jaxscale.errors import paragraph
         raise StoreError(paragraph(

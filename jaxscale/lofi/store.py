@@ -9,7 +9,9 @@ of the layout: a worker's push of step `s` is the snapshot `workers/<worker_id>/
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from jaxscale.errors import paragraph
+from jaxscale.storage import locations
 from jaxscale.weights.kv import Store
 from jaxscale.weights.localfs import local_root
 from jaxscale.weights.manifest import StoreError
@@ -97,3 +100,50 @@ def check_store_root(location: str, spec: dict, must_exist: bool) -> None:
             "Give the directory the workers push to (their config.lofi.store), or add --watch",
             "to wait for the workers to create it.",
         ))
+
+
+# A store holds a Lo-Fi job once any snapshot attempt or COMMIT marker is in it. Before that
+# (a job stopped while its first worker starts) it may hold `lofi-local`'s worker workdirs
+# (runs/worker<i>, runs/final) and the job's config.json, written just before round 0.
+_JOB_MARKERS = {"average", "workers", "commits"}
+_RUNS = re.compile(r"worker\d+|final")
+
+
+def top_level_names(location: str) -> set[str]:
+    """The names at the top of a directory or bucket prefix (none where it does not exist)."""
+    if locations.is_remote(location):
+        return {key.split("/")[0] for key in Store(location).keys("")}
+    return set(os.listdir(location)) if os.path.isdir(location) else set()
+
+
+def check_new_store(location: str) -> None:
+    """`lofi-local --store` takes a new or empty directory, or a store holding a Lo-Fi job (the
+    job resumes), never another directory: the workers would push into it, and a training
+    workdir would quietly become a Lo-Fi store. Checked before anything is written."""
+    names = top_level_names(location)
+    if names & _JOB_MARKERS:
+        return
+    foreign = sorted(name for name in names if not _job_entry(location, name))
+    if foreign:
+        raise StoreError(paragraph(
+            f"--store={location} holds {', '.join(foreign[:5])}{', ...' if foreign[5:] else ''}",
+            "and no Lo-Fi job (no average/, workers/ or commits/): a training workdir, or",
+            "another directory, that the workers would push their weights into. Give a new or",
+            "empty directory, or an existing Lo-Fi store to resume its job. Nothing was written.",
+        ))
+
+
+def _job_entry(location: str, name: str) -> bool:
+    """Whether `name`, at the top of a store without snapshots, is what a starting job wrote."""
+    if name == "stats":
+        return True
+    if name == "config.json":  # a Lo-Fi worker's resolved config, not a training run's
+        try:
+            config = json.loads(Store(location).read("config.json") or b"{}")
+            return bool((config.get("lofi") or {}).get("enabled"))
+        except (ValueError, AttributeError, StoreError):
+            return False
+    if name == "runs" and not locations.is_remote(location):
+        runs = os.path.join(location, name)
+        return os.path.isdir(runs) and all(_RUNS.fullmatch(n) for n in os.listdir(runs))
+    return name == "runs"

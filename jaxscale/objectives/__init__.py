@@ -29,8 +29,8 @@ from jaxscale.objectives.base import LMObjective, Objective, Settings
 from jaxscale.objectives.grpo import GRPOObjective, check_grpo
 from jaxscale.objectives.preference import PreferenceObjective
 
-__all__ = ["OBJECTIVES", "Objective", "Settings", "check_objective", "holds_reference",
-           "make_objective", "objective_of"]
+__all__ = ["OBJECTIVES", "Objective", "Settings", "check_data_kind", "check_objective",
+           "holds_reference", "make_objective", "objective_of"]
 
 # name -> (task, settings) -> the objective
 OBJECTIVES: dict[str, Callable[[Task, Settings], Objective]] = {
@@ -76,30 +76,16 @@ def _check_name(name: str) -> None:
 
 
 def check_objective(config: Any, data_kind: str) -> None:
-    """`config.objective` against itself, the model's task, the data (`data_kind`: text, chat
-    or preference, `data.mixture.configured_kind`) and the pipeline schedule; one paragraph
-    for the first mismatch."""
+    """`config.objective` against itself, the model's task, the data (`data_kind`: text, chat,
+    preference or prompts, `data.mixture.configured_kind`) and the pipeline schedule; one
+    paragraph for the first mismatch."""
     s = Settings.from_config(config.get("objective"))
     _check_name(s.name)
+    check_data_kind(s.name, data_kind)
     if s.name == "grpo":
-        return _check_grpo(config, s, data_kind)
-    if data_kind == "prompts":
-        raise ConfigError(paragraph(
-            f"data.sources holds prompts=GLOB, which objective.name={s.name!r} cannot train on",
-            "(prompts have no answers to learn; an RL run samples them and scores them with",
-            "reward functions). Use --config.objective.name=grpo with objective.rewards."))
+        return _check_grpo(config, s)
     _check_values(s)
     preference = s.name in PREFERENCE
-    if preference and data_kind != "preference":
-        raise ConfigError(paragraph(
-            f"objective.name={s.name!r} trains on preference pairs, but data.sources holds",
-            f"{data_kind} data. Give pairs (--config.data.sources='preference=FILE.jsonl', or",
-            "prepared pairs), or use --config.objective.name=lm for text and chat."))
-    if data_kind == "preference" and not preference:
-        raise ConfigError(paragraph(
-            "data.sources holds preference pairs, which objective.name='lm' cannot train on",
-            "(a pair is two responses to compare, not one sequence). Choose a preference",
-            f"objective: --config.objective.name={'|'.join(PREFERENCE)}."))
     if preference and task_of(config.model).sequence_logps is None:
         raise ConfigError(paragraph(
             f"objective.name={s.name!r} compares the log-probabilities of whole responses,",
@@ -114,13 +100,41 @@ def check_objective(config: Any, data_kind: str) -> None:
             "(or circular) with pipeline stages for preference objectives."))
 
 
-def _check_grpo(config: Any, s: Settings, data_kind: str) -> None:
-    """`grpo`: prompts data, a decoder that scores tokens, its settings, no 1F1B."""
-    if data_kind != "prompts":
+def check_data_kind(name: str, data_kind: str, where: str = "data.sources",
+                    fix: str | None = None, rollouts: bool = True) -> None:
+    """The kind of data `where` holds (text, chat, preference or prompts, as
+    `data.mixture.configured_kind` says) against what objective `name` reads: pairs for the
+    preference objectives, prompts for grpo where the command samples rollouts (training),
+    else token rows. One check for every command that feeds a run's objective data: `where`
+    is the field or flag to blame and `fix` replaces the training fixes, which change the
+    config. `evaluate --eval_sources` scores rows and samples nothing (`rollouts=False`): there
+    prompts are refused for every objective and a grpo run is scored on token rows."""
+    samples = rollouts and name == "grpo"
+    verb = "train on" if rollouts else "score"
+    if samples and data_kind != "prompts":
         raise ConfigError(paragraph(
-            "objective.name='grpo' samples completions of prompts, but data.sources holds",
-            f"{data_kind} data. Give prompts (--config.data.sources='prompts=FILE.jsonl', one",
-            "{\"prompt\": ...} per line), or use objective.name=lm for text and chat."))
+            f"objective.name='grpo' samples completions of prompts, but {where} holds",
+            f"{data_kind} data.", fix or "Give prompts (--config.data.sources='prompts=FILE.jsonl',"
+            " one {\"prompt\": ...} per line), or use objective.name=lm for text and chat."))
+    if not samples and data_kind == "prompts":
+        raise ConfigError(paragraph(
+            f"{where} holds prompts=GLOB, which objective.name={name!r} cannot {verb} (prompts",
+            "have no answers; an RL run samples them and scores them with reward functions).",
+            fix or "Use --config.objective.name=grpo with objective.rewards."))
+    if name in PREFERENCE and data_kind != "preference":
+        raise ConfigError(paragraph(
+            f"objective.name={name!r} trains on preference pairs, but {where} holds",
+            f"{data_kind} data.", fix or "Give pairs (--config.data.sources='preference="
+            "FILE.jsonl', or prepared pairs), or use --config.objective.name=lm for text and chat."))
+    if data_kind == "preference" and name not in PREFERENCE:
+        raise ConfigError(paragraph(
+            f"{where} holds preference pairs, which objective.name={name!r} cannot {verb} (a",
+            "pair is two responses to compare, not one sequence).", fix or "Choose a preference"
+            f" objective: --config.objective.name={'|'.join(PREFERENCE)}."))
+
+
+def _check_grpo(config: Any, s: Settings) -> None:
+    """`grpo`: a decoder that scores tokens, its settings, no 1F1B."""
     if task_of(config.model).token_logps is None:
         raise ConfigError(paragraph(
             "objective.name='grpo' compares token log-probabilities, which",
