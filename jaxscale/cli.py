@@ -55,7 +55,7 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     """Parses `argv` into absl FLAGS; on a mistake prints one paragraph and exits."""
     argv = resolve_config_files(config_first(argv, _config_flag_names()))
     try:
-        rest = FLAGS(argv)
+        rest = _parse_or_help(argv)
         for name in _config_flag_names():
             _touch(FLAGS[name].value)  # a missing config file only raises when first read
             if FLAGS[name].value is None:  # its get_config returned nothing
@@ -63,6 +63,20 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
         return rest
     except Exception as e:  # those of a config file's code; the flags' own; else re-raised
         _fail_on_user_error(e, argv)
+        raise
+
+
+# absl's help flags: each prints and exits with status 1; asked for, help is a success (0).
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
+def _parse_or_help(argv: Sequence[str]) -> list[str]:
+    try:
+        return FLAGS(argv)
+    except SystemExit as stop:
+        passed = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+        if stop.code == 1 and any(arg in HELP_FLAGS for arg in passed):
+            sys.exit(0)
         raise
 
 

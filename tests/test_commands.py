@@ -48,6 +48,7 @@ def test_help_usage_lines_read_cleanly(command, tmp_path):
     """absl prints the module docstring as the usage: a backslash line continuation there (not a
     raw string) joins two lines with a run of spaces, `... llama.py:7b         [--top=3]`."""
     out = _run(["-m", "jaxscale", command, "--help"], tmp_path)
+    assert out.returncode == 0, (command, out.returncode)  # absl's own exit status is 1
     usage, sep, _ = (out.stdout + out.stderr).partition("\nflags:\n")
     assert sep and usage.strip(), (command, out.stdout[-2000:], out.stderr[-2000:])
     gaps = [line for line in usage.splitlines() if re.search(r"\S {3,}\S", line)]
