@@ -126,4 +126,6 @@ def test_eval_sources_of_another_kind_than_the_objective_scores(setup):
     with pytest.raises(JaxscaleError, match=r"holds prompts=GLOB, which objective.name='grpo' "
                                             r"cannot score .* drop the flag"):
         evaluate_params(grpo, params, eval_sources=f"prompts={root}/more.jsonl")
-    evaluate_params(grpo, params, eval_sources=f"jsonl={root}/more.jsonl")  # text: not refused
+    text = f"jsonl={root}/more.jsonl"  # a grpo policy on text: the model's own held-out loss
+    assert evaluate_params(grpo, params, eval_sources=text) == evaluate_params(
+        c, params, eval_sources=text)

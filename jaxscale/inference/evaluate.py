@@ -1,5 +1,5 @@
 """Held-out evaluation of a workdir's newest weights: loss, perplexity and accuracy, or a
-preference objective's rewards and reward accuracy.
+preference objective's rewards and reward accuracy (a grpo policy on text: the lm metrics).
 
 Rebuilds the run from `WORKDIR/config.json` (mesh, rules, precision, model, data), loads the
 newest checkpoint's parameters (LoRA adapters folded in) onto the mesh by the rules, and

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.models.runner import LayerRunner
 from jaxscale.models.task import Task
-from jaxscale.objectives.base import Batch, Settings
+from jaxscale.objectives.base import Batch, LMObjective, Settings
 
 LossNorm = Literal["token", "sequence", "constant"]
 ScaleRewards = Literal["group", "batch", "none"]
@@ -222,10 +222,14 @@ class GRPOObjective:
         return dict(batch, **{ROW_WEIGHT: weights_B * mask_BT.shape[0]})
 
     def eval_sums(self, model: Any, reference: Any, batch: Batch) -> dict[str, jax.Array]:
-        return {}
+        """Held-out text (`jaxscale evaluate --eval_sources=text=...`) is scored by the model's
+        own task: the policy's next-token loss, accuracy and perplexity, which show what RL did
+        to its language modelling. The loop's held-out metrics are rollouts' rewards instead
+        (`rl/rollout.py`), so nothing here is logged during training (`reported`)."""
+        return LMObjective(self.task).eval_sums(model, reference, batch)
 
     def finish(self, totals: Mapping[str, float]) -> dict[str, float]:
-        return {}
+        return LMObjective(self.task).finish(totals) if totals else {}
 
     def batch_spec(self, model_cfg: Mapping[str, Any], batch_size: int, seq_len: int,
                    segments: bool, masked: bool) -> dict[str, jax.ShapeDtypeStruct]:
