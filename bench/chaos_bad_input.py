@@ -25,6 +25,12 @@ def bad_input_files(tmp: str) -> dict[str, str]:
     open(files["nodocs"], "w").close()
     files["evdir"] = os.path.join(d, "events-dir")  # a workdir whose event log is a directory
     os.makedirs(os.path.join(files["evdir"], "events.jsonl"), exist_ok=True)
+    files["mdir"] = os.path.join(d, "metrics-dir")  # a workdir whose metrics.jsonl is a directory
+    os.makedirs(os.path.join(files["mdir"], "metrics.jsonl"), exist_ok=True)
+    files["mbin"] = os.path.join(d, "metrics-binary")  # metrics.jsonl of random bytes
+    os.makedirs(files["mbin"], exist_ok=True)
+    with open(os.path.join(files["mbin"], "metrics.jsonl"), "wb") as f:
+        f.write(b"\xde\xad" + bytes(random.Random(1).randrange(256) for _ in range(500)))
 
     with open(files["cfg"], "w") as f:
         f.write("def get_config(arg=None:\n    return None\n")
@@ -74,6 +80,7 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
         ("inspect", "missing config file", [f"--config={f['missing']}.py"]),
         ("inspect", "unknown config field", [tiny, "--config.model.nope=1"]),
         ("inspect", "config file with a syntax error", [f"--config={f['cfg']}"]),
+        ("inspect", "a positional argument", [tiny, "--nocompile", "extra_positional"]),
         ("compile", "bad topology", [tiny, "--topology=v99:1x1"]),
         ("compile", "--decode_context without --decode_batch", [
             tiny, "--topology=v5p:2x2x1", "--decode_context=64"]),
@@ -125,9 +132,15 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
         ("plot", "missing workdir", [f['missing'], f"--out={f['out']}/x.png"]),
         ("plot", "corrupt metrics.jsonl", [f['workdir'], f"--out={f['out']}/y.png"]),
         ("plot", "no workdir given", [f"--out={f['out']}/z.png"]),
+        ("plot", "metrics.jsonl a directory", [f['mdir'], f"--out={f['out']}/d.png"]),
+        ("plot", "metrics.jsonl not text", [f['mbin'], f"--out={f['out']}/b.png"]),
         ("profile-summary", "missing workdir", [f['missing']]),
         ("profile-summary", "corrupt trace file", [f['junk']]),
         ("profile-summary", "bad flag value", [f['workdir'], "--top=x"]),
+        ("profile-summary", "no workdir given", []),
+        ("profile-summary", "two workdirs", [f['workdir'], f['missing']]),
+        ("profile-summary", "--top negative", [f['workdir'], "--top=-3"]),
+        ("profile-summary", "--top=0", [f['workdir'], "--top=0"]),
         ("goodput", "missing workdir", [f['missing']]),
         ("goodput", "events.jsonl of garbage and ill-typed events", [f['workdir']]),
         ("goodput", "bad flag value", [f['workdir'], "--json=x"]),

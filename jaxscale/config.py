@@ -196,11 +196,14 @@ def validate(c: mlc.ConfigDict) -> None:
     for name, value in (("steps", t.steps), ("log_every", t.log_every)):
         _require(value > 0, f"train.{name}={value}: it must be positive (e.g. "
                             f"--config.train.{name}={100 if name == 'steps' else 10}).")
-    _require(t.grad_accum >= 1 and d.batch_size % t.grad_accum == 0,
+    micro = c.pipeline.microbatches
+    for name, value in (("train.grad_accum", t.grad_accum), ("pipeline.microbatches", micro)):
+        _require(value >= 1, f"{name}={value}: it must be at least 1 (1: the whole batch at",
+                 f"once; e.g. --config.{name}=4 splits it into 4 parts).")
+    _require(d.batch_size % t.grad_accum == 0,
              f"data.batch_size={d.batch_size} must be divisible by train.grad_accum="
              f"{t.grad_accum}: each accumulation step takes batch_size/grad_accum rows.")
-    micro = c.pipeline.microbatches
-    _require(micro >= 1 and (d.batch_size // t.grad_accum) % micro == 0,
+    _require((d.batch_size // t.grad_accum) % micro == 0,
              f"The per-step batch {d.batch_size // t.grad_accum} is not divisible by "
              f"pipeline.microbatches={micro}; choose a batch that the microbatches divide.")
     _require(c.rules_indivisible in ("error", "replicate"),
@@ -256,6 +259,7 @@ def _validate_mesh_use(c: mlc.ConfigDict) -> None:
 def _validate_choices(c: mlc.ConfigDict) -> None:
     """Names that would otherwise only fail deep inside the optimizer or the rules."""
     from jaxscale.optim import OPTIMIZERS
+    from jaxscale.optim import check_settings as check_optim_settings
     from jaxscale.precision import get_policy  # lazy: keeps `import config` light
 
     m, d = c.model, c.data
@@ -265,6 +269,7 @@ def _validate_choices(c: mlc.ConfigDict) -> None:
              "jaxscale/rules.py), or '' to use config.rules.")
     _require(c.optim.name in OPTIMIZERS,
              f"optim.name={c.optim.name!r}: use one of {', '.join(OPTIMIZERS)}.")
+    check_optim_settings(c.optim)
     chunks = m.get("loss_chunks", 0) or 1  # the automatic choice always divides
     stages = c.mesh.pipeline
     if c.pipeline.schedule == "1f1b" and stages > 1:  # the head's positions split over stages

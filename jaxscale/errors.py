@@ -59,11 +59,42 @@ def report(error: BaseException) -> int:
     return 1
 
 
+def command_name(module: str) -> str:
+    """`jaxscale NAME` of the entry point in `module`; run by `jaxscale NAME` or `python -m`,
+    an entry point's module is `__main__`, whose spec still names `jaxscale.launch.X`."""
+    import sys
+
+    if module == "__main__":
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        module = spec.name if spec is not None else module
+    leaf = module.rpartition(".")[2]
+    try:
+        from jaxscale.launch import COMMANDS
+        leaf = next((n for n, (m, _) in COMMANDS.items() if m == leaf), leaf)
+    except ImportError:
+        pass
+    return f"jaxscale {leaf.replace('_', '-')}"
+
+
+def usage_error(name: str, argv: list[str], message: str) -> JaxscaleError:
+    """absl's `app.UsageError` as one paragraph: absl itself would print the whole flag help and
+    exit 1, burying the one line that says what was wrong. `name` is `jaxscale COMMAND`."""
+    extra = argv[1:]
+    if message.startswith("Unexpected arguments") and extra:
+        return JaxscaleError(paragraph(
+            f"{name} takes no positional arguments, and was given {len(extra)}",
+            f"({' '.join(extra)}): pass its settings as --flags (`{name} --help` lists them)."))
+    return JaxscaleError(paragraph(f"{name}: {message}", f"(`{name} --help` lists its flags)."))
+
+
 def exit_on_user_error(fn):
-    """Decorator for entry points: a JaxscaleError exits with its paragraph, and a Ctrl-C with
-    one line and 130 (128 + SIGINT, as a shell reports it), not a traceback."""
+    """Decorator for entry points: a JaxscaleError (or absl's `app.UsageError`) exits with its
+    paragraph and status 2, and a Ctrl-C with one line and 130 (128 + SIGINT, as a shell
+    reports it), not a traceback."""
     import functools
     import sys
+
+    from absl import app
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -71,6 +102,9 @@ def exit_on_user_error(fn):
             return fn(*args, **kwargs)
         except JaxscaleError as e:
             sys.exit(report(e))
+        except app.UsageError as e:
+            argv = list(args[0]) if args and isinstance(args[0], (list, tuple)) else []
+            sys.exit(report(usage_error(command_name(fn.__module__), argv, str(e))))
         except KeyboardInterrupt:
             print("jaxscale: interrupted (Ctrl-C); it stopped where it was.", file=sys.stderr,
                   flush=True)

@@ -7,6 +7,7 @@ uses a linear-warmup + cosine-decay schedule.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -145,6 +146,45 @@ def _adam8bit(c: Any, lr: optax.Schedule) -> optax.GradientTransformation:
 OPTIMIZERS: dict[str, Callable[[Any, optax.Schedule], optax.GradientTransformation]] = {
     "adamw": _adamw, "lamb": _lamb, "adafactor": _adafactor, "sgd": _sgd, "adam8bit": _adam8bit,
 }
+
+
+# The numbers of `config.optim` and their valid ranges: optax takes any float, and a negative
+# learning rate or clip norm (which flips the gradient's sign) trains the model backwards
+# without an error. (low, high, low included, high included, an example).
+_RANGES = {
+    "lr": (0.0, math.inf, False, False, "3e-4"),
+    "min_lr_ratio": (0.0, 1.0, True, True, "0.1"),
+    "weight_decay": (0.0, math.inf, True, False, "0.01"),
+    "b1": (0.0, 1.0, True, False, "0.9"),
+    "b2": (0.0, 1.0, True, False, "0.95"),
+    "eps": (0.0, math.inf, True, False, "1e-8"),
+    "clip_norm": (0.0, math.inf, True, False, "1.0 (0: no clipping)"),
+    "momentum": (0.0, 1.0, True, False, "0.9"),
+}
+
+
+def check_settings(optim_cfg: Any) -> None:
+    """Refuses, in one paragraph naming the field, a `config.optim` number outside its range
+    (the name is checked with the other names, `config._validate_choices`)."""
+    for name, (low, high, with_low, with_high, example) in _RANGES.items():
+        value = optim_cfg.get(name)
+        if value is None:
+            continue
+        above = value >= low if with_low else value > low
+        below = value <= high if with_high else value < high
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and above and below):
+            where = (f"in {'[' if with_low else '('}{low:g}, {high:g}{']' if with_high else ')'}"
+                     if math.isfinite(high) else f"{'>=' if with_low else '>'} {low:g}")
+            raise ConfigError(paragraph(
+                f"optim.{name}={value!r} is outside its range: it must be a finite number {where}",
+                f"(e.g. --config.optim.{name}={example}).",
+            ))
+    warmup = optim_cfg.get("warmup_steps", 0)
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(paragraph(
+            f"optim.warmup_steps={warmup!r}: the steps of linear warm-up must be a whole number",
+            ">= 0 (e.g. --config.optim.warmup_steps=20; 0: no warm-up).",
+        ))
 
 
 # ---- Optimizer-state host offload (`optim.offload_state`) ------------------------------------

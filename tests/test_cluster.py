@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
-from jaxscale.runtime.pod_commands import check_tpu_flags, remote_path, tpu_pod_commands
+from jaxscale.errors import ConfigError
+from jaxscale.runtime.pod_commands import (
+    check_python,
+    check_repo_dir,
+    check_tpu_flags,
+    check_train_flags,
+    remote_path,
+    tpu_pod_commands,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,7 +64,48 @@ def test_tpu_pod_dry_run_cli():
 
 def test_tpu_pod_missing_zone_cli():
     out = _cli("--tpu=pod", "--dry_run")
-    assert out.returncode != 0 and "needs --zone" in out.stderr and "Example:" in out.stderr
+    assert out.returncode == 2 and "needs --zone" in out.stderr and "Example:" in out.stderr
+    assert out.stderr.startswith("jaxscale: error: ") and "Traceback" not in out.stderr
+    assert "jaxscale tpu-pod --tpu=" in out.stderr and "python -m" not in out.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    ((), "needs --tpu and --zone"),
+    (("--", "--workdir=gs://b/r"), "have no --config"),
+    (("--", "--config=configs/tiny_lm.py"), "have no --workdir"),
+    (("--", "--config=configs/tiny_lm.py", "--workdir=runs/r"), "is a local path"),
+    (("--python=python3.9", "--", "--config=tiny_lm", "--workdir=gs://b/r"), ">= 3.11"),
+    (("--repo_dir=/no/such/dir", "--", "--config=tiny_lm", "--workdir=gs://b/r"),
+     "does not exist"),
+])
+def test_tpu_pod_refuses_bad_flags_cli(args, says):
+    """Each mistake is one `jaxscale: error:` paragraph and exit 2, before any command."""
+    zone = ("--tpu=pod", "--zone=z", "--dry_run") if args else ()
+    out = _cli(*zone, *args)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("jaxscale: error: ") and says in out.stderr
+    assert "Traceback" not in out.stderr and not out.stdout
+
+
+def test_tpu_pod_checks(tmp_path):
+    check_python("python3.11")
+    check_python("/usr/bin/python3")
+    with pytest.raises(ConfigError, match="Python 3.10"):
+        check_python("/usr/bin/python3.10")
+    check_repo_dir(ROOT)
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "other"\n')
+    with pytest.raises(ConfigError, match="naming 'other'"):
+        check_repo_dir(str(tmp_path))
+    check_train_flags(["--config", "tiny_lm", "--workdir", "s3://b/r"])
+    check_train_flags(["--config=tiny_lm", "--workdir=runs/r"], allow_local_workdir=True)
+
+
+def test_tpu_pod_archive_is_unique_and_removed():
+    """Two launches never share (or leave behind) one fixed /tmp archive."""
+    args = ("--tpu=pod", "--zone=z", "--dry_run", "--", "--config=tiny_lm", "--workdir=gs://b/r")
+    names = {shlex.split(_cli(*args).stdout.splitlines()[0])[2] for _ in range(2)}
+    assert len(names) == 2 and not any(os.path.exists(n) for n in names)
+    assert not any(n.endswith("/jaxscale-src.tar.gz") for n in names)
 
 
 def test_sbatch_template():

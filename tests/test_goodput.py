@@ -15,7 +15,7 @@ import pytest
 from child_env import child_env
 from configs.tiny_lm import get_config
 from jaxscale.observe.events import EventLog, read_events
-from jaxscale.observe.goodput import Interruption, analyse
+from jaxscale.observe.goodput import Interruption, analyse, format_report, goodput
 from jaxscale.runtime.preemption import Preempted
 from jaxscale.train.hooks import CheckpointHook
 from jaxscale.train.loop import prepare
@@ -159,3 +159,18 @@ def test_the_event_log_on_a_bucket_workdir_gives_the_same_report(seaweedfs):
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout)["interruptions"][0]["lost_steps"] == 2
+
+
+def test_a_complete_line_with_a_bad_value_is_malformed_not_cut_by_a_kill(tmp_path):
+    """A whole, valid-JSON line with `"time": "abc"` was blamed on a kill."""
+    _write(str(tmp_path), CRAFTED)
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('{"event": "progress", "time": "abc", "step": 9, "seconds": 1}\n')
+    g = goodput(str(tmp_path))
+    assert (g.unreadable_lines, g.malformed_lines) == (1, 1)
+    text = format_report(str(tmp_path), g)
+    assert "1 malformed line(s)" in text and "cut short" not in text
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('{"event": "progr')  # and now one cut short by a kill as well
+    text = format_report(str(tmp_path), goodput(str(tmp_path)))
+    assert "(1 line(s) cut short by a kill and 1 malformed line(s)" in text

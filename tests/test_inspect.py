@@ -116,3 +116,48 @@ def test_batches_of_other_datasets_match_the_training_step(tmp_path):
         lowered = build_step(c, make_mesh(c.mesh)).lower(batch_spec(c))
         assert fingerprint(lowered) == fingerprint(trainer_program(c))
     assert set(batch_spec(packed)) == {"tokens", "segment_ids", "positions"}
+
+
+def test_init_from_is_checked_as_train_checks_it(tmp_path):
+    """inspect reports no run that train would refuse: init_from's weights must be readable and
+    of the model's shapes (metadata only, as `load_params` checks them)."""
+    import numpy as np
+
+    from jaxscale.errors import JaxscaleError
+    from jaxscale.launch.inspect import check_init_from
+    from jaxscale.models import ModelDef
+    from jaxscale.precision import get_policy
+    from jaxscale.weights.init_from import export_params
+
+    c = get_config("test")
+    c.init_from = str(tmp_path / "empty")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(JaxscaleError, match="holds no weights jaxscale can read"):
+        check_init_from(c)
+    like = ModelDef.build(c.model, get_policy(c.precision)).shapes()
+    export_params(str(tmp_path / "w"), {k: np.zeros(v.shape, v.dtype) for k, v in like.items()})
+    c.init_from = str(tmp_path / "w")
+    check_init_from(c)
+    c.model.embed *= 2
+    with pytest.raises(JaxscaleError, match="config.init_from=.* the model expects"):
+        check_init_from(c)
+
+
+def test_inspect_cli_names_its_default_config_and_refuses_empty_init_from(tmp_path):
+    import subprocess
+    import sys
+
+    from child_env import child_env
+
+    def inspect(*args):
+        return subprocess.run([sys.executable, "-m", "jaxscale", "inspect", "--compile=false",
+                               *args], env=child_env(), capture_output=True, text=True,
+                              timeout=300)
+
+    out = inspect()
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("config: ") and "tiny_lm.py (the default" in out.stdout
+    (tmp_path / "empty").mkdir()
+    out = inspect("--config=finetune_lm:test", f"--config.init_from={tmp_path / 'empty'}")
+    assert out.returncode == 2 and out.stderr.startswith("jaxscale: error: config.init_from")
+    assert "holds no weights" in out.stderr and not out.stdout

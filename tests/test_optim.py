@@ -1,6 +1,8 @@
 """Optimizers by name: each one optimises; 8-bit Adam's quantizer error is bounded, its state is
 sharded like the parameters, and on the tiny LM it tracks float32 AdamW."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from configs.tiny_lm import get_config
+from jaxscale.config import validate
 from jaxscale.errors import ConfigError
 from jaxscale.optim import (
     OPTIMIZERS,
@@ -47,6 +50,24 @@ def test_unknown_optimizer_lists_names():
     c.name = "adam9bit"
     with pytest.raises(ConfigError, match="adam8bit"):
         make_optimizer(c, 10)
+
+
+@pytest.mark.parametrize("field, value, range_", [
+    ("lr", -0.01, "> 0"),          # trained the model backwards, exit 0
+    ("lr", float("nan"), "> 0"),   # stopped one step later, blaming the loss
+    ("clip_norm", -1.0, ">= 0"),   # optax flips the gradient's sign
+    ("b1", 1.5, "in [0, 1)"),
+    ("weight_decay", -1.0, ">= 0"),
+    ("min_lr_ratio", -3.0, "in [0, 1]"),
+    ("warmup_steps", -5, ">= 0"),
+])
+def test_optimizer_numbers_out_of_range_are_refused_by_name(field, value, range_):
+    c = get_config("test")
+    c.optim[field] = value
+    with pytest.raises(ConfigError, match=rf"optim\.{field}=.*{re.escape(range_)}.*"
+                                          rf"--config\.optim\.{field}="):
+        validate(c)
+    validate(get_config("test"))  # the defaults are in range
 
 
 def test_blockwise_quantization_error_is_bounded():

@@ -1,5 +1,7 @@
 """The pipeline runner computes the plain layer scan; schedules' bubble math; clear errors."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -88,6 +90,17 @@ def test_bubble_fractions():
 def test_clear_config_errors(pipeline, num_layers, message):
     with pytest.raises(ConfigError, match=message.replace("?", r"\?")):
         make_layer_runner(pipeline, make_mesh({"pipeline": 2, "data": 4}), "none", num_layers)
+
+
+@pytest.mark.parametrize("field", ["pipeline.microbatches", "train.grad_accum"])
+@pytest.mark.parametrize("value", [0, -2])
+def test_a_count_below_one_is_named_as_such_not_as_indivisible(field, value):
+    from jaxscale.config import validate
+    c = get_config("test")
+    section, name = field.split(".")
+    c[section][name] = value
+    with pytest.raises(ConfigError, match=rf"{re.escape(field)}={value}: it must be at least 1"):
+        validate(c)
 
 
 def test_batch_not_divisible_by_microbatches():

@@ -218,6 +218,26 @@ def test_dpo_equals_one_device(data, one_device, mesh, preset, pipeline, grad_ac
         assert np.linalg.norm(grads[k] - want[k]) <= 1e-5 * np.linalg.norm(want[k]) + 1e-7, k
 
 
+def test_a_setting_no_objective_of_the_run_reads_is_refused_by_name():
+    """Each objective reads some of `config.objective`; a changed value it ignores (gamma under
+    dpo, GRPO's sampling under lm) is refused rather than silently unused."""
+    from jaxscale.objectives import check_objective
+    c = tiny_lm.get_config("test")
+    c.objective.update(name="dpo", gamma=1.0)
+    with pytest.raises(ConfigError, match=r"objective.name='dpo' does not read "
+                                          r"objective.gamma=1.0 \(read by simpo\)"):
+        check_objective(c, "preference")
+    c.objective.name = "simpo"
+    check_objective(c, "preference")
+    c.objective.gamma = -1.0
+    with pytest.raises(ConfigError, match=r"objective.gamma=-1.0 must be >= 0 for simpo"):
+        check_objective(c, "preference")
+    lm = tiny_lm.get_config("test")
+    lm.objective.num_generations = 8
+    with pytest.raises(ConfigError, match=r"'lm' does not read objective.num_generations=8"):
+        check_objective(lm, "text")
+
+
 def test_config_mistakes_are_one_paragraph(data):
     from jaxscale.config import validate
 
@@ -321,3 +341,23 @@ def test_ipo_and_simpo_train(data, name):
     assert (trainer.ctx.reference is None) == (name == "simpo")
     assert bool(state.reference) == (name == "ipo")  # ipo holds a copy, simpo none
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def test_a_reference_of_another_model_is_blamed_on_the_reference(data, tmp_path):
+    """Reference weights recording another model than the policy's name objective.reference
+    and the fields that differ, and ask for the policy's model (not init_from's message, whose
+    fix, changing config.model, would break the run)."""
+    from jaxscale.train.reference import ReferenceError, reference_leaves
+
+    c = pref_config(data)
+    other = {**c.model.to_dict(), "num_layers": 3, "embed": 32}
+    ref = tmp_path / "other_run"
+    ref.mkdir()
+    (ref / "config.json").write_text(json.dumps({"model": other}))
+    with pytest.raises(ReferenceError) as e:
+        reference_leaves(str(ref), {}, c.model)
+    text = str(e.value)
+    assert text.startswith(f"objective.reference={str(ref)!r} holds another model than the policy")
+    assert "model.num_layers is 2 for the policy but 3 in the reference" in text
+    assert "model.embed is 64" in text and "objective.reference=init" in text
+    assert "init_from" not in text and "model_from_weights" not in text

@@ -1,6 +1,6 @@
 """The sharding inspector: where every parameter lives, what each device holds, what the step needs.
 
-Used by `python -m launch.inspect`. Nothing is allocated: shapes come from `jax.eval_shape`, and
+Used by `jaxscale inspect`. Nothing is allocated: shapes come from `jax.eval_shape`, and
 the train step is lowered and compiled against abstract arrays for its memory analysis. The step
 is the one `launch.train` runs (`train.build.build_step`, jitted and lowered as the loop does),
 pipeline runner, LoRA and loss scaling included.

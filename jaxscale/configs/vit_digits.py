@@ -1,7 +1,7 @@
 """A small ViT trained on scikit-learn's 8x8 digits (ships with the package; no download).
 
-`python -m launch.train --config=configs/vit_digits.py --workdir=DIR --cpu_devices=8` reaches
->95% test accuracy in a few CPU minutes (`python -m launch.evaluate --workdir=DIR` reports it).
+`jaxscale train --config=vit_digits --workdir=DIR --cpu_devices=8` reaches
+>95% test accuracy in a few CPU minutes (`jaxscale evaluate --workdir=DIR` reports it).
 `:test` is a seconds-long variant for the tests. To fine-tune a Hugging Face ViT (its
 directory or a `launch.convert` output), set `--config.init_from=DIR
 --config.model_from_weights=true`: the run takes the weights' image size, patch size, channels

@@ -1,4 +1,4 @@
-"""Hugging Face directory <-> jaxscale workdir, behind `python -m launch.convert`.
+"""Hugging Face directory <-> jaxscale workdir, behind `jaxscale convert`.
 
 `hf_to_workdir` writes the converted parameters as a params export (`WORKDIR/params/`, the
 checksummed format `config.init_from` reads first) plus `WORKDIR/model_config.json`, the

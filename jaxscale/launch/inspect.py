@@ -1,7 +1,10 @@
-"""Print where every parameter lives: `jaxscale inspect --config=... [--cpu_devices=N]`.
+"""Print where every parameter lives: `jaxscale inspect [--config=FILE[:ARG]] [--cpu_devices=N]`.
 
+Without `--config` it inspects the default config, configs/tiny_lm.py (the banner names it).
 `--config.init_from=WEIGHTS` supplies the model as it does to `train` (`cli.resolved`): only the
-shapes the weights record are read."""
+shapes the weights record are read, and weights `train` would refuse are refused here too."""
+
+from typing import Any
 
 from absl import app, flags
 
@@ -9,7 +12,9 @@ from jaxscale import cli
 from jaxscale.errors import exit_on_user_error
 from jaxscale.runtime import distributed
 
-_CONFIG = cli.define_config_file("config", "configs/tiny_lm.py", "Experiment config.")
+DEFAULT_CONFIG = "configs/tiny_lm.py"
+_CONFIG = cli.define_config_file(
+    "config", DEFAULT_CONFIG, f"Experiment config (default: {DEFAULT_CONFIG}).")
 _COMPILE = flags.DEFINE_bool("compile", True, "Compile the train step for its memory analysis.")
 distributed.define_flags()
 
@@ -19,8 +24,38 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     distributed.setup()
+    from jaxscale import config as config_lib
     from jaxscale.aot.sharding_report import build_report, format_report
-    print(format_report(build_report(cli.resolved(_CONFIG.value), _COMPILE.value)))
+    config = cli.resolved(_CONFIG.value)
+    config_lib.validate(config)  # first: a missing init_from is named as train names it
+    check_init_from(config)
+    print(banner(), flush=True)
+    print(format_report(build_report(config, _COMPILE.value)))
+
+
+def banner() -> str:
+    """Which config the report is of: without --config it is the default, which a reader
+    would otherwise not know was chosen for them."""
+    import sys
+
+    spec = flags.FLAGS["config"].config_filename
+    given = any(a == "--config" or a.startswith("--config=") for a in sys.argv[1:])
+    return f"config: {spec}" + ("" if given else " (the default; --config=FILE[:ARG] for another)")
+
+
+def check_init_from(config: Any) -> None:
+    """`config.init_from`'s weights checked as `train` checks them when it loads them
+    (`weights.init_from.load_params`: the recorded model fields, then every leaf's presence
+    and shape), reading their metadata only: inspect must not report a run train refuses."""
+    path = config.get("init_from")
+    if not path:
+        return
+    from jaxscale.models import ModelDef
+    from jaxscale.precision import get_policy
+    from jaxscale.weights.init_from import checked_leaves
+
+    like = ModelDef.build(config.model, get_policy(config.precision)).shapes()
+    checked_leaves(path, like, config.model)
 
 
 if __name__ == "__main__":

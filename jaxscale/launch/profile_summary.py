@@ -8,16 +8,31 @@ a run with `--config.train.profile.num_steps=N` wrote into WORKDIR/profile/ (or 
 from absl import app, flags
 
 from jaxscale import cli
-from jaxscale.errors import exit_on_user_error
+from jaxscale.errors import JaxscaleError, exit_on_user_error, paragraph
 
-_TOP = flags.DEFINE_integer("top", 15, "How many ops to list.")
+_TOP = flags.DEFINE_integer("top", 15, "How many ops to list (1 or more).")
+
+
+def _check_args(argv: list[str], top: int) -> None:
+    """One paragraph for a wrong argument count or --top < 1 (a negative --top would slice
+    the table from its end and print every op but the last few, an answer that looks right)."""
+    if len(argv) != 2:
+        raise JaxscaleError(paragraph(
+            "jaxscale profile-summary takes one workdir (or .xplane.pb file), and was given",
+            f"{len(argv) - 1} ({' '.join(argv[1:]) or 'none'}): jaxscale profile-summary",
+            "WORKDIR [--top=N]."))
+    if top < 1:
+        raise JaxscaleError(paragraph(
+            f"--top={top}: jaxscale profile-summary lists the N ops that took the most time;",
+            "give N >= 1 (the default is 15)."))
 
 
 @exit_on_user_error
-def main(argv):
-    if len(argv) != 2:
-        raise app.UsageError("Usage: jaxscale profile-summary WORKDIR [--top=N]")
+def main(argv: list[str]) -> None:
+    _check_args(argv, _TOP.value)
     from jaxscale.observe.profiling import format_summary, summarize
+    from jaxscale.storage import locations
+    locations.check(argv[1])  # an unreachable bucket is said as such, not as "no trace"
     print(format_summary(summarize(argv[1]), _TOP.value))
 
 

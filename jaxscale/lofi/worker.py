@@ -249,7 +249,7 @@ class LofiWorker:
         raise SyncTimeoutError(paragraph(
             f"Lo-Fi worker {self.lofi.worker_id} pushed step {step} and waited",
             f"{self.lofi.sync_timeout_s:.0f}s for an average covering it in {self.lofi.store},",
-            "but none appeared. Is `python -m launch.lofi_average --store=... --watch` running,",
+            "but none appeared. Is `jaxscale lofi-average --store=... --watch` running,",
             "and are at least lofi.min_workers workers pushing? Raise lofi.sync_timeout_s for",
             "slow workers.",
         ))

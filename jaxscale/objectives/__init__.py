@@ -75,6 +75,30 @@ def _check_name(name: str) -> None:
             "'ipo' or 'simpo' (preference pairs), 'grpo' (RL on prompts=GLOB with rewards)."))
 
 
+# Which objectives read each setting of `config.objective` (`name` aside): one set to another
+# value than its default under an objective that ignores it is refused, not silently unused.
+_GRPO_ONLY = ("rewards", "num_generations", "max_new_tokens", "temperature", "top_p", "top_k",
+              "epsilon", "epsilon_high", "updates_per_rollout", "loss_norm", "scale_rewards",
+              "ratio_level")
+READ_BY: dict[str, tuple[str, ...]] = {
+    "beta": (*PREFERENCE, "grpo"), "label_smoothing": ("dpo", "simpo"), "gamma": ("simpo",),
+    "sft_weight": PREFERENCE, "reference": ("dpo", "ipo", "grpo"),
+    **{field: ("grpo",) for field in _GRPO_ONLY},
+}
+
+
+def _check_unused(s: Settings) -> None:
+    default = Settings()
+    unused = [f"objective.{field}={getattr(s, field)!r} (read by {', '.join(names)})"
+              for field, names in READ_BY.items()
+              if s.name not in names and getattr(s, field) != getattr(default, field)]
+    if unused:
+        raise ConfigError(paragraph(
+            f"objective.name={s.name!r} does not read {'; '.join(unused)}: the run would",
+            "ignore it. Drop the override, or choose the objective that reads it.",
+        ))
+
+
 def check_objective(config: Any, data_kind: str) -> None:
     """`config.objective` against itself, the model's task, the data (`data_kind`: text, chat,
     preference or prompts, `data.mixture.configured_kind`) and the pipeline schedule; one
@@ -83,8 +107,10 @@ def check_objective(config: Any, data_kind: str) -> None:
     _check_name(s.name)
     check_data_kind(s.name, data_kind)
     if s.name == "grpo":
+        _check_unused(s)
         return _check_grpo(config, s)
-    _check_values(s)
+    _check_values(s)  # first: its messages say why a value means nothing to the objective
+    _check_unused(s)
     preference = s.name in PREFERENCE
     if preference and task_of(config.model).sequence_logps is None:
         raise ConfigError(paragraph(
@@ -160,6 +186,10 @@ def _check_values(s: Settings) -> None:
         raise ConfigError(paragraph(
             f"objective.label_smoothing={s.label_smoothing} must be in [0, 0.5): the assumed",
             "probability that a pair's labels are flipped (conservative DPO); 0 is plain DPO."))
+    if s.name == "simpo" and not s.gamma >= 0:
+        raise ConfigError(paragraph(
+            f"objective.gamma={s.gamma} must be >= 0 for simpo: the target margin by which the",
+            "chosen response's reward should beat the rejected one's (0.5 is usual)."))
     if s.label_smoothing and s.name == "ipo":
         raise ConfigError(paragraph(
             f"objective.label_smoothing={s.label_smoothing} has no meaning for ipo, whose loss",

@@ -82,23 +82,34 @@ class EventLog:
 
 
 def read_events(workdir: str) -> tuple[list[dict], int]:
-    """(the events of WORKDIR/events.jsonl, how many lines did not parse: writes cut short by
-    a kill); a workdir without the file has none."""
-    text = _text(locations.join(workdir, FILE))
-    events, bad = [], 0
-    for line in text.splitlines():
-        if not line.strip():
+    """(the events of WORKDIR/events.jsonl, how many lines were skipped: writes cut short by
+    a kill, or malformed); a workdir without the file has none."""
+    events, cut, malformed = read_log(workdir)
+    return events, cut + malformed
+
+
+def read_log(workdir: str) -> tuple[list[dict], int, int]:
+    """(the usable events of WORKDIR/events.jsonl, lines cut short, malformed lines), as
+    `read_events` reads them but telling the skipped lines apart: a kill cuts short an
+    object the writer began (a `{...` that does not parse), while a complete line that is not
+    a usable event (valid JSON with `"time": "abc"`, a hand edit, foreign bytes) is malformed,
+    and blaming a kill for it would send the user looking for a crash that never happened."""
+    events, cut, malformed = [], 0, 0
+    for line in _text(locations.join(workdir, FILE)).splitlines():
+        line = line.strip()
+        if not line:
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            bad += 1
+            truncated = line.startswith("{") and "\ufffd" not in line
+            cut, malformed = cut + truncated, malformed + (not truncated)
             continue
         if _well_formed(record):
             events.append(record)
         else:
-            bad += 1
-    return events, bad
+            malformed += 1
+    return events, cut, malformed
 
 
 def _text(path: str) -> str:

@@ -17,7 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from jaxscale.errors import JaxscaleError, paragraph
-from jaxscale.observe.events import FILE, read_events
+from jaxscale.observe.events import FILE, read_log
 from jaxscale.storage import locations
 
 _STEP_EVENTS = ("progress", "save", "preempted", "exit")
@@ -46,7 +46,8 @@ class Goodput:
     restore_s: float
     down_s: float       # between runs: from a run's last event to the next start
     interruptions: list[Interruption] = field(default_factory=list)
-    unreadable_lines: int = 0
+    unreadable_lines: int = 0  # all lines skipped: cut short by a kill, or malformed
+    malformed_lines: int = 0    # of those, complete lines that are not a usable event
     finished: bool = False  # the last run wrote its exit event
 
     @property
@@ -89,13 +90,13 @@ def _kept_step_time(run: list[dict], limit: float) -> float:
     return total
 
 
-def analyse(events: list[dict], unreadable_lines: int = 0) -> Goodput:
+def analyse(events: list[dict], unreadable_lines: int = 0, malformed_lines: int = 0) -> Goodput:
     """The goodput of a run's `events` (in the order written)."""
     runs = _runs(events)
     out = Goodput(runs=len(runs), first_step=_resumed(runs[0]), last_step=_reached(runs[-1]),
                   wall_s=float(events[-1]["time"]) - float(events[0]["time"]), productive_s=0.0,
                   compile_s=0.0, save_s=0.0, restore_s=0.0, down_s=0.0,
-                  unreadable_lines=unreadable_lines,
+                  unreadable_lines=unreadable_lines, malformed_lines=malformed_lines,
                   finished=runs[-1][-1]["event"] == "exit")
     for i, run in enumerate(runs):
         for e in run:
@@ -121,13 +122,22 @@ def analyse(events: list[dict], unreadable_lines: int = 0) -> Goodput:
 def goodput(workdir: str) -> Goodput:
     """The goodput of the run in `workdir` (local or a bucket); one paragraph if it has no
     event log."""
-    events, bad = read_events(workdir)
+    events, cut, malformed = read_log(workdir)
     if not events:
         raise JaxscaleError(paragraph(
             f"{locations.join(workdir, FILE)} is missing or holds no events: no run of this",
             "version of jaxscale trained in this workdir (runs write it from their start).",
             "Point `jaxscale goodput` at a training workdir."))
-    return analyse(events, bad)
+    return analyse(events, cut + malformed, malformed)
+
+
+def _skipped(g: Goodput) -> str:
+    """The report's line on skipped lines, each kind named for what it is."""
+    cut = g.unreadable_lines - g.malformed_lines
+    parts = ([f"{cut} line(s) cut short by a kill"] if cut else []) + (
+        [f"{g.malformed_lines} malformed line(s) (not a usable event)"] if g.malformed_lines
+        else [])
+    return f"  ({' and '.join(parts)} were skipped)"
 
 
 def format_report(workdir: str, g: Goodput) -> str:
@@ -151,5 +161,5 @@ def format_report(workdir: str, g: Goodput) -> str:
         lines.append(f"    run {i.run} {i.how} at step {i.reached}, the next resumed from "
                      f"step {i.resumed}: {i.lost_steps} step(s) lost")
     if g.unreadable_lines:
-        lines.append(f"  ({g.unreadable_lines} line(s) cut short by a kill were skipped)")
+        lines.append(_skipped(g))
     return "\n".join(lines)

@@ -95,7 +95,7 @@ class Profiler:
             jax.profiler.stop_trace()
             self.active = False
             print(f"jaxscale: profile of steps {self.first}-{self.last} in {self.directory} "
-                  f"(python -m launch.profile_summary {os.path.dirname(self.directory)})",
+                  f"(jaxscale profile-summary {os.path.dirname(self.directory)})",
                   flush=True)
 
 
@@ -126,6 +126,11 @@ class Summary:
 
 def latest_trace(workdir: str) -> str:
     """The newest `.xplane.pb` under WORKDIR/profile/plugins/profile/ (process 0's traces)."""
+    if "://" in workdir and not workdir.startswith("file://"):
+        raise ProfileError(paragraph(
+            f"No profiler trace in {workdir}: traces are written to a local --workdir only (a",
+            "run on a bucket workdir refuses config.train.profile). Give the local workdir of",
+            "the profiled run, or a copy of its profile/ directory's .xplane.pb file."))
     base = os.path.join(workdir, "profile")
     found = glob.glob(os.path.join(base, "plugins", "profile", "*", "*.xplane.pb"))
     if not found:

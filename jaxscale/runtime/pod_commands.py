@@ -12,26 +12,112 @@ so the train flags need no `--coordinator_address`.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import tempfile
+import tomllib
 from collections.abc import Sequence
+
+from jaxscale.errors import ConfigError, paragraph
 
 # Paths left out of the code archive: environments, caches and run outputs are large and
 # host-specific; the workers build their own virtual environment.
 ARCHIVE_EXCLUDES: tuple[str, ...] = (".venv", ".git", "runs", "__pycache__", ".pytest_cache",
                                      "*.egg-info", "logs")
 DEFAULT_ARCHIVE = os.path.join(tempfile.gettempdir(), "jaxscale-src.tar.gz")
+EXAMPLE = ("Example: jaxscale tpu-pod --tpu=my-v4-32 --zone=us-central2-b --project=my-project "
+           "-- --config=configs/llama.py:1b --workdir=gs://my-bucket/runs/1b")
+MIN_PYTHON = (3, 11)
 
 
 def check_tpu_flags(tpu: str | None, zone: str | None) -> None:
-    """Raises a ValueError naming the missing flag, with a full example command."""
+    """Raises a ConfigError naming the missing flag, with a full example command."""
     missing = [name for name, value in (("--tpu", tpu), ("--zone", zone)) if not value]
     if missing:
-        raise ValueError(
-            f"launch.tpu_pod needs {' and '.join(missing)}: the TPU VM's name and its zone, as "
-            "shown by `gcloud compute tpus tpu-vm list --zone=ZONE`. Example: python -m "
-            "launch.tpu_pod --tpu=my-v4-32 --zone=us-central2-b --project=my-project -- "
-            "--config=configs/llama.py:1b --workdir=gs://my-bucket/runs/1b")
+        raise ConfigError(paragraph(
+            f"jaxscale tpu-pod needs {' and '.join(missing)}: the TPU VM's name and its zone, as",
+            "shown by `gcloud compute tpus tpu-vm list --zone=ZONE`.", EXAMPLE))
+
+
+def new_archive() -> str:
+    """A fresh local path for the code archive: a fixed name would let two launches from one
+    machine (or another user's file there) overwrite or leak into each other's archive."""
+    fd, path = tempfile.mkstemp(prefix="jaxscale-src-", suffix=".tar.gz")
+    os.close(fd)
+    return path
+
+
+def default_repo_dir() -> str:
+    """The checkout this jaxscale runs from (an editable install's source tree), whatever the
+    current directory; "" for an installed wheel, which has no tree to copy."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return root if os.path.isfile(os.path.join(root, "pyproject.toml")) else ""
+
+
+def check_repo_dir(repo_dir: str) -> None:
+    """Refuses a `--repo_dir` that is not a jaxscale source tree: it is tarred whole and
+    `pip install -e .`-ed on every worker, so a wrong directory would ship and install it."""
+    pyproject = os.path.join(repo_dir, "pyproject.toml")
+    name = None
+    if os.path.isfile(pyproject):
+        try:
+            with open(pyproject, "rb") as f:
+                name = tomllib.load(f).get("project", {}).get("name")
+        except (OSError, tomllib.TOMLDecodeError):
+            name = None
+    if name != "jaxscale":
+        found = ("does not exist" if not os.path.isdir(repo_dir) else
+                 "has no pyproject.toml" if not os.path.isfile(pyproject) else
+                 f"has a pyproject.toml naming {name!r}, not jaxscale")
+        raise ConfigError(paragraph(
+            f"--repo_dir={repo_dir!r} ({os.path.abspath(repo_dir)}) {found}: it is the source",
+            "tree copied to and `pip install -e .`-ed on every worker (by default the checkout",
+            "this jaxscale is installed from). Pass --repo_dir=PATH/TO/jaxscale."))
+
+
+def check_python(python: str) -> None:
+    """Refuses a worker interpreter whose name gives a version below 3.11 (`python3.10`):
+    jaxscale would fail to install on every worker, after the copy."""
+    m = re.fullmatch(r"python(\d+)\.(\d+)", os.path.basename(python))
+    if m and (int(m[1]), int(m[2])) < MIN_PYTHON:
+        raise ConfigError(paragraph(
+            f"--python={python!r} is Python {m[1]}.{m[2]}, but jaxscale needs Python >= 3.11.",
+            "Pass an interpreter the workers have, e.g. --python=python3.11 (older TPU VM",
+            "images ship 3.10: install 3.11 there first)."))
+
+
+def _flag_value(train_flags: Sequence[str], name: str) -> str | None:
+    """The value of `--name=V` / `--name V` among the train flags (the last one), else None."""
+    value = None
+    for i, arg in enumerate(train_flags):
+        if arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == f"--{name}" and i + 1 < len(train_flags):
+            value = train_flags[i + 1]
+    return value
+
+
+def check_train_flags(train_flags: Sequence[str], allow_local_workdir: bool = False) -> None:
+    """Refuses train flags that would start the wrong run on every worker: none (train's
+    default config, no workdir), no `--config`, no `--workdir`, or a local workdir, which
+    each worker of a multi-worker slice would fill on its own disk (no shared checkpoints)."""
+    from jaxscale.storage import locations  # lazy: keeps the dry run's imports light
+
+    config, workdir = _flag_value(train_flags, "config"), _flag_value(train_flags, "workdir")
+    if not config or not workdir:
+        missing = " and ".join(f for f, v in (("--config", config), ("--workdir", workdir))
+                               if not v)
+        raise ConfigError(paragraph(
+            f"jaxscale tpu-pod: the train flags after `--` ({shlex.join(train_flags) or 'none'})",
+            f"have no {missing}; every worker runs `jaxscale train` with exactly those flags.",
+            EXAMPLE))
+    if not allow_local_workdir and not locations.is_remote(workdir):
+        raise ConfigError(paragraph(
+            f"--workdir={workdir!r} is a local path: each worker of the slice would write its",
+            "own checkpoints and metrics on its own disk, and a resume would find none of the",
+            "others'. Use shared storage (--workdir=gs://BUCKET/PATH), or pass",
+            "--allow_local_workdir to jaxscale tpu-pod if the path is shared by every worker (a",
+            "gcsfuse or NFS mount) or the slice has one worker (e.g. v4-8)."))
 
 
 def remote_path(path: str) -> str:

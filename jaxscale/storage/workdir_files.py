@@ -68,14 +68,31 @@ def write_bytes(location: str, data: bytes) -> None:
 
 
 def read_text(location: str) -> str | None:
-    """The file's text, or None if it does not exist."""
+    """The file's UTF-8 text, or None if it does not exist. A directory, an unreadable file or
+    bytes that are not text are one paragraph naming the file: a bare IsADirectoryError or
+    UnicodeDecodeError names neither the file nor the fix."""
     if locations.is_remote(location):
         data = read_bytes(location)
-        return None if data is None else data.decode()
-    if not os.path.exists(location):
+    elif not os.path.exists(location):
         return None
-    with open(location) as f:
-        return f.read()
+    else:
+        try:
+            with open(location, "rb") as f:
+                data = f.read()
+        except OSError as e:  # a directory, no read permission
+            raise _unreadable(location, e.strerror or str(e)) from None
+    try:
+        return None if data is None else data.decode()
+    except UnicodeDecodeError as e:
+        raise _unreadable(location, f"not UTF-8 text: byte {e.start} is 0x{e.object[e.start]:02x}"
+                          ) from None
+
+
+def _unreadable(location: str, why: str) -> JaxscaleError:
+    return JaxscaleError(paragraph(
+        f"{location} cannot be read as a text file ({why}): it is a directory, not readable, or",
+        "holds something other than what jaxscale wrote there. Move it aside (or restore it",
+        "from a copy) and rerun."))
 
 
 def read_json(location: str) -> Any:

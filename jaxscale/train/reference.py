@@ -28,7 +28,7 @@ from jaxscale.models.adapters import lora
 from jaxscale.objectives import Settings, holds_reference, objective_of
 from jaxscale.precision import get_policy
 from jaxscale.weights.place import place
-from jaxscale.weights.sources import WeightsError, open_weights
+from jaxscale.weights.sources import WeightsError, open_weights, recorded
 from jaxscale.weights.tree import flatten, merge_trees, unflatten
 
 Tree = Any
@@ -92,16 +92,15 @@ def set_reference(config: mlc.ConfigDict, state: Any, shardings: Any) -> Any:
 def reference_leaves(path: str, like: Mapping[str, Any], model_cfg: Any) -> dict:
     """The leaves at `path`, checked to be the model's weights (no adapters: a LoRA run's
     workdir gives its merged weights)."""
-    from jaxscale.weights.init_from import InitFromError, check_model_config
     from jaxscale.weights.sources import merged_params
 
     try:
-        check_model_config(path, model_cfg)
+        check_reference_model(path, model_cfg)
         weights = open_weights(path)
         leaves = weights.leaves
         if any(lora.is_adapter(k) for k in leaves):  # a LoRA run: its adapters folded in
             leaves = {k: np.asarray(v) for k, v in flatten(merged_params(weights)).items()}
-    except (WeightsError, InitFromError) as e:
+    except WeightsError as e:
         raise ReferenceError(f"objective.reference: {e}") from None
     missing, extra = sorted(set(like) - set(leaves)), sorted(set(leaves) - set(like))
     wrong = [k for k in like if k in leaves and tuple(leaves[k].shape) != tuple(like[k].shape)]
@@ -111,6 +110,26 @@ def reference_leaves(path: str, like: Mapping[str, Any], model_cfg: Any) -> dict
             f"unexpected {extra[:3]}, of another shape {wrong[:3]}. Point it at weights of",
             "the model being trained (the same config.model), or use 'init'."))
     return leaves
+
+
+def check_reference_model(path: str, model_cfg: Any) -> None:
+    """Refuses reference weights that record another model than the policy's (`config.model`,
+    already resolved against `config.init_from`). The fix is never to change the policy's
+    model, as `init_from`'s message would suggest: the objective compares the two models'
+    log-probabilities, so the reference must be the policy's own model."""
+    from jaxscale.weights.resolve import mismatches
+
+    saved = recorded(path).model if model_cfg is not None else None
+    wrong = mismatches(model_cfg, saved) if saved is not None else []
+    if wrong:
+        raise ReferenceError(paragraph(
+            f"objective.reference={path!r} holds another model than the policy being trained:",
+            "; ".join(f"model.{k} is {a!r} for the policy but {b!r} in the reference"
+                      for k, a, b in wrong) + ".",
+            "The objective compares the policy with the reference on the same tokens, so the",
+            "reference must be weights of the policy's model: leave objective.reference=init",
+            "(the weights training starts from), or point it at a run or export of this model.",
+        ))
 
 
 def host_reference(config: mlc.ConfigDict) -> dict | None:

@@ -36,17 +36,27 @@ def load_params(path: str, abstract: Any, shardings: Any, model_cfg: Any = None
     Leaves are read and placed one at a time (`open_weights` + `place`), so a converted model
     never sits whole on the host.
     """
+    like = {k: v for part in ("params", "frozen")
+            for k, v in flatten(getattr(abstract, part)).items() if not lora.is_adapter(k)}
+    leaves = checked_leaves(path, like, model_cfg)
+    sh = {k: v for part in ("params", "frozen") for k, v in flatten(getattr(shardings, part)).items()}
+    return place(leaves, {k: sh[k] for k in like}, like)
+
+
+def checked_leaves(path: str, like: dict[str, Any], model_cfg: Any = None) -> dict[str, Any]:
+    """The (lazy) leaves of the weights at `path`, adapters left out, once the model fields
+    they record and every leaf's presence and shape match `like` ({path: array or
+    ShapeDtypeStruct} of the run's model): what `train` checks before it loads them, and
+    `inspect` before it reports a run (metadata only; nothing is read)."""
     check_model_config(path, model_cfg)
     try:
         leaves = open_weights(path).leaves
     except WeightsError as e:
         raise InitFromError(f"config.init_from: {e}") from None
     leaves = {k: v for k, v in leaves.items() if not lora.is_adapter(k)}
-    like = {k: v for part in ("params", "frozen")
-            for k, v in flatten(getattr(abstract, part)).items() if not lora.is_adapter(k)}
+    like = {k: v for k, v in like.items() if not lora.is_adapter(k)}
     check_matches({k: v.shape for k, v in leaves.items()}, like, path, model_cfg)
-    sh = {k: v for part in ("params", "frozen") for k, v in flatten(getattr(shardings, part)).items()}
-    return place(leaves, {k: sh[k] for k in like}, like)
+    return leaves
 
 
 def export_params(directory: str, flat_params: dict[str, Any], meta: dict | None = None) -> str:

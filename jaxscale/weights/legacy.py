@@ -44,5 +44,5 @@ LEGACY_RESUME = (
     "separate attn/wq, attn/wk, attn/wv, mlp/w_gate and mlp/w_up), so its optimizer state",
     "cannot resume this run. Its weights still load, converted on load: start a fresh workdir",
     "with --config.init_from=<this workdir> (the optimizer state restarts), or export them",
-    "with `python -m launch.convert --from_workdir=<this workdir> --to_hf=DIR`.",
+    "with `jaxscale convert --from_workdir=<this workdir> --to_hf=DIR`.",
 )
