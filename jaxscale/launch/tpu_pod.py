@@ -1,4 +1,4 @@
-"""Copy, install and start training on every worker of a TPU VM slice:
+r"""Copy, install and start training on every worker of a TPU VM slice:
 
     jaxscale tpu-pod --tpu=NAME --zone=ZONE [--project=P] [--dry_run] -- \
         --config=FILE[:ARG] --workdir=gs://BUCKET/PATH [more train flags]
