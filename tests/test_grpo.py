@@ -201,6 +201,8 @@ def test_reward_spec_errors(tmp_path, monkeypatch):
         load_rewards(f"{name}:fn")
     with pytest.raises(ConfigError, match="not module:function"):
         load_rewards(f"{name}:fn@heavy")
+    with pytest.raises(ConfigError, match=r"weighs its reward by 0: .* nothing trains"):
+        load_rewards(f"{name}:fn@0")
 
 
 @pytest.mark.parametrize("body,message", [

@@ -232,6 +232,11 @@ def test_a_setting_no_objective_of_the_run_reads_is_refused_by_name():
     c.objective.gamma = -1.0
     with pytest.raises(ConfigError, match=r"objective.gamma=-1.0 must be >= 0 for simpo"):
         check_objective(c, "preference")
+    grpo = tiny_lm.get_config("test")
+    grpo.objective.update(name="grpo", rewards="m:f", max_new_tokens=8)
+    grpo.data.packing = "pack"
+    with pytest.raises(ConfigError, match=r"data.packing='pack' .* would be ignored"):
+        check_objective(grpo, "prompts")
     lm = tiny_lm.get_config("test")
     lm.objective.num_generations = 8
     with pytest.raises(ConfigError, match=r"'lm' does not read objective.num_generations=8"):

@@ -167,6 +167,12 @@ def _check_grpo(config: Any, s: Settings) -> None:
             f"model.name={config.model.get('name', 'llama')!r} does not give. Use a decoder",
             "language model."))
     check_grpo(s, config.data.batch_size, config.data.seq_len)
+    packing = config.data.get("packing", "concat")
+    if packing != "concat":
+        raise ConfigError(paragraph(
+            f"data.packing={packing!r} arranges documents into token rows, but a grpo run's",
+            "rows are its rollouts (one prompt and one sampled completion each), which are",
+            "never packed: the setting would be ignored. Drop it for objective.name='grpo'."))
     stages = config.mesh.get("pipeline", 1) * config.mesh.get("dcn_pipeline", 1)
     if stages > 1 and config.pipeline.get("schedule", "gpipe") == "1f1b":
         raise ConfigError(paragraph(

@@ -141,6 +141,11 @@ def reward_specs(text: str) -> list[tuple[str, str, float]]:
                 f"objective.rewards entry {entry!r} is not module:function[@weight]: name a",
                 "function of an importable module (a file beside the run, or on PYTHONPATH),",
                 "with an optional finite weight, e.g. 'my_rewards:correct@1.0,my_rewards:short@0.1'."))
+        if w == 0:
+            raise ConfigError(paragraph(
+                f"objective.rewards entry {entry!r} weighs its reward by 0: it would count for",
+                "nothing (and, alone, leave every advantage 0, so nothing trains). Give it a",
+                "nonzero weight (negative for a penalty), or leave the entry out."))
         out.append((module, function, w))
     return out
 
