@@ -304,13 +304,9 @@ def _overrides(argv: Sequence[str], name: str) -> list[tuple[str, str | None]]:
 
 def _spec(argv: Sequence[str], name: str, default: str) -> str:
     """The `file.py[:arg]` given by `--NAME=...` / `--NAME ...`, else the default."""
-    spec = default
-    for i, arg in enumerate(argv):
-        if arg.startswith(f"--{name}="):
-            spec = arg.split("=", 1)[1]
-        elif arg == f"--{name}" and i + 1 < len(argv):
-            spec = argv[i + 1]
-    return configs.resolve(spec)
+    from jaxscale.runtime.pod_commands import flag_value
+    given = flag_value(argv, name)
+    return configs.resolve(default if given is None else given)
 
 
 def _load(argv: Sequence[str], name: str, default: str) -> Any:

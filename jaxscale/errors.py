@@ -67,13 +67,8 @@ def command_name(module: str) -> str:
     if module == "__main__":
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         module = spec.name if spec is not None else module
-    leaf = module.rpartition(".")[2]
-    try:
-        from jaxscale.launch import COMMANDS
-        leaf = next((n for n, (m, _) in COMMANDS.items() if m == leaf), leaf)
-    except ImportError:
-        pass
-    return f"jaxscale {leaf.replace('_', '-')}"
+    leaf = module.rpartition(".")[2]  # launch/NAME.py is `jaxscale NAME` (launch.COMMANDS;
+    return f"jaxscale {leaf.replace('_', '-')}"  # lm-eval, harness.py, raises no UsageError)
 
 
 def usage_error(name: str, argv: list[str], message: str) -> JaxscaleError:

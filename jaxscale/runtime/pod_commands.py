@@ -86,14 +86,15 @@ def check_python(python: str) -> None:
             "images ship 3.10: install 3.11 there first)."))
 
 
-def _flag_value(train_flags: Sequence[str], name: str) -> str | None:
-    """The value of `--name=V` / `--name V` among the train flags (the last one), else None."""
+def flag_value(argv: Sequence[str], name: str) -> str | None:
+    """The value of `--name=V` / `--name V` in `argv` (the last one wins, as absl's), else
+    None: read before (or without) parsing, by the launchers and `cli`."""
     value = None
-    for i, arg in enumerate(train_flags):
+    for i, arg in enumerate(argv):
         if arg.startswith(f"--{name}="):
             value = arg.split("=", 1)[1]
-        elif arg == f"--{name}" and i + 1 < len(train_flags):
-            value = train_flags[i + 1]
+        elif arg == f"--{name}" and i + 1 < len(argv):
+            value = argv[i + 1]
     return value
 
 
@@ -101,9 +102,7 @@ def check_train_flags(train_flags: Sequence[str], allow_local_workdir: bool = Fa
     """Refuses train flags that would start the wrong run on every worker: none (train's
     default config, no workdir), no `--config`, no `--workdir`, or a local workdir, which
     each worker of a multi-worker slice would fill on its own disk (no shared checkpoints)."""
-    from jaxscale.storage import locations  # lazy: keeps the dry run's imports light
-
-    config, workdir = _flag_value(train_flags, "config"), _flag_value(train_flags, "workdir")
+    config, workdir = flag_value(train_flags, "config"), flag_value(train_flags, "workdir")
     if not config or not workdir:
         missing = " and ".join(f for f, v in (("--config", config), ("--workdir", workdir))
                                if not v)
@@ -111,7 +110,7 @@ def check_train_flags(train_flags: Sequence[str], allow_local_workdir: bool = Fa
             f"jaxscale tpu-pod: the train flags after `--` ({shlex.join(train_flags) or 'none'})",
             f"have no {missing}; every worker runs `jaxscale train` with exactly those flags.",
             EXAMPLE))
-    if not allow_local_workdir and not locations.is_remote(workdir):
+    if not allow_local_workdir and "://" not in workdir:  # gs://, s3://: shared
         raise ConfigError(paragraph(
             f"--workdir={workdir!r} is a local path: each worker of the slice would write its",
             "own checkpoints and metrics on its own disk, and a resume would find none of the",
