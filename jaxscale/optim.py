@@ -170,9 +170,9 @@ def check_settings(optim_cfg: Any) -> None:
         value = optim_cfg.get(name)
         if value is None:
             continue
-        above = value >= low if with_low else value > low
-        below = value <= high if with_high else value < high
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and above and below):
+        number = isinstance(value, (int, float)) and math.isfinite(value)
+        if not (number and (value >= low if with_low else value > low)
+                and (value <= high if with_high else value < high)):
             where = (f"in {'[' if with_low else '('}{low:g}, {high:g}{']' if with_high else ')'}"
                      if math.isfinite(high) else f"{'>=' if with_low else '>'} {low:g}")
             raise ConfigError(paragraph(

@@ -43,6 +43,14 @@ def test_an_attached_tpu_or_another_plugin_keeps_every_platform(monkeypatch):
 
 
 def test_a_platform_the_user_chose_is_kept(monkeypatch):
+    """Even where the CPU is all there is: chosen in the environment or in jax's config (this
+    process's, set from JAX_PLATFORMS=cpu by conftest before jax started)."""
+    import jax
+    monkeypatch.setattr(jax_platform, "only_cpu_usable", lambda: True)
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     jax_platform.cpu_when_no_accelerator()
     assert os.environ["JAX_PLATFORMS"] == "cuda"
+    monkeypatch.delenv("JAX_PLATFORMS")
+    assert jax.config.jax_platforms
+    jax_platform.cpu_when_no_accelerator()
+    assert "JAX_PLATFORMS" not in os.environ  # the config's choice stands; nothing was set

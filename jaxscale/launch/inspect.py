@@ -38,8 +38,9 @@ def banner() -> str:
     would otherwise not know was chosen for them."""
     import sys
 
+    from jaxscale.runtime.pod_commands import flag_value
     spec = flags.FLAGS["config"].config_filename
-    given = any(a == "--config" or a.startswith("--config=") for a in sys.argv[1:])
+    given = flag_value(sys.argv, "config") is not None
     return f"config: {spec}" + ("" if given else " (the default; --config=FILE[:ARG] for another)")
 
 

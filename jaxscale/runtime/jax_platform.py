@@ -34,8 +34,8 @@ def host_only() -> None:
 def cpu_when_no_accelerator() -> None:
     """Runs on the CPU alone when the CPU is all this machine could run on, so an installed
     libtpu does not start on a machine without a TPU (the module docstring says why)."""
-    if not os.environ.get("JAX_PLATFORMS") and not _chosen_in_config() and only_cpu_usable():
-        host_only()
+    if not _chosen_in_config() and only_cpu_usable():
+        host_only()  # which keeps a JAX_PLATFORMS the user set
 
 
 def only_cpu_usable() -> bool:
