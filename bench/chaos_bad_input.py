@@ -45,7 +45,28 @@ def bad_input_files(tmp: str) -> dict[str, str]:
         f.write('garbage\n{"event": "start", "time": "noon"}\n{"event": 1, "time": 0}\n')
     with open(files["docs"], "w") as f:
         f.write("the quick brown fox\n" * 50)
+    files["chattok"], files["same"] = _chat_tokenizer(d), os.path.join(d, "same-pairs.jsonl")
+    with open(files["same"], "w") as f:  # preference pairs, every one chosen == rejected
+        f.writelines(f'{{"prompt": "{w}", "chosen": "fox", "rejected": "fox"}}\n'
+                     for w in ("the", "quick", "brown"))
     return files
+
+
+def _chat_tokenizer(d: str) -> str:
+    """A tokenizer directory with a chat template (a BPE of about 270 ids, trained here)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    path = os.path.join(d, "chat-tokenizer")
+    os.makedirs(path, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the quick brown fox"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}")
+    return path
 
 
 def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
@@ -65,6 +86,10 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
         ("train", "checkpoint.local_dir the workdir's checkpoints", [
             tiny, f"--workdir={f['out']}/t4", "--config.checkpoint.local_every=1",
             f"--config.checkpoint.local_dir={f['out']}/t4/checkpoints"]),
+        ("train", "preference pairs whose chosen is always the rejected", [
+            tiny, f"--workdir={f['out']}/t5", f"--config.data.sources=preference={f['same']}",
+            f"--config.data.tokenizer={f['chattok']}", "--config.model.vocab_size=384",
+            "--config.objective.name=dpo"]),
 
         ("evaluate", "missing workdir", [f"--workdir={f['missing']}"]),
         ("evaluate", "corrupt config.json", [f"--workdir={f['workdir']}"]),

@@ -142,6 +142,24 @@ def test_preference_pairs_and_a_prompt_longer_than_the_row(tokenizers, tmp_path)
         _source("preference", missing, tok)
 
 
+def test_a_file_of_identical_pairs_is_refused_and_some_are_counted(tokenizers, tmp_path,
+                                                                    capsys):
+    tok = tokenizers["llama3"]
+    same = [{"prompt": p, "chosen": "yes", "rejected": "yes"} for p in ("hi", "is it four")]
+    glob = _write(tmp_path / "same.jsonl", same)
+    cache = tmp_path / "index-cache"
+    with pytest.raises(DataError, match=r"same\.jsonl: each of its 2 preference pairs has a "
+                       r"chosen response identical to its rejected one.*no preference signal"):
+        _source("preference", glob, tok, index_cache=str(cache))
+    assert not cache.exists()  # nothing of a refused file is cached
+    some = _write(tmp_path / "some.jsonl", [*same, {"prompt": "hi", "chosen": "yes",
+                                                    "rejected": "no"}])
+    assert len(_source("preference", some, tok)) == 3
+    assert "some.jsonl: 2 of its 3 preference pairs have identical" in capsys.readouterr().err
+    with pytest.raises(DataError, match=r"same\.jsonl: each of its 2"):  # not a bad record
+        _source("preference", str(tmp_path / "s*.jsonl"), tok, skip_bad_records=True)
+
+
 @pytest.mark.parametrize("fmt", ["chat", "preference"])
 def test_prepared_shards_give_the_rows_of_the_jsonl(tokenizers, tmp_path, fmt):
     from jaxscale.data.prepare import prepare

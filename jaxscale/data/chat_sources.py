@@ -17,11 +17,15 @@ Both read jsonl records, one per line, and render them with the tokenizer's chat
 Preference rows (`PairRows`) hold one pair each, never packed: `chosen_tokens`,
 `chosen_loss_mask`, `rejected_tokens`, `rejected_loss_mask`, (B, seq_len + 1), right-padded.
 A response longer than the row is cut at its end; a pair whose prompt alone leaves no response
-token in the row is a bad record.
+token in the row is a bad record. A file whose every pair is identical (chosen == rejected) is
+refused, and identical pairs among others are counted, as the file is indexed
+(`check_signal`): the index tokenizes every record once anyway, so this reads nothing twice.
 """
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -116,6 +120,20 @@ class PreferenceReader(ChatReader):
                  seq_len: int):
         super().__init__(files, tokenizer, skip_bad, encoder)
         self.seq_len = seq_len
+        self.pairs: Counter = Counter()  # pairs tokenized, per file
+        self.same: Counter = Counter()  # of those, pairs whose chosen is the rejected
+
+    def _read_tokens(self, loc: tuple[int, int, int]) -> np.ndarray:
+        doc = super()._read_tokens(loc)
+        if len(doc):  # empty: a skipped bad record
+            self.pairs[self.files[loc[0]]] += 1
+            self.same[self.files[loc[0]]] += same_pair(doc)
+        return doc
+
+    def check_unit(self, u: int) -> None:
+        """A file whose every pair is identical is refused (`check_signal`)."""
+        path = self.files[u]
+        check_signal(path, self.pairs[path], self.same[path])
 
     def encode(self, record: dict, where: Any) -> np.ndarray:
         prompt = as_messages(record.get("prompt"), "user", "prompt", where)
@@ -125,6 +143,29 @@ class PreferenceReader(ChatReader):
             self.encoder.encode_response(prompt, side, where) for side in sides)
         check_prompt(prompt_tokens, self.seq_len, where)
         return pair_doc(prompt_tokens, with_mask(c_ids, c_mask), with_mask(r_ids, r_mask))
+
+
+def same_pair(doc: np.ndarray) -> bool:
+    """Whether a `pair_doc`'s chosen and rejected responses are the same tokens."""
+    _, chosen, rejected = split_pair(doc)
+    return bool(np.array_equal(chosen, rejected))
+
+
+def check_signal(path: str, pairs: int, same: int) -> None:
+    """A file of `pairs` pairs, `same` of them identical: refused when every pair is (no
+    preference signal: the loss is a constant, ln 2 for DPO, and its gradient zero); a note
+    counts identical pairs among others, which only dilute the loss."""
+    if pairs and same == pairs:
+        raise DataError(paragraph(
+            f"{path}: each of its {pairs} preference pairs has a chosen response identical to",
+            "its rejected one, so the file carries no preference signal: the loss would stay",
+            "at its start (ln 2 = 0.693 for DPO) with a zero gradient and the run would learn",
+            "nothing from it. Check how the file was written (\"chosen\" and \"rejected\"",
+            "probably hold the same field), or remove it from data.sources."))
+    if same:
+        print(f"jaxscale: note: {path}: {same} of its {pairs} preference pairs have identical "
+              "chosen and rejected responses; they add a constant to the loss and teach "
+              "nothing", file=sys.stderr, flush=True)
 
 
 def check_prompt(prompt_tokens: int, seq_len: int, where: Any) -> None:

@@ -104,6 +104,7 @@ def _index_unit(reader: Any, u: int, cache: IndexCache | None
     locs = reader.scan_unit(u)
     lengths = np.asarray([len(reader.tokens_at(loc)) for loc in locs], np.int64)
     offsets = np.asarray([loc[2] for loc in locs], np.int64)
+    reader.check_unit(u)  # before the cache: a refused file is never cached
     if cache is not None:
         cache.save(path, offsets, lengths, reader.skipped - before)
     return offsets, lengths, reader.skipped - before

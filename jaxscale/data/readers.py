@@ -63,6 +63,10 @@ class Tokenized:
     def _forget(self) -> None:
         pass
 
+    def check_unit(self, u: int) -> None:
+        """Called once file `u` is indexed (tokenized whole): a reader that can judge a whole
+        file (`chat_sources.PreferenceReader`) refuses or notes it here."""
+
     def attach(self, locs: list[tuple[int, int, int]], lengths: np.ndarray | None) -> None:
         """Sets the document table (every unit's locators, in unit order) and token lengths."""
         self.locs, self._lengths = locs, lengths
