@@ -90,6 +90,9 @@ def bad_inputs(f: dict[str, str]) -> list[tuple[str, str, list[str]]]:
             tiny, f"--workdir={f['out']}/t5", f"--config.data.sources=preference={f['same']}",
             f"--config.data.tokenizer={f['chattok']}", "--config.model.vocab_size=384",
             "--config.objective.name=dpo"]),
+        ("train", "--config.lofi.store a training workdir", [
+            tiny, f"--workdir={f['out']}/t6", "--config.lofi.enabled=True",
+            f"--config.lofi.store={f['workdir']}"]),
 
         ("evaluate", "missing workdir", [f"--workdir={f['missing']}"]),
         ("evaluate", "corrupt config.json", [f"--workdir={f['workdir']}"]),

@@ -372,3 +372,32 @@ def test_lofi_local_never_turns_a_training_workdir_into_a_store(tmp_path, store)
     (tmp_path / "empty").mkdir()
     for ok in (store.location, started, tmp_path / "empty", tmp_path / "new"):
         S.check_new_store(str(ok))
+
+
+def test_a_worker_refuses_a_training_workdir_store_but_never_a_siblings_files(tmp_path):
+    """`jaxscale train --config.lofi.store=DIR` run directly: the worker checks the store as
+    lofi-local does, before anything is written; its first write then marks the store as the
+    job's, so a sibling starting on the same fresh store takes what it finds there afterwards
+    (the first worker's workdir inside the store, the job's config.json)."""
+    from configs import tiny_lm
+    from jaxscale.lofi.worker import export_config, train_worker
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "2").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    config = tiny_lm.get_config("test")
+    config.lofi.update(enabled=True, store=str(run))
+    with pytest.raises(StoreError, match=rf"--config\.lofi\.store={re.escape(str(run))} holds "
+                                         r"checkpoints, metrics\.jsonl and no Lo-Fi job"):
+        train_worker(config, str(tmp_path / "w0"))
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    assert not (tmp_path / "w0").exists()
+    fresh = tmp_path / "fresh"
+    S.claim_store(str(fresh), "--config.lofi.store")  # worker 0, first on an empty store
+    (fresh / "w0" / "checkpoints").mkdir(parents=True)  # its workdir, then the job's config
+    (fresh / "config.json").write_bytes(export_config(config))
+    S.claim_store(str(fresh), "--config.lofi.store")  # worker 1 joins: no refusal
+    stopped = tmp_path / "stopped"  # a job stopped before round 0 holds the job's config only
+    stopped.mkdir()
+    (stopped / "config.json").write_bytes(export_config(config))
+    S.check_new_store(str(stopped))

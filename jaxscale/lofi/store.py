@@ -104,9 +104,11 @@ def check_store_root(location: str, spec: dict, must_exist: bool) -> None:
 
 # A store holds a Lo-Fi job once any snapshot attempt or COMMIT marker is in it. Before that
 # (a job stopped while its first worker starts) it may hold `lofi-local`'s worker workdirs
-# (runs/worker<i>, runs/final) and the job's config.json, written just before round 0.
+# (runs/worker<i>, runs/final) and the job's config.json, written just before round 0, and
+# `STARTED`, after which it may hold anything the job's workers wrote (their workdirs).
 _JOB_MARKERS = {"average", "workers", "commits"}
 _RUNS = re.compile(r"worker\d+|final")
+STARTED = "stats/started.json"  # written by the first `claim_store` of a job
 
 
 def top_level_names(location: str) -> set[str]:
@@ -116,31 +118,40 @@ def top_level_names(location: str) -> set[str]:
     return set(os.listdir(location)) if os.path.isdir(location) else set()
 
 
-def check_new_store(location: str) -> None:
-    """`lofi-local --store` takes a new or empty directory, or a store holding a Lo-Fi job (the
-    job resumes), never another directory: the workers would push into it, and a training
-    workdir would quietly become a Lo-Fi store. Checked before anything is written."""
+def check_new_store(location: str, flag: str = "--store") -> None:
+    """`lofi-local --store` and a worker's `lofi.store` take a new or empty directory, or a
+    store holding a Lo-Fi job (the job resumes), never another directory: the workers would
+    push into it, and a training workdir would quietly become a Lo-Fi store. Checked before
+    anything is written (`claim_store`, which then marks the store as the job's)."""
     names = top_level_names(location)
     if names & _JOB_MARKERS:
         return
     foreign = sorted(name for name in names if not _job_entry(location, name))
-    if foreign:
+    if foreign and Store(location).read(STARTED) is None:  # not a sibling worker's files
         raise StoreError(paragraph(
-            f"--store={location} holds {', '.join(foreign[:5])}{', ...' if foreign[5:] else ''}",
+            f"{flag}={location} holds {', '.join(foreign[:5])}{', ...' if foreign[5:] else ''}",
             "and no Lo-Fi job (no average/, workers/ or commits/): a training workdir, or",
             "another directory, that the workers would push their weights into. Give a new or",
             "empty directory, or an existing Lo-Fi store to resume its job. Nothing was written.",
         ))
 
 
+def claim_store(location: str, flag: str) -> None:
+    """`check_new_store`, then marks the store as a job's (`STARTED`) before anything else of
+    the job is written there: workers starting together on a fresh store then never refuse
+    what a sibling wrote after its own check (its workdir inside the store, config.json)."""
+    check_new_store(location, flag)
+    Store(location).write(STARTED, json.dumps({"checked": flag}).encode(), if_absent=True)
+
+
 def _job_entry(location: str, name: str) -> bool:
     """Whether `name`, at the top of a store without snapshots, is what a starting job wrote."""
     if name == "stats":
         return True
-    if name == "config.json":  # a Lo-Fi worker's resolved config, not a training run's
-        try:
-            config = json.loads(Store(location).read("config.json") or b"{}")
-            return bool((config.get("lofi") or {}).get("enabled"))
+    if name == "config.json":  # the job's config (`worker.export_config`: lofi.store set),
+        try:                     # not a training run's
+            lofi = json.loads(Store(location).read("config.json") or b"{}").get("lofi") or {}
+            return bool(lofi.get("enabled") or lofi.get("store"))
         except (ValueError, AttributeError, StoreError):
             return False
     if name == "runs" and not locations.is_remote(location):

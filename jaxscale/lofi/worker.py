@@ -283,6 +283,7 @@ def train_worker(config: Any, workdir: str, hooks: Sequence[Any] = ()) -> TrainS
     from jaxscale.train.loop import prepare
 
     locations.configure(config.get("storage"))  # the store may be on S3
+    store_lib.claim_store(config.lofi.store, "--config.lofi.store")  # never a training workdir
     check_same_job(Store(config.lofi.store), job_of(config.lofi, config.train.steps,
                                                     config.data.batch_size),
                    config.lofi.worker_id)  # before its workdir records anything
