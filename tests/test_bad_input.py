@@ -76,6 +76,17 @@ def test_prepared_shards_of_a_larger_tokenizer_stop_naming_the_shard(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_a_workdir_json_file_cut_short_names_the_command_that_writes_it(tmp_path):
+    from jaxscale.storage.workdir_files import read_json
+
+    (tmp_path / "config.json").write_text('{"model": {"embed": 6')
+    with pytest.raises(JaxscaleError, match=r"config\.json is not valid JSON .* rerun the "
+                       r"command that wrote it \(`jaxscale train` writes config\.json, "
+                       r"`jaxscale convert --from_hf` writes model_config\.json\)\."):
+        read_json(str(tmp_path / "config.json"))
+    assert read_json(str(tmp_path / "missing.json")) is None
+
+
 # 8. Empty corpora and odd values.
 
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])

@@ -107,7 +107,8 @@ def read_json(location: str) -> Any:
         raise JaxscaleError(paragraph(
             f"{location} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): it",
             "was cut short or edited by hand. Restore it from a copy, or rerun the command that",
-            "wrote it (launch.train writes config.json, launch.convert model_config.json).",
+            "wrote it (`jaxscale train` writes config.json, `jaxscale convert --from_hf` writes",
+            "model_config.json).",
         )) from None
 
 
