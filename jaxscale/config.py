@@ -19,7 +19,8 @@ import ml_collections as mlc
 
 from jaxscale.config_fields import as_field, check_group
 from jaxscale.errors import ConfigError, paragraph
-from jaxscale.rules import PRESETS
+from jaxscale.mesh import MESH_AXES
+from jaxscale.rules import PRESETS, check_mesh_use
 from jaxscale.storage import locations as storage
 from jaxscale.storage import workdir_files
 
@@ -214,7 +215,9 @@ def validate(c: mlc.ConfigDict) -> None:
     _require(d.part in ("all", "a", "b"),
              f"data.part={d.part!r}: use 'all', or 'a'/'b' for the two disjoint halves.")
     _validate_choices(c)
-    _validate_mesh_use(c)
+    sizes = {axis: max(c.mesh.get(axis, 1), 1) * c.mesh.get(f"dcn_{axis}", 1)
+             for axis in MESH_AXES}
+    check_mesh_use(PRESETS[c.rules_preset] if c.rules_preset else c.rules, sizes, c.rules_preset)
     _validate_objective(c)
 
 
@@ -224,36 +227,6 @@ def _validate_objective(c: mlc.ConfigDict) -> None:
     from jaxscale.objectives import check_objective
 
     check_objective(c, configured_kind(c.data) if c.data.get("sources") else "text")
-
-
-def _rule_axes(rules: Any) -> set[str]:
-    """Mesh axes that at least one rule may shard over."""
-    axes: set[str] = set()
-    for _, mesh_axes in rules:
-        if isinstance(mesh_axes, str):
-            axes.add(mesh_axes)
-        elif mesh_axes:
-            axes.update(mesh_axes)
-    return axes
-
-
-def _validate_mesh_use(c: mlc.ConfigDict) -> None:
-    """A mesh axis > 1 that no rule uses only duplicates work (e.g. the `fsdp` preset with
-    mesh.tensor=4 compiles to 4x the compute and 4x the state per chip): refuse it."""
-    rules = PRESETS[c.rules_preset] if c.rules_preset else c.rules
-    used = _rule_axes(rules)
-    for axis in ("data", "pipeline", "fsdp", "tensor", "context", "expert"):
-        size = max(c.mesh.get(axis, 1), 1) * c.mesh.get(f"dcn_{axis}", 1)
-        if size > 1 and axis not in used:
-            users = [name for name, r in PRESETS.items() if axis in _rule_axes(r)]
-            what = (f"rules preset {c.rules_preset!r}" if c.rules_preset else "config.rules")
-            raise ConfigError(paragraph(
-                f"The mesh axis '{axis}' has size {size} (mesh.{axis} x mesh.dcn_{axis}), but no",
-                f"rule of {what} shards anything over it, so every device along it would",
-                "repeat the same work and hold the same state. Use a preset that uses",
-                f"'{axis}' ({', '.join(users)}: --config.rules_preset={users[0] if users else ''}),",
-                f"add a rule naming it, or set --config.mesh.{axis}=1.",
-            ))
 
 
 def _validate_choices(c: mlc.ConfigDict) -> None:

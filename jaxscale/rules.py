@@ -48,7 +48,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale.errors import RulesError, paragraph
+from jaxscale.errors import ConfigError, RulesError, paragraph
 
 MeshAxes = str | tuple[str, ...] | None
 Rule = tuple[str, MeshAxes]
@@ -83,6 +83,30 @@ def as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
     if mesh_axes is None:
         return ()
     return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+
+
+def rule_axes(rules: Sequence[Sequence[Any]]) -> set[str]:
+    """Mesh axes that at least one rule may shard over."""
+    return {axis for _, mesh_axes in rules if mesh_axes for axis in as_tuple(mesh_axes)}
+
+
+def check_mesh_use(rules: Sequence[Sequence[Any]], sizes: dict[str, int], preset: str) -> None:
+    """A mesh axis > 1 (`sizes`: mesh.AXIS x mesh.dcn_AXIS) that no rule uses only duplicates
+    work (e.g. the `fsdp` preset with mesh.tensor=4 compiles to 4x the compute and 4x the state
+    per chip): refused (`config.validate`). `preset`: the rules' preset name, '' for
+    config.rules."""
+    used = rule_axes(rules)
+    for axis, size in sizes.items():
+        if size > 1 and axis not in used:
+            users = [name for name, r in PRESETS.items() if axis in rule_axes(r)]
+            what = f"rules preset {preset!r}" if preset else "config.rules"
+            raise ConfigError(paragraph(
+                f"The mesh axis '{axis}' has size {size} (mesh.{axis} x mesh.dcn_{axis}), but no",
+                f"rule of {what} shards anything over it, so every device along it would",
+                "repeat the same work and hold the same state. Use a preset that uses",
+                f"'{axis}' ({', '.join(users)}: --config.rules_preset={users[0] if users else ''}),",
+                f"add a rule naming it, or set --config.mesh.{axis}=1.",
+            ))
 
 
 def from_tuple(axes: Sequence[str]) -> MeshAxes:

@@ -127,3 +127,20 @@ def test_default_rules_are_the_fsdp_tp_preset(mesh):
                     ("layers", "embed", "mlp"), ("vocab", "embed"), ("mlp", "embed")):
         shape = (8,) * len(logical)
         assert default.spec(logical, shape, mesh) == preset.spec(logical, shape, mesh)
+
+
+def test_a_mesh_axis_no_rule_uses_is_refused_by_validate_naming_presets_that_use_it():
+    from configs import tiny_lm
+    from jaxscale.config import validate
+    from jaxscale.errors import ConfigError
+
+    c = tiny_lm.get_config("test")
+    c.mesh.update(data=2, fsdp=1, tensor=4, pipeline=1)
+    c.rules_preset = "fsdp"
+    with pytest.raises(ConfigError, match=r"The mesh axis 'tensor' has size 4 \(mesh.tensor x "
+                       r"mesh.dcn_tensor\), but no rule of rules preset 'fsdp' shards anything "
+                       r"over it.*\(tp, fsdp_tp, pp: --config.rules_preset=tp\).*"
+                       r"--config.mesh.tensor=1\."):
+        validate(c)
+    c.rules_preset = "tp"
+    validate(c)
