@@ -52,10 +52,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The uninterrupted run that the multi-process and fault tests compare with (test_multihost,
-# test_local_tier_kill, test_local_tier_faults, test_local_tier, test_checkpoint_outage): one
-# per pytest process. A subprocess, so its train step comes from (or goes to) the compilation
-# cache above; the 2 x 4 runs train as many steps, so one compile of each mesh's step serves
-# them all. An in-process run of the same steps gives the same losses bit for bit.
+# test_local_tier_kill, test_local_tier_faults, test_local_tier, test_checkpoint_outage,
+# test_preemption, test_checkpoint's SIGKILL): one per pytest process. A subprocess, so its
+# train step comes from (or goes to) the compilation cache above; the 2 x 4 runs train as many
+# steps, so one compile of each mesh's step serves them all. An in-process run of the same
+# steps gives the same losses bit for bit.
 TINY_STEPS = 8
 
 
