@@ -33,8 +33,8 @@ def _both(mask, q, k, v, softcap=0.0):
         w = jnp.cos(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
         out_of = lambda q, k, v: attend(q, k, v, mask, impl=impl, softcap=softcap)
         loss = lambda q, k, v: (out_of(q, k, v) * w).sum()
-        out = jax.jit(out_of)(q, k, v)
-        return out, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        grads = jax.grad(loss, argnums=(0, 1, 2))
+        return jax.jit(lambda q, k, v: (out_of(q, k, v), grads(q, k, v)))(q, k, v)  # one compile
     return run("splash"), run("einsum")
 
 
@@ -139,7 +139,7 @@ def test_gemma_local_and_global_layers_equal_einsum():
         if impl == "splash":  # two kernels (and their backward) under one cond per layer
             jaxpr = str(jax.make_jaxpr(grad)(params))
             assert "cond" in jaxpr and "pallas_call" in jaxpr
-        out[impl] = jax.jit(logits)(params), jax.jit(grad)(params)
+        out[impl] = jax.jit(lambda p, f=logits, g=grad: (f(p), g(p)))(params)  # one compile
     chex.assert_trees_all_close(out["splash"], out["einsum"], atol=1e-4, rtol=1e-4)
     # The window bites: with both layers global the logits differ.
     model_def, params = _tiny("einsum", **{**gemma, "layer_types": ("full_attention",) * 2})
