@@ -4,6 +4,7 @@ relaunch loop of docs/observability.md reads as a crash. It must exit 75 at once
 save, leave the workdir as it was, and the same command must then resume."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,13 +45,22 @@ def _sigterm_when(cmd: list[str], ready, signum: int = signal.SIGTERM) -> tuple[
     return proc.returncode, "".join(out), time.monotonic() - signalled_at
 
 
-@pytest.mark.slow
-def test_sigterm_while_compiling_or_restoring_exits_75_and_the_rerun_resumes(tmp_path):
-    workdir = str(tmp_path / "run")
+@pytest.fixture(scope="module")
+def saved_at_2(tmp_path_factory) -> str:
+    """A finished 2-step run (its checkpoint of step 2), which each test that restores copies:
+    one compile of the 2-step run for the module."""
+    workdir = str(tmp_path_factory.mktemp("faults_startup") / "run")
     first = subprocess.run([*TRAIN, "--config.train.steps=2", f"--workdir={workdir}"],
                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     assert os.listdir(os.path.join(workdir, "checkpoints")) == ["2"]
+    return workdir
+
+
+@pytest.mark.slow
+def test_sigterm_while_compiling_or_restoring_exits_75_and_the_rerun_resumes(tmp_path,
+                                                                            saved_at_2):
+    workdir = str(shutil.copytree(saved_at_2, tmp_path / "run"))
     cmd = [*TRAIN, "--config.train.steps=4", f"--workdir={workdir}"]
     # The banner is printed after the restore, right before the step compiles.
     status, out, took = _sigterm_when(cmd, lambda out: "jaxscale: mesh " in out)
@@ -66,11 +76,8 @@ def test_sigterm_while_compiling_or_restoring_exits_75_and_the_rerun_resumes(tmp
 
 
 @pytest.mark.slow
-def test_sigterm_while_the_state_is_built_or_restored_exits_75(tmp_path):
-    workdir = str(tmp_path / "run")
-    first = subprocess.run([*TRAIN, "--config.train.steps=2", f"--workdir={workdir}"],
-                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_sigterm_while_the_state_is_built_or_restored_exits_75(tmp_path, saved_at_2):
+    workdir = str(shutil.copytree(saved_at_2, tmp_path / "run"))
     events = os.path.join(workdir, "events.jsonl")
     size = os.path.getsize(events)
     # A run appends its start to events.jsonl once the state is built, then restores it.
