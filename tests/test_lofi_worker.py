@@ -192,17 +192,33 @@ def test_worker_killed_mid_push_leaves_no_visible_checkpoint(tmp_path):
     assert store.read(W.commit_key("workers/3/7")) is None
 
 
+# Parses and validates each command line given (argv[1:]) as `jaxscale train` would, each in a
+# process of its own (forked after the imports, before any flag is defined: absl's flags are
+# global); prints each one's `config.lofi` as a JSON line, in order; exits with the first failure.
 CHECK_WORKER_FLAGS = """
-import json, shlex, sys
+import json, os, shlex, sys
 from absl import flags
 from jaxscale import cli
 from jaxscale.config import validate
-sys.argv = ["jaxscale train"] + shlex.split(sys.argv[1])[2:]  # config_flags reads sys.argv
-config = cli.define_config_file("config", "configs/tiny_lm.py", "")
-flags.DEFINE_string("workdir", None, "")
-cli.parse_flags(sys.argv)
-validate(config.value)
-print(json.dumps(config.value.lofi.to_dict()))
+for line in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            sys.argv = ["jaxscale train"] + shlex.split(line)[2:]  # config_flags reads sys.argv
+            config = cli.define_config_file("config", "configs/tiny_lm.py", "")
+            flags.DEFINE_string("workdir", None, "")
+            cli.parse_flags(sys.argv)
+            validate(config.value)
+            print(json.dumps(config.value.lofi.to_dict()), flush=True)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        os._exit(0)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if status:
+        sys.exit(status)
 """
 
 
@@ -215,11 +231,13 @@ def test_lofi_vm_dry_run_prints_one_valid_worker_per_vm_and_the_averager():
     commands = [l for l in out.stdout.splitlines() if l and not l.startswith("#")]
     workers = [c for c in commands if c.startswith("jaxscale train ")]
     assert len(workers) == 3 and len(commands) == 5
-    for i, line in enumerate(workers):  # each command parses and validates as a real run would
-        check = subprocess.run([sys.executable, "-c", CHECK_WORKER_FLAGS, line], env=ENV,
-                               cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert check.returncode == 0, check.stderr[-2000:]
-        lofi = json.loads(check.stdout.strip().splitlines()[-1])
+    # each command parses and validates as a real run would
+    check = subprocess.run([sys.executable, "-c", CHECK_WORKER_FLAGS, *workers], env=ENV,
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr[-2000:]
+    lofis = [json.loads(line) for line in check.stdout.splitlines() if line.startswith("{")]
+    assert len(lofis) == len(workers), check.stdout[-2000:]
+    for i, lofi in enumerate(lofis):
         assert (lofi["enabled"], lofi["worker_id"], lofi["num_workers"], lofi["sync"],
                 lofi["min_workers"], lofi["store"]) == (True, i, 3, "diloco", 3, "gs://bucket/run1")
     assert kvstore_spec("gs://bucket/run1") == {"driver": "gcs", "bucket": "bucket",
