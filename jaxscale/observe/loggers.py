@@ -62,25 +62,35 @@ class JsonlLogger(Logger):
         self.writer.close()
 
 
-class _NoTorchInThisThread:
-    """A meta-path finder that refuses `torch` to the thread that made it (`summary_writer`)."""
+# What tensorboardX imports only for what jaxscale never asks of it: torch to name
+# `torch.Tensor` in type hints (over a second of CPU where torch is installed, the `parity`
+# extra), boto3 and google-cloud-storage to register its own s3:// and gs:// writers (about 0.4 s;
+# jaxscale writes the events to a local mirror and uploads them itself).
+_UNUSED_BY_TENSORBOARDX = ("torch", "boto3", "google.cloud.storage")
 
-    def __init__(self) -> None:
+
+class _RefusedInThisThread:
+    """A meta-path finder that refuses `names` (and their submodules) to the thread that made
+    it (`summary_writer`); other threads import them as usual."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
         self.thread = threading.get_ident()
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        if name.partition(".")[0] == "torch" and threading.get_ident() == self.thread:
-            raise ModuleNotFoundError("torch is not imported for tensorboardX", name=name)
+        refused = any(name == n or name.startswith(n + ".") for n in self.names)
+        if refused and threading.get_ident() == self.thread:
+            raise ModuleNotFoundError(f"{name} is not imported for tensorboardX", name=name)
         return None
 
 
 def summary_writer(logdir: str, purge_step: int | None) -> Any:
-    """A tensorboardX `SummaryWriter`. tensorboardX imports torch when it is installed only to
-    name `torch.Tensor` in its type hints: over a second of CPU at the start of every run where
-    torch is installed (the `parity` extra). We log floats, so its first import runs with torch
-    refused to this thread only (other threads, and this one afterwards, import it as usual)."""
-    finder = _NoTorchInThisThread()
-    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+    """A tensorboardX `SummaryWriter`, its first import made with what it would import for
+    nothing (`_UNUSED_BY_TENSORBOARDX`) refused to this thread only: this thread imports them
+    as usual afterwards, and one already imported is tensorboardX's to use."""
+    finder = _RefusedInThisThread(tuple(n for n in _UNUSED_BY_TENSORBOARDX
+                                        if n not in sys.modules))
+    if "tensorboardX" not in sys.modules and finder.names:
         sys.meta_path.insert(0, finder)
     try:
         from tensorboardX import SummaryWriter
