@@ -4,10 +4,7 @@ search with several compiling processes, and the table it prints.
 The end-to-end tests run the entry point in subprocesses with libtpu (skipped without it).
 """
 
-import json
-import os
 import re
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +14,7 @@ from configs import llama
 from jaxscale.aot.topology import parse_topology
 from jaxscale.errors import ConfigError
 from jaxscale.weights.tree import unflatten
+from plan_stand_in import DYING, compile_or_die, dies
 
 
 def test_planner_candidates_cover_pipelines_and_skip_equivalent_presets():
@@ -248,28 +246,6 @@ def test_plan_with_nothing_fitting_names_the_closest_and_what_is_left_to_try(tmp
     assert "loss_chunks" not in advice[2]
 
 
-def _dies(config_json: str) -> bool:
-    return json.loads(config_json)["model"]["remat"] in _DYING
-
-
-_DYING = ("none", "dots_no_batch")  # the second and fourth in the tiny search order
-
-
-def _compile_or_die(config_json: str, topology, cache_dir: str) -> dict:
-    """A stand-in for the compiler, to test the search's handling of its processes: the worker
-    dies at once on the candidates with a `_DYING` remat (the second and fourth in search order),
-    and elsewhere answers after a second (so that it is still compiling when its
-    neighbour dies) with a result over HBM, so that the search compiles its candidates in order
-    (what one that fits rules out is not under test here)."""
-    if _dies(config_json):
-        os._exit(1)  # a compile killed mid-way (out of memory, a libtpu crash)
-    time.sleep(1.0)
-    fsdp = json.loads(config_json)["mesh"]["fsdp"]
-    return {"total_bytes": 2.0**31, "hbm_bytes": 2.0**30,
-            "estimate": {"full_overlap_s": 1.0 / fsdp, "no_overlap_s": 1.0,
-                         "mfu_full_overlap": None}}
-
-
 def _pool_broken_before_next_submit(workers: int):
     """The search's process pool, except that submitting a compile that kills its worker
     returns only once the pool is broken: the search's next submit then meets the broken pool
@@ -282,7 +258,7 @@ def _pool_broken_before_next_submit(workers: int):
     class Pool(cf.ProcessPoolExecutor):
         def submit(self, fn, config_json, *args):
             job = super().submit(fn, config_json, *args)
-            if _dies(config_json):
+            if dies(config_json):
                 cf.wait([job])  # failed by the dead worker, with every other job in the pool
             return job
 
@@ -303,10 +279,10 @@ def test_a_compiling_process_that_dies_fails_only_its_candidate(tmp_path, monkey
     # 2 candidates, then 2 more: nothing fits (every stand-in result is over HBM); the deaths
     # use none of that budget.
     runs = [search_lib.search(c, topology, str(tmp_path), max_candidates=2, workers=w,
-                              compile_fn=_compile_or_die) for w in (1, 3)]
+                              compile_fn=compile_or_die) for w in (1, 3)]
     for results in runs:
         died = [cand.full for cand, r in results if "error" in r]
-        assert died and all(f["model.remat"] in _DYING for f in died)
+        assert died and all(f["model.remat"] in DYING for f in died)
         assert all(r["error"].startswith("the compiling process died") for _, r in results
                    if "error" in r)
         assert len(results) - len(died) == 4 and len(died) >= 2
