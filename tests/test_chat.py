@@ -186,3 +186,28 @@ def test_prepared_shards_give_the_rows_of_the_jsonl(tokenizers, tmp_path, fmt):
     # The prepared directory renders prompts as the data was rendered.
     assert encode_chat(out, CONVERSATIONS[0])[0].tolist() == encode_chat(
         tok, CONVERSATIONS[0])[0].tolist()
+
+
+def test_the_byte_tokenizer_renders_chat_with_a_template_file(tmp_path):
+    """`data.tokenizer=bytes` with `data.chat_template=FILE`: the ids are the UTF-8 bytes of the
+    template's rendering, the trained ones exactly the assistant's (multi-byte characters
+    whole); a SentencePiece model is refused by name."""
+    import jinja2
+
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (tmp_path / "t.jinja").write_text(template)
+    messages = [{"role": "user", "content": "où ça?"},
+                {"role": "assistant", "content": "là-bas ✓"},
+                {"role": "user", "content": "merci"},
+                {"role": "assistant", "content": "de rien"}]
+    ids, mask = encode_chat("bytes", messages, str(tmp_path / "t.jinja"))
+    rendered = jinja2.Template(template).render(messages=messages, add_generation_prompt=False)
+    assert bytes(ids.tolist()) == rendered.encode("utf-8")
+    assert bytes(ids[mask].tolist()) == "là-bas ✓de rien".encode("utf-8")
+    glob = _write(tmp_path / "chat.jsonl", [{"messages": messages}])
+    source = _source("chat", glob, "bytes", chat_template=str(tmp_path / "t.jinja"))
+    assert (source.lengths > 0).sum() == 1
+    (tmp_path / "sp.model").write_bytes(b"not read")
+    with pytest.raises(ConfigError, match=r"sp\.model' is a SentencePiece model; chat data"):
+        encode_chat(str(tmp_path / "sp.model"), messages, str(tmp_path / "t.jinja"))

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from jaxscale.data.readers import SKIP_FLAGS, DataError
-from jaxscale.data.tokenizer import resolve_path
+from jaxscale.data.tokenizer import BYTES, resolve_path
 from jaxscale.errors import ConfigError, paragraph
 
 MASK_BIT = np.uint32(1 << 31)
@@ -90,7 +90,7 @@ def find_template(tokenizer: str, template_file: str = "") -> str:
                 "empty to use the tokenizer directory's own template."))
         with open(template_file, encoding="utf-8") as f:
             return f.read()
-    if tokenizer in ("", "bytes"):
+    if tokenizer in ("", BYTES):
         raise ConfigError(paragraph(
             "Chat data needs a tokenizer with a chat template, but data.tokenizer is the",
             "byte-level default. Set --config.data.tokenizer to a Hugging Face tokenizer",
@@ -114,7 +114,7 @@ def special_tokens(tokenizer: str) -> dict[str, str]:
     """The named special tokens the template sees (`bos_token`, ...), as transformers reads
     them: `tokenizer_config.json`, then `special_tokens_map.json` (strings or added-token
     dicts)."""
-    if tokenizer in ("", "bytes"):
+    if tokenizer in ("", BYTES):
         return {}
     directory = _directory(tokenizer)
     found: dict[str, str] = {}
@@ -238,7 +238,17 @@ class ChatEncoder:
 
         self.template = ChatTemplate(find_template(tokenizer, template_file),
                                      special_tokens(tokenizer), template_file or tokenizer)
-        self._tok = Tokenizer.from_file(resolve_path(tokenizer))
+        if tokenizer in ("", BYTES):
+            self._tok: Any = _BytesWithOffsets()
+        elif resolve_path(tokenizer).endswith(".model"):
+            raise ConfigError(paragraph(
+                f"data.tokenizer={tokenizer!r} is a SentencePiece model; chat data is rendered",
+                "with a Hugging Face tokenizer (tokenizer.json, which gives each token's",
+                "characters, how the trained tokens are found). Use the model's tokenizer.json",
+                "(`jaxscale convert --from_hf` copies it), or the byte tokenizer with",
+                "--config.data.chat_template=FILE."))
+        else:
+            self._tok = Tokenizer.from_file(resolve_path(tokenizer))
 
     def _render(self, messages: list[dict], where: Where, generation_prompt: bool = False
                 ) -> tuple[str, list[tuple[int, int]]]:
@@ -317,6 +327,23 @@ class ChatEncoder:
                                                       where))
         in_prompt = offsets[:, 0] < len(self._render(prompt, where, True)[0])
         return ids, mask & ~in_prompt, int(in_prompt.sum())
+
+
+class _BytesWithOffsets:
+    """The byte tokenizer (`data.tokenizer=bytes`) as `ChatEncoder` reads a tokenizer: an
+    encoding's ids (UTF-8 bytes) and each id's character span (every byte of a character
+    spans that character)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> Any:
+        from types import SimpleNamespace
+
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for i, char in enumerate(text):
+            encoded = char.encode("utf-8")
+            ids.extend(encoded)
+            offsets.extend([(i, i + 1)] * len(encoded))
+        return SimpleNamespace(ids=ids, offsets=offsets)
 
 
 @functools.lru_cache(maxsize=8)
