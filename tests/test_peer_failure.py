@@ -32,7 +32,10 @@ def test_one_process_failing_stops_every_process_and_the_rerun_resumes(tmp_path)
     assert sorted(first) == [1, 2, 3]
     assert os.listdir(workdir / "checkpoints") == ["2"]
 
-    resumed, text = launch_two([*TRAIN, f"--workdir={workdir}"], module="launch.train")
+    # The rerun needs no saves of its own (checkpoint.every=0, the later flag wins): its resume
+    # is the point.
+    resumed, text = launch_two([*TRAIN, f"--workdir={workdir}", "--config.checkpoint.every=0"],
+                               module="launch.train")
     assert resumed.returncode == 0, text[-3000:]
     assert f"[p0] jaxscale: resumed from {workdir}/checkpoints/2 (persistent tier)" in text
     again = losses_by_step(workdir)
