@@ -156,12 +156,16 @@ def test_the_cli_matches_lm_evals_hf_model_on_a_local_task(hf_dir, tmp_path):
     for doc, logps in theirs_by_doc.items():
         np.testing.assert_allclose(ours_by_doc[doc], logps, atol=1e-4)
 
-def test_bad_model_args_are_one_paragraph(hf_dir):
-    from jaxscale.errors import ConfigError
+def test_bad_model_args_are_one_paragraph(hf_dir, tmp_path):
+    from jaxscale.errors import ConfigError, JaxscaleError
     with pytest.raises(ConfigError, match="exactly one of"):
         JaxscaleLM()
     with pytest.raises(ConfigError, match="unknown argument"):
         JaxscaleLM(from_hf=hf_dir, pretrained="x")
+    # `jaxscale lm-eval` checks these before the harness indexes its tasks: a workdir without
+    # the model's shape too
+    with pytest.raises(JaxscaleError, match=r"--model_args workdir=\S+empty has neither"):
+        JaxscaleLM.check_arg_string(f"workdir={tmp_path}/empty,batch_size=4")
 
 
 

@@ -116,6 +116,9 @@ class JaxscaleLM(TemplateLM):
                  if p.default is not p.empty}
         check_model_args(given["workdir"], given["from_hf"], given["batch_size"],
                          given["max_length"], given["max_gen_toks"], unknown=args)
+        if given["workdir"]:  # a workdir without the model's shape: before the task index too
+            from jaxscale.interop.convert import read_model_config
+            read_model_config(given["workdir"], "--model_args workdir")
 
     def __init__(self, workdir: str = "", from_hf: str = "", batch_size: int | str = 8,
                  max_length: int | str = 0, max_gen_toks: int | str = 256, seed: int | str = 0,
