@@ -78,7 +78,11 @@ def _kill_between_saves(workdir: str, local, persistent_steps) -> tuple[list[int
 
 
 def _resume(workdir: str, local, processes: int = 2) -> subprocess.CompletedProcess:
-    cmd = _run(workdir, local)
+    """The killed command again, but with no saves of its own in its steps (the later flags
+    win; the local tier's first would be at step 100): what it restores, and its losses, are
+    the point."""
+    cmd = [*_run(workdir, local), "--config.checkpoint.every=0",
+           "--config.checkpoint.local_every=100"]
     if processes == 1:
         cmd = [sys.executable, "-m", "launch.train", *cmd[len(MULTIHOST):], "--cpu_devices=8"]
     run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
