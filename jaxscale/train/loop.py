@@ -245,8 +245,9 @@ def _after_step(hooks: Sequence[Any], info: StepInfo) -> TrainState:
 
 def _attach_checkpoints(trainer: Trainer) -> None:
     """Resumes from the newest checkpoint, local tier first (`_resume`), and saves
-    periodically: every `checkpoint.every` steps / `every_minutes` to the workdir (0: only when
-    pre-empted or at the end), and to the local tier if `checkpoint.local_dir` is set."""
+    periodically: every `checkpoint.every` steps / `every_minutes` to the workdir, and at the
+    end (both 0: only when pre-empted, never at the end), and to the local tier if
+    `checkpoint.local_dir` is set."""
     from jaxscale.train.checkpoint import Checkpointer
     from jaxscale.train.hooks import Interval
 
