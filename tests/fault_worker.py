@@ -24,7 +24,7 @@ from absl import app, flags
 
 from jaxscale import cli
 from jaxscale.errors import exit_on_user_error
-from jaxscale.runtime import distributed
+from jaxscale.runtime import distributed, peer_failure
 from jaxscale.runtime.peer_failure import together
 
 _CONFIG = cli.define_config_file("config", "configs/tiny_lm.py", "Experiment config.")
@@ -104,6 +104,9 @@ def main(argv: list[str]) -> None:
         fault = BreakTier(local_directory(config.checkpoint.local_dir))
     elif _FAULT.value == "raise":
         fault = Raise()
+        # Process 0's own main thread, waiting on process 1 in a collective, never fails by
+        # itself: the grace it gets for that (10 s) would only be waited out.
+        peer_failure.GRACE_S = 1.0
     else:
         fault = DenyWrites(os.path.join(_WORKDIR.value, "checkpoints"))
     with together():  # as launch.train
