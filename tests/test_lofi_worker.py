@@ -226,14 +226,14 @@ def test_lofi_vm_dry_run_prints_one_valid_worker_per_vm_and_the_averager():
     out = subprocess.run([sys.executable, "-m", "launch.lofi_local", "--num_workers=3",
                           "--store=gs://bucket/run1", "--dry_run", "--sync=diloco", "--",
                           "--config=configs/tiny_lm.py", "--config.train.steps=50"],
-                         env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+                         env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     commands = [l for l in out.stdout.splitlines() if l and not l.startswith("#")]
     workers = [c for c in commands if c.startswith("jaxscale train ")]
     assert len(workers) == 3 and len(commands) == 5
     # each command parses and validates as a real run would
     check = subprocess.run([sys.executable, "-c", CHECK_WORKER_FLAGS, *workers], env=ENV,
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert check.returncode == 0, check.stderr[-2000:]
     lofis = [json.loads(line) for line in check.stdout.splitlines() if line.startswith("{")]
     assert len(lofis) == len(workers), check.stdout[-2000:]
@@ -296,7 +296,7 @@ def test_lofi_local_sigterm_stops_every_process_and_leaves_store_consistent(tmp_
     proc.send_signal(signal.SIGTERM)
     drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     drain.start()
-    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, "".join(lines[-50:])
+    assert proc.wait(timeout=600) == 128 + signal.SIGTERM, "".join(lines[-50:])
     drain.join(timeout=10)
     assert len(pids) == 3
     for pid in pids:
