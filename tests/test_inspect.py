@@ -124,10 +124,9 @@ def test_init_from_is_checked_as_train_checks_it(tmp_path):
     import numpy as np
 
     from jaxscale.errors import JaxscaleError
-    from jaxscale.launch.inspect import check_init_from
     from jaxscale.models import ModelDef
     from jaxscale.precision import get_policy
-    from jaxscale.weights.init_from import export_params
+    from jaxscale.weights.init_from import check_init_from, export_params
 
     c = get_config("test")
     c.init_from = str(tmp_path / "empty")

@@ -4,7 +4,6 @@ Without `--config` it inspects the default config, configs/tiny_lm.py (the banne
 `--config.init_from=WEIGHTS` supplies the model as it does to `train` (`cli.resolved`): only the
 shapes the weights record are read, and weights `train` would refuse are refused here too."""
 
-from typing import Any
 
 from absl import app, flags
 
@@ -26,6 +25,7 @@ def main(argv):
     distributed.setup()
     from jaxscale import config as config_lib
     from jaxscale.aot.sharding_report import build_report, format_report
+    from jaxscale.weights.init_from import check_init_from
     config = cli.resolved(_CONFIG.value)
     config_lib.validate(config)  # first: a missing init_from is named as train names it
     check_init_from(config)
@@ -42,21 +42,6 @@ def banner() -> str:
     spec = flags.FLAGS["config"].config_filename
     given = flag_value(sys.argv, "config") is not None
     return f"config: {spec}" + ("" if given else " (the default; --config=FILE[:ARG] for another)")
-
-
-def check_init_from(config: Any) -> None:
-    """`config.init_from`'s weights checked as `train` checks them when it loads them
-    (`weights.init_from.load_params`: the recorded model fields, then every leaf's presence
-    and shape), reading their metadata only: inspect must not report a run train refuses."""
-    path = config.get("init_from")
-    if not path:
-        return
-    from jaxscale.models import ModelDef
-    from jaxscale.precision import get_policy
-    from jaxscale.weights.init_from import checked_leaves
-
-    like = ModelDef.build(config.model, get_policy(config.precision)).shapes()
-    checked_leaves(path, like, config.model)
 
 
 if __name__ == "__main__":

@@ -114,3 +114,17 @@ def check_matches(shapes: dict[str, tuple], expected: dict[str, Any], path: str,
                 f"config.init_from={path!r}: leaf {leaf} has shape {tuple(shapes[leaf])} but",
                 f"the model expects {tuple(ref.shape)}.", _model_hint(path, model_cfg),
             ))
+
+
+def check_init_from(config: Any) -> None:
+    """`config.init_from`'s weights checked as `train` checks them when it loads them
+    (`load_params`: the recorded model fields, then every leaf's presence and shape), reading
+    their metadata only: `jaxscale inspect` must not report a run train refuses."""
+    path = config.get("init_from")
+    if not path:
+        return
+    from jaxscale.models import ModelDef
+    from jaxscale.precision import get_policy
+
+    checked_leaves(path, ModelDef.build(config.model, get_policy(config.precision)).shapes(),
+                   config.model)
