@@ -160,6 +160,25 @@ def test_a_file_of_identical_pairs_is_refused_and_some_are_counted(tokenizers, t
         _source("preference", str(tmp_path / "s*.jsonl"), tok, skip_bad_records=True)
 
 
+def test_prepare_refuses_a_file_of_identical_pairs_and_counts_some(tokenizers, tmp_path,
+                                                                   capsys):
+    """`prepare-data --format=preference` checks each file as the jsonl source does (pairs are
+    counted per task, so one document per task here: the sums must not double-count)."""
+    from jaxscale.data.prepare import prepare
+
+    tok = tokenizers["llama3"]
+    same = [{"prompt": p, "chosen": "yes", "rejected": "yes"} for p in ("hi", "is it four")]
+    glob = _write(tmp_path / "same.jsonl", same)
+    with pytest.raises(DataError, match=r"same\.jsonl: each of its 2 preference pairs.*"
+                       r"remove it from --sources"):
+        prepare([glob], "preference", str(tmp_path / "refused"), tokenizer=tok)
+    assert not (tmp_path / "refused" / "metadata.json").exists()  # never a complete directory
+    some = _write(tmp_path / "some.jsonl", [*same, {"prompt": "hi", "chosen": "yes",
+                                                    "rejected": "no"}])
+    assert prepare([some], "preference", str(tmp_path / "ok"), tokenizer=tok)["documents"] == 3
+    assert "some.jsonl: 2 of its 3 preference pairs have identical" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("fmt", ["chat", "preference"])
 def test_prepared_shards_give_the_rows_of_the_jsonl(tokenizers, tmp_path, fmt):
     from jaxscale.data.prepare import prepare

@@ -192,36 +192,6 @@ def test_worker_killed_mid_push_leaves_no_visible_checkpoint(tmp_path):
     assert store.read(W.commit_key("workers/3/7")) is None
 
 
-# Parses and validates each command line given (argv[1:]) as `jaxscale train` would, each in a
-# process of its own (forked after the imports, before any flag is defined: absl's flags are
-# global); prints each one's `config.lofi` as a JSON line, in order; exits with the first failure.
-CHECK_WORKER_FLAGS = """
-import json, os, shlex, sys
-from absl import flags
-from jaxscale import cli
-from jaxscale.config import validate
-for line in sys.argv[1:]:
-    pid = os.fork()
-    if pid == 0:
-        try:
-            sys.argv = ["jaxscale train"] + shlex.split(line)[2:]  # config_flags reads sys.argv
-            config = cli.define_config_file("config", "configs/tiny_lm.py", "")
-            flags.DEFINE_string("workdir", None, "")
-            cli.parse_flags(sys.argv)
-            validate(config.value)
-            print(json.dumps(config.value.lofi.to_dict()), flush=True)
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)
-        os._exit(0)
-    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    if status:
-        sys.exit(status)
-"""
-
-
 def test_lofi_vm_dry_run_prints_one_valid_worker_per_vm_and_the_averager():
     out = subprocess.run([sys.executable, "-m", "launch.lofi_local", "--num_workers=3",
                           "--store=gs://bucket/run1", "--dry_run", "--sync=diloco", "--",
@@ -232,8 +202,8 @@ def test_lofi_vm_dry_run_prints_one_valid_worker_per_vm_and_the_averager():
     workers = [c for c in commands if c.startswith("jaxscale train ")]
     assert len(workers) == 3 and len(commands) == 5
     # each command parses and validates as a real run would
-    check = subprocess.run([sys.executable, "-c", CHECK_WORKER_FLAGS, *workers], env=ENV,
-                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    check = subprocess.run([sys.executable, "-m", "tests.check_worker_flags", *workers],
+                           env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert check.returncode == 0, check.stderr[-2000:]
     lofis = [json.loads(line) for line in check.stdout.splitlines() if line.startswith("{")]
     assert len(lofis) == len(workers), check.stdout[-2000:]
@@ -322,8 +292,13 @@ def test_watching_averager_started_before_round_0_waits_for_the_job_quorum(tmp_p
     proc = subprocess.Popen([sys.executable, "-m", "launch.lofi_average", f"--store={store_dir}",
                              "--watch", "--interval_s=0.05"], env=ENV, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
     try:
-        time.sleep(5)  # the averager is up and polling an empty store
+        for line in proc.stdout:  # its first poll of the still empty store is done
+            seen.append(line)
+            if line.startswith("watching "):
+                break
+        assert seen and seen[-1].startswith(f"watching {store_dir} "), "".join(seen)
         params = {"w": np.zeros(10, np.float32)}
         publish_initial(Store(store_dir), params, job={"allowed_workers": [0, 1],
                                                          "min_workers": 2, "max_staleness": 0})
@@ -337,7 +312,8 @@ def test_watching_averager_started_before_round_0_waits_for_the_job_quorum(tmp_p
         np.testing.assert_allclose(latest_average(store_dir).params["w"], 2.0)
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=600)  # its few lines fit in the pipe
+    out = "".join(seen) + proc.stdout.read()  # through the buffer the loop above read into
     assert "round 1: averaged w0@5, w1@5" in out
 
 

@@ -151,17 +151,18 @@ def same_pair(doc: np.ndarray) -> bool:
     return bool(np.array_equal(chosen, rejected))
 
 
-def check_signal(path: str, pairs: int, same: int) -> None:
+def check_signal(path: str, pairs: int, same: int, sources: str = "data.sources") -> None:
     """A file of `pairs` pairs, `same` of them identical: refused when every pair is (no
     preference signal: the loss is a constant, ln 2 for DPO, and its gradient zero); a note
-    counts identical pairs among others, which only dilute the loss."""
+    counts identical pairs among others, which only dilute the loss. `sources`: the setting
+    that named the file (`--sources` for the prepare step)."""
     if pairs and same == pairs:
         raise DataError(paragraph(
             f"{path}: each of its {pairs} preference pairs has a chosen response identical to",
             "its rejected one, so the file carries no preference signal: the loss would stay",
             "at its start (ln 2 = 0.693 for DPO) with a zero gradient and the run would learn",
             "nothing from it. Check how the file was written (\"chosen\" and \"rejected\"",
-            "probably hold the same field), or remove it from data.sources."))
+            f"probably hold the same field), or remove it from {sources}."))
     if same:
         print(f"jaxscale: note: {path}: {same} of its {pairs} preference pairs have identical "
               "chosen and rejected responses; they add a constant to the loss and teach "

@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +33,7 @@ import tqdm
 
 from jaxscale.data.chat import TEMPLATE_FILE, find_template
 from jaxscale.data.chat import encoder as chat_encoder
-from jaxscale.data.chat_sources import ChatReader, PreferenceReader
+from jaxscale.data.chat_sources import ChatReader, PreferenceReader, check_signal
 from jaxscale.data.readers import JsonlReader, ParquetReader, TextReader, bad_record
 from jaxscale.data.sources import FORMATS, SourceSpec, expand
 from jaxscale.data.tokenizer import encode_document, file_hash, load_tokenizer
@@ -106,11 +107,15 @@ def _init_worker(globs: list[str], fmt: str, text_field: str, tokenizer_path: st
                                       (tokenizer_path, chat_template))
 
 
-def _tokenize(task: tuple[int, int, int]) -> tuple[list[bytes], int]:
-    """Tokenizes documents [lo, hi) of reader `r`: (records, skipped bad records)."""
+def _tokenize(task: tuple[int, int, int]) -> tuple[list[bytes], int, Counter]:
+    """Tokenizes documents [lo, hi) of reader `r`: (records, skipped bad records, and for
+    preference pairs, how many were read and how many are identical, keyed (file, "pairs" or
+    "same"))."""
     r, lo, hi = task
     reader = _WORKER["readers"][r]
     before = getattr(reader, "skipped", 0)
+    if isinstance(reader, PreferenceReader):
+        reader.pairs.clear(), reader.same.clear()  # counted per task, summed by the caller
     records = []
     for i in range(lo, hi):
         if getattr(reader, "kind", "text") in CHAT_FORMATS:  # rendered and marked whole
@@ -125,7 +130,10 @@ def _tokenize(task: tuple[int, int, int]) -> tuple[list[bytes], int]:
                 bad_record(reader, i, "is an empty document (shorter than one token)")
             continue
         records.append(ids.astype(np.uint32).tobytes())
-    return records, getattr(reader, "skipped", 0) - before
+    signal = Counter({(f, k): n for k, counts in (("pairs", getattr(reader, "pairs", {})),
+                                                  ("same", getattr(reader, "same", {})))
+                      for f, n in counts.items()})
+    return records, getattr(reader, "skipped", 0) - before, signal
 
 
 MARKER = ".jaxscale-prepare"  # written first: names what this step writes into --out
@@ -259,7 +267,9 @@ def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shard
             f.write(find_template(src, chat_template))
     load_tokenizer(tok_path)  # fails clearly before any worker starts
     init = (globs, fmt, text_field, render_with, skip_bad, chat_template)
-    lengths, skipped = _write_shards(readers, out, names, init, workers)
+    lengths, skipped, signal = _write_shards(readers, out, names, init, workers)
+    for path in sorted({f for f, _ in signal}):  # before metadata.json: never a complete dir
+        check_signal(path, signal[path, "pairs"], signal[path, "same"], "--sources")
     seen = sum(map(len, lengths))
     meta = {"format_version": 1, "documents": seen, "tokens": int(sum(map(sum, lengths))),
             "skipped_records": skipped, "sources": list(globs), "format": fmt,
@@ -274,9 +284,10 @@ def prepare(globs: list[str], fmt: str, out: str, tokenizer: str = "", num_shard
 
 
 def _write_shards(readers: list[Any], out: str, names: list[str], init: tuple, workers: int
-                  ) -> tuple[list[list[int]], int]:
+                  ) -> tuple[list[list[int]], int, Counter]:
     """Tokenizes every document across `workers` processes and writes them in source order
-    into the shards `names`: (token lengths per shard, skipped bad records)."""
+    into the shards `names`: (token lengths per shard, skipped bad records, `_tokenize`'s
+    preference-pair counts summed)."""
     from array_record.python.array_record_module import ArrayRecordWriter
     total_docs = sum(rd.num_docs for rd in readers)
     chunk = max(1, min(CHUNK, total_docs // (4 * workers)))  # keep every worker busy
@@ -285,23 +296,23 @@ def _write_shards(readers: list[Any], out: str, names: list[str], init: tuple, w
     shard_of = lambda doc: min(len(names) - 1, doc * len(names) // max(total_docs, 1))
     writers = [ArrayRecordWriter(os.path.join(out, n), "group_size:1") for n in names]
     lengths: list[list[int]] = [[] for _ in names]
-    skipped, seen = 0, 0
+    skipped, seen, signal = 0, 0, Counter()
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers, _init_worker, init) if workers > 1 else _Inline(init) as pool, \
             tqdm.tqdm(total=total_docs, unit="doc", desc="prepare") as bar:
-        for (records, bad), (_, lo, hi) in zip(pool.imap(_tokenize, tasks), tasks):
+        for (records, bad, counts), (_, lo, hi) in zip(pool.imap(_tokenize, tasks), tasks):
             for rec in records:
                 k = shard_of(seen)
                 writers[k].write(rec)
                 lengths[k].append(len(rec) // 4)
                 seen += 1
-            skipped += bad
+            skipped, signal = skipped + bad, signal + counts
             bar.update(hi - lo)
     for w in writers:
         w.close()
     for n, lens in zip(names, lengths):
         np.save(os.path.join(out, n + ".lengths.npy"), np.asarray(lens, np.int64))
-    return lengths, skipped
+    return lengths, skipped, signal
 
 
 class _Inline:
