@@ -175,7 +175,9 @@ def test_prepare_refuses_a_file_of_identical_pairs_and_counts_some(tokenizers, t
     assert not (tmp_path / "refused" / "metadata.json").exists()  # never a complete directory
     some = _write(tmp_path / "some.jsonl", [*same, {"prompt": "hi", "chosen": "yes",
                                                     "rejected": "no"}])
-    assert prepare([some], "preference", str(tmp_path / "ok"), tokenizer=tok)["documents"] == 3
+    # the refused directory is an interrupted run: a rerun with fixed sources reuses it
+    assert prepare([some], "preference", str(tmp_path / "refused"),
+                   tokenizer=tok)["documents"] == 3
     assert "some.jsonl: 2 of its 3 preference pairs have identical" in capsys.readouterr().err
 
 
