@@ -295,6 +295,24 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_paragraph(tmp_path):
         subprocess.run(["umount", str(small)], check=False)
 
 
+def test_a_disk_full_at_the_first_metrics_line_is_one_paragraph(tmp_path):
+    """A 12 KiB workdir holds config.json (2 pages) and events.jsonl (1), nothing more: the
+    first metrics.jsonl line meets the full disk, as the loggers did when a checkpoint's
+    background commit filled it. One paragraph naming the file (it was a raw OSError, exit 1,
+    then TensorBoard's exit hook and writer thread printed tracebacks through multiprocessing)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(small)],
+                             capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode()}")
+    try:
+        out = _train(small / "run", "--cpu_devices=1")
+        one_paragraph(out, f"{small}/run/metrics.jsonl is full", "run it again")
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
 def test_convert_flags_the_conversion_would_ignore_or_cannot_parse_write_nothing(tmp_path):
     one_paragraph(cli("convert", f"--from_workdir={tmp_path}", f"--to_hf={tmp_path}/hf",
                       "--max_shard_size=5XB"), "max_shard_size='5XB'")

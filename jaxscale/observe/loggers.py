@@ -21,6 +21,7 @@ from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.observe.metrics import MetricsWriter
+from jaxscale.storage.diskfull import file_full_error, is_disk_full
 from jaxscale.storage.locations import is_remote
 from jaxscale.storage.workdir_files import TensorBoardMirror
 
@@ -117,14 +118,65 @@ class TensorBoardLogger(Logger):
         for k, v in info.metrics.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 self._tb.add_scalar(k, float(v), int(info.step))
-        self._tb.flush()
+        try:
+            self._tb.flush()
+        except OSError as e:  # a full disk: named in one paragraph (the loop stops the run)
+            if is_disk_full(e):
+                raise file_full_error(self._mirror.local) from None
+            raise
         self._mirror.sync()
 
     def close(self) -> None:
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            try:
+                tb.close()
+            except OSError as e:
+                if not is_disk_full(e):
+                    raise
+                _drop_unwritable_events(tb)
+                raise file_full_error(self._mirror.local) from None
             self._mirror.close()
+
+
+class _Discarded:
+    """An event file that takes and keeps nothing (`_drop_unwritable_events`)."""
+
+    def write(self, data: bytes) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def _drop_unwritable_events(tb: Any) -> None:
+    """Closes a tensorboardX writer whose buffered events a full disk refused. Its close()
+    flushes first and gives up at the error, leaving its writer thread running and its atexit
+    hook to fail the same way: tracebacks at exit (the thread's through multiprocessing's
+    queue), after the run's one-paragraph error. The events are dropped instead (TensorBoard is a
+    view of metrics.jsonl): the file's descriptor is pointed at /dev/null, so that its buffer
+    drains there, and the writer is closed over a file that keeps nothing. Checked against
+    tensorboardX 2.6 (`FileWriter.event_writer`, `EventFileWriter._ev_writer`,
+    `EventsWriter._py_recordio_writer`, `RecordWriter._writer`)."""
+    for file_writer in list(getattr(tb, "all_writers", {}).values()):
+        try:
+            events = file_writer.event_writer
+            record = events._ev_writer._py_recordio_writer
+            record._writer  # noqa: B018 (another tensorboardX: its exit prints what it may)
+        except AttributeError:
+            return
+        if hasattr(record._writer, "fileno"):
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, record._writer.fileno())
+            finally:
+                os.close(null)
+            record._writer.close()
+        record._writer = _Discarded()
+        events.close()
 
 
 WANDB_MISSING = paragraph(

@@ -4,6 +4,11 @@ tensorstore reports it as `RESOURCE_EXHAUSTED` (in a ValueError), direct file wr
 ENOSPC or EDQUOT. The writer that hit it removes its own unpublished attempt directory (never
 another writer's: those are named by their own random token) and raises `DiskFullError`; once
 space is freed, pushing or averaging again simply works.
+
+A training run's other workdir files (metrics.jsonl, events.jsonl, TensorBoard's events) meet
+the same full disk, often first: the checkpoint that fills it commits in the background and
+reports its failure only at the next save. Those writes raise `file_full_error`, naming the file;
+the train loop (`Trainer.run`) then lets the checkpoint in flight report itself first.
 """
 
 from __future__ import annotations
@@ -30,4 +35,16 @@ def disk_full_error(location: str, what: str, need_bytes: int, removed: str) -> 
         f"{need_bytes / 2**20:,.1f} MiB free. This attempt's files ({removed}) were removed and",
         "nothing was committed, so the store is as before. Free space (or raise the quota) and",
         "run it again: it continues from the newest complete checkpoint.",
+    ))
+
+
+def file_full_error(path: str) -> DiskFullError:
+    """A workdir file (metrics.jsonl, events.jsonl, TensorBoard's events) that could not be
+    written for a full disk: a raw ENOSPC names no file, and it is not a broken file to move
+    aside (what a generic OSError paragraph would suggest)."""
+    return DiskFullError(paragraph(
+        f"The disk under {path} is full (or its quota reached): writing it failed and the run",
+        "stopped. The lines already written and every checkpoint listed in the workdir are",
+        "intact. Free space (or raise the quota) and run it again: it continues from the newest",
+        "complete checkpoint.",
     ))

@@ -210,6 +210,24 @@ class Checkpointer:
             return str(self._pending)
         return f"{self._pending}.orbax-checkpoint-tmp"
 
+    def stop_for_full_disk(self) -> None:
+        """Another workdir write (metrics.jsonl, events.jsonl, TensorBoard) met a full disk,
+        most often filled by the save whose commit is still in flight: that save, which would
+        only report at the next one, is waited for here, so that its own paragraph (raised)
+        names the checkpoint, and its unfinished step is removed (freeing what it took) before
+        the run stops. A commit that failed otherwise, or succeeded, leaves the other write's
+        error to be reported. Several processes: nothing is waited for (that needs every
+        process, and only process 0 writes those files)."""
+        if self._writes is not None:
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # not the disk: the other write's full disk is reported
+            self._raise_if_disk_full(e)
+        if not locations.is_remote(self.directory):
+            for tmp in self._path().glob("*.orbax-checkpoint-tmp*"):
+                shutil.rmtree(str(tmp), ignore_errors=True)
+
     def _raise_if_disk_full(self, error: Exception) -> None:
         """A full disk (or quota) while a step is written: the unfinished step is removed (it was
         never listed: orbax renames a step only once complete) and one paragraph says so."""

@@ -29,13 +29,14 @@ from jaxscale.errors import ConfigError, paragraph
 from jaxscale.hardware import peak_flops_source
 from jaxscale.mesh import make_mesh, mesh_summary
 from jaxscale.observe.events import EventLog, GoodputHook
-from jaxscale.observe.loggers import make_loggers
+from jaxscale.observe.loggers import Logger, make_loggers
 from jaxscale.observe.metrics import model_flops_per_token
 from jaxscale.observe.profiling import Profiler
 from jaxscale.observe.progress import ProgressBar
 from jaxscale.observe.throughput import Stopwatch, Throughput
 from jaxscale.runtime.preemption import Preempted, PreemptionWatch
 from jaxscale.storage import locations
+from jaxscale.storage.diskfull import DiskFullError, file_full_error, is_disk_full
 from jaxscale.train.build import batch_spec, build_step
 from jaxscale.train.heldout import HeldOut
 from jaxscale.train.hooks import CheckpointHook, Hook, StepInfo, check_finite, in_order
@@ -145,6 +146,24 @@ class Trainer:
             self.events.record("compile", seconds=round(meter.compile_s, 6))
         self.events.loop_started()
         try:
+            state = self._steps(start, state, batch, it, hooks, bar, meter, profiler, follow)
+            end = StepInfo(int(jax.device_get(state.step)), state, data_state=self.data_state)
+            for hook in hooks:
+                hook.at_end(end)
+        except (DiskFullError, OSError) as e:
+            if not (isinstance(e, DiskFullError) or is_disk_full(e)):
+                raise
+            _stop_for_full_disk(hooks, self.events, e, self.workdir)
+        bar.close()
+        self.state = state
+        return state
+
+    def _steps(self, start: int, state: TrainState, batch: Any, it: Any, hooks: list[Any],
+               bar: ProgressBar, meter: Throughput, profiler: Profiler, follow: Any
+               ) -> TrainState:
+        """The step loop of `run`, from `start` + 1 to `config.train.steps`: the state trained."""
+        cfg = self.config.train
+        try:
             with PreemptionWatch() as preemption:
                 for step in range(start + 1, cfg.steps + 1):
                     batch = self.to_global(next(it)) if batch is None else batch
@@ -171,11 +190,6 @@ class Trainer:
                                                  preemption.signum)
         finally:
             profiler.stop()
-        end = StepInfo(int(jax.device_get(state.step)), state, data_state=self.data_state)
-        for hook in hooks:
-            hook.at_end(end)
-        bar.close()
-        self.state = state
         return state
 
     def _banner(self, start: int, meter: Throughput) -> None:
@@ -231,6 +245,32 @@ class Trainer:
         bar.close()
         self.state = info.state
         raise Preempted(info.step, saved, signum)
+
+
+def _stop_for_full_disk(hooks: Sequence[Any], events: EventLog, error: Exception,
+                        workdir: str) -> None:
+    """Ends a run whose workdir filled up, whichever write met it first, in one paragraph.
+
+    The checkpoint whose background commit filled the disk reports that only at the next save,
+    so under load metrics.jsonl, events.jsonl or TensorBoard (whose writer thread and exit hook
+    then printed tracebacks) used to meet the full disk first and end the run in a raw OSError,
+    its unfinished step left behind. Here the save in flight is waited for first: its own
+    paragraph wins if it failed for the disk, and its unfinished step is removed either way,
+    which frees space for the loggers to close (their buffered lines completed, the TensorBoard
+    writer stopped). Then `error` (a `DiskFullError`, or a raw ENOSPC named here) is raised."""
+    try:
+        for hook in hooks:
+            if isinstance(hook, CheckpointHook):
+                hook.checkpointer.stop_for_full_disk()
+    finally:
+        for closing in [*(h.close for h in hooks if isinstance(h, Logger)), events.close]:
+            try:
+                closing()
+            except (OSError, DiskFullError):  # still full: what is buffered is lost, no more
+                pass
+    if isinstance(error, DiskFullError):
+        raise error
+    raise file_full_error(getattr(error, "filename", None) or workdir) from None
 
 
 def _after_step(hooks: Sequence[Any], info: StepInfo) -> TrainState:
