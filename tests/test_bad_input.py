@@ -3,6 +3,7 @@ text column or with unreadable data, prepare_data's output directory and counts,
 and odd values. Each case uses real files and the real commands where a user would meet it, and
 must end in one paragraph naming the culprit, with exit status 2 and no traceback."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -272,16 +273,26 @@ def test_skipped_records_reach_metrics_and_no_eval_run_trains(tmp_path):
     assert [r["skipped_records"] for r in records if "loss" in r] == [1, 1, 1]
 
 
-def test_a_full_disk_during_a_checkpoint_save_is_one_paragraph(tmp_path):
-    """A workdir on a 3 MiB filesystem fills while step 12 is saved: one paragraph (exit 2, no
-    orbax traceback), the unfinished step removed, every listed step still restores."""
+@contextlib.contextmanager
+def _small_tmpfs(tmp_path, size: str):
+    """A tmpfs of `size` (mount's notation) at tmp_path/small, unmounted afterwards; the test
+    is skipped where mounting needs a root this process is not."""
     small = tmp_path / "small"
     small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(small)],
                              capture_output=True)
     if mounted.returncode:
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode()}")
     try:
+        yield small
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_a_full_disk_during_a_checkpoint_save_is_one_paragraph(tmp_path):
+    """A workdir on a 3 MiB filesystem fills while step 12 is saved: one paragraph (exit 2, no
+    orbax traceback), the unfinished step removed, every listed step still restores."""
+    with _small_tmpfs(tmp_path, "3m") as small:
         out = _train(small / "run", "--config.train.steps=24", "--config.train.eval_every=0",
                      "--config.checkpoint.every=4", "--cpu_devices=1")
         one_paragraph(out, "ran out of space while writing a checkpoint", "nothing was committed")
@@ -291,8 +302,6 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_paragraph(tmp_path):
         assert steps and not [p for p in os.listdir(root) if "tmp" in p]
         for step in steps:
             assert restore_params(root, step)["params"]
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
 
 def test_a_disk_full_at_the_first_metrics_line_is_one_paragraph(tmp_path):
@@ -300,17 +309,9 @@ def test_a_disk_full_at_the_first_metrics_line_is_one_paragraph(tmp_path):
     first metrics.jsonl line meets the full disk, as the loggers did when a checkpoint's
     background commit filled it. One paragraph naming the file (it was a raw OSError, exit 1,
     then TensorBoard's exit hook and writer thread printed tracebacks through multiprocessing)."""
-    small = tmp_path / "small"
-    small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(small)],
-                             capture_output=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode()}")
-    try:
+    with _small_tmpfs(tmp_path, "12k") as small:
         out = _train(small / "run", "--cpu_devices=1")
         one_paragraph(out, f"{small}/run/metrics.jsonl is full", "run it again")
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
 
 def test_convert_flags_the_conversion_would_ignore_or_cannot_parse_write_nothing(tmp_path):
