@@ -115,7 +115,8 @@ def _tokenize(task: tuple[int, int, int]) -> tuple[list[bytes], int, Counter]:
     reader = _WORKER["readers"][r]
     before = getattr(reader, "skipped", 0)
     if isinstance(reader, PreferenceReader):
-        reader.pairs.clear(), reader.same.clear()  # counted per task, summed by the caller
+        reader.pairs.clear()  # counted per task, summed by the caller
+        reader.same.clear()
     records = []
     for i in range(lo, hi):
         if getattr(reader, "kind", "text") in CHAT_FORMATS:  # rendered and marked whole

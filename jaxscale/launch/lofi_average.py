@@ -102,17 +102,17 @@ def main(argv):
             "worker push, so there is nothing to average (a training workdir, or a job whose",
             "workers have not started?). Point --store at the workers' config.lofi.store, or",
             "add --watch to wait for them."))
-    polls = 0
+    announced = False
     while True:  # the job settings appear with round 0, possibly after the averager started
         report = run_round(store, _config(store))
         if report.published or not _WATCH.value:
             print(describe(report), flush=True)
         if not _WATCH.value:
             break
-        if not polls:  # says the watch is on, also while the store is still empty
+        if not announced:  # says the watch is on, also while the store is still empty
             print(f"watching {_STORE.value} for worker pushes every {_INTERVAL.value:g} s "
                   "(SIGTERM or Ctrl-C stops)", flush=True)
-        polls += 1
+            announced = True
         time.sleep(_INTERVAL.value)
     if _FINAL.value:  # a round that found nothing new leaves the newest average as the final one
         print(f"final average exported to {export_final(_STORE.value, _FINAL.value)} "
