@@ -30,7 +30,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # (below), so every run, like CI's, starts cold.
 # Every compile goes in, not only those over jax's default second: at LLVM -O0 most of the tiny
 # models' programs compile in less, and the next process needs them all the same
-# (bench/RESULTS.md, "the suite's own time": the subprocess-heavy files about 5% faster).
+# (measured: bench/RESULTS.md, "the suite's own time: every subprocess compile cached").
 JIT_CACHE = os.path.join(ROOT, ".pytest_cache", "jit-cache")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", JIT_CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

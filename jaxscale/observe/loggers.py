@@ -21,7 +21,7 @@ from typing import Any
 
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.observe.metrics import MetricsWriter
-from jaxscale.storage.diskfull import file_full_error, is_disk_full
+from jaxscale.storage.diskfull import file_full_error, is_disk_full, naming_a_full_disk
 from jaxscale.storage.locations import is_remote
 from jaxscale.storage.workdir_files import TensorBoardMirror
 
@@ -118,12 +118,8 @@ class TensorBoardLogger(Logger):
         for k, v in info.metrics.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 self._tb.add_scalar(k, float(v), int(info.step))
-        try:
+        with naming_a_full_disk(self._mirror.local):  # the loop then stops the run
             self._tb.flush()
-        except OSError as e:  # a full disk: named in one paragraph (the loop stops the run)
-            if is_disk_full(e):
-                raise file_full_error(self._mirror.local) from None
-            raise
         self._mirror.sync()
 
     def close(self) -> None:

@@ -13,7 +13,9 @@ the train loop (`Trainer.run`) then lets the checkpoint in flight report itself 
 
 from __future__ import annotations
 
+import contextlib
 import errno
+from collections.abc import Iterator
 
 from jaxscale.errors import JaxscaleError, paragraph
 
@@ -48,3 +50,15 @@ def file_full_error(path: str) -> DiskFullError:
         "intact. Free space (or raise the quota) and run it again: it continues from the newest",
         "complete checkpoint.",
     ))
+
+
+@contextlib.contextmanager
+def naming_a_full_disk(path: str) -> Iterator[None]:
+    """Writes to `path` inside: a full disk (or quota) there becomes `file_full_error(path)`;
+    any other error passes unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if is_disk_full(e):
+            raise file_full_error(path) from None
+        raise

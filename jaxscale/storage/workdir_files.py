@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from jaxscale.errors import JaxscaleError, paragraph
 from jaxscale.storage import locations
-from jaxscale.storage.diskfull import file_full_error, is_disk_full
+from jaxscale.storage.diskfull import naming_a_full_disk
 from jaxscale.storage.retry import REQUEST_RETRIES, for_workdir
 
 TB_UPLOAD_EVERY_S = 30.0  # events are a convenience: upload a growing file at most this often
@@ -155,16 +155,12 @@ class LineLog:
             self._file = open(self.location, "a")
             if cut:
                 self._file.write("\n")
-        try:
+        # A full disk, not a broken file: named, in one paragraph. What part of the line was
+        # not written stays buffered; `close` (once space is freed) completes it, or the file
+        # ends in one cut-short line, which readers skip.
+        with naming_a_full_disk(self.location):
             self._file.write(line)
             self._file.flush()
-        except OSError as e:
-            # A full disk, not a broken file: named, in one paragraph. What part of the line
-            # was not written stays buffered; `close` (once space is freed) completes it, or
-            # the file ends in one cut-short line, which readers skip.
-            if is_disk_full(e):
-                raise file_full_error(self.location) from None
-            raise
 
     def replace(self, text: str) -> None:
         """Replaces the whole file with `text` atomically (the old or the new file, never a mix)."""

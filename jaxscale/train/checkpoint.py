@@ -224,20 +224,24 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as e:  # not the disk: the other write's full disk is reported
             self._raise_if_disk_full(e)
-        if not locations.is_remote(self.directory):
-            for tmp in self._path().glob("*.orbax-checkpoint-tmp*"):
-                shutil.rmtree(str(tmp), ignore_errors=True)
+        self._remove_unfinished()
+
+    def _remove_unfinished(self) -> list[str]:
+        """Removes the temporary directories of unfinished steps (a file system's: on a bucket
+        an unfinished step has no commit file and is never listed); returns their names."""
+        if locations.is_remote(self.directory):
+            return []
+        removed = sorted(self._path().glob("*.orbax-checkpoint-tmp*"))
+        for tmp in removed:
+            shutil.rmtree(str(tmp), ignore_errors=True)
+        return [tmp.name for tmp in removed]
 
     def _raise_if_disk_full(self, error: Exception) -> None:
         """A full disk (or quota) while a step is written: the unfinished step is removed (it was
         never listed: orbax renames a step only once complete) and one paragraph says so."""
         if not is_disk_full(error):
             return
-        removed = []
-        if not locations.is_remote(self.directory):
-            for tmp in self._path().glob("*.orbax-checkpoint-tmp*"):
-                shutil.rmtree(str(tmp), ignore_errors=True)
-                removed.append(tmp.name)
+        removed = self._remove_unfinished()
         raise disk_full_error(self.directory, "writing a checkpoint", self._bytes,
                               ", ".join(removed) or "none") from None
 
