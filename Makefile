@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # those tests skip with a one-line reason. PARITY=1 / PARITY=0 overrides.
 PARITY ?= $(if $(filter 311,$(PYVER)),1,0)
 
-.PHONY: train test chaos install clean
+.PHONY: train test test-deps chaos install clean
 
 $(PY):
 	@test -n "$(PYTHON_EXE)" || { echo "make: no working Python $(or $(PYTHON),3.11..3.13) \
@@ -38,6 +38,9 @@ endif
 	touch $@
 
 install: $(VENV)/.installed
+
+# The test venv alone (`make test` builds it first too): CI installs its two legs' venvs at once.
+test-deps: $(VENV)/.installed-test
 
 train: $(VENV)/.installed
 	$(VENV)/bin/jaxscale train --config=tiny_lm --workdir=$(WORKDIR) --cpu_devices=8

@@ -45,6 +45,16 @@ metric_list:
   - metric: acc
   - metric: acc_norm
 """
+HUB_TASK = """task: hub_choice
+dataset_path: Rowan/hellaswag
+validation_split: validation
+output_type: multiple_choice
+doc_to_text: ctx
+doc_to_choice: endings
+doc_to_target: label
+metric_list:
+  - metric: acc
+"""
 
 
 @pytest.fixture(scope="module")
@@ -119,15 +129,36 @@ def test_generate_until_equals_transformers_greedy_cut_at_the_stop(lm, hf_dir):
         assert cut == cut_at_stops(got[0], [words[-1]]) and words[-1] not in cut
 
 
-def test_the_cli_matches_lm_evals_hf_model_on_a_local_task(hf_dir, tmp_path):
-    import lm_eval
-
-    tasks = tmp_path / "tasks"
+def _local_task(root) -> str:
+    """tasks/toy_choice.yaml and its jsonl under `root`; returns the directory."""
+    tasks = root / "tasks"
     tasks.mkdir()
     data = tasks / "toy.jsonl"
     data.write_text("".join(json.dumps({"context": c, "choices": [" " + x for x in xs],
                                         "label": y}) + "\n" for c, xs, y in DOCS))
     (tasks / "toy_choice.yaml").write_text(TASK.format(data=data))
+    return tasks
+
+
+def test_local_tasks_alone_skip_the_index_of_the_builtin_ones(tmp_path, monkeypatch):
+    import lm_eval.tasks
+
+    from jaxscale.launch.harness import index_local_tasks_only
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lm_eval.tasks.TaskManager)  # undone after
+    tasks = str(_local_task(tmp_path))
+    assert not index_local_tasks_only(["--tasks", "toy_choice,hellaswag", "--include_path", tasks])
+    assert not index_local_tasks_only(["--tasks", "toy_choice"])
+    assert lm_eval.tasks.TaskManager.__name__ == "TaskManager"
+    assert index_local_tasks_only(["run", "--model", "jaxscale", "--tasks", "toy_choice",
+                                   "--include_path", tasks, "--batch_size", "4"])
+    assert lm_eval.tasks.TaskManager(include_path=tasks).all_tasks == ["toy_choice"]
+
+
+def test_the_cli_matches_lm_evals_hf_model_on_a_local_task(hf_dir, tmp_path):
+    import lm_eval
+
+    tasks = _local_task(tmp_path)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     out = tmp_path / "out"
     done = subprocess.run(
@@ -144,7 +175,7 @@ def test_the_cli_matches_lm_evals_hf_model_on_a_local_task(hf_dir, tmp_path):
     from lm_eval.tasks import TaskManager
     run = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={hf_dir},dtype=float32", tasks=["toy_choice"],
-        task_manager=TaskManager(include_path=str(tasks)), batch_size=4, device="cpu",
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False), batch_size=4, device="cpu",
         log_samples=True)
     theirs = run["results"]["toy_choice"]
     for metric in ("acc,none", "acc_norm,none"):
@@ -170,12 +201,18 @@ def test_bad_model_args_are_one_paragraph(hf_dir, tmp_path):
 
 
 def test_a_task_whose_dataset_cannot_be_fetched_is_one_paragraph(hf_dir, tmp_path):
-    # Offline (as this test machine is), a hub task's dataset cannot be fetched: the harness's
-    # ConnectionError traceback becomes one paragraph that names the local-task way out.
+    # Offline (as this test machine is), a task's dataset on the hub cannot be fetched: the
+    # harness's ConnectionError traceback becomes one paragraph that names the local-task way out.
+    # The task is a local YAML naming hellaswag's dataset: the harness fetches it as it would
+    # its own hellaswag's, without indexing its built-in tasks first.
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "hub_choice.yaml").write_text(HUB_TASK)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "jaxscale", "lm-eval", "--model", "jaxscale", "--model_args",
-         f"from_hf={hf_dir},max_length=64", "--tasks", "hellaswag", "--limit", "2"],
+         f"from_hf={hf_dir},max_length=64", "--tasks", "hub_choice", "--include_path",
+         str(tasks), "--limit", "2"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr

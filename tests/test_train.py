@@ -71,7 +71,8 @@ def test_one_device_equals_eight_data_parallel():
 
 
 @pytest.mark.parametrize("mesh_flags, summary", [
-    (["--config.mesh.data=2", "--config.mesh.fsdp=4"], "data=2 pipeline=1 fsdp=4 tensor=1"),
+    pytest.param(["--config.mesh.data=2", "--config.mesh.fsdp=4"],
+                 "data=2 pipeline=1 fsdp=4 tensor=1", marks=pytest.mark.exhaustive),
     (["--config.mesh.data=1", "--config.mesh.pipeline=2", "--config.mesh.fsdp=2",
       "--config.mesh.tensor=2", "--config.pipeline.microbatches=2"],
      "data=1 pipeline=2 fsdp=2 tensor=2"),
