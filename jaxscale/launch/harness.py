@@ -57,8 +57,8 @@ def index_local_tasks_only(argv: list[str]) -> bool:
     """Have the harness index only `--include_path` when every `--tasks` name is a task there;
     returns whether it does.
 
-    The harness indexes its ~15,000 built-in task YAMLs on every run (about 9 s on one core) even
-    when each task asked for is a local one, and its command line has no flag for its
+    The harness indexes its ~15,000 built-in task YAMLs on every run (seconds: bench/RESULTS.md)
+    even when each task asked for is a local one, and its command line has no flag for its
     TaskManager's `include_defaults=False`. So, for this process, `lm_eval.tasks.TaskManager`
     (which the harness's CLI looks up when it runs) becomes a subclass with that default. A name
     that is not a task of the local directory (a built-in task, a group, a tag, a YAML path) leaves
