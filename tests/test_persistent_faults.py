@@ -8,6 +8,9 @@ one with the losses of the first run (which trained on unhurt up to the stop). T
 grace period is 300 s here, so a process it had to stop would be named in its "stopped" line:
 the assertions are about the behaviour, not a timeout."""
 
+import asyncio
+import gc
+import logging
 import os
 
 import pytest
@@ -86,3 +89,46 @@ def test_a_save_failing_on_one_process_stops_all_and_the_rerun_resumes(tmp_path)
 def test_the_final_save_failing_on_one_process_stops_all(tmp_path):
     """The failing save is the run's last (waited for at the end, not at a next save)."""
     _stopped(tmp_path, failed=STEPS, at=STEPS, newest=STEPS - 2)
+
+
+def _never_retrieved(write) -> logging.LogRecord:
+    """asyncio's record of a write task that failed and that nobody awaited."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("asyncio").addHandler(handler)
+
+    async def abandon() -> None:
+        task = asyncio.ensure_future(write())  # dropped unawaited, as orbax drops its writes
+        await asyncio.sleep(0.05)
+        assert task.done()
+    try:
+        asyncio.run(abandon())
+        gc.collect()
+    finally:
+        logging.getLogger("asyncio").removeHandler(handler)
+    (record,) = [r for r in records if "never retrieved" in r.getMessage()]
+    return record
+
+
+def test_the_notes_of_writes_orbax_abandoned_are_dropped_and_no_others():
+    """Process 1's failing save can leave a write orbax abandoned, whose failure past the
+    file-size limit names no file: asyncio's traceback of it at exit is dropped (it made the
+    test above fail now and then); the same note of a write outside orbax is kept."""
+    from orbax.checkpoint._src.path import async_path
+
+    from jaxscale.train.persistent_faults import QuietSave
+
+    class TooLarge:  # a file past RLIMIT_FSIZE: OSError(27) without a file name
+        def unlink(self) -> None:
+            pass
+
+        def write_text(self, text: str) -> int:
+            raise OSError(27, "File too large")
+
+    async def our_write() -> None:
+        raise OSError(27, "File too large")
+
+    quiet = QuietSave("/workdir/checkpoints")
+    assert not quiet.filter(_never_retrieved(lambda: async_path.write_text(TooLarge(), "x")))
+    assert quiet.filter(_never_retrieved(our_write))

@@ -25,6 +25,7 @@ resumes from the newest checkpoint that restores, local or persistent (`restore_
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any
 
 import jax
@@ -68,11 +69,25 @@ def gather_texts(text: str) -> list[str]:
     return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
 
 
+_NEVER_RETRIEVED = ("Future exception was never retrieved", "Task exception was never retrieved")
+
+
+def _abandoned_orbax_write(text: str, error: BaseException | None) -> bool:
+    """asyncio's note of a write orbax abandoned when another write of the same save failed:
+    the save's failure is reported by its owner, and this echo may name no file at all (a write
+    past a file-size limit: `OSError(27, 'File too large')`)."""
+    return (text.startswith(_NEVER_RETRIEVED) and error is not None
+            and any("/orbax/" in frame.filename
+                    for frame in traceback.extract_tb(error.__traceback__)))
+
+
 class QuietTier(logging.Filter):
     """Orbax logs a failed background save as several tracebacks (one per writer thread, and
     asyncio's "never retrieved" for the writes it abandons); a failure under the tier's
-    directory is reported once, by `SaveOutcomes`, so those records are dropped. Orbax also warns at every array of every local save that it cannot log global
-    sizes without a primary host: true of every local save by design, so dropped too."""
+    directory is reported once, by `SaveOutcomes`, so those records are dropped, as are the
+    abandoned writes' notes that name no file. Orbax also warns at every array of every local
+    save that it cannot log global sizes without a primary host: true of every local save by
+    design, so dropped too."""
 
     def __init__(self, directory: str):
         super().__init__()
@@ -83,6 +98,8 @@ class QuietTier(logging.Filter):
         if "logging disabled for `primary_host=None`" in text:
             return False
         error = record.exc_info[1] if record.exc_info else None
+        if _abandoned_orbax_write(text, error):
+            return False
         return self.directory not in text and (error is None or
                                                self.directory not in str(error))
 
