@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -129,7 +130,7 @@ def test_generate_until_equals_transformers_greedy_cut_at_the_stop(lm, hf_dir):
         assert cut == cut_at_stops(got[0], [words[-1]]) and words[-1] not in cut
 
 
-def _local_task(root) -> str:
+def _local_task(root: pathlib.Path) -> pathlib.Path:
     """tasks/toy_choice.yaml and its jsonl under `root`; returns the directory."""
     tasks = root / "tasks"
     tasks.mkdir()
@@ -175,8 +176,8 @@ def test_the_cli_matches_lm_evals_hf_model_on_a_local_task(hf_dir, tmp_path):
     from lm_eval.tasks import TaskManager
     run = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={hf_dir},dtype=float32", tasks=["toy_choice"],
-        task_manager=TaskManager(include_path=str(tasks), include_defaults=False), batch_size=4, device="cpu",
-        log_samples=True)
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False), batch_size=4,
+        device="cpu", log_samples=True)
     theirs = run["results"]["toy_choice"]
     for metric in ("acc,none", "acc_norm,none"):
         assert ours[metric] == theirs[metric]
