@@ -151,6 +151,7 @@ def stop_workers(pool: cf.ProcessPoolExecutor, cache_dir: str) -> int:
     the temporary files they were writing, so the cache holds whole entries only; returns how
     many were stopped."""
     procs = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
@@ -160,6 +161,8 @@ def stop_workers(pool: cf.ProcessPoolExecutor, cache_dir: str) -> int:
             proc.kill()
             proc.join(5)
     pool.shutdown(wait=False, cancel_futures=True)
+    if manager is not None:  # it reaps the workers too: until it ends, one may look alive
+        manager.join(10)
     for proc in procs:
         for tmp in glob.glob(os.path.join(glob.escape(cache_dir), f"*.{proc.pid}.tmp")):
             with contextlib.suppress(OSError):
