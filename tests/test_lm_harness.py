@@ -144,15 +144,16 @@ def _local_task(root: pathlib.Path) -> pathlib.Path:
 def test_local_tasks_alone_skip_the_index_of_the_builtin_ones(tmp_path, monkeypatch):
     import lm_eval.tasks
 
-    from jaxscale.launch.harness import index_local_tasks_only
+    from jaxscale.launch.harness import harness_flags, index_local_tasks_only
 
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", lm_eval.tasks.TaskManager)  # undone after
     tasks = str(_local_task(tmp_path))
-    assert not index_local_tasks_only(["--tasks", "toy_choice,hellaswag", "--include_path", tasks])
-    assert not index_local_tasks_only(["--tasks", "toy_choice"])
+    local_only = lambda *argv: index_local_tasks_only(harness_flags(list(argv)))
+    assert not local_only("--tasks", "toy_choice,hellaswag", "--include_path", tasks)
+    assert not local_only("--tasks", "toy_choice")
     assert lm_eval.tasks.TaskManager.__name__ == "TaskManager"
-    assert index_local_tasks_only(["run", "--model", "jaxscale", "--tasks", "toy_choice",
-                                   "--include_path", tasks, "--batch_size", "4"])
+    assert local_only("run", "--model", "jaxscale", "--tasks", "toy_choice", "--include_path",
+                      tasks, "--batch_size", "4")
     assert lm_eval.tasks.TaskManager(include_path=tasks).all_tasks == ["toy_choice"]
 
 

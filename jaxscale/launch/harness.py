@@ -30,10 +30,11 @@ def _run() -> None:
     from jaxscale.inference.lm_harness import JaxscaleLM, register
 
     register()
-    model_args = _jaxscale_model_args(sys.argv[1:])
+    flags = harness_flags(sys.argv[1:])
+    model_args = _jaxscale_model_args(flags)
     if model_args is not None:  # checked before the harness spends seconds indexing its tasks
         JaxscaleLM.check_arg_string(model_args)
-    index_local_tasks_only(sys.argv[1:])
+    index_local_tasks_only(flags)
     sys.argv[0] = "jaxscale lm-eval"
     try:
         cli_evaluate()
@@ -53,7 +54,18 @@ def _run() -> None:
             "(docs/post-training.md, 'lm-eval').")) from None
 
 
-def index_local_tasks_only(argv: list[str]) -> bool:
+def harness_flags(argv: list[str]) -> argparse.Namespace:
+    """The harness flags this command reads before handing argv, unchanged, to the harness:
+    `--model`, `--model_args`, `--tasks` and `--include_path` (the rest are left to it)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model", default="")
+    parser.add_argument("--model_args", default="")
+    parser.add_argument("--tasks", "-t", nargs="+", default=None)
+    parser.add_argument("--include_path", default=None)
+    return parser.parse_known_args(argv)[0]
+
+
+def index_local_tasks_only(flags: argparse.Namespace) -> bool:
     """Have the harness index only `--include_path` when every `--tasks` name is a task there;
     returns whether it does.
 
@@ -63,17 +75,13 @@ def index_local_tasks_only(argv: list[str]) -> bool:
     (which the harness's CLI looks up when it runs) becomes a subclass with that default. A name
     that is not a task of the local directory (a built-in task, a group, a tag, a YAML path) leaves
     the harness untouched; a harness that looks the class up elsewhere only loses the speed-up."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--tasks", "-t", nargs="+", default=None)
-    parser.add_argument("--include_path", default=None)
-    known, _ = parser.parse_known_args(argv)
-    if not known.tasks or not known.include_path:
+    if not flags.tasks or not flags.include_path:
         return False
-    names = {name for arg in known.tasks for name in arg.split(",") if name}
+    names = {name for arg in flags.tasks for name in arg.split(",") if name}
     import lm_eval.tasks
 
     harness_manager = lm_eval.tasks.TaskManager
-    local = harness_manager(include_path=known.include_path, include_defaults=False)
+    local = harness_manager(include_path=flags.include_path, include_defaults=False)
     if not names <= set(local.all_subtasks):
         return False
 
@@ -85,16 +93,12 @@ def index_local_tasks_only(argv: list[str]) -> bool:
     return True
 
 
-def _jaxscale_model_args(argv: list[str]) -> str | None:
+def _jaxscale_model_args(flags: argparse.Namespace) -> str | None:
     """The `--model_args` string of a `--model jaxscale` command line (None for another model,
     or arguments given as JSON, which the harness itself parses)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--model", default="")
-    parser.add_argument("--model_args", default="")
-    known, _ = parser.parse_known_args(argv)
-    if known.model != "jaxscale" or known.model_args.lstrip().startswith("{"):
+    if flags.model != "jaxscale" or flags.model_args.lstrip().startswith("{"):
         return None
-    return known.model_args
+    return flags.model_args
 
 
 if __name__ == "__main__":
