@@ -72,11 +72,16 @@ def test_skip_nonfinite_counts_and_keeps_training(tmp_path):
     assert int(m["nonfinite_steps"]) == 1
 
 
-def test_interrupted_save_is_never_picked_up_and_no_pickle(tmp_path):
+def test_interrupted_save_is_never_picked_up_but_removed_at_the_next_start_and_no_pickle(
+        tmp_path, capfd):
     train(_config(2, 2), str(tmp_path))
     ckpts = tmp_path / "checkpoints"
-    (ckpts / "7.orbax-checkpoint-tmp-1234").mkdir()  # a save killed before its rename
+    (ckpts / "7.orbax-checkpoint-tmp-1234" / "state").mkdir(parents=True)  # killed before its
+    (ckpts / "7.orbax-checkpoint-tmp-1234" / "state" / "x").write_bytes(b"0" * 64)  # rename
+    capfd.readouterr()
     assert Checkpointer(str(tmp_path), 2, 3).latest_step() == 2
+    assert sorted(os.listdir(ckpts)) == ["2"]  # nothing else reclaims its space
+    assert "removed 1 unfinished checkpoint step(s)" in capfd.readouterr().err
     for root, _, files in os.walk(ckpts):
         for name in files:
             assert not name.endswith((".pkl", ".pickle"))

@@ -99,6 +99,19 @@ def test_an_empty_local_tier_falls_back_to_the_persistent_step(tmp_path, whole, 
     assert _losses(workdir) == whole
 
 
+def test_an_unfinished_local_step_an_earlier_run_left_is_removed_at_the_start(tmp_path, capfd):
+    from jaxscale.train.local_tier import LocalTier
+
+    tier_dir = tmp_path / "tier"
+    left = tier_dir / "3.orbax-checkpoint-tmp-1700000000"  # a save cut short by a kill
+    (left / "state").mkdir(parents=True)
+    (left / "state" / "x").write_bytes(b"0" * 64)
+    (tier_dir / "notes.txt").write_text("a user's file stays")
+    tier = LocalTier(str(tier_dir), 1, 2)
+    assert sorted(os.listdir(tier_dir)) == ["notes.txt"] and tier.steps() == []
+    assert "3.orbax-checkpoint-tmp-1700000000" in capfd.readouterr().err
+
+
 def test_truncated_and_broken_local_steps_are_never_chosen(tmp_path, whole, capfd):
     """A truncated step is never listed; a damaged newest step gives way to the one before."""
     local, workdir = str(tmp_path / "local"), str(tmp_path / "run")

@@ -29,7 +29,10 @@ up on a step (a broken step on restore, an outage on save).
 from __future__ import annotations
 
 import functools
+import glob
 import logging
+import os
+import shutil
 import sys
 import traceback
 from typing import Any
@@ -153,6 +156,31 @@ def discard_partial(root: str, timeout_s: float | None = None) -> list[str]:
     for step_dir in gone:
         _delete_prefix(str(step_dir), timeout_s)
     return [p.name for p in gone]
+
+
+def remove_unfinished(root: str) -> list[str]:
+    """Deletes orbax's temporary step directories under a local checkpoints directory (a save
+    cut short: a full disk, a crash, a kill; never listed, never restored, and named by the
+    time they began, so a later save of the same step never reuses them); returns their names,
+    sorted. On a bucket an unfinished step is the step itself without a commit file
+    (`discard_partial`), so nothing is done here."""
+    if locations.is_remote(root):
+        return []
+    removed = sorted(glob.glob(os.path.join(glob.escape(root), "*.orbax-checkpoint-tmp*")))
+    for tmp in removed:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [os.path.basename(tmp) for tmp in removed]
+
+
+def remove_left_unfinished(root: str) -> None:
+    """At a run's start, before any save of its own: deletes the unfinished steps an earlier
+    run left (they hold up to a whole state's bytes each, which nothing else would reclaim),
+    with one note naming them."""
+    removed = remove_unfinished(root)
+    if removed:
+        print(f"jaxscale: note: removed {len(removed)} unfinished checkpoint step(s) an earlier "
+              f"run left in {root} ({', '.join(removed)}): never complete, never restorable.",
+              file=sys.stderr, flush=True)
 
 
 def move_step(src: Any, dst: Any) -> None:

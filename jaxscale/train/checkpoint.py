@@ -104,6 +104,8 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self._path(), options=options,
             handler_registry=recording_handlers(self._writes) if self._writes else None)
+        if jax.process_index() == 0:  # one deleter; no process saves before every one is here
+            orbax_paths.remove_left_unfinished(self.directory)
         # One process: a failed save can be redone alone; with several, every host would have
         # to agree to redo it, so an outage there stops the run (orbax's error).
         self._retry = for_workdir(self.directory)
@@ -224,24 +226,14 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as e:  # not the disk: the other write's full disk is reported
             self._raise_if_disk_full(e)
-        self._remove_unfinished()
-
-    def _remove_unfinished(self) -> list[str]:
-        """Removes the temporary directories of unfinished steps (a file system's: on a bucket
-        an unfinished step has no commit file and is never listed); returns their names."""
-        if locations.is_remote(self.directory):
-            return []
-        removed = sorted(self._path().glob("*.orbax-checkpoint-tmp*"))
-        for tmp in removed:
-            shutil.rmtree(str(tmp), ignore_errors=True)
-        return [tmp.name for tmp in removed]
+        orbax_paths.remove_unfinished(self.directory)
 
     def _raise_if_disk_full(self, error: Exception) -> None:
         """A full disk (or quota) while a step is written: the unfinished step is removed (it was
         never listed: orbax renames a step only once complete) and one paragraph says so."""
         if not is_disk_full(error):
             return
-        removed = self._remove_unfinished()
+        removed = orbax_paths.remove_unfinished(self.directory)
         raise disk_full_error(self.directory, "writing a checkpoint", self._bytes,
                               ", ".join(removed) or "none") from None
 

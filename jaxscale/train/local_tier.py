@@ -26,12 +26,10 @@ holds are not the ones it needs), agreed by all processes so that they restore t
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 from typing import Any
 
@@ -41,6 +39,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
 from jaxscale.errors import EveryProcessError, JaxscaleError, paragraph
+from jaxscale.storage import orbax_paths
 from jaxscale.train.local_faults import (
     LocalTierFailed,
     QuietTier,
@@ -174,6 +173,7 @@ class LocalTier:
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         _check_usable(self.directory)
         _check_not_shared(self.directory)
+        orbax_paths.remove_left_unfinished(self.directory)  # this process's own directory
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers={"state": state, "data": data})
 
@@ -249,8 +249,7 @@ class LocalTier:
     def discard_partial(self) -> None:
         """Removes what failed saves left (orbax's temporary step directories: never listed,
         never restored), so that a full disk gets its space back; no save is in flight."""
-        for tmp in glob.glob(os.path.join(glob.escape(self.directory), "*.orbax-checkpoint-tmp*")):
-            shutil.rmtree(tmp, ignore_errors=True)
+        orbax_paths.remove_unfinished(self.directory)
 
 
 Restored = tuple[int, TrainState, "dict | None", str]  # step, state, data position, note
