@@ -20,9 +20,9 @@ from jaxscale.errors import ConfigError, exit_on_user_error, paragraph
 from jaxscale.lofi.accounting import accounting_lines, check_final_dir, export_final
 from jaxscale.lofi.aggregate import AGGREGATORS
 from jaxscale.lofi.averager import AveragerConfig, describe, run_round
-from jaxscale.lofi.lease import DEFAULT_LEASE_S
 from jaxscale.lofi.store import check_store_root
 from jaxscale.storage import locations
+from jaxscale.storage.lease import DEFAULT_LEASE_S
 from jaxscale.weights.kv import Store, kvstore_spec
 from jaxscale.weights.snapshot import latest_average_snapshot
 

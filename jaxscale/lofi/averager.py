@@ -24,11 +24,12 @@ from jaxscale.config import LOFI_SYNC_MODES
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.lofi import fallback
 from jaxscale.lofi.aggregate import DILOCO_LR, DILOCO_MOMENTUM
-from jaxscale.lofi.lease import DEFAULT_LEASE_S, Renewal, claim, holder, release
+from jaxscale.lofi.lease import claim, release
 from jaxscale.lofi.store import worker_prefix, worker_pushes
 from jaxscale.lofi.stream import Abort, Drop, RoundInputs, stream_round
 from jaxscale.lofi.trust import TrimError, round_step, step_problem, trim_count, worker_weights
 from jaxscale.storage.diskfull import disk_full_error, is_disk_full
+from jaxscale.storage.lease import DEFAULT_LEASE_S, Renewal, holder
 from jaxscale.weights.kv import Store
 from jaxscale.weights.manifest import FORMAT, StoreError
 from jaxscale.weights.snapshot import (

@@ -288,8 +288,12 @@ def train_worker(config: Any, workdir: str, hooks: Sequence[Any] = ()) -> TrainS
                                                     config.data.batch_size),
                    config.lofi.worker_id)  # before its workdir records anything
     trainer = prepare(config, workdir, hooks)
-    worker = LofiWorker.for_run(config, trainer.shardings, trainer.ctx.optimizer)
-    trainer.state, data_state = worker.start(trainer.state)
+    try:
+        worker = LofiWorker.for_run(config, trainer.shardings, trainer.ctx.optimizer)
+        trainer.state, data_state = worker.start(trainer.state)
+    except BaseException:
+        trainer.lock.release()  # `run` would have at its end
+        raise
     trainer.data_state = data_state or trainer.data_state
     trainer.hooks.append(worker)
     return trainer.run()  # the hooks run in their `order` (train.hooks.ORDER)

@@ -338,7 +338,11 @@ def prepare_grpo(config: mlc.ConfigDict, workdir: str, hooks: Any = ()) -> Train
     """The `grpo` run `train_grpo` runs: the loop's run (`train.loop.prepare`: resumed, with
     its hooks) with rollouts in place of the data pipeline."""
     trainer = prepare(config, workdir, hooks)
-    trainer.batches = RolloutSource(trainer)
+    try:
+        trainer.batches = RolloutSource(trainer)
+    except BaseException:
+        trainer.lock.release()  # `run` would have at its end
+        raise
     return trainer
 
 

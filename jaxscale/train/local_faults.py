@@ -24,6 +24,7 @@ resumes from the newest checkpoint that restores, local or persistent (`restore_
 
 from __future__ import annotations
 
+import json
 import logging
 import traceback
 from typing import Any
@@ -47,6 +48,21 @@ def all_gather(values: np.ndarray) -> np.ndarray:
         return values[None]
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(values))
+
+
+def broadcast_json(value: Any, source: int) -> Any:
+    """Process `source`'s JSON-able `value` on every process (one process: its own)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    mine = jax.process_index() == source
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8) if mine else np.zeros(0, np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(data.size), is_source=mine))
+    if not mine:
+        data = np.zeros(n, np.uint8)
+    got = np.asarray(multihost_utils.broadcast_one_to_all(data, is_source=mine))
+    return json.loads(got.tobytes().decode())
 
 
 def all_agree(ok: bool) -> bool:

@@ -18,7 +18,6 @@ and the run takes an older step or the persistent tier.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import jax
@@ -100,17 +99,3 @@ def broadcast_state(restored: TrainState | None, state: TrainState, shardings: T
     return state.replace(step=s["step"], params=s["params"], frozen=s["frozen"],
                          opt_state=s["opt_state"], rng=jax.random.wrap_key_data(s["rng"]),
                          extra=s["extra"])
-
-
-def broadcast_position(position: dict | None, source: int) -> dict | None:
-    """Process `source`'s data position (JSON) on every process."""
-    from jax.experimental import multihost_utils
-
-    mine = jax.process_index() == source
-    data = np.frombuffer(json.dumps(position).encode(), np.uint8) if mine else np.zeros(0,
-                                                                                        np.uint8)
-    n = int(multihost_utils.broadcast_one_to_all(np.int32(data.size), is_source=mine))
-    if not mine:
-        data = np.zeros(n, np.uint8)
-    got = np.asarray(multihost_utils.broadcast_one_to_all(data, is_source=mine))
-    return json.loads(got.tobytes().decode())

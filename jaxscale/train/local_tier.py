@@ -46,6 +46,7 @@ from jaxscale.train.local_faults import (
     SaveOutcomes,
     all_agree,
     all_gather,
+    broadcast_json,
     failed_processes,
     gather_texts,
 )
@@ -318,7 +319,7 @@ def _from_peers(tier: LocalTier, step: int, holders: set[int], state: TrainState
         return None, "could not be read there (damaged, or saved with another mesh)"
     restored, position = got if got is not None else (None, None)
     new = local_peers.broadcast_state(restored, state, shardings, axis, rid, is_source)
-    position = local_peers.broadcast_position(position, min(sources))
+    position = broadcast_json(position, min(sources))
     others = set(range(jax.process_count())) - holders
     return (step, new, position or None,
             f"process {_names(others)} got its shards from its peers' local tiers"), ""

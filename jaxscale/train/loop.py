@@ -1,15 +1,16 @@
 """The training loop: build everything from the config, run steps, call hooks, log metrics.
 
 `Trainer.build(config, workdir)` performs the visible set-up (mesh, rules, policy, model
-definition, optimizer, sharded state, jitted steps, data); `prepare` adds the resume, the
-checkpoint hooks and the workdir's config.json; `Trainer.run()` compiles the train
-step ahead of time (timed as `compile_s`), then loops. Periodic work (checkpoints, Lo-Fi
-pushes, loggers) are hooks (`jaxscale.train.hooks`): each receives a `StepInfo` after every
-step, in their explicit `order`, and may return a replacement state (e.g. after loading an
-average). Loggers (`jaxscale.observe.loggers`, named by `config.train.loggers`) are hooks too:
-on logged steps every hook with an `on_metrics` method receives the step's metrics. A profiler
-trace (`config.train.profile`) and pre-emption (SIGTERM: save at the same step on every host,
-then raise `Preempted`) hang off the same loop. Only process 0 logs.
+definition, optimizer, sharded state, jitted steps, data); `prepare` takes the workdir's lock
+(`train.workdir_lock`, released when `run` ends) and adds the resume, the checkpoint hooks and
+the workdir's config.json; `Trainer.run()` compiles the train step ahead of time (timed as
+`compile_s`), then loops. Periodic work (checkpoints, Lo-Fi pushes, loggers) are hooks
+(`jaxscale.train.hooks`): each receives a `StepInfo` after every step, in their explicit
+`order`, and may return a replacement state (e.g. after loading an average). Loggers
+(`jaxscale.observe.loggers`, named by `config.train.loggers`) are hooks too: on logged steps
+every hook with an `on_metrics` method receives the step's metrics. A profiler trace
+(`config.train.profile`) and pre-emption (SIGTERM: save at the same step on every host, then
+raise `Preempted`) hang off the same loop. Only process 0 logs.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from jaxscale.train.reference import set_reference
 from jaxscale.train.resume_config import check_resumed_model
 from jaxscale.train.state import TrainState
 from jaxscale.train.step import StepContext, global_batch, jit_train_step
+from jaxscale.train.workdir_lock import WorkdirLock, hold
 from jaxscale.weights.init_from import load_params
 from jaxscale.weights.resolve import resolve
 from jaxscale.weights.tree import merge_trees
@@ -64,6 +66,8 @@ class Trainer:
     data_state: dict | None = None
     # WORKDIR/events.jsonl (`jaxscale goodput`); `prepare` enables it for a workdir.
     events: EventLog = field(default_factory=lambda: EventLog(None))
+    # The workdir's lock (`prepare` takes it), released when `run` ends, however it ends.
+    lock: WorkdirLock = field(default_factory=lambda: WorkdirLock(None))
 
     @classmethod
     def build(cls, config: mlc.ConfigDict, workdir: str,
@@ -126,6 +130,12 @@ class Trainer:
     def run(self) -> TrainState:
         """Trains to `config.train.steps` from the state's step; raises `Preempted` after
         saving when the run is pre-empted (SIGTERM)."""
+        try:
+            return self._run()
+        finally:
+            self.lock.release()
+
+    def _run(self) -> TrainState:
         cfg, state = self.config.train, self.state
         start = int(jax.device_get(state.step))
         it = self.batches.iterator(self.data_state)
@@ -346,15 +356,21 @@ def prepare(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = (),
     checkpoint in `workdir` (whose config.json it then records), with its hooks. A Lo-Fi
     worker (`jaxscale.lofi.worker.train_worker`) adds its own hook to it before running it."""
     began = time.time()
-    trainer = Trainer.build(config, workdir, devices)
-    # The event log of `jaxscale goodput`: this process's start, from before the build.
-    trainer.events = EventLog(workdir, enabled=trainer.is_primary)
-    trainer.events.record("start", at=began, processes=jax.process_count(),
-                          devices=jax.device_count())
-    if workdir:  # with checkpoint.every=0 still: a pre-empted run saves, and resumes from that
-        _attach_checkpoints(trainer)
-        if _check_steps_ahead(trainer) and trainer.is_primary:  # once all is accepted
-            config_lib.save_config(config, workdir)
+    trainer = Trainer.build(config, workdir, devices)  # writes nothing: a refused build
+    # leaves the workdir as it was. The lock comes before anything is written or deleted there.
+    trainer.lock = lock = hold(workdir)
+    try:
+        # The event log of `jaxscale goodput`: this process's start, from before the build.
+        trainer.events = EventLog(workdir, enabled=trainer.is_primary)
+        trainer.events.record("start", at=began, processes=jax.process_count(),
+                              devices=jax.device_count())
+        if workdir:  # with checkpoint.every=0 still: a pre-empted run saves, and resumes
+            _attach_checkpoints(trainer)
+            if _check_steps_ahead(trainer) and trainer.is_primary:  # once all is accepted
+                config_lib.save_config(config, workdir)
+    except BaseException:
+        lock.release()
+        raise
     trainer.hooks.extend(hooks)
     return trainer
 
