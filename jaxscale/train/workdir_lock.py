@@ -82,21 +82,21 @@ class WorkdirLock:
         key, self.key = self.key, None
         if key is None:
             return
-        with _TABLE:
+        with _TABLE:  # held throughout: a new hold of this file must not meet our close
             held = _HELD[key]
             held.count -= 1
             if held.count:
                 return
             del _HELD[key]
-        try:
-            if held.fd is not None:  # unlock, never delete the file (a waiter may open it)
-                fcntl.lockf(held.fd, fcntl.LOCK_UN)
-                os.close(held.fd)
-            else:
-                held.renewal.stop()
-                lease.release(held.store, LEASE_KEY, held.token)
-        except Exception as e:  # the run's own end (or error) matters more than this
-            log.warning("releasing the workdir lock %s failed: %s", key, short_error(e))
+            try:
+                if held.fd is not None:  # unlock, never delete the file (a waiter may open it)
+                    fcntl.lockf(held.fd, fcntl.LOCK_UN)
+                    os.close(held.fd)
+                else:
+                    held.renewal.stop()
+                    lease.release(held.store, LEASE_KEY, held.token)
+            except Exception as e:  # the run's own end (or error) matters more than this
+                log.warning("releasing the workdir lock %s failed: %s", key, short_error(e))
 
 
 def holder_fields() -> dict:
@@ -117,15 +117,15 @@ def refusal(workdir: str, held_by: dict) -> str:
 
 
 def describe(held_by: dict) -> str:
-    """'pid P on host H, started at T (command: C)' from a lock's record."""
+    """'pid P on host H, started T UTC (command: C)' from a lock's record."""
     if not held_by.get("pid"):
         return "its holder has not recorded itself yet (it is starting)"
     try:
         started = datetime.datetime.fromtimestamp(float(held_by["started"]), datetime.UTC)
         when = f", started {started:%Y-%m-%d %H:%M:%S} UTC"
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError, OSError):
         when = ""
-    command = str(held_by.get("command") or "")
+    command = " ".join(str(held_by.get("command") or "").split())  # one line, as the error
     command = f" (command: {command[:160]}{'...' if len(command) > 160 else ''})" if command else ""
     return f"pid {held_by['pid']} on host {held_by.get('host', '?')}{when}{command}"
 
