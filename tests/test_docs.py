@@ -122,8 +122,11 @@ TORCH = re.compile(r"^\s*(?:import|from) (?:torch|transformers|peft)\b", re.M)
 
 
 # `slow`: about nine minutes of subprocesses in all (19 pages) on a 2-core machine (still part of
-# `make test`; the checks below that run nothing are not marked).
+# `make test`; the checks below that run nothing are not marked). `docs_blocks`: CI runs them in
+# its first leg only (`.ci/run`), since what they check (the docs' text against the code) does
+# not change with jax; the second leg runs every test of the code itself.
 @pytest.mark.slow
+@pytest.mark.docs_blocks
 @pytest.mark.parametrize("page", PAGES_WITH_BLOCKS, ids=_rel)
 def test_runnable_blocks_run(page, tmp_path):
     if importlib.util.find_spec("torch") is None and any(

@@ -3,9 +3,12 @@ the model table converts fine-tunes with `finetune_lm:test,lora` and no model fl
 after `convert`; flags may set only `weights.resolve.SAFE`'s fields, a contradicting one is
 refused naming it; the tokenizer comes along; `inspect` reads only the shapes.
 
-The family test trains in-process and compiles once per family: the run from the conversion
-reuses the run from the directory's compiled step, starting from a state whose base was zeroed
-and then loaded from the conversion, and must reproduce its losses exactly."""
+Every family resolves its model from its directory and from its conversion alike. The training
+test compiles once per family: the run from the conversion reuses the run from the directory's
+compiled step, starting from a state whose base was zeroed and then loaded from the
+conversion, and must reproduce its losses exactly. It trains a dense, a mixture-of-experts and a
+latent-attention family by default (`TRAINED`); the others are exhaustive variants (each
+family's weight mapping is proven against transformers by its tests/test_hf_*.py)."""
 
 import json
 import os
@@ -102,12 +105,12 @@ class Losses:
         self.seen.append(info.metrics["loss"])
 
 
-@pytest.mark.slow  # a compile per family
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_a_family_fine_tunes_from_its_directory_and_from_its_conversion(name, tmp_path):
-    from jaxscale.train.loop import prepare
-    from jaxscale.weights.init_from import load_params
+TRAINED = ("llama", "qwen3_moe", "deepseek_v3")  # dense, mixture of experts, latent attention
 
+
+def _resolved(name: str, tmp_path) -> tuple:
+    """The family's HF directory, its conversion, and the run config resolved from each; checks
+    they agree with each other and with every field the weights record."""
     hf_dir = make_hf(name, str(tmp_path / "hf"))
     conv = str(tmp_path / "conv")
     converted = convert.hf_to_workdir(hf_dir, conv)
@@ -123,7 +126,24 @@ def test_a_family_fine_tunes_from_its_directory_and_from_its_conversion(name, tm
     with pytest.raises(InitFromError, match=r"--config.model.num_layers=3 where the weights "
                                             r"have 2"):
         resolve(wrong, {"model.num_layers"})
+    return hf_dir, conv, direct, after
 
+
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - set(TRAINED)))  # TRAINED: below
+def test_a_family_resolves_its_model_from_its_directory_and_from_its_conversion(name,
+                                                                                 tmp_path):
+    _resolved(name, tmp_path)
+
+
+@pytest.mark.slow  # a compile per family
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=() if name in TRAINED else pytest.mark.exhaustive)
+    for name in sorted(FAMILIES)])
+def test_a_family_fine_tunes_from_its_directory_and_from_its_conversion(name, tmp_path):
+    from jaxscale.train.loop import prepare
+    from jaxscale.weights.init_from import load_params
+
+    _, conv, direct, after = _resolved(name, tmp_path)
     workdir = tmp_path / "run"
     trainer = prepare(direct, str(workdir), devices=jax.devices()[:1])  # writes config.json
     saved = json.loads((workdir / "config.json").read_text())

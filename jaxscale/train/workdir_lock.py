@@ -43,8 +43,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+
 from jaxscale.errors import EveryProcessError, JaxscaleError, paragraph, short_error
 from jaxscale.storage import lease, locations
+from jaxscale.train.local_faults import broadcast_json
+from jaxscale.weights.kv import Store
 
 log = logging.getLogger("jaxscale.train")
 LOCK_FILE = "run.lock"
@@ -173,8 +177,6 @@ def _lock_file(workdir: str, path: str) -> _Held:
 
 
 def _take_lease(workdir: str, lease_s: float) -> _Held:
-    from jaxscale.weights.kv import Store
-
     store, token = Store(workdir), uuid.uuid4().hex
     mine = lease.lease_value(token, **holder_fields())
     value = None
@@ -219,14 +221,10 @@ def hold(workdir: str, lease_s: float = lease.DEFAULT_LEASE_S) -> WorkdirLock:
     """Takes `workdir`'s lock for a training run (none for no workdir): on process 0 only (the
     one writer of the persistent workdir), every process raising the same `WorkdirInUse` when
     it is refused."""
-    import jax
-
     if not workdir:
         return WorkdirLock(None)
     if jax.process_count() == 1:
         return acquire(workdir, lease_s)
-    from jaxscale.train.local_faults import broadcast_json
-
     lock, refused = WorkdirLock(None), None
     if jax.process_index() == 0:
         try:
