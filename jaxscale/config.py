@@ -23,6 +23,7 @@ from jaxscale.mesh import MESH_AXES
 from jaxscale.rules import PRESETS, check_mesh_use
 from jaxscale.storage import locations as storage
 from jaxscale.storage import workdir_files
+from jaxscale.storage.diskfull import naming_a_full_disk
 
 LOFI_SYNC_MODES = ("end", "periodic", "diloco")  # config.lofi.sync
 
@@ -384,7 +385,7 @@ def save_config(c: mlc.ConfigDict, workdir: str) -> str:
     check_workdir_path(workdir)
     storage.make_local_dir(workdir, "--workdir")
     path = os.path.join(workdir, "config.json")
-    with open(path, "w") as f:
+    with naming_a_full_disk(path), open(path, "w") as f:
         json.dump(c.to_dict(), f, indent=2, sort_keys=True, default=str)
     return path
 

@@ -305,13 +305,18 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_paragraph(tmp_path):
 
 
 def test_a_disk_full_at_the_first_metrics_line_is_one_paragraph(tmp_path):
-    """A 12 KiB workdir holds config.json (2 pages) and events.jsonl (1), nothing more: the
-    first metrics.jsonl line meets the full disk, as the loggers did when a checkpoint's
-    background commit filled it. One paragraph naming the file (it was a raw OSError, exit 1,
-    then TensorBoard's exit hook and writer thread printed tracebacks through multiprocessing)."""
-    with _small_tmpfs(tmp_path, "12k") as small:
+    """A 16 KiB workdir holds run.lock, events.jsonl (a page each) and config.json (2), nothing
+    more: the first metrics.jsonl line meets the full disk, as the loggers did when a
+    checkpoint's background commit filled it. One paragraph naming the file (it was a raw
+    OSError, exit 1, then TensorBoard's exit hook and writer thread printed tracebacks through
+    multiprocessing). With 8 KiB, config.json is the file that meets it (a raw OSError too)."""
+    with _small_tmpfs(tmp_path, "16k") as small:
         out = _train(small / "run", "--cpu_devices=1")
         one_paragraph(out, f"{small}/run/metrics.jsonl is full", "run it again")
+    (tmp_path / "8k").mkdir()
+    with _small_tmpfs(tmp_path / "8k", "8k") as small:
+        out = _train(small / "run", "--cpu_devices=1")
+        one_paragraph(out, f"{small}/run/config.json is full", "run it again")
 
 
 def test_convert_flags_the_conversion_would_ignore_or_cannot_parse_write_nothing(tmp_path):

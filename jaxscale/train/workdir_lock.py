@@ -47,6 +47,7 @@ import jax
 
 from jaxscale.errors import EveryProcessError, JaxscaleError, paragraph, short_error
 from jaxscale.storage import lease, locations
+from jaxscale.storage.retry import for_workdir
 from jaxscale.train.local_faults import broadcast_json
 from jaxscale.weights.kv import Store
 
@@ -170,14 +171,16 @@ def _lock_file(workdir: str, path: str) -> _Held:
                 "the file system may not support POSIX locks. Give a workdir on a local disk",
                 "or a bucket.")) from None
         raise WorkdirInUse(refusal(workdir, lease.fields(record))) from None
-    record = json.dumps(holder_fields()).encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, record, 0)
+    try:  # the record only names the holder in a refusal: a full disk must not stop the run here
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder_fields()).encode(), 0)
+    except OSError as e:
+        log.warning("could not record this run in %s (%s); it holds the lock", path, e.strerror)
     return _Held(1, fd=fd)
 
 
 def _take_lease(workdir: str, lease_s: float) -> _Held:
-    store, token = Store(workdir), uuid.uuid4().hex
+    store, token = Store(workdir, retry=for_workdir(workdir)), uuid.uuid4().hex
     mine = lease.lease_value(token, **holder_fields())
     value = None
     for _ in range(3):  # a lease released between the write and the read: try again
@@ -200,11 +203,13 @@ def _take_lease(workdir: str, lease_s: float) -> _Held:
 
 def _expired(value: bytes, lease_s: float) -> bool:
     """A lease not renewed for `lease_s`, or whose holder was a process of this host that is
-    gone."""
+    gone, or this very process (which holds none now: `acquire` looked in `_HELD` first), a
+    lease left by an earlier run in it whose release met an outage."""
     if lease.age(value) >= lease_s:
         return True
     held_by = lease.fields(value)
-    return held_by.get("host") == socket.gethostname() and not _alive(held_by.get("pid"))
+    pid = held_by.get("pid")
+    return held_by.get("host") == socket.gethostname() and (pid == os.getpid() or not _alive(pid))
 
 
 def _alive(pid: Any) -> bool:

@@ -58,14 +58,14 @@ class Store:
     """A kvstore plus byte counters (for the communication accounting). Arrays it creates are
     cut into `chunk`-value chunks (recorded in each manifest)."""
 
-    def __init__(self, location: str, chunk: int = CHUNK):
+    def __init__(self, location: str, chunk: int = CHUNK, retry: Retry | None = None):
         self.location = location
         self.chunk = chunk
         self.spec = kvstore_spec(location)
         if location not in _CHECKED:  # a bucket: fail fast, in one paragraph, if unusable
             storage.check(location)
             _CHECKED.add(location)
-        self.retry = Retry(location)
+        self.retry = retry or Retry(location)  # a workdir's: `storage.retry.for_workdir`
         self.kv = self.retry.call(f"opening {location}", lambda t: ts.KvStore.open(
             self.spec, context=_CONTEXT).result(timeout=t))
         self.bytes_read = 0
