@@ -17,7 +17,8 @@ from configs.tiny_lm import get_config
 from jaxscale.errors import short_error
 from jaxscale.train.checkpoint import Checkpointer
 from jaxscale.train.hooks import NonFiniteError
-from jaxscale.train.loop import Trainer, _attach_checkpoints, train
+from jaxscale.train.loop import Trainer, train
+from jaxscale.train.resume import attach_checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = child_env()
@@ -52,7 +53,7 @@ def test_restore_on_another_mesh_continues_with_the_same_loss(tmp_path):
 def test_nonfinite_stops_naming_the_step_and_keeps_the_good_checkpoint(tmp_path):
     c = _config(6, 2)
     trainer = Trainer.build(c, str(tmp_path))
-    _attach_checkpoints(trainer)
+    attach_checkpoints(trainer)
     bad = jax.tree.map(lambda x: x * np.nan, trainer.state.params)
     trainer.state = trainer.state.replace(params=bad)
     with pytest.raises(NonFiniteError, match="at step 1"):

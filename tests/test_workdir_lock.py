@@ -12,11 +12,15 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from child_env import child_env
+from configs.tiny_lm import get_config
+from jaxscale.errors import MeshError
 from jaxscale.storage import lease
 from jaxscale.storage import locations as storage
+from jaxscale.train.loop import prepare
 from jaxscale.train.workdir_lock import LEASE_KEY, WorkdirInUse, acquire
 from jaxscale.weights.kv import Store
 
@@ -40,7 +44,7 @@ def _free_elsewhere(workdir) -> bool:
                           capture_output=True).returncode == 0
 
 
-@pytest.mark.slow  # one `jaxscale train` (refused after its build)
+@pytest.mark.slow  # one `jaxscale train` (refused before its build)
 def test_train_on_a_workdir_in_use_is_refused_and_deletes_nothing(tmp_path):
     workdir = tmp_path / "run"
     in_flight = workdir / "checkpoints" / "3.orbax-checkpoint-tmp-123"
@@ -64,6 +68,38 @@ def test_train_on_a_workdir_in_use_is_refused_and_deletes_nothing(tmp_path):
         assert part in errors[0], errors[0]
     assert in_flight.is_dir()  # the holder's save in flight was not swept away
     assert sorted(os.listdir(workdir)) == ["checkpoints", "run.lock"]  # nothing written
+
+
+def _unbuildable():
+    """tiny_lm:test with a mesh of more devices than there are: its build fails (make_mesh),
+    after every check that loads and allocates nothing has passed."""
+    c = get_config("test")
+    c.mesh.data = 2 * jax.device_count()
+    return c
+
+
+def test_a_run_on_a_workdir_in_use_is_refused_before_its_build(tmp_path):
+    holder = _holder(tmp_path)  # the build would fail (MeshError): the refusal comes first
+    try:
+        with pytest.raises(WorkdirInUse, match=rf"pid {holder.pid} on host"):
+            prepare(_unbuildable(), str(tmp_path))
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_failed_build_leaves_no_workdir_it_created_and_keeps_an_existing_one(tmp_path):
+    fresh = tmp_path / "runs" / "new"
+    with pytest.raises(MeshError):
+        prepare(_unbuildable(), str(fresh))
+    assert os.listdir(tmp_path) == []  # neither runs/ nor runs/new is left
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("a user's file")
+    with pytest.raises(MeshError):
+        prepare(_unbuildable(), str(existing))
+    assert sorted(os.listdir(existing)) == ["notes.txt", "run.lock"]
+    assert _free_elsewhere(existing) and _free_elsewhere(fresh)  # released, either way
 
 
 def test_a_killed_holder_frees_the_workdir_at_once(tmp_path):

@@ -1,9 +1,9 @@
 """The training loop: build everything from the config, run steps, call hooks, log metrics.
 
 `Trainer.build(config, workdir)` performs the visible set-up (mesh, rules, policy, model
-definition, optimizer, sharded state, jitted steps, data); `prepare` takes the workdir's lock
-(`train.workdir_lock`, released when `run` ends) and adds the resume, the checkpoint hooks and
-the workdir's config.json; `Trainer.run()` compiles the train step ahead of time (timed as
+definition, optimizer, sharded state, jitted steps, data); `prepare` checks the config
+(`check_run`), takes the workdir's lock (`train.workdir_lock`, released when `run` ends) before
+the build, and adds the resume, the checkpoint hooks and the workdir's config.json; `Trainer.run()` compiles the train step ahead of time (timed as
 `compile_s`), then loops. Periodic work (checkpoints, Lo-Fi pushes, loggers) are hooks
 (`jaxscale.train.hooks`): each receives a `StepInfo` after every step, in their explicit
 `order`, and may return a replacement state (e.g. after loading an average). Loggers
@@ -25,7 +25,7 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxscale import config as config_lib
-from jaxscale.data.registry import build_data, check_resize
+from jaxscale.data.registry import build_data
 from jaxscale.errors import ConfigError, paragraph
 from jaxscale.hardware import peak_flops_source
 from jaxscale.mesh import make_mesh, mesh_summary
@@ -42,6 +42,7 @@ from jaxscale.train.build import batch_spec, build_step
 from jaxscale.train.heldout import HeldOut
 from jaxscale.train.hooks import CheckpointHook, Hook, StepInfo, check_finite, in_order
 from jaxscale.train.reference import set_reference
+from jaxscale.train.resume import attach_checkpoints
 from jaxscale.train.resume_config import check_resumed_model
 from jaxscale.train.state import TrainState
 from jaxscale.train.step import StepContext, global_batch, jit_train_step
@@ -71,15 +72,10 @@ class Trainer:
 
     @classmethod
     def build(cls, config: mlc.ConfigDict, workdir: str,
-              devices: Sequence[Any] | None = None) -> "Trainer":
-        resolve(config)  # a stand-in model becomes init_from's (the CLI passes its flags)
-        config_lib.validate(config)
-        locations.configure(config.get("storage"))  # S3 endpoint/region for every location
-        if workdir:  # a bad scheme, dead endpoint, missing bucket or refused key: one paragraph
-            locations.check(workdir)
-            config_lib.check_workdir_path(workdir)
-        if workdir:  # a resume trains the model its checkpoints hold (or refuses)
-            check_resumed_model(config, workdir)
+              devices: Sequence[Any] | None = None, checked: bool = False) -> "Trainer":
+        """The run's parts, from the config (`checked`: `check_run` has passed already)."""
+        if not checked:
+            check_run(config, workdir)
         mesh = make_mesh(config.mesh, devices)
         setup = build_step(config, mesh)
         ctx = setup.ctx
@@ -293,61 +289,16 @@ def _after_step(hooks: Sequence[Any], info: StepInfo) -> TrainState:
     return info.state
 
 
-def _attach_checkpoints(trainer: Trainer) -> None:
-    """Resumes from the newest checkpoint, local tier first (`_resume`), and saves
-    periodically: every `checkpoint.every` steps / `every_minutes` to the workdir, and at the
-    end (both 0: only when pre-empted, never at the end), and to the local tier if
-    `checkpoint.local_dir` is set."""
-    from jaxscale.train.checkpoint import Checkpointer
-    from jaxscale.train.hooks import Interval
-
-    c, lora = trainer.config.checkpoint, trainer.config.get("lora")
-    checkpointer = Checkpointer(trainer.workdir, c.every, c.keep)
-    tier = None
-    if c.get("local_dir"):
-        from jaxscale.train.local_tier import LocalTier, LocalTierHook
-        tier = LocalTier(c.local_dir, c.local_every, c.local_keep, trainer.workdir)
-        trainer.hooks.append(LocalTierHook(
-            tier, Interval(c.local_every, c.get("local_every_minutes", 0.0)),
-            trainer.config.train.skip_nonfinite, trainer.events, c.every))
-    _resume(trainer, checkpointer, tier)
-    adapters_only = bool(lora and lora.rank and lora.get("save_adapters_only", False))
-    trainer.hooks.insert(0, CheckpointHook(checkpointer, trainer.config.train.skip_nonfinite,
-                                           adapters_only, c.get("every_minutes", 0.0),
-                                           events=trainer.events))
-
-
-def _resume(trainer: Trainer, checkpointer: Any, tier: Any) -> None:
-    """Restores the newest step complete on every process's local tier if it is at least as
-    new as the persistent one, else the newest persistent step (a broken newer one is
-    skipped); one line names the step and the tier."""
-    persistent = checkpointer.latest_step()
-    began, why, restored = time.monotonic(), "", None
-    if tier is not None:
-        from jaxscale.train.local_tier import restore_newest
-        restored, why = restore_newest(tier, persistent, trainer.state, trainer.shardings)
-    if restored is not None:
-        step, trainer.state, trainer.data_state, note = restored
-        where, name = f"step {step} of the local tier {tier.directory}", "local"
-        where += f" ({note})" if note else ""
-    elif persistent is not None:
-        trainer.state, trainer.data_state = checkpointer.restore(trainer.state, trainer.shardings)
-        step = int(jax.device_get(trainer.state.step))
-        saved = checkpointer.saved_processes
-        if saved and not check_resize(trainer.config, saved, jax.process_count()):
-            trainer.data_state = None  # accepted: the source restarts from its beginning
-        where, name = f"{checkpointer.directory}/{step} (persistent tier", "persistent"
-        where += f"; the local tier {why})" if tier is not None else ")"
-    else:
-        if tier is not None:
-            tier.drop_after(0)
-        return
-    if tier is not None:
-        tier.drop_after(step)
-    trainer.events.record("restore", step=step, tier=name,
-                          seconds=round(time.monotonic() - began, 6))
-    if trainer.is_primary:
-        print(f"jaxscale: resumed from {where}", flush=True)
+def check_run(config: mlc.ConfigDict, workdir: str) -> None:
+    """The checks of a run's config and workdir that load and allocate nothing (and write
+    nothing): a bad config or workdir is refused in seconds, before the workdir's lock."""
+    resolve(config)  # a stand-in model becomes init_from's (the CLI passes its flags)
+    config_lib.validate(config)
+    locations.configure(config.get("storage"))  # S3 endpoint/region for every location
+    if workdir:  # a bad scheme, dead endpoint, missing bucket or refused key: one paragraph
+        locations.check(workdir)
+        config_lib.check_workdir_path(workdir)
+        check_resumed_model(config, workdir)  # a resume trains the model its checkpoints hold
 
 
 def prepare(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = (),
@@ -356,16 +307,23 @@ def prepare(config: mlc.ConfigDict, workdir: str, hooks: Sequence[Hook] = (),
     checkpoint in `workdir` (whose config.json it then records), with its hooks. A Lo-Fi
     worker (`jaxscale.lofi.worker.train_worker`) adds its own hook to it before running it."""
     began = time.time()
-    trainer = Trainer.build(config, workdir, devices)  # writes nothing: a refused build
-    # leaves the workdir as it was. The lock comes before anything is written or deleted there.
-    trainer.lock = lock = hold(workdir)
+    check_run(config, workdir)
+    # The lock before the build: a second run on a workdir in use is refused before it loads
+    # weights or takes device memory. A build that fails leaves a workdir it created unmade.
+    lock = hold(workdir)
+    try:
+        trainer = Trainer.build(config, workdir, devices, checked=True)
+    except BaseException:
+        lock.abandon()
+        raise
+    trainer.lock = lock
     try:
         # The event log of `jaxscale goodput`: this process's start, from before the build.
         trainer.events = EventLog(workdir, enabled=trainer.is_primary)
         trainer.events.record("start", at=began, processes=jax.process_count(),
                               devices=jax.device_count())
         if workdir:  # with checkpoint.every=0 still: a pre-empted run saves, and resumes
-            _attach_checkpoints(trainer)
+            attach_checkpoints(trainer)
             if _check_steps_ahead(trainer) and trainer.is_primary:  # once all is accepted
                 config_lib.save_config(config, workdir)
     except BaseException:

@@ -70,6 +70,7 @@ class _Held:
     store: Any = None
     token: str = ""
     renewal: lease.Renewal | None = None
+    created: tuple[str, ...] = ()  # the directories taking the lock made, deepest first
 
 
 _HELD: dict[str, _Held] = {}  # lock file's real path / lease location -> what is held
@@ -84,6 +85,15 @@ class WorkdirLock:
         self.key = key
 
     def release(self) -> None:
+        self._release(abandon=False)
+
+    def abandon(self) -> None:
+        """Releases the lock of a run that ends before it wrote anything (its build failed):
+        a workdir that taking the lock created is removed again, so that a refused run leaves
+        no directory behind; an existing workdir keeps its run.lock."""
+        self._release(abandon=True)
+
+    def _release(self, abandon: bool) -> None:
         key, self.key = self.key, None
         if key is None:
             return
@@ -95,8 +105,12 @@ class WorkdirLock:
             del _HELD[key]
             try:
                 if held.fd is not None:  # unlock, never delete the file (a waiter may open it)
+                    if abandon and held.created:
+                        _unlink_while_held(key, held.created)
                     fcntl.lockf(held.fd, fcntl.LOCK_UN)
                     os.close(held.fd)
+                    if abandon:
+                        _remove_empty(held.created)
                 else:
                     held.renewal.stop()
                     lease.release(held.store, LEASE_KEY, held.token)
@@ -151,10 +165,48 @@ def acquire(workdir: str, lease_s: float = lease.DEFAULT_LEASE_S) -> WorkdirLock
     return WorkdirLock(key)
 
 
+def _missing_dirs(directory: str) -> tuple[str, ...]:
+    """`directory` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while directory and not os.path.lexists(directory):
+        missing.append(directory)
+        parent = os.path.dirname(directory)
+        directory = "" if parent == directory else parent
+    return tuple(missing)
+
+
+def _unlink_while_held(path: str, created: tuple[str, ...]) -> None:
+    """Deletes the lock file of a workdir this run created and wrote nothing to, while the lock
+    is still held: a run that opened the file before is refused by our lock, and one after
+    creates a new file, so no two runs ever hold locks at once."""
+    if sorted(os.listdir(created[0])) == [LOCK_FILE]:
+        os.unlink(path)
+
+
+def _remove_empty(created: tuple[str, ...]) -> None:
+    """Removes the directories taking a lock created, deepest first, while they are empty."""
+    for directory in created:
+        try:
+            os.rmdir(directory)
+        except OSError:  # not empty (another run's lock file, a user's file): leave it
+            return
+
+
+def _open_lock_file(path: str) -> tuple[int, tuple[str, ...]]:
+    """The lock file's descriptor (made with its directories), and the directories made."""
+    for _ in range(3):  # an abandoned run may remove the fresh directory between the two
+        created = _missing_dirs(os.path.dirname(path))
+        locations.make_local_dir(os.path.dirname(path), "--workdir")
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), created
+        except FileNotFoundError:
+            continue
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), ()
+
+
 def _lock_file(workdir: str, path: str) -> _Held:
-    locations.make_local_dir(os.path.dirname(path), "--workdir")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd, created = _open_lock_file(path)
     except OSError as e:
         raise WorkdirInUse(paragraph(
             f"--workdir={workdir}: its lock file {path} cannot be opened ({e.strerror}), so",
@@ -176,7 +228,7 @@ def _lock_file(workdir: str, path: str) -> _Held:
         os.pwrite(fd, json.dumps(holder_fields()).encode(), 0)
     except OSError as e:
         log.warning("could not record this run in %s (%s); it holds the lock", path, e.strerror)
-    return _Held(1, fd=fd)
+    return _Held(1, fd=fd, created=created)
 
 
 def _take_lease(workdir: str, lease_s: float) -> _Held:
