@@ -96,7 +96,7 @@ class DenyWrites(Fault):
 @exit_on_user_error
 def main(argv: list[str]) -> None:
     distributed.setup()
-    from jaxscale.train.local_tier import local_directory
+    from jaxscale.train.local_dir import local_directory
     from jaxscale.train.loop import prepare
 
     config = cli.resolved(_CONFIG.value)

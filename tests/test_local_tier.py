@@ -4,13 +4,14 @@ else the persistent one, and says which; a truncated or broken local step is nev
 local steps are deleted; the resumed run's losses equal an uninterrupted run's."""
 
 import os
+import re
 import shutil
 
 import pytest
 
 from configs.tiny_lm import get_config
 from jaxscale import config as config_lib
-from jaxscale.errors import ConfigError
+from jaxscale.errors import ConfigError, JaxscaleError
 from jaxscale.observe.metrics import read_metrics
 from jaxscale.train.checkpoint import Checkpointer
 from jaxscale.train.local_faults import FAILURES_IN_A_ROW, LocalTierFailed
@@ -110,6 +111,34 @@ def test_an_unfinished_local_step_an_earlier_run_left_is_removed_at_the_start(tm
     tier = LocalTier(str(tier_dir), 1, 2)
     assert sorted(os.listdir(tier_dir)) == ["notes.txt"] and tier.steps() == []
     assert "3.orbax-checkpoint-tmp-1700000000" in capfd.readouterr().err
+
+
+def test_another_runs_local_tier_is_refused_and_left_as_it_was(tmp_path, capfd):
+    """A fresh workdir resumes from its local tier's newest step: given another run's tier it
+    would start from that run's weights, and its saves would delete that run's steps."""
+    local, a, b = (os.path.realpath(tmp_path / name) for name in ("tier", "a", "b"))
+    train(_config(local, steps=2), a)
+    before = sorted(os.listdir(local))
+    with pytest.raises(JaxscaleError, match=re.escape(
+            f"holds another run's local tier, on this process ({local} belongs to {a}); this "
+            f"run's workdir is {b}.")) as refused:
+        train(_config(local, steps=4), b)
+    assert "Nothing was restored or deleted" in str(refused.value)
+    assert sorted(os.listdir(local)) == before and ".jaxscale-tier-owner.json" in before
+    capfd.readouterr()
+    train(_config(local, steps=4), a)  # its own run resumes from it
+    assert f"resumed from step 2 of the local tier {local}" in capfd.readouterr().out
+
+
+def test_an_unreadable_owner_record_is_refused_naming_it(tmp_path):
+    from jaxscale.train.local_dir import OWNER_FILE, claim
+
+    (tmp_path / OWNER_FILE).write_text("{torn")
+    with pytest.raises(JaxscaleError, match=f"an unreadable owner record, {tmp_path}/{OWNER_FILE}"):
+        claim(str(tmp_path), str(tmp_path / "run"))
+    (tmp_path / OWNER_FILE).unlink()
+    claim(str(tmp_path), str(tmp_path / "run"))  # claimed, then its own again
+    claim(str(tmp_path), str(tmp_path / "run"))
 
 
 def test_truncated_and_broken_local_steps_are_never_chosen(tmp_path, whole, capfd):

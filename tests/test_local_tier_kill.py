@@ -105,6 +105,10 @@ def test_sigkill_between_local_and_persistent_saves_then_restart_from_each_tier(
                                             lambda: _steps(killed / "run" / "checkpoints"))
     for name in ("one_wiped", "one_process"):
         shutil.copytree(killed, tmp_path / name)
+        # The copies are the same run under another path, whose tiers' owner records name the
+        # original workdir (train.local_dir): deleted, as the refusal tells a renamed run to.
+        for record in (tmp_path / name).glob("local-*/.jaxscale-tier-owner.json"):
+            record.unlink()
     shutil.rmtree(tmp_path / "one_wiped" / "local-1")
 
     # The data position of the persistent step: global batches, whatever the hosts (orbax

@@ -21,6 +21,10 @@ that hold it where the layout allows (`local_peers`: the state replicated along 
 with a whole replica on those peers); otherwise the run takes an older step or the persistent
 tier, as it does when a local restore fails on any process (another mesh: the shards a process
 holds are not the ones it needs), agreed by all processes so that they restore the same step.
+
+Its directory is checked before anything there is read or deleted (`train.local_dir`): apart
+from the workdir, writable, used by no other process of this run, and owned by this run's
+workdir, so that a run never restores another run's local steps as its own.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
 from typing import Any
 
@@ -38,8 +41,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
-from jaxscale.errors import EveryProcessError, JaxscaleError, paragraph
 from jaxscale.storage import orbax_paths
+from jaxscale.train.local_dir import local_directory, prepare_directory
 from jaxscale.train.local_faults import (
     LocalTierFailed,
     QuietTier,
@@ -47,8 +50,6 @@ from jaxscale.train.local_faults import (
     all_agree,
     all_gather,
     broadcast_json,
-    failed_processes,
-    gather_texts,
 )
 from jaxscale.train.state import TrainState
 
@@ -73,79 +74,6 @@ def layout_key(leaves: list[Any]) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
-def local_directory(template: str) -> str:
-    """This process's local tier: `template` with `{process}` replaced, made absolute."""
-    return os.path.abspath(template.replace("{process}", str(jax.process_index())))
-
-
-def _check_apart(directory: str, workdir: str) -> None:
-    """The local tier is not the workdir or its persistent checkpoints: two orbax managers in
-    one directory would delete each other's steps (each keeps only its newest few)."""
-    from jaxscale.storage import locations
-    if not workdir or locations.is_remote(workdir):
-        return
-    for place in (workdir, os.path.join(workdir, "checkpoints")):
-        if os.path.realpath(directory) == os.path.realpath(place):
-            raise JaxscaleError(paragraph(
-                f"checkpoint.local_dir resolves to {directory}, the run's own",
-                f"{'workdir' if place == workdir else 'persistent checkpoint directory'}: the",
-                "local tier writes and deletes numbered step directories of its own, which would",
-                "mix with (or delete) the run's. Give it a directory of its own on the host's fast",
-                "disk, e.g. /ssd/tier-{process}."))
-
-
-def _check_not_shared(directory: str) -> None:
-    """Refuses, on every process, a local tier that another process of this run also uses (a
-    `checkpoint.local_dir` without {process} for processes sharing a machine): their steps
-    would overwrite each other's. Each process leaves a marker named after this run's nonce
-    (from process 0) and its index, and looks for the others' after a barrier."""
-    if jax.process_count() == 1:
-        return
-    from jax.experimental import multihost_utils
-    nonce = int(multihost_utils.broadcast_one_to_all(
-        np.int32(int.from_bytes(os.urandom(3), "little"))))
-    mine = os.path.join(directory, f".jaxscale-tier-{nonce}-{jax.process_index()}")
-    with open(mine, "w"):
-        pass
-    multihost_utils.sync_global_devices("jaxscale-local-tier-markers")
-    others = [n for n in os.listdir(directory)
-              if n.startswith(f".jaxscale-tier-{nonce}-") and os.path.join(directory, n) != mine]
-    shared = not all_agree(not others)
-    multihost_utils.sync_global_devices("jaxscale-local-tier-checked")
-    os.remove(mine)
-    if shared:
-        raise EveryProcessError(paragraph(
-            f"checkpoint.local_dir: processes of this run share a local tier directory ({directory}",
-            "here): their saves would overwrite each other's. Put {process} in",
-            "checkpoint.local_dir (e.g. /ssd/tier-{process}) so that each process has its own."))
-
-
-def _check_usable(directory: str) -> None:
-    """Makes this process's tier directory and writes a probe file there; refuses, on every
-    process at once (not on the failing one alone, its peers left waiting in the next
-    collective), a tier that some process cannot use."""
-    probe = os.path.join(directory, f".jaxscale-probe-{jax.process_index()}")
-    error: OSError | None = None
-    try:
-        os.makedirs(directory, exist_ok=True)  # orbax's create=True refuses a subset
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        error = e
-    failed = failed_processes(error is None)
-    if not failed:
-        return
-    texts = gather_texts(f"{error.strerror or error}: {error.filename or directory}"
-                         if error is not None else "")
-    where = "; ".join(f"{'this process' if jax.process_count() == 1 else f'process {p}'} "
-                      f"({texts[p]})" for p in failed)
-    raise EveryProcessError(paragraph(
-        f"checkpoint.local_dir cannot be used as the local tier of {where}: a regular file, a",
-        "path below one, a read-only filesystem, or no permission. Give a writable directory",
-        "on the host's own disk (it may contain {process})."))
-
-
 class LocalTier:
     """This process's orbax manager of the local tier (see the module docstring)."""
 
@@ -154,7 +82,6 @@ class LocalTier:
         self.directory = local_directory(template)
         for name in ("absl", "asyncio"):
             logging.getLogger(name).addFilter(QuietTier(self.directory))
-        _check_apart(self.directory, workdir)
         pid = jax.process_index()
         multiprocessing = ocp.options.MultiprocessingOptions(
             primary_host=None, active_processes={pid}, barrier_sync_key_prefix=f"local-{pid}")
@@ -172,8 +99,7 @@ class LocalTier:
             # a step directory that cannot be made fails save() itself, not a background
             # thread whose array writes would wait for it for orbax's 300 s timeout
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
-        _check_usable(self.directory)
-        _check_not_shared(self.directory)
+        prepare_directory(self.directory, workdir)  # before anything is read or deleted
         orbax_paths.remove_left_unfinished(self.directory)  # this process's own directory
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers={"state": state, "data": data})
