@@ -93,6 +93,33 @@ def test_two_processes_sharing_one_local_tier_directory_are_refused(tmp_path):
     assert os.listdir(tmp_path / "tier") == []  # markers removed, nothing saved
 
 
+@pytest.mark.slow
+def test_another_runs_tier_on_one_process_refuses_on_every_process(tmp_path):
+    """Process 1's local tier names another run's workdir, process 0's is new: both refuse
+    (agreed, not process 1 alone with process 0 waiting), and neither tier keeps anything of
+    this run."""
+    from jaxscale.train.local_dir import OWNER_FILE
+
+    (tmp_path / "tier-1").mkdir()
+    (tmp_path / "tier-1" / OWNER_FILE).write_text('{"workdir": "/elsewhere/run"}')
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.local_multihost", "--num_processes=2",
+         "--devices_per_process=4", "--", "--config=configs/tiny_lm.py:test",
+         "--config.train.steps=2", "--config.checkpoint.local_every=1",
+         f"--config.checkpoint.local_dir={tmp_path / 'tier-{process}'}",
+         f"--workdir={tmp_path / 'run'}"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    text = run.stdout + run.stderr
+    assert run.returncode != 0 and "Traceback" not in text, text[-3000:]
+    for p in (0, 1):
+        assert (f"[p{p}] jaxscale: error: checkpoint.local_dir holds another run's local tier, "
+                f"on process 1 ({tmp_path / 'tier-1'} belongs to /elsewhere/run)") in text, \
+            text[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
+    assert os.listdir(tmp_path / "tier-1") == [OWNER_FILE]
+    assert os.listdir(tmp_path / "tier-0") == []  # the refused run took back its own record
+
+
 def test_an_event_without_the_fields_the_report_reads_is_skipped(tmp_path):
     """An `exit` without its step (a hand edit, another tool's file): skipped and counted like
     a line cut short, not a KeyError."""

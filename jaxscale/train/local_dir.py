@@ -95,14 +95,19 @@ def owner_of(workdir: str) -> str:
 
 def claim(directory: str, workdir: str) -> None:
     """Records `workdir` as the owner of this process's tier, or checks the record there;
-    refuses, on every process, a tier some process found to be another run's."""
+    refuses, on every process, a tier some process found to be another run's (and a refused
+    run takes back the records it made on the others)."""
     if not workdir:
         return
-    ours = owner_of(workdir)
-    theirs = _recorded_owner(os.path.join(directory, OWNER_FILE), ours)
-    failed = failed_processes(not theirs or theirs == ours)
+    ours, path = owner_of(workdir), os.path.join(directory, OWNER_FILE)
+    made = _record(path, ours)
+    theirs = ours if made is not False else _read_owner(path)
+    failed = failed_processes(theirs == ours)
     if not failed:
         return
+    if made:
+        with contextlib.suppress(OSError):
+            os.remove(path)
     texts = gather_texts(f"{directory} belongs to {theirs}" if theirs != ours else "")
     raise EveryProcessError(paragraph(
         f"checkpoint.local_dir holds another run's local tier, on {_where(failed, texts)};",
@@ -114,10 +119,8 @@ def claim(directory: str, workdir: str) -> None:
         "restored or deleted."))
 
 
-def _recorded_owner(path: str, ours: str) -> str:
-    """The workdir the tier's record names, after recording `ours` where it has none."""
-    if _record(path, ours):
-        return ours
+def _read_owner(path: str) -> str:
+    """The workdir a tier's record names."""
     try:
         with open(path) as f:
             return str(json.load(f)["workdir"])
@@ -125,10 +128,11 @@ def _recorded_owner(path: str, ours: str) -> str:
         return f"an unreadable owner record, {path}"
 
 
-def _record(path: str, ours: str) -> bool:
-    """Whether `ours` became the tier's record: written whole beside it, then linked in place
-    only if no record exists yet (two runs claiming one new tier at once: one wins). A record
-    that cannot be written (a full disk) leaves the tier unclaimed, with a warning."""
+def _record(path: str, ours: str) -> bool | None:
+    """Whether `ours` became the tier's record (False: a record exists): written whole beside
+    it, then linked in place only if no record exists yet (two runs claiming one new tier at
+    once: one wins). None: no record could be written (a full disk), which leaves the tier
+    unclaimed, with a warning."""
     if os.path.lexists(path):
         return False
     staged = f"{path}.{os.getpid()}.tmp"
@@ -142,7 +146,7 @@ def _record(path: str, ours: str) -> bool:
     except OSError as e:
         log.warning("could not record this run as the owner of its local tier (%s: %s)",
                     e.strerror, e.filename)
-        return True
+        return None
     finally:
         with contextlib.suppress(OSError):
             os.remove(staged)
