@@ -2,8 +2,9 @@
 
 `Trainer.build(config, workdir)` performs the visible set-up (mesh, rules, policy, model
 definition, optimizer, sharded state, jitted steps, data); `prepare` checks the config
-(`check_run`), takes the workdir's lock (`train.workdir_lock`, released when `run` ends) before
-the build, and adds the resume, the checkpoint hooks and the workdir's config.json; `Trainer.run()` compiles the train step ahead of time (timed as
+(`check_run`), takes the workdir's lock (`train.workdir_lock`, released when `run` ends)
+before the build, and adds the resume and the checkpoint hooks (`train.resume`) and the
+workdir's config.json; `Trainer.run()` compiles the train step ahead of time (timed as
 `compile_s`), then loops. Periodic work (checkpoints, Lo-Fi pushes, loggers) are hooks
 (`jaxscale.train.hooks`): each receives a `StepInfo` after every step, in their explicit
 `order`, and may return a replacement state (e.g. after loading an average). Loggers

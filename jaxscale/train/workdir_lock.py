@@ -104,7 +104,8 @@ class WorkdirLock:
                 return
             del _HELD[key]
             try:
-                if held.fd is not None:  # unlock, never delete the file (a waiter may open it)
+                if held.fd is not None:  # unlock; the file stays (a waiter may open it), but
+                    # that of a workdir an abandoned run made goes, unlinked while still held
                     if abandon and held.created:
                         _unlink_while_held(key, held.created)
                     fcntl.lockf(held.fd, fcntl.LOCK_UN)
