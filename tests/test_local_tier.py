@@ -130,6 +130,20 @@ def test_another_runs_local_tier_is_refused_and_left_as_it_was(tmp_path, capfd):
     assert f"resumed from step 2 of the local tier {local}" in capfd.readouterr().out
 
 
+def test_local_steps_a_fresh_workdir_never_made_are_refused(tmp_path):
+    """The workdir deleted and the run started afresh under the same name: its old local steps
+    would be resumed from, continuing the deleted run instead of starting this one."""
+    local, workdir = str(tmp_path / "tier"), str(tmp_path / "run")
+    train(_config(local, steps=2), workdir)
+    shutil.rmtree(workdir)
+    before = sorted(os.listdir(local))
+    with pytest.raises(JaxscaleError, match=re.escape(
+            f"holds the local steps of an earlier run, on this process ({local} holds step 2), "
+            f"but --workdir={workdir} holds no start of one (no config.json")):
+        train(_config(local, steps=4), workdir)
+    assert sorted(os.listdir(local)) == before
+
+
 def test_an_unreadable_owner_record_is_refused_naming_it(tmp_path):
     from jaxscale.train.local_dir import OWNER_FILE, claim
 

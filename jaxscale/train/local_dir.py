@@ -11,8 +11,10 @@ So a second run given another run's `local_dir` (a habit such as `--config.check
 local_dir=/ssd/tier` for every run) would silently start from that run's weights and step,
 and its saves would then delete that run's steps (orbax keeps `local_keep`). A tier whose
 record names another workdir is refused on every process, before anything is read or
-deleted. A tier without a record (made by a jaxscale before the record, or empty) is claimed
-as it is.
+deleted. So are local steps in a tier whose workdir holds no earlier start (no config.json,
+which every start writes before its first step): the steps of a run whose workdir was deleted
+or emptied, which a fresh start would otherwise continue. A tier without a record (empty, or
+made by a jaxscale before the record) is claimed.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import jax
 import numpy as np
 
 from jaxscale.errors import EveryProcessError, JaxscaleError, paragraph
-from jaxscale.storage import locations
-from jaxscale.train.local_faults import all_agree, failed_processes, gather_texts
+from jaxscale.storage import locations, workdir_files
+from jaxscale.train.local_faults import all_agree, broadcast_json, failed_processes, gather_texts
 
 log = logging.getLogger("jaxscale.train")
 OWNER_FILE = ".jaxscale-tier-owner.json"
@@ -94,21 +96,26 @@ def owner_of(workdir: str) -> str:
 
 
 def claim(directory: str, workdir: str) -> None:
-    """Records `workdir` as the owner of this process's tier, or checks the record there;
-    refuses, on every process, a tier some process found to be another run's (and a refused
-    run takes back the records it made on the others)."""
+    """Checks this process's tier against the run (another run's record; steps the workdir
+    never made), agreed by every process, then records `workdir` as its owner where it has no
+    record; a record made meanwhile by another run (two claiming one new tier) is checked too."""
     if not workdir:
         return
     ours, path = owner_of(workdir), os.path.join(directory, OWNER_FILE)
-    made = _record(path, ours)
-    theirs = ours if made is not False else _read_owner(path)
-    failed = failed_processes(theirs == ours)
+    _agree_owner(directory, _read_owner(path), ours)
+    _agree_started(directory, workdir)
+    if _record(path, ours) is False:
+        _agree_owner(directory, _read_owner(path), ours)
+    else:
+        _agree_owner(directory, None, ours)  # the others' check, this process's record ours
+
+
+def _agree_owner(directory: str, theirs: str | None, ours: str) -> None:
+    """Refuses, on every process, when some process's tier records another workdir."""
+    failed = failed_processes(theirs in (None, ours))
     if not failed:
         return
-    if made:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-    texts = gather_texts(f"{directory} belongs to {theirs}" if theirs != ours else "")
+    texts = gather_texts(f"{directory} belongs to {theirs}" if theirs not in (None, ours) else "")
     raise EveryProcessError(paragraph(
         f"checkpoint.local_dir holds another run's local tier, on {_where(failed, texts)};",
         f"this run's workdir is {ours}. Its steps would be restored into this run as its own",
@@ -119,8 +126,39 @@ def claim(directory: str, workdir: str) -> None:
         "restored or deleted."))
 
 
-def _read_owner(path: str) -> str:
-    """The workdir a tier's record names."""
+def _agree_started(directory: str, workdir: str) -> None:
+    """Refuses, on every process, local steps in a tier whose workdir holds no earlier start of
+    its run: every start writes config.json before its first step, so such steps are of a run
+    whose workdir was deleted or emptied (or of a tier made before owner records), and a
+    fresh start would silently continue that run instead."""
+    started = broadcast_json(_has_started(workdir) if jax.process_index() == 0 else None, 0)
+    steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+    failed = failed_processes(started or not steps)
+    if not failed:
+        return
+    texts = gather_texts(f"{directory} holds step {steps[-1]}" if steps else "")
+    raise EveryProcessError(paragraph(
+        "checkpoint.local_dir holds the local steps of an earlier run, on",
+        f"{_where(failed, texts)}, but --workdir={workdir} holds no start of one (no",
+        "config.json: it is new, or was deleted or emptied). This run would resume from those",
+        "steps, continuing that earlier run instead of starting afresh. Delete that directory",
+        "to start afresh, give this run another local_dir, or bring back the workdir the steps",
+        "belong to. Nothing was restored or deleted."))
+
+
+def _has_started(workdir: str) -> bool:
+    """Whether `workdir` holds config.json (every start writes it before its first step); a
+    workdir that cannot be read counts as started: the run's own reads report it."""
+    try:
+        return workdir_files.read_bytes(locations.join(workdir, "config.json")) is not None
+    except Exception:
+        return True
+
+
+def _read_owner(path: str) -> str | None:
+    """The workdir a tier's record names (None: the tier has no record)."""
+    if not os.path.lexists(path):
+        return None
     try:
         with open(path) as f:
             return str(json.load(f)["workdir"])
