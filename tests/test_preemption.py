@@ -104,9 +104,13 @@ def _sigterm_after(cmd: list[str], metrics: str, lines: int,
 @pytest.mark.slow
 def test_two_processes_save_at_the_same_step_and_resume_exactly(tmp_path, tiny_losses):
     workdir = tmp_path / "multi"
-    cmd = [*MULTIHOST, *TRAIN, f"--workdir={workdir}", "--config.checkpoint.local_every=100",
-           f"--config.checkpoint.local_dir={tmp_path / 'local-{process}'}"]
-    status, out = _sigterm_after(cmd, str(workdir / "metrics.jsonl"), lines=2)
+    flags = [*TRAIN, f"--workdir={workdir}", "--config.checkpoint.local_every=100",
+             f"--config.checkpoint.local_dir={tmp_path / 'local-{process}'}"]
+    cmd = [*MULTIHOST, *flags]
+    # Steps slowed (tests/slow_steps.py) so that JAX's sync service agrees on a step before
+    # the last one; the resume below is the plain command.
+    slowed = [*MULTIHOST[:-1], "--module=tests.slow_steps", "--", *flags]
+    status, out = _sigterm_after(slowed, str(workdir / "metrics.jsonl"), lines=2)
     assert status == PREEMPTED_EXIT, out[-3000:]
     # JAX's sync service picked one step for both processes; orbax saved it once, whole.
     stops = {line.split("] ")[0] + "]": line.split("stopped after step ")[1].split()[0]
