@@ -1,5 +1,5 @@
 """Entry point for tests/test_preemption.py's two-process pre-emption: `launch.train` with a
-hook that makes every step take at least `STEP_S`, so that the SIGTERM the test sends after
+hook that adds `STEP_S` to every step, so that the SIGTERM the test sends after
 step 2 stops the run before its last step.
 
 Why: JAX's pre-emption sync agrees on a step only once the notice has reached every process.
