@@ -117,7 +117,7 @@ def test_another_runs_tier_on_one_process_refuses_on_every_process(tmp_path):
             text[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
     assert os.listdir(tmp_path / "tier-1") == [OWNER_FILE]
-    assert os.listdir(tmp_path / "tier-0") == []  # the refused run took back its own record
+    assert os.listdir(tmp_path / "tier-0") == []  # the checks come first: no record written
 
 
 def test_an_event_without_the_fields_the_report_reads_is_skipped(tmp_path):

@@ -211,8 +211,8 @@ def check_not_shared(directory: str) -> None:
     os.remove(mine)
     if shared:
         raise EveryProcessError(paragraph(
-            f"checkpoint.local_dir: processes of this run share a local tier directory ({directory}",
-            "here): their saves would overwrite each other's. Put {process} in",
+            "checkpoint.local_dir: processes of this run share a local tier directory",
+            f"({directory} here): their saves would overwrite each other's. Put {{process}} in",
             "checkpoint.local_dir (e.g. /ssd/tier-{process}) so that each process has its own."))
 
 
