@@ -3,6 +3,7 @@ the persistent workdir saves; a restart restores the newest step complete on the
 else the persistent one, and says which; a truncated or broken local step is never used; old
 local steps are deleted; the resumed run's losses equal an uninterrupted run's."""
 
+import json
 import os
 import re
 import shutil
@@ -153,6 +154,8 @@ def test_an_unreadable_owner_record_is_refused_naming_it(tmp_path):
     (tmp_path / OWNER_FILE).unlink()
     claim(str(tmp_path), str(tmp_path / "run"))  # claimed, then its own again
     claim(str(tmp_path), str(tmp_path / "run"))
+    recorded = json.loads((tmp_path / OWNER_FILE).read_text())
+    assert recorded == {"workdir": os.path.realpath(tmp_path / "run")}
 
 
 def test_truncated_and_broken_local_steps_are_never_chosen(tmp_path, whole, capfd):

@@ -104,10 +104,8 @@ def claim(directory: str, workdir: str) -> None:
     ours, path = owner_of(workdir), os.path.join(directory, OWNER_FILE)
     _agree_owner(directory, _read_owner(path), ours)
     _agree_started(directory, workdir)
-    if _record(path, ours) is False:
-        _agree_owner(directory, _read_owner(path), ours)
-    else:
-        _agree_owner(directory, None, ours)  # the others' check, this process's record ours
+    # Once more, for a record another run linked in between (on every process, as a collective)
+    _agree_owner(directory, _read_owner(path) if _record(path, ours) is False else None, ours)
 
 
 def _agree_owner(directory: str, theirs: str | None, ours: str) -> None:
@@ -151,7 +149,7 @@ def _has_started(workdir: str) -> bool:
     workdir that cannot be read counts as started: the run's own reads report it."""
     try:
         return workdir_files.read_bytes(locations.join(workdir, "config.json")) is not None
-    except Exception:
+    except (ValueError, OSError):  # JaxscaleError (an outage past the retry budget), tensorstore
         return True
 
 
